@@ -1,0 +1,67 @@
+// Checkpoints: one parallel-HDF5 file per checkpoint, every tensor with its global shape.
+//
+// File layout (docs/checkpoints.md):
+//   /params/<transformers name>            fp32, global shape   (master weights)
+//   /optim/exp_avg/<transformers name>     fp32, global shape   (AdamW first moment)
+//   /optim/exp_avg_sq/<transformers name>  fp32, global shape   (AdamW second moment)
+//   each dataset has attribute "checksum" (uint64, see below)
+//   root attributes: format ("qtrain-checkpoint"), format_version, step, samples_consumed,
+//   tokens_consumed, seed, rng_counter, deck (resolved INI text), model config fields.
+//
+// Written under "<name>.tmp" and renamed when complete and closed. The checksum of a tensor is
+// sum over its elements of mix(flat index, bit pattern) mod 2^64: additive over any partition of
+// the elements, so each rank sums its own part and one all-reduce gives the total.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qtrain/mesh.h"
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+
+namespace qt {
+
+// Everything besides tensors that a resumed run needs to continue bit for bit.
+struct TrainState {
+  std::int64_t step = 0;              // optimizer steps completed
+  std::int64_t samples_consumed = 0;  // sequences of the data order consumed so far
+  std::int64_t tokens_consumed = 0;   // counted (loss) tokens so far
+  std::uint64_t seed = 0;             // the run's seed
+  std::uint64_t rng_counter = 0;      // draws taken from the run's counter-based RNG
+};
+
+// The optimizer tensors one rank holds: AdamW moments for the flat range `range` of the layout.
+struct MomentShard {
+  Range range;                 // flat elements held, e.g. the ZeRO-1 shard or everything
+  float* exp_avg = nullptr;    // [range.size()]
+  float* exp_avg_sq = nullptr; // [range.size()]
+};
+
+// Collective over mesh.world(). `params` is the full flat buffer (identical on every rank).
+// The write partition is split_range(numel, world size, world rank); it must lie inside
+// moments.range. Writes `path`.tmp, then renames it to `path`. Errors abort (QT_CHECK_HDF5).
+void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& layout,
+                      const float* params, const MomentShard& moments, const TrainState& state,
+                      const ModelConfig& model, const std::string& deck_text);
+
+// Collective. Validates the file (format, model shape compatibility, every tensor present with
+// the right shape, checksums) and fills `params` (full flat buffer) and the moments of
+// `moments.range`. Throws UserError on every rank alike when anything is wrong; never modifies
+// the file.
+TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayout& layout,
+                           float* params, const MomentShard& moments, const ModelConfig& model);
+
+// Complete checkpoint files ("step_NNNNNNNN.h5") in `dir`, newest step first. Same on every rank
+// (rank 0 lists, then broadcasts).
+std::vector<std::string> checkpoint_list(const std::string& dir, Comm& world);
+
+// File name for a step inside dir: dir/step_00000010.h5
+std::string checkpoint_path(const std::string& dir, std::int64_t step);
+
+// Removes all but the newest `keep` complete checkpoints and stale "*.tmp" files of this run.
+// Rank 0 only does the work; collective.
+void checkpoint_prune(const std::string& dir, int keep, Comm& world);
+
+}  // namespace qt

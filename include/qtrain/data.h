@@ -1,0 +1,55 @@
+// Training data: sources of fixed-length sequences addressed by a global sample index.
+//
+// Sample g of the run is a window of T+1 tokens; inputs are tokens [0, T), targets are tokens
+// [1, T] (the one-token shift), with -100 where the target is not counted (loss mask, or a
+// target that belongs to no document). The order of samples is fixed by the seed, so the data
+// position of a run is one number: samples consumed.
+//
+// Token file format (HDF5, docs/data.md):
+//   /tokens       int32 [N]       token ids of all documents, concatenated
+//   /doc_offsets  int64 [D + 1]   document d is tokens [doc_offsets[d], doc_offsets[d+1])
+//   /loss_mask    uint8 [N]       optional; 0 = do not count this token as a target
+//   attribute vocab_size (int64): every token id is below it
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "qtrain/deck.h"
+
+namespace qt {
+
+class DataSource {
+ public:
+  virtual ~DataSource() = default;
+  // Fills inputs[T] and targets[T] of global sample `index` (any index >= 0; sources cycle
+  // through epochs, each in a seed-fixed order).
+  virtual void sample(std::int64_t index, std::int32_t* inputs, std::int32_t* targets,
+                      int T) const = 0;
+  // The best achievable mean loss per counted token (nats), NaN when unknown.
+  virtual double loss_floor() const { return std::nan(""); }
+  virtual std::string describe() const = 0;
+};
+
+// A random first-order Markov chain over `vocab` tokens: each token has `branching` successors
+// with random probabilities. Each sample starts from the stationary distribution, so the loss
+// floor is the chain's entropy rate  H = -sum_i pi_i sum_j P_ij log P_ij.
+std::unique_ptr<DataSource> make_synthetic_source(int vocab, int branching, std::uint64_t seed);
+
+// Opens a token file; throws UserError naming the file and what is wrong (missing dataset, ids
+// out of range for `vocab`, too few tokens for one sample of T + 1).
+std::unique_ptr<DataSource> open_token_file(const std::string& path, int vocab, int T,
+                                            std::uint64_t seed);
+
+// Writes a token file (serial; for tools and tests). loss_mask may be empty.
+void write_token_file(const std::string& path, const std::vector<std::int32_t>& tokens,
+                      const std::vector<std::int64_t>& doc_offsets,
+                      const std::vector<std::uint8_t>& loss_mask, std::int64_t vocab_size);
+
+// The deck's data source.
+std::unique_ptr<DataSource> make_data_source(const Deck& deck);
+
+}  // namespace qt

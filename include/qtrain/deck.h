@@ -1,0 +1,83 @@
+// The input deck: every setting of a run, read from an INI file with Boost.Program_options.
+// docs/decks.md documents every key; `qtrain --help` lists them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qtrain/mesh.h"
+#include "qtrain/model_config.h"
+
+namespace qt {
+
+struct TrainConfig {
+  int seq_len = 64;        // tokens per sequence (T)
+  int micro_batch = 4;     // sequences per micro-batch per dp rank
+  int global_batch = 8;    // sequences per optimizer step, over all dp ranks
+  int steps = 100;         // total optimizer steps of the run (the schedule's horizon)
+  int stop_at = 0;         // stop after this step (checkpointing first); 0 = run to `steps`
+  std::uint64_t seed = 1234;
+  bool recompute = false;  // recompute each layer's activations in backward
+};
+
+enum class Schedule { kCosine, kLinear, kConstant };
+
+struct OptimConfig {
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  int warmup_steps = 10;
+  Schedule schedule = Schedule::kCosine;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;   // max global gradient L2 norm; 0 disables clipping
+  int zero_stage = 0;       // 0: replicated optimizer state; 1: sharded over dp
+};
+
+struct DataConfig {
+  std::string source = "synthetic";  // "synthetic" or "file"
+  std::string path;                  // token file (HDF5) when source = file
+  // Synthetic source: a random first-order Markov chain over the model's vocabulary.
+  int synthetic_branching = 4;       // successors with non-zero probability per token
+};
+
+struct CheckpointConfig {
+  std::string dir = "checkpoints";
+  int every = 0;                     // steps between checkpoints; 0 = only at the end
+  int keep = 3;                      // newest complete checkpoints retained
+  std::string resume = "auto";       // auto | none | <path to a checkpoint file>
+};
+
+struct LogConfig {
+  int every = 1;                     // steps between log lines
+  std::string metrics = "metrics.jsonl";  // JSON-lines file; empty disables
+};
+
+struct Deck {
+  std::string path;                  // the deck file, empty when none
+  ModelConfig model;
+  MeshShape mesh;
+  TrainConfig train;
+  OptimConfig optim;
+  DataConfig data;
+  CheckpointConfig checkpoint;
+  LogConfig log;
+  // The resolved deck as INI text (every key with its final value), stored in checkpoints.
+  std::string resolved;
+};
+
+// Reads the deck from `argv` (`qtrain [options] deck.ini`, `--section.key=value` wins over the
+// file), validates it against `world_size` ranks and returns it. Throws UserError naming the key
+// and, where there is one, file:line. Prints nothing.
+Deck parse_deck(int argc, const char* const* argv, int world_size);
+// Parses deck text (as if read from `path`) plus overrides; for tests.
+Deck parse_deck_text(const std::string& text, const std::string& path,
+                     const std::vector<std::string>& overrides, int world_size);
+// The --help text: every key with its default and unit.
+std::string deck_help();
+
+const char* schedule_name(Schedule s);
+
+}  // namespace qt

@@ -1,0 +1,68 @@
+// The 4-D device mesh: world = pp x dp x tp, tp innermost, pp outermost; ep divides dp.
+//
+//   world rank = (pp_idx * dp + dp_idx) * tp + tp_idx
+//   dp_idx     = edp_idx * ep + ep_idx          (expert-parallel groups are contiguous in dp)
+//
+// Each dimension gets its own communicator: dp, tp, pp, ep (within dp) and edp (expert data
+// parallel, dp / ep ranks that hold the same experts).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "qtrain/comm.h"
+
+namespace qt {
+
+struct MeshShape {
+  int dp = 1;
+  int tp = 1;
+  int pp = 1;
+  int ep = 1;
+  int world() const { return dp * tp * pp; }
+};
+
+// Coordinates of one rank in the mesh.
+struct MeshCoord {
+  int pp = 0, dp = 0, tp = 0, ep = 0, edp = 0;
+};
+
+// Pure functions of the mesh arithmetic (testable without MPI).
+MeshCoord mesh_coord_of(const MeshShape& s, int world_rank);
+int mesh_rank_of(const MeshShape& s, const MeshCoord& c);
+
+class Mesh {
+ public:
+  // Collective over `world`. The shape must already be validated against world->size().
+  Mesh(const MeshShape& shape, std::shared_ptr<MpiComm> world);
+
+  const MeshShape& shape() const { return shape_; }
+  const MeshCoord& coord() const { return coord_; }
+  int world_rank() const { return world_->rank(); }
+  int local_rank() const { return local_rank_; }      // rank within this node
+  int local_size() const { return local_size_; }      // ranks on this node
+  const std::string& host() const { return host_; }
+
+  MpiComm& world() { return *world_; }
+  Comm& dp() { return *dp_; }
+  Comm& tp() { return *tp_; }
+  Comm& pp() { return *pp_; }
+  Comm& ep() { return *ep_; }
+  Comm& edp() { return *edp_; }
+  // Raw MPI handle of the world communicator (for parallel HDF5).
+  MPI_Comm world_mpi() const { return world_->mpi(); }
+
+  // One line per rank: "rank r host h local l: pp.. dp.. tp.. ep..". Collective; result on rank 0.
+  std::string describe();
+
+ private:
+  MeshShape shape_;
+  MeshCoord coord_;
+  std::shared_ptr<MpiComm> world_;
+  std::unique_ptr<MpiComm> dp_, tp_, pp_, ep_, edp_;
+  int local_rank_ = 0, local_size_ = 1;
+  std::string host_;
+};
+
+}  // namespace qt

@@ -1,0 +1,46 @@
+// Layout of all model parameters in one flat fp32 buffer.
+//
+// Every parameter is a row-major tensor with transformers' name and shape ([out, in] for
+// Linear), stored at `offset` in the flat buffer. Gradients and AdamW moments use the same layout,
+// so ZeRO-1 shards are plain ranges of the flat buffer.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "qtrain/model_config.h"
+
+namespace qt {
+
+struct ParamInfo {
+  std::string name;                  // e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::vector<std::int64_t> shape;   // global shape
+  std::size_t offset = 0;            // elements from the start of the flat buffer
+  std::size_t numel = 0;
+  bool weight_decay = true;          // false for norm weights (1-D)
+};
+
+class ParamLayout {
+ public:
+  explicit ParamLayout(const ModelConfig& cfg);
+
+  const std::vector<ParamInfo>& params() const { return params_; }
+  std::size_t numel() const { return numel_; }
+  const ParamInfo& find(const std::string& name) const;  // aborts if absent
+
+ private:
+  std::vector<ParamInfo> params_;
+  std::size_t numel_ = 0;
+};
+
+// An even split of [0, n) into `parts` ranges; range i is [begin, end).
+// Used for ZeRO-1 shards and for the partition of checkpoint writes.
+struct Range {
+  std::size_t begin = 0, end = 0;
+  std::size_t size() const { return end - begin; }
+};
+Range split_range(std::size_t n, int parts, int i);
+
+}  // namespace qt

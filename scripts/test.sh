@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The test suite: installs what is missing (Debian 12 / Ubuntu 24.04), builds the CPU back end,
+# compiles and links the `cuda` preset when the CUDA toolkit is present, then runs every CTest
+# test of the CPU build. .ci/run calls this. Exits non-zero on any failure.
+#
+#   bash scripts/test.sh
+#   QTRAIN_CTEST_ARGS="-L unit" bash scripts/test.sh      extra ctest arguments (labels: unit mpi deck slow gpu)
+#   QTRAIN_SKIP_CUDA=1 bash scripts/test.sh               skip the CUDA build even where nvcc exists
+#   QTRAIN_NVCC=/opt/cuda/bin/nvcc bash scripts/test.sh   where to look for nvcc
+#   QTRAIN_CUDA_TARGETS="qtrain" bash scripts/test.sh     build only these targets of the cuda preset
+set -euo pipefail
+# shellcheck source=scripts/common.sh
+. "$(dirname "${BASH_SOURCE[0]}")/common.sh"
+
+qt_setup
+cd "$QT_ROOT"
+
+# The CUDA back end is compiled and linked only: its tests need a GPU, which CI does not have.
+# CMakePresets.json names /usr/local/cuda/bin/nvcc for the cuda preset.
+cuda_rc=0
+nvcc=${QTRAIN_NVCC:-/usr/local/cuda/bin/nvcc}
+if [ "${QTRAIN_SKIP_CUDA:-0}" = 1 ]; then
+  qt_log "QTRAIN_SKIP_CUDA=1: skipping the cuda preset"
+elif [ -x "$nvcc" ]; then
+  qt_log "found $nvcc ($("$nvcc" --version | tail -n 1)); building the cuda preset (compile and link only)"
+  extra=()
+  [ "$nvcc" = /usr/local/cuda/bin/nvcc ] || extra=("-DCMAKE_CUDA_COMPILER=$nvcc")
+  targets=()
+  # shellcheck disable=SC2206  # QTRAIN_CUDA_TARGETS is a list of target names
+  [ -z "${QTRAIN_CUDA_TARGETS:-}" ] || targets=(--target ${QTRAIN_CUDA_TARGETS})
+  (
+    cmake --preset cuda "${extra[@]}" &&
+      cmake --build --preset cuda -j"$(qt_jobs)" "${targets[@]}"
+  ) || cuda_rc=$?
+  [ "$cuda_rc" -eq 0 ] || qt_log "FAILED: the cuda preset did not build (exit $cuda_rc); running the CPU tests anyway"
+else
+  qt_log "no CUDA toolkit at $nvcc: skipping the cuda preset (CPU back end only)"
+fi
+
+# --no-tests=error: a build that registered no test is a failure, not a silent pass.
+ctest_args=(--preset cpu --output-on-failure --no-tests=error -j2)
+# shellcheck disable=SC2206  # QTRAIN_CTEST_ARGS is a list of arguments
+ctest_args+=(${QTRAIN_CTEST_ARGS:-})
+qt_log "testing: ctest ${ctest_args[*]}"
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+ctest_rc=0
+ctest "${ctest_args[@]}" 2>&1 | tee "$log" || ctest_rc=${PIPESTATUS[0]}
+
+# ctest's own summary: "97% tests passed, 1 tests failed out of 34".
+summary=$(grep -E 'tests passed, [0-9]+ tests failed out of [0-9]+' "$log" | tail -n 1 || true)
+if [ "$cuda_rc" -ne 0 ]; then
+  qt_log "FAILED: the cuda preset did not build (exit $cuda_rc)"
+fi
+if [ -n "$summary" ]; then
+  failed=$(sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\1/' <<<"$summary")
+  total=$(sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\2/' <<<"$summary")
+  echo "ctest: $((total - failed)) passed, $failed failed"
+else
+  qt_log "FAILED: ctest printed no summary (exit $ctest_rc)"
+  [ "$ctest_rc" -ne 0 ] || ctest_rc=1
+fi
+if [ "$ctest_rc" -ne 0 ] || [ "$cuda_rc" -ne 0 ]; then
+  exit 1
+fi

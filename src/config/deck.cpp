@@ -1,0 +1,686 @@
+// The input deck: an INI file plus `--section.key=value` overrides, read into a validated Deck.
+//
+// Boost.Program_options reads both sources into one variables_map, the command line stored
+// first so that it wins. Program_options reports no line numbers, so ini::scan maps every file
+// key to its line and every error can say file:line (or "(command line)"). Every key lives in
+// ONE table (key_table) that drives parsing, --help, the resolved deck and the docs test.
+#include "qtrain/deck.h"
+
+#include <boost/program_options.hpp>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <type_traits>
+#include <variant>
+
+#include "config/deck_keys.h"
+#include "config/ini_lines.h"
+#include "qtrain/error.h"
+
+namespace qt {
+
+namespace {
+
+namespace po = boost::program_options;
+
+const std::vector<std::string> kSections = {"model", "mesh",       "train", "optim",
+                                            "data",  "checkpoint", "log"};
+const std::vector<std::string> kDataSources = {"synthetic", "file"};
+const std::vector<Schedule> kSchedules = {Schedule::kCosine, Schedule::kLinear,
+                                          Schedule::kConstant};
+
+// Where in a Deck one key's value lives.
+using FieldRef = std::variant<int*, std::uint64_t*, double*, bool*, std::string*, Schedule*>;
+
+struct KeySpec {
+  std::string key;      // "section.key"
+  std::string unit;     // empty when dimensionless
+  std::string meaning;  // one line for --help and deck_keys()
+  std::function<FieldRef(Deck&)> field;
+};
+
+template <class Part, class T>
+KeySpec spec(const char* section, const char* name, Part Deck::*part, T Part::*member,
+             std::string unit, std::string meaning) {
+  return {std::string(section) + "." + name, std::move(unit), std::move(meaning),
+          [part, member](Deck& d) -> FieldRef { return &((d.*part).*member); }};
+}
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string out;
+  for (std::size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
+  return out;
+}
+
+std::vector<std::string> schedule_names() {
+  std::vector<std::string> out;
+  for (Schedule s : kSchedules) out.push_back(schedule_name(s));
+  return out;
+}
+
+// The one table of keys, in section order. model.preset comes first: it is applied before the
+// other model keys, which override it.
+const std::vector<KeySpec>& key_table() {
+  static const std::vector<KeySpec> table = [] {
+    using D = Deck;
+    using M = ModelConfig;
+    using S = MeshShape;
+    using T = TrainConfig;
+    using O = OptimConfig;
+    using Da = DataConfig;
+    using C = CheckpointConfig;
+    using L = LogConfig;
+    return std::vector<KeySpec>{
+        spec("model", "preset", &D::model, &M::preset, "",
+             "Model preset (" + join(model_preset_names(), " | ") +
+                 "); sets every model key, which the keys below override"),
+        spec("model", "vocab_size", &D::model, &M::vocab_size, "tokens", "Vocabulary size V"),
+        spec("model", "hidden_size", &D::model, &M::hidden_size, "", "Hidden size H"),
+        spec("model", "intermediate_size", &D::model, &M::intermediate_size, "",
+             "SwiGLU MLP width I"),
+        spec("model", "num_layers", &D::model, &M::num_layers, "", "Decoder layers L"),
+        spec("model", "num_heads", &D::model, &M::num_heads, "", "Query heads"),
+        spec("model", "num_kv_heads", &D::model, &M::num_kv_heads, "",
+             "Key/value heads (GQA); must divide num_heads"),
+        spec("model", "head_dim", &D::model, &M::head_dim, "", "Width of one head; even"),
+        spec("model", "rope_theta", &D::model, &M::rope_theta, "", "RoPE base frequency"),
+        spec("model", "rms_norm_eps", &D::model, &M::rms_norm_eps, "",
+             "Epsilon inside every RMSNorm"),
+        spec("model", "tie_word_embeddings", &D::model, &M::tie_word_embeddings, "",
+             "lm_head shares the embedding matrix (true | false)"),
+        spec("model", "initializer_range", &D::model, &M::initializer_range, "",
+             "Standard deviation of the normal initialisation of weights"),
+        spec("model", "max_position_embeddings", &D::model, &M::max_position_embeddings,
+             "tokens", "Longest sequence the model allows; train.seq_len must not exceed it"),
+
+        spec("mesh", "dp", &D::mesh, &S::dp, "ranks",
+             "Data-parallel ranks; 0 = auto (world size / (tp x pp))"),
+        spec("mesh", "tp", &D::mesh, &S::tp, "ranks", "Tensor-parallel ranks (only 1 is built)"),
+        spec("mesh", "pp", &D::mesh, &S::pp, "ranks",
+             "Pipeline-parallel ranks (only 1 is built)"),
+        spec("mesh", "ep", &D::mesh, &S::ep, "ranks",
+             "Expert-parallel ranks, dividing dp (only 1 is built)"),
+
+        spec("train", "seq_len", &D::train, &T::seq_len, "tokens", "Tokens per sequence T"),
+        spec("train", "micro_batch", &D::train, &T::micro_batch, "sequences",
+             "Sequences per micro-batch on each dp rank"),
+        spec("train", "global_batch", &D::train, &T::global_batch, "sequences",
+             "Sequences per optimizer step over all dp ranks; a multiple of micro_batch x dp"),
+        spec("train", "steps", &D::train, &T::steps, "steps",
+             "Optimizer steps of the whole run (the schedule's horizon)"),
+        spec("train", "stop_at", &D::train, &T::stop_at, "steps",
+             "Stop after this step, checkpointing first; 0 = run to train.steps"),
+        spec("train", "seed", &D::train, &T::seed, "",
+             "Seed of initialisation, data order and synthetic data"),
+        spec("train", "recompute", &D::train, &T::recompute, "",
+             "Recompute each layer's activations in backward (true | false)"),
+
+        spec("optim", "lr", &D::optim, &O::lr, "", "Peak learning rate (AdamW)"),
+        spec("optim", "min_lr", &D::optim, &O::min_lr, "",
+             "Learning rate at the end of the decay; at most lr"),
+        spec("optim", "warmup_steps", &D::optim, &O::warmup_steps, "steps",
+             "Linear warm-up from 0 to lr"),
+        spec("optim", "schedule", &D::optim, &O::schedule, "",
+             "Decay after warm-up: " + join(schedule_names(), " | ")),
+        spec("optim", "beta1", &D::optim, &O::beta1, "", "AdamW first-moment decay, in [0, 1)"),
+        spec("optim", "beta2", &D::optim, &O::beta2, "", "AdamW second-moment decay, in [0, 1)"),
+        spec("optim", "eps", &D::optim, &O::eps, "", "AdamW epsilon"),
+        spec("optim", "weight_decay", &D::optim, &O::weight_decay, "",
+             "Decoupled weight decay (AdamW)"),
+        spec("optim", "grad_clip", &D::optim, &O::grad_clip, "",
+             "Clip the global gradient L2 norm to this; 0 disables clipping"),
+        spec("optim", "zero_stage", &D::optim, &O::zero_stage, "",
+             "0: optimizer state replicated; 1: sharded over dp (ZeRO-1)"),
+
+        spec("data", "source", &D::data, &Da::source, "",
+             "Training data: " + join(kDataSources, " | ")),
+        spec("data", "path", &D::data, &Da::path, "path",
+             "Token file (HDF5, docs/data.md) when source = file"),
+        spec("data", "synthetic_branching", &D::data, &Da::synthetic_branching, "tokens",
+             "Synthetic Markov chain: successors per token, 1..vocab_size"),
+
+        spec("checkpoint", "dir", &D::checkpoint, &C::dir, "path", "Directory of checkpoints"),
+        spec("checkpoint", "every", &D::checkpoint, &C::every, "steps",
+             "Steps between checkpoints; 0 = only at the end"),
+        spec("checkpoint", "keep", &D::checkpoint, &C::keep, "checkpoints",
+             "Newest complete checkpoints kept; older ones are deleted"),
+        spec("checkpoint", "resume", &D::checkpoint, &C::resume, "",
+             "auto (newest in dir, if any) | none | path of a checkpoint file"),
+
+        spec("log", "every", &D::log, &L::every, "steps", "Steps between log lines"),
+        spec("log", "metrics", &D::log, &L::metrics, "path",
+             "JSON-lines metrics file written by rank 0; empty disables it"),
+    };
+  }();
+  return table;
+}
+
+const KeySpec* find_spec(const std::string& key) {
+  for (const KeySpec& s : key_table()) {
+    if (s.key == key) return &s;
+  }
+  return nullptr;
+}
+
+std::vector<std::string> all_keys() {
+  std::vector<std::string> out;
+  for (const KeySpec& s : key_table()) out.push_back(s.key);
+  return out;
+}
+
+std::size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<std::size_t> row(b.size() + 1);
+  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    std::size_t diag = row[0];
+    row[0] = i;
+    for (std::size_t j = 1; j <= b.size(); ++j) {
+      std::size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1] ? 1u : 0u)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// " (did you mean X?)" for the closest of `known`, or "" when nothing is close.
+std::string suggestion(const std::string& word, const std::vector<std::string>& known) {
+  // The same key name in another section is the likeliest slip ([train] lr = ...).
+  if (std::size_t dot = word.find('.'); dot != std::string::npos) {
+    for (const std::string& k : known) {
+      if (k.substr(k.find('.') + 1) == word.substr(dot + 1)) return " (did you mean " + k + "?)";
+    }
+  }
+  std::string best;
+  std::size_t best_d = std::string::npos;
+  for (const std::string& k : known) {
+    std::size_t d = edit_distance(word, k);
+    if (d < best_d) best_d = d, best = k;
+  }
+  if (best_d <= std::max<std::size_t>(2, word.size() / 4)) return " (did you mean " + best + "?)";
+  return "";
+}
+
+std::string format_value(FieldRef f) {
+  return std::visit(
+      [](auto* p) -> std::string {
+        using V = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<V, bool>) {
+          return *p ? "true" : "false";
+        } else if constexpr (std::is_same_v<V, Schedule>) {
+          return schedule_name(*p);
+        } else if constexpr (std::is_same_v<V, std::string>) {
+          return *p;
+        } else {
+          return fmt::format("{}", *p);  // doubles: shortest text that reads back exactly
+        }
+      },
+      f);
+}
+
+template <class I>
+void parse_integer(const std::string& raw, I* out, const std::string& what) {
+  const char* b = raw.data();
+  const char* e = b + raw.size();
+  if (b != e && *b == '+') ++b;
+  I v{};
+  auto [p, ec] = std::from_chars(b, e, v);
+  if (ec == std::errc::result_out_of_range) fail_user("{} is out of range", what);
+  if (ec != std::errc() || p != e || b == e) {
+    fail_user("{} is not {}", what,
+              std::is_signed_v<I> ? "an integer" : "a non-negative integer");
+  }
+  *out = v;
+}
+
+// Sets the field from its text; `what` ("where key = raw") starts every error message.
+void assign(FieldRef f, const std::string& raw, const std::string& what) {
+  std::visit(
+      [&](auto* p) {
+        using V = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<V, int> || std::is_same_v<V, std::uint64_t>) {
+          parse_integer(raw, p, what);
+        } else if constexpr (std::is_same_v<V, double>) {
+          const char* b = raw.data();
+          const char* e = b + raw.size();
+          if (b != e && *b == '+') ++b;
+          double v = 0;
+          auto [q, ec] = std::from_chars(b, e, v);
+          if (ec != std::errc() || q != e || b == e) fail_user("{} is not a number", what);
+          if (!std::isfinite(v)) fail_user("{} is not a finite number", what);
+          *p = v;
+        } else if constexpr (std::is_same_v<V, bool>) {
+          std::string s = raw;
+          std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+          if (s == "true" || s == "yes" || s == "on" || s == "1") {
+            *p = true;
+          } else if (s == "false" || s == "no" || s == "off" || s == "0") {
+            *p = false;
+          } else {
+            fail_user("{} is not a boolean (true | false)", what);
+          }
+        } else if constexpr (std::is_same_v<V, Schedule>) {
+          for (Schedule s : kSchedules) {
+            if (raw == schedule_name(s)) {
+              *p = s;
+              return;
+            }
+          }
+          fail_user("{} is not a schedule: {}", what, join(schedule_names(), " | "));
+        } else {
+          // A '#' would start a comment in the resolved deck; a line break would split it.
+          if (raw.find_first_of("#\n\r") != std::string::npos) {
+            fail_user("{}: a value cannot contain '#' or a line break", what);
+          }
+          *p = raw;
+        }
+      },
+      f);
+}
+
+// The deck before any key is read: the struct defaults, except mesh.dp = 0 (auto).
+Deck deck_defaults() {
+  Deck d;
+  d.mesh.dp = 0;
+  return d;
+}
+
+struct Origin {
+  enum class Kind { kDefault, kFile, kCommandLine };
+  Kind kind = Kind::kDefault;
+  int line = 0;
+};
+
+// The deck being built, with where each key's value came from, for error messages.
+class Builder {
+ public:
+  Builder(std::string path, int world)
+      : path_(std::move(path)), world_(world), deck_(deck_defaults()) {
+    deck_.path = path_;
+  }
+
+  Deck& deck() { return deck_; }
+  void set_origin(const std::string& key, Origin o) { origin_[key] = o; }
+
+  // Error prefix for a key: "file:line: ", "(command line): ", or "file: " for a default.
+  std::string at(const std::string& key) const {
+    auto it = origin_.find(key);
+    Origin o = it == origin_.end() ? Origin{} : it->second;
+    switch (o.kind) {
+      case Origin::Kind::kFile: return fmt::format("{}:{}: ", path_, o.line);
+      case Origin::Kind::kCommandLine: return "(command line): ";
+      case Origin::Kind::kDefault: break;
+    }
+    return path_.empty() ? std::string() : path_ + ": ";
+  }
+
+  // "key = value", marked when the value was not written by the user.
+  std::string kv(const std::string& key) {
+    std::string s = key + " = " + format_value(find_spec(key)->field(deck_));
+    auto it = origin_.find(key);
+    if (it == origin_.end() || it->second.kind == Origin::Kind::kDefault) {
+      if (key == "mesh.dp" && dp_auto_) return s + " (auto)";
+      if (key.rfind("model.", 0) == 0 && key != "model.preset") {
+        return s + " (from preset " + deck_.model.preset + ")";
+      }
+      return s + " (default)";
+    }
+    return s;
+  }
+
+  int& ival(const std::string& key) { return *std::get<int*>(find_spec(key)->field(deck_)); }
+  double& dval(const std::string& key) {
+    return *std::get<double*>(find_spec(key)->field(deck_));
+  }
+  std::string& sval(const std::string& key) {
+    return *std::get<std::string*>(find_spec(key)->field(deck_));
+  }
+
+  // Fails with "<where><key> = <value> <rest>" unless ok (no space before a rest that starts
+  // with ':').
+  template <typename... Args>
+  void need(bool ok, const std::string& key, fmt::format_string<Args...> rest, Args&&... args) {
+    if (!ok) {
+      std::string r = fmt::format(rest, std::forward<Args>(args)...);
+      fail_user("{}{}{}{}", at(key), kv(key), r.starts_with(':') ? "" : " ", r);
+    }
+  }
+
+  void validate();
+
+ private:
+  void validate_model();
+  void validate_mesh();
+  void validate_train_optim();
+  void validate_data_checkpoint_log();
+
+  std::string path_;
+  int world_;
+  Deck deck_;
+  std::map<std::string, Origin> origin_;
+  bool dp_auto_ = false;
+};
+
+void Builder::validate_model() {
+  for (const char* k : {"model.vocab_size", "model.hidden_size", "model.intermediate_size",
+                        "model.num_layers", "model.num_heads", "model.num_kv_heads",
+                        "model.head_dim", "model.max_position_embeddings"}) {
+    need(ival(k) >= 1, k, "must be >= 1");
+  }
+  need(ival("model.head_dim") % 2 == 0, "model.head_dim", "must be even (RoPE rotates halves)");
+  need(ival("model.num_heads") % ival("model.num_kv_heads") == 0, "model.num_heads",
+       "is not a multiple of model.num_kv_heads = {}", ival("model.num_kv_heads"));
+  for (const char* k : {"model.rope_theta", "model.rms_norm_eps", "model.initializer_range"}) {
+    need(dval(k) > 0, k, "must be > 0");
+  }
+}
+
+void Builder::validate_mesh() {
+  MeshShape& m = deck_.mesh;
+  need(m.dp >= 0, "mesh.dp", "must be >= 1, or 0 for auto");
+  for (const char* k : {"mesh.tp", "mesh.pp", "mesh.ep"}) need(ival(k) >= 1, k, "must be >= 1");
+  need(m.tp == 1, "mesh.tp", ": tensor parallelism is not built yet (only dp is); set it to 1");
+  need(m.pp == 1, "mesh.pp", ": pipeline parallelism is not built yet (only dp is); set it to 1");
+  if (m.dp == 0) {
+    need(world_ % (m.tp * m.pp) == 0, "mesh.dp",
+         "means auto, which needs the world size {} to be a multiple of mesh.tp x mesh.pp = {}", world_,
+         m.tp * m.pp);
+    m.dp = world_ / (m.tp * m.pp);
+    dp_auto_ = true;
+  }
+  need(m.world() == world_, "mesh.dp",
+       "does not fit the world: mesh.dp x mesh.tp x mesh.pp = {} x {} x {} = {}, but {} MPI "
+       "ranks run",
+       m.dp, m.tp, m.pp, m.world(), world_);
+  need(m.dp % m.ep == 0, "mesh.ep", "does not divide mesh.dp = {}", m.dp);
+  need(m.ep == 1, "mesh.ep", ": expert parallelism is not built yet (only dp is); set it to 1");
+}
+
+void Builder::validate_train_optim() {
+  TrainConfig& t = deck_.train;
+  for (const char* k : {"train.seq_len", "train.micro_batch", "train.global_batch",
+                        "train.steps"}) {
+    need(ival(k) >= 1, k, "must be >= 1");
+  }
+  need(t.stop_at >= 0, "train.stop_at", "must be >= 0 (0 = run to train.steps)");
+  need(t.stop_at <= t.steps, "train.stop_at", "is beyond train.steps = {}", t.steps);
+  const long long per_step = static_cast<long long>(t.micro_batch) * deck_.mesh.dp;
+  need(t.global_batch % per_step == 0, "train.global_batch",
+       "must be a multiple of train.micro_batch ({}) x mesh.dp ({}) = {}", t.micro_batch,
+       deck_.mesh.dp, per_step);
+  need(t.seq_len <= deck_.model.max_position_embeddings, "train.seq_len",
+       "exceeds model.max_position_embeddings = {}", deck_.model.max_position_embeddings);
+
+  OptimConfig& o = deck_.optim;
+  need(o.lr > 0, "optim.lr", "must be > 0");
+  need(o.min_lr >= 0, "optim.min_lr", "must be >= 0");
+  need(o.min_lr <= o.lr, "optim.min_lr", "must not exceed optim.lr = {}", o.lr);
+  need(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0");
+  for (const char* k : {"optim.beta1", "optim.beta2"}) {
+    need(dval(k) >= 0 && dval(k) < 1, k, "must be in [0, 1)");
+  }
+  need(o.eps > 0, "optim.eps", "must be > 0");
+  need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0");
+  need(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)");
+  need(o.zero_stage == 0 || o.zero_stage == 1, "optim.zero_stage", "must be 0 or 1");
+}
+
+// What is wrong with `path` as a file to read, or "" when it is a readable regular file.
+std::string file_problem(const std::string& path) {
+  std::error_code ec;
+  auto st = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(st)) return "no such file";
+  if (std::filesystem::is_directory(st)) return "is a directory, not a file";
+  if (!std::filesystem::is_regular_file(st)) return "is not a regular file";
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return "cannot be opened for reading";
+  return "";
+}
+
+void Builder::validate_data_checkpoint_log() {
+  DataConfig& d = deck_.data;
+  need(std::find(kDataSources.begin(), kDataSources.end(), d.source) != kDataSources.end(),
+       "data.source", "is not a data source: {}", join(kDataSources, " | "));
+  need(d.synthetic_branching >= 1, "data.synthetic_branching", "must be >= 1");
+  if (d.source == "synthetic") {
+    need(d.synthetic_branching <= deck_.model.vocab_size, "data.synthetic_branching",
+         "exceeds model.vocab_size = {}", deck_.model.vocab_size);
+  } else {
+    if (d.path.empty()) {
+      fail_user("{}data.path is not set; data.source = file needs a token file (docs/data.md)",
+                at("data.path"));
+    }
+    std::string why = file_problem(d.path);
+    need(why.empty(), "data.path", ": {}", why);
+  }
+
+  CheckpointConfig& c = deck_.checkpoint;
+  need(!c.dir.empty(), "checkpoint.dir", "must not be empty");
+  need(c.every >= 0, "checkpoint.every", "must be >= 0 (0 = only at the end)");
+  need(c.keep >= 1, "checkpoint.keep", "must be >= 1");
+  if (c.resume != "auto" && c.resume != "none") {
+    std::string why = file_problem(c.resume);
+    need(why.empty(), "checkpoint.resume",
+         ": {}; expected auto, none or the path of a checkpoint file", why);
+  }
+
+  need(deck_.log.every >= 1, "log.every", "must be >= 1");
+}
+
+void Builder::validate() {
+  validate_model();
+  validate_mesh();
+  validate_train_optim();
+  validate_data_checkpoint_log();
+}
+
+std::string resolved_text(Deck& d, int world) {
+  std::string out = fmt::format(
+      "# qtrain resolved deck: every key with its final value ({} MPI ranks{}{})\n", world,
+      d.path.empty() ? "" : ", from ", d.path);
+  std::string section;
+  for (const KeySpec& s : key_table()) {
+    std::string sec = s.key.substr(0, s.key.find('.'));
+    if (sec != section) {
+      out += fmt::format("{}[{}]\n", section.empty() ? "" : "\n", sec);
+      section = sec;
+    }
+    out += fmt::format("{} = {}\n", s.key.substr(sec.size() + 1), format_value(s.field(d)));
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* schedule_name(Schedule s) {
+  switch (s) {
+    case Schedule::kCosine: return "cosine";
+    case Schedule::kLinear: return "linear";
+    case Schedule::kConstant: return "constant";
+  }
+  return "?";
+}
+
+Deck parse_deck_text(const std::string& text, const std::string& path,
+                     const std::vector<std::string>& overrides, int world_size) {
+  if (world_size < 1) fail_user("world size {} must be >= 1", world_size);
+  const std::vector<std::string> keys = all_keys();
+  const std::string file = path.empty() ? std::string("(deck)") : path;
+  Builder b(path, world_size);
+
+  // Command line: "--section.key=value" (the leading "--" is optional here).
+  std::map<std::string, std::string> cmdline;
+  std::vector<std::string> args;
+  for (const std::string& o : overrides) {
+    std::string s = o.rfind("--", 0) == 0 ? o.substr(2) : o;
+    std::size_t eq = s.find('=');
+    if (eq == std::string::npos) {
+      fail_user("(command line): '{}' has no value; write --section.key=value", o);
+    }
+    std::string key = ini::trim(s.substr(0, eq));
+    std::string value = ini::trim(s.substr(eq + 1));
+    if (!find_spec(key)) {
+      fail_user("(command line): unknown key {}{}", key, suggestion(key, keys));
+    }
+    if (!cmdline.emplace(key, value).second) {
+      fail_user("(command line): {} is given twice", key);
+    }
+    // Program_options refuses "--key=" (empty value) but takes "--key" "".
+    if (value.empty()) {
+      args.insert(args.end(), {"--" + key, ""});
+    } else {
+      args.push_back("--" + key + "=" + value);
+    }
+    b.set_origin(key, {Origin::Kind::kCommandLine, 0});
+  }
+
+  // File: syntax, sections and keys checked here, with lines; the first bad line is reported.
+  ini::Scan scan = ini::scan(text, file);
+  int bad_line = 0;
+  std::string bad;
+  for (const ini::Section& s : scan.sections) {
+    if (std::find(kSections.begin(), kSections.end(), s.name) == kSections.end()) {
+      std::vector<std::string> known;
+      for (const std::string& k : kSections) known.push_back("[" + k + "]");
+      bad_line = s.line;
+      bad = fmt::format("unknown section [{}]{}; sections are {}", s.name,
+                        suggestion("[" + s.name + "]", known), join(known, ", "));
+      break;
+    }
+  }
+  for (const ini::Entry& e : scan.entries) {
+    if (bad_line && e.line > bad_line) break;
+    if (!find_spec(e.key)) {
+      bad_line = e.line;
+      bad = fmt::format("unknown key {}{}; `qtrain --help` lists every key", e.key,
+                        suggestion(e.key, keys));
+      break;
+    }
+    if (!cmdline.count(e.key)) b.set_origin(e.key, {Origin::Kind::kFile, e.line});
+  }
+  if (bad_line) fail_user("{}:{}: {}", file, bad_line, bad);
+
+  // Program_options: one description per section; the command line is stored first and wins.
+  std::vector<std::unique_ptr<po::options_description>> sections;
+  po::options_description all("qtrain deck");
+  for (const std::string& sec : kSections) {
+    sections.push_back(std::make_unique<po::options_description>("[" + sec + "]"));
+    for (const KeySpec& s : key_table()) {
+      if (s.key.rfind(sec + ".", 0) == 0) {
+        sections.back()->add_options()(s.key.c_str(), po::value<std::string>(), s.meaning.c_str());
+      }
+    }
+    all.add(*sections.back());
+  }
+  po::variables_map vm;
+  try {
+    namespace style = po::command_line_style;
+    po::store(po::command_line_parser(args)
+                  .options(all)
+                  .style(style::default_style & ~style::allow_guessing)
+                  .run(),
+              vm);
+  } catch (const po::error& e) {
+    fail_user("(command line): {}", e.what());
+  }
+  try {
+    std::istringstream cleaned(scan.cleaned);
+    po::store(po::parse_config_file(cleaned, all, /*allow_unregistered=*/false), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    fail_user("{}: {}", file, e.what());
+  }
+
+  // Values: the preset first, then every other key overrides.
+  Deck& d = b.deck();
+  if (vm.count("model.preset")) {
+    std::string name = vm["model.preset"].as<std::string>();
+    auto preset = model_preset(name);
+    if (!preset) {
+      fail_user("{}model.preset = {} is not a preset{}; presets: {}", b.at("model.preset"), name,
+                suggestion(name, model_preset_names()), join(model_preset_names(), " | "));
+    }
+    d.model = *preset;
+  }
+  for (const KeySpec& s : key_table()) {
+    if (s.key == "model.preset" || !vm.count(s.key)) continue;
+    const std::string raw = vm[s.key].as<std::string>();
+    assign(s.field(d), raw, b.at(s.key) + s.key + " = " + raw);
+  }
+
+  b.validate();
+  d.resolved = resolved_text(d, world_size);
+  return d;
+}
+
+Deck parse_deck(int argc, const char* const* argv, int world_size) {
+  std::vector<std::string> overrides, positional;
+  for (int i = 1; i < argc; ++i) {
+    std::string a = argv[i];
+    if (a.rfind("--", 0) == 0) {
+      overrides.push_back(a);
+    } else if (a.size() > 1 && a[0] == '-') {
+      fail_user("(command line): unknown option {}; settings are --section.key=value", a);
+    } else {
+      positional.push_back(a);
+    }
+  }
+  if (positional.empty()) {
+    fail_user("(command line): no deck file given; usage: qtrain [--section.key=value ...] deck.ini");
+  }
+  if (positional.size() > 1) {
+    fail_user("(command line): expected one deck file, got {}: {}", positional.size(),
+              join(positional, " "));
+  }
+  const std::string& path = positional.front();
+  if (std::string why = file_problem(path); !why.empty()) {
+    fail_user("deck file {}: {}", path, why);
+  }
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad()) fail_user("deck file {}: read error", path);
+  return parse_deck_text(text.str(), path, overrides, world_size);
+}
+
+std::vector<DeckKeyInfo> deck_keys() {
+  Deck d = deck_defaults();
+  std::vector<DeckKeyInfo> out;
+  for (const KeySpec& s : key_table()) {
+    out.push_back({s.key, s.unit, s.meaning, format_value(s.field(d))});
+  }
+  return out;
+}
+
+std::string deck_help() {
+  std::string out =
+      "usage: qtrain [--section.key=value ...] deck.ini\n"
+      "       mpiexec -n N qtrain [--section.key=value ...] deck.ini\n"
+      "       qtrain --help | --version\n"
+      "\n"
+      "A deck is an INI file of [section] headers and `key = value` lines; `#` starts a\n"
+      "comment. A --section.key=value on the command line wins over the file. Unknown keys\n"
+      "and bad values are errors (exit code 2). docs/decks.md describes every key.\n"
+      "Keys, with their defaults (the [model] defaults are the tiny preset's):\n";
+  std::string section;
+  for (const DeckKeyInfo& k : deck_keys()) {
+    std::string sec = k.key.substr(0, k.key.find('.'));
+    if (sec != section) {
+      out += "\n[" + sec + "]\n";
+      section = sec;
+    }
+    out += fmt::format("  {} = {}{}\n      {}\n", k.key,
+                       k.default_value.empty() ? "\"\"" : k.default_value,
+                       k.unit.empty() ? "" : "  [" + k.unit + "]", k.meaning);
+  }
+  return out;
+}
+
+}  // namespace qt

@@ -1,0 +1,283 @@
+// Token files: fixed-length windows over concatenated documents (include/qtrain/data.h,
+// docs/data.md). Every rank opens the file on its own (serial HDF5 driver, read only).
+#include "data/token_file.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <mutex>
+
+#include "io/hdf5_util.h"
+#include "qtrain/error.h"
+#include "runtime/rng.h"
+
+namespace qt {
+
+namespace {
+
+constexpr std::int32_t kIgnore = -100;             // target not counted
+constexpr hsize_t kScanChunk = hsize_t{1} << 22;   // elements per read while validating
+
+const char* class_name(H5T_class_t c) {
+  switch (c) {
+    case H5T_INTEGER: return "integer";
+    case H5T_FLOAT: return "float";
+    case H5T_STRING: return "string";
+    case H5T_COMPOUND: return "compound";
+    default: return "non-numeric";
+  }
+}
+
+// An open 1-D integer dataset and its length.
+struct Column {
+  h5::Handle ds;
+  hsize_t n = 0;
+};
+
+// Opens /name as a 1-D integer dataset; throws UserError naming file and dataset otherwise.
+Column open_column(hid_t file, const std::string& path, const char* name) {
+  if (!h5::has_link(file, name)) fail_user("token file {}: dataset /{} is missing", path, name);
+  Column c;
+  c.ds = h5::Handle(H5Dopen2(file, name, H5P_DEFAULT), h5::close_dataset);
+  if (!c.ds.valid()) fail_user("token file {}: /{} is not a dataset", path, name);
+  h5::Handle type(H5Dget_type(c.ds), h5::close_type);
+  const H5T_class_t cls = type.valid() ? H5Tget_class(type) : H5T_NO_CLASS;
+  if (cls != H5T_INTEGER)
+    fail_user("token file {}: /{} must hold integers, it holds {} values", path, name,
+              class_name(cls));
+  const auto dims = h5::dataset_dims(c.ds);
+  if (!dims || dims->size() != 1)
+    fail_user("token file {}: /{} must be 1-D, it is {}-D", path, name,
+              dims ? dims->size() : std::size_t{0});
+  c.n = (*dims)[0];
+  return c;
+}
+
+// Reads elements [lo, lo + n) of a 1-D dataset, converted to `mem_type`. Returns < 0 on failure.
+herr_t read_slice(hid_t ds, hid_t mem_type, hsize_t lo, hsize_t n, void* out) {
+  if (n == 0) return 0;
+  h5::Handle fspace(H5Dget_space(ds), h5::close_space);
+  h5::Handle mspace(H5Screate_simple(1, &n, nullptr), h5::close_space);
+  if (!fspace.valid() || !mspace.valid()) return -1;
+  if (H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &lo, nullptr, &n, nullptr) < 0) return -1;
+  return H5Dread(ds, mem_type, mspace, fspace, H5P_DEFAULT, out);
+}
+
+template <typename T>
+void read_or_fail(const Column& c, hid_t mem_type, hsize_t lo, hsize_t n, T* out,
+                  const std::string& path, const char* name) {
+  if (read_slice(c.ds, mem_type, lo, n, out) < 0)
+    fail_user("token file {}: cannot read /{} ({})", path, name, h5::last_error());
+}
+
+class TokenFileSource final : public DataSource {
+ public:
+  TokenFileSource(std::string path, int T, std::uint64_t seed) : path_(std::move(path)), T_(T), seed_(seed) {}
+
+  // Opens and validates; throws UserError.
+  void open(int vocab, std::size_t max_resident_bytes) {
+    h5::QuietErrors quiet;
+    std::error_code ec;
+    if (!std::filesystem::exists(path_, ec)) fail_user("token file {}: no such file", path_);
+    file_ = h5::Handle(H5Fopen(path_.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), h5::close_file);
+    if (!file_.valid())
+      fail_user("token file {}: cannot open it as HDF5 ({})", path_, h5::last_error());
+
+    tokens_ = open_column(file_, path_, "tokens");
+    const hsize_t N = tokens_.n;
+    Column offsets = open_column(file_, path_, "doc_offsets");
+    has_mask_ = h5::has_link(file_, "loss_mask");
+    if (has_mask_) {
+      mask_ = open_column(file_, path_, "loss_mask");
+      if (mask_.n != N)
+        fail_user("token file {}: /loss_mask has {} entries but /tokens has {}", path_, mask_.n, N);
+    }
+    if (H5Aexists(file_, "vocab_size") > 0) {
+      auto v = h5::try_read_attr_i64(file_, "vocab_size");
+      if (!v) fail_user("token file {}: attribute vocab_size must be an integer scalar", path_);
+      if (*v > vocab)
+        fail_user("token file {}: attribute vocab_size = {} exceeds the model's vocab_size {}",
+                  path_, *v, vocab);
+    }
+
+    // Documents: offsets run from 0 to N and never decrease.
+    if (offsets.n < 1) fail_user("token file {}: /doc_offsets is empty (needs D + 1 entries)", path_);
+    std::vector<std::int64_t> off(offsets.n);
+    read_or_fail(offsets, H5T_NATIVE_INT64, 0, offsets.n, off.data(), path_, "doc_offsets");
+    if (off.front() != 0 || off.back() != static_cast<std::int64_t>(N))
+      fail_user("token file {}: /doc_offsets must run from 0 to the token count {}, it runs from "
+                "{} to {}",
+                path_, N, off.front(), off.back());
+    for (std::size_t d = 1; d < off.size(); ++d)
+      if (off[d] < off[d - 1])
+        fail_user("token file {}: /doc_offsets decreases at index {} ({} after {})", path_, d,
+                  off[d], off[d - 1]);
+    docs_ = static_cast<std::int64_t>(off.size()) - 1;
+
+    if (N < static_cast<hsize_t>(T_) + 1)
+      fail_user("token file {}: /tokens holds {} tokens, one sample needs seq_len + 1 = {}", path_,
+                N, T_ + 1);
+    n_ = static_cast<std::int64_t>(N);
+    windows_ = (n_ - 1) / T_;
+
+    // Token ids in [0, vocab); keep everything in memory when small enough.
+    resident_ = N * (sizeof(std::int32_t) + (has_mask_ ? 1 : 0)) <= max_resident_bytes;
+    std::vector<std::int32_t> chunk;
+    if (resident_) tokens_mem_.reserve(N);
+    for (hsize_t lo = 0; lo < N; lo += kScanChunk) {
+      const hsize_t n = std::min(kScanChunk, N - lo);
+      std::int32_t* ids = nullptr;
+      if (resident_) {
+        tokens_mem_.resize(lo + n);
+        ids = tokens_mem_.data() + lo;
+      } else {
+        chunk.resize(n);
+        ids = chunk.data();
+      }
+      read_or_fail(tokens_, H5T_NATIVE_INT32, lo, n, ids, path_, "tokens");
+      for (hsize_t k = 0; k < n; ++k)
+        if (ids[k] < 0 || ids[k] >= vocab)
+          fail_user("token file {}: /tokens[{}] = {} is outside the vocabulary [0, {})", path_,
+                    lo + k, ids[k], vocab);
+    }
+    if (resident_ && has_mask_) {
+      mask_mem_.resize(N);
+      read_or_fail(mask_, H5T_NATIVE_UINT8, 0, N, mask_mem_.data(), path_, "loss_mask");
+    }
+    if (resident_) {  // nothing more to read from the file
+      tokens_.ds.close();
+      mask_.ds.close();
+      file_.close();
+    }
+  }
+
+  void sample(std::int64_t index, std::int32_t* inputs, std::int32_t* targets,
+              int T) const override {
+    QT_CHECK(T == T_, "token file {} was opened for seq_len {}, asked for {}", path_, T_, T);
+    QT_CHECK(index >= 0, "negative sample index {}", index);
+    std::lock_guard<std::mutex> lock(mu_);
+    const std::int64_t epoch = index / windows_;
+    if (epoch != order_epoch_) {
+      order_ = token_window_order(windows_, seed_, epoch);
+      order_epoch_ = epoch;
+    }
+    const std::int64_t start = order_[index % windows_] * T_;  // window = tokens [start, start+T]
+    const std::size_t W = static_cast<std::size_t>(T_) + 1;
+    window_.resize(W);
+    window_mask_.assign(W, 1);
+    if (resident_) {
+      std::copy_n(tokens_mem_.data() + start, W, window_.data());
+      if (has_mask_) std::copy_n(mask_mem_.data() + start, W, window_mask_.data());
+    } else {
+      h5::QuietErrors quiet;
+      if (read_slice(tokens_.ds, H5T_NATIVE_INT32, start, W, window_.data()) < 0 ||
+          (has_mask_ && read_slice(mask_.ds, H5T_NATIVE_UINT8, start, W, window_mask_.data()) < 0))
+        fatal_one(__FILE__, __LINE__, fmt::format("token file {}: read of tokens [{}, {}) failed "
+                                                  "after a successful open ({})",
+                                                  path_, start, start + W, h5::last_error()));
+    }
+    for (int t = 0; t < T; ++t) {
+      inputs[t] = window_[t];
+      targets[t] = window_mask_[t + 1] != 0 ? window_[t + 1] : kIgnore;
+    }
+  }
+
+  std::string describe() const override {
+    return fmt::format("token file {}: {} tokens in {} documents, {} windows of {} tokens{}{}",
+                       path_, n_, docs_, windows_, T_ + 1, has_mask_ ? ", loss mask" : "",
+                       resident_ ? "" : ", read on demand");
+  }
+
+ private:
+  std::string path_;
+  int T_;
+  std::uint64_t seed_;
+  std::int64_t n_ = 0, docs_ = 0, windows_ = 0;
+  bool has_mask_ = false, resident_ = false;
+  std::vector<std::int32_t> tokens_mem_;  // [N] when resident
+  std::vector<std::uint8_t> mask_mem_;    // [N] when resident and the file has a mask
+  h5::Handle file_;                       // kept open when not resident
+  Column tokens_, mask_;
+  // Guards the epoch order cache, the window buffers and HDF5 (not thread-safe here).
+  mutable std::mutex mu_;
+  mutable std::int64_t order_epoch_ = -1;
+  mutable std::vector<std::int64_t> order_;
+  mutable std::vector<std::int32_t> window_;
+  mutable std::vector<std::uint8_t> window_mask_;
+};
+
+}  // namespace
+
+std::vector<std::int64_t> token_window_order(std::int64_t windows, std::uint64_t seed,
+                                             std::int64_t epoch) {
+  std::vector<std::int64_t> order(static_cast<std::size_t>(windows));
+  for (std::int64_t i = 0; i < windows; ++i) order[i] = i;
+  // splitmix64: output k is mix(state0 + k * golden); rng::mix adds the golden step itself.
+  std::uint64_t state = rng::hash_combine(seed, static_cast<std::uint64_t>(epoch));
+  for (std::int64_t i = windows - 1; i > 0; --i) {
+    const std::uint64_t x = rng::mix(state);
+    state += 0x9E3779B97F4A7C15ull;
+    // j uniform in [0, i] by the high half of a 64x64 product (bias below i / 2^64).
+    const auto j = static_cast<std::int64_t>(
+        (static_cast<unsigned __int128>(x) * static_cast<std::uint64_t>(i + 1)) >> 64);
+    std::swap(order[i], order[j]);
+  }
+  return order;
+}
+
+std::unique_ptr<DataSource> open_token_file_limited(const std::string& path, int vocab, int T,
+                                                    std::uint64_t seed,
+                                                    std::size_t max_resident_bytes) {
+  QT_CHECK(vocab > 0 && T > 0, "token file needs vocab > 0 and seq_len > 0, got {} and {}", vocab, T);
+  auto src = std::make_unique<TokenFileSource>(path, T, seed);
+  src->open(vocab, max_resident_bytes);
+  return src;
+}
+
+std::unique_ptr<DataSource> open_token_file(const std::string& path, int vocab, int T,
+                                            std::uint64_t seed) {
+  return open_token_file_limited(path, vocab, T, seed, kTokenFileResidentBytes);
+}
+
+void write_token_file(const std::string& path, const std::vector<std::int32_t>& tokens,
+                      const std::vector<std::int64_t>& doc_offsets,
+                      const std::vector<std::uint8_t>& loss_mask, std::int64_t vocab_size) {
+  const auto N = static_cast<std::int64_t>(tokens.size());
+  if (doc_offsets.empty() || doc_offsets.front() != 0 || doc_offsets.back() != N)
+    fail_user("cannot write token file {}: doc_offsets must run from 0 to {}", path, N);
+  for (std::size_t d = 1; d < doc_offsets.size(); ++d)
+    if (doc_offsets[d] < doc_offsets[d - 1])
+      fail_user("cannot write token file {}: doc_offsets decreases at index {}", path, d);
+  if (!loss_mask.empty() && loss_mask.size() != tokens.size())
+    fail_user("cannot write token file {}: loss_mask has {} entries, tokens {}", path,
+              loss_mask.size(), tokens.size());
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= vocab_size)
+      fail_user("cannot write token file {}: token {} = {} is outside [0, {})", path, i, tokens[i],
+                vocab_size);
+
+  h5::Handle file;
+  {
+    h5::QuietErrors quiet;
+    file = h5::Handle(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT),
+                      h5::close_file);
+    if (!file.valid()) fail_user("cannot create token file {} ({})", path, h5::last_error());
+  }
+  auto column = [&](const char* name, hid_t file_type, hid_t mem_type, const void* data,
+                    hsize_t n) {
+    h5::Handle space = QT_H5_OPEN(H5Screate_simple(1, &n, nullptr), h5::close_space);
+    h5::Handle ds = QT_H5_OPEN(
+        H5Dcreate2(file, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+        h5::close_dataset);
+    if (n > 0) QT_CHECK_HDF5(H5Dwrite(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data));
+  };
+  column("tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens.data(), tokens.size());
+  column("doc_offsets", H5T_STD_I64LE, H5T_NATIVE_INT64, doc_offsets.data(), doc_offsets.size());
+  if (!loss_mask.empty())
+    column("loss_mask", H5T_STD_U8LE, H5T_NATIVE_UINT8, loss_mask.data(), loss_mask.size());
+  h5::write_attr_i64(file, "vocab_size", vocab_size);
+  QT_CHECK_HDF5(file.close());
+}
+
+}  // namespace qt

@@ -1,0 +1,85 @@
+// The 4-D mesh: coordinates and one communicator per dimension (see include/qtrain/mesh.h).
+#include "qtrain/mesh.h"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <vector>
+
+#include "qtrain/error.h"
+
+namespace qt {
+
+MeshCoord mesh_coord_of(const MeshShape& s, int r) {
+  MeshCoord c;
+  c.tp = r % s.tp;
+  c.dp = (r / s.tp) % s.dp;
+  c.pp = r / (s.tp * s.dp);
+  c.ep = c.dp % s.ep;
+  c.edp = c.dp / s.ep;
+  return c;
+}
+
+int mesh_rank_of(const MeshShape& s, const MeshCoord& c) {
+  return (c.pp * s.dp + c.dp) * s.tp + c.tp;
+}
+
+namespace {
+
+// Splits `parent` by `color`, ordering ranks by `key`; the result is owned by the MpiComm.
+std::unique_ptr<MpiComm> split(MpiComm& parent, int color, int key, const char* name) {
+  MPI_Comm out;
+  QT_CHECK_MPI(MPI_Comm_split(parent.mpi(), color, key, &out));
+  return std::make_unique<MpiComm>(out, name, true);
+}
+
+}  // namespace
+
+Mesh::Mesh(const MeshShape& shape, std::shared_ptr<MpiComm> world)
+    : shape_(shape), world_(std::move(world)) {
+  QT_CHECK(shape_.world() == world_->size(), "mesh {}x{}x{} does not match {} ranks", shape_.pp,
+           shape_.dp, shape_.tp, world_->size());
+  QT_CHECK(shape_.ep >= 1 && shape_.dp % shape_.ep == 0, "ep {} must divide dp {}", shape_.ep,
+           shape_.dp);
+  const int r = world_->rank();
+  coord_ = mesh_coord_of(shape_, r);
+  const MeshCoord& c = coord_;
+  const MeshShape& s = shape_;
+  // Colour = the coordinates that stay fixed within a group; key = position within it.
+  dp_ = split(*world_, c.pp * s.tp + c.tp, c.dp, "dp");
+  tp_ = split(*world_, c.pp * s.dp + c.dp, c.tp, "tp");
+  pp_ = split(*world_, c.dp * s.tp + c.tp, c.pp, "pp");
+  ep_ = split(*world_, (c.pp * s.tp + c.tp) * (s.dp / s.ep) + c.edp, c.ep, "ep");
+  edp_ = split(*world_, (c.pp * s.tp + c.tp) * s.ep + c.ep, c.edp, "edp");
+
+  MPI_Comm node;
+  QT_CHECK_MPI(MPI_Comm_split_type(world_->mpi(), MPI_COMM_TYPE_SHARED, r, MPI_INFO_NULL, &node));
+  QT_CHECK_MPI(MPI_Comm_rank(node, &local_rank_));
+  QT_CHECK_MPI(MPI_Comm_size(node, &local_size_));
+  QT_CHECK_MPI(MPI_Comm_free(&node));
+  char host[256] = {};
+  gethostname(host, sizeof host - 1);
+  host_ = host;
+}
+
+std::string Mesh::describe() {
+  constexpr int kLen = 160;  // fixed width per rank's line, padded with spaces
+  std::string mine = fmt::format("  rank {:>4} host {} local {}/{}: pp {} dp {} tp {} ep {} edp {}",
+                                 world_->rank(), host_, local_rank_, local_size_, coord_.pp,
+                                 coord_.dp, coord_.tp, coord_.ep, coord_.edp);
+  mine.resize(kLen, ' ');
+  std::vector<char> all(static_cast<std::size_t>(kLen) * world_->size());
+  QT_CHECK_MPI(MPI_Gather(mine.data(), kLen, MPI_CHAR, all.data(), kLen, MPI_CHAR, 0,
+                          world_->mpi()));
+  if (world_->rank() != 0) return {};
+  std::string out = fmt::format("mesh: world {} = pp {} x dp {} x tp {} (ep {} within dp)\n",
+                                shape_.world(), shape_.pp, shape_.dp, shape_.tp, shape_.ep);
+  for (int r = 0; r < world_->size(); ++r) {
+    std::string line(all.data() + static_cast<std::size_t>(r) * kLen, kLen);
+    line.erase(line.find_last_not_of(' ') + 1);
+    out += line + "\n";
+  }
+  return out;
+}
+
+}  // namespace qt

@@ -1,0 +1,455 @@
+// Checkpoints in one parallel-HDF5 file (layout and rules: include/qtrain/checkpoint.h,
+// docs/checkpoints.md).
+//
+// Write: every rank writes its write partition P_r = split_range(numel, world, rank) of the flat
+// params and moments, collectively. Read: every rank reads P_r of every tensor (independent
+// transfers, so that one rank's read error cannot hang the others), checksums it, and after the
+// checksums agree the parts are redistributed over MPI to what each rank needs. Every error of
+// the read path is agreed on by all ranks before it is thrown (agree()).
+#include "qtrain/checkpoint.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <regex>
+
+#include "io/hdf5_util.h"
+#include "io/redistribute.h"
+#include "qtrain/error.h"
+#include "runtime/rng.h"
+
+namespace qt {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr const char* kFormat = "qtrain-checkpoint";
+constexpr std::int64_t kFormatVersion = 1;
+// The three tensor groups, in the order of the flat buffers: params, exp_avg, exp_avg_sq.
+constexpr const char* kGroups[3] = {"params", "optim/exp_avg", "optim/exp_avg_sq"};
+
+// Checksum term of element i (flat index within its tensor) with float bit pattern b.
+inline std::uint64_t checksum_term(std::uint64_t i, std::uint32_t b) {
+  return rng::mix((i * 0x9E3779B97F4A7C15ull) ^ b);
+}
+
+// Sum (mod 2^64) of the terms of x[0, n), whose first element has tensor index `first`.
+std::uint64_t checksum_part(const float* x, std::size_t n, std::uint64_t first) {
+  std::uint64_t s = 0;
+  for (std::size_t k = 0; k < n; ++k) {
+    std::uint32_t b;
+    std::memcpy(&b, x + k, sizeof b);
+    s += checksum_term(first + k, b);
+  }
+  return s;
+}
+
+Range intersect(Range a, Range b) {
+  Range r{std::max(a.begin, b.begin), std::min(a.end, b.end)};
+  if (r.end < r.begin) r.end = r.begin;
+  return r;
+}
+
+Range tensor_range(const ParamInfo& p) { return Range{p.offset, p.offset + p.numel}; }
+
+std::vector<hsize_t> dims_of(const ParamInfo& p) {
+  return std::vector<hsize_t>(p.shape.begin(), p.shape.end());
+}
+
+std::string shape_text(const std::vector<hsize_t>& d) { return fmt::format("[{}]", fmt::join(d, ", ")); }
+
+// Broadcasts a string from `root` (packed in 64-bit words: Comm has no byte type).
+void broadcast_string(Comm& comm, std::string& s, int root) {
+  std::uint64_t n = s.size();
+  comm.broadcast(&n, 1, DType::kU64, root);
+  std::vector<std::uint64_t> words((n + 7) / 8, 0);
+  if (comm.rank() == root && n > 0) std::memcpy(words.data(), s.data(), n);
+  if (!words.empty()) comm.broadcast(words.data(), words.size(), DType::kU64, root);
+  s.assign(reinterpret_cast<const char*>(words.data()), n);
+}
+
+// Every rank passes its own error text ("" = none). If any rank has one, every rank throws a
+// UserError with the text of the lowest failing rank.
+void agree(Comm& comm, const std::string& err) {
+  std::int64_t first = err.empty() ? comm.size() : comm.rank();
+  comm.all_reduce(&first, 1, DType::kI64, ReduceOp::kMin);
+  if (first == comm.size()) return;
+  std::string msg = err;
+  broadcast_string(comm, msg, static_cast<int>(first));
+  throw UserError(msg);
+}
+
+// The model config fields stored as root attributes and compared on read.
+struct ModelField {
+  const char* name;
+  bool integer;
+  std::int64_t i;
+  double d;
+};
+
+std::vector<ModelField> model_fields(const ModelConfig& m) {
+  return {{"vocab_size", true, m.vocab_size, 0},
+          {"hidden_size", true, m.hidden_size, 0},
+          {"intermediate_size", true, m.intermediate_size, 0},
+          {"num_layers", true, m.num_layers, 0},
+          {"num_heads", true, m.num_heads, 0},
+          {"num_kv_heads", true, m.num_kv_heads, 0},
+          {"head_dim", true, m.head_dim, 0},
+          {"rope_theta", false, 0, m.rope_theta},
+          {"rms_norm_eps", false, 0, m.rms_norm_eps},
+          {"tie_word_embeddings", true, m.tie_word_embeddings ? 1 : 0, 0}};
+}
+
+// Rank 0 creates the checkpoint's directory; every rank throws alike when it cannot.
+void prepare_directory(const std::string& path, Comm& world) {
+  std::string err;
+  if (world.rank() == 0) {
+    fs::path dir = fs::path(path).parent_path();
+    if (dir.empty()) dir = ".";
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) {
+      err = fmt::format("cannot create checkpoint directory {}: {}", dir.string(), ec.message());
+    } else if (::access(dir.c_str(), W_OK | X_OK) != 0) {
+      err = fmt::format("checkpoint directory {} is not writable", dir.string());
+    }
+  }
+  agree(world, err);
+}
+
+void fsync_path(const std::string& p, int flags) {
+  const int fd = ::open(p.c_str(), flags);
+  if (fd < 0) return;  // best effort: durability, not correctness
+  ::fsync(fd);
+  ::close(fd);
+}
+
+}  // namespace
+
+std::string checkpoint_path(const std::string& dir, std::int64_t step) {
+  return (fs::path(dir) / fmt::format("step_{:08d}.h5", step)).string();
+}
+
+void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& layout,
+                      const float* params, const MomentShard& moments, const TrainState& state,
+                      const ModelConfig& model, const std::string& deck_text) {
+  MpiComm& world = mesh.world();
+  const Range part = split_range(layout.numel(), world.size(), world.rank());
+  QT_CHECK(part.size() == 0 ||
+               (moments.range.begin <= part.begin && part.end <= moments.range.end),
+           "write partition [{}, {}) is not inside the moment shard [{}, {})", part.begin,
+           part.end, moments.range.begin, moments.range.end);
+  prepare_directory(path, world);
+
+  // Checksums of this rank's part of every tensor, then summed over ranks.
+  const auto& ps = layout.params();
+  const std::size_t nt = ps.size();
+  const float* src[3] = {params, moments.exp_avg, moments.exp_avg_sq};
+  const std::size_t src_base[3] = {0, moments.range.begin, moments.range.begin};
+  std::vector<std::uint64_t> sums(3 * nt, 0);
+  for (int g = 0; g < 3; ++g) {
+    for (std::size_t t = 0; t < nt; ++t) {
+      const Range r = intersect(part, tensor_range(ps[t]));
+      if (r.size() == 0) continue;
+      sums[g * nt + t] = checksum_part(src[g] + (r.begin - src_base[g]), r.size(),
+                                       r.begin - ps[t].offset);
+    }
+  }
+  world.all_reduce(sums.data(), sums.size(), DType::kU64, ReduceOp::kSum);
+
+  const std::string tmp = path + ".tmp";
+  {
+    using namespace h5;
+    Handle fapl = QT_H5_OPEN(H5Pcreate(H5P_FILE_ACCESS), close_plist);
+    QT_CHECK_HDF5(H5Pset_fapl_mpio(fapl, world.mpi(), MPI_INFO_NULL));
+    QT_CHECK_HDF5(H5Pset_coll_metadata_write(fapl, true));
+    Handle file = QT_H5_OPEN(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), close_file);
+
+    write_attr_string(file, "format", kFormat);
+    write_attr_i64(file, "format_version", kFormatVersion);
+    write_attr_i64(file, "step", state.step);
+    write_attr_i64(file, "samples_consumed", state.samples_consumed);
+    write_attr_i64(file, "tokens_consumed", state.tokens_consumed);
+    write_attr_u64(file, "seed", state.seed);
+    write_attr_u64(file, "rng_counter", state.rng_counter);
+    write_attr_string(file, "deck", deck_text);
+    write_attr_string(file, "preset", model.preset);
+    for (const ModelField& f : model_fields(model)) {
+      if (f.integer) write_attr_i64(file, f.name, f.i);
+      else write_attr_f64(file, f.name, f.d);
+    }
+
+    // Contiguous datasets, space allocated at creation, never filled (every element is written).
+    Handle dcpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_CREATE), close_plist);
+    QT_CHECK_HDF5(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY));
+    QT_CHECK_HDF5(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
+    Handle dxpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_XFER), close_plist);
+    QT_CHECK_HDF5(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE));
+    const float dummy = 0.0f;  // a valid buffer for ranks that write nothing
+
+    for (const char* gname : {"params", "optim", "optim/exp_avg", "optim/exp_avg_sq"}) {
+      Handle grp = QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                              close_group);
+    }
+    for (int g = 0; g < 3; ++g) {
+      Handle grp = QT_H5_OPEN(H5Gopen2(file, kGroups[g], H5P_DEFAULT), close_group);
+      for (std::size_t t = 0; t < nt; ++t) {
+        const ParamInfo& p = ps[t];
+        const std::vector<hsize_t> dims = dims_of(p);
+        Handle fspace = QT_H5_OPEN(
+            H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), close_space);
+        Handle ds = QT_H5_OPEN(H5Dcreate2(grp, p.name.c_str(), H5T_IEEE_F32LE, fspace,
+                                          H5P_DEFAULT, dcpl, H5P_DEFAULT),
+                               close_dataset);
+        write_attr_u64(ds, "checksum", sums[g * nt + t]);
+
+        const Range r = intersect(part, tensor_range(p));
+        const hsize_t n_mem = std::max<hsize_t>(r.size(), 1);
+        Handle mspace = QT_H5_OPEN(H5Screate_simple(1, &n_mem, nullptr), close_space);
+        const float* buf = &dummy;
+        if (r.size() == 0) {
+          QT_CHECK_HDF5(H5Sselect_none(mspace));
+          QT_CHECK_HDF5(H5Sselect_none(fspace));
+        } else {
+          QT_CHECK_HDF5(select_flat_range(fspace, dims, r.begin - p.offset, r.end - p.offset));
+          buf = src[g] + (r.begin - src_base[g]);
+        }
+        QT_CHECK_HDF5(H5Dwrite(ds, H5T_NATIVE_FLOAT, mspace, fspace, dxpl, buf));
+        QT_CHECK_HDF5(ds.close());
+      }
+    }
+    QT_CHECK_HDF5(file.close());
+  }
+  world.barrier();
+  if (world.rank() == 0) {
+    fsync_path(tmp, O_RDONLY);
+    std::error_code ec;
+    fs::rename(tmp, path, ec);  // atomic replace: readers see the old file or the complete new one
+    if (ec) fatal_one(__FILE__, __LINE__, fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
+    fs::path dir = fs::path(path).parent_path();
+    fsync_path(dir.empty() ? std::string(".") : dir.string(), O_RDONLY | O_DIRECTORY);
+  }
+  world.barrier();
+}
+
+namespace {
+
+// Reads and checks the root attributes; returns an error text or "" and fills `st`.
+std::string read_root(hid_t file, const std::string& path, const ModelConfig& model,
+                      TrainState& st) {
+  auto format = h5::try_read_attr_string(file, "format");
+  if (!format || *format != kFormat)
+    return fmt::format("{} is not a qtrain checkpoint (root attribute format is {}, expected \"{}\")",
+                       path, format ? "\"" + *format + "\"" : std::string("missing"), kFormat);
+  auto version = h5::try_read_attr_i64(file, "format_version");
+  if (!version || *version != kFormatVersion)
+    return fmt::format("checkpoint {}: format_version is {}, this qtrain reads version {}", path,
+                       version ? std::to_string(*version) : std::string("missing"),
+                       kFormatVersion);
+  for (const ModelField& f : model_fields(model)) {
+    std::string have, want;
+    if (f.integer) {
+      auto v = h5::try_read_attr_i64(file, f.name);
+      if (!v) return fmt::format("checkpoint {}: root attribute {} is missing", path, f.name);
+      if (*v == f.i) continue;
+      const bool boolean = std::strcmp(f.name, "tie_word_embeddings") == 0;
+      have = boolean ? (*v != 0 ? "true" : "false") : std::to_string(*v);
+      want = boolean ? (f.i != 0 ? "true" : "false") : std::to_string(f.i);
+    } else {
+      auto v = h5::try_read_attr_f64(file, f.name);
+      if (!v) return fmt::format("checkpoint {}: root attribute {} is missing", path, f.name);
+      if (*v == f.d) continue;
+      have = fmt::format("{}", *v);
+      want = fmt::format("{}", f.d);
+    }
+    return fmt::format(
+        "checkpoint {} does not match the deck's model: model.{} is {} in the checkpoint but {} "
+        "in the deck",
+        path, f.name, have, want);
+  }
+  auto i64 = [&](const char* name, std::int64_t& out) {
+    auto v = h5::try_read_attr_i64(file, name);
+    if (v) out = *v;
+    return v.has_value();
+  };
+  auto u64 = [&](const char* name, std::uint64_t& out) {
+    auto v = h5::try_read_attr_u64(file, name);
+    if (v) out = *v;
+    return v.has_value();
+  };
+  if (!i64("step", st.step)) return fmt::format("checkpoint {}: root attribute step is missing", path);
+  if (!i64("samples_consumed", st.samples_consumed))
+    return fmt::format("checkpoint {}: root attribute samples_consumed is missing", path);
+  if (!i64("tokens_consumed", st.tokens_consumed))
+    return fmt::format("checkpoint {}: root attribute tokens_consumed is missing", path);
+  if (!u64("seed", st.seed)) return fmt::format("checkpoint {}: root attribute seed is missing", path);
+  if (!u64("rng_counter", st.rng_counter))
+    return fmt::format("checkpoint {}: root attribute rng_counter is missing", path);
+  return {};
+}
+
+// Opens /<group>/<name> and checks type, shape and checksum attribute; returns an error text or "".
+std::string open_tensor(hid_t file, const std::string& path, const char* group, const ParamInfo& p,
+                        h5::Handle& ds, std::uint64_t& checksum) {
+  const std::string where = fmt::format("/{}/{}", group, p.name);
+  h5::QuietErrors quiet;
+  // Check each link on the way: H5Lexists fails (rather than says no) past a missing group.
+  std::string link;
+  for (const std::string& comp : {std::string(group), p.name}) {
+    for (std::size_t start = 0;;) {
+      const std::size_t slash = comp.find('/', start);
+      link += "/" + comp.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
+      if (H5Lexists(file, link.c_str(), H5P_DEFAULT) <= 0)
+        return fmt::format("checkpoint {}: tensor {} is missing", path, where);
+      if (slash == std::string::npos) break;
+      start = slash + 1;
+    }
+  }
+  ds = h5::Handle(H5Dopen2(file, where.c_str(), H5P_DEFAULT), h5::close_dataset);
+  if (!ds.valid()) return fmt::format("checkpoint {}: {} is not a dataset", path, where);
+  h5::Handle type(H5Dget_type(ds), h5::close_type);
+  if (!type.valid() || H5Tget_class(type) != H5T_FLOAT || H5Tget_size(type) != 4)
+    return fmt::format("checkpoint {}: tensor {} is not float32", path, where);
+  const auto dims = h5::dataset_dims(ds);
+  const auto want = dims_of(p);
+  if (!dims || *dims != want)
+    return fmt::format("checkpoint {}: tensor {} has shape {}, the model needs {}", path, where,
+                       dims ? shape_text(*dims) : std::string("(not an array)"), shape_text(want));
+  auto sum = h5::try_read_attr_u64(ds, "checksum");
+  if (!sum) return fmt::format("checkpoint {}: tensor {} has no checksum attribute", path, where);
+  checksum = *sum;
+  return {};
+}
+
+}  // namespace
+
+TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayout& layout,
+                           float* params, const MomentShard& moments, const ModelConfig& model) {
+  MpiComm& world = mesh.world();
+  const std::size_t numel = layout.numel();
+  QT_CHECK(moments.range.begin <= moments.range.end && moments.range.end <= numel,
+           "moment range [{}, {}) outside the {} parameters", moments.range.begin,
+           moments.range.end, numel);
+  h5::QuietErrors quiet;
+
+  std::string err;
+  if (world.rank() == 0) {
+    std::error_code ec;
+    if (!fs::exists(path, ec)) err = fmt::format("checkpoint {}: no such file", path);
+    else if (!fs::is_regular_file(path, ec)) err = fmt::format("checkpoint {}: not a regular file", path);
+  }
+  agree(world, err);
+
+  h5::Handle fapl = QT_H5_OPEN(H5Pcreate(H5P_FILE_ACCESS), h5::close_plist);
+  QT_CHECK_HDF5(H5Pset_fapl_mpio(fapl, world.mpi(), MPI_INFO_NULL));
+  h5::Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl), h5::close_file);
+  if (!file.valid())
+    err = fmt::format("checkpoint {}: cannot open it as HDF5 ({}): the file is truncated, "
+                      "corrupt or not a checkpoint",
+                      path, h5::last_error());
+  agree(world, err);
+
+  // Metadata: format, model, state, and every tensor with its shape and checksum.
+  TrainState st;
+  const auto& ps = layout.params();
+  const std::size_t nt = ps.size();
+  std::vector<h5::Handle> ds(3 * nt);
+  std::vector<std::uint64_t> stored(3 * nt, 0);
+  err = read_root(file, path, model, st);
+  for (int g = 0; g < 3 && err.empty(); ++g)
+    for (std::size_t t = 0; t < nt && err.empty(); ++t)
+      err = open_tensor(file, path, kGroups[g], ps[t], ds[g * nt + t], stored[g * nt + t]);
+  agree(world, err);
+
+  // This rank's write partition of every tensor, and its checksum terms.
+  const Range part = split_range(numel, world.size(), world.rank());
+  std::vector<float> local[3];
+  std::vector<std::uint64_t> sums(3 * nt, 0);
+  h5::Handle dxpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_XFER), h5::close_plist);
+  QT_CHECK_HDF5(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_INDEPENDENT));
+  for (int g = 0; g < 3; ++g) {
+    local[g].resize(part.size());
+    for (std::size_t t = 0; t < nt && err.empty(); ++t) {
+      const ParamInfo& p = ps[t];
+      const Range r = intersect(part, tensor_range(p));
+      if (r.size() == 0) continue;
+      const auto dims = dims_of(p);
+      const hsize_t n_mem = r.size();
+      h5::Handle fspace(H5Dget_space(ds[g * nt + t]), h5::close_space);
+      h5::Handle mspace(H5Screate_simple(1, &n_mem, nullptr), h5::close_space);
+      float* dst = local[g].data() + (r.begin - part.begin);
+      if (!fspace.valid() || !mspace.valid() ||
+          h5::select_flat_range(fspace, dims, r.begin - p.offset, r.end - p.offset) < 0 ||
+          H5Dread(ds[g * nt + t], H5T_NATIVE_FLOAT, mspace, fspace, dxpl, dst) < 0) {
+        err = fmt::format("checkpoint {}: cannot read /{}/{} ({})", path, kGroups[g], p.name,
+                          h5::last_error());
+        break;
+      }
+      sums[g * nt + t] = checksum_part(dst, r.size(), r.begin - p.offset);
+    }
+  }
+  agree(world, err);
+  ds.clear();
+  file.close();  // collective, reached by every rank
+
+  world.all_reduce(sums.data(), sums.size(), DType::kU64, ReduceOp::kSum);
+  for (int g = 0; g < 3; ++g) {
+    for (std::size_t t = 0; t < nt; ++t) {
+      if (sums[g * nt + t] == stored[g * nt + t]) continue;
+      // Identical on every rank (all-reduced sums, same file): no agreement needed.
+      fail_user("checkpoint {}: checksum mismatch in tensor /{}/{} (stored {:#018x}, data gives "
+                "{:#018x}): the file is corrupt",
+                path, kGroups[g], ps[t].name, stored[g * nt + t], sums[g * nt + t]);
+    }
+  }
+
+  redistribute_flat(world, numel, local[0].data(), Range{0, numel}, params);
+  redistribute_flat(world, numel, local[1].data(), moments.range, moments.exp_avg);
+  redistribute_flat(world, numel, local[2].data(), moments.range, moments.exp_avg_sq);
+  return st;
+}
+
+std::vector<std::string> checkpoint_list(const std::string& dir, Comm& world) {
+  std::string joined;  // newline-separated paths, newest first
+  if (world.rank() == 0) {
+    static const std::regex name_re(R"(step_([0-9]{8,})\.h5)");
+    std::vector<std::pair<std::int64_t, std::string>> found;
+    std::error_code ec;
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      std::smatch m;
+      if (!std::regex_match(name, m, name_re) || !it->is_regular_file(ec)) continue;
+      found.emplace_back(std::stoll(m[1].str()), it->path().string());
+    }
+    std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    for (const auto& f : found) joined += f.second + "\n";
+  }
+  broadcast_string(world, joined, 0);
+  std::vector<std::string> out;
+  for (std::size_t start = 0, nl; (nl = joined.find('\n', start)) != std::string::npos; start = nl + 1)
+    out.push_back(joined.substr(start, nl - start));
+  return out;
+}
+
+void checkpoint_prune(const std::string& dir, int keep, Comm& world) {
+  const std::vector<std::string> all = checkpoint_list(dir, world);
+  if (world.rank() == 0) {
+    std::error_code ec;
+    // keep <= 0 keeps every complete checkpoint (never deletes the one just written).
+    for (std::size_t i = static_cast<std::size_t>(keep); keep > 0 && i < all.size(); ++i)
+      fs::remove(all[i], ec);
+    static const std::regex tmp_re(R"(step_[0-9]{8,}\.h5\.tmp)");
+    std::vector<fs::path> stale;
+    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
+      if (std::regex_match(it->path().filename().string(), tmp_re)) stale.push_back(it->path());
+    for (const auto& p : stale) fs::remove(p, ec);
+  }
+  world.barrier();
+}
+
+}  // namespace qt

@@ -1,0 +1,193 @@
+// Qwen3 dense forward and backward on the CPU (fp32). Shapes: N = B*T rows; H hidden; Q = nh*hd;
+// KV = nkv*hd; I intermediate; V vocabulary.
+#include "model/qwen3.h"
+
+#include "ops/attention.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/swiglu.h"
+#include "qtrain/error.h"
+
+namespace qt {
+
+namespace {
+void add_into(float* y, const float* x, std::size_t n) {  // y += x
+  for (std::size_t i = 0; i < n; ++i) y[i] += x[i];
+}
+}  // namespace
+
+void Qwen3Model::LayerActs::allocate(const ModelConfig& c, int B, int T) {
+  const std::size_t N = static_cast<std::size_t>(B) * T;
+  const std::size_t H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim(), I = c.intermediate_size;
+  ln1.resize(N * H);
+  rstd1.resize(N);
+  q_raw.resize(N * Q);
+  k_raw.resize(N * KV);
+  q_rstd.resize(N * c.num_heads);
+  k_rstd.resize(N * c.num_kv_heads);
+  q.resize(N * Q);
+  k.resize(N * KV);
+  v.resize(N * KV);
+  att.resize(N * Q);
+  lse.resize(static_cast<std::size_t>(B) * c.num_heads * T);
+  x_mid.resize(N * H);
+  ln2.resize(N * H);
+  rstd2.resize(N);
+  gate.resize(N * I);
+  up.resize(N * I);
+  h.resize(N * I);
+}
+
+Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
+    : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T), recompute_(recompute) {
+  QT_CHECK(cfg.num_heads % cfg.num_kv_heads == 0, "heads {} not divisible by kv heads {}",
+           cfg.num_heads, cfg.num_kv_heads);
+  QT_CHECK(cfg.head_dim % 2 == 0, "head_dim {} must be even for RoPE", cfg.head_dim);
+  off_embed_ = layout_.find("model.embed_tokens.weight").offset;
+  off_norm_ = layout_.find("model.norm.weight").offset;
+  off_lm_head_ = cfg.tie_word_embeddings ? off_embed_ : layout_.find("lm_head.weight").offset;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    auto at = [&](const char* s) { return layout_.find(p + s).offset; };
+    lp_.push_back({at("input_layernorm.weight"), at("self_attn.q_proj.weight"),
+                   at("self_attn.k_proj.weight"), at("self_attn.v_proj.weight"),
+                   at("self_attn.o_proj.weight"), at("self_attn.q_norm.weight"),
+                   at("self_attn.k_norm.weight"), at("post_attention_layernorm.weight"),
+                   at("mlp.gate_proj.weight"), at("mlp.up_proj.weight"),
+                   at("mlp.down_proj.weight")});
+  }
+  const int hd = cfg.head_dim;
+  rope_cos_.resize(static_cast<std::size_t>(T) * hd / 2);
+  rope_sin_.resize(rope_cos_.size());
+  cpu::rope_table(rope_cos_.data(), rope_sin_.data(), T, hd, cfg.rope_theta);
+
+  const std::size_t N = N_, H = cfg.hidden_size, V = cfg.vocab_size;
+  const std::size_t Q = cfg.q_dim(), KV = cfg.kv_dim(), I = cfg.intermediate_size;
+  inputs_.resize(N);
+  targets_.resize(N);
+  x_.assign(cfg.num_layers + 1, std::vector<float>(N * H));
+  acts_.resize(recompute ? 1 : cfg.num_layers);
+  for (auto& a : acts_) a.allocate(cfg, B, T);
+  xf_.resize(N * H);
+  rstdf_.resize(N);
+  logits_.resize(N * V);
+  losses_.resize(N);
+  lse_.resize(N);
+  dx_.resize(N * H);
+  dtmp_.resize(N * H);
+  dln_.resize(N * H);
+  dq_.resize(N * Q);
+  dk_.resize(N * KV);
+  dv_.resize(N * KV);
+  datt_.resize(N * Q);
+  dgate_.resize(N * I);
+  dup_.resize(N * I);
+  dh_.resize(N * I);
+}
+
+void Qwen3Model::layer_forward(int l, const float* P, const float* x_in, float* x_out,
+                               LayerActs& a) {
+  const LayerParams& w = lp_[l];
+  const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
+  const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
+  const int hd = cfg_.head_dim;
+  const double eps = cfg_.rms_norm_eps;
+  // attention block: x_mid = x_in + o_proj(attn(rmsnorm(x_in)))
+  cpu::rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x_in, P + w.ln1, N, H, eps);
+  cpu::linear_forward(a.q_raw.data(), a.ln1.data(), P + w.wq, N, H, Q);
+  cpu::linear_forward(a.k_raw.data(), a.ln1.data(), P + w.wk, N, H, KV);
+  cpu::linear_forward(a.v.data(), a.ln1.data(), P + w.wv, N, H, KV);
+  cpu::rmsnorm_forward(a.q.data(), a.q_rstd.data(), a.q_raw.data(), P + w.q_norm, N * nh, hd, eps);
+  cpu::rmsnorm_forward(a.k.data(), a.k_rstd.data(), a.k_raw.data(), P + w.k_norm, N * nkv, hd, eps);
+  cpu::rope_forward(a.q.data(), rope_cos_.data(), rope_sin_.data(), nullptr, B_, T_, nh, hd);
+  cpu::rope_forward(a.k.data(), rope_cos_.data(), rope_sin_.data(), nullptr, B_, T_, nkv, hd);
+  cpu::attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B_, T_,
+                         nh, nkv, hd);
+  cpu::linear_forward(a.x_mid.data(), a.att.data(), P + w.wo, N, Q, H);
+  add_into(a.x_mid.data(), x_in, a.x_mid.size());
+  // MLP block: x_out = x_mid + down(silu(gate(ln2)) * up(ln2))
+  cpu::rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.x_mid.data(), P + w.ln2, N, H, eps);
+  cpu::linear_forward(a.gate.data(), a.ln2.data(), P + w.w_gate, N, H, I);
+  cpu::linear_forward(a.up.data(), a.ln2.data(), P + w.w_up, N, H, I);
+  cpu::swiglu_forward(a.h.data(), a.gate.data(), a.up.data(), N, I);
+  cpu::linear_forward(x_out, a.h.data(), P + w.w_down, N, I, H);
+  add_into(x_out, a.x_mid.data(), a.x_mid.size());
+}
+
+void Qwen3Model::layer_backward(int l, const float* P, float* G, const float* x_in, float* dx,
+                                LayerActs& a) {
+  const LayerParams& w = lp_[l];
+  const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
+  const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
+  const int hd = cfg_.head_dim;
+  const std::size_t NH = static_cast<std::size_t>(N) * H;
+  // MLP block; dx holds d x_out, becomes d x_mid.
+  cpu::linear_backward(dh_.data(), G + w.w_down, dx, a.h.data(), P + w.w_down, N, I, H);
+  cpu::swiglu_backward(dgate_.data(), dup_.data(), dh_.data(), a.gate.data(), a.up.data(), N, I);
+  cpu::linear_backward(dln_.data(), G + w.w_gate, dgate_.data(), a.ln2.data(), P + w.w_gate, N, H, I);
+  cpu::linear_backward(dtmp_.data(), G + w.w_up, dup_.data(), a.ln2.data(), P + w.w_up, N, H, I);
+  add_into(dln_.data(), dtmp_.data(), NH);
+  cpu::rmsnorm_backward(dtmp_.data(), G + w.ln2, dln_.data(), a.x_mid.data(), P + w.ln2,
+                        a.rstd2.data(), N, H);
+  add_into(dx, dtmp_.data(), NH);
+  // attention block; dx holds d x_mid, becomes d x_in.
+  cpu::linear_backward(datt_.data(), G + w.wo, dx, a.att.data(), P + w.wo, N, Q, H);
+  cpu::attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(),
+                          a.v.data(), a.att.data(), a.lse.data(), B_, T_, nh, nkv, hd);
+  cpu::rope_backward(dq_.data(), rope_cos_.data(), rope_sin_.data(), nullptr, B_, T_, nh, hd);
+  cpu::rope_backward(dk_.data(), rope_cos_.data(), rope_sin_.data(), nullptr, B_, T_, nkv, hd);
+  cpu::rmsnorm_backward(dq_.data(), G + w.q_norm, dq_.data(), a.q_raw.data(), P + w.q_norm,
+                        a.q_rstd.data(), N * nh, hd);
+  cpu::rmsnorm_backward(dk_.data(), G + w.k_norm, dk_.data(), a.k_raw.data(), P + w.k_norm,
+                        a.k_rstd.data(), N * nkv, hd);
+  cpu::linear_backward(dln_.data(), G + w.wq, dq_.data(), a.ln1.data(), P + w.wq, N, H, Q);
+  cpu::linear_backward(dtmp_.data(), G + w.wk, dk_.data(), a.ln1.data(), P + w.wk, N, H, KV);
+  add_into(dln_.data(), dtmp_.data(), NH);
+  cpu::linear_backward(dtmp_.data(), G + w.wv, dv_.data(), a.ln1.data(), P + w.wv, N, H, KV);
+  add_into(dln_.data(), dtmp_.data(), NH);
+  cpu::rmsnorm_backward(dtmp_.data(), G + w.ln1, dln_.data(), x_in, P + w.ln1, a.rstd1.data(), N, H);
+  add_into(dx, dtmp_.data(), NH);
+}
+
+double Qwen3Model::forward(const float* P, const std::int32_t* inputs,
+                           const std::int32_t* targets) {
+  const int N = N_, H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers;
+  for (int i = 0; i < N; ++i) {
+    QT_CHECK(inputs[i] >= 0 && inputs[i] < V, "input id {} at {} outside [0, {})", inputs[i], i, V);
+    QT_CHECK(targets[i] == cpu::kIgnoreIndex || (targets[i] >= 0 && targets[i] < V),
+             "target id {} at {} outside [0, {})", targets[i], i, V);
+    inputs_[i] = inputs[i];
+    targets_[i] = targets[i];
+  }
+  cpu::embedding_forward(x_[0].data(), inputs_.data(), P + off_embed_, N, H);
+  for (int l = 0; l < L; ++l)
+    layer_forward(l, P, x_[l].data(), x_[l + 1].data(), acts_[recompute_ ? 0 : l]);
+  cpu::rmsnorm_forward(xf_.data(), rstdf_.data(), x_[L].data(), P + off_norm_, N, H,
+                       cfg_.rms_norm_eps);
+  cpu::linear_forward(logits_.data(), xf_.data(), P + off_lm_head_, N, H, V);
+  return cpu::cross_entropy_forward(losses_.data(), lse_.data(), logits_.data(), targets_.data(),
+                                    N, V);
+}
+
+void Qwen3Model::backward(const float* P, float* G, float loss_scale) {
+  const int N = N_, H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers;
+  // logits_ becomes d logits in place.
+  cpu::cross_entropy_backward(logits_.data(), logits_.data(), lse_.data(), targets_.data(),
+                              loss_scale, N, V);
+  cpu::linear_backward(dtmp_.data(), G + off_lm_head_, logits_.data(), xf_.data(),
+                       P + off_lm_head_, N, H, V);
+  cpu::rmsnorm_backward(dx_.data(), G + off_norm_, dtmp_.data(), x_[L].data(), P + off_norm_,
+                        rstdf_.data(), N, H);
+  for (int l = L - 1; l >= 0; --l) {
+    LayerActs& a = acts_[recompute_ ? 0 : l];
+    // Recomputing writes x_[l + 1] again with the same values it had.
+    if (recompute_) layer_forward(l, P, x_[l].data(), x_[l + 1].data(), a);
+    layer_backward(l, P, G, x_[l].data(), dx_.data(), a);
+  }
+  cpu::embedding_backward(G + off_embed_, dx_.data(), inputs_.data(), N, H);
+}
+
+}  // namespace qt

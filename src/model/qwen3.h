@@ -1,0 +1,78 @@
+// Qwen3 dense model on the CPU: hand-written forward and backward over the fp32 flat parameter
+// buffer (include/qtrain/params.h), exactly the math of ../shared/docs/qwen3-spec.md section 2.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+
+namespace qt {
+
+// Deterministic initialisation as transformers does it: Linear and Embedding weights
+// N(0, initializer_range), norm weights 1. Each element's value depends only on (seed, parameter
+// name, element index), never on the mesh.
+void init_params(const ModelConfig& cfg, const ParamLayout& layout, std::uint64_t seed,
+                 float* params);
+
+class Qwen3Model {
+ public:
+  // Buffers for micro-batches of B sequences of T tokens. recompute: keep only each layer's input
+  // and recompute the rest of the layer in backward.
+  Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute);
+
+  const ModelConfig& config() const { return cfg_; }
+  const ParamLayout& layout() const { return layout_; }
+  int batch() const { return B_; }
+  int seq_len() const { return T_; }
+
+  // inputs, targets: [B, T]; targets -100 are not counted. Returns the sum of the cross-entropy
+  // over counted targets (nats) and keeps what backward needs.
+  double forward(const float* params, const std::int32_t* inputs, const std::int32_t* targets);
+
+  // grads += loss_scale * d(summed loss)/d(params), for the last forward.
+  void backward(const float* params, float* grads, float loss_scale);
+
+  // [B*T, V] logits of the last forward (valid until backward).
+  const float* logits() const { return logits_.data(); }
+
+ private:
+  struct LayerParams {  // offsets into the flat buffer
+    std::size_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, w_gate, w_up, w_down;
+  };
+  struct LayerActs {    // saved activations of one layer, N = B*T rows
+    std::vector<float> ln1, rstd1;          // [N, H], [N]
+    std::vector<float> q_raw, k_raw;        // [N, Q], [N, KV] before q/k norm
+    std::vector<float> q_rstd, k_rstd;      // [N*nh], [N*nkv]
+    std::vector<float> q, k, v;             // [N, Q], [N, KV], [N, KV] after norm and rope
+    std::vector<float> att, lse;            // [N, Q], [B, nh, T]
+    std::vector<float> x_mid;               // [N, H] residual after attention
+    std::vector<float> ln2, rstd2;          // [N, H], [N]
+    std::vector<float> gate, up, h;         // [N, I]
+    void allocate(const ModelConfig& c, int B, int T);
+  };
+
+  void layer_forward(int l, const float* params, const float* x_in, float* x_out, LayerActs& a);
+  // dx: [N, H] gradient of the layer output in, gradient of the layer input out.
+  void layer_backward(int l, const float* params, float* grads, const float* x_in, float* dx,
+                      LayerActs& a);
+
+  ModelConfig cfg_;
+  ParamLayout layout_;
+  int B_, T_, N_;
+  bool recompute_;
+  std::size_t off_embed_, off_norm_, off_lm_head_;
+  std::vector<LayerParams> lp_;
+  std::vector<float> rope_cos_, rope_sin_;   // [T, hd/2]
+
+  std::vector<std::int32_t> inputs_, targets_;
+  std::vector<std::vector<float>> x_;        // x_[l]: [N, H] input of layer l; x_[L]: final
+  std::vector<LayerActs> acts_;              // one per layer, or one scratch with recompute
+  std::vector<float> xf_, rstdf_;            // final norm output [N, H], [N]
+  std::vector<float> logits_, losses_, lse_; // [N, V], [N], [N]
+  // backward scratch
+  std::vector<float> dx_, dtmp_, dln_, dq_, dk_, dv_, datt_, dgate_, dup_, dh_;
+};
+
+}  // namespace qt

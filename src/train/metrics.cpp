@@ -1,0 +1,43 @@
+#include "train/metrics.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+
+#include "qtrain/error.h"
+
+namespace qt {
+
+MetricsLog::MetricsLog(const std::string& path, bool is_root, bool append) : root_(is_root) {
+  if (!root_ || path.empty()) return;
+  file_.open(path, append ? std::ios::app : std::ios::trunc);
+  if (!file_) fail_user("cannot open the metrics file '{}' ([log] metrics) for writing", path);
+}
+
+std::string format_duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "?";
+  const long t = std::lround(s);
+  if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60);
+  if (t >= 60) return fmt::format("{}m{:02}s", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+void MetricsLog::write(const StepMetrics& m) {
+  if (!root_) return;
+  std::printf("step %6lld/%lld | loss %.5f | lr %.3e | grad norm %.4f | %.0f tok/s | %s elapsed | ETA %s\n",
+              static_cast<long long>(m.step), static_cast<long long>(m.steps), m.loss, m.lr,
+              m.grad_norm, m.tokens_per_s, format_duration(m.elapsed_s).c_str(),
+              format_duration(m.eta_s).c_str());
+  std::fflush(stdout);
+  if (!file_.is_open()) return;
+  nlohmann::json j = {{"step", m.step},           {"loss", m.loss},
+                      {"lr", m.lr},               {"grad_norm", m.grad_norm},
+                      {"tokens_per_s", m.tokens_per_s}, {"elapsed_s", m.elapsed_s},
+                      {"eta_s", m.eta_s},         {"tokens", m.tokens}};
+  file_ << j.dump() << '\n';
+  file_.flush();
+}
+
+}  // namespace qt

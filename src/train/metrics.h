@@ -1,0 +1,35 @@
+// Step log: one line per log.every steps on rank 0's stdout, and the same fields as JSON lines.
+#pragma once
+
+#include <cstdint>
+#include <fstream>
+#include <string>
+
+namespace qt {
+
+struct StepMetrics {
+  std::int64_t step = 0;       // optimizer steps completed
+  std::int64_t steps = 0;      // steps of the run
+  double loss = 0;             // mean cross-entropy over counted tokens of the global batch (nats)
+  double lr = 0;
+  double grad_norm = 0;
+  double tokens_per_s = 0;     // counted tokens per second over the last log interval
+  double elapsed_s = 0;        // since this process started training
+  double eta_s = 0;
+  std::int64_t tokens = 0;     // counted tokens consumed by the run so far
+};
+
+class MetricsLog {
+ public:
+  // Only rank 0 writes. append: keep an existing file (resumed runs).
+  MetricsLog(const std::string& path, bool is_root, bool append);
+  void write(const StepMetrics& m);
+
+ private:
+  bool root_;
+  std::ofstream file_;
+};
+
+std::string format_duration(double seconds);
+
+}  // namespace qt

@@ -1,0 +1,185 @@
+// The training loop. Per optimizer step, on each dp rank:
+//   1. its global_batch / dp sequences, in micro-batches of micro_batch;
+//   2. the counted tokens of the whole global batch (all-reduced) fix the loss normalisation, so
+//      the loss is the mean over all counted tokens, whatever the mesh and micro-batching;
+//   3. forward + backward per micro-batch, gradients accumulated;
+//   4. AdamW: dp reduction (all-reduce, or reduce-scatter + all-gather under ZeRO-1), clipping;
+//   5. log line, checkpoint every `checkpoint.every` steps and at the end.
+#include "train/trainer.h"
+
+#include <chrono>
+#include <csignal>
+#include <cmath>
+#include <cstdio>
+#include <fmt/format.h>
+#include <vector>
+
+#include "model/qwen3.h"
+#include "optim/optimizer.h"
+#include "qtrain/checkpoint.h"
+#include "qtrain/data.h"
+#include "qtrain/error.h"
+#include "train/metrics.h"
+
+namespace qt {
+
+namespace {
+
+volatile std::sig_atomic_t g_stop_signal = 0;
+extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Restores the newest usable checkpoint (resume = auto), a named one, or none.
+// Returns true when state/params/moments were loaded.
+bool try_resume(const Deck& deck, Mesh& mesh, const ParamLayout& layout, float* params,
+                const MomentShard& moments, TrainState& state) {
+  const bool root = mesh.world_rank() == 0;
+  const std::string& mode = deck.checkpoint.resume;
+  if (mode == "none") return false;
+  if (mode != "auto") {
+    state = checkpoint_read(mode, mesh, layout, params, moments, deck.model);
+    if (root) std::printf("resumed from %s at step %lld\n", mode.c_str(), static_cast<long long>(state.step));
+    return true;
+  }
+  for (const std::string& path : checkpoint_list(deck.checkpoint.dir, mesh.world())) {
+    try {
+      state = checkpoint_read(path, mesh, layout, params, moments, deck.model);
+      if (root) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
+      return true;
+    } catch (const UserError& e) {
+      if (root) std::fprintf(stderr, "qtrain: warning: skipping checkpoint: %s\n", e.what());
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+int run_training(const Deck& deck, Mesh& mesh) {
+  const bool root = mesh.world_rank() == 0;
+  Comm& dp = mesh.dp();
+  const TrainConfig& tc = deck.train;
+  const int B = tc.micro_batch, T = tc.seq_len;
+  const int local_seqs = tc.global_batch / dp.size();
+  const int micro_steps = local_seqs / B;
+  QT_CHECK(local_seqs * dp.size() == tc.global_batch && micro_steps * B == local_seqs,
+           "global batch {} does not split into dp {} x micro_batch {}", tc.global_batch,
+           dp.size(), B);
+
+  Qwen3Model model(deck.model, B, T, tc.recompute);
+  const ParamLayout& layout = model.layout();
+  AdamW optim(deck.optim, layout, dp, tc.steps);
+  std::vector<float> params(optim.padded_numel(), 0.0f), grads(optim.padded_numel(), 0.0f);
+  std::unique_ptr<DataSource> data = make_data_source(deck);
+
+  if (root) {
+    std::printf("%s", mesh.describe().c_str());
+    std::printf("model: %s, %lld parameters (%d layers, hidden %d, heads %d/%d, vocab %d)\n",
+                deck.model.preset.c_str(), static_cast<long long>(layout.numel()),
+                deck.model.num_layers, deck.model.hidden_size, deck.model.num_heads,
+                deck.model.num_kv_heads, deck.model.vocab_size);
+    std::printf("data: %s\n", data->describe().c_str());
+    std::printf("batch: %d sequences x %d tokens per step = %d micro-batches of %d on each of %d dp ranks; ZeRO-%d\n",
+                tc.global_batch, T, micro_steps, B, dp.size(), deck.optim.zero_stage);
+  } else {
+    mesh.describe();  // collective
+  }
+
+  TrainState state;
+  state.seed = tc.seed;
+  const bool resumed = try_resume(deck, mesh, layout, params.data(), optim.moments(), state);
+  if (!resumed) {
+    init_params(deck.model, layout, tc.seed, params.data());
+    if (root) std::printf("initialised parameters from seed %llu\n", static_cast<unsigned long long>(tc.seed));
+  }
+  const std::int64_t last = tc.stop_at > 0 ? std::min(tc.stop_at, tc.steps) : tc.steps;
+  if (state.step >= last) {
+    if (root) std::printf("nothing to do: step %lld already reached\n", static_cast<long long>(state.step));
+    return 0;
+  }
+
+  std::signal(SIGTERM, on_stop_signal);
+  std::signal(SIGUSR1, on_stop_signal);
+  MetricsLog log(deck.log.metrics, root, resumed);
+  auto save = [&](std::int64_t step) {
+    const std::string path = checkpoint_path(deck.checkpoint.dir, step);
+    checkpoint_write(path, mesh, layout, params.data(), optim.moments(), state, deck.model,
+                     deck.resolved);
+    checkpoint_prune(deck.checkpoint.dir, deck.checkpoint.keep, mesh.world());
+    if (root) std::printf("checkpoint written: %s\n", path.c_str());
+  };
+
+  std::vector<std::int32_t> inputs(static_cast<std::size_t>(local_seqs) * T);
+  std::vector<std::int32_t> targets(inputs.size());
+  const auto t_start = Clock::now();
+  auto t_log = t_start;
+  std::int64_t tokens_since_log = 0;
+  const std::int64_t first_step = state.step;
+
+  while (state.step < last) {
+    const std::int64_t step = state.step;
+    // 1. This rank's sequences of the global batch.
+    const std::int64_t base = state.samples_consumed + static_cast<std::int64_t>(dp.rank()) * local_seqs;
+    for (int s = 0; s < local_seqs; ++s)
+      data->sample(base + s, &inputs[static_cast<std::size_t>(s) * T], &targets[static_cast<std::size_t>(s) * T], T);
+    // 2. Counted tokens of the global batch.
+    std::int64_t counted = 0;
+    for (auto t : targets) counted += t != -100;
+    counted = dp.sum(counted);
+    // 3. Forward and backward, gradients of sum(loss) / counted.
+    std::fill(grads.begin(), grads.end(), 0.0f);
+    double loss_sum = 0;
+    const float scale = counted > 0 ? 1.0f / static_cast<float>(counted) : 0.0f;
+    for (int m = 0; m < micro_steps; ++m) {
+      const std::size_t off = static_cast<std::size_t>(m) * B * T;
+      loss_sum += model.forward(params.data(), &inputs[off], &targets[off]);
+      model.backward(params.data(), grads.data(), scale);
+    }
+    // 4. Optimizer.
+    const OptimStepStats os = optim.step(params.data(), grads.data(), step);
+    const double loss = counted > 0 ? dp.sum(loss_sum) / static_cast<double>(counted) : 0.0;
+    state.step = step + 1;
+    state.samples_consumed += tc.global_batch;
+    state.tokens_consumed += counted;
+    tokens_since_log += counted;
+    if (!std::isfinite(loss) || !std::isfinite(os.grad_norm)) {
+      if (root) std::fprintf(stderr, "qtrain: error: the loss is %g and the gradient norm %g at step %lld; stopping without a checkpoint (lower optim.lr or check the data)\n",
+                             loss, os.grad_norm, static_cast<long long>(state.step));
+      return 3;
+    }
+    // 5. Log, checkpoint, stop on request.
+    if (state.step % deck.log.every == 0 || state.step == last) {
+      StepMetrics sm;
+      sm.step = state.step;
+      sm.steps = tc.steps;
+      sm.loss = loss;
+      sm.lr = os.lr;
+      sm.grad_norm = os.grad_norm;
+      sm.elapsed_s = seconds_since(t_start);
+      sm.tokens_per_s = tokens_since_log / std::max(1e-9, seconds_since(t_log));
+      sm.eta_s = sm.elapsed_s / static_cast<double>(state.step - first_step) * static_cast<double>(last - state.step);
+      sm.tokens = state.tokens_consumed;
+      log.write(sm);
+      t_log = Clock::now();
+      tokens_since_log = 0;
+    }
+    double stop_requested = g_stop_signal;
+    stop_requested = mesh.world().max(stop_requested);
+    const bool periodic = deck.checkpoint.every > 0 && state.step % deck.checkpoint.every == 0;
+    if (periodic || state.step == last || stop_requested > 0) save(state.step);
+    if (stop_requested > 0) {
+      if (root) std::printf("stopping at step %lld on signal %d; resume with checkpoint.resume = auto\n",
+                            static_cast<long long>(state.step), static_cast<int>(stop_requested));
+      return 0;
+    }
+  }
+  if (root && !std::isnan(data->loss_floor()))
+    std::printf("loss floor of the synthetic data: %.5f nats\n", data->loss_floor());
+  return 0;
+}
+
+}  // namespace qt

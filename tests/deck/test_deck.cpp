@@ -1,0 +1,469 @@
+// Deck parsing: values, precedence, the resolved round trip, presets, and every class of error
+// (each must name the key and file:line or "(command line)").
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <initializer_list>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "config/deck_keys.h"
+#include "qtrain/deck.h"
+#include "qtrain/error.h"
+#include "support/random.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using qt::Deck;
+using qt::parse_deck_text;
+
+const char* kPath = "deck.ini";
+
+// A scratch directory unique to this process, removed at exit.
+class Scratch {
+ public:
+  Scratch() {
+    dir_ = fs::temp_directory_path() /
+           ("qtrain_deck_" + std::to_string(::getpid()) + "_" + std::to_string(qt::test::test_seed()));
+    fs::create_directories(dir_);
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(dir_, ec);
+  }
+  std::string write(const std::string& name, const std::string& text) const {
+    fs::path p = dir_ / name;
+    std::ofstream(p) << text;
+    return p.string();
+  }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+ private:
+  fs::path dir_;
+};
+
+Deck parse(const std::string& text, std::vector<std::string> overrides = {}, int world = 2) {
+  return parse_deck_text(text, kPath, overrides, world);
+}
+
+// Parsing must throw one UserError whose message contains every one of `parts`.
+void expect_error(const std::string& text, const std::vector<std::string>& overrides, int world,
+                  std::initializer_list<std::string> parts) {
+  try {
+    parse(text, overrides, world);
+  } catch (const qt::UserError& e) {
+    std::string msg = e.what();
+    for (const std::string& p : parts) {
+      EXPECT_NE(msg.find(p), std::string::npos) << "message: " << msg << "\nmissing: " << p;
+    }
+    return;
+  } catch (const std::exception& e) {
+    FAIL() << "not a UserError: " << e.what();
+  }
+  ADD_FAILURE() << "no error for deck:\n" << text;
+}
+
+void expect_error(const std::string& text, std::initializer_list<std::string> parts) {
+  expect_error(text, {}, 2, parts);
+}
+
+TEST(Deck, GoodDeckParsesEveryKind) {
+  const std::string text =
+      "# a comment line\n"
+      "; another comment\n"
+      "\n"
+      "[model]\n"
+      "preset = tiny\n"
+      "hidden_size = 96   # inline comment\n"
+      "num_heads = 6\n"
+      "num_kv_heads = 3\n"
+      "tie_word_embeddings = false\r\n"
+      "rope_theta = 10000.5\n"
+      "[mesh]\n"
+      "dp = 2\n"
+      "[train]\n"
+      "seq_len=32\n"
+      "micro_batch = 2\n"
+      "global_batch = 12\n"
+      "steps = 40\n"
+      "stop_at = 20\n"
+      "seed = 18446744073709551615\n"
+      "recompute = yes\n"
+      "[optim]\n"
+      "lr = 3e-3\n"
+      "min_lr = 0\n"
+      "schedule = linear\n"
+      "beta2 = 0.99\n"
+      "zero_stage = 1\n"
+      "[data]\n"
+      "synthetic_branching = 7\n"
+      "[checkpoint]\n"
+      "dir = runs/a b\n"
+      "every = 10\n"
+      "keep = 2\n"
+      "resume = none\n"
+      "[log]\n"
+      "every = 5\n"
+      "metrics =\n";
+  Deck d = parse(text);
+  EXPECT_EQ(d.path, kPath);
+  EXPECT_EQ(d.model.preset, "tiny");
+  EXPECT_EQ(d.model.hidden_size, 96);
+  EXPECT_EQ(d.model.num_heads, 6);
+  EXPECT_EQ(d.model.num_kv_heads, 3);
+  EXPECT_EQ(d.model.num_layers, 2);  // from the preset
+  EXPECT_FALSE(d.model.tie_word_embeddings);
+  EXPECT_EQ(d.model.rope_theta, 10000.5);
+  EXPECT_EQ(d.mesh.dp, 2);
+  EXPECT_EQ(d.mesh.tp, 1);
+  EXPECT_EQ(d.train.seq_len, 32);
+  EXPECT_EQ(d.train.micro_batch, 2);
+  EXPECT_EQ(d.train.global_batch, 12);
+  EXPECT_EQ(d.train.steps, 40);
+  EXPECT_EQ(d.train.stop_at, 20);
+  EXPECT_EQ(d.train.seed, 18446744073709551615ull);
+  EXPECT_TRUE(d.train.recompute);
+  EXPECT_EQ(d.optim.lr, 3e-3);
+  EXPECT_EQ(d.optim.min_lr, 0.0);
+  EXPECT_EQ(d.optim.schedule, qt::Schedule::kLinear);
+  EXPECT_EQ(d.optim.beta1, 0.9);  // default
+  EXPECT_EQ(d.optim.beta2, 0.99);
+  EXPECT_EQ(d.optim.zero_stage, 1);
+  EXPECT_EQ(d.data.source, "synthetic");
+  EXPECT_EQ(d.data.synthetic_branching, 7);
+  EXPECT_EQ(d.checkpoint.dir, "runs/a b");
+  EXPECT_EQ(d.checkpoint.every, 10);
+  EXPECT_EQ(d.checkpoint.keep, 2);
+  EXPECT_EQ(d.checkpoint.resume, "none");
+  EXPECT_EQ(d.log.every, 5);
+  EXPECT_EQ(d.log.metrics, "");
+}
+
+TEST(Deck, EmptyDeckGivesDefaultsAndAutoDp) {
+  Deck d = parse("", {"--train.global_batch=16"}, 4);
+  Deck ref;
+  EXPECT_EQ(d.mesh.dp, 4);  // 0 = auto: world / (tp * pp)
+  EXPECT_EQ(d.train.micro_batch, ref.train.micro_batch);
+  EXPECT_EQ(d.model.hidden_size, ref.model.hidden_size);
+  EXPECT_EQ(d.optim.schedule, ref.optim.schedule);
+  EXPECT_EQ(d.checkpoint.resume, "auto");
+}
+
+TEST(Deck, PresetIsAppliedBeforeOverridesWhateverTheOrder) {
+  Deck d = parse("[model]\nnum_layers = 3\npreset = qwen3-0.6b\n[train]\nglobal_batch = 8\n");
+  EXPECT_EQ(d.model.preset, "qwen3-0.6b");
+  EXPECT_EQ(d.model.hidden_size, 1024);
+  EXPECT_EQ(d.model.intermediate_size, 3072);
+  EXPECT_EQ(d.model.num_layers, 3);
+  EXPECT_EQ(d.model.vocab_size, 151936);
+  EXPECT_EQ(d.model.head_dim, 128);
+}
+
+TEST(Deck, CommandLineWinsOverFile) {
+  const std::string text = "[train]\nseq_len = 32\nsteps = 50\n[model]\npreset = qwen3-1.7b\n";
+  Deck d = parse(text, {"--train.seq_len=16", "--model.num_layers=1", "optim.lr= 0.25 "});
+  EXPECT_EQ(d.train.seq_len, 16);
+  EXPECT_EQ(d.train.steps, 50);
+  EXPECT_EQ(d.model.hidden_size, 2048);  // preset from the file
+  EXPECT_EQ(d.model.num_layers, 1);      // override from the command line
+  EXPECT_EQ(d.optim.lr, 0.25);
+  // The command line can also choose the preset; a file override of a model key still applies.
+  Deck e = parse("[model]\nnum_layers = 5\n", {"--model.preset=qwen3-4b"});
+  EXPECT_EQ(e.model.hidden_size, 2560);
+  EXPECT_EQ(e.model.num_layers, 5);
+}
+
+TEST(Deck, ResolvedDeckRoundTripsExactly) {
+  std::mt19937_64 rng(qt::test::test_seed());
+  std::uniform_real_distribution<double> u(0.0, 1.0);
+  for (int rep = 0; rep < 20; ++rep) {
+    const double lr = 1e-5 + u(rng) * 1e-2;  // arbitrary doubles must read back bit for bit
+    const double min_lr = lr * u(rng);
+    const double beta2 = u(rng) * 0.999;
+    const std::uint64_t seed = rng();
+    std::vector<std::string> ov = {
+        fmt::format("--optim.lr={:.17g}", lr), fmt::format("--optim.min_lr={:.17g}", min_lr),
+        fmt::format("--optim.beta2={:.17g}", beta2), fmt::format("--train.seed={}", seed),
+        "--model.preset=qwen3-8b", "--model.rms_norm_eps=1e-5", "--optim.schedule=constant",
+        "--checkpoint.dir=ck pts/x", "--log.metrics="};
+    Deck a = parse("[train]\nglobal_batch = 16\n", ov, 4);
+    Deck b = parse_deck_text(a.resolved, "resolved.ini", {}, 4);
+    EXPECT_EQ(b.optim.lr, lr);
+    EXPECT_EQ(b.optim.min_lr, min_lr);
+    EXPECT_EQ(b.optim.beta2, beta2);
+    EXPECT_EQ(b.train.seed, seed);
+    EXPECT_EQ(b.model.hidden_size, 4096);
+    EXPECT_FALSE(b.model.tie_word_embeddings);
+    EXPECT_EQ(b.model.rms_norm_eps, 1e-5);
+    EXPECT_EQ(b.optim.schedule, qt::Schedule::kConstant);
+    EXPECT_EQ(b.checkpoint.dir, "ck pts/x");
+    EXPECT_EQ(b.log.metrics, "");
+    EXPECT_EQ(b.mesh.dp, 4);
+    // Same text apart from the header comment naming the source.
+    EXPECT_EQ(a.resolved.substr(a.resolved.find('\n')), b.resolved.substr(b.resolved.find('\n')));
+  }
+}
+
+TEST(Deck, ResolvedDeckListsEveryKeyInSectionOrder) {
+  Deck d = parse("");
+  std::size_t last = 0;
+  for (const char* sec : {"[model]", "[mesh]", "[train]", "[optim]", "[data]", "[checkpoint]", "[log]"}) {
+    std::size_t at = d.resolved.find(std::string("\n") + sec + "\n");
+    ASSERT_NE(at, std::string::npos) << sec;
+    EXPECT_GT(at, last) << sec;
+    last = at;
+  }
+  for (const qt::DeckKeyInfo& k : qt::deck_keys()) {
+    std::string sec = k.key.substr(0, k.key.find('.'));
+    std::string name = k.key.substr(sec.size() + 1);
+    std::size_t s = d.resolved.find("[" + sec + "]");
+    std::size_t e = d.resolved.find("\n[", s + 1);
+    std::string body = d.resolved.substr(s, e == std::string::npos ? std::string::npos : e - s);
+    EXPECT_NE(body.find("\n" + name + " = "), std::string::npos) << k.key;
+  }
+}
+
+// ---- errors from the file: each names the key and file:line -------------------------------
+
+TEST(DeckErrors, SyntaxAndUnknownNames) {
+  expect_error("[train]\nseq_lenn = 4\n", {"deck.ini:2:", "train.seq_lenn", "did you mean train.seq_len"});
+  expect_error("[train]\nlr = 0.1\n", {"deck.ini:2:", "train.lr", "did you mean optim.lr"});
+  expect_error("[model]\nhidden = 8\n[trian]\nsteps = 3\n", {"deck.ini:2:", "model.hidden"});
+  expect_error("[model]\n[trian]\nsteps = 3\n", {"deck.ini:2:", "[trian]", "did you mean [train]"});
+  expect_error("seq_len = 4\n", {"deck.ini:1:", "seq_len", "before any [section]"});
+  expect_error("[train]\nseq_len 4\n", {"deck.ini:2:", "seq_len 4"});
+  expect_error("[train\n", {"deck.ini:1:", "[train"});
+  expect_error("[train]\n = 4\n", {"deck.ini:2:", "no key"});
+}
+
+TEST(DeckErrors, DuplicateKeyNamesBothLines) {
+  expect_error("[train]\nsteps = 3\n\n[optim]\nlr = 1\n[train]\nsteps = 4\n",
+               {"deck.ini:7:", "train.steps", "deck.ini:2"});
+}
+
+TEST(DeckErrors, WrongTypes) {
+  expect_error("[train]\nsteps = ten\n", {"deck.ini:2:", "train.steps = ten is not an integer"});
+  expect_error("[train]\nsteps = 3.5\n", {"deck.ini:2:", "train.steps = 3.5 is not an integer"});
+  expect_error("[train]\nsteps = 99999999999\n", {"deck.ini:2:", "train.steps", "out of range"});
+  expect_error("[train]\nseed = -1\n", {"deck.ini:2:", "train.seed = -1", "non-negative integer"});
+  expect_error("[optim]\nlr = fast\n", {"deck.ini:2:", "optim.lr = fast is not a number"});
+  expect_error("[optim]\nlr = nan\n", {"deck.ini:2:", "optim.lr = nan", "finite"});
+  expect_error("[optim]\n\nlr = inf\n", {"deck.ini:3:", "optim.lr = inf", "finite"});
+  expect_error("[train]\nrecompute = maybe\n", {"deck.ini:2:", "train.recompute = maybe", "boolean"});
+  expect_error("[train]\nsteps =\n", {"deck.ini:2:", "train.steps", "not an integer"});
+}
+
+TEST(DeckErrors, NamesOutsideTheirSet) {
+  expect_error("[optim]\nschedule = cosin\n", {"deck.ini:2:", "optim.schedule = cosin", "cosine | linear | constant"});
+  expect_error("[model]\npreset = qwen3-0.6B\n", {"deck.ini:2:", "model.preset = qwen3-0.6B", "did you mean qwen3-0.6b"});
+  expect_error("[data]\nsource = files\n", {"deck.ini:2:", "data.source = files", "synthetic | file"});
+}
+
+TEST(DeckErrors, OutOfRange) {
+  expect_error("[model]\nhidden_size = 0\n", {"deck.ini:2:", "model.hidden_size = 0", ">= 1"});
+  expect_error("[model]\nnum_heads = -4\n", {"deck.ini:2:", "model.num_heads = -4", ">= 1"});
+  expect_error("[model]\nhead_dim = 15\n", {"deck.ini:2:", "model.head_dim = 15", "even"});
+  expect_error("[model]\nrms_norm_eps = 0\n", {"deck.ini:2:", "model.rms_norm_eps"});
+  expect_error("[train]\nseq_len = 0\n", {"deck.ini:2:", "train.seq_len = 0"});
+  expect_error("[train]\nmicro_batch = 0\n", {"deck.ini:2:", "train.micro_batch = 0"});
+  expect_error("[train]\nsteps = 10\nstop_at = 11\n", {"deck.ini:3:", "train.stop_at = 11", "train.steps = 10"});
+  expect_error("[optim]\nbeta1 = 1\n", {"deck.ini:2:", "optim.beta1 = 1", "[0, 1)"});
+  expect_error("[optim]\nbeta2 = -0.1\n", {"deck.ini:2:", "optim.beta2 = -0.1", "[0, 1)"});
+  expect_error("[optim]\nlr = -0.001\n", {"deck.ini:2:", "optim.lr = -0.001", "> 0"});
+  expect_error("[optim]\nlr = 0.01\nmin_lr = 0.1\n", {"deck.ini:3:", "optim.min_lr = 0.1", "optim.lr = 0.01"});
+  expect_error("[optim]\nwarmup_steps = -1\n", {"deck.ini:2:", "optim.warmup_steps = -1", ">= 0"});
+  expect_error("[optim]\neps = 0\n", {"deck.ini:2:", "optim.eps = 0"});
+  expect_error("[optim]\nweight_decay = -1\n", {"deck.ini:2:", "optim.weight_decay = -1"});
+  expect_error("[optim]\ngrad_clip = -1\n", {"deck.ini:2:", "optim.grad_clip = -1"});
+  expect_error("[optim]\nzero_stage = 2\n", {"deck.ini:2:", "optim.zero_stage = 2", "0 or 1"});
+  expect_error("[data]\nsynthetic_branching = 0\n", {"deck.ini:2:", "data.synthetic_branching = 0"});
+  expect_error("[data]\nsynthetic_branching = 257\n", {"deck.ini:2:", "data.synthetic_branching = 257", "vocab_size = 256"});
+  expect_error("[checkpoint]\nkeep = 0\n", {"deck.ini:2:", "checkpoint.keep = 0", ">= 1"});
+  expect_error("[checkpoint]\nevery = -1\n", {"deck.ini:2:", "checkpoint.every = -1"});
+  expect_error("[checkpoint]\ndir =\n", {"deck.ini:2:", "checkpoint.dir"});
+  expect_error("[log]\nevery = 0\n", {"deck.ini:2:", "log.every = 0", ">= 1"});
+}
+
+TEST(DeckErrors, InconsistentValues) {
+  expect_error("[train]\nmicro_batch = 4\nglobal_batch = 6\n",
+               {"deck.ini:3:", "train.global_batch = 6", "multiple of train.micro_batch (4) x mesh.dp (2)"});
+  expect_error("[model]\nnum_heads = 6\nnum_kv_heads = 4\n", {"deck.ini:2:", "model.num_heads = 6", "model.num_kv_heads = 4"});
+  expect_error("[model]\nmax_position_embeddings = 16\n[train]\nseq_len = 32\n",
+               {"deck.ini:4:", "train.seq_len = 32", "max_position_embeddings = 16"});
+  expect_error("[mesh]\ndp = 4\n[train]\nglobal_batch = 16\n", {"deck.ini:2:", "mesh.dp = 4", "2 MPI ranks"});
+  expect_error("[mesh]\nep = 3\n", {"deck.ini:2:", "mesh.ep = 3", "does not divide mesh.dp = 2"});
+}
+
+TEST(DeckErrors, ParallelismNotBuiltYet) {
+  expect_error("[mesh]\ntp = 2\n", {"deck.ini:2: mesh.tp = 2: tensor parallelism is not built yet (only dp is); set it to 1"});
+  expect_error("[mesh]\npp = 2\n", {"deck.ini:2:", "mesh.pp = 2", "pipeline parallelism is not built yet"});
+  expect_error("[mesh]\nep = 2\n", {"deck.ini:2:", "mesh.ep = 2", "expert parallelism is not built yet"});
+}
+
+TEST(DeckErrors, DataAndResumeFiles) {
+  Scratch s;
+  expect_error("[data]\nsource = file\n", {"deck.ini:", "data.path is not set"});
+  expect_error("[data]\nsource = file\npath = " + s.path("none.h5") + "\n", {"deck.ini:3:", "data.path", "no such file"});
+  fs::create_directories(s.path("adir"));
+  expect_error("[data]\nsource = file\npath = " + s.path("adir") + "\n", {"deck.ini:3:", "data.path", "directory"});
+  std::string tokens = s.write("tokens.h5", "x");
+  EXPECT_EQ(parse("[data]\nsource = file\npath = " + tokens + "\n").data.path, tokens);
+  // A data.path is ignored by the synthetic source, so a file deck can be smoke-tested.
+  EXPECT_NO_THROW(parse("[data]\npath = " + s.path("none.h5") + "\n"));
+
+  expect_error("[checkpoint]\nresume = " + s.path("step_1.h5") + "\n",
+               {"deck.ini:2:", "checkpoint.resume", "no such file", "auto, none"});
+  std::string ck = s.write("step_2.h5", "x");
+  EXPECT_EQ(parse("[checkpoint]\nresume = " + ck + "\n").checkpoint.resume, ck);
+}
+
+// ---- errors from the command line and from defaults ----------------------------------------
+
+TEST(DeckErrors, CommandLine) {
+  expect_error("", {"--train.seq_lenn=4"}, 2, {"(command line)", "train.seq_lenn", "did you mean train.seq_len"});
+  expect_error("", {"--train.steps=ten"}, 2, {"(command line)", "train.steps = ten is not an integer"});
+  expect_error("", {"--train.steps"}, 2, {"(command line)", "--train.steps", "--section.key=value"});
+  expect_error("", {"--train.steps=3", "--train.steps=4"}, 2, {"(command line)", "train.steps", "twice"});
+  expect_error("", {"--mesh.tp=2"}, 2, {"(command line): mesh.tp = 2: tensor parallelism"});
+  expect_error("", {"--checkpoint.dir=a#b"}, 2, {"(command line)", "checkpoint.dir", "'#'"});
+  // The command line wins, so the bad file value is never read.
+  EXPECT_EQ(parse("[train]\nsteps = ten\n", {"--train.steps=17"}).train.steps, 17);
+  // The file line is named for the value that is wrong even when another key was overridden.
+  expect_error("[train]\nglobal_batch = 8\n", {"--train.micro_batch=3"}, 2,
+               {"deck.ini:2:", "train.global_batch = 8", "train.micro_batch (3)"});
+}
+
+TEST(DeckErrors, DefaultValuesAreMarked) {
+  expect_error("", {"--train.micro_batch=3"}, 2, {"deck.ini: train.global_batch = 8 (default)", "micro_batch (3)"});
+  expect_error("[model]\npreset = qwen3-0.6b\n[train]\nseq_len = 50000\n",
+               {"deck.ini:4:", "train.seq_len = 50000", "40960"});
+  // Default global_batch 8 against the auto dp of 3 ranks.
+  expect_error("", {}, 3, {"deck.ini: train.global_batch = 8 (default)", "mesh.dp (3)"});
+}
+
+TEST(DeckErrors, WorldSizeMustBePositive) {
+  expect_error("", {}, 0, {"world size 0"});
+}
+
+// ---- parse_deck: argv handling and the deck file ---------------------------------------------
+
+Deck parse_argv(std::vector<std::string> args, int world = 2) {
+  std::vector<const char*> argv = {"qtrain"};
+  for (const std::string& a : args) argv.push_back(a.c_str());
+  return qt::parse_deck(static_cast<int>(argv.size()), argv.data(), world);
+}
+
+void expect_argv_error(std::vector<std::string> args, std::initializer_list<std::string> parts) {
+  try {
+    parse_argv(args);
+  } catch (const qt::UserError& e) {
+    for (const std::string& p : parts) {
+      EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what() << "\nmissing: " << p;
+    }
+    return;
+  }
+  ADD_FAILURE() << "no error";
+}
+
+TEST(DeckArgv, FileAndOverrides) {
+  Scratch s;
+  std::string deck = s.write("a.ini", "[train]\nsteps = 30   # optimizer steps\nseq_len = 8\n");
+  Deck d = parse_argv({"--train.seq_len=4", deck, "--log.every=3"});
+  EXPECT_EQ(d.path, deck);
+  EXPECT_EQ(d.train.steps, 30);
+  EXPECT_EQ(d.train.seq_len, 4);
+  EXPECT_EQ(d.log.every, 3);
+  std::string bad = s.write("b.ini", "[train]\n\nsteps = 0\n");
+  expect_argv_error({bad}, {bad + ":3:", "train.steps = 0"});
+}
+
+TEST(DeckArgv, PositionalArgumentsAndFiles) {
+  Scratch s;
+  std::string a = s.write("a.ini", "");
+  std::string b = s.write("b.ini", "");
+  expect_argv_error({}, {"(command line)", "no deck file"});
+  expect_argv_error({"--train.steps=3"}, {"no deck file"});
+  expect_argv_error({a, b}, {"(command line)", "one deck file", a, b});
+  expect_argv_error({s.path("missing.ini")}, {s.path("missing.ini"), "no such file"});
+  expect_argv_error({s.path("")}, {"directory"});
+  expect_argv_error({"-x", a}, {"-x"});
+}
+
+// ---- presets, help and documentation ----------------------------------------------------------
+
+TEST(ModelPresets, ParameterCountsMatchTheSpecTable) {
+  const std::vector<std::pair<std::string, std::int64_t>> expected = {
+      {"qwen3-0.6b", 596049920LL},     {"qwen3-1.7b", 1720574976LL},
+      {"qwen3-4b", 4022468096LL},      {"qwen3-8b", 8190735360LL},
+      {"qwen3-14b", 14768307200LL},    {"qwen3-32b", 32762123264LL}};
+  for (const auto& [name, total] : expected) {
+    auto m = qt::model_preset(name);
+    ASSERT_TRUE(m.has_value()) << name;
+    EXPECT_EQ(m->preset, name);
+    EXPECT_EQ(m->num_params(), total) << name;
+    EXPECT_EQ(m->head_dim, 128);
+    EXPECT_EQ(m->vocab_size, 151936);
+    EXPECT_EQ(m->max_position_embeddings, 40960);
+  }
+  EXPECT_FALSE(qt::model_preset("qwen3-7b").has_value());
+}
+
+TEST(ModelPresets, TinyIsTheStructDefault) {
+  auto t = qt::model_preset("tiny");
+  ASSERT_TRUE(t.has_value());
+  qt::ModelConfig d;
+  EXPECT_EQ(t->hidden_size, d.hidden_size);
+  EXPECT_EQ(t->num_params(), d.num_params());
+  // Hand count of the tiny model: V*H + L*(attn + 2H + 3HI) + H, tied.
+  const std::int64_t attn = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 2 * 16;
+  EXPECT_EQ(d.num_params(), 256 * 64 + 2 * (attn + 2 * 64 + 3 * 64 * 192) + 64);
+  std::vector<std::string> names = qt::model_preset_names();
+  EXPECT_EQ(names.front(), "tiny");
+  EXPECT_EQ(names.size(), 7u);
+}
+
+TEST(DeckDocs, HelpListsEveryKeyWithItsDefault) {
+  std::string help = qt::deck_help();
+  EXPECT_NE(help.find("usage: qtrain"), std::string::npos);
+  for (const qt::DeckKeyInfo& k : qt::deck_keys()) {
+    EXPECT_FALSE(k.meaning.empty()) << k.key;
+    std::string line = "  " + k.key + " = " + (k.default_value.empty() ? "\"\"" : k.default_value);
+    EXPECT_NE(help.find(line), std::string::npos) << line;
+  }
+}
+
+TEST(DeckDocs, DecksMdListsEveryKey) {
+  std::ifstream in(QT_DECKS_MD);
+  ASSERT_TRUE(in) << "cannot read " << QT_DECKS_MD;
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string doc = ss.str();
+  for (const qt::DeckKeyInfo& k : qt::deck_keys()) {
+    EXPECT_NE(doc.find("`" + k.key + "`"), std::string::npos) << k.key << " is missing from " << QT_DECKS_MD;
+  }
+}
+
+TEST(DeckDocs, ExampleDecksParse) {
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(QT_INPUTS_DIR)) {
+    if (e.path().extension() != ".ini") continue;
+    ++n;
+    std::ifstream in(e.path());
+    std::stringstream ss;
+    ss << in.rdbuf();
+    // File decks name a token file that need not exist here; the synthetic source stands in.
+    for (int world : {1, 2, 4}) {
+      EXPECT_NO_THROW(parse_deck_text(ss.str(), e.path().string(), {"--data.source=synthetic"}, world))
+          << e.path() << " on " << world << " ranks";
+    }
+  }
+  EXPECT_GE(n, 3);
+}
+
+}  // namespace

@@ -1,0 +1,100 @@
+// Runs whole trainings in-process on sub-groups of MPI_COMM_WORLD, so one mpiexec can compare
+// meshes of different sizes. Every world rank must call run() (it splits the world).
+#pragma once
+
+#include <mpi.h>
+
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "qtrain/comm.h"
+#include "qtrain/deck.h"
+#include "qtrain/error.h"
+#include "qtrain/mesh.h"
+#include "train/trainer.h"
+
+namespace qt::test {
+
+struct StepRecord {
+  long step;
+  double loss, grad_norm;
+};
+
+inline int world_rank() {
+  int r;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+inline int world_size() {
+  int s;
+  MPI_Comm_size(MPI_COMM_WORLD, &s);
+  return s;
+}
+
+// A fresh directory, the same name on every rank.
+inline std::string shared_temp_dir(const std::string& tag) {
+  char buf[256] = {};
+  if (world_rank() == 0) {
+    std::string t = (std::filesystem::temp_directory_path() / ("qtrain-" + tag + "-XXXXXX")).string();
+    std::snprintf(buf, sizeof buf, "%s", t.c_str());
+    if (!mkdtemp(buf)) buf[0] = 0;
+  }
+  MPI_Bcast(buf, sizeof buf, MPI_CHAR, 0, MPI_COMM_WORLD);
+  return buf;
+}
+
+inline std::vector<StepRecord> read_metrics(const std::string& path) {
+  std::vector<StepRecord> out;
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    auto j = nlohmann::json::parse(line);
+    out.push_back({j["step"].get<long>(), j["loss"].is_null() ? NAN : j["loss"].get<double>(),
+                   j["grad_norm"].is_null() ? NAN : j["grad_norm"].get<double>()});
+  }
+  return out;
+}
+
+struct RunResult {
+  int exit_code = 0;          // run_training's code, 2 for UserError (same on every rank)
+  std::string error;          // the UserError's message
+  std::vector<StepRecord> steps;
+};
+
+// Trains with the first `ranks` ranks of the world on `deck_text` + overrides; the rest wait.
+// The result (read from the metrics file) is returned on every rank.
+inline RunResult run(int ranks, const std::string& deck_text,
+                     const std::vector<std::string>& overrides, const std::string& metrics) {
+  RunResult res;
+  MPI_Comm sub;
+  const int me = world_rank();
+  MPI_Comm_split(MPI_COMM_WORLD, me < ranks ? 0 : MPI_UNDEFINED, me, &sub);
+  if (sub != MPI_COMM_NULL) {
+    auto world = std::make_shared<MpiComm>(sub, "world", true);
+    std::vector<std::string> ov = overrides;
+    ov.push_back("--log.metrics=" + metrics);
+    try {
+      Deck deck = parse_deck_text(deck_text, "test.ini", ov, ranks);
+      Mesh mesh(deck.mesh, world);
+      res.exit_code = run_training(deck, mesh);
+    } catch (const UserError& e) {
+      res.exit_code = 2;
+      res.error = e.what();
+    }
+  }
+  MPI_Bcast(&res.exit_code, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  int len = static_cast<int>(res.error.size());
+  MPI_Bcast(&len, 1, MPI_INT, 0, MPI_COMM_WORLD);
+  res.error.resize(len);
+  MPI_Bcast(res.error.data(), len, MPI_CHAR, 0, MPI_COMM_WORLD);
+  MPI_Barrier(MPI_COMM_WORLD);
+  res.steps = read_metrics(metrics);
+  return res;
+}
+
+}  // namespace qt::test
