@@ -100,7 +100,8 @@ qt_mpi_env() {
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 }
 
-qt_jobs() { printf '%s' "${QTRAIN_JOBS:-$(nproc)}"; }
+# GNU nproc obeys OMP_NUM_THREADS, which qt_mpi_env sets to 1: count cores without it.
+qt_jobs() { printf '%s' "${QTRAIN_JOBS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}"; }
 
 # Configures and builds a preset of CMakePresets.json (cpu: build/, cuda: build-cuda/).
 qt_build_preset() {

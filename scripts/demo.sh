@@ -62,8 +62,10 @@ if [ -z "$newest" ]; then
 fi
 ls -l "$ckpt_dir"
 echo
-qt_log "h5ls -r $newest (first 30 lines):"
-# head closes the pipe early; h5ls's SIGPIPE is expected.
-h5ls -r "$newest" | head -n 30 || true
+qt_log "h5ls -r $newest, without /optim (the AdamW moments, same names):"
+listing=$(h5ls -r "$newest")
+grep -v '^/optim/' <<<"$listing" | head -n 24
+qt_log "... $(grep -c Dataset <<<"$listing") datasets in all; root attribute step = $(
+  h5dump -a /step "$newest" | sed -n 's/^ *(0): *//p')"
 echo
 qt_log "an interrupted run continues from its newest checkpoint with --checkpoint.resume=auto"

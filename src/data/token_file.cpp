@@ -16,16 +16,21 @@ namespace qt {
 
 namespace {
 
-constexpr std::int32_t kIgnore = -100;             // target not counted
-constexpr hsize_t kScanChunk = hsize_t{1} << 22;   // elements per read while validating
+constexpr std::int32_t kIgnore = -100;            // target not counted
+constexpr hsize_t kScanChunk = hsize_t{1} << 22;  // elements per read while validating
 
 const char* class_name(H5T_class_t c) {
   switch (c) {
-    case H5T_INTEGER: return "integer";
-    case H5T_FLOAT: return "float";
-    case H5T_STRING: return "string";
-    case H5T_COMPOUND: return "compound";
-    default: return "non-numeric";
+    case H5T_INTEGER:
+      return "integer";
+    case H5T_FLOAT:
+      return "float";
+    case H5T_STRING:
+      return "string";
+    case H5T_COMPOUND:
+      return "compound";
+    default:
+      return "non-numeric";
   }
 }
 
@@ -73,7 +78,8 @@ void read_or_fail(const Column& c, hid_t mem_type, hsize_t lo, hsize_t n, T* out
 
 class TokenFileSource final : public DataSource {
  public:
-  TokenFileSource(std::string path, int T, std::uint64_t seed) : path_(std::move(path)), T_(T), seed_(seed) {}
+  TokenFileSource(std::string path, int T, std::uint64_t seed)
+      : path_(std::move(path)), T_(T), seed_(seed) {}
 
   // Opens and validates; throws UserError.
   void open(int vocab, std::size_t max_resident_bytes) {
@@ -102,13 +108,15 @@ class TokenFileSource final : public DataSource {
     }
 
     // Documents: offsets run from 0 to N and never decrease.
-    if (offsets.n < 1) fail_user("token file {}: /doc_offsets is empty (needs D + 1 entries)", path_);
+    if (offsets.n < 1)
+      fail_user("token file {}: /doc_offsets is empty (needs D + 1 entries)", path_);
     std::vector<std::int64_t> off(offsets.n);
     read_or_fail(offsets, H5T_NATIVE_INT64, 0, offsets.n, off.data(), path_, "doc_offsets");
     if (off.front() != 0 || off.back() != static_cast<std::int64_t>(N))
-      fail_user("token file {}: /doc_offsets must run from 0 to the token count {}, it runs from "
-                "{} to {}",
-                path_, N, off.front(), off.back());
+      fail_user(
+          "token file {}: /doc_offsets must run from 0 to the token count {}, it runs from "
+          "{} to {}",
+          path_, N, off.front(), off.back());
     for (std::size_t d = 1; d < off.size(); ++d)
       if (off[d] < off[d - 1])
         fail_user("token file {}: /doc_offsets decreases at index {} ({} after {})", path_, d,
@@ -173,9 +181,10 @@ class TokenFileSource final : public DataSource {
       h5::QuietErrors quiet;
       if (read_slice(tokens_.ds, H5T_NATIVE_INT32, start, W, window_.data()) < 0 ||
           (has_mask_ && read_slice(mask_.ds, H5T_NATIVE_UINT8, start, W, window_mask_.data()) < 0))
-        fatal_one(__FILE__, __LINE__, fmt::format("token file {}: read of tokens [{}, {}) failed "
-                                                  "after a successful open ({})",
-                                                  path_, start, start + W, h5::last_error()));
+        fatal_one(__FILE__, __LINE__,
+                  fmt::format("token file {}: read of tokens [{}, {}) failed "
+                              "after a successful open ({})",
+                              path_, start, start + W, h5::last_error()));
     }
     for (int t = 0; t < T; ++t) {
       inputs[t] = window_[t];
@@ -229,7 +238,8 @@ std::vector<std::int64_t> token_window_order(std::int64_t windows, std::uint64_t
 std::unique_ptr<DataSource> open_token_file_limited(const std::string& path, int vocab, int T,
                                                     std::uint64_t seed,
                                                     std::size_t max_resident_bytes) {
-  QT_CHECK(vocab > 0 && T > 0, "token file needs vocab > 0 and seq_len > 0, got {} and {}", vocab, T);
+  QT_CHECK(vocab > 0 && T > 0, "token file needs vocab > 0 and seq_len > 0, got {} and {}", vocab,
+           T);
   auto src = std::make_unique<TokenFileSource>(path, T, seed);
   src->open(vocab, max_resident_bytes);
   return src;
@@ -267,9 +277,9 @@ void write_token_file(const std::string& path, const std::vector<std::int32_t>& 
   auto column = [&](const char* name, hid_t file_type, hid_t mem_type, const void* data,
                     hsize_t n) {
     h5::Handle space = QT_H5_OPEN(H5Screate_simple(1, &n, nullptr), h5::close_space);
-    h5::Handle ds = QT_H5_OPEN(
-        H5Dcreate2(file, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-        h5::close_dataset);
+    h5::Handle ds =
+        QT_H5_OPEN(H5Dcreate2(file, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
+                   h5::close_dataset);
     if (n > 0) QT_CHECK_HDF5(H5Dwrite(ds, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, data));
   };
   column("tokens", H5T_STD_I32LE, H5T_NATIVE_INT32, tokens.data(), tokens.size());

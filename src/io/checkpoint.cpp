@@ -61,7 +61,9 @@ std::vector<hsize_t> dims_of(const ParamInfo& p) {
   return std::vector<hsize_t>(p.shape.begin(), p.shape.end());
 }
 
-std::string shape_text(const std::vector<hsize_t>& d) { return fmt::format("[{}]", fmt::join(d, ", ")); }
+std::string shape_text(const std::vector<hsize_t>& d) {
+  return fmt::format("[{}]", fmt::join(d, ", "));
+}
 
 // Broadcasts a string from `root` (packed in 64-bit words: Comm has no byte type).
 void broadcast_string(Comm& comm, std::string& s, int root) {
@@ -140,10 +142,9 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
                       const ModelConfig& model, const std::string& deck_text) {
   MpiComm& world = mesh.world();
   const Range part = split_range(layout.numel(), world.size(), world.rank());
-  QT_CHECK(part.size() == 0 ||
-               (moments.range.begin <= part.begin && part.end <= moments.range.end),
-           "write partition [{}, {}) is not inside the moment shard [{}, {})", part.begin,
-           part.end, moments.range.begin, moments.range.end);
+  QT_CHECK(part.size() == 0 || (moments.range.begin <= part.begin && part.end <= moments.range.end),
+           "write partition [{}, {}) is not inside the moment shard [{}, {})", part.begin, part.end,
+           moments.range.begin, moments.range.end);
   prepare_directory(path, world);
 
   // Checksums of this rank's part of every tensor, then summed over ranks.
@@ -156,8 +157,8 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
     for (std::size_t t = 0; t < nt; ++t) {
       const Range r = intersect(part, tensor_range(ps[t]));
       if (r.size() == 0) continue;
-      sums[g * nt + t] = checksum_part(src[g] + (r.begin - src_base[g]), r.size(),
-                                       r.begin - ps[t].offset);
+      sums[g * nt + t] =
+          checksum_part(src[g] + (r.begin - src_base[g]), r.size(), r.begin - ps[t].offset);
     }
   }
   world.all_reduce(sums.data(), sums.size(), DType::kU64, ReduceOp::kSum);
@@ -180,8 +181,10 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
     write_attr_string(file, "deck", deck_text);
     write_attr_string(file, "preset", model.preset);
     for (const ModelField& f : model_fields(model)) {
-      if (f.integer) write_attr_i64(file, f.name, f.i);
-      else write_attr_f64(file, f.name, f.d);
+      if (f.integer)
+        write_attr_i64(file, f.name, f.i);
+      else
+        write_attr_f64(file, f.name, f.d);
     }
 
     // Contiguous datasets, space allocated at creation, never filled (every element is written).
@@ -193,8 +196,8 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
     const float dummy = 0.0f;  // a valid buffer for ranks that write nothing
 
     for (const char* gname : {"params", "optim", "optim/exp_avg", "optim/exp_avg_sq"}) {
-      Handle grp = QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT),
-                              close_group);
+      Handle grp =
+          QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), close_group);
     }
     for (int g = 0; g < 3; ++g) {
       Handle grp = QT_H5_OPEN(H5Gopen2(file, kGroups[g], H5P_DEFAULT), close_group);
@@ -203,9 +206,9 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
         const std::vector<hsize_t> dims = dims_of(p);
         Handle fspace = QT_H5_OPEN(
             H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), close_space);
-        Handle ds = QT_H5_OPEN(H5Dcreate2(grp, p.name.c_str(), H5T_IEEE_F32LE, fspace,
-                                          H5P_DEFAULT, dcpl, H5P_DEFAULT),
-                               close_dataset);
+        Handle ds = QT_H5_OPEN(
+            H5Dcreate2(grp, p.name.c_str(), H5T_IEEE_F32LE, fspace, H5P_DEFAULT, dcpl, H5P_DEFAULT),
+            close_dataset);
         write_attr_u64(ds, "checksum", sums[g * nt + t]);
 
         const Range r = intersect(part, tensor_range(p));
@@ -230,7 +233,9 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
     fsync_path(tmp, O_RDONLY);
     std::error_code ec;
     fs::rename(tmp, path, ec);  // atomic replace: readers see the old file or the complete new one
-    if (ec) fatal_one(__FILE__, __LINE__, fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
+    if (ec)
+      fatal_one(__FILE__, __LINE__,
+                fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
     fs::path dir = fs::path(path).parent_path();
     fsync_path(dir.empty() ? std::string(".") : dir.string(), O_RDONLY | O_DIRECTORY);
   }
@@ -244,13 +249,13 @@ std::string read_root(hid_t file, const std::string& path, const ModelConfig& mo
                       TrainState& st) {
   auto format = h5::try_read_attr_string(file, "format");
   if (!format || *format != kFormat)
-    return fmt::format("{} is not a qtrain checkpoint (root attribute format is {}, expected \"{}\")",
-                       path, format ? "\"" + *format + "\"" : std::string("missing"), kFormat);
+    return fmt::format(
+        "{} is not a qtrain checkpoint (root attribute format is {}, expected \"{}\")", path,
+        format ? fmt::format("\"{}\"", *format) : std::string("missing"), kFormat);
   auto version = h5::try_read_attr_i64(file, "format_version");
   if (!version || *version != kFormatVersion)
     return fmt::format("checkpoint {}: format_version is {}, this qtrain reads version {}", path,
-                       version ? std::to_string(*version) : std::string("missing"),
-                       kFormatVersion);
+                       version ? std::to_string(*version) : std::string("missing"), kFormatVersion);
   for (const ModelField& f : model_fields(model)) {
     std::string have, want;
     if (f.integer) {
@@ -282,12 +287,14 @@ std::string read_root(hid_t file, const std::string& path, const ModelConfig& mo
     if (v) out = *v;
     return v.has_value();
   };
-  if (!i64("step", st.step)) return fmt::format("checkpoint {}: root attribute step is missing", path);
+  if (!i64("step", st.step))
+    return fmt::format("checkpoint {}: root attribute step is missing", path);
   if (!i64("samples_consumed", st.samples_consumed))
     return fmt::format("checkpoint {}: root attribute samples_consumed is missing", path);
   if (!i64("tokens_consumed", st.tokens_consumed))
     return fmt::format("checkpoint {}: root attribute tokens_consumed is missing", path);
-  if (!u64("seed", st.seed)) return fmt::format("checkpoint {}: root attribute seed is missing", path);
+  if (!u64("seed", st.seed))
+    return fmt::format("checkpoint {}: root attribute seed is missing", path);
   if (!u64("rng_counter", st.rng_counter))
     return fmt::format("checkpoint {}: root attribute rng_counter is missing", path);
   return {};
@@ -303,7 +310,8 @@ std::string open_tensor(hid_t file, const std::string& path, const char* group, 
   for (const std::string& comp : {std::string(group), p.name}) {
     for (std::size_t start = 0;;) {
       const std::size_t slash = comp.find('/', start);
-      link += "/" + comp.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
+      link.append(1, '/').append(comp, start,
+                                 slash == std::string::npos ? std::string::npos : slash - start);
       if (H5Lexists(file, link.c_str(), H5P_DEFAULT) <= 0)
         return fmt::format("checkpoint {}: tensor {} is missing", path, where);
       if (slash == std::string::npos) break;
@@ -340,8 +348,10 @@ TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayou
   std::string err;
   if (world.rank() == 0) {
     std::error_code ec;
-    if (!fs::exists(path, ec)) err = fmt::format("checkpoint {}: no such file", path);
-    else if (!fs::is_regular_file(path, ec)) err = fmt::format("checkpoint {}: not a regular file", path);
+    if (!fs::exists(path, ec))
+      err = fmt::format("checkpoint {}: no such file", path);
+    else if (!fs::is_regular_file(path, ec))
+      err = fmt::format("checkpoint {}: not a regular file", path);
   }
   agree(world, err);
 
@@ -349,9 +359,10 @@ TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayou
   QT_CHECK_HDF5(H5Pset_fapl_mpio(fapl, world.mpi(), MPI_INFO_NULL));
   h5::Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, fapl), h5::close_file);
   if (!file.valid())
-    err = fmt::format("checkpoint {}: cannot open it as HDF5 ({}): the file is truncated, "
-                      "corrupt or not a checkpoint",
-                      path, h5::last_error());
+    err = fmt::format(
+        "checkpoint {}: cannot open it as HDF5 ({}): the file is truncated, "
+        "corrupt or not a checkpoint",
+        path, h5::last_error());
   agree(world, err);
 
   // Metadata: format, model, state, and every tensor with its shape and checksum.
@@ -402,9 +413,10 @@ TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayou
     for (std::size_t t = 0; t < nt; ++t) {
       if (sums[g * nt + t] == stored[g * nt + t]) continue;
       // Identical on every rank (all-reduced sums, same file): no agreement needed.
-      fail_user("checkpoint {}: checksum mismatch in tensor /{}/{} (stored {:#018x}, data gives "
-                "{:#018x}): the file is corrupt",
-                path, kGroups[g], ps[t].name, stored[g * nt + t], sums[g * nt + t]);
+      fail_user(
+          "checkpoint {}: checksum mismatch in tensor /{}/{} (stored {:#018x}, data gives "
+          "{:#018x}): the file is corrupt",
+          path, kGroups[g], ps[t].name, stored[g * nt + t], sums[g * nt + t]);
     }
   }
 
@@ -426,12 +438,14 @@ std::vector<std::string> checkpoint_list(const std::string& dir, Comm& world) {
       if (!std::regex_match(name, m, name_re) || !it->is_regular_file(ec)) continue;
       found.emplace_back(std::stoll(m[1].str()), it->path().string());
     }
-    std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+    std::sort(found.begin(), found.end(),
+              [](const auto& a, const auto& b) { return a.first > b.first; });
     for (const auto& f : found) joined += f.second + "\n";
   }
   broadcast_string(world, joined, 0);
   std::vector<std::string> out;
-  for (std::size_t start = 0, nl; (nl = joined.find('\n', start)) != std::string::npos; start = nl + 1)
+  for (std::size_t start = 0, nl; (nl = joined.find('\n', start)) != std::string::npos;
+       start = nl + 1)
     out.push_back(joined.substr(start, nl - start));
   return out;
 }

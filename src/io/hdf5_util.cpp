@@ -21,7 +21,8 @@ herr_t first_error(unsigned n, const H5E_error2_t* e, void* out) {
   return 0;
 }
 
-// Scalar (or one-element) attribute `name` of `loc` with its file type; invalid handles when absent.
+// Scalar (or one-element) attribute `name` of `loc` with its file type; invalid handles when
+// absent.
 struct AttrAndType {
   Handle attr, type;
 };
@@ -53,8 +54,8 @@ std::optional<T> read_number(hid_t loc, const char* name, hid_t mem_type, bool a
 
 void write_scalar(hid_t loc, const char* name, hid_t file_type, hid_t mem_type, const void* v) {
   Handle space = QT_H5_OPEN(H5Screate(H5S_SCALAR), close_space);
-  Handle attr = QT_H5_OPEN(H5Acreate2(loc, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT),
-                           close_attr);
+  Handle attr =
+      QT_H5_OPEN(H5Acreate2(loc, name, file_type, space, H5P_DEFAULT, H5P_DEFAULT), close_attr);
   QT_CHECK_HDF5(H5Awrite(attr, mem_type, v));
   QT_CHECK_HDF5(attr.close());
 }
@@ -202,9 +203,9 @@ herr_t select_flat_range(hid_t space, const std::vector<hsize_t>& dims, hsize_t 
   if (lo >= hi) return H5Sselect_none(space);
   const auto blocks = flat_range_blocks(dims, lo, hi);
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    const herr_t rc = H5Sselect_hyperslab(space, i == 0 ? H5S_SELECT_SET : H5S_SELECT_OR,
-                                          blocks[i].start.data(), nullptr,
-                                          blocks[i].count.data(), nullptr);
+    const herr_t rc =
+        H5Sselect_hyperslab(space, i == 0 ? H5S_SELECT_SET : H5S_SELECT_OR, blocks[i].start.data(),
+                            nullptr, blocks[i].count.data(), nullptr);
     if (rc < 0) return rc;
   }
   return 0;

@@ -124,7 +124,8 @@ void write(const std::string& path, Mesh& mesh, const ModelConfig& m, const Tens
 void read_and_compare(const std::string& path, Mesh& mesh, const ModelConfig& m, const Tensors& t,
                       Range range) {
   ParamLayout layout(m);
-  std::vector<float> params(layout.numel(), -1.0f), ea(range.size(), -1.0f), eas(range.size(), -1.0f);
+  std::vector<float> params(layout.numel(), -1.0f), ea(range.size(), -1.0f),
+      eas(range.size(), -1.0f);
   MomentShard ms{range, ea.data(), eas.data()};
   const TrainState s = checkpoint_read(path, mesh, layout, params.data(), ms, m);
   const TrainState want = some_state();
@@ -137,7 +138,8 @@ void read_and_compare(const std::string& path, Mesh& mesh, const ModelConfig& m,
       << "params differ on rank " << world_rank();
   EXPECT_EQ(0, std::memcmp(ea.data(), t.exp_avg.data() + range.begin, ea.size() * sizeof(float)))
       << "exp_avg [" << range.begin << ", " << range.end << ") differs on rank " << world_rank();
-  EXPECT_EQ(0, std::memcmp(eas.data(), t.exp_avg_sq.data() + range.begin, eas.size() * sizeof(float)))
+  EXPECT_EQ(0,
+            std::memcmp(eas.data(), t.exp_avg_sq.data() + range.begin, eas.size() * sizeof(float)))
       << "exp_avg_sq differs on rank " << world_rank();
 }
 
@@ -152,7 +154,8 @@ void expect_user_error(const std::function<void()>& f, const std::vector<std::st
     msg = e.what();
   }
   ASSERT_TRUE(thrown) << "no UserError on rank " << world_rank();
-  for (const auto& p : parts) EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
+  for (const auto& p : parts)
+    EXPECT_NE(msg.find(p), std::string::npos) << "'" << p << "' not in: " << msg;
   EXPECT_EQ(bcast_string(msg), msg) << "ranks disagree on the message";
 }
 
@@ -180,12 +183,14 @@ class Checkpoint : public ::testing::Test {
   void read_scratch(const std::string& path, const ModelConfig& m) {
     ParamLayout layout(m);
     std::vector<float> p(layout.numel()), ea(layout.numel()), eas(layout.numel());
-    checkpoint_read(path, *mesh_, layout, p.data(), MomentShard{Range{0, layout.numel()}, ea.data(), eas.data()}, m);
+    checkpoint_read(path, *mesh_, layout, p.data(),
+                    MomentShard{Range{0, layout.numel()}, ea.data(), eas.data()}, m);
   }
 
   // A checkpoint of odd_model() written by the whole world, copied to `copy` by rank 0 (which
   // then applies `damage` to the copy).
-  void make_damaged_copy(const std::string& copy, const std::function<void(const std::string&)>& damage) {
+  void make_damaged_copy(const std::string& copy,
+                         const std::function<void(const std::string&)>& damage) {
     const ModelConfig m = odd_model();
     const Tensors t = random_tensors(ParamLayout(m).numel());
     const std::string path = checkpoint_path(dir_, 1);
@@ -217,10 +222,10 @@ TEST_F(Checkpoint, RoundTripIsBitExactForEveryMomentRange) {
   EXPECT_FALSE(fs::exists(path + ".tmp"));
   const std::string bytes = world_rank() == 0 ? read_bytes(path) : "";
   read_and_compare(path, *mesh_, m, t, Range{0, n});
-  read_and_compare(path, *mesh_, m, t, split_range(n, P, r));  // ZeRO-1 shard
-  read_and_compare(path, *mesh_, m, t, split_range(n, 3, r % 3));  // a shard of another dp size
+  read_and_compare(path, *mesh_, m, t, split_range(n, P, r));         // ZeRO-1 shard
+  read_and_compare(path, *mesh_, m, t, split_range(n, 3, r % 3));     // a shard of another dp size
   read_and_compare(path, *mesh_, m, t, Range{n / 3 + r, n / 3 + r});  // empty
-  read_and_compare(path, *mesh_, m, t, Range{n - 1 - r, n});  // overlapping tails
+  read_and_compare(path, *mesh_, m, t, Range{n - 1 - r, n});          // overlapping tails
   if (world_rank() == 0) EXPECT_EQ(read_bytes(path), bytes) << "reading modified the file";
 
   // ZeRO-1 style writer: each rank passes only its shard.
@@ -266,8 +271,9 @@ TEST_F(Checkpoint, FileHasTheDocumentedLayout) {
     EXPECT_EQ(dims[1], 20u);
     std::vector<float> data(p.numel);
     H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, data.data());
-    const auto& src = std::string(g) == "/params/" ? t.params
-                      : std::string(g) == "/optim/exp_avg/" ? t.exp_avg : t.exp_avg_sq;
+    const auto& src = std::string(g) == "/params/"          ? t.params
+                      : std::string(g) == "/optim/exp_avg/" ? t.exp_avg
+                                                            : t.exp_avg_sq;
     EXPECT_EQ(0, std::memcmp(data.data(), src.data() + p.offset, p.numel * sizeof(float))) << name;
     std::uint64_t stored = 0;
     hid_t attr = H5Aopen(ds, "checksum", H5P_DEFAULT);
@@ -399,10 +405,12 @@ TEST_F(Checkpoint, ModelMismatchIsAUserErrorNamingTheField) {
     const char* have;
     const char* want;
   };
-  const Case cases[] = {{"hidden_size", [](ModelConfig& m) { m.hidden_size = 16; }, "12", "16"},
-                        {"num_kv_heads", [](ModelConfig& m) { m.num_kv_heads = 2; }, "1", "2"},
-                        {"rope_theta", [](ModelConfig& m) { m.rope_theta = 1e6; }, "12345.5", "1000000"},
-                        {"tie_word_embeddings", [](ModelConfig& m) { m.tie_word_embeddings = true; }, "false", "true"}};
+  const Case cases[] = {
+      {"hidden_size", [](ModelConfig& m) { m.hidden_size = 16; }, "12", "16"},
+      {"num_kv_heads", [](ModelConfig& m) { m.num_kv_heads = 2; }, "1", "2"},
+      {"rope_theta", [](ModelConfig& m) { m.rope_theta = 1e6; }, "12345.5", "1000000"},
+      {"tie_word_embeddings", [](ModelConfig& m) { m.tie_word_embeddings = true; }, "false",
+       "true"}};
   for (const auto& c : cases) {
     ModelConfig m = odd_model();
     c.change(m);
@@ -422,7 +430,8 @@ TEST_F(Checkpoint, MissingOrMisshapenTensorIsAUserError) {
       if (recreate) {
         hsize_t dims[2] = {6, 13};
         hid_t sp = H5Screate_simple(2, dims, nullptr);
-        hid_t ds = H5Dcreate2(f, name.c_str(), H5T_IEEE_F32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
+        hid_t ds =
+            H5Dcreate2(f, name.c_str(), H5T_IEEE_F32LE, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
         H5Dclose(ds);
         H5Sclose(sp);
       }

@@ -91,8 +91,10 @@ TEST_F(TokenFile, SamplesAreShiftedWindowsWithMaskedTargets) {
     EXPECT_TRUE(std::all_of(seen.begin(), seen.end(), [](int c) { return c == 1; }))
         << "epoch " << epoch << " does not visit every window exactly once";
     EXPECT_EQ(order, token_window_order(W, seed, epoch));
-    if (epoch == 0) first_epoch = order;
-    else EXPECT_NE(order, first_epoch) << "epochs should be shuffled differently";
+    if (epoch == 0)
+      first_epoch = order;
+    else
+      EXPECT_NE(order, first_epoch) << "epochs should be shuffled differently";
   }
   // Random access, any order, gives the same samples.
   const std::int64_t g = 2 * W + 5;
@@ -208,16 +210,39 @@ TEST_F(TokenFile, EveryBadFileIsAUserErrorNamingFileAndDataset) {
       {"no tokens", [](RawFile& r) { r.with_tokens = false; }, {"/tokens", "missing"}},
       {"no doc_offsets", [](RawFile& r) { r.with_offsets = false; }, {"/doc_offsets", "missing"}},
       {"float tokens", [](RawFile& r) { r.tokens_type = H5T_IEEE_F32LE; }, {"/tokens", "integers"}},
-      {"2-D tokens", [](RawFile& r) { r.tokens_dims = {3, 11}; }, {"/tokens", "1-D"}},
-      {"offsets start at 1", [](RawFile& r) { r.offsets = {1, 10, 33}; }, {"/doc_offsets", "from 0"}},
-      {"offsets end early", [](RawFile& r) { r.offsets = {0, 10, 32}; }, {"/doc_offsets", "33"}},
-      {"offsets decrease", [](RawFile& r) { r.offsets = {0, 20, 10, 33}; }, {"/doc_offsets", "decreases"}},
+      {"2-D tokens",
+       [](RawFile& r) {
+         r.tokens_dims = {3, 11};
+       },
+       {"/tokens", "1-D"}},
+      {"offsets start at 1",
+       [](RawFile& r) {
+         r.offsets = {1, 10, 33};
+       },
+       {"/doc_offsets", "from 0"}},
+      {"offsets end early",
+       [](RawFile& r) {
+         r.offsets = {0, 10, 32};
+       },
+       {"/doc_offsets", "33"}},
+      {"offsets decrease",
+       [](RawFile& r) {
+         r.offsets = {0, 20, 10, 33};
+       },
+       {"/doc_offsets", "decreases"}},
       {"id too large", [](RawFile& r) { r.tokens[17] = vocab; }, {"/tokens[17]", "16"}},
       {"negative id", [](RawFile& r) { r.tokens[3] = -1; }, {"/tokens[3]", "-1"}},
-      {"too few tokens", [](RawFile& r) { r.tokens_dims = {8}; r.tokens.resize(8); r.offsets = {0, 8}; },
+      {"too few tokens",
+       [](RawFile& r) {
+         r.tokens_dims = {8};
+         r.tokens.resize(8);
+         r.offsets = {0, 8};
+       },
        {"/tokens", "9"}},
       {"short loss_mask", [](RawFile& r) { r.mask.assign(32, 1); }, {"/loss_mask", "32", "33"}},
-      {"vocab_size attribute too large", [](RawFile& r) { r.vocab_attr = vocab + 1; }, {"vocab_size", "17"}},
+      {"vocab_size attribute too large",
+       [](RawFile& r) { r.vocab_attr = vocab + 1; },
+       {"vocab_size", "17"}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
@@ -238,7 +263,8 @@ TEST_F(TokenFile, EveryBadFileIsAUserErrorNamingFileAndDataset) {
     } catch (const UserError& e) {
       const std::string msg = e.what();
       EXPECT_NE(msg.find(path), std::string::npos) << msg;
-      for (const auto& s : c.expect) EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
+      for (const auto& s : c.expect)
+        EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
     }
   }
 }

@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -98,10 +99,11 @@ class Guarded {
 
   explicit Guarded(std::size_t n, T fill = std::numeric_limits<T>::quiet_NaN())
       : v_(n + 2 * kGuard, kSentinel), n_(n) {
-    for (std::size_t i = 0; i < n; ++i) v_[kGuard + i] = fill;
+    std::fill(v_.begin() + kGuard, v_.end() - kGuard, fill);
   }
-  explicit Guarded(const std::vector<T>& init) : Guarded(init.size(), T(0)) {
-    for (std::size_t i = 0; i < n_; ++i) v_[kGuard + i] = init[i];
+  explicit Guarded(const std::vector<T>& init)
+      : v_(init.size() + 2 * kGuard, kSentinel), n_(init.size()) {
+    std::copy(init.begin(), init.end(), v_.begin() + kGuard);
   }
   T* data() { return v_.data() + kGuard; }
   const T* data() const { return v_.data() + kGuard; }

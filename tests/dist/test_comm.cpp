@@ -1,0 +1,115 @@
+// The MPI communicator and the mesh, run under mpiexec -n 4.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <memory>
+#include <numeric>
+#include <set>
+
+#include "qtrain/comm.h"
+#include "qtrain/mesh.h"
+
+namespace qt {
+namespace {
+
+std::shared_ptr<MpiComm> world() {
+  return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
+}
+
+TEST(MeshArithmetic, CoordinatesRoundTripAndTpIsInnermost) {
+  for (MeshShape s : {MeshShape{2, 2, 2, 1}, MeshShape{4, 1, 1, 2}, MeshShape{3, 2, 1, 3},
+                      MeshShape{1, 1, 1, 1}, MeshShape{8, 1, 2, 4}}) {
+    std::set<std::tuple<int, int, int>> seen;
+    for (int r = 0; r < s.world(); ++r) {
+      MeshCoord c = mesh_coord_of(s, r);
+      EXPECT_EQ(mesh_rank_of(s, c), r);
+      EXPECT_EQ(c.dp, c.edp * s.ep + c.ep);
+      EXPECT_TRUE(seen.insert({c.pp, c.dp, c.tp}).second);
+    }
+    if (s.tp > 1) EXPECT_EQ(mesh_coord_of(s, 1).tp, 1);                 // neighbours share dp
+    if (s.pp > 1) EXPECT_EQ(mesh_coord_of(s, s.world() - 1).pp, s.pp - 1);  // pp outermost
+  }
+}
+
+TEST(MpiComm, Collectives) {
+  auto w = world();
+  const int n = w->size(), r = w->rank();
+  // all_reduce
+  std::vector<double> v = {1.0 * r, 2.0};
+  w->all_reduce(v.data(), v.size(), DType::kF64, ReduceOp::kSum);
+  EXPECT_EQ(v[0], n * (n - 1) / 2.0);
+  EXPECT_EQ(v[1], 2.0 * n);
+  EXPECT_EQ(w->max(static_cast<double>(r)), n - 1);
+  // reduce_scatter: block b of rank q holds q + b; rank r receives sum_q (q + r)
+  std::vector<float> send(3 * n), recv(3);
+  for (int b = 0; b < n; ++b)
+    for (int i = 0; i < 3; ++i) send[b * 3 + i] = static_cast<float>(r + b + i);
+  w->reduce_scatter(send.data(), recv.data(), 3, DType::kF32, ReduceOp::kSum);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(recv[i], n * (n - 1) / 2.0f + n * (r + i));
+  // all_gather
+  std::vector<std::int64_t> mine = {r, 10 * r}, all(2 * n);
+  w->all_gather(mine.data(), all.data(), 2, DType::kI64);
+  for (int q = 0; q < n; ++q) {
+    EXPECT_EQ(all[2 * q], q);
+    EXPECT_EQ(all[2 * q + 1], 10 * q);
+  }
+  // all_to_all_v: rank r sends q + 1 copies of value 100 r + q to rank q
+  std::vector<std::size_t> sc(n), sd(n), rc(n), rd(n);
+  std::vector<std::int32_t> out, in;
+  for (int q = 0; q < n; ++q) {
+    sd[q] = out.size();
+    sc[q] = q + 1;
+    for (int k = 0; k <= q; ++k) out.push_back(100 * r + q);
+    rd[q] = q == 0 ? 0 : rd[q - 1] + rc[q - 1];
+    rc[q] = r + 1;
+  }
+  in.resize(rd[n - 1] + rc[n - 1]);
+  w->all_to_all_v(out.data(), sc, sd, in.data(), rc, rd, DType::kI32);
+  for (int q = 0; q < n; ++q)
+    for (std::size_t k = 0; k < rc[q]; ++k) EXPECT_EQ(in[rd[q] + k], 100 * q + r);
+  // broadcast
+  std::int32_t b = r == n - 1 ? 77 : -1;
+  w->broadcast(&b, 1, DType::kI32, n - 1);
+  EXPECT_EQ(b, 77);
+  // ring send/recv (even ranks send first to avoid a cycle of blocking sends)
+  if (n > 1) {
+    float token = static_cast<float>(r), got = -1;
+    const int next = (r + 1) % n, prev = (r + n - 1) % n;
+    if (r % 2 == 0) {
+      w->send(&token, 1, DType::kF32, next, 5);
+      w->recv(&got, 1, DType::kF32, prev, 5);
+    } else {
+      w->recv(&got, 1, DType::kF32, prev, 5);
+      w->send(&token, 1, DType::kF32, next, 5);
+    }
+    EXPECT_EQ(got, static_cast<float>(prev));
+  }
+  w->barrier();
+}
+
+TEST(Mesh, CommunicatorsGroupTheRightRanks) {
+  auto w = world();
+  if (w->size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  // pp 1 x dp 2 x tp 2, ep 2: tp pairs {0,1},{2,3}; dp pairs {0,2},{1,3}.
+  Mesh mesh(MeshShape{2, 2, 1, 2}, w);
+  const int r = w->rank();
+  EXPECT_EQ(mesh.tp().size(), 2);
+  EXPECT_EQ(mesh.dp().size(), 2);
+  EXPECT_EQ(mesh.pp().size(), 1);
+  EXPECT_EQ(mesh.ep().size(), 2);
+  EXPECT_EQ(mesh.edp().size(), 1);
+  EXPECT_EQ(mesh.tp().rank(), r % 2);
+  EXPECT_EQ(mesh.dp().rank(), r / 2);
+  // Sum of world ranks inside each group identifies its members.
+  EXPECT_EQ(mesh.tp().sum(static_cast<double>(r)), r < 2 ? 1.0 : 5.0);
+  EXPECT_EQ(mesh.dp().sum(static_cast<double>(r)), r % 2 == 0 ? 2.0 : 4.0);
+  EXPECT_EQ(mesh.local_size(), 4);  // one node
+  const std::string text = mesh.describe();
+  if (r == 0) {
+    EXPECT_NE(text.find("dp 2"), std::string::npos) << text;
+    EXPECT_NE(text.find("rank    3"), std::string::npos) << text;
+  }
+}
+
+}  // namespace
+}  // namespace qt
