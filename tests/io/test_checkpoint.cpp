@@ -120,6 +120,11 @@ void write(const std::string& path, Mesh& mesh, const ModelConfig& m, const Tens
   checkpoint_write(path, mesh, layout, t.params.data(), ms, some_state(), m, kDeck);
 }
 
+// Bit-for-bit equality of two float arrays (NaN payloads and -0 included).
+bool same_bits(const float* a, const float* b, std::size_t n) {
+  return n == 0 || std::memcmp(a, b, n * sizeof(float)) == 0;
+}
+
 // Reads into fresh buffers with moments for `range`; checks everything bit for bit against `t`.
 void read_and_compare(const std::string& path, Mesh& mesh, const ModelConfig& m, const Tensors& t,
                       Range range) {
@@ -134,12 +139,11 @@ void read_and_compare(const std::string& path, Mesh& mesh, const ModelConfig& m,
   EXPECT_EQ(s.tokens_consumed, want.tokens_consumed);
   EXPECT_EQ(s.seed, want.seed);
   EXPECT_EQ(s.rng_counter, want.rng_counter);
-  EXPECT_EQ(0, std::memcmp(params.data(), t.params.data(), params.size() * sizeof(float)))
+  EXPECT_TRUE(same_bits(params.data(), t.params.data(), params.size()))
       << "params differ on rank " << world_rank();
-  EXPECT_EQ(0, std::memcmp(ea.data(), t.exp_avg.data() + range.begin, ea.size() * sizeof(float)))
+  EXPECT_TRUE(same_bits(ea.data(), t.exp_avg.data() + range.begin, ea.size()))
       << "exp_avg [" << range.begin << ", " << range.end << ") differs on rank " << world_rank();
-  EXPECT_EQ(0,
-            std::memcmp(eas.data(), t.exp_avg_sq.data() + range.begin, eas.size() * sizeof(float)))
+  EXPECT_TRUE(same_bits(eas.data(), t.exp_avg_sq.data() + range.begin, eas.size()))
       << "exp_avg_sq differs on rank " << world_rank();
 }
 
