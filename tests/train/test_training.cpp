@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "qtrain/data.h"
 #include "training_harness.h"
 
 namespace qt {
@@ -132,6 +133,40 @@ TEST_F(Training, CorruptNamedCheckpointIsABadInputError) {
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.error.find("step_00000010.h5"), std::string::npos) << bad.error;
   EXPECT_EQ(fs::file_size(ckpt), size_before);  // left as it was
+}
+
+TEST_F(Training, TrainsFromATokenFileOnAnyDpSize) {
+  // A token file of repeating documents; dp = 1 and dp = 2 must agree and the loss must fall.
+  const std::string file = path("tokens.h5");
+  if (test::world_rank() == 0) {
+    std::vector<std::int32_t> tokens;
+    std::vector<std::int64_t> offsets = {0};
+    std::vector<std::uint8_t> mask;
+    for (int d = 0; d < 200; ++d) {
+      for (int i = 0; i < 37; ++i) {
+        tokens.push_back((d * 7 + i * i) % 256);
+        mask.push_back(i % 9 != 0);  // some targets not counted
+      }
+      offsets.push_back(static_cast<std::int64_t>(tokens.size()));
+    }
+    write_token_file(file, tokens, offsets, mask, 256);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  const std::vector<std::string> ov = {"--data.source=file", "--data.path=" + file};
+  auto one = run(1, deck_text(path("f1")), ov, path("f1.jsonl"));
+  auto two = run(2, deck_text(path("f2")), ov, path("f2.jsonl"));
+  ASSERT_EQ(one.exit_code, 0) << one.error;
+  ASSERT_EQ(one.steps.size(), 20u);
+  ASSERT_EQ(two.steps.size(), 20u);
+  EXPECT_LT(one.steps.back().loss, one.steps.front().loss);
+  EXPECT_LT(max_rel_diff(two.steps, one.steps), 1e-5);
+}
+
+TEST_F(Training, MissingTokenFileIsABadInputErrorOnEveryRank) {
+  auto res = run(2, deck_text(path("x")), {"--data.source=file", "--data.path=" + path("absent.h5")},
+                 path("x.jsonl"));
+  EXPECT_EQ(res.exit_code, 2);
+  EXPECT_NE(res.error.find("absent.h5"), std::string::npos) << res.error;
 }
 
 }  // namespace
