@@ -19,6 +19,7 @@ struct TrainConfig {
   int stop_at = 0;         // stop after this step (checkpointing first); 0 = run to `steps`
   std::uint64_t seed = 1234;
   bool recompute = false;  // recompute each layer's activations in backward
+  std::string device = "cpu";  // back end: cpu | cuda
 };
 
 enum class Schedule { kCosine, kLinear, kConstant };

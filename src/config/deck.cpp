@@ -33,6 +33,7 @@ namespace po = boost::program_options;
 const std::vector<std::string> kSections = {"model", "mesh",       "train", "optim",
                                             "data",  "checkpoint", "log"};
 const std::vector<std::string> kDataSources = {"synthetic", "file"};
+const std::vector<std::string> kDevices = {"cpu", "cuda"};
 const std::vector<Schedule> kSchedules = {Schedule::kCosine, Schedule::kLinear,
                                           Schedule::kConstant};
 
@@ -121,6 +122,8 @@ const std::vector<KeySpec>& key_table() {
              "Seed of initialisation, data order and synthetic data"),
         spec("train", "recompute", &D::train, &T::recompute, "",
              "Recompute each layer's activations in backward (true | false)"),
+        spec("train", "device", &D::train, &T::device, "",
+             "Back end: cpu (fp32 reference) | cuda (bf16 compute, fp32 master weights; one GPU per rank)"),
 
         spec("optim", "lr", &D::optim, &O::lr, "", "Peak learning rate (AdamW)"),
         spec("optim", "min_lr", &D::optim, &O::min_lr, "",
@@ -446,6 +449,8 @@ std::string file_problem(const std::string& path) {
 
 void Builder::validate_data_checkpoint_log() {
   DataConfig& d = deck_.data;
+  need(std::find(kDevices.begin(), kDevices.end(), deck_.train.device) != kDevices.end(),
+       "train.device", "is not a back end: {}", join(kDevices, " | "));
   need(std::find(kDataSources.begin(), kDataSources.end(), d.source) != kDataSources.end(),
        "data.source", "is not a data source: {}", join(kDataSources, " | "));
   need(d.synthetic_branching >= 1, "data.synthetic_branching", "must be >= 1");

@@ -26,16 +26,17 @@ std::string format_duration(double s) {
 
 void MetricsLog::write(const StepMetrics& m) {
   if (!root_) return;
-  std::printf("step %6lld/%lld | loss %.5f | lr %.3e | grad norm %.4f | %.0f tok/s | %s elapsed | ETA %s\n",
+  std::printf("step %6lld/%lld | loss %.5f | lr %.3e | grad norm %.4f | %.0f tok/s | %s elapsed | ETA %s%s%s\n",
               static_cast<long long>(m.step), static_cast<long long>(m.steps), m.loss, m.lr,
               m.grad_norm, m.tokens_per_s, format_duration(m.elapsed_s).c_str(),
-              format_duration(m.eta_s).c_str());
+              format_duration(m.eta_s).c_str(), m.memory.empty() ? "" : " | ", m.memory.c_str());
   std::fflush(stdout);
   if (!file_.is_open()) return;
   nlohmann::json j = {{"step", m.step},           {"loss", m.loss},
                       {"lr", m.lr},               {"grad_norm", m.grad_norm},
                       {"tokens_per_s", m.tokens_per_s}, {"elapsed_s", m.elapsed_s},
                       {"eta_s", m.eta_s},         {"tokens", m.tokens}};
+  if (!m.memory.empty()) j["memory"] = m.memory;
   file_ << j.dump() << '\n';
   file_.flush();
 }

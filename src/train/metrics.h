@@ -17,6 +17,7 @@ struct StepMetrics {
   double elapsed_s = 0;        // since this process started training
   double eta_s = 0;
   std::int64_t tokens = 0;     // counted tokens consumed by the run so far
+  std::string memory;          // back end's memory report (e.g. GPU current/peak), may be empty
 };
 
 class MetricsLog {

@@ -15,7 +15,7 @@
 #include <vector>
 
 #include "model/qwen3.h"
-#include "optim/optimizer.h"
+#include "train/backend.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/data.h"
 #include "qtrain/error.h"
@@ -70,10 +70,8 @@ int run_training(const Deck& deck, Mesh& mesh) {
            "global batch {} does not split into dp {} x micro_batch {}", tc.global_batch,
            dp.size(), B);
 
-  Qwen3Model model(deck.model, B, T, tc.recompute);
-  const ParamLayout& layout = model.layout();
-  AdamW optim(deck.optim, layout, dp, tc.steps);
-  std::vector<float> params(optim.padded_numel(), 0.0f), grads(optim.padded_numel(), 0.0f);
+  std::unique_ptr<TrainBackend> backend = make_backend(deck, mesh);
+  const ParamLayout& layout = backend->layout();
   std::unique_ptr<DataSource> data = make_data_source(deck);
 
   if (root) {
@@ -83,6 +81,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
                 deck.model.num_layers, deck.model.hidden_size, deck.model.num_heads,
                 deck.model.num_kv_heads, deck.model.vocab_size);
     std::printf("data: %s\n", data->describe().c_str());
+    std::printf("back end: %s\n", backend->describe().c_str());
     std::printf("batch: %d sequences x %d tokens per step = %d micro-batches of %d on each of %d dp ranks; ZeRO-%d\n",
                 tc.global_batch, T, micro_steps, B, dp.size(), deck.optim.zero_stage);
   } else {
@@ -91,11 +90,13 @@ int run_training(const Deck& deck, Mesh& mesh) {
 
   TrainState state;
   state.seed = tc.seed;
-  const bool resumed = try_resume(deck, mesh, layout, params.data(), optim.moments(), state);
+  const bool resumed =
+      try_resume(deck, mesh, layout, backend->host_params(), backend->host_moments(), state);
   if (!resumed) {
-    init_params(deck.model, layout, tc.seed, params.data());
+    init_params(deck.model, layout, tc.seed, backend->host_params());
     if (root) std::printf("initialised parameters from seed %llu\n", static_cast<unsigned long long>(tc.seed));
   }
+  backend->push_state();
   const std::int64_t last = tc.stop_at > 0 ? std::min(tc.stop_at, tc.steps) : tc.steps;
   if (state.step >= last) {
     if (root) std::printf("nothing to do: step %lld already reached\n", static_cast<long long>(state.step));
@@ -107,8 +108,9 @@ int run_training(const Deck& deck, Mesh& mesh) {
   MetricsLog log(deck.log.metrics, root, resumed);
   auto save = [&](std::int64_t step) {
     const std::string path = checkpoint_path(deck.checkpoint.dir, step);
-    checkpoint_write(path, mesh, layout, params.data(), optim.moments(), state, deck.model,
-                     deck.resolved);
+    backend->pull_state();
+    checkpoint_write(path, mesh, layout, backend->host_params(), backend->host_moments(), state,
+                     deck.model, deck.resolved);
     checkpoint_prune(deck.checkpoint.dir, deck.checkpoint.keep, mesh.world());
     if (root) std::printf("checkpoint written: %s\n", path.c_str());
   };
@@ -131,16 +133,15 @@ int run_training(const Deck& deck, Mesh& mesh) {
     for (auto t : targets) counted += t != -100;
     counted = dp.sum(counted);
     // 3. Forward and backward, gradients of sum(loss) / counted.
-    std::fill(grads.begin(), grads.end(), 0.0f);
+    backend->zero_grads();
     double loss_sum = 0;
     const float scale = counted > 0 ? 1.0f / static_cast<float>(counted) : 0.0f;
     for (int m = 0; m < micro_steps; ++m) {
       const std::size_t off = static_cast<std::size_t>(m) * B * T;
-      loss_sum += model.forward(params.data(), &inputs[off], &targets[off]);
-      model.backward(params.data(), grads.data(), scale);
+      loss_sum += backend->micro_step(&inputs[off], &targets[off], scale);
     }
     // 4. Optimizer.
-    const OptimStepStats os = optim.step(params.data(), grads.data(), step);
+    const OptimStepStats os = backend->optimizer_step(step);
     const double loss = counted > 0 ? dp.sum(loss_sum) / static_cast<double>(counted) : 0.0;
     state.step = step + 1;
     state.samples_consumed += tc.global_batch;
@@ -163,6 +164,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
       sm.tokens_per_s = tokens_since_log / std::max(1e-9, seconds_since(t_log));
       sm.eta_s = sm.elapsed_s / static_cast<double>(state.step - first_step) * static_cast<double>(last - state.step);
       sm.tokens = state.tokens_consumed;
+      sm.memory = backend->memory_report();
       log.write(sm);
       t_log = Clock::now();
       tokens_since_log = 0;

@@ -1,0 +1,114 @@
+// qt::Comm over NCCL on device buffers.
+//
+// Built collectively from an MpiComm (rank 0 makes the NCCL unique id, MPI broadcasts it) on the
+// current device, as a non-blocking NCCL communicator with its own stream. The Comm calls are
+// blocking: each enqueues on stream() and then waits, polling ncclCommGetAsyncError and
+// cudaStreamQuery until a deadline (timeout_s). On timeout every waiting rank prints what it was
+// waiting for (operation, communicator, count, dtype, peer) and, by default, the communicator and
+// the job are aborted (MPI_Abort); an NCCL async error aborts the job at once.
+//
+// Ordering: stream() is a blocking stream, so device work queued earlier on the legacy default
+// stream is ordered before a collective; work on other streams must be synchronised first, or
+// ordered with wait_event(). Host buffers (e.g. Comm::sum(double)) are staged through a small
+// device scratch buffer (kHostStagingBytes); larger buffers must be device memory.
+// send/recv ignore `tag` (NCCL matches point-to-point calls by order) and are rendezvous: a send
+// returns only once the peer's recv has completed, so two ranks must not both send first.
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cuda/device.h"
+#include "qtrain/comm.h"
+
+namespace qt::cuda {
+
+// Thrown on timeout when the communicator was made with OnTimeout::kThrow (tests); the
+// communicator is aborted and every later call on it throws std::logic_error.
+class CommTimeout : public std::runtime_error {
+ public:
+  explicit CommTimeout(const std::string& msg) : std::runtime_error(msg) {}
+};
+
+enum class OnTimeout { kAbortJob, kThrow };
+
+class NcclComm final : public Comm {
+ public:
+  static constexpr double kDefaultTimeoutS = 600.0;
+  static constexpr std::size_t kHostStagingBytes = 64 * 1024;
+
+  // Collective over `mpi`. Sets NCCL_NVLS_ENABLE=0 when unset (NVLink multicast stays off).
+  NcclComm(const MpiComm& mpi, std::string name, double timeout_s = kDefaultTimeoutS,
+           OnTimeout on_timeout = OnTimeout::kAbortJob);
+  ~NcclComm() override;
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+
+  void all_reduce(void* buf, std::size_t count, DType t, ReduceOp op) override;
+  void reduce_scatter(const void* send, void* recv, std::size_t count, DType t,
+                      ReduceOp op) override;
+  void all_gather(const void* send, void* recv, std::size_t count, DType t) override;
+  void all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
+                    const std::vector<std::size_t>& send_displs, void* recv,
+                    const std::vector<std::size_t>& recv_counts,
+                    const std::vector<std::size_t>& recv_displs, DType t) override;
+  void send(const void* buf, std::size_t count, DType t, int dest, int tag) override;
+  void recv(void* buf, std::size_t count, DType t, int src, int tag) override;
+  void broadcast(void* buf, std::size_t count, DType t, int root) override;
+  void barrier() override;
+
+  // Asynchronous variants (device buffers only): enqueue on stream() and return. Complete them
+  // with synchronize(), or order other streams after them with an event recorded on stream().
+  void all_reduce_async(void* buf, std::size_t count, DType t, ReduceOp op);
+  void reduce_scatter_async(const void* send, void* recv, std::size_t count, DType t, ReduceOp op);
+  void all_gather_async(const void* send, void* recv, std::size_t count, DType t);
+
+  // Waits, with the timeout, until everything enqueued on stream() has finished.
+  void synchronize();
+  // Makes later work on stream() wait for `e` (recorded on a producing stream).
+  void wait_event(cudaEvent_t e);
+
+  cudaStream_t stream() const { return stream_; }
+  ncclComm_t nccl() const { return comm_; }
+  int device() const { return device_; }
+  double timeout_s() const { return timeout_s_; }
+  bool aborted() const { return aborted_; }
+
+ private:
+  // What a wait is for, formatted only when a report is needed.
+  struct Pending {
+    const char* op = "";
+    std::size_t count = 0;
+    DType t = DType::kF32;
+    int peer = -1;  // root, source or destination; -1 if none
+  };
+
+  void check_usable(const char* op) const;
+  void enqueued(ncclResult_t rc, const Pending& what, const char* call);
+  void wait_idle(const Pending& what);
+  [[noreturn]] void timed_out(const Pending& what, double waited_s);
+  std::string describe(const Pending& what) const;
+  void* staging(std::size_t bytes, const Pending& what);
+
+  std::string name_;
+  int rank_ = 0, size_ = 1;
+  int device_ = -1;
+  double timeout_s_;
+  OnTimeout on_timeout_;
+  ncclComm_t comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  DeviceBuffer scratch_;  // host staging and the barrier's word
+  Pending last_async_;    // the latest async operation, for synchronize()'s report
+  bool aborted_ = false;
+};
+
+}  // namespace qt::cuda

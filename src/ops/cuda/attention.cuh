@@ -1,0 +1,41 @@
+// Fused causal flash attention for GQA on the GPU (bf16 in and out, fp32 accumulation and
+// statistics). Contract: src/ops/attention.h; algorithm and limits: docs/attention.md.
+// Query head j uses kv head j / (nh / nkv); scale 1/sqrt(hd); hd must be 64 or 128; nh a
+// multiple of nkv. The [T, T] scores are never stored.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+namespace qt::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// q: [B, T, nh, hd]; k, v: [B, T, nkv, hd]; out: [B, T, nh, hd] (written);
+// lse: [B, nh, T] fp32, natural-log log-sum-exp of the scaled scores of each query row (written).
+void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int B,
+                       int Tn, int nh, int nkv, int hd, cudaStream_t stream);
+
+// dq: [B, T, nh, hd]; dk, dv: [B, T, nkv, hd]; all written (=). Deterministic: the same inputs
+// give bitwise the same gradients. dq doubles as scratch for D_i = sum(dout_i * out_i) until the
+// last kernel overwrites it, so dq must not alias any input.
+void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
+                        const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
+                        int Tn, int nh, int nkv, int hd, cudaStream_t stream);
+
+// Tuning knob for benchmarks and tests: warps per block (4 or 8) of the forward kernel, the dK/dV
+// kernel and the dQ kernel; 0 keeps the default. Each warp owns 16 rows of its tile.
+struct AttentionConfig {
+  int fwd_warps = 0;
+  int dkdv_warps = 0;
+  int dq_warps = 0;
+};
+void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int B,
+                       int Tn, int nh, int nkv, int hd, const AttentionConfig& cfg,
+                       cudaStream_t stream);
+void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
+                        const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
+                        int Tn, int nh, int nkv, int hd, const AttentionConfig& cfg,
+                        cudaStream_t stream);
+
+}  // namespace qt::cuda

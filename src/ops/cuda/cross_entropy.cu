@@ -1,0 +1,190 @@
+// Cross-entropy forward (one block per row, online max/sum) and backward (elementwise over the
+// row); see cross_entropy.cuh. Rows are walked in chunks of 8 logits: one 16-byte vector when
+// kVec, else 8 scalar loads with bounds checks (V % 8 != 0 or a misaligned pointer).
+#include <cmath>
+
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/cross_entropy.cuh"
+
+namespace qt::cuda {
+
+static constexpr int kFwdThreads = 512;
+static constexpr int kFwdUnroll = 4;  // chunks of 8 in flight per thread
+static constexpr int kBwdThreads = 256;
+static constexpr int kBwdUnroll = 4;
+static constexpr int kSumThreads = 1024;
+static constexpr float kLog2e = 1.4426950408889634f;
+static constexpr std::int32_t kIgnoreIndex = -100;
+
+// Chunk c of a row of V logits: elements [8c, 8c + 8); past V reads as `fill`.
+template <bool kVec>
+static __device__ __forceinline__ void load_chunk(const bf16* row, int c, int V, float fill,
+                                                  float (&f)[8]) {
+  if constexpr (kVec) {
+    load_bf16x8_rw(row + static_cast<std::size_t>(c) * 8, f);  // dlogits may alias logits
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int e = c * 8 + i;
+      f[i] = e < V ? __bfloat162float(row[e]) : fill;
+    }
+  }
+}
+
+template <bool kVec>
+static __device__ __forceinline__ void store_chunk(bf16* row, int c, int V, const float (&f)[8]) {
+  if constexpr (kVec) {
+    store_bf16x8(row + static_cast<std::size_t>(c) * 8, f);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (c * 8 + i < V) row[c * 8 + i] = __float2bfloat16_rn(f[i]);
+  }
+}
+
+namespace {
+// Running maximum m and s = sum exp(x - m); m = -inf means empty.
+struct MaxSum {
+  float m, s;
+};
+}  // namespace
+
+static __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
+  const float m = fmaxf(a.m, b.m);
+  if (m == -INFINITY) return {m, 0.0f};
+  return {m, a.s * exp2f((a.m - m) * kLog2e) + b.s * exp2f((b.m - m) * kLog2e)};
+}
+
+template <bool kVec>
+static __global__ void __launch_bounds__(kFwdThreads)
+    cross_entropy_forward_kernel(float* __restrict__ losses, float* __restrict__ lse,
+                                 const bf16* __restrict__ logits,
+                                 const std::int32_t* __restrict__ targets, int V) {
+  __shared__ MaxSum warp_part[32];
+  const int n = blockIdx.x;
+  const bf16* row = logits + static_cast<std::size_t>(n) * V;
+  const int chunks = ceil_div(V, 8);
+  MaxSum acc{-INFINITY, 0.0f};
+  for (int c0 = threadIdx.x; c0 < chunks; c0 += kFwdUnroll * kFwdThreads) {
+    float x[kFwdUnroll][8];
+    float mx = -INFINITY;
+#pragma unroll
+    for (int u = 0; u < kFwdUnroll; ++u) {
+      const int c = c0 + u * kFwdThreads;
+      if (c < chunks) {
+        load_chunk<kVec>(row, c, V, -INFINITY, x[u]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[u][i] = -INFINITY;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mx = fmaxf(mx, x[u][i]);
+    }
+    // mx is finite: chunk c0 < chunks holds at least one logit.
+    // exp(x - m) as exp2((x - m) log2 e): x - m is exact for bf16 logits, so one rounding.
+    const float m = fmaxf(acc.m, mx);
+    float s = acc.s * exp2f((acc.m - m) * kLog2e);
+#pragma unroll
+    for (int u = 0; u < kFwdUnroll; ++u)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s += exp2f((x[u][i] - m) * kLog2e);
+    acc = {m, s};
+  }
+  // Block combine in a fixed order: xor tree in each warp, then warps 0, 1, ... by thread 0.
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    MaxSum other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
+    acc = combine(acc, other);
+  }
+  if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  MaxSum total = warp_part[0];
+  for (int w = 1; w < kFwdThreads / 32; ++w) total = combine(total, warp_part[w]);
+  const float l = total.m + logf(total.s);
+  lse[n] = l;
+  const std::int32_t t = targets[n];
+  losses[n] = t == kIgnoreIndex ? 0.0f : l - __bfloat162float(row[t]);
+}
+
+// *loss_sum += sum of losses[0, N), in double, in a fixed order. One block.
+static __global__ void __launch_bounds__(kSumThreads)
+    loss_sum_kernel(double* loss_sum, const float* __restrict__ losses, int N) {
+  __shared__ double smem[32];
+  double v[1] = {0.0};
+  for (int i = threadIdx.x; i < N; i += kSumThreads) v[0] += losses[i];
+  block_sum<1>(v, smem);
+  if (threadIdx.x == 0) *loss_sum += v[0];
+}
+
+// Block (n, y) handles chunks y * kBwdUnroll * kBwdThreads + u * kBwdThreads + threadIdx.x of
+// row n.
+template <bool kVec>
+static __global__ void __launch_bounds__(kBwdThreads)
+    cross_entropy_backward_kernel(bf16* dlogits, const bf16* logits, const float* __restrict__ lse,
+                                  const std::int32_t* __restrict__ targets, float scale, int V) {
+  const int n = blockIdx.x;
+  const std::size_t off = static_cast<std::size_t>(n) * V;
+  const int chunks = ceil_div(V, 8);
+  const std::int32_t t = targets[n];
+  const float l = lse[n];
+  const int c0 = blockIdx.y * kBwdUnroll * kBwdThreads + threadIdx.x;
+  float x[kBwdUnroll][8] = {};
+#pragma unroll
+  for (int u = 0; u < kBwdUnroll; ++u) {
+    const int c = c0 + u * kBwdThreads;
+    if (c < chunks && t != kIgnoreIndex) load_chunk<kVec>(logits + off, c, V, 0.0f, x[u]);
+  }
+#pragma unroll
+  for (int u = 0; u < kBwdUnroll; ++u) {
+    const int c = c0 + u * kBwdThreads;
+    if (c >= chunks) break;
+    float d[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float p = exp2f((x[u][i] - l) * kLog2e);
+      d[i] = t == kIgnoreIndex ? 0.0f : scale * (c * 8 + i == t ? p - 1.0f : p);
+    }
+    store_chunk<kVec>(dlogits + off, c, V, d);
+  }
+}
+
+static void check_shape(const char* op, int N, int V) {
+  QT_CUDA_REQUIRE(N >= 0 && V >= 1, std::string(op) + ": need N >= 0 and V >= 1, got N=" +
+                                        std::to_string(N) + " V=" + std::to_string(V));
+}
+
+void cross_entropy_forward(float* losses, float* lse, const bf16* logits,
+                           const std::int32_t* targets, int N, int V, double* loss_sum,
+                           cudaStream_t stream) {
+  check_shape("cross_entropy_forward", N, V);
+  if (N == 0) return;
+  if (V % 8 == 0 && is_aligned16(logits))
+    cross_entropy_forward_kernel<true>
+        <<<N, kFwdThreads, 0, stream>>>(losses, lse, logits, targets, V);
+  else
+    cross_entropy_forward_kernel<false>
+        <<<N, kFwdThreads, 0, stream>>>(losses, lse, logits, targets, V);
+  QT_CHECK_LAUNCH();
+  if (loss_sum != nullptr) {
+    loss_sum_kernel<<<1, kSumThreads, 0, stream>>>(loss_sum, losses, N);
+    QT_CHECK_LAUNCH();
+  }
+}
+
+void cross_entropy_backward(bf16* dlogits, const bf16* logits, const float* lse,
+                            const std::int32_t* targets, float scale, int N, int V,
+                            cudaStream_t stream) {
+  check_shape("cross_entropy_backward", N, V);
+  if (N == 0) return;
+  const dim3 grid(N, ceil_div(ceil_div(V, 8), kBwdUnroll * kBwdThreads));
+  if (V % 8 == 0 && is_aligned16(logits) && is_aligned16(dlogits))
+    cross_entropy_backward_kernel<true>
+        <<<grid, kBwdThreads, 0, stream>>>(dlogits, logits, lse, targets, scale, V);
+  else
+    cross_entropy_backward_kernel<false>
+        <<<grid, kBwdThreads, 0, stream>>>(dlogits, logits, lse, targets, scale, V);
+  QT_CHECK_LAUNCH();
+}
+
+}  // namespace qt::cuda

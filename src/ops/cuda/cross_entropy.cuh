@@ -1,0 +1,34 @@
+// Softmax cross-entropy over bf16 logits on the GPU, fp32 math (transformers upcasts the bf16
+// logits to fp32 for the loss, qwen3-spec.md 2.7). Contracts mirror qt::cpu::cross_entropy_*
+// (src/ops/cross_entropy.h), stream last, with fp32 losses and lse. Targets of -100 are ignored;
+// every other target must be in [0, V) (checked by the caller). Any V >= 1: rows are read as
+// 16-byte vectors when V % 8 == 0 and logits is 16-byte aligned, element by element otherwise.
+// The fused lm-head + cross-entropy calls these per chunk of tokens.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace qt::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// logits [N, V] bf16, targets [N] int32. One block per row, online max and sum over the row.
+//   lse[n]    = log(sum_v exp(logits[n, v]))                 [N] fp32 written
+//   losses[n] = lse[n] - logits[n, targets[n]], 0 if ignored [N] fp32 written
+//   *loss_sum += sum_n losses[n]   (device fp64 scalar, accumulated so that chunks add up;
+//                                   summed in a fixed order; skipped when loss_sum is null)
+// The host gets the sum by copying *loss_sum back when it needs it (no synchronisation here).
+void cross_entropy_forward(float* losses, float* lse, const bf16* logits,
+                           const std::int32_t* targets, int N, int V, double* loss_sum,
+                           cudaStream_t stream);
+
+// dlogits [N, V] bf16 = bf16(scale * (exp(logits - lse) - onehot(target))), 0 on ignored rows.
+// dlogits may alias logits. lse from the forward.
+void cross_entropy_backward(bf16* dlogits, const bf16* logits, const float* lse,
+                            const std::int32_t* targets, float scale, int N, int V,
+                            cudaStream_t stream);
+
+}  // namespace qt::cuda

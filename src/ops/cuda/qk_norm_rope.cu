@@ -1,0 +1,246 @@
+// Fused per-head RMSNorm + RoPE, forward and backward; see qk_norm_rope.cuh.
+// Layout: L = hd / 8 consecutive lanes own one head row, 8 elements (one 16-byte vector) each;
+// lanes [0, L/2) hold the first half of the row, whose rotation partners sit L/2 lanes up, so a
+// partner's values come by one xor shuffle. Row sums are xor-shuffle sums over the L lanes.
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/qk_norm_rope.cuh"
+
+namespace qt::cuda {
+
+static constexpr int kThreads = 256;
+static constexpr int kBwdMaxBlocks = kMaxPartials;
+
+// Sum over the L lanes of a head row (L divides 32; rows start at multiples of L).
+template <int L>
+static __device__ __forceinline__ float row_sum(float v) {
+#pragma unroll
+  for (int o = L / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// The 8 values of the partner lane (lane ^ L/2). Values must be bf16-exact: they travel packed.
+template <int L>
+static __device__ __forceinline__ void partner_bf16x8(const float (&v)[8], float (&p)[8]) {
+  unsigned int u[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+    u[i] = __shfl_xor_sync(0xffffffffu, *reinterpret_cast<unsigned int*>(&h), L / 2);
+    const float2 t = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&u[i]));
+    p[2 * i] = t.x;
+    p[2 * i + 1] = t.y;
+  }
+}
+
+// cos and sin of the 8 frequencies of this lane at position p, rounded to bf16.
+template <int L>
+static __device__ __forceinline__ void rope_coeffs(const float* cos, const float* sin,
+                                                   std::int64_t p, int sub, float (&c)[8],
+                                                   float (&s)[8]) {
+  constexpr int half = 4 * L;
+  const std::size_t off = static_cast<std::size_t>(p) * half + (sub % (L / 2)) * 8;
+  load_f32x8(cos + off, c);
+  load_f32x8(sin + off, s);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) c[i] = round_bf16(c[i]), s[i] = round_bf16(s[i]);
+}
+
+// One head row per L lanes; rows = B * T * heads. No early exit: every lane takes part in the
+// shuffles; lanes past the last row work on zeros and store nothing.
+template <int L>
+static __global__ void qk_norm_rope_forward_kernel(
+    bf16* out, float* __restrict__ rstd, const bf16* x, const bf16* __restrict__ w,
+    const float* __restrict__ cos, const float* __restrict__ sin,
+    const std::int32_t* __restrict__ pos, std::int64_t rows, int Tn, int heads, float eps) {
+  constexpr int hd = 8 * L;
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t row = t / L;
+  const int sub = threadIdx.x % L;
+  const bool valid = row < rows;
+  const std::size_t off = static_cast<std::size_t>(row) * hd + sub * 8;
+  float v[8] = {};
+  if (valid) load_bf16x8_rw(x + off, v);  // out may alias x
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
+  const float r = rsqrtf(row_sum<L>(ss) / static_cast<float>(hd) + eps);
+  float wv[8], y[8], p[8], c[8], s[8];
+  load_bf16x8(w + sub * 8, wv);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) y[i] = round_bf16(wv[i] * round_bf16(v[i] * r));
+  partner_bf16x8<L>(y, p);
+  if (!valid) return;  // after the last shuffle
+  const std::int64_t bt = row / heads;
+  const std::int64_t position = pos != nullptr ? pos[bt] : bt % Tn;
+  rope_coeffs<L>(cos, sin, position, sub, c, s);
+  const float sign = sub < L / 2 ? -1.0f : 1.0f;  // rotate_half: -x2 in the first half, x1 after
+  float o[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i] = round_bf16(y[i] * c[i]) + round_bf16(sign * p[i] * s[i]);
+  store_bf16x8(out + off, o);
+  if (sub == 0) rstd[row] = r;
+}
+
+// Block b handles row groups b, b + gridDim.x, ... of kThreads / L rows. Its dw contribution is
+// kept per lane (8 columns), summed over the block's rows in a fixed order through shared memory,
+// and written to partial[b, :].
+template <int L>
+static __global__ void qk_norm_rope_backward_kernel(
+    bf16* dx, float* __restrict__ partial, const bf16* dout, const bf16* __restrict__ x,
+    const bf16* __restrict__ w, const float* __restrict__ rstd, const float* __restrict__ cos,
+    const float* __restrict__ sin, const std::int32_t* __restrict__ pos, std::int64_t rows, int Tn,
+    int heads) {
+  constexpr int hd = 8 * L;
+  constexpr int rows_per_iter = kThreads / L;
+  __shared__ float acc[kThreads][9];  // [thread][column], padded against bank conflicts
+  const int sub = threadIdx.x % L;
+  const float sign = sub < L / 2 ? 1.0f : -1.0f;  // inverse rotation
+  float wv[8], dwacc[8] = {};
+  load_bf16x8(w + sub * 8, wv);
+  for (std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * rows_per_iter; base < rows;
+       base += static_cast<std::int64_t>(gridDim.x) * rows_per_iter) {
+    const std::int64_t row = base + threadIdx.x / L;
+    const bool valid = row < rows;
+    const std::size_t off = static_cast<std::size_t>(row) * hd + sub * 8;
+    float d[8] = {}, xh[8] = {}, p[8], c[8] = {}, s[8] = {};
+    float r = 0.0f;
+    if (valid) {
+      load_bf16x8_rw(dout + off, d);  // dx may alias dout
+      load_bf16x8(x + off, xh);
+      r = rstd[row];
+      const std::int64_t bt = row / heads;
+      const std::int64_t position = pos != nullptr ? pos[bt] : bt % Tn;
+      rope_coeffs<L>(cos, sin, position, sub, c, s);
+    }
+    partner_bf16x8<L>(d, p);
+    // out_i = y_i c + rot_i s  =>  dy_i = dout_i c + dout_partner s (first half), - (second)
+    float dy[8], dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      dy[i] = d[i] * c[i] + sign * p[i] * s[i];
+      xh[i] *= r;
+      dot += wv[i] * dy[i] * xh[i];
+      dwacc[i] += dy[i] * xh[i];
+    }
+    const float m = row_sum<L>(dot) / static_cast<float>(hd);
+    if (valid) {
+      float g[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) g[i] = r * (wv[i] * dy[i] - xh[i] * m);
+      store_bf16x8(dx + off, g);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[threadIdx.x][i] = dwacc[i];
+  __syncthreads();
+  if (threadIdx.x < hd) {
+    const int col = threadIdx.x, lane_of_col = col / 8, i = col % 8;
+    float sum = 0.0f;
+    for (int k = 0; k < rows_per_iter; ++k) sum += acc[k * L + lane_of_col][i];
+    partial[static_cast<std::size_t>(blockIdx.x) * hd + col] = sum;
+  }
+}
+
+static void check_args(const char* op, int B, int Tn, int heads, int hd) {
+  QT_CUDA_REQUIRE(B >= 0 && Tn >= 0 && heads > 0,
+                  std::string(op) +
+                      ": B, T must be >= 0 and heads > 0, got B=" + std::to_string(B) +
+                      " T=" + std::to_string(Tn) + " heads=" + std::to_string(heads));
+  QT_CUDA_REQUIRE(
+      hd == 32 || hd == 64 || hd == 128 || hd == 256,
+      std::string(op) + ": head_dim must be 32, 64, 128 or 256, got " + std::to_string(hd));
+}
+
+static void check_aligned(const char* op, const char* name, const void* p) {
+  QT_CUDA_REQUIRE(is_aligned16(p), std::string(op) + ": " + name + " must be 16-byte aligned");
+}
+
+static std::int64_t num_rows(int B, int Tn, int heads) {
+  return static_cast<std::int64_t>(B) * Tn * heads;
+}
+
+static int backward_blocks(std::int64_t rows, int hd) {
+  const std::int64_t per_iter = kThreads / (hd / 8);
+  return static_cast<int>(
+      std::max<std::int64_t>(1, std::min<std::int64_t>(ceil_div(rows, per_iter), kBwdMaxBlocks)));
+}
+
+void qk_norm_rope_forward(bf16* out, float* rstd, const bf16* x, const bf16* w, const float* cos,
+                          const float* sin, const std::int32_t* pos, int B, int Tn, int heads,
+                          int hd, double eps, cudaStream_t stream) {
+  const char* op = "qk_norm_rope_forward";
+  check_args(op, B, Tn, heads, hd);
+  check_aligned(op, "out", out);
+  check_aligned(op, "x", x);
+  check_aligned(op, "w", w);
+  check_aligned(op, "cos", cos);
+  check_aligned(op, "sin", sin);
+  const std::int64_t rows = num_rows(B, Tn, heads);
+  if (rows == 0) return;
+  const int L = hd / 8;
+  const auto grid = static_cast<unsigned int>(ceil_div<std::int64_t>(rows * L, kThreads));
+  const float e = static_cast<float>(eps);
+  switch (L) {
+    case 4:
+      qk_norm_rope_forward_kernel<4>
+          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, e);
+      break;
+    case 8:
+      qk_norm_rope_forward_kernel<8>
+          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, e);
+      break;
+    case 16:
+      qk_norm_rope_forward_kernel<16>
+          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, e);
+      break;
+    default:
+      qk_norm_rope_forward_kernel<32>
+          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, e);
+      break;
+  }
+  QT_CHECK_LAUNCH();
+}
+
+std::size_t qk_norm_rope_backward_workspace_bytes(int B, int Tn, int heads, int hd) {
+  return static_cast<std::size_t>(backward_blocks(num_rows(B, Tn, heads), hd)) * hd * sizeof(float);
+}
+
+void qk_norm_rope_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x, const bf16* w,
+                           const float* rstd, const float* cos, const float* sin,
+                           const std::int32_t* pos, int B, int Tn, int heads, int hd,
+                           void* workspace, cudaStream_t stream) {
+  const char* op = "qk_norm_rope_backward";
+  check_args(op, B, Tn, heads, hd);
+  check_aligned(op, "dx", dx);
+  check_aligned(op, "dout", dout);
+  check_aligned(op, "x", x);
+  check_aligned(op, "w", w);
+  check_aligned(op, "cos", cos);
+  check_aligned(op, "sin", sin);
+  const std::int64_t rows = num_rows(B, Tn, heads);
+  if (rows == 0) return;
+  const int G = backward_blocks(rows, hd);
+  float* partial = static_cast<float*>(workspace);  // [G, hd]
+  switch (hd / 8) {
+    case 4:
+      qk_norm_rope_backward_kernel<4><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
+                                                                  cos, sin, pos, rows, Tn, heads);
+      break;
+    case 8:
+      qk_norm_rope_backward_kernel<8><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
+                                                                  cos, sin, pos, rows, Tn, heads);
+      break;
+    case 16:
+      qk_norm_rope_backward_kernel<16><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
+                                                                   cos, sin, pos, rows, Tn, heads);
+      break;
+    default:
+      qk_norm_rope_backward_kernel<32><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
+                                                                   cos, sin, pos, rows, Tn, heads);
+      break;
+  }
+  QT_CHECK_LAUNCH();
+  column_sum_accumulate(dw, partial, G, hd, stream);
+}
+
+}  // namespace qt::cuda

@@ -1,0 +1,54 @@
+// What the training loop needs from a back end (CPU reference or CUDA): the model's parameters and
+// optimizer state, one micro-batch of forward and backward, the optimizer step with its dp
+// reduction, and host copies of the state for initialisation and checkpoints.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "optim/optimizer.h"
+#include "qtrain/checkpoint.h"
+#include "qtrain/deck.h"
+#include "qtrain/mesh.h"
+#include "qtrain/params.h"
+
+namespace qt {
+
+class TrainBackend {
+ public:
+  virtual ~TrainBackend() = default;
+
+  virtual const ParamLayout& layout() const = 0;
+  // One line for the start-up banner, e.g. "cpu: fp32, OpenBLAS".
+  virtual std::string describe() const = 0;
+
+  // Host copies of the state: the full flat fp32 master weights (the layout's numel, padded) and
+  // this rank's AdamW moments. Fill them, then push_state(); pull_state() before reading them.
+  virtual float* host_params() = 0;
+  virtual MomentShard host_moments() = 0;
+  virtual void push_state() = 0;  // host -> back end (after initialisation or a checkpoint read)
+  virtual void pull_state() = 0;  // back end -> host (before a checkpoint write)
+
+  // Gradients to zero before the first micro-batch of a step.
+  virtual void zero_grads() = 0;
+  // Forward and backward of one micro-batch: inputs, targets [micro_batch, seq_len] on the host.
+  // Gradients += loss_scale * d(sum of losses)/d(params). Returns the sum of the losses (nats).
+  virtual double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
+                            float loss_scale) = 0;
+  // Reduces the gradients over dp, clips, and updates the parameters (0-based step index).
+  virtual OptimStepStats optimizer_step(std::int64_t step) = 0;
+
+  // Extra fields for the step log (e.g. GPU memory), empty when none.
+  virtual std::string memory_report() { return {}; }
+};
+
+std::unique_ptr<TrainBackend> make_cpu_backend(const Deck& deck, Mesh& mesh);
+// Defined by the CUDA back end (src/cuda/); without it, throws UserError saying so.
+std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh);
+
+inline std::unique_ptr<TrainBackend> make_backend(const Deck& deck, Mesh& mesh) {
+  return deck.train.device == "cuda" ? make_cuda_backend(deck, mesh) : make_cpu_backend(deck, mesh);
+}
+
+}  // namespace qt

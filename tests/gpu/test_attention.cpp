@@ -1,0 +1,414 @@
+// Fused causal GQA flash attention (src/ops/cuda/attention_*.cu) against the CPU op in double.
+// Inputs are fresh random numbers rounded to bf16 first, so the GPU and the reference see the
+// same values; only accumulation, the bf16 rounding of P and dS inside the kernels and the
+// rounding of the outputs differ. Every case runs both block shapes (4 and 8 warps), checks
+// NaN/Inf, guard bytes, poisoned (NaN) outputs being fully written, and bitwise determinism.
+// The long-context case (T = 32768) checks sampled rows against a per-row double reference.
+#include <cuda_runtime.h>  // before gpu_test.h: the typed cudaMalloc<T> overload it uses
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gpu_test.h"
+#include "ops/attention.h"
+#include "ops/cuda/attention.cuh"
+#include "support/random.h"
+
+namespace qt::cuda {
+namespace {
+
+using qt::test::GuardedBuffer;
+
+// Tolerances. bf16 outputs: ||got - want|| / ||want||. lse (fp32): max |got - want| / max(1,
+// |want|).
+struct Tol {
+  static constexpr double kBf16 = 1e-2;
+  static constexpr double kLse = 1e-3;
+};
+
+std::uint16_t bf16_bits(float f) {  // round to nearest even (inputs are finite)
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+double bf16_value(std::uint16_t b) {
+  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+constexpr std::uint16_t kBf16NaN = 0x7FC0;
+
+bf16* as_bf16(GuardedBuffer<std::uint16_t>& b) { return reinterpret_cast<bf16*>(b.get()); }
+
+// n random bf16 values, normal with standard deviation `scale`: bits and the same values as double.
+void random_bf16(std::size_t n, std::mt19937_64& rng, double scale,
+                 std::vector<std::uint16_t>& bits, std::vector<double>& vals) {
+  std::normal_distribution<double> dist(0.0, scale);
+  bits.resize(n);
+  vals.resize(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    bits[i] = bf16_bits(static_cast<float>(dist(rng)));
+    vals[i] = bf16_value(bits[i]);
+  }
+}
+
+template <typename V>
+double rel_err(const V& got, const std::vector<double>& want) {
+  double num = 0.0, den = 0.0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double d = static_cast<double>(got[i]) - want[i];
+    num += d * d;
+    den += want[i] * want[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+std::vector<double> bf16_to_double(const std::vector<std::uint16_t>& v) {
+  std::vector<double> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = bf16_value(v[i]);
+  return out;
+}
+template <typename V>
+std::size_t count_nonfinite(const V& v) {
+  std::size_t n = 0;
+  for (const auto& x : v) n += !std::isfinite(static_cast<double>(x));
+  return n;
+}
+double lse_err(const std::vector<float>& got, const std::vector<double>& want) {
+  double e = 0.0;
+  for (std::size_t i = 0; i < want.size(); ++i)
+    e = std::max(e, std::abs(got[i] - want[i]) / std::max(1.0, std::abs(want[i])));
+  return e;
+}
+
+struct Case {
+  int B, T, nh, nkv, hd;
+  double score_std = 1.0;  // standard deviation of q and k entries: scores ~ N(0, score_std^2)
+};
+std::string case_name(const Case& c) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "B%d_T%d_nh%d_nkv%d_hd%d%s", c.B, c.T, c.nh, c.nkv, c.hd,
+                c.score_std > 1.0 ? "_peaked" : "");
+  return buf;
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  const int kv_heads = 2;
+  for (int ratio : {1, 2, 4})
+    for (int hd : {64, 128})
+      for (int T : {1, 7, 64, 127, 128, 1000})
+        for (int B : {1, 2}) cases.push_back({B, T, kv_heads * ratio, kv_heads, hd});
+  // Long rows, a few shapes (the CPU reference is O(T^2)).
+  cases.push_back({1, 4096, 4, 2, 128});
+  cases.push_back({2, 4096, 4, 1, 64});
+  cases.push_back({1, 4096, 2, 2, 64});
+  // Scores of order +-30: exercises the running-max rescaling.
+  cases.push_back({1, 1000, 4, 2, 128, 3.0});
+  cases.push_back({2, 333, 8, 2, 64, 3.0});
+  return cases;
+}
+
+class AttentionCase : public ::testing::TestWithParam<Case> {};
+
+TEST_P(AttentionCase, MatchesCpuInDouble) {
+  QT_REQUIRE_GPU();
+  const Case c = GetParam();
+  const int B = c.B, T = c.T, nh = c.nh, nkv = c.nkv, hd = c.hd;
+  const std::size_t nq = static_cast<std::size_t>(B) * T * nh * hd;
+  const std::size_t nkvn = static_cast<std::size_t>(B) * T * nkv * hd;
+  const std::size_t nl = static_cast<std::size_t>(B) * nh * T;
+
+  std::mt19937_64 rng(qt::test::test_seed() ^
+                      (static_cast<std::uint64_t>(T) * 1000003u + nh * 101u + hd + B));
+  std::vector<std::uint16_t> q_b, k_b, v_b, do_b;
+  std::vector<double> q, k, v, dout;
+  random_bf16(nq, rng, c.score_std, q_b, q);
+  random_bf16(nkvn, rng, c.score_std, k_b, k);
+  random_bf16(nkvn, rng, 1.0, v_b, v);
+  random_bf16(nq, rng, 1.0, do_b, dout);
+
+  // Reference in double: forward, then backward from the exact out and lse.
+  std::vector<double> out_ref(nq), lse_ref(nl), dq_ref(nq), dk_ref(nkvn), dv_ref(nkvn);
+  qt::cpu::attention_forward<double>(out_ref.data(), lse_ref.data(), q.data(), k.data(), v.data(),
+                                     B, T, nh, nkv, hd);
+  qt::cpu::attention_backward<double>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dout.data(),
+                                      q.data(), k.data(), v.data(), out_ref.data(), lse_ref.data(),
+                                      B, T, nh, nkv, hd);
+
+  GuardedBuffer<std::uint16_t> dq_(q_b), dk_(k_b), dv_(v_b), ddo(do_b);
+  GuardedBuffer<std::uint16_t> dq(nq), dk(nkvn), dv(nkvn), out(nq);
+  GuardedBuffer<float> lse(nl);
+  const std::vector<std::uint16_t> nan_q(nq, kBf16NaN), nan_kv(nkvn, kBf16NaN);
+  const std::vector<float> nan_l(nl, std::numeric_limits<float>::quiet_NaN());
+
+  for (int warps : {4, 8}) {
+    SCOPED_TRACE("warps per block " + std::to_string(warps));
+    const AttentionConfig cfg{warps, warps, warps};
+    out.upload(nan_q);
+    lse.upload(nan_l);
+    attention_forward(as_bf16(out), lse.get(), as_bf16(dq_), as_bf16(dk_), as_bf16(dv_), B, T, nh,
+                      nkv, hd, cfg, nullptr);
+    QT_CHECK_CUDA(cudaDeviceSynchronize());
+    const std::vector<std::uint16_t> out_g = out.download();
+    const std::vector<float> lse_g = lse.download();
+    const std::vector<double> out_d = bf16_to_double(out_g);
+    EXPECT_EQ(count_nonfinite(out_d), 0u) << "out has NaN/Inf (or unwritten entries)";
+    EXPECT_EQ(count_nonfinite(lse_g), 0u) << "lse has NaN/Inf (or unwritten entries)";
+    EXPECT_TRUE(out.guard_intact()) << "out: write past the end";
+    EXPECT_TRUE(lse.guard_intact()) << "lse: write past the end";
+    const double e_out = rel_err(out_d, out_ref), e_lse = lse_err(lse_g, lse_ref);
+    EXPECT_LT(e_out, Tol::kBf16) << "out";
+    EXPECT_LT(e_lse, Tol::kLse) << "lse";
+
+    // Backward from the GPU's own out and lse, as in training.
+    dq.upload(nan_q);
+    dk.upload(nan_kv);
+    dv.upload(nan_kv);
+    attention_backward(as_bf16(dq), as_bf16(dk), as_bf16(dv), as_bf16(ddo), as_bf16(dq_),
+                       as_bf16(dk_), as_bf16(dv_), as_bf16(out), lse.get(), B, T, nh, nkv, hd, cfg,
+                       nullptr);
+    QT_CHECK_CUDA(cudaDeviceSynchronize());
+    const std::vector<std::uint16_t> dq_g = dq.download(), dk_g = dk.download(),
+                                     dv_g = dv.download();
+    const std::vector<double> dq_d = bf16_to_double(dq_g), dk_d = bf16_to_double(dk_g),
+                              dv_d = bf16_to_double(dv_g);
+    EXPECT_EQ(count_nonfinite(dq_d), 0u) << "dq has NaN/Inf (or unwritten entries)";
+    EXPECT_EQ(count_nonfinite(dk_d), 0u) << "dk has NaN/Inf (or unwritten entries)";
+    EXPECT_EQ(count_nonfinite(dv_d), 0u) << "dv has NaN/Inf (or unwritten entries)";
+    EXPECT_TRUE(dq.guard_intact()) << "dq: write past the end";
+    EXPECT_TRUE(dk.guard_intact()) << "dk: write past the end";
+    EXPECT_TRUE(dv.guard_intact()) << "dv: write past the end";
+    const double e_dq = rel_err(dq_d, dq_ref), e_dk = rel_err(dk_d, dk_ref),
+                 e_dv = rel_err(dv_d, dv_ref);
+    EXPECT_LT(e_dq, Tol::kBf16) << "dq";
+    EXPECT_LT(e_dk, Tol::kBf16) << "dk";
+    EXPECT_LT(e_dv, Tol::kBf16) << "dv";
+
+    // Determinism: a second backward (outputs poisoned again) is bitwise equal.
+    dq.upload(nan_q);
+    dk.upload(nan_kv);
+    dv.upload(nan_kv);
+    attention_backward(as_bf16(dq), as_bf16(dk), as_bf16(dv), as_bf16(ddo), as_bf16(dq_),
+                       as_bf16(dk_), as_bf16(dv_), as_bf16(out), lse.get(), B, T, nh, nkv, hd, cfg,
+                       nullptr);
+    QT_CHECK_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(dq.download() == dq_g) << "dq differs between two identical backward runs";
+    EXPECT_TRUE(dk.download() == dk_g) << "dk differs between two identical backward runs";
+    EXPECT_TRUE(dv.download() == dv_g) << "dv differs between two identical backward runs";
+
+    std::printf("[attention] %-32s warps %d  rel err: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n",
+                case_name(c).c_str(), warps, e_out, e_lse, e_dq, e_dk, e_dv);
+  }
+  // Inputs are read-only.
+  EXPECT_TRUE(dq_.download() == q_b && dk_.download() == k_b && dv_.download() == v_b &&
+              ddo.download() == do_b)
+      << "an input was modified";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, AttentionCase, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return case_name(i.param);
+                         });
+
+// ---- Long context: T = 32768, B = 1, nh 16, nkv 8, hd 128, sampled rows ----
+
+// Fast bf16 noise for 200M values: Irwin-Hall sum of 4 uniforms, scaled to unit variance.
+struct Noise {
+  std::uint64_t s;
+  std::uint64_t next() {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  std::uint16_t bf16() {
+    const std::uint64_t r = next();
+    double sum = 0.0;
+    for (int i = 0; i < 4; ++i) sum += static_cast<double>((r >> (16 * i)) & 0xFFFF) / 65535.0;
+    return bf16_bits(static_cast<float>((sum - 2.0) * 1.7320508075688772));
+  }
+};
+
+void parallel_for(int n, const std::function<void(int)>& f) {
+  const int workers = std::max(1u, std::min(16u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int w = 0; w < workers; ++w)
+    pool.emplace_back([&, w] {
+      for (int i = w; i < n; i += workers) f(i);
+    });
+  for (auto& t : pool) t.join();
+}
+
+TEST(AttentionLong, T32768SampledRows) {
+  QT_REQUIRE_GPU();
+  const int B = 1, T = 32768, nh = 16, nkv = 8, hd = 128, ratio = nh / nkv;
+  const std::size_t nq = static_cast<std::size_t>(T) * nh * hd,
+                    nkvn = static_cast<std::size_t>(T) * nkv * hd;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  Noise noise{qt::test::test_seed() ^ 0x5151ull};
+  std::vector<std::uint16_t> q(nq), k(nkvn), v(nkvn), dout(nq);
+  for (auto& x : q) x = noise.bf16();
+  for (auto& x : k) x = noise.bf16();
+  for (auto& x : v) x = noise.bf16();
+  for (auto& x : dout) x = noise.bf16();
+  auto Q = [&](int t, int h, int d) {
+    return bf16_value(q[(static_cast<std::size_t>(t) * nh + h) * hd + d]);
+  };
+  auto K = [&](int t, int g, int d) {
+    return bf16_value(k[(static_cast<std::size_t>(t) * nkv + g) * hd + d]);
+  };
+  auto V = [&](int t, int g, int d) {
+    return bf16_value(v[(static_cast<std::size_t>(t) * nkv + g) * hd + d]);
+  };
+  auto DO = [&](int t, int h, int d) {
+    return bf16_value(dout[(static_cast<std::size_t>(t) * nh + h) * hd + d]);
+  };
+
+  GuardedBuffer<std::uint16_t> gq(q), gk(k), gv(v), gdo(dout), gout(nq), gdq(nq), gdk(nkvn),
+      gdv(nkvn);
+  GuardedBuffer<float> glse(static_cast<std::size_t>(nh) * T);
+  gout.upload(std::vector<std::uint16_t>(nq, kBf16NaN));
+  attention_forward(as_bf16(gout), glse.get(), as_bf16(gq), as_bf16(gk), as_bf16(gv), B, T, nh, nkv,
+                    hd, nullptr);
+  QT_CHECK_CUDA(cudaDeviceSynchronize());
+  const std::vector<std::uint16_t> out_g = gout.download();
+  const std::vector<float> lse_g = glse.download();
+  EXPECT_EQ(count_nonfinite(bf16_to_double(out_g)), 0u);
+  EXPECT_EQ(count_nonfinite(lse_g), 0u);
+  EXPECT_TRUE(gout.guard_intact() && glse.guard_intact());
+
+  // 16 query rows spread over T, the last included; every head.
+  std::vector<int> rows;
+  for (int i = 0; i < 16; ++i)
+    rows.push_back(static_cast<int>((static_cast<long long>(T - 1) * i) / 15));
+  const int nr = static_cast<int>(rows.size());
+  std::vector<double> o_ref(static_cast<std::size_t>(nr) * nh * hd),
+      l_ref(static_cast<std::size_t>(nr) * nh);
+  std::vector<double> dq_ref(o_ref.size());
+  parallel_for(nr * nh, [&](int idx) {
+    const int t = rows[idx / nh], h = idx % nh, g = h / ratio;
+    std::vector<double> s(t + 1);
+    double m = -1e300;
+    for (int j = 0; j <= t; ++j) {
+      double acc = 0.0;
+      for (int d = 0; d < hd; ++d) acc += Q(t, h, d) * K(j, g, d);
+      s[j] = acc * scale;
+      m = std::max(m, s[j]);
+    }
+    double sum = 0.0;
+    for (int j = 0; j <= t; ++j) sum += std::exp(s[j] - m);
+    const double lse = m + std::log(sum);
+    l_ref[idx] = lse;
+    std::vector<double> o(hd, 0.0), dqr(hd, 0.0);
+    for (int j = 0; j <= t; ++j) {
+      s[j] = std::exp(s[j] - lse);  // P
+      for (int d = 0; d < hd; ++d) o[d] += s[j] * V(j, g, d);
+    }
+    double D = 0.0;
+    for (int d = 0; d < hd; ++d) D += DO(t, h, d) * o[d];
+    for (int j = 0; j <= t; ++j) {
+      double dp = 0.0;
+      for (int d = 0; d < hd; ++d) dp += DO(t, h, d) * V(j, g, d);
+      const double ds = s[j] * (dp - D);
+      for (int d = 0; d < hd; ++d) dqr[d] += scale * ds * K(j, g, d);
+    }
+    for (int d = 0; d < hd; ++d) {
+      o_ref[static_cast<std::size_t>(idx) * hd + d] = o[d];
+      dq_ref[static_cast<std::size_t>(idx) * hd + d] = dqr[d];
+    }
+  });
+  std::vector<double> o_got(o_ref.size()), l_got(l_ref.size());
+  for (int idx = 0; idx < nr * nh; ++idx) {
+    const int t = rows[idx / nh], h = idx % nh;
+    l_got[idx] = lse_g[static_cast<std::size_t>(h) * T + t];
+    for (int d = 0; d < hd; ++d)
+      o_got[static_cast<std::size_t>(idx) * hd + d] =
+          bf16_value(out_g[(static_cast<std::size_t>(t) * nh + h) * hd + d]);
+  }
+  const double e_out = rel_err(o_got, o_ref);
+  double e_lse = 0.0;
+  for (std::size_t i = 0; i < l_ref.size(); ++i)
+    e_lse = std::max(e_lse, std::abs(l_got[i] - l_ref[i]) / std::max(1.0, std::abs(l_ref[i])));
+  EXPECT_LT(e_out, Tol::kBf16) << "out, sampled rows";
+  EXPECT_LT(e_lse, Tol::kLse) << "lse, sampled rows";
+
+  // Backward: runs, finite, guards; dq on the sampled rows; dk and dv on sampled kv rows, whose
+  // reference needs every later query row: it uses the GPU's lse and out there (checked above).
+  gdq.upload(std::vector<std::uint16_t>(nq, kBf16NaN));
+  attention_backward(as_bf16(gdq), as_bf16(gdk), as_bf16(gdv), as_bf16(gdo), as_bf16(gq),
+                     as_bf16(gk), as_bf16(gv), as_bf16(gout), glse.get(), B, T, nh, nkv, hd,
+                     nullptr);
+  QT_CHECK_CUDA(cudaDeviceSynchronize());
+  const std::vector<std::uint16_t> dq_g = gdq.download(), dk_g = gdk.download(),
+                                   dv_g = gdv.download();
+  EXPECT_EQ(count_nonfinite(bf16_to_double(dq_g)), 0u);
+  EXPECT_EQ(count_nonfinite(bf16_to_double(dk_g)), 0u);
+  EXPECT_EQ(count_nonfinite(bf16_to_double(dv_g)), 0u);
+  EXPECT_TRUE(gdq.guard_intact() && gdk.guard_intact() && gdv.guard_intact());
+
+  std::vector<double> dq_got(dq_ref.size());
+  for (int idx = 0; idx < nr * nh; ++idx) {
+    const int t = rows[idx / nh], h = idx % nh;
+    for (int d = 0; d < hd; ++d)
+      dq_got[static_cast<std::size_t>(idx) * hd + d] =
+          bf16_value(dq_g[(static_cast<std::size_t>(t) * nh + h) * hd + d]);
+  }
+  const double e_dq = rel_err(dq_got, dq_ref);
+  EXPECT_LT(e_dq, Tol::kBf16) << "dq, sampled rows";
+
+  std::vector<double> dk_ref(static_cast<std::size_t>(nr) * nkv * hd), dv_ref(dk_ref.size());
+  parallel_for(nr * nkv, [&](int idx) {
+    const int j = rows[idx / nkv], g = idx % nkv;
+    std::vector<double> dkr(hd, 0.0), dvr(hd, 0.0);
+    for (int h = g * ratio; h < (g + 1) * ratio; ++h)
+      for (int i = j; i < T; ++i) {
+        double s = 0.0, dp = 0.0, D = 0.0;
+        for (int d = 0; d < hd; ++d) {
+          s += Q(i, h, d) * K(j, g, d);
+          dp += DO(i, h, d) * V(j, g, d);
+          D += DO(i, h, d) * bf16_value(out_g[(static_cast<std::size_t>(i) * nh + h) * hd + d]);
+        }
+        const double p = std::exp(s * scale - lse_g[static_cast<std::size_t>(h) * T + i]);
+        const double ds = p * (dp - D);
+        for (int d = 0; d < hd; ++d) {
+          dvr[d] += p * DO(i, h, d);
+          dkr[d] += scale * ds * Q(i, h, d);
+        }
+      }
+    for (int d = 0; d < hd; ++d) {
+      dk_ref[static_cast<std::size_t>(idx) * hd + d] = dkr[d];
+      dv_ref[static_cast<std::size_t>(idx) * hd + d] = dvr[d];
+    }
+  });
+  std::vector<double> dk_got(dk_ref.size()), dv_got(dk_ref.size());
+  for (int idx = 0; idx < nr * nkv; ++idx) {
+    const int j = rows[idx / nkv], g = idx % nkv;
+    for (int d = 0; d < hd; ++d) {
+      const std::size_t src = (static_cast<std::size_t>(j) * nkv + g) * hd + d;
+      dk_got[static_cast<std::size_t>(idx) * hd + d] = bf16_value(dk_g[src]);
+      dv_got[static_cast<std::size_t>(idx) * hd + d] = bf16_value(dv_g[src]);
+    }
+  }
+  const double e_dk = rel_err(dk_got, dk_ref), e_dv = rel_err(dv_got, dv_ref);
+  EXPECT_LT(e_dk, Tol::kBf16) << "dk, sampled kv rows";
+  EXPECT_LT(e_dv, Tol::kBf16) << "dv, sampled kv rows";
+  std::printf(
+      "[attention] T32768 nh16 nkv8 hd128 sampled rows  rel err: out %.2e lse %.2e dq %.2e "
+      "dk %.2e dv %.2e\n",
+      e_out, e_lse, e_dq, e_dk, e_dv);
+}
+
+}  // namespace
+}  // namespace qt::cuda

@@ -1,0 +1,210 @@
+// CUDA SwiGLU, embedding and precision conversions against the CPU ops (double, or float where
+// the GPU must match bit for bit) on the same bf16 inputs: NaN-filled outputs, guard bytes,
+// tails that are not a whole 16-byte vector, misaligned pointers (the scalar paths), aliases,
+// and the deterministic embedding backward.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cuda_op_check.h"
+#include "ops/cuda/convert.cuh"
+#include "ops/cuda/embedding.cuh"
+#include "ops/cuda/swiglu.cuh"
+#include "ops/embedding.h"
+#include "ops/swiglu.h"
+
+namespace qt::test {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// swiglu
+
+struct SwigluCase {
+  int N, I;
+  int shift;  // elements by which every pointer is moved off 16-byte alignment (0: aligned)
+};
+
+class CudaSwiglu : public ::testing::TestWithParam<SwigluCase> {};
+
+TEST_P(CudaSwiglu, ForwardAndBackwardMatchCpu) {
+  QT_REQUIRE_GPU();
+  const auto [N, I, shift] = GetParam();
+  const std::size_t n = std::size_t(N) * I;
+  auto rng = test_rng();
+  Bf16Input g = random_bf16(n, rng, 3.0);
+  const Bf16Input u = random_bf16(n, rng), dh = random_bf16(n, rng);
+  if (n > 2) {  // saturated gates: silu -> 0 and silu -> g must stay finite
+    g.bits[0] = to_bf16(-200.0), g.value[0] = from_bf16(g.bits[0]);
+    g.bits[1] = to_bf16(200.0), g.value[1] = from_bf16(g.bits[1]);
+  }
+  // Buffers one element longer, so that the op can be pointed at element `shift`.
+  auto padded = [&](const std::vector<bf16>& v) {
+    std::vector<bf16> p(v.size() + 1, to_bf16(0.0));
+    std::copy(v.begin(), v.end(), p.begin() + shift);
+    return p;
+  };
+  GuardedBuffer<bf16> dg(padded(g.bits)), du(padded(u.bits)), ddh(padded(dh.bits));
+  GuardedBuffer<bf16> dh_out(n + 1), ddg(n + 1), ddu(n + 1);
+  fill_nan(dh_out);
+  fill_nan(ddg);
+  fill_nan(ddu);
+  cuda::swiglu_forward(dh_out.get() + shift, dg.get() + shift, du.get() + shift, N, I, nullptr);
+  cuda::swiglu_backward(ddg.get() + shift, ddu.get() + shift, ddh.get() + shift, dg.get() + shift,
+                        du.get() + shift, N, I, nullptr);
+  auto body = [&](const GuardedBuffer<bf16>& b) {
+    const Vec all = download(b);
+    return Vec(all.begin() + shift, all.begin() + shift + n);
+  };
+  Vec h(n), dgate(n), dup(n);
+  cpu::swiglu_forward<double>(h.data(), g.value.data(), u.value.data(), N, I);
+  cpu::swiglu_backward<double>(dgate.data(), dup.data(), dh.value.data(), g.value.data(),
+                               u.value.data(), N, I);
+  const double eh = rel_err(body(dh_out), h), eg = rel_err(body(ddg), dgate),
+               eu = rel_err(body(ddu), dup);
+  EXPECT_LT(eh, kTolBf16) << "h";          // bf16(silu), then the product
+  EXPECT_LT(eg, kTolBf16Once) << "dgate";  // fp32 math, one rounding
+  EXPECT_LT(eu, kTolBf16) << "dup";        // times bf16(silu): two roundings
+  std::printf("[ err ] swiglu N=%d I=%d shift=%d: h %.3e dgate %.3e dup %.3e\n", N, I, shift, eh,
+              eg, eu);
+  for (const auto* b : {&dh_out, &ddg, &ddu}) EXPECT_TRUE(b->guard_intact());
+
+  // Outputs aliasing the inputs (dgate = gate, dup = up): the same bits.
+  cuda::swiglu_backward(dg.get() + shift, du.get() + shift, ddh.get() + shift, dg.get() + shift,
+                        du.get() + shift, N, I, nullptr);
+  EXPECT_EQ(rel_err(body(dg), body(ddg)), 0.0);
+  EXPECT_EQ(rel_err(body(du), body(ddu)), 0.0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaSwiglu,
+                         ::testing::Values(SwigluCase{37, 300, 0}, SwigluCase{64, 3072, 0},
+                                           SwigluCase{1, 7, 0}, SwigluCase{13, 101, 1},
+                                           SwigluCase{16, 64, 3}),
+                         [](const auto& i) {
+                           return "N" + std::to_string(i.param.N) + "_I" +
+                                  std::to_string(i.param.I) + "_shift" +
+                                  std::to_string(i.param.shift);
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// embedding
+
+struct EmbCase {
+  int N, C, V;
+};
+
+class CudaEmbedding : public ::testing::TestWithParam<EmbCase> {};
+
+TEST_P(CudaEmbedding, ForwardGathersRowsExactly) {
+  QT_REQUIRE_GPU();
+  const auto [N, C, V] = GetParam();
+  auto rng = test_rng();
+  const Bf16Input wte = random_bf16(std::size_t(V) * C, rng);
+  std::uniform_int_distribution<int> pick(0, V - 1);
+  std::vector<std::int32_t> ids(N);
+  for (auto& id : ids) id = pick(rng);
+  GuardedBuffer<bf16> dwte(wte.bits), dx(std::size_t(N) * C);
+  GuardedBuffer<std::int32_t> dids(ids);
+  fill_nan(dx);
+  cuda::embedding_forward(dx.get(), dids.get(), dwte.get(), N, C, nullptr);
+  Vec x(std::size_t(N) * C);
+  cpu::embedding_forward<double>(x.data(), ids.data(), wte.value.data(), N, C);
+  EXPECT_EQ(rel_err(download(dx), x), 0.0);
+  EXPECT_TRUE(dx.guard_intact());
+}
+
+TEST_P(CudaEmbedding, BackwardIsBitEqualToTokenOrderAndDeterministic) {
+  QT_REQUIRE_GPU();
+  const auto [N, C, V] = GetParam();
+  auto rng = test_rng();
+  const Bf16Input dx = random_bf16(std::size_t(N) * C, rng);
+  // Skewed ids: a few very frequent ones (long runs after the sort) and a tail of rare ones.
+  std::uniform_int_distribution<int> pick(0, V - 1), hot(0, std::min(V, 4) - 1);
+  std::bernoulli_distribution is_hot(0.3);
+  std::vector<std::int32_t> ids(N);
+  for (auto& id : ids) id = is_hot(rng) ? hot(rng) : pick(rng);
+  const Vec dwte0 = random_f32_exact(std::size_t(V) * C, rng);
+  GuardedBuffer<bf16> ddx(dx.bits);
+  GuardedBuffer<std::int32_t> dids(ids);
+  GuardedBuffer<float> ddwte(cast<float>(dwte0));
+  GuardedBuffer<char> ws(cuda::embedding_backward_workspace_bytes(N));
+  cuda::embedding_backward(ddwte.get(), ddx.get(), dids.get(), N, C, ws.get(), ws.size(), nullptr);
+  const std::vector<float> got = ddwte.download();
+
+  // The CPU op in float adds the rows in token order: the GPU must give exactly its bits.
+  std::vector<float> want = cast<float>(dwte0);
+  const std::vector<float> dxf = cast<float>(dx.value);
+  cpu::embedding_backward<float>(want.data(), dxf.data(), ids.data(), N, C);
+  EXPECT_TRUE(bitwise_equal(got, want)) << "rel err " << rel_err(got, want);
+  // And close to the double op (catches a wrong reference too).
+  Vec wd = dwte0;
+  cpu::embedding_backward<double>(wd.data(), dx.value.data(), ids.data(), N, C);
+  EXPECT_LT(rel_err(got, wd), kTolF32);
+  EXPECT_TRUE(ddwte.guard_intact());
+  EXPECT_TRUE(ws.guard_intact());
+
+  ddwte.upload(cast<float>(dwte0));
+  cuda::embedding_backward(ddwte.get(), ddx.get(), dids.get(), N, C, ws.get(), ws.size(), nullptr);
+  EXPECT_TRUE(bitwise_equal(ddwte.download(), got)) << "dwte differs between two runs";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaEmbedding,
+                         ::testing::Values(EmbCase{1000, 264, 50}, EmbCase{37, 8, 5},
+                                           EmbCase{4096, 1024, 3000}, EmbCase{1, 2048, 7}),
+                         [](const auto& i) {
+                           return "N" + std::to_string(i.param.N) + "_C" +
+                                  std::to_string(i.param.C) + "_V" + std::to_string(i.param.V);
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// convert
+
+class CudaConvert : public ::testing::TestWithParam<int> {};  // param: pointer shift in elements
+
+TEST_P(CudaConvert, RoundsToNearestEvenAndBackExactly) {
+  QT_REQUIRE_GPU();
+  const int shift = GetParam();
+  const std::size_t n = 100003;  // not a multiple of 8
+  auto rng = test_rng();
+  std::vector<float> src = cast<float>(random_f32_exact(n + 1, rng, 10.0));
+  src[shift + 0] = std::numeric_limits<float>::infinity();
+  src[shift + 1] = -std::numeric_limits<float>::infinity();
+  src[shift + 2] = std::numeric_limits<float>::quiet_NaN();
+  src[shift + 3] = 3.4e38f;      // rounds to Inf
+  src[shift + 4] = 1e-40f;       // subnormal
+  src[shift + 5] = 1.00390625f;  // halfway between two bf16: ties to even (1.0)
+  src[shift + 6] = 1.01171875f;  // halfway: ties to even (1.015625)
+  GuardedBuffer<float> dsrc(src), dback(n + 1);
+  GuardedBuffer<bf16> dbf(n + 1);
+  fill_nan(dbf);
+  fill_nan(dback);
+  cuda::convert_f32_to_bf16(dbf.get() + shift, dsrc.get() + shift, n, nullptr);
+  cuda::convert_bf16_to_f32(dback.get() + shift, dbf.get() + shift, n, nullptr);
+  const std::vector<bf16> bf = dbf.download();
+  const std::vector<float> back = dback.download();
+  std::size_t wrong = 0, wrong_back = 0;
+  for (std::size_t i = shift; i < shift + n; ++i) {
+    const float want = __bfloat162float(__float2bfloat16_rn(src[i]));
+    const float got = __bfloat162float(bf[i]);
+    if (std::isnan(src[i]))
+      wrong += !std::isnan(got);
+    else
+      wrong += std::memcmp(&got, &want, sizeof(float)) != 0;
+    wrong_back += std::memcmp(&back[i], &got, sizeof(float)) != 0;
+  }
+  EXPECT_EQ(wrong, 0u);
+  EXPECT_EQ(wrong_back, 0u);
+  EXPECT_EQ(__bfloat162float(bf[shift + 5]), 1.0f);
+  EXPECT_EQ(__bfloat162float(bf[shift + 6]), 1.015625f);
+  EXPECT_TRUE(std::isinf(__bfloat162float(bf[shift + 3])));
+  EXPECT_TRUE(dbf.guard_intact());
+  EXPECT_TRUE(dback.guard_intact());
+}
+
+INSTANTIATE_TEST_SUITE_P(Alignment, CudaConvert, ::testing::Values(0, 1),
+                         [](const auto& i) { return "shift" + std::to_string(i.param); });
+
+}  // namespace
+}  // namespace qt::test
