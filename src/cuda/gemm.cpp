@@ -120,7 +120,28 @@ std::size_t GemmContext::plan_count() const {
   return plans_.size();
 }
 
-const GemmContext::Plan& GemmContext::plan_for(const Key& k) {
+std::vector<cublasLtMatmulHeuristicResult_t> GemmContext::heuristics(const Key& k, const Plan& p,
+                                                                    int max_algos) const {
+  cublasLtMatmulPreference_t pref = nullptr;
+  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+  const std::uint64_t ws = workspace_bytes_;
+  const std::uint32_t al_a = k.align_b, al_b = k.align_a, al_c = k.align_c;  // swapped roles
+  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
+  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
+  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
+  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c));
+  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c));
+  std::vector<cublasLtMatmulHeuristicResult_t> results(static_cast<std::size_t>(max_algos));
+  int found = 0;
+  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p.op, p.a, p.b, p.c, p.c, pref,
+                                                           max_algos, results.data(), &found);
+  cublasLtMatmulPreferenceDestroy(pref);
+  if (st != CUBLAS_STATUS_SUCCESS) found = 0;
+  results.resize(static_cast<std::size_t>(found));
+  return results;
+}
+
+GemmContext::Plan& GemmContext::plan_for(const Key& k) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = plans_.find(k);
   if (it != plans_.end()) return *it->second;
@@ -143,30 +164,16 @@ const GemmContext::Plan& GemmContext::plan_for(const Key& k) {
   QT_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&p->c, k.c_is_f32 ? CUDA_R_32F : CUDA_R_16BF, m, n,
                                              k.ldc));
 
-  cublasLtMatmulPreference_t pref = nullptr;
-  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
-  const std::uint64_t ws = workspace_bytes_;
-  const std::uint32_t al_a = k.align_b, al_b = k.align_a, al_c = k.align_c;  // swapped roles
-  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof ws));
-  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &al_a, sizeof al_a));
-  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &al_b, sizeof al_b));
-  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &al_c, sizeof al_c));
-  QT_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &al_c, sizeof al_c));
-  cublasLtMatmulHeuristicResult_t result{};
-  int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(handle_, p->op, p->a, p->b, p->c, p->c,
-                                                           pref, 1, &result, &found);
-  cublasLtMatmulPreferenceDestroy(pref);
-  if (st != CUBLAS_STATUS_SUCCESS || found == 0) {
+  const std::vector<cublasLtMatmulHeuristicResult_t> found = heuristics(k, *p, 1);
+  if (found.empty()) {
     const std::string what = fmt::format(
         "no cuBLASLt algorithm for gemm(trans_a={}, trans_b={}, M={}, N={}, K={}, lda={}, ldb={}, "
         "ldc={}, C {}, alignment A/B/C {}/{}/{} bytes, workspace {} bytes)",
         k.trans_a, k.trans_b, k.M, k.N, k.K, k.lda, k.ldb, k.ldc, k.c_is_f32 ? "fp32" : "bf16",
         k.align_a, k.align_b, k.align_c, workspace_bytes_);
-    fail_library("cuBLASLt", __FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic",
-                 (what + ": " + cublasLtGetStatusString(st)).c_str());
+    fail_library("cuBLASLt", __FILE__, __LINE__, "cublasLtMatmulAlgoGetHeuristic", what.c_str());
   }
-  p->algo = result.algo;
+  p->algo = found[0].algo;
   return *plans_.emplace(k, std::move(p)).first->second;
 }
 
@@ -180,12 +187,44 @@ void GemmContext::matmul(const GemmArgs& g, cudaStream_t stream) {
     QT_CHECK_CUDA(cudaMemset2DAsync(g.C, g.ldc * es, 0, g.N * es, g.M, stream));
     return;
   }
-  const Key key{g.trans_a, g.trans_b, g.c_is_f32, g.M, g.N, g.K, g.lda, g.ldb, g.ldc,
-                pointer_alignment(g.A), pointer_alignment(g.B), pointer_alignment(g.C),
-                g.epilogue};
-  const Plan& p = plan_for(key);
+  const Plan& p = plan_for(key_of(g));
   QT_CHECK_CUBLAS(cublasLtMatmul(handle_, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta, g.C, p.c,
                                  g.C, p.c, &p.algo, workspace_, workspace_bytes_, stream));
+}
+
+GemmContext::Key GemmContext::key_of(const GemmArgs& g) {
+  return Key{g.trans_a, g.trans_b, g.c_is_f32, g.M, g.N, g.K, g.lda, g.ldb, g.ldc,
+             pointer_alignment(g.A), pointer_alignment(g.B), pointer_alignment(g.C), g.epilogue};
+}
+
+std::vector<float> GemmContext::tune(const GemmArgs& g, cudaStream_t stream, int max_algos,
+                                     int reps) {
+  validate(g);
+  if (g.M == 0 || g.N == 0 || g.K == 0) return {};
+  Plan& p = plan_for(key_of(g));
+  const std::vector<cublasLtMatmulHeuristicResult_t> algos = heuristics(key_of(g), p, max_algos);
+  std::vector<float> ms(algos.size(), -1.f);
+  Event start(true), stop(true);
+  int best = -1;
+  for (std::size_t i = 0; i < algos.size(); ++i) {
+    if (algos[i].state != CUBLAS_STATUS_SUCCESS || algos[i].workspaceSize > workspace_bytes_) continue;
+    auto run = [&] {
+      return cublasLtMatmul(handle_, p.op, &g.alpha, g.B, p.a, g.A, p.b, &g.beta, g.C, p.c, g.C,
+                            p.c, &algos[i].algo, workspace_, workspace_bytes_, stream);
+    };
+    if (run() != CUBLAS_STATUS_SUCCESS) continue;  // warm-up; an algorithm may still refuse
+    start.record(stream);
+    for (int r = 0; r < reps; ++r) QT_CHECK_CUBLAS(run());
+    stop.record(stream);
+    stop.synchronize();
+    ms[i] = stop.elapsed_ms_since(start) / static_cast<float>(reps);
+    if (best < 0 || ms[i] < ms[best]) best = static_cast<int>(i);
+  }
+  if (best >= 0) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    p.algo = algos[best].algo;
+  }
+  return ms;
 }
 
 // ---- Entry points of src/ops/cuda/gemm.cuh ---------------------------------------------------------

@@ -10,6 +10,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 #include "cuda/device.h"
 #include "ops/cuda/gemm.cuh"
@@ -52,6 +53,13 @@ class GemmContext {
   // Validates (std::invalid_argument), finds or makes the plan, and enqueues one cublasLtMatmul.
   void matmul(const GemmArgs& g, cudaStream_t stream);
 
+  // Set-up time only (not concurrently with GEMMs of this shape): times the heuristic's first
+  // `max_algos` algorithms on g's buffers, `reps` runs each after a warm-up, and keeps the fastest
+  // in g's plan. C is overwritten (accumulated into when beta != 0): pass scratch buffers of the
+  // real shape and alignment. Returns ms per run in heuristic order (-1: algorithm refused); entry
+  // 0 is what the heuristic alone would have used. Synchronises the stream.
+  std::vector<float> tune(const GemmArgs& g, cudaStream_t stream, int max_algos = 8, int reps = 5);
+
   int device() const { return device_; }
   std::size_t plan_count() const;
   std::size_t workspace_bytes() const { return workspace_bytes_; }
@@ -67,7 +75,10 @@ class GemmContext {
   };
   struct Plan;
 
-  const Plan& plan_for(const Key& k);
+  static Key key_of(const GemmArgs& g);
+  Plan& plan_for(const Key& k);
+  std::vector<cublasLtMatmulHeuristicResult_t> heuristics(const Key& k, const Plan& p,
+                                                          int max_algos) const;
 
   int device_ = -1;
   cublasLtHandle_t handle_ = nullptr;

@@ -137,7 +137,27 @@ void NcclComm::check_usable(const char* op) const {
 }
 
 void NcclComm::enqueued(ncclResult_t rc, const Pending& what, const char* call) {
-  if (rc == ncclSuccess || rc == ncclInProgress) return;
+  if (rc == ncclSuccess) return;
+  if (rc == ncclInProgress) {
+    // A non-blocking communicator takes no further call until NCCL has handed this one to the
+    // stream: wait for that (usually microseconds), with the same deadline and reports.
+    using Clock = std::chrono::steady_clock;
+    const auto start = Clock::now();
+    ncclResult_t state = ncclInProgress;
+    for (;;) {
+      QT_CHECK_NCCL(ncclCommGetAsyncError(comm_, &state));
+      if (state != ncclInProgress) break;
+      const double waited = std::chrono::duration<double>(Clock::now() - start).count();
+      if (waited > timeout_s_) timed_out(what, waited);
+      if (waited > 0.1) {
+        std::this_thread::sleep_for(std::chrono::microseconds(500));
+      } else if (waited > 1e-3) {
+        std::this_thread::yield();
+      }
+    }
+    if (state == ncclSuccess) return;
+    rc = state;
+  }
   const std::string msg = fmt::format("communicator '{}' (rank {} of {}), {}: {} ({})", name_, rank_,
                                       size_, describe(what), ncclGetErrorString(rc),
                                       comm_ != nullptr ? ncclGetLastError(comm_) : "");

@@ -3,7 +3,6 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>  // before gpu_test.h: the typed cudaMalloc(T**, size_t) it calls
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -21,10 +20,11 @@ namespace qt::test {
 using bf16 = __nv_bfloat16;
 
 // Relative error bounds, ||gpu - cpu|| / ||cpu|| over a whole tensor, the CPU op in double on the
-// same (bf16-rounded) inputs as the reference. One bf16 rounding of a result has a relative
-// error of at most 2^-9 and about 1.1e-3 RMS, so:
+// same (bf16-rounded) inputs as the reference. Rounding to bf16 (8 significant bits) moves a
+// value by at most 2^-8 = 3.9e-3 of itself (about 1.1e-3 RMS over many values); a tensor whose
+// norm sits in a few elements (cross-entropy's target entries) can come close to that bound.
 inline constexpr double kTolBf16 = 1e-2;      // bf16 outputs after up to ~5 rounding steps
-inline constexpr double kTolBf16Once = 4e-3;  // bf16 outputs rounded once from fp32 math
+inline constexpr double kTolBf16Once = 5e-3;  // bf16 outputs rounded once from fp32 math
 // fp32 outputs (statistics, weight gradients): kTolF32 = 1e-5, from ops/check.h.
 
 inline bf16 to_bf16(double x) { return __float2bfloat16_rn(static_cast<float>(x)); }

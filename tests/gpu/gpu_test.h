@@ -34,7 +34,7 @@ class GuardedBuffer {
   static constexpr std::size_t kGuard = 256;
   static constexpr unsigned char kSentinel = 0xA5;
   explicit GuardedBuffer(std::size_t n) : n_(n) {
-    QT_CHECK_CUDA(cudaMalloc(&ptr_, bytes() + kGuard));
+    QT_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&ptr_), bytes() + kGuard));
     QT_CHECK_CUDA(cudaMemset(ptr_, 0, bytes()));
     QT_CHECK_CUDA(cudaMemset(reinterpret_cast<char*>(ptr_) + bytes(), kSentinel, kGuard));
   }

@@ -40,14 +40,16 @@ TEST_P(CudaSwiglu, ForwardAndBackwardMatchCpu) {
     g.bits[0] = to_bf16(-200.0), g.value[0] = from_bf16(g.bits[0]);
     g.bits[1] = to_bf16(200.0), g.value[1] = from_bf16(g.bits[1]);
   }
-  // Buffers one element longer, so that the op can be pointed at element `shift`.
+  // Buffers kSlack elements longer, so that the op can be pointed at element `shift`.
+  constexpr int kSlack = 8;
+  ASSERT_LT(shift, kSlack);
   auto padded = [&](const std::vector<bf16>& v) {
-    std::vector<bf16> p(v.size() + 1, to_bf16(0.0));
+    std::vector<bf16> p(v.size() + kSlack, to_bf16(0.0));
     std::copy(v.begin(), v.end(), p.begin() + shift);
     return p;
   };
   GuardedBuffer<bf16> dg(padded(g.bits)), du(padded(u.bits)), ddh(padded(dh.bits));
-  GuardedBuffer<bf16> dh_out(n + 1), ddg(n + 1), ddu(n + 1);
+  GuardedBuffer<bf16> dh_out(n + kSlack), ddg(n + kSlack), ddu(n + kSlack);
   fill_nan(dh_out);
   fill_nan(ddg);
   fill_nan(ddu);
@@ -69,7 +71,12 @@ TEST_P(CudaSwiglu, ForwardAndBackwardMatchCpu) {
   EXPECT_LT(eu, kTolBf16) << "dup";        // times bf16(silu): two roundings
   std::printf("[ err ] swiglu N=%d I=%d shift=%d: h %.3e dgate %.3e dup %.3e\n", N, I, shift, eh,
               eg, eu);
-  for (const auto* b : {&dh_out, &ddg, &ddu}) EXPECT_TRUE(b->guard_intact());
+  for (const auto* b : {&dh_out, &ddg, &ddu}) {  // nothing written outside [shift, shift + n)
+    EXPECT_TRUE(b->guard_intact());
+    const Vec all = download(*b);
+    for (std::size_t i = 0; i < all.size(); ++i)
+      if (i < std::size_t(shift) || i >= shift + n) EXPECT_TRUE(std::isnan(all[i])) << i;
+  }
 
   // Outputs aliasing the inputs (dgate = gate, dup = up): the same bits.
   cuda::swiglu_backward(dg.get() + shift, du.get() + shift, ddh.get() + shift, dg.get() + shift,

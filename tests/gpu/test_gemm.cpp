@@ -261,6 +261,30 @@ TEST(Gemm, PlansAreCachedPerShape) {
   sync();
 }
 
+TEST(Gemm, TunedPlanStaysCorrect) {
+  QT_REQUIRE_GPU();
+  std::mt19937_64 rng(qt::test::test_seed() + 67);
+  const int N = 384, in = 512, out = 640;
+  const std::vector<double> x = random_bf16_values(std::size_t(N) * in, rng);
+  const std::vector<double> w = random_bf16_values(std::size_t(out) * in, rng, 1.0 / std::sqrt(in));
+  test::GuardedBuffer<bf16> dx(as_bf16(x)), dw(as_bf16(w)), dy(nan_bf16(std::size_t(N) * out));
+  GemmArgs g;  // the forward's GEMM: y[N, out] = x[N, in] w[out, in]^T
+  g.trans_b = true;
+  g.M = N, g.N = out, g.K = in;
+  g.A = dx.get(), g.lda = in, g.B = dw.get(), g.ldb = in, g.C = dy.get(), g.ldc = out;
+  const std::vector<float> ms = GemmContext::current().tune(g, nullptr, 8, 3);
+  ASSERT_FALSE(ms.empty());
+  EXPECT_GT(ms[0], 0.f) << "the heuristic's first choice must run";
+  QT_CHECK_CUDA(cudaMemcpy(dy.get(), nan_bf16(std::size_t(N) * out).data(), std::size_t(N) * out * 2,
+                           cudaMemcpyHostToDevice));
+  linear_forward(dy.get(), dx.get(), dw.get(), N, in, out, nullptr);  // the tuned plan
+  sync();
+  std::vector<double> ref(std::size_t(N) * out);
+  cpu::linear_forward<double>(ref.data(), x.data(), w.data(), N, in, out);
+  EXPECT_LE(rel_error(to_doubles(dy.download()), ref), Tol::kBf16);
+  EXPECT_TRUE(dy.guard_intact());
+}
+
 TEST(Gemm, CallerWorkspaceFromAnArena) {
   QT_REQUIRE_GPU();
   DeviceArena arena(kGemmWorkspaceBytes + (std::size_t{16} << 20), "gemm");

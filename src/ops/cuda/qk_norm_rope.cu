@@ -58,21 +58,23 @@ static __global__ void qk_norm_rope_forward_kernel(
   const int sub = threadIdx.x % L;
   const bool valid = row < rows;
   const std::size_t off = static_cast<std::size_t>(row) * hd + sub * 8;
-  float v[8] = {};
-  if (valid) load_bf16x8_rw(x + off, v);  // out may alias x
+  // Every load is issued before the first shuffle: the row, the weight and the tables.
+  float v[8] = {}, wv[8], c[8] = {}, s[8] = {};
+  if (valid) {
+    load_bf16x8_rw(x + off, v);  // out may alias x
+    const std::int64_t bt = row / heads;
+    rope_coeffs<L>(cos, sin, pos != nullptr ? pos[bt] : bt % Tn, sub, c, s);
+  }
+  load_bf16x8(w + sub * 8, wv);
   float ss = 0.0f;
 #pragma unroll
   for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
   const float r = rsqrtf(row_sum<L>(ss) / static_cast<float>(hd) + eps);
-  float wv[8], y[8], p[8], c[8], s[8];
-  load_bf16x8(w + sub * 8, wv);
+  float y[8], p[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) y[i] = round_bf16(wv[i] * round_bf16(v[i] * r));
   partner_bf16x8<L>(y, p);
-  if (!valid) return;  // after the last shuffle
-  const std::int64_t bt = row / heads;
-  const std::int64_t position = pos != nullptr ? pos[bt] : bt % Tn;
-  rope_coeffs<L>(cos, sin, position, sub, c, s);
+  if (!valid) return;                             // after the last shuffle
   const float sign = sub < L / 2 ? -1.0f : 1.0f;  // rotate_half: -x2 in the first half, x1 after
   float o[8];
 #pragma unroll

@@ -12,14 +12,19 @@ namespace qt::cuda {
 // only R = 1 (the launch bounds cap the registers so that such a block fits an SM).
 static constexpr int kMaxC = 8192;
 static constexpr int kWideC = 4096;
-static constexpr int kBwdMaxBlocks = 512;  // backward grid; also the rows of the dw partials
 
 static int block_threads(int C) { return ceil_div(C / 8, 32) * 32; }
 static int rows_per_block(int C) { return C > kWideC ? 1 : 4; }
 static constexpr int max_threads(int R) { return R == 1 ? 1024 : 512; }
 
+// The backward grid, also the rows of the dw partials: about one wave of resident blocks on a
+// 132-SM Hopper. The R = 4 kernel takes 128 registers a thread, so an SM's 64K registers hold
+// 512 threads (4 blocks of 128 threads for C = 1024, 2 of 256 for C = 2048, ...), and
+// 65536 / threads blocks fill 132 SMs about once. A function of N and C only, so dw has the same
+// bits on every run.
 static int backward_blocks(int N, int C) {
-  return std::max(1, std::min(ceil_div(N, rows_per_block(C)), kBwdMaxBlocks));
+  const int wave = std::clamp(65536 / block_threads(C), 128, 512);
+  return std::max(1, std::min(ceil_div(N, rows_per_block(C)), wave));
 }
 
 static void check_shape(const char* op, int N, int C) {

@@ -1,0 +1,192 @@
+// Qwen3 forward and backward on the GPU. Shapes: N = B*T rows, H hidden, Q = nh*hd,
+// KV = nkv*hd, I intermediate, V vocabulary. Every residual add is fused with the norm that
+// follows it (residual_rmsnorm_forward): layer l's output add produces layer l+1's input norm,
+// or the final norm after the last layer.
+#include "cuda/qwen3_cuda.h"
+
+#include <algorithm>
+
+#include "cuda/check.h"
+#include "ops/rope.h"
+#include "ops/cuda/add.cuh"
+#include "ops/cuda/attention.cuh"
+#include "ops/cuda/cross_entropy.cuh"
+#include "ops/cuda/embedding.cuh"
+#include "ops/cuda/gemm.cuh"
+#include "ops/cuda/qk_norm_rope.cuh"
+#include "ops/cuda/rmsnorm.cuh"
+#include "ops/cuda/swiglu.cuh"
+#include "qtrain/error.h"
+
+namespace qt::cuda {
+
+namespace {
+constexpr std::size_t kLogitsChunkBytes = std::size_t{256} << 20;  // bf16 logits per chunk
+}
+
+Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
+    : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T) {
+  QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
+           "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
+  off_embed_ = layout_.find("model.embed_tokens.weight").offset;
+  off_norm_ = layout_.find("model.norm.weight").offset;
+  off_lm_head_ = cfg.tie_word_embeddings ? off_embed_ : layout_.find("lm_head.weight").offset;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    auto at = [&](const char* s) { return layout_.find(p + s).offset; };
+    lo_.push_back({at("input_layernorm.weight"), at("self_attn.q_proj.weight"),
+                   at("self_attn.k_proj.weight"), at("self_attn.v_proj.weight"),
+                   at("self_attn.o_proj.weight"), at("self_attn.q_norm.weight"),
+                   at("self_attn.k_norm.weight"), at("post_attention_layernorm.weight"),
+                   at("mlp.gate_proj.weight"), at("mlp.up_proj.weight"),
+                   at("mlp.down_proj.weight")});
+  }
+  const std::size_t N = N_, H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
+  const std::size_t I = cfg.intermediate_size, V = cfg.vocab_size, L = cfg.num_layers;
+  const int hd = cfg.head_dim, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
+
+  std::vector<float> cos(static_cast<std::size_t>(T) * hd / 2), sin(cos.size());
+  cpu::rope_table(cos.data(), sin.data(), T, hd, cfg.rope_theta);
+  cos_ = arena.allocate<float>(cos.size());
+  sin_ = arena.allocate<float>(sin.size());
+  QT_CHECK_CUDA(cudaMemcpy(cos_, cos.data(), cos.size() * 4, cudaMemcpyHostToDevice));
+  QT_CHECK_CUDA(cudaMemcpy(sin_, sin.data(), sin.size() * 4, cudaMemcpyHostToDevice));
+
+  for (std::size_t l = 0; l <= L; ++l) {
+    x_.push_back(arena.allocate<bf16>(N * H));
+    ln_.push_back(arena.allocate<bf16>(N * H));
+    rstd_.push_back(arena.allocate<float>(N));
+  }
+  acts_.resize(L);
+  for (LayerActs& a : acts_) {
+    a.q_raw = arena.allocate<bf16>(N * Q);
+    a.k_raw = arena.allocate<bf16>(N * KV);
+    a.q_rstd = arena.allocate<float>(N * nh);
+    a.k_rstd = arena.allocate<float>(N * nkv);
+    a.q = arena.allocate<bf16>(N * Q);
+    a.k = arena.allocate<bf16>(N * KV);
+    a.v = arena.allocate<bf16>(N * KV);
+    a.att = arena.allocate<bf16>(N * Q);
+    a.lse = arena.allocate<float>(static_cast<std::size_t>(B) * nh * T);
+    a.x_mid = arena.allocate<bf16>(N * H);
+    a.ln2 = arena.allocate<bf16>(N * H);
+    a.rstd2 = arena.allocate<float>(N);
+    a.gate = arena.allocate<bf16>(N * I);
+    a.up = arena.allocate<bf16>(N * I);
+    a.h = arena.allocate<bf16>(N * I);
+  }
+  tmp_ = arena.allocate<bf16>(N * H);
+  dx_ = arena.allocate<bf16>(N * H);
+  dtmp_ = arena.allocate<bf16>(N * H);
+  dln_ = arena.allocate<bf16>(N * H);
+  dh_ = arena.allocate<bf16>(N * I);
+  datt_ = arena.allocate<bf16>(N * Q);
+  dq_ = arena.allocate<bf16>(N * Q);
+  dk_ = arena.allocate<bf16>(N * KV);
+  dv_ = arena.allocate<bf16>(N * KV);
+  chunk_ = static_cast<int>(std::clamp<std::size_t>(kLogitsChunkBytes / (V * 2), 1, N));
+  logits_ = arena.allocate<bf16>(static_cast<std::size_t>(chunk_) * V);
+  losses_ = arena.allocate<float>(chunk_);
+  chunk_lse_ = arena.allocate<float>(chunk_);
+  loss_sum_ = arena.allocate<double>(1);
+  ws_bytes_ = std::max({rmsnorm_backward_workspace_bytes(N_, cfg.hidden_size),
+                        qk_norm_rope_backward_workspace_bytes(B, T, nh, hd),
+                        qk_norm_rope_backward_workspace_bytes(B, T, nkv, hd),
+                        embedding_backward_workspace_bytes(N_)});
+  ws_ = arena.allocate(ws_bytes_);
+}
+
+void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
+  const LayerOffsets& w = lo_[l];
+  LayerActs& a = acts_[l];
+  const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
+  const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
+  const int hd = cfg_.head_dim;
+  const double eps = cfg_.rms_norm_eps;
+  const bf16* ln1 = ln_[l];
+  linear_forward(a.q_raw, ln1, W + w.wq, N, H, Q, s);
+  linear_forward(a.k_raw, ln1, W + w.wk, N, H, KV, s);
+  linear_forward(a.v, ln1, W + w.wv, N, H, KV, s);
+  qk_norm_rope_forward(a.q, a.q_rstd, a.q_raw, W + w.q_norm, cos_, sin_, nullptr, B_, T_, nh, hd,
+                       eps, s);
+  qk_norm_rope_forward(a.k, a.k_rstd, a.k_raw, W + w.k_norm, cos_, sin_, nullptr, B_, T_, nkv, hd,
+                       eps, s);
+  attention_forward(a.att, a.lse, a.q, a.k, a.v, B_, T_, nh, nkv, hd, s);
+  linear_forward(tmp_, a.att, W + w.wo, N, Q, H, s);
+  residual_rmsnorm_forward(a.x_mid, a.ln2, a.rstd2, x_[l], tmp_, W + w.ln2, N, H, eps, s);
+  linear_forward(a.gate, a.ln2, W + w.w_gate, N, H, I, s);
+  linear_forward(a.up, a.ln2, W + w.w_up, N, H, I, s);
+  swiglu_forward(a.h, a.gate, a.up, N, I, s);
+  linear_forward(tmp_, a.h, W + w.w_down, N, I, H, s);
+  const bf16* next_norm = l + 1 < cfg_.num_layers ? W + lo_[l + 1].ln1 : W + off_norm_;
+  residual_rmsnorm_forward(x_[l + 1], ln_[l + 1], rstd_[l + 1], a.x_mid, tmp_, next_norm, N, H,
+                           eps, s);
+}
+
+void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
+  const LayerOffsets& w = lo_[l];
+  LayerActs& a = acts_[l];
+  const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
+  const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
+  const int hd = cfg_.head_dim;
+  const std::size_t NH = static_cast<std::size_t>(N) * H;
+  // MLP block; dx_ holds d x_out and becomes d x_mid. gate/up are overwritten by their gradients.
+  linear_backward(dh_, G + w.w_down, dx_, a.h, W + w.w_down, N, I, H, s);
+  swiglu_backward(a.gate, a.up, dh_, a.gate, a.up, N, I, s);
+  linear_backward(dln_, G + w.w_gate, a.gate, a.ln2, W + w.w_gate, N, H, I, s);
+  linear_backward(nullptr, G + w.w_up, a.up, a.ln2, W + w.w_up, N, H, I, s);
+  gemm(false, false, N, H, I, 1.0f, a.up, I, W + w.w_up, H, 1.0f, dln_, H, s);  // dln += dup Wup
+  rmsnorm_backward(dtmp_, G + w.ln2, dln_, a.x_mid, W + w.ln2, a.rstd2, N, H, ws_, s);
+  add_inplace(dx_, dtmp_, NH, s);
+  // Attention block; dx_ holds d x_mid and becomes d x_in.
+  linear_backward(datt_, G + w.wo, dx_, a.att, W + w.wo, N, Q, H, s);
+  attention_backward(dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, B_, T_, nh, nkv, hd, s);
+  qk_norm_rope_backward(dq_, G + w.q_norm, dq_, a.q_raw, W + w.q_norm, a.q_rstd, cos_, sin_,
+                        nullptr, B_, T_, nh, hd, ws_, s);
+  qk_norm_rope_backward(dk_, G + w.k_norm, dk_, a.k_raw, W + w.k_norm, a.k_rstd, cos_, sin_,
+                        nullptr, B_, T_, nkv, hd, ws_, s);
+  const bf16* ln1 = ln_[l];
+  linear_backward(dln_, G + w.wq, dq_, ln1, W + w.wq, N, H, Q, s);
+  linear_backward(nullptr, G + w.wk, dk_, ln1, W + w.wk, N, H, KV, s);
+  gemm(false, false, N, H, KV, 1.0f, dk_, KV, W + w.wk, H, 1.0f, dln_, H, s);
+  linear_backward(nullptr, G + w.wv, dv_, ln1, W + w.wv, N, H, KV, s);
+  gemm(false, false, N, H, KV, 1.0f, dv_, KV, W + w.wv, H, 1.0f, dln_, H, s);
+  rmsnorm_backward(dtmp_, G + w.ln1, dln_, x_[l], W + w.ln1, rstd_[l], N, H, ws_, s);
+  add_inplace(dx_, dtmp_, NH, s);
+}
+
+// Logits, loss and their backward, chunk by chunk; leaves d(final norm output) in dtmp_.
+void Qwen3Cuda::lm_head_loss(const bf16* W, float* G, const std::int32_t* targets,
+                             float loss_scale, cudaStream_t s) {
+  const int H = cfg_.hidden_size, V = cfg_.vocab_size;
+  const bf16* xf = ln_[cfg_.num_layers];
+  for (int c0 = 0; c0 < N_; c0 += chunk_) {
+    const int rows = std::min(chunk_, N_ - c0);
+    const std::size_t r0 = static_cast<std::size_t>(c0);
+    linear_forward(logits_, xf + r0 * H, W + off_lm_head_, rows, H, V, s);
+    cross_entropy_forward(losses_, chunk_lse_, logits_, targets + r0, rows, V, loss_sum_, s);
+    cross_entropy_backward(logits_, logits_, chunk_lse_, targets + r0, loss_scale, rows, V, s);
+    linear_backward(dtmp_ + r0 * H, G + off_lm_head_, logits_, xf + r0 * H, W + off_lm_head_,
+                    rows, H, V, s);
+  }
+}
+
+double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* inputs,
+                                   const std::int32_t* targets, float loss_scale,
+                                   cudaStream_t s) {
+  const int N = N_, H = cfg_.hidden_size, L = cfg_.num_layers;
+  QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s));
+  embedding_forward(x_[0], inputs, W + off_embed_, N, H, s);
+  rmsnorm_forward(ln_[0], rstd_[0], x_[0], W + lo_[0].ln1, N, H, cfg_.rms_norm_eps, s);
+  for (int l = 0; l < L; ++l) layer_forward(l, W, s);
+  lm_head_loss(W, G, targets, loss_scale, s);
+  rmsnorm_backward(dx_, G + off_norm_, dtmp_, x_[L], W + off_norm_, rstd_[L], N, H, ws_, s);
+  for (int l = L - 1; l >= 0; --l) layer_backward(l, W, G, s);
+  embedding_backward(G + off_embed_, dx_, inputs, N, H, ws_, ws_bytes_, s);
+  double loss = 0;
+  QT_CHECK_CUDA(cudaMemcpyAsync(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, s));
+  QT_CHECK_CUDA(cudaStreamSynchronize(s));
+  return loss;
+}
+
+}  // namespace qt::cuda

@@ -1,0 +1,78 @@
+// Qwen3 dense forward and backward on one GPU: bf16 weights and activations, fp32 weight
+// gradients, the ops of src/ops/cuda, every buffer from one DeviceArena. The math and the bf16
+// rounding points are transformers' (qwen3-spec.md 7.2); the CPU model is the oracle.
+//
+// The lm head and the cross-entropy run chunked over tokens and backward immediately for each
+// chunk, so the full [tokens, vocab] logits never exist: forward and backward are one call.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "cuda/device.h"
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+
+namespace qt::cuda {
+
+using bf16 = __nv_bfloat16;
+
+class Qwen3Cuda {
+ public:
+  // Buffers for micro-batches of B x T tokens, taken from `arena` (which must outlive this).
+  Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena);
+
+  const ParamLayout& layout() const { return layout_; }
+
+  // inputs, targets: device [B, T] int32 (targets -100 ignored). W: bf16 weights in the flat
+  // layout; G: fp32 gradients, accumulated (+= loss_scale * d(sum of losses)/dW). Enqueues on
+  // `stream`, then waits for it; returns the sum of the losses.
+  double forward_backward(const bf16* W, float* G, const std::int32_t* inputs,
+                          const std::int32_t* targets, float loss_scale, cudaStream_t stream);
+
+ private:
+  struct LayerOffsets {
+    std::size_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, w_gate, w_up, w_down;
+  };
+  struct LayerActs {                 // N = B*T rows
+    bf16 *q_raw, *k_raw;             // [N, Q], [N, KV] before q/k norm
+    float *q_rstd, *k_rstd;          // [N*nh], [N*nkv]
+    bf16 *q, *k, *v;                 // [N, Q], [N, KV], [N, KV] after norm and rope
+    bf16* att;                       // [N, Q]
+    float* lse;                      // [B, nh, T]
+    bf16 *x_mid, *ln2;               // [N, H]
+    float* rstd2;                    // [N]
+    bf16 *gate, *up, *h;             // [N, I]
+  };
+
+  void layer_forward(int l, const bf16* W, cudaStream_t s);
+  void layer_backward(int l, const bf16* W, float* G, cudaStream_t s);
+  void lm_head_loss(const bf16* W, float* G, const std::int32_t* targets, float loss_scale,
+                    cudaStream_t s);
+
+  ModelConfig cfg_;
+  ParamLayout layout_;
+  int B_, T_, N_;
+  std::size_t off_embed_, off_norm_, off_lm_head_;
+  std::vector<LayerOffsets> lo_;
+  float *cos_, *sin_;                // [T, hd/2] fp32 tables
+  std::vector<bf16*> x_;             // [L+1] residual stream [N, H]; x_[l] is layer l's input
+  std::vector<bf16*> ln_;            // [L+1] rmsnorm(x_[l]) [N, H]; ln_[L] is the final norm
+  std::vector<float*> rstd_;         // [L+1] [N]
+  std::vector<LayerActs> acts_;
+  const std::int32_t* inputs_ = nullptr;
+  // scratch
+  bf16 *tmp_, *dx_, *dtmp_, *dln_;   // [N, H]
+  bf16 *dh_, *datt_, *dq_, *dk_, *dv_;  // [N, I], [N, Q], [N, Q], [N, KV], [N, KV]
+  int chunk_;                        // lm-head rows per chunk
+  bf16* logits_;                     // [chunk, V]
+  float *losses_, *chunk_lse_;       // [chunk]
+  double* loss_sum_;                 // device scalar
+  void* ws_;                         // norm / embedding backward workspace
+  std::size_t ws_bytes_;
+};
+
+}  // namespace qt::cuda

@@ -1,0 +1,118 @@
+// The CUDA Qwen3 (bf16) against the CPU model (fp32) on the same bf16-representable weights:
+// loss and every weight gradient.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "cuda/device.h"
+#include "cuda/qwen3_cuda.h"
+#include "gpu_test.h"
+#include "model/qwen3.h"
+#include "ops/cuda/convert.cuh"
+#include "ops/cuda/gemm.cuh"
+#include "support/random.h"
+
+namespace qt {
+namespace {
+
+double rel_error(const float* a, const float* b, std::size_t n) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / std::max(den, 1e-300));
+}
+
+struct Case {
+  const char* name;
+  int heads, kv_heads, head_dim;
+  bool tied;
+};
+
+class Qwen3CudaVsCpu : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
+  QT_REQUIRE_GPU();
+  const Case k = GetParam();
+  ModelConfig c;
+  c.vocab_size = 512;
+  c.hidden_size = 128;
+  c.intermediate_size = 256;
+  c.num_layers = 2;
+  c.num_heads = k.heads;
+  c.num_kv_heads = k.kv_heads;
+  c.head_dim = k.head_dim;
+  c.tie_word_embeddings = k.tied;
+  const int B = 2, T = 96;
+  ParamLayout layout(c);
+  std::mt19937_64 rng(test::test_seed());
+  auto params = test::random_vector<float>(layout.numel(), rng, 0.05);
+  for (const ParamInfo& p : layout.params())
+    if (p.shape.size() == 1)
+      for (std::size_t i = 0; i < p.numel; ++i) params[p.offset + i] = 1.0f + params[p.offset + i];
+  for (float& x : params) x = __bfloat162float(__float2bfloat16(x));  // both sides see bf16 weights
+  std::uniform_int_distribution<int> tok(0, c.vocab_size - 1);
+  std::vector<std::int32_t> inputs(B * T), targets(B * T);
+  long counted = 0;
+  for (int i = 0; i < B * T; ++i) {
+    inputs[i] = tok(rng);
+    targets[i] = i % 7 == 3 ? -100 : tok(rng);
+    counted += targets[i] != -100;
+  }
+  const float scale = 1.0f / counted;
+
+  Qwen3Model cpu_model(c, B, T, false);
+  std::vector<float> cpu_grads(layout.numel(), 0.0f);
+  const double cpu_loss = cpu_model.forward(params.data(), inputs.data(), targets.data()) / counted;
+  cpu_model.backward(params.data(), cpu_grads.data(), scale);
+
+  cuda::DeviceArena arena(std::size_t{1} << 30, "test arena");
+  cuda::gemm_init(arena.allocate(cuda::kGemmWorkspaceBytes), cuda::kGemmWorkspaceBytes);
+  cuda::Stream stream;
+  float* master = arena.allocate<float>(layout.numel());
+  cuda::bf16* weights = arena.allocate<cuda::bf16>(layout.numel());
+  float* grads = arena.allocate<float>(layout.numel());
+  std::int32_t* d_in = arena.allocate<std::int32_t>(B * T);
+  std::int32_t* d_tg = arena.allocate<std::int32_t>(B * T);
+  QT_CHECK_CUDA(cudaMemcpy(master, params.data(), params.size() * 4, cudaMemcpyHostToDevice));
+  cuda::convert_f32_to_bf16(weights, master, layout.numel(), stream.get());
+  QT_CHECK_CUDA(cudaMemset(grads, 0, layout.numel() * 4));
+  QT_CHECK_CUDA(cudaMemcpy(d_in, inputs.data(), B * T * 4, cudaMemcpyHostToDevice));
+  QT_CHECK_CUDA(cudaMemcpy(d_tg, targets.data(), B * T * 4, cudaMemcpyHostToDevice));
+  cuda::Qwen3Cuda model(c, B, T, arena);
+  const double loss = model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get()) / counted;
+  std::vector<float> gpu_grads(layout.numel());
+  QT_CHECK_CUDA(cudaMemcpy(gpu_grads.data(), grads, layout.numel() * 4, cudaMemcpyDeviceToHost));
+
+  ASSERT_TRUE(std::isfinite(loss));
+  EXPECT_LT(std::abs(loss - cpu_loss) / cpu_loss, 1e-2) << loss << " vs " << cpu_loss;
+  std::printf("[%s] loss %.6f (cpu %.6f)\n", k.name, loss, cpu_loss);
+  double worst = 0;
+  for (const ParamInfo& p : layout.params()) {
+    const double err = rel_error(gpu_grads.data() + p.offset, cpu_grads.data() + p.offset, p.numel);
+    EXPECT_LT(err, 5e-2) << p.name;
+    worst = std::max(worst, err);
+  }
+  const double total = rel_error(gpu_grads.data(), cpu_grads.data(), layout.numel());
+  EXPECT_LT(total, 2e-2);
+  std::printf("[%s] gradient rel err: all %.3e, worst tensor %.3e\n", k.name, total, worst);
+
+  // Deterministic: a second pass gives the same bits.
+  QT_CHECK_CUDA(cudaMemset(grads, 0, layout.numel() * 4));
+  const double again = model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get()) / counted;
+  std::vector<float> again_grads(layout.numel());
+  QT_CHECK_CUDA(cudaMemcpy(again_grads.data(), grads, layout.numel() * 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(loss, again);
+  EXPECT_EQ(gpu_grads, again_grads);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Qwen3CudaVsCpu,
+                         ::testing::Values(Case{"tied_gqa2_hd64", 4, 2, 64, true},
+                                           Case{"untied_gqa4_hd128", 8, 2, 128, false}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace qt
