@@ -46,7 +46,7 @@ struct DataConfig {
 
 struct CheckpointConfig {
   std::string dir = "checkpoints";
-  int every = 0;                     // steps between checkpoints; 0 = only at the end
+  int every = 0;                     // steps between checkpoints; 0 = only at the end; -1 = never
   int keep = 3;                      // newest complete checkpoints retained
   std::string resume = "auto";       // auto | none | <path to a checkpoint file>
 };

@@ -151,7 +151,7 @@ const std::vector<KeySpec>& key_table() {
 
         spec("checkpoint", "dir", &D::checkpoint, &C::dir, "path", "Directory of checkpoints"),
         spec("checkpoint", "every", &D::checkpoint, &C::every, "steps",
-             "Steps between checkpoints; 0 = only at the end"),
+             "Steps between checkpoints; 0 = only at the end; -1 = none at all (benchmarks)"),
         spec("checkpoint", "keep", &D::checkpoint, &C::keep, "checkpoints",
              "Newest complete checkpoints kept; older ones are deleted"),
         spec("checkpoint", "resume", &D::checkpoint, &C::resume, "",
@@ -468,7 +468,7 @@ void Builder::validate_data_checkpoint_log() {
 
   CheckpointConfig& c = deck_.checkpoint;
   need(!c.dir.empty(), "checkpoint.dir", "must not be empty");
-  need(c.every >= 0, "checkpoint.every", "must be >= 0 (0 = only at the end)");
+  need(c.every >= -1, "checkpoint.every", "must be >= -1 (0 = only at the end, -1 = never)");
   need(c.keep >= 1, "checkpoint.keep", "must be >= 1");
   if (c.resume != "auto" && c.resume != "none") {
     std::string why = file_problem(c.resume);

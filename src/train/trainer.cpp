@@ -172,7 +172,8 @@ int run_training(const Deck& deck, Mesh& mesh) {
     double stop_requested = g_stop_signal;
     stop_requested = mesh.world().max(stop_requested);
     const bool periodic = deck.checkpoint.every > 0 && state.step % deck.checkpoint.every == 0;
-    if (periodic || state.step == last || stop_requested > 0) save(state.step);
+    const bool saving = deck.checkpoint.every >= 0;
+    if (saving && (periodic || state.step == last || stop_requested > 0)) save(state.step);
     if (stop_requested > 0) {
       if (root) std::printf("stopping at step %lld on signal %d; resume with checkpoint.resume = auto\n",
                             static_cast<long long>(state.step), static_cast<int>(stop_requested));

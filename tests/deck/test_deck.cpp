@@ -285,7 +285,7 @@ TEST(DeckErrors, OutOfRange) {
   expect_error("[data]\nsynthetic_branching = 0\n", {"deck.ini:2:", "data.synthetic_branching = 0"});
   expect_error("[data]\nsynthetic_branching = 257\n", {"deck.ini:2:", "data.synthetic_branching = 257", "vocab_size = 256"});
   expect_error("[checkpoint]\nkeep = 0\n", {"deck.ini:2:", "checkpoint.keep = 0", ">= 1"});
-  expect_error("[checkpoint]\nevery = -1\n", {"deck.ini:2:", "checkpoint.every = -1"});
+  expect_error("[checkpoint]\nevery = -2\n", {"deck.ini:2:", "checkpoint.every = -2"});
   expect_error("[checkpoint]\ndir =\n", {"deck.ini:2:", "checkpoint.dir"});
   expect_error("[log]\nevery = 0\n", {"deck.ini:2:", "log.every = 0", ">= 1"});
 }
