@@ -22,6 +22,11 @@ struct ParamInfo {
   bool weight_decay = true;          // false for norm weights (1-D)
 };
 
+// Flat-buffer offsets of one decoder layer's parameters.
+struct LayerOffsets {
+  std::size_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, w_gate, w_up, w_down;
+};
+
 class ParamLayout {
  public:
   explicit ParamLayout(const ModelConfig& cfg);
@@ -29,6 +34,7 @@ class ParamLayout {
   const std::vector<ParamInfo>& params() const { return params_; }
   std::size_t numel() const { return numel_; }
   const ParamInfo& find(const std::string& name) const;  // aborts if absent
+  LayerOffsets layer_offsets(int layer) const;
 
  private:
   std::vector<ParamInfo> params_;

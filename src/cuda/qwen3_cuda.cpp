@@ -31,16 +31,7 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
   off_embed_ = layout_.find("model.embed_tokens.weight").offset;
   off_norm_ = layout_.find("model.norm.weight").offset;
   off_lm_head_ = cfg.tie_word_embeddings ? off_embed_ : layout_.find("lm_head.weight").offset;
-  for (int l = 0; l < cfg.num_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    auto at = [&](const char* s) { return layout_.find(p + s).offset; };
-    lo_.push_back({at("input_layernorm.weight"), at("self_attn.q_proj.weight"),
-                   at("self_attn.k_proj.weight"), at("self_attn.v_proj.weight"),
-                   at("self_attn.o_proj.weight"), at("self_attn.q_norm.weight"),
-                   at("self_attn.k_norm.weight"), at("post_attention_layernorm.weight"),
-                   at("mlp.gate_proj.weight"), at("mlp.up_proj.weight"),
-                   at("mlp.down_proj.weight")});
-  }
+  for (int l = 0; l < cfg.num_layers; ++l) lo_.push_back(layout_.layer_offsets(l));
   const std::size_t N = N_, H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
   const std::size_t I = cfg.intermediate_size, V = cfg.vocab_size, L = cfg.num_layers;
   const int hd = cfg.head_dim, nh = cfg.num_heads, nkv = cfg.num_kv_heads;

@@ -34,9 +34,6 @@ class Qwen3Cuda {
                           const std::int32_t* targets, float loss_scale, cudaStream_t stream);
 
  private:
-  struct LayerOffsets {
-    std::size_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, w_gate, w_up, w_down;
-  };
   struct LayerActs {                 // N = B*T rows
     bf16 *q_raw, *k_raw;             // [N, Q], [N, KV] before q/k norm
     float *q_rstd, *k_rstd;          // [N*nh], [N*nkv]

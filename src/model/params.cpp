@@ -49,6 +49,17 @@ const ParamInfo& ParamLayout::find(const std::string& name) const {
   return *it;
 }
 
+LayerOffsets ParamLayout::layer_offsets(int l) const {
+  const std::string p = fmt::format("model.layers.{}.", l);
+  auto at = [&](const char* s) { return find(p + s).offset; };
+  return {at("input_layernorm.weight"),  at("self_attn.q_proj.weight"),
+          at("self_attn.k_proj.weight"), at("self_attn.v_proj.weight"),
+          at("self_attn.o_proj.weight"), at("self_attn.q_norm.weight"),
+          at("self_attn.k_norm.weight"), at("post_attention_layernorm.weight"),
+          at("mlp.gate_proj.weight"),    at("mlp.up_proj.weight"),
+          at("mlp.down_proj.weight")};
+}
+
 Range split_range(std::size_t n, int parts, int i) {
   QT_CHECK(parts > 0 && i >= 0 && i < parts, "split_range part {} of {}", i, parts);
   const std::size_t chunk = (n + parts - 1) / parts;

@@ -49,16 +49,7 @@ Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
   off_embed_ = layout_.find("model.embed_tokens.weight").offset;
   off_norm_ = layout_.find("model.norm.weight").offset;
   off_lm_head_ = cfg.tie_word_embeddings ? off_embed_ : layout_.find("lm_head.weight").offset;
-  for (int l = 0; l < cfg.num_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    auto at = [&](const char* s) { return layout_.find(p + s).offset; };
-    lp_.push_back({at("input_layernorm.weight"), at("self_attn.q_proj.weight"),
-                   at("self_attn.k_proj.weight"), at("self_attn.v_proj.weight"),
-                   at("self_attn.o_proj.weight"), at("self_attn.q_norm.weight"),
-                   at("self_attn.k_norm.weight"), at("post_attention_layernorm.weight"),
-                   at("mlp.gate_proj.weight"), at("mlp.up_proj.weight"),
-                   at("mlp.down_proj.weight")});
-  }
+  for (int l = 0; l < cfg.num_layers; ++l) lp_.push_back(layout_.layer_offsets(l));
   const int hd = cfg.head_dim;
   rope_cos_.resize(static_cast<std::size_t>(T) * hd / 2);
   rope_sin_.resize(rope_cos_.size());
@@ -90,7 +81,7 @@ Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
 
 void Qwen3Model::layer_forward(int l, const float* P, const float* x_in, float* x_out,
                                LayerActs& a) {
-  const LayerParams& w = lp_[l];
+  const LayerOffsets& w = lp_[l];
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
@@ -119,7 +110,7 @@ void Qwen3Model::layer_forward(int l, const float* P, const float* x_in, float* 
 
 void Qwen3Model::layer_backward(int l, const float* P, float* G, const float* x_in, float* dx,
                                 LayerActs& a) {
-  const LayerParams& w = lp_[l];
+  const LayerOffsets& w = lp_[l];
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;

@@ -38,9 +38,6 @@ class Qwen3Model {
   const float* logits() const { return logits_.data(); }
 
  private:
-  struct LayerParams {  // offsets into the flat buffer
-    std::size_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, w_gate, w_up, w_down;
-  };
   struct LayerActs {    // saved activations of one layer, N = B*T rows
     std::vector<float> ln1, rstd1;          // [N, H], [N]
     std::vector<float> q_raw, k_raw;        // [N, Q], [N, KV] before q/k norm
@@ -63,7 +60,7 @@ class Qwen3Model {
   int B_, T_, N_;
   bool recompute_;
   std::size_t off_embed_, off_norm_, off_lm_head_;
-  std::vector<LayerParams> lp_;
+  std::vector<LayerOffsets> lp_;
   std::vector<float> rope_cos_, rope_sin_;   // [T, hd/2]
 
   std::vector<std::int32_t> inputs_, targets_;
