@@ -35,7 +35,8 @@ class Comm {
   // send[count * size()] reduced over ranks; rank r receives block r into recv[count].
   virtual void reduce_scatter(const void* send, void* recv, std::size_t count, DType t,
                               ReduceOp op) = 0;
-  // send[count] from each rank; recv[count * size()] holds them in rank order.
+  // send[count] from each rank; recv[count * size()] holds them in rank order. In place when
+  // send == recv + rank() * count (each rank's block already sits in recv).
   virtual void all_gather(const void* send, void* recv, std::size_t count, DType t) = 0;
   // send_counts[r] elements go to rank r starting at send_displs[r]; likewise for receives.
   virtual void all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,

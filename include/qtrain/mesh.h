@@ -44,12 +44,13 @@ class Mesh {
   int local_size() const { return local_size_; }      // ranks on this node
   const std::string& host() const { return host_; }
 
+  // The MPI communicators of each dimension; device communicators (NCCL) are built from them.
   MpiComm& world() { return *world_; }
-  Comm& dp() { return *dp_; }
-  Comm& tp() { return *tp_; }
-  Comm& pp() { return *pp_; }
-  Comm& ep() { return *ep_; }
-  Comm& edp() { return *edp_; }
+  MpiComm& dp() { return *dp_; }
+  MpiComm& tp() { return *tp_; }
+  MpiComm& pp() { return *pp_; }
+  MpiComm& ep() { return *ep_; }
+  MpiComm& edp() { return *edp_; }
   // Raw MPI handle of the world communicator (for parallel HDF5).
   MPI_Comm world_mpi() const { return world_->mpi(); }
 

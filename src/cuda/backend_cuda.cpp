@@ -62,11 +62,7 @@ class CudaBackend final : public TrainBackend {
     targets_ = arena_.allocate<std::int32_t>(tokens);
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,
                                                deck.train.seq_len, arena_);
-    if (dp > 1) {
-      auto* mpi_dp = dynamic_cast<MpiComm*>(&mesh.dp());
-      QT_CHECK(mpi_dp != nullptr, "the dp communicator is not an MPI one");
-      nccl_dp_ = std::make_unique<cuda::NcclComm>(*mpi_dp, "dp");
-    }
+    if (dp > 1) nccl_dp_ = std::make_unique<cuda::NcclComm>(mesh.dp(), "dp");
     host_params_.assign(padded_, 0.0f);
     host_m_.assign(range_.size(), 0.0f);
     host_v_.assign(range_.size(), 0.0f);
@@ -141,12 +137,9 @@ class CudaBackend final : public TrainBackend {
     cuda::adamw_step(master_ + range_.begin, weights_ + range_.begin, m_, v_, g, range_.size(),
                      range_.begin, segments_, num_segments_, args, stream_.get());
     if (zero1 && nccl_dp_) {
+      // Every rank's updated shard to every rank (in place), then the bf16 copy of the whole.
       stream_.synchronize();
-      // Every rank's updated shard to every rank, then the bf16 compute copy of the whole.
-      QT_CHECK_CUDA(cudaMemcpyAsync(shard_, master_ + chunk_ * mesh_.dp().rank(), chunk_ * 4,
-                                    cudaMemcpyDeviceToDevice, stream_.get()));
-      stream_.synchronize();
-      nccl_dp_->all_gather(shard_, master_, chunk_, DType::kF32);
+      nccl_dp_->all_gather(master_ + chunk_ * mesh_.dp().rank(), master_, chunk_, DType::kF32);
       cuda::convert_f32_to_bf16(weights_, master_, padded_, stream_.get());
     }
     return s;

@@ -2,24 +2,12 @@
 #include "cuda/device.h"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include "cuda/check.h"
 #include "qtrain/error.h"
+#include "runtime/process.h"
 
 namespace qt::cuda {
-
-namespace {
-
-std::string host_name() {
-  char host[256] = "?";
-  gethostname(host, sizeof host - 1);
-  return host;
-}
-
-std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
-
-}  // namespace
 
 std::string format_bytes(std::size_t bytes) {
   const double b = static_cast<double>(bytes);

@@ -36,6 +36,9 @@ struct DeviceMemory {
 };
 DeviceMemory device_memory();
 
+// n rounded up to a multiple of a (a > 0): block sizes and offsets of device buffers.
+inline std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
 // "1.50 GiB", "256.0 KiB", "17 B": for log lines and error messages.
 std::string format_bytes(std::size_t bytes);
 

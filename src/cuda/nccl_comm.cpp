@@ -3,7 +3,6 @@
 
 #include <fmt/format.h>
 #include <mpi.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -12,6 +11,8 @@
 #include <thread>
 
 #include "cuda/check.h"
+#include "cuda/device.h"
+#include "runtime/process.h"
 #include "cuda/nccl_check.h"
 #include "qtrain/error.h"
 
@@ -49,21 +50,6 @@ bool on_device(const void* p) {
   }
   return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
 }
-
-int world_rank() {
-  int init = 0, rank = 0;
-  MPI_Initialized(&init);
-  if (init) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
-std::string host_name() {
-  char host[256] = "?";
-  gethostname(host, sizeof host - 1);
-  return host;
-}
-
-std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
 
 }  // namespace
 
@@ -198,7 +184,7 @@ void NcclComm::timed_out(const Pending& what, double waited_s) {
   const std::string msg = fmt::format(
       "NCCL timeout: world rank {} ({}, device {}) waited {:.1f} s (timeout {} s) on communicator "
       "'{}' (rank {} of {}) for {}",
-      world_rank(), host_name(), device_, waited_s, timeout_s_, name_, rank_, size_,
+      world_rank_or_zero(), host_name(), device_, waited_s, timeout_s_, name_, rank_, size_,
       describe(what));
   std::fprintf(stderr, "qtrain: %s; aborting the communicator%s\n", msg.c_str(),
                on_timeout_ == OnTimeout::kAbortJob ? " and the job" : "");

@@ -2,11 +2,11 @@
 #include "qtrain/mesh.h"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <vector>
 
 #include "qtrain/error.h"
+#include "runtime/process.h"
 
 namespace qt {
 
@@ -57,9 +57,7 @@ Mesh::Mesh(const MeshShape& shape, std::shared_ptr<MpiComm> world)
   QT_CHECK_MPI(MPI_Comm_rank(node, &local_rank_));
   QT_CHECK_MPI(MPI_Comm_size(node, &local_size_));
   QT_CHECK_MPI(MPI_Comm_free(&node));
-  char host[256] = {};
-  gethostname(host, sizeof host - 1);
-  host_ = host;
+  host_ = host_name();
 }
 
 std::string Mesh::describe() {

@@ -93,6 +93,13 @@ void MpiComm::reduce_scatter(const void* send, void* recv, std::size_t count, DT
 }
 
 void MpiComm::all_gather(const void* send, void* recv, std::size_t count, DType t) {
+  const bool in_place =
+      send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * count * dtype_size(t);
+  if (in_place) {
+    QT_CHECK_MPI(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, as_count(count),
+                               mpi_type(t), comm_));
+    return;
+  }
   QT_CHECK_MPI(MPI_Allgather(send, as_count(count), mpi_type(t), recv, as_count(count),
                              mpi_type(t), comm_));
 }

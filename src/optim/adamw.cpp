@@ -63,11 +63,9 @@ OptimStepStats AdamW::step(float* params, float* grads, std::int64_t step) {
     s.clip_scale = cfg_.grad_clip / (s.grad_norm + 1e-6);
   update_range(params, g, range_, s.lr, s.clip_scale, step + 1);
   if (cfg_.zero_stage == 1) {
-    // All-gather the updated shards; the send copy avoids aliasing the receive buffer.
+    // All-gather the updated shards in place: rank r's shard already sits at r * chunk.
     const std::size_t chunk = shard_.size();
-    const std::size_t begin = chunk * dp_.rank();
-    std::copy(params + begin, params + begin + chunk, shard_.begin());
-    dp_.all_gather(shard_.data(), params, chunk, DType::kF32);
+    dp_.all_gather(params + chunk * dp_.rank(), params, chunk, DType::kF32);
   }
   return s;
 }

@@ -49,7 +49,7 @@ class AdamW {
   std::size_t padded_;
   Range range_;                 // flat elements whose moments this rank holds
   std::vector<float> m_, v_;    // [range_.size()]
-  std::vector<float> shard_;    // ZeRO-1 scratch: [padded_ / dp]
+  std::vector<float> shard_;    // ZeRO-1 reduced gradients of this rank's shard: [padded_ / dp]
 };
 
 }  // namespace qt

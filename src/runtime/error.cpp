@@ -1,4 +1,5 @@
 #include "qtrain/error.h"
+#include "runtime/process.h"
 
 #include <hdf5.h>
 #include <mpi.h>
@@ -8,7 +9,12 @@
 
 namespace qt {
 
-namespace {
+std::string host_name() {
+  char host[256] = "?";
+  gethostname(host, sizeof host - 1);
+  return host;
+}
+
 int world_rank_or_zero() {
   int init = 0;
   MPI_Initialized(&init);
@@ -16,13 +22,10 @@ int world_rank_or_zero() {
   if (init) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
   return rank;
 }
-}  // namespace
 
 void fatal_one(const char* file, int line, const std::string& msg) {
-  char host[256] = "?";
-  gethostname(host, sizeof host - 1);
   std::fprintf(stderr, "qtrain: internal error on rank %d (%s) at %s:%d: %s\n",
-               world_rank_or_zero(), host, file, line, msg.c_str());
+               world_rank_or_zero(), host_name().c_str(), file, line, msg.c_str());
   std::fflush(stderr);
   int init = 0;
   MPI_Initialized(&init);

@@ -53,6 +53,15 @@ TEST(MpiComm, Collectives) {
     EXPECT_EQ(all[2 * q], q);
     EXPECT_EQ(all[2 * q + 1], 10 * q);
   }
+  // all_gather in place: each rank's block already at its position in recv
+  std::vector<float> gathered(2 * n, -1.0f);
+  gathered[2 * r] = 0.5f * r;
+  gathered[2 * r + 1] = 7.0f;
+  w->all_gather(gathered.data() + 2 * r, gathered.data(), 2, DType::kF32);
+  for (int q = 0; q < n; ++q) {
+    EXPECT_EQ(gathered[2 * q], 0.5f * q);
+    EXPECT_EQ(gathered[2 * q + 1], 7.0f);
+  }
   // all_to_all_v: rank r sends q + 1 copies of value 100 r + q to rank q
   std::vector<std::size_t> sc(n), sd(n), rc(n), rd(n);
   std::vector<std::int32_t> out, in;

@@ -11,20 +11,13 @@
 #include "model/qwen3.h"
 #include "ops/cuda/convert.cuh"
 #include "ops/cuda/gemm.cuh"
+#include "support/compare.h"
 #include "support/random.h"
 
 namespace qt {
 namespace {
 
-double rel_error(const float* a, const float* b, std::size_t n) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-300));
-}
+using test::rel_error;
 
 struct Case {
   const char* name;

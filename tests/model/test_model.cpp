@@ -8,10 +8,13 @@
 
 #include "model/qwen3.h"
 #include "model/reference_model.h"
+#include "support/compare.h"
 #include "support/random.h"
 
 namespace qt {
 namespace {
+
+using test::rel_error;
 
 struct Case {
   const char* name;
@@ -31,15 +34,6 @@ ModelConfig tiny_config(const Case& k) {
   c.tie_word_embeddings = k.tied;
   c.rope_theta = 10000.0;
   return c;
-}
-
-double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * (a[i] - b[i]);
-    den += b[i] * b[i];
-  }
-  return std::sqrt(num / den);
 }
 
 struct Problem {

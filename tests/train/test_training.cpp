@@ -162,6 +162,13 @@ TEST_F(Training, TrainsFromATokenFileOnAnyDpSize) {
   EXPECT_LT(max_rel_diff(two.steps, one.steps), 1e-5);
 }
 
+TEST_F(Training, CheckpointEveryMinusOneWritesNone) {
+  auto res = run(2, deck_text(path("none")), {"--checkpoint.every=-1"}, path("none.jsonl"));
+  ASSERT_EQ(res.exit_code, 0) << res.error;
+  ASSERT_EQ(res.steps.size(), 20u);
+  EXPECT_FALSE(fs::exists(path("none")) && !fs::is_empty(path("none")));
+}
+
 TEST_F(Training, MissingTokenFileIsABadInputErrorOnEveryRank) {
   auto res = run(2, deck_text(path("x")), {"--data.source=file", "--data.path=" + path("absent.h5")},
                  path("x.jsonl"));
