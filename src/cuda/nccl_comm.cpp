@@ -397,28 +397,29 @@ void NcclComm::all_to_all_v(const void* send, const std::vector<std::size_t>& se
   wait_idle(what);
 }
 
-void NcclComm::send(const void* buf, std::size_t count, DType t, int dest, int /*tag*/) {
-  const Pending what{"send", count, t, dest};
+void NcclComm::point_to_point(bool is_send, void* buf, std::size_t count, DType t, int peer) {
+  const Pending what{is_send ? "send" : "recv", count, t, peer};
   check_usable(what.op);
-  if (dest < 0 || dest >= size_)
-    throw std::invalid_argument(fmt::format("NcclComm::send on '{}': dest {} not in [0, {})", name_, dest, size_));
+  if (peer < 0 || peer >= size_)
+    throw std::invalid_argument(fmt::format("NcclComm::{} on '{}': {} {} not in [0, {})", what.op,
+                                            name_, is_send ? "dest" : "src", peer, size_));
   require_buffer(buf, count, what.op, "buf");
   if (count == 0) return;
   require_device(buf, what.op, "buf");
-  enqueued(ncclSend(buf, count, nccl_type(t), dest, comm_, stream_), what, "ncclSend");
+  if (is_send)
+    enqueued(ncclSend(buf, count, nccl_type(t), peer, comm_, stream_), what, "ncclSend");
+  else
+    enqueued(ncclRecv(buf, count, nccl_type(t), peer, comm_, stream_), what, "ncclRecv");
   wait_idle(what);
 }
 
+// NCCL has no tags: messages between a pair arrive in the order they were sent.
+void NcclComm::send(const void* buf, std::size_t count, DType t, int dest, int /*tag*/) {
+  point_to_point(true, const_cast<void*>(buf), count, t, dest);  // ncclSend only reads buf
+}
+
 void NcclComm::recv(void* buf, std::size_t count, DType t, int src, int /*tag*/) {
-  const Pending what{"recv", count, t, src};
-  check_usable(what.op);
-  if (src < 0 || src >= size_)
-    throw std::invalid_argument(fmt::format("NcclComm::recv on '{}': src {} not in [0, {})", name_, src, size_));
-  require_buffer(buf, count, what.op, "buf");
-  if (count == 0) return;
-  require_device(buf, what.op, "buf");
-  enqueued(ncclRecv(buf, count, nccl_type(t), src, comm_, stream_), what, "ncclRecv");
-  wait_idle(what);
+  point_to_point(false, buf, count, t, src);
 }
 
 void NcclComm::broadcast(void* buf, std::size_t count, DType t, int root) {

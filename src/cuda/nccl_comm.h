@@ -93,6 +93,8 @@ class NcclComm final : public Comm {
   };
 
   void check_usable(const char* op) const;
+  // send (is_send) or recv of a device buffer with `peer`, blocking: the body of both.
+  void point_to_point(bool is_send, void* buf, std::size_t count, DType t, int peer);
   void enqueued(ncclResult_t rc, const Pending& what, const char* call);
   void wait_idle(const Pending& what);
   [[noreturn]] void timed_out(const Pending& what, double waited_s);

@@ -22,6 +22,20 @@ inline bool gpu_available() {
   return n > 0;
 }
 
+// bf16 bit patterns on the host: round to nearest even (finite inputs), and back (exact).
+inline std::uint16_t bf16_bits(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return static_cast<std::uint16_t>(u >> 16);
+}
+inline float bf16_value(std::uint16_t b) {
+  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 #define QT_REQUIRE_GPU()                                                   \
   do {                                                                     \
     if (!::qt::test::gpu_available()) GTEST_SKIP() << "no CUDA GPU present"; \

@@ -34,18 +34,8 @@ struct Tol {
   static constexpr double kLse = 1e-3;
 };
 
-std::uint16_t bf16_bits(float f) {  // round to nearest even (inputs are finite)
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-double bf16_value(std::uint16_t b) {
-  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using qt::test::bf16_bits;
+using qt::test::bf16_value;
 constexpr std::uint16_t kBf16NaN = 0x7FC0;
 
 bf16* as_bf16(GuardedBuffer<std::uint16_t>& b) { return reinterpret_cast<bf16*>(b.get()); }

@@ -30,18 +30,8 @@ struct Tol {
   static constexpr double kF32 = 1e-5;
 };
 
-std::uint16_t bf16_bits(float f) {  // round to nearest even (inputs are finite)
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-float bf16_value(std::uint16_t b) {
-  const std::uint32_t u = static_cast<std::uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using qt::test::bf16_bits;
+using qt::test::bf16_value;
 bf16 make_bf16(std::uint16_t bits) {
   __nv_bfloat16_raw r;
   r.x = bits;
