@@ -3,7 +3,16 @@
 //
 // Memory: one DeviceArena per rank takes the GPU's free memory less a margin for NCCL and cuBLASLt
 // at start-up; every buffer comes from it, so the step loop never calls cudaMalloc.
+//
+// Data parallelism: during the backward of a step's last micro-batch, gradients are reduced over
+// dp in buckets of about kBucketBytes on the NCCL stream as soon as the model reports them final
+// (Qwen3Cuda::GradsReady), overlapping the rest of the backward: an all-reduce with ZeRO-0, and
+// with ZeRO-1 a reduce of each bucket's pieces to the ranks that own them (one NCCL group).
+#include <cuda_profiler_api.h>
+
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fmt/format.h>
 #include <memory>
 #include <vector>
@@ -24,6 +33,7 @@ namespace qt {
 namespace {
 
 constexpr std::size_t kReservedBytes = std::size_t{3} << 30;  // left to NCCL, cuBLASLt, CUDA
+constexpr std::size_t kBucketBytes = std::size_t{32} << 20;    // fp32 gradients per reduction
 
 class CudaBackend final : public TrainBackend {
  public:
@@ -45,7 +55,7 @@ class CudaBackend final : public TrainBackend {
     grads_ = arena_.allocate<float>(padded_);
     m_ = arena_.allocate<float>(range_.size());
     v_ = arena_.allocate<float>(range_.size());
-    shard_ = arena_.allocate<float>(chunk_);
+    micro_steps_per_step_ = deck.train.global_batch / (dp * deck.train.micro_batch);
     norm_ws_ = arena_.allocate(cuda::grad_norm_workspace_bytes());
     std::vector<cuda::AdamWSegment> segs;
     for (const ParamInfo& p : layout_.params())
@@ -63,10 +73,12 @@ class CudaBackend final : public TrainBackend {
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,
                                                deck.train.seq_len, arena_);
     if (dp > 1) nccl_dp_ = std::make_unique<cuda::NcclComm>(mesh.dp(), "dp");
+    for (int r = 0; r < dp; ++r) owners_.push_back(split_range(n, dp, r));
     host_params_.assign(padded_, 0.0f);
     host_m_.assign(range_.size(), 0.0f);
     host_v_.assign(range_.size(), 0.0f);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
+    read_profile_window();
   }
 
   const ParamLayout& layout() const override { return layout_; }
@@ -97,7 +109,10 @@ class CudaBackend final : public TrainBackend {
   }
 
   void zero_grads() override {
+    if (steps_done_ == profile_begin_) QT_CHECK_CUDA(cudaProfilerStart());
     QT_CHECK_CUDA(cudaMemsetAsync(grads_, 0, padded_ * sizeof(float), stream_.get()));
+    micro_steps_ = 0;
+    reduced_from_ = layout_.numel();
   }
 
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
@@ -106,7 +121,15 @@ class CudaBackend final : public TrainBackend {
         static_cast<std::size_t>(deck_.train.micro_batch) * deck_.train.seq_len * 4;
     QT_CHECK_CUDA(cudaMemcpyAsync(inputs_, inputs, bytes, cudaMemcpyHostToDevice, stream_.get()));
     QT_CHECK_CUDA(cudaMemcpyAsync(targets_, targets, bytes, cudaMemcpyHostToDevice, stream_.get()));
-    return model_->forward_backward(weights_, grads_, inputs_, targets_, loss_scale, stream_.get());
+    // Gradients must not change once their reduction has started: only the last micro-batch
+    // of a step reduces, and no micro-batch may follow it.
+    QT_CHECK(micro_steps_ < micro_steps_per_step_, "micro-batch {} of a step of {}",
+             micro_steps_ + 1, micro_steps_per_step_);
+    cuda::Qwen3Cuda::GradsReady ready;
+    if (nccl_dp_ && ++micro_steps_ == micro_steps_per_step_)
+      ready = [this](std::size_t begin) { gradients_ready(begin); };
+    return model_->forward_backward(weights_, grads_, inputs_, targets_, loss_scale, stream_.get(),
+                                    ready);
   }
 
   OptimStepStats optimizer_step(std::int64_t step) override {
@@ -114,13 +137,11 @@ class CudaBackend final : public TrainBackend {
     const OptimConfig& o = deck_.optim;
     s.lr = lr_at(o, deck_.train.steps, step);
     const bool zero1 = o.zero_stage == 1;
-    const float* g = grads_ + range_.begin;
-    stream_.synchronize();  // gradients complete before NCCL reads them
-    if (zero1 && nccl_dp_) {
-      nccl_dp_->reduce_scatter(grads_, shard_, chunk_, DType::kF32, ReduceOp::kSum);
-      g = shard_;
-    } else if (nccl_dp_) {
-      nccl_dp_->all_reduce(grads_, layout_.numel(), DType::kF32, ReduceOp::kSum);
+    const float* g = grads_ + range_.begin;  // with ZeRO-1, this rank's reduced shard
+    if (nccl_dp_) {
+      if (reduced_from_ > 0) reduce_gradients(0, reduced_from_);  // what the backward left
+      reduced_from_ = 0;
+      nccl_dp_->synchronize();  // every reduction done before the optimizer reads gradients
     }
     double sumsq = cuda::grad_norm_squared_sync(g, range_.size(), norm_ws_, stream_.get());
     if (zero1) sumsq = mesh_.dp().sum(sumsq);
@@ -142,6 +163,10 @@ class CudaBackend final : public TrainBackend {
       nccl_dp_->all_gather(master_ + chunk_ * mesh_.dp().rank(), master_, chunk_, DType::kF32);
       cuda::convert_f32_to_bf16(weights_, master_, padded_, stream_.get());
     }
+    if (++steps_done_ == profile_end_) {
+      stream_.synchronize();
+      QT_CHECK_CUDA(cudaProfilerStop());
+    }
     return s;
   }
 
@@ -162,8 +187,49 @@ class CudaBackend final : public TrainBackend {
     return m.free_bytes - kReservedBytes;
   }
 
+  // The model reports gradients at offsets >= begin final: reduce them once a bucket is full.
+  void gradients_ready(std::size_t begin) {
+    const std::size_t bucket = kBucketBytes / sizeof(float);
+    if (begin > 0 && reduced_from_ - begin < bucket) return;
+    reduce_gradients(begin, reduced_from_);
+    reduced_from_ = begin;
+  }
+
+  // Enqueues the dp reduction of grads_[lo, hi) on the NCCL stream, after the work enqueued so
+  // far on the compute stream.
+  void reduce_gradients(std::size_t lo, std::size_t hi) {
+    if (lo >= hi) return;
+    QT_CHECK_CUDA(cudaEventRecord(grads_event_.get(), stream_.get()));
+    nccl_dp_->wait_event(grads_event_.get());
+    if (deck_.optim.zero_stage != 1) {
+      nccl_dp_->all_reduce_async(grads_ + lo, hi - lo, DType::kF32, ReduceOp::kSum);
+      return;
+    }
+    nccl_dp_->group_start();
+    for (int r = 0; r < static_cast<int>(owners_.size()); ++r) {
+      const std::size_t a = std::max(lo, owners_[r].begin), b = std::min(hi, owners_[r].end);
+      if (a < b) nccl_dp_->reduce_async(grads_ + a, b - a, DType::kF32, ReduceOp::kSum, r);
+    }
+    nccl_dp_->group_end();
+  }
+
+  // QTRAIN_CUDA_PROFILE_STEPS=a:b brackets steps [a, b) of this process (0-based) with
+  // cudaProfilerStart/Stop, for `ncu --profile-from-start off` (bench/profile_step.sh).
+  void read_profile_window() {
+    const char* env = std::getenv("QTRAIN_CUDA_PROFILE_STEPS");
+    if (env == nullptr) return;
+    if (std::sscanf(env, "%ld:%ld", &profile_begin_, &profile_end_) != 2 ||
+        profile_begin_ < 0 || profile_end_ <= profile_begin_)
+      fail_user("QTRAIN_CUDA_PROFILE_STEPS = '{}': expected a:b with 0 <= a < b", env);
+  }
+
   const Deck& deck_;
   Mesh& mesh_;
+  long steps_done_ = 0, profile_begin_ = -1, profile_end_ = -1;
+  int micro_steps_ = 0, micro_steps_per_step_ = 1;
+  std::size_t reduced_from_ = 0;  // grads_[reduced_from_, numel) have their reduction enqueued
+  std::vector<Range> owners_;     // ZeRO-1: the flat range each dp rank updates
+  cuda::Event grads_event_;
   ParamLayout layout_;
   int device_;
   cuda::DeviceArena arena_;
@@ -171,7 +237,7 @@ class CudaBackend final : public TrainBackend {
   std::size_t chunk_ = 0, padded_ = 0;
   Range range_;
   void* gemm_ws_ = nullptr;
-  float *master_ = nullptr, *grads_ = nullptr, *m_ = nullptr, *v_ = nullptr, *shard_ = nullptr;
+  float *master_ = nullptr, *grads_ = nullptr, *m_ = nullptr, *v_ = nullptr;
   cuda::bf16* weights_ = nullptr;
   void* norm_ws_ = nullptr;
   cuda::AdamWSegment* segments_ = nullptr;

@@ -254,6 +254,27 @@ void NcclComm::all_reduce_async(void* buf, std::size_t count, DType t, ReduceOp 
   last_async_ = what;
 }
 
+void NcclComm::reduce_async(void* buf, std::size_t count, DType t, ReduceOp op, int root) {
+  const Pending what{"reduce", count, t, root};
+  check_usable(what.op);
+  require_buffer(buf, count, what.op, "buf");
+  QT_CHECK(root >= 0 && root < size_, "reduce on '{}': root {} of {} ranks", name_, root, size_);
+  if (count == 0) return;
+  require_device(buf, what.op, "buf");
+  enqueued(ncclReduce(buf, buf, count, nccl_type(t), nccl_op(op), root, comm_, stream_), what,
+           "ncclReduce");
+  last_async_ = what;
+}
+
+void NcclComm::group_start() {
+  check_usable("group_start");
+  QT_CHECK_NCCL(ncclGroupStart());
+}
+
+void NcclComm::group_end() {
+  enqueued(ncclGroupEnd(), last_async_, "ncclGroupEnd");
+}
+
 void NcclComm::reduce_scatter_async(const void* send, void* recv, std::size_t count, DType t,
                                     ReduceOp op) {
   const Pending what{"reduce_scatter", count, t, -1};

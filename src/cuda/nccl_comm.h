@@ -71,6 +71,12 @@ class NcclComm final : public Comm {
   void all_reduce_async(void* buf, std::size_t count, DType t, ReduceOp op);
   void reduce_scatter_async(const void* send, void* recv, std::size_t count, DType t, ReduceOp op);
   void all_gather_async(const void* send, void* recv, std::size_t count, DType t);
+  // In place: root's buf[count] <- op over ranks of buf[count]; other ranks' buf is unchanged.
+  void reduce_async(void* buf, std::size_t count, DType t, ReduceOp op, int root);
+  // Brackets several async calls into one NCCL group (one fused launch); calls between them
+  // return at once and the whole group is enqueued by group_end().
+  void group_start();
+  void group_end();
 
   // Waits, with the timeout, until everything enqueued on stream() has finished.
   void synchronize();

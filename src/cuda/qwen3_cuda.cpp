@@ -22,7 +22,15 @@ namespace qt::cuda {
 
 namespace {
 constexpr std::size_t kLogitsChunkBytes = std::size_t{256} << 20;  // bf16 logits per chunk
+
+// dst[r, 0:cols] = src[r, 0:cols] for r < rows; row strides in elements.
+void copy_columns(bf16* dst, int dst_ld, const bf16* src, int src_ld, int rows, int cols,
+                  cudaStream_t s) {
+  const std::size_t e = sizeof(bf16);
+  QT_CHECK_CUDA(cudaMemcpy2DAsync(dst, dst_ld * e, src, src_ld * e, cols * e, rows,
+                                  cudaMemcpyDeviceToDevice, s));
 }
+}  // namespace
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
     : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T) {
@@ -34,6 +42,13 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
   for (int l = 0; l < cfg.num_layers; ++l) lo_.push_back(layout_.layer_offsets(l));
   const std::size_t N = N_, H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
   const std::size_t I = cfg.intermediate_size, V = cfg.vocab_size, L = cfg.num_layers;
+  // forward_backward's gradient watermark relies on the order embedding, layers, norm, lm head.
+  QT_CHECK(off_embed_ == 0 && off_norm_ > (L > 0 ? lo_.back().w_down : 0) &&
+               (cfg.tie_word_embeddings || off_lm_head_ > off_norm_),
+           "unexpected parameter layout order");
+  for (const LayerOffsets& o : lo_)  // the fused q/k/v and gate/up GEMMs rely on it
+    QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
+             "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
   const int hd = cfg.head_dim, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
 
   std::vector<float> cos(static_cast<std::size_t>(T) * hd / 2), sin(cos.size());
@@ -50,8 +65,7 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
   }
   acts_.resize(L);
   for (LayerActs& a : acts_) {
-    a.q_raw = arena.allocate<bf16>(N * Q);
-    a.k_raw = arena.allocate<bf16>(N * KV);
+    a.qkv_raw = arena.allocate<bf16>(N * (Q + 2 * KV));
     a.q_rstd = arena.allocate<float>(N * nh);
     a.k_rstd = arena.allocate<float>(N * nkv);
     a.q = arena.allocate<bf16>(N * Q);
@@ -62,8 +76,7 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
     a.x_mid = arena.allocate<bf16>(N * H);
     a.ln2 = arena.allocate<bf16>(N * H);
     a.rstd2 = arena.allocate<float>(N);
-    a.gate = arena.allocate<bf16>(N * I);
-    a.up = arena.allocate<bf16>(N * I);
+    a.gu = arena.allocate<bf16>(N * 2 * I);
     a.h = arena.allocate<bf16>(N * I);
   }
   tmp_ = arena.allocate<bf16>(N * H);
@@ -75,6 +88,7 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
   dq_ = arena.allocate<bf16>(N * Q);
   dk_ = arena.allocate<bf16>(N * KV);
   dv_ = arena.allocate<bf16>(N * KV);
+  dqkv_ = arena.allocate<bf16>(N * (Q + 2 * KV));
   chunk_ = static_cast<int>(std::clamp<std::size_t>(kLogitsChunkBytes / (V * 2), 1, N));
   logits_ = arena.allocate<bf16>(static_cast<std::size_t>(chunk_) * V);
   losses_ = arena.allocate<float>(chunk_);
@@ -94,20 +108,19 @@ void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
   const double eps = cfg_.rms_norm_eps;
+  const int QKV = Q + 2 * KV;
   const bf16* ln1 = ln_[l];
-  linear_forward(a.q_raw, ln1, W + w.wq, N, H, Q, s);
-  linear_forward(a.k_raw, ln1, W + w.wk, N, H, KV, s);
-  linear_forward(a.v, ln1, W + w.wv, N, H, KV, s);
-  qk_norm_rope_forward(a.q, a.q_rstd, a.q_raw, W + w.q_norm, cos_, sin_, nullptr, B_, T_, nh, hd,
-                       eps, s);
-  qk_norm_rope_forward(a.k, a.k_rstd, a.k_raw, W + w.k_norm, cos_, sin_, nullptr, B_, T_, nkv, hd,
-                       eps, s);
+  linear_forward(a.qkv_raw, ln1, W + w.wq, N, H, QKV, s);  // wq, wk, wv: one [QKV, H] matrix
+  qk_norm_rope_forward_strided(a.q, a.q_rstd, a.qkv_raw, QKV, W + w.q_norm, cos_, sin_, nullptr,
+                               B_, T_, nh, hd, eps, s);
+  qk_norm_rope_forward_strided(a.k, a.k_rstd, a.qkv_raw + Q, QKV, W + w.k_norm, cos_, sin_,
+                               nullptr, B_, T_, nkv, hd, eps, s);
+  copy_columns(a.v, KV, a.qkv_raw + Q + KV, QKV, N, KV, s);
   attention_forward(a.att, a.lse, a.q, a.k, a.v, B_, T_, nh, nkv, hd, s);
   linear_forward(tmp_, a.att, W + w.wo, N, Q, H, s);
   residual_rmsnorm_forward(a.x_mid, a.ln2, a.rstd2, x_[l], tmp_, W + w.ln2, N, H, eps, s);
-  linear_forward(a.gate, a.ln2, W + w.w_gate, N, H, I, s);
-  linear_forward(a.up, a.ln2, W + w.w_up, N, H, I, s);
-  swiglu_forward(a.h, a.gate, a.up, N, I, s);
+  linear_forward(a.gu, a.ln2, W + w.w_gate, N, H, 2 * I, s);  // w_gate, w_up: one [2I, H]
+  swiglu_forward_strided(a.h, a.gu, a.gu + I, 2 * I, N, I, s);
   linear_forward(tmp_, a.h, W + w.w_down, N, I, H, s);
   const bf16* next_norm = l + 1 < cfg_.num_layers ? W + lo_[l + 1].ln1 : W + off_norm_;
   residual_rmsnorm_forward(x_[l + 1], ln_[l + 1], rstd_[l + 1], a.x_mid, tmp_, next_norm, N, H,
@@ -121,27 +134,24 @@ void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
   const std::size_t NH = static_cast<std::size_t>(N) * H;
-  // MLP block; dx_ holds d x_out and becomes d x_mid. gate/up are overwritten by their gradients.
+  const int QKV = Q + 2 * KV;
+  // MLP block; dx_ holds d x_out and becomes d x_mid. gu is overwritten by its gradient.
   linear_backward(dh_, G + w.w_down, dx_, a.h, W + w.w_down, N, I, H, s);
-  swiglu_backward(a.gate, a.up, dh_, a.gate, a.up, N, I, s);
-  linear_backward(dln_, G + w.w_gate, a.gate, a.ln2, W + w.w_gate, N, H, I, s);
-  linear_backward(nullptr, G + w.w_up, a.up, a.ln2, W + w.w_up, N, H, I, s);
-  gemm(false, false, N, H, I, 1.0f, a.up, I, W + w.w_up, H, 1.0f, dln_, H, s);  // dln += dup Wup
+  swiglu_backward_strided(a.gu, a.gu + I, dh_, a.gu, a.gu + I, 2 * I, N, I, s);
+  linear_backward(dln_, G + w.w_gate, a.gu, a.ln2, W + w.w_gate, N, H, 2 * I, s);
   rmsnorm_backward(dtmp_, G + w.ln2, dln_, a.x_mid, W + w.ln2, a.rstd2, N, H, ws_, s);
   add_inplace(dx_, dtmp_, NH, s);
   // Attention block; dx_ holds d x_mid and becomes d x_in.
   linear_backward(datt_, G + w.wo, dx_, a.att, W + w.wo, N, Q, H, s);
   attention_backward(dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, B_, T_, nh, nkv, hd, s);
-  qk_norm_rope_backward(dq_, G + w.q_norm, dq_, a.q_raw, W + w.q_norm, a.q_rstd, cos_, sin_,
-                        nullptr, B_, T_, nh, hd, ws_, s);
-  qk_norm_rope_backward(dk_, G + w.k_norm, dk_, a.k_raw, W + w.k_norm, a.k_rstd, cos_, sin_,
-                        nullptr, B_, T_, nkv, hd, ws_, s);
-  const bf16* ln1 = ln_[l];
-  linear_backward(dln_, G + w.wq, dq_, ln1, W + w.wq, N, H, Q, s);
-  linear_backward(nullptr, G + w.wk, dk_, ln1, W + w.wk, N, H, KV, s);
-  gemm(false, false, N, H, KV, 1.0f, dk_, KV, W + w.wk, H, 1.0f, dln_, H, s);
-  linear_backward(nullptr, G + w.wv, dv_, ln1, W + w.wv, N, H, KV, s);
-  gemm(false, false, N, H, KV, 1.0f, dv_, KV, W + w.wv, H, 1.0f, dln_, H, s);
+  // d q, d k, d v gathered into dqkv_ rows [dq | dk | dv] for one GEMM against [wq; wk; wv].
+  qk_norm_rope_backward_strided(dqkv_, QKV, G + w.q_norm, dq_, a.qkv_raw, QKV, W + w.q_norm,
+                                a.q_rstd, cos_, sin_, nullptr, B_, T_, nh, hd, ws_, s);
+  qk_norm_rope_backward_strided(dqkv_ + Q, QKV, G + w.k_norm, dk_, a.qkv_raw + Q, QKV,
+                                W + w.k_norm, a.k_rstd, cos_, sin_, nullptr, B_, T_, nkv, hd, ws_,
+                                s);
+  copy_columns(dqkv_ + Q + KV, QKV, dv_, KV, N, KV, s);
+  linear_backward(dln_, G + w.wq, dqkv_, ln_[l], W + w.wq, N, H, QKV, s);
   rmsnorm_backward(dtmp_, G + w.ln1, dln_, x_[l], W + w.ln1, rstd_[l], N, H, ws_, s);
   add_inplace(dx_, dtmp_, NH, s);
 }
@@ -164,7 +174,7 @@ void Qwen3Cuda::lm_head_loss(const bf16* W, float* G, const std::int32_t* target
 
 double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* inputs,
                                    const std::int32_t* targets, float loss_scale,
-                                   cudaStream_t s) {
+                                   cudaStream_t s, const GradsReady& ready) {
   const int N = N_, H = cfg_.hidden_size, L = cfg_.num_layers;
   QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s));
   embedding_forward(x_[0], inputs, W + off_embed_, N, H, s);
@@ -172,8 +182,14 @@ double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* 
   for (int l = 0; l < L; ++l) layer_forward(l, W, s);
   lm_head_loss(W, G, targets, loss_scale, s);
   rmsnorm_backward(dx_, G + off_norm_, dtmp_, x_[L], W + off_norm_, rstd_[L], N, H, ws_, s);
-  for (int l = L - 1; l >= 0; --l) layer_backward(l, W, G, s);
+  // Layers lie between the embedding (offset 0) and the final norm; an untied lm head follows.
+  if (ready) ready(off_norm_);
+  for (int l = L - 1; l >= 0; --l) {
+    layer_backward(l, W, G, s);
+    if (ready) ready(lo_[l].ln1);
+  }
   embedding_backward(G + off_embed_, dx_, inputs, N, H, ws_, ws_bytes_, s);
+  if (ready) ready(0);
   double loss = 0;
   QT_CHECK_CUDA(cudaMemcpyAsync(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, s));
   QT_CHECK_CUDA(cudaStreamSynchronize(s));

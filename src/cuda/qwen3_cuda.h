@@ -10,6 +10,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "cuda/device.h"
@@ -27,22 +28,32 @@ class Qwen3Cuda {
 
   const ParamLayout& layout() const { return layout_; }
 
+  // Called on the host while the backward is enqueued, with a watermark that only decreases and
+  // ends at 0: once the work enqueued so far on the stream has run, every gradient at flat offset
+  // >= begin is final for this micro-batch (the final norm and lm head first, then layer L-1 down
+  // to layer 0, the embedding last). The data-parallel reduction starts from it.
+  using GradsReady = std::function<void(std::size_t begin)>;
+
   // inputs, targets: device [B, T] int32 (targets -100 ignored). W: bf16 weights in the flat
   // layout; G: fp32 gradients, accumulated (+= loss_scale * d(sum of losses)/dW). Enqueues on
   // `stream`, then waits for it; returns the sum of the losses.
   double forward_backward(const bf16* W, float* G, const std::int32_t* inputs,
-                          const std::int32_t* targets, float loss_scale, cudaStream_t stream);
+                          const std::int32_t* targets, float loss_scale, cudaStream_t stream,
+                          const GradsReady& ready = {});
 
  private:
+  // q/k/v_proj and gate/up_proj are adjacent in the flat layout, so each pair runs as one GEMM
+  // into one buffer: qkv_raw rows are [q | k | v], gu rows [gate | up].
   struct LayerActs {                 // N = B*T rows
-    bf16 *q_raw, *k_raw;             // [N, Q], [N, KV] before q/k norm
+    bf16* qkv_raw;                   // [N, Q + 2 KV] before q/k norm
     float *q_rstd, *k_rstd;          // [N*nh], [N*nkv]
     bf16 *q, *k, *v;                 // [N, Q], [N, KV], [N, KV] after norm and rope
     bf16* att;                       // [N, Q]
     float* lse;                      // [B, nh, T]
     bf16 *x_mid, *ln2;               // [N, H]
     float* rstd2;                    // [N]
-    bf16 *gate, *up, *h;             // [N, I]
+    bf16* gu;                        // [N, 2 I]
+    bf16* h;                         // [N, I]
   };
 
   void layer_forward(int l, const bf16* W, cudaStream_t s);
@@ -64,6 +75,7 @@ class Qwen3Cuda {
   // scratch
   bf16 *tmp_, *dx_, *dtmp_, *dln_;   // [N, H]
   bf16 *dh_, *datt_, *dq_, *dk_, *dv_;  // [N, I], [N, Q], [N, Q], [N, KV], [N, KV]
+  bf16* dqkv_;                       // [N, Q + 2 KV]
   int chunk_;                        // lm-head rows per chunk
   bf16* logits_;                     // [chunk, V]
   float *losses_, *chunk_lse_;       // [chunk]

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -93,6 +94,74 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaSwiglu,
                            return "N" + std::to_string(i.param.N) + "_I" +
                                   std::to_string(i.param.I) + "_shift" +
                                   std::to_string(i.param.shift);
+                         });
+
+// The strided forms (gate and up as the two halves of one [N, ld] buffer, as the model uses them)
+// give the same bits as the contiguous op, and leave the columns past 2I untouched.
+struct StridedSwigluCase {
+  int N, I, ld;
+};
+
+class CudaSwigluStrided : public ::testing::TestWithParam<StridedSwigluCase> {};
+
+std::uint16_t raw_bits(bf16 v) {
+  std::uint16_t u;
+  std::memcpy(&u, &v, 2);
+  return u;
+}
+bool same_bits(const std::vector<bf16>& a, const std::vector<bf16>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(bf16)) == 0;
+}
+
+TEST_P(CudaSwigluStrided, MatchesContiguousBitForBit) {
+  QT_REQUIRE_GPU();
+  const auto [N, I, ld] = GetParam();
+  const std::size_t n = std::size_t(N) * I;
+  auto rng = test_rng();
+  const Bf16Input g = random_bf16(n, rng, 3.0), u = random_bf16(n, rng), dh = random_bf16(n, rng);
+  const bf16 nan_bits = to_bf16(std::numeric_limits<double>::quiet_NaN());
+  std::vector<bf16> packed(std::size_t(N) * ld, nan_bits);  // rows [gate | up | NaN padding]
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < I; ++c) {
+      packed[std::size_t(r) * ld + c] = g.bits[std::size_t(r) * I + c];
+      packed[std::size_t(r) * ld + I + c] = u.bits[std::size_t(r) * I + c];
+    }
+  GuardedBuffer<bf16> dg(g.bits), du(u.bits), ddh(dh.bits), dgu(packed);
+  GuardedBuffer<bf16> h_ref(n), dg_ref(n), du_ref(n), h(n);
+  cuda::swiglu_forward(h_ref.get(), dg.get(), du.get(), N, I, nullptr);
+  cuda::swiglu_backward(dg_ref.get(), du_ref.get(), ddh.get(), dg.get(), du.get(), N, I, nullptr);
+  fill_nan(h);
+  cuda::swiglu_forward_strided(h.get(), dgu.get(), dgu.get() + I, ld, N, I, nullptr);
+  EXPECT_TRUE(same_bits(h.download(), h_ref.download())) << "h";
+  // Backward in place over the packed buffer, as the model runs it.
+  cuda::swiglu_backward_strided(dgu.get(), dgu.get() + I, ddh.get(), dgu.get(), dgu.get() + I, ld,
+                                N, I, nullptr);
+  const std::vector<bf16> out = dgu.download(), want_g = dg_ref.download(),
+                          want_u = du_ref.download();
+  std::size_t bad = 0, padding_touched = 0;
+  for (int r = 0; r < N; ++r)
+    for (int c = 0; c < ld; ++c) {
+      const bf16 v = out[std::size_t(r) * ld + c];
+      if (c < I)
+        bad += raw_bits(v) != raw_bits(want_g[std::size_t(r) * I + c]);
+      else if (c < 2 * I)
+        bad += raw_bits(v) != raw_bits(want_u[std::size_t(r) * I + c - I]);
+      else
+        padding_touched += !std::isnan(__bfloat162float(v));
+    }
+  EXPECT_EQ(bad, 0u) << "dgate/dup differ from the contiguous op";
+  EXPECT_EQ(padding_touched, 0u) << "columns past 2I were written";
+  EXPECT_TRUE(dgu.guard_intact());
+  EXPECT_TRUE(h.guard_intact());
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaSwigluStrided,
+                         ::testing::Values(StridedSwigluCase{37, 296, 592},   // vector path
+                                           StridedSwigluCase{5, 64, 136},     // vector, padded
+                                           StridedSwigluCase{13, 101, 205}),  // scalar path
+                         [](const auto& i) {
+                           return "N" + std::to_string(i.param.N) + "_I" +
+                                  std::to_string(i.param.I) + "_ld" + std::to_string(i.param.ld);
                          });
 
 // ---------------------------------------------------------------------------------------------

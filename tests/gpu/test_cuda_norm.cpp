@@ -288,6 +288,59 @@ TEST_P(CudaQkNormRope, BackwardMatchesCpuAndDwIsDeterministic) {
   EXPECT_EQ(rel_err(download(dg), download(ddx)), 0.0) << "dx aliasing dout";
 }
 
+// The strided forms (q or k read from, and its gradient written into, a wider [tokens, ld] buffer,
+// as the model's fused q/k/v GEMM lays them out) give the same bits as the contiguous op, and
+// leave the other columns of the wide buffer untouched.
+TEST_P(CudaQkNormRope, StridedMatchesContiguousBitForBit) {
+  QT_REQUIRE_GPU();
+  const QkCase p = GetParam();
+  const int width = p.heads * p.hd, ld = width + 24, col0 = 8;  // x sits at columns [8, 8 + width)
+  const std::size_t tokens = std::size_t(p.B) * p.T;
+  const Bf16Input x = random_bf16(n_, rng_, 2.0), g = random_bf16(n_, rng_);
+  const Bf16Input w = random_weight(p.hd, rng_);
+  std::vector<bf16> wide(tokens * ld, to_bf16(0.5));
+  for (std::size_t t = 0; t < tokens; ++t)
+    for (int c = 0; c < width; ++c) wide[t * ld + col0 + c] = x.bits[t * width + c];
+  GuardedBuffer<bf16> dx(x.bits), dwide(wide), dw(w.bits), dg(g.bits);
+  GuardedBuffer<bf16> out_ref(n_), out(n_), dx_ref(n_), dx_wide(tokens * ld);
+  GuardedBuffer<float> rstd_ref(rows_), rstd(rows_), dcos(cos_), dsin(sin_);
+  GuardedBuffer<float> dw_ref(std::vector<float>(p.hd, 0.0f)), dw_s(std::vector<float>(p.hd, 0.0f));
+  GuardedBuffer<std::int32_t> dpos(std::max<std::size_t>(pos_.size(), 1));
+  if (p.pos) dpos.upload(pos_);
+  const std::int32_t* pos = p.pos ? dpos.get() : nullptr;
+  GuardedBuffer<char> ws(cuda::qk_norm_rope_backward_workspace_bytes(p.B, p.T, p.heads, p.hd));
+  cuda::qk_norm_rope_forward(out_ref.get(), rstd_ref.get(), dx.get(), dw.get(), dcos.get(),
+                             dsin.get(), pos, p.B, p.T, p.heads, p.hd, kEps, nullptr);
+  cuda::qk_norm_rope_backward(dx_ref.get(), dw_ref.get(), dg.get(), dx.get(), dw.get(),
+                              rstd_ref.get(), dcos.get(), dsin.get(), pos, p.B, p.T, p.heads, p.hd,
+                              ws.get(), nullptr);
+  fill_nan(out);
+  fill_nan(dx_wide);
+  cuda::qk_norm_rope_forward_strided(out.get(), rstd.get(), dwide.get() + col0, ld, dw.get(),
+                                     dcos.get(), dsin.get(), pos, p.B, p.T, p.heads, p.hd, kEps,
+                                     nullptr);
+  cuda::qk_norm_rope_backward_strided(dx_wide.get() + col0, ld, dw_s.get(), dg.get(),
+                                      dwide.get() + col0, ld, dw.get(), rstd.get(), dcos.get(),
+                                      dsin.get(), pos, p.B, p.T, p.heads, p.hd, ws.get(), nullptr);
+  EXPECT_EQ(rel_err(download(out), download(out_ref)), 0.0) << "out";
+  EXPECT_TRUE(bitwise_equal(rstd.download(), rstd_ref.download())) << "rstd";
+  EXPECT_TRUE(bitwise_equal(dw_s.download(), dw_ref.download())) << "dw";
+  const Vec got = download(dx_wide), want = download(dx_ref);
+  std::size_t bad = 0, outside = 0;
+  for (std::size_t t = 0; t < tokens; ++t)
+    for (int c = 0; c < ld; ++c) {
+      const double v = got[t * ld + c];
+      if (c >= col0 && c < col0 + width)
+        bad += v != want[t * width + c - col0];
+      else
+        outside += !std::isnan(v);
+    }
+  EXPECT_EQ(bad, 0u) << "dx differs from the contiguous op";
+  EXPECT_EQ(outside, 0u) << "columns outside the head block were written";
+  EXPECT_TRUE(dx_wide.guard_intact());
+  EXPECT_TRUE(out.guard_intact());
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaQkNormRope,
                          ::testing::Values(QkCase{2, 17, 3, 128, false}, QkCase{1, 33, 4, 64, true},
                                            QkCase{2, 40, 16, 128, true},

@@ -45,23 +45,31 @@ static __device__ __forceinline__ void rope_coeffs(const float* cos, const float
   for (int i = 0; i < 8; ++i) c[i] = round_bf16(c[i]), s[i] = round_bf16(s[i]);
 }
 
+// Element 0 of head row `row` (= token * heads + head) of a tensor whose tokens are ld apart.
+static __device__ __forceinline__ std::size_t strided_offset(std::int64_t row, int heads,
+                                                             std::int64_t ld, int hd) {
+  return static_cast<std::size_t>(row / heads) * ld + static_cast<std::size_t>(row % heads) * hd;
+}
+
 // One head row per L lanes; rows = B * T * heads. No early exit: every lane takes part in the
 // shuffles; lanes past the last row work on zeros and store nothing.
 template <int L>
 static __global__ void qk_norm_rope_forward_kernel(
     bf16* out, float* __restrict__ rstd, const bf16* x, const bf16* __restrict__ w,
     const float* __restrict__ cos, const float* __restrict__ sin,
-    const std::int32_t* __restrict__ pos, std::int64_t rows, int Tn, int heads, float eps) {
+    const std::int32_t* __restrict__ pos, std::int64_t rows, int Tn, int heads, std::int64_t x_ld,
+    float eps) {
   constexpr int hd = 8 * L;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const std::int64_t row = t / L;
   const int sub = threadIdx.x % L;
   const bool valid = row < rows;
   const std::size_t off = static_cast<std::size_t>(row) * hd + sub * 8;
+  const std::size_t x_off = strided_offset(row, heads, x_ld, hd) + sub * 8;
   // Every load is issued before the first shuffle: the row, the weight and the tables.
   float v[8] = {}, wv[8], c[8] = {}, s[8] = {};
   if (valid) {
-    load_bf16x8_rw(x + off, v);  // out may alias x
+    load_bf16x8_rw(x + x_off, v);  // out may alias x
     const std::int64_t bt = row / heads;
     rope_coeffs<L>(cos, sin, pos != nullptr ? pos[bt] : bt % Tn, sub, c, s);
   }
@@ -91,7 +99,7 @@ static __global__ void qk_norm_rope_backward_kernel(
     bf16* dx, float* __restrict__ partial, const bf16* dout, const bf16* __restrict__ x,
     const bf16* __restrict__ w, const float* __restrict__ rstd, const float* __restrict__ cos,
     const float* __restrict__ sin, const std::int32_t* __restrict__ pos, std::int64_t rows, int Tn,
-    int heads) {
+    int heads, std::int64_t x_ld, std::int64_t dx_ld) {
   constexpr int hd = 8 * L;
   constexpr int rows_per_iter = kThreads / L;
   __shared__ float acc[kThreads][9];  // [thread][column], padded against bank conflicts
@@ -104,11 +112,12 @@ static __global__ void qk_norm_rope_backward_kernel(
     const std::int64_t row = base + threadIdx.x / L;
     const bool valid = row < rows;
     const std::size_t off = static_cast<std::size_t>(row) * hd + sub * 8;
+    const std::size_t x_off = strided_offset(row, heads, x_ld, hd) + sub * 8;
     float d[8] = {}, xh[8] = {}, p[8], c[8] = {}, s[8] = {};
     float r = 0.0f;
     if (valid) {
       load_bf16x8_rw(dout + off, d);  // dx may alias dout
-      load_bf16x8(x + off, xh);
+      load_bf16x8(x + x_off, xh);
       r = rstd[row];
       const std::int64_t bt = row / heads;
       const std::int64_t position = pos != nullptr ? pos[bt] : bt % Tn;
@@ -129,7 +138,7 @@ static __global__ void qk_norm_rope_backward_kernel(
       float g[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) g[i] = r * (wv[i] * dy[i] - xh[i] * m);
-      store_bf16x8(dx + off, g);
+      store_bf16x8(dx + strided_offset(row, heads, dx_ld, hd) + sub * 8, g);
     }
   }
 #pragma unroll
@@ -157,6 +166,13 @@ static void check_aligned(const char* op, const char* name, const void* p) {
   QT_CUDA_REQUIRE(is_aligned16(p), std::string(op) + ": " + name + " must be 16-byte aligned");
 }
 
+static void check_ld(const char* op, const char* name, int ld, int heads, int hd) {
+  QT_CUDA_REQUIRE(ld >= heads * hd && ld % 8 == 0,
+                  std::string(op) + ": the token stride of " + name +
+                      " must be a multiple of 8 and >= " + std::to_string(heads * hd) + ", got " +
+                      std::to_string(ld));
+}
+
 static std::int64_t num_rows(int B, int Tn, int heads) {
   return static_cast<std::int64_t>(B) * Tn * heads;
 }
@@ -170,8 +186,19 @@ static int backward_blocks(std::int64_t rows, int hd) {
 void qk_norm_rope_forward(bf16* out, float* rstd, const bf16* x, const bf16* w, const float* cos,
                           const float* sin, const std::int32_t* pos, int B, int Tn, int heads,
                           int hd, double eps, cudaStream_t stream) {
+  qk_norm_rope_forward_strided(out, rstd, x, heads * hd, w, cos, sin, pos, B, Tn, heads, hd, eps,
+                               stream);
+}
+
+void qk_norm_rope_forward_strided(bf16* out, float* rstd, const bf16* x, int x_ld, const bf16* w,
+                                  const float* cos, const float* sin, const std::int32_t* pos,
+                                  int B, int Tn, int heads, int hd, double eps,
+                                  cudaStream_t stream) {
   const char* op = "qk_norm_rope_forward";
   check_args(op, B, Tn, heads, hd);
+  check_ld(op, "x", x_ld, heads, hd);
+  QT_CUDA_REQUIRE(x_ld == heads * hd || static_cast<const void*>(out) != x,
+                  std::string(op) + ": a strided x must not alias out");
   check_aligned(op, "out", out);
   check_aligned(op, "x", x);
   check_aligned(op, "w", w);
@@ -185,19 +212,19 @@ void qk_norm_rope_forward(bf16* out, float* rstd, const bf16* x, const bf16* w, 
   switch (L) {
     case 4:
       qk_norm_rope_forward_kernel<4>
-          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, e);
+          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, x_ld, e);
       break;
     case 8:
       qk_norm_rope_forward_kernel<8>
-          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, e);
+          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, x_ld, e);
       break;
     case 16:
       qk_norm_rope_forward_kernel<16>
-          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, e);
+          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, x_ld, e);
       break;
     default:
       qk_norm_rope_forward_kernel<32>
-          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, e);
+          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, x_ld, e);
       break;
   }
   QT_CHECK_LAUNCH();
@@ -211,8 +238,21 @@ void qk_norm_rope_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x,
                            const float* rstd, const float* cos, const float* sin,
                            const std::int32_t* pos, int B, int Tn, int heads, int hd,
                            void* workspace, cudaStream_t stream) {
+  qk_norm_rope_backward_strided(dx, heads * hd, dw, dout, x, heads * hd, w, rstd, cos, sin, pos, B,
+                                Tn, heads, hd, workspace, stream);
+}
+
+void qk_norm_rope_backward_strided(bf16* dx, int dx_ld, float* dw, const bf16* dout,
+                                   const bf16* x, int x_ld, const bf16* w, const float* rstd,
+                                   const float* cos, const float* sin, const std::int32_t* pos,
+                                   int B, int Tn, int heads, int hd, void* workspace,
+                                   cudaStream_t stream) {
   const char* op = "qk_norm_rope_backward";
   check_args(op, B, Tn, heads, hd);
+  check_ld(op, "x", x_ld, heads, hd);
+  check_ld(op, "dx", dx_ld, heads, hd);
+  QT_CUDA_REQUIRE(dx_ld == heads * hd || static_cast<const void*>(dx) != dout,
+                  std::string(op) + ": a strided dx must not alias dout");
   check_aligned(op, "dx", dx);
   check_aligned(op, "dout", dout);
   check_aligned(op, "x", x);
@@ -226,19 +266,19 @@ void qk_norm_rope_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x,
   switch (hd / 8) {
     case 4:
       qk_norm_rope_backward_kernel<4><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
-                                                                  cos, sin, pos, rows, Tn, heads);
+                                                                  cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
       break;
     case 8:
       qk_norm_rope_backward_kernel<8><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
-                                                                  cos, sin, pos, rows, Tn, heads);
+                                                                  cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
       break;
     case 16:
       qk_norm_rope_backward_kernel<16><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
-                                                                   cos, sin, pos, rows, Tn, heads);
+                                                                   cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
       break;
     default:
       qk_norm_rope_backward_kernel<32><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
-                                                                   cos, sin, pos, rows, Tn, heads);
+                                                                   cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
       break;
   }
   QT_CHECK_LAUNCH();

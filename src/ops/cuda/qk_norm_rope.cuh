@@ -41,4 +41,18 @@ void qk_norm_rope_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x,
                            const std::int32_t* pos, int B, int Tn, int heads, int hd,
                            void* workspace, cudaStream_t stream);
 
+// Strided forms: consecutive tokens of x (and of dx) are `x_ld` (`dx_ld`) elements apart, so q
+// and k can be read from, and their gradients written into, one [N, Q + 2 KV] buffer made by one
+// GEMM against the adjacent q/k/v_proj weights. out, rstd and dout stay contiguous. Each ld is a
+// multiple of 8 and >= heads * hd; a strided dx must not alias dout, a strided x not out.
+void qk_norm_rope_forward_strided(bf16* out, float* rstd, const bf16* x, int x_ld, const bf16* w,
+                                  const float* cos, const float* sin, const std::int32_t* pos,
+                                  int B, int Tn, int heads, int hd, double eps,
+                                  cudaStream_t stream);
+void qk_norm_rope_backward_strided(bf16* dx, int dx_ld, float* dw, const bf16* dout,
+                                   const bf16* x, int x_ld, const bf16* w, const float* rstd,
+                                   const float* cos, const float* sin, const std::int32_t* pos,
+                                   int B, int Tn, int heads, int hd, void* workspace,
+                                   cudaStream_t stream);
+
 }  // namespace qt::cuda

@@ -1,0 +1,44 @@
+#!/usr/bin/env python3
+"""Sums the GPU time of an `ncu --csv --page raw --metrics gpu__time_duration.sum` log by kernel.
+
+usage: summarize_kernels.py NCU_CSV   (bench/profile_step.sh writes one)
+Prints one line per kernel name (templates collapsed): total ms, share, launches, mean us.
+"""
+import collections
+import csv
+import re
+import sys
+
+
+def short_name(name: str) -> str:
+    name = name.replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
+    name = re.sub(r"\(.*", "", name)          # drop the argument list
+    name = re.sub(r"<.*>", "<>", name)        # collapse template arguments (after the name)
+    return name.replace("void ", "").strip()
+
+
+def main() -> None:
+    rows = [line for line in open(sys.argv[1], errors="replace") if line.startswith('"')]
+    reader = csv.DictReader(rows)
+    total = collections.Counter()
+    count = collections.Counter()
+    for r in reader:
+        value = r.get("gpu__time_duration.sum", "")
+        try:
+            ns = float(value.replace(",", ""))
+        except ValueError:
+            continue                          # the units row
+        name = short_name(r.get("Kernel Name", "?"))
+        total[name] += ns
+        count[name] += 1
+    all_ns = sum(total.values())
+    if all_ns == 0:
+        sys.exit("no kernel times found (did ncu run? see the .err file next to the csv)")
+    print(f"{'ms':>9} {'share':>6} {'launches':>8} {'mean us':>9}  kernel")
+    for name, ns in total.most_common():
+        print(f"{ns / 1e6:9.3f} {100 * ns / all_ns:5.1f}% {count[name]:8d} {ns / count[name] / 1e3:9.1f}  {name}")
+    print(f"{all_ns / 1e6:9.3f} 100.0% {sum(count.values()):8d}            all kernels of the profiled step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+// Reader for the golden fixture files written by make_fixtures.py (h5py): the model config as
+// attributes, params/<name> and grads/<name> datasets, input_ids, labels, logits and loss. Any
+// failure to read yields an empty result, which the tests turn into a failure.
+#pragma once
+
+#include <hdf5.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+
+namespace qt::test {
+
+struct Fixture {
+  hid_t file;
+  explicit Fixture(const std::string& path)
+      : file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT)) {}
+  ~Fixture() {
+    if (file >= 0) H5Fclose(file);
+  }
+  Fixture(const Fixture&) = delete;
+  Fixture& operator=(const Fixture&) = delete;
+
+  double attr(const char* name) const {
+    double v = NAN;
+    hid_t a = H5Aopen(file, name, H5P_DEFAULT);
+    if (a >= 0) {
+      H5Aread(a, H5T_NATIVE_DOUBLE, &v);
+      H5Aclose(a);
+    }
+    return v;
+  }
+  std::vector<std::int64_t> shape(const std::string& name) const {
+    hid_t d = H5Dopen2(file, name.c_str(), H5P_DEFAULT);
+    if (d < 0) return {};
+    hid_t s = H5Dget_space(d);
+    std::vector<hsize_t> dims(H5Sget_simple_extent_ndims(s));
+    H5Sget_simple_extent_dims(s, dims.data(), nullptr);
+    H5Sclose(s);
+    H5Dclose(d);
+    return {dims.begin(), dims.end()};
+  }
+  template <typename T>
+  std::vector<T> read(const std::string& name, hid_t mem_type) const {
+    std::int64_t n = 1;
+    for (auto d : shape(name)) n *= d;
+    std::vector<T> out(static_cast<std::size_t>(n));
+    hid_t d = H5Dopen2(file, name.c_str(), H5P_DEFAULT);
+    if (d < 0 || H5Dread(d, mem_type, H5S_ALL, H5S_ALL, H5P_DEFAULT, out.data()) < 0) out.clear();
+    if (d >= 0) H5Dclose(d);
+    return out;
+  }
+
+  ModelConfig config() const {
+    ModelConfig c;
+    c.vocab_size = static_cast<int>(attr("vocab_size"));
+    c.hidden_size = static_cast<int>(attr("hidden_size"));
+    c.intermediate_size = static_cast<int>(attr("intermediate_size"));
+    c.num_layers = static_cast<int>(attr("num_layers"));
+    c.num_heads = static_cast<int>(attr("num_heads"));
+    c.num_kv_heads = static_cast<int>(attr("num_kv_heads"));
+    c.head_dim = static_cast<int>(attr("head_dim"));
+    c.rope_theta = attr("rope_theta");
+    c.rms_norm_eps = attr("rms_norm_eps");
+    c.tie_word_embeddings = attr("tie_word_embeddings") != 0;
+    return c;
+  }
+
+  // The flat parameter buffer in `layout` order; empty if a tensor is missing or misshapen.
+  std::vector<float> params(const ParamLayout& layout) const {
+    std::vector<float> flat(layout.numel());
+    for (const ParamInfo& p : layout.params()) {
+      if (shape("params/" + p.name) != p.shape) return {};
+      const auto v = read<float>("params/" + p.name, H5T_NATIVE_FLOAT);
+      if (v.size() != p.numel) return {};
+      std::copy(v.begin(), v.end(), flat.begin() + p.offset);
+    }
+    return flat;
+  }
+
+  // Our targets from transformers' labels: it shifts inside its loss, so position t predicts
+  // labels[t + 1] and the last position predicts nothing (-100). Returns the counted targets.
+  long targets(int B, int T, std::vector<std::int32_t>& out) const {
+    const auto labels = read<std::int32_t>("labels", H5T_NATIVE_INT32);
+    out.assign(static_cast<std::size_t>(B) * T, -100);
+    if (labels.size() != out.size()) return 0;
+    long counted = 0;
+    for (int b = 0; b < B; ++b)
+      for (int t = 0; t + 1 < T; ++t) {
+        out[b * T + t] = labels[b * T + t + 1];
+        counted += out[b * T + t] != -100;
+      }
+    return counted;
+  }
+};
+
+// The committed fixture files, sorted.
+inline std::vector<std::string> fixture_files(const std::string& dir) {
+  std::vector<std::string> out;
+  for (const auto& e : std::filesystem::directory_iterator(dir))
+    if (e.path().extension() == ".h5") out.push_back(e.path().string());
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+}  // namespace qt::test
