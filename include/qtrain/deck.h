@@ -59,6 +59,9 @@ struct LogConfig {
 struct Deck {
   std::string path;                  // the deck file, empty when none
   ModelConfig model;
+  // [model] init: a Hugging Face model directory whose config.json defines `model` and whose
+  // safetensors weights start the run (at step 0, when no checkpoint is resumed); "" = the seed.
+  std::string model_init;
   MeshShape mesh;
   TrainConfig train;
   OptimConfig optim;

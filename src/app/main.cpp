@@ -1,10 +1,12 @@
 // qtrain: `mpirun -np N qtrain [--section.key=value ...] deck.ini`
+//         `qtrain export <checkpoint.h5> <dir> [options]`   (HF safetensors; docs/finetune.md)
 #include <mpi.h>
 
 #include <cstdio>
 #include <cstring>
 #include <memory>
 
+#include "hf/export.h"
 #include "qtrain/comm.h"
 #include "qtrain/deck.h"
 #include "qtrain/error.h"
@@ -27,7 +29,9 @@ int main(int argc, char** argv) {
   {
     auto world = std::make_shared<qt::MpiComm>(MPI_COMM_WORLD, "world", false);
     const bool root = world->rank() == 0;
-    if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
+    if (argc >= 2 && std::strcmp(argv[1], "export") == 0) {
+      rc = qt::export_main(argc - 1, argv + 1, world);
+    } else if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
       if (root) std::printf("%s", qt::deck_help().c_str());
     } else if (has_flag(argc, argv, "--version")) {
       if (root) std::printf("qtrain %s\n", QTRAIN_VERSION);

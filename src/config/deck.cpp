@@ -22,6 +22,7 @@
 
 #include "config/deck_keys.h"
 #include "config/ini_lines.h"
+#include "hf/config.h"
 #include "qtrain/error.h"
 
 namespace qt {
@@ -82,6 +83,10 @@ const std::vector<KeySpec>& key_table() {
         spec("model", "preset", &D::model, &M::preset, "",
              "Model preset (" + join(model_preset_names(), " | ") +
                  "); sets every model key, which the keys below override"),
+        KeySpec{"model.init", "path",
+                "Hugging Face model directory to start from (config.json + safetensors); its "
+                "config.json sets every model key; empty = initialise from train.seed",
+                [](Deck& d) -> FieldRef { return &d.model_init; }},
         spec("model", "vocab_size", &D::model, &M::vocab_size, "tokens", "Vocabulary size V"),
         spec("model", "hidden_size", &D::model, &M::hidden_size, "", "Hidden size H"),
         spec("model", "intermediate_size", &D::model, &M::intermediate_size, "",
@@ -311,6 +316,11 @@ class Builder {
 
   Deck& deck() { return deck_; }
   void set_origin(const std::string& key, Origin o) { origin_[key] = o; }
+  // True when the file or the command line sets `key`.
+  bool given(const std::string& key) const {
+    auto it = origin_.find(key);
+    return it != origin_.end() && it->second.kind != Origin::Kind::kDefault;
+  }
 
   // Error prefix for a key: "file:line: ", "(command line): ", or "file: " for a default.
   std::string at(const std::string& key) const {
@@ -330,7 +340,11 @@ class Builder {
     auto it = origin_.find(key);
     if (it == origin_.end() || it->second.kind == Origin::Kind::kDefault) {
       if (key == "mesh.dp" && dp_auto_) return s + " (auto)";
-      if (key.rfind("model.", 0) == 0 && key != "model.preset") {
+      if (init_resolved_ && key.rfind("model.", 0) == 0 && key != "model.preset" &&
+          key != "model.init") {
+        return s + " (from " + deck_.model_init + "/config.json)";
+      }
+      if (key.rfind("model.", 0) == 0 && key != "model.preset" && key != "model.init") {
         return s + " (from preset " + deck_.model.preset + ")";
       }
       return s + " (default)";
@@ -356,6 +370,7 @@ class Builder {
     }
   }
 
+  void resolve_init(bool preset_given);
   void validate();
 
  private:
@@ -369,7 +384,42 @@ class Builder {
   Deck deck_;
   std::map<std::string, Origin> origin_;
   bool dp_auto_ = false;
+  bool init_resolved_ = false;  // the model comes from model.init's config.json
 };
+
+// model.init: the directory's config.json defines the model. Every architecture key that the
+// deck sets, itself or through model.preset, must agree with it (a contradiction names both);
+// model.initializer_range, unused when weights are loaded, may differ.
+void Builder::resolve_init(bool preset_given) {
+  const std::string dir = deck_.model_init;
+  if (dir.empty()) return;
+  std::error_code ec;
+  need(std::filesystem::exists(dir, ec), "model.init", ": no such directory");
+  need(std::filesystem::is_directory(dir, ec), "model.init",
+       ": not a directory (expected a Hugging Face model directory)");
+  ModelConfig hf;
+  try {
+    hf = hf::read_config(dir);
+  } catch (const UserError& e) {
+    fail_user("{}{}: {}", at("model.init"), kv("model.init"), e.what());
+  }
+  Deck from_hf;
+  from_hf.model = hf;
+  const std::string config = (std::filesystem::path(dir) / "config.json").string();
+  for (const hf::ConfigKey& k : hf::config_keys()) {
+    if (!preset_given && !given(k.deck)) continue;
+    const std::string mine = format_value(find_spec(k.deck)->field(deck_));
+    const std::string theirs = format_value(find_spec(k.deck)->field(from_hf));
+    need(mine == theirs, k.deck,
+         "contradicts {}: {} = {}; model.init defines the model, so leave {} out of the deck or "
+         "make it agree",
+         config, k.hf, theirs, k.deck);
+  }
+  hf.preset = preset_given ? deck_.model.preset : "";
+  if (given("model.initializer_range")) hf.initializer_range = deck_.model.initializer_range;
+  deck_.model = hf;
+  init_resolved_ = true;
+}
 
 void Builder::validate_model() {
   for (const char* k : {"model.vocab_size", "model.hidden_size", "model.intermediate_size",
@@ -603,10 +653,14 @@ Deck parse_deck_text(const std::string& text, const std::string& path,
     fail_user("{}: {}", file, e.what());
   }
 
-  // Values: the preset first, then every other key overrides.
+  // Values: the preset first, then every other key overrides. An empty preset means none, which
+  // only model.init allows (the resolved deck of such a run says `preset =`).
   Deck& d = b.deck();
-  if (vm.count("model.preset")) {
+  const bool init_given = vm.count("model.init") && !vm["model.init"].as<std::string>().empty();
+  bool preset_given = false;
+  if (vm.count("model.preset") && !(init_given && vm["model.preset"].as<std::string>().empty())) {
     std::string name = vm["model.preset"].as<std::string>();
+    preset_given = true;
     auto preset = model_preset(name);
     if (!preset) {
       fail_user("{}model.preset = {} is not a preset{}; presets: {}", b.at("model.preset"), name,
@@ -620,6 +674,7 @@ Deck parse_deck_text(const std::string& text, const std::string& path,
     assign(s.field(d), raw, b.at(s.key) + s.key + " = " + raw);
   }
 
+  b.resolve_init(preset_given);
   b.validate();
   d.resolved = resolved_text(d, world_size);
   return d;

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 #include <vector>
 
+#include "hf/weights.h"
 #include "model/qwen3.h"
 #include "train/backend.h"
 #include "qtrain/checkpoint.h"
@@ -75,9 +76,11 @@ int run_training(const Deck& deck, Mesh& mesh) {
   std::unique_ptr<DataSource> data = make_data_source(deck);
 
   if (root) {
+    const std::string model_name =
+        deck.model_init.empty() ? deck.model.preset : "Hugging Face " + deck.model_init;
     std::printf("%s", mesh.describe().c_str());
     std::printf("model: %s, %lld parameters (%d layers, hidden %d, heads %d/%d, vocab %d)\n",
-                deck.model.preset.c_str(), static_cast<long long>(layout.numel()),
+                model_name.c_str(), static_cast<long long>(layout.numel()),
                 deck.model.num_layers, deck.model.hidden_size, deck.model.num_heads,
                 deck.model.num_kv_heads, deck.model.vocab_size);
     std::printf("data: %s\n", data->describe().c_str());
@@ -92,9 +95,18 @@ int run_training(const Deck& deck, Mesh& mesh) {
   state.seed = tc.seed;
   const bool resumed =
       try_resume(deck, mesh, layout, backend->host_params(), backend->host_moments(), state);
-  if (!resumed) {
+  // A checkpoint wins over model.init: the HF weights start a run only at step 0.
+  if (!resumed && !deck.model_init.empty()) {
+    const std::string from = hf::load_params(deck.model_init, layout,
+                                             hf::all_rows(layout, backend->host_params()),
+                                             deck.model.tie_word_embeddings, mesh.world());
+    if (root) std::printf("initialised parameters from %s\n", from.c_str());
+  } else if (!resumed) {
     init_params(deck.model, layout, tc.seed, backend->host_params());
     if (root) std::printf("initialised parameters from seed %llu\n", static_cast<unsigned long long>(tc.seed));
+  } else if (root && !deck.model_init.empty()) {
+    std::printf("model.init %s not loaded: the checkpoint's weights continue the run\n",
+                deck.model_init.c_str());
   }
   backend->push_state();
   const std::int64_t last = tc.stop_at > 0 ? std::min(tc.stop_at, tc.steps) : tc.steps;

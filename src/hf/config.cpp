@@ -1,0 +1,221 @@
+// config.json of a Hugging Face Qwen3 model <-> ModelConfig (see config.h, docs/finetune.md).
+#include "hf/config.h"
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "qtrain/error.h"
+
+namespace qt::hf {
+
+namespace {
+
+using json = nlohmann::json;
+
+// transformers' Qwen3Config defaults (5.x; the same in 4.51+) for keys a config.json may omit.
+constexpr int kDefaultHeadDim = 128;
+constexpr double kDefaultRopeTheta = 10000.0;
+constexpr double kDefaultRmsNormEps = 1e-6;
+constexpr int kDefaultMaxPositions = 32768;
+constexpr double kDefaultInitializerRange = 0.02;
+
+bool present(const json& j, const char* key) { return j.contains(key) && !j[key].is_null(); }
+
+int get_int(const json& j, const char* key, const std::string& where, std::optional<int> dflt) {
+  if (!present(j, key)) {
+    if (dflt) return *dflt;
+    fail_user("{}: key \"{}\" is missing", where, key);
+  }
+  const json& v = j[key];
+  if (!v.is_number_integer() || v.get<std::int64_t>() < 1 || v.get<std::int64_t>() > (1ll << 31) - 1)
+    fail_user("{}: \"{}\" is {}, expected a positive integer", where, key, v.dump());
+  return v.get<int>();
+}
+
+double get_double(const json& v, const std::string& what, const std::string& where) {
+  if (!v.is_number() || !(v.get<double>() > 0))
+    fail_user("{}: \"{}\" is {}, expected a positive number", where, what, v.dump());
+  return v.get<double>();
+}
+
+// Refuses a RoPE description other than plain RoPE; returns its rope_theta if it has one.
+std::optional<double> plain_rope(const json& r, const char* key, const std::string& where) {
+  if (r.is_null()) return std::nullopt;
+  if (!r.is_object()) fail_user("{}: \"{}\" is {}, expected an object or null", where, key, r.dump());
+  std::string type = "default";
+  for (const char* k : {"rope_type", "type"})
+    if (present(r, k)) type = r[k].is_string() ? r[k].get<std::string>() : r[k].dump();
+  if (type != "default")
+    fail_user("{}: \"{}\" asks for RoPE scaling of type \"{}\"; qtrain implements plain RoPE only "
+              "(rope_type default)", where, key, type);
+  std::optional<double> theta;
+  for (auto it = r.begin(); it != r.end(); ++it) {
+    if (it.key() == "rope_type" || it.key() == "type") continue;
+    if (it.key() == "rope_theta") {
+      theta = get_double(it.value(), std::string(key) + ".rope_theta", where);
+      continue;
+    }
+    fail_user("{}: \"{}\" has \"{}\" = {}, which qtrain does not implement", where, key, it.key(),
+              it.value().dump());
+  }
+  return theta;
+}
+
+}  // namespace
+
+const std::vector<ConfigKey>& config_keys() {
+  static const std::vector<ConfigKey> keys = {
+      {"model.vocab_size", "vocab_size"},
+      {"model.hidden_size", "hidden_size"},
+      {"model.intermediate_size", "intermediate_size"},
+      {"model.num_layers", "num_hidden_layers"},
+      {"model.num_heads", "num_attention_heads"},
+      {"model.num_kv_heads", "num_key_value_heads"},
+      {"model.head_dim", "head_dim"},
+      {"model.rope_theta", "rope_theta"},
+      {"model.rms_norm_eps", "rms_norm_eps"},
+      {"model.tie_word_embeddings", "tie_word_embeddings"},
+      {"model.max_position_embeddings", "max_position_embeddings"},
+  };
+  return keys;
+}
+
+ModelConfig parse_config(const std::string& text, const std::string& where, ConfigExtras* extras) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    fail_user("{}: not valid JSON: {}", where, e.what());
+  }
+  if (!j.is_object()) fail_user("{}: not a JSON object", where);
+
+  // Which model: model_type "qwen3" and, when listed, the Qwen3ForCausalLM architecture.
+  const std::string kWant = "qtrain reads Qwen3 dense models (model_type \"qwen3\", Qwen3ForCausalLM)";
+  if (!present(j, "model_type")) fail_user("{}: key \"model_type\" is missing; {}", where, kWant);
+  if (!j["model_type"].is_string() || j["model_type"].get<std::string>() != "qwen3")
+    fail_user("{}: model_type is {}; {}", where, j["model_type"].dump(), kWant);
+  if (present(j, "architectures")) {
+    const json& a = j["architectures"];
+    bool ok = a.is_array() && !a.empty();
+    for (const json& x : a) ok = ok && x.is_string() && x.get<std::string>() == "Qwen3ForCausalLM";
+    if (!ok) fail_user("{}: architectures is {}; {}", where, a.dump(), kWant);
+  }
+
+  // Features qtrain does not have: refuse them rather than train a different model.
+  auto refuse_unless = [&](const char* key, const json& ok_value, const char* why) {
+    if (present(j, key) && j[key] != ok_value)
+      fail_user("{}: \"{}\" is {}; {}", where, key, j[key].dump(), why);
+  };
+  refuse_unless("hidden_act", "silu", "qtrain's MLP is SwiGLU with silu");
+  refuse_unless("attention_bias", false, "qtrain's attention projections have no bias");
+  refuse_unless("use_sliding_window", false, "qtrain has no sliding-window attention");
+  refuse_unless("attention_dropout", 0.0, "qtrain has no attention dropout");
+  if (present(j, "quantization_config"))
+    fail_user("{}: \"quantization_config\" is set; qtrain loads unquantised BF16, F16 or F32 weights",
+              where);
+  if (present(j, "layer_types")) {
+    const json& lt = j["layer_types"];
+    bool ok = lt.is_array();
+    for (const json& x : lt) ok = ok && x == "full_attention";
+    if (!ok) fail_user("{}: \"layer_types\" is {}; qtrain has full attention in every layer", where, lt.dump());
+  }
+
+  ModelConfig c;
+  c.preset = "";
+  c.vocab_size = get_int(j, "vocab_size", where, std::nullopt);
+  c.hidden_size = get_int(j, "hidden_size", where, std::nullopt);
+  c.intermediate_size = get_int(j, "intermediate_size", where, std::nullopt);
+  c.num_layers = get_int(j, "num_hidden_layers", where, std::nullopt);
+  c.num_heads = get_int(j, "num_attention_heads", where, std::nullopt);
+  c.num_kv_heads = get_int(j, "num_key_value_heads", where, c.num_heads);
+  c.head_dim = get_int(j, "head_dim", where, kDefaultHeadDim);
+  c.max_position_embeddings = get_int(j, "max_position_embeddings", where, kDefaultMaxPositions);
+  c.rms_norm_eps = present(j, "rms_norm_eps") ? get_double(j["rms_norm_eps"], "rms_norm_eps", where)
+                                              : kDefaultRmsNormEps;
+  c.initializer_range = present(j, "initializer_range")
+                            ? get_double(j["initializer_range"], "initializer_range", where)
+                            : kDefaultInitializerRange;
+  c.tie_word_embeddings = false;
+  if (present(j, "tie_word_embeddings")) {
+    if (!j["tie_word_embeddings"].is_boolean())
+      fail_user("{}: \"tie_word_embeddings\" is {}, expected true or false", where,
+                j["tie_word_embeddings"].dump());
+    c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
+  }
+  // RoPE: rope_theta at the top (transformers 4.x, the Hub's Qwen3 files) or inside
+  // rope_parameters (transformers 5.x); rope_scaling, when set, must be plain RoPE too.
+  std::optional<double> theta;
+  if (present(j, "rope_theta")) theta = get_double(j["rope_theta"], "rope_theta", where);
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    if (!j.contains(key)) continue;
+    auto t = plain_rope(j[key], key, where);
+    if (t && theta && *t != *theta)
+      fail_user("{}: rope_theta {} and {}.rope_theta {} disagree", where, *theta, key, *t);
+    if (t) theta = t;
+  }
+  c.rope_theta = theta.value_or(kDefaultRopeTheta);
+
+  if (c.num_heads % c.num_kv_heads != 0)
+    fail_user("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", where,
+              c.num_heads, c.num_kv_heads);
+  if (extras) {
+    extras->bos_token_id = j.value("bos_token_id", json());
+    extras->eos_token_id = j.value("eos_token_id", json());
+    extras->pad_token_id = j.value("pad_token_id", json());
+  }
+  return c;
+}
+
+ModelConfig read_config(const std::string& dir, ConfigExtras* extras) {
+  const std::string path = (std::filesystem::path(dir) / "config.json").string();
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail_user("{}: cannot open it (a Hugging Face model directory has config.json)", path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) fail_user("{}: read error", path);
+  return parse_config(ss.str(), path, extras);
+}
+
+ConfigExtras default_extras(const ModelConfig& cfg) {
+  ConfigExtras e;
+  if (cfg.vocab_size >= 151646) {  // Qwen3's tokenizer: <|endoftext|> 151643, <|im_end|> 151645
+    e.bos_token_id = 151643;
+    e.eos_token_id = 151645;
+  }
+  return e;
+}
+
+nlohmann::ordered_json make_config_json(const ModelConfig& c, const ConfigExtras& extras) {
+  nlohmann::ordered_json j;
+  j["architectures"] = {"Qwen3ForCausalLM"};
+  j["attention_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["bos_token_id"] = extras.bos_token_id;
+  j["dtype"] = "bfloat16";
+  j["eos_token_id"] = extras.eos_token_id;
+  j["head_dim"] = c.head_dim;
+  j["hidden_act"] = "silu";
+  j["hidden_size"] = c.hidden_size;
+  j["initializer_range"] = c.initializer_range;
+  j["intermediate_size"] = c.intermediate_size;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  j["max_window_layers"] = c.num_layers;
+  j["model_type"] = "qwen3";
+  j["num_attention_heads"] = c.num_heads;
+  j["num_hidden_layers"] = c.num_layers;
+  j["num_key_value_heads"] = c.num_kv_heads;
+  if (!extras.pad_token_id.is_null()) j["pad_token_id"] = extras.pad_token_id;
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rope_scaling"] = nullptr;
+  j["rope_theta"] = c.rope_theta;
+  j["sliding_window"] = nullptr;
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  j["torch_dtype"] = "bfloat16";  // transformers 4.x's name of dtype
+  j["use_cache"] = true;
+  j["use_sliding_window"] = false;
+  j["vocab_size"] = c.vocab_size;
+  return j;
+}
+
+}  // namespace qt::hf

@@ -1,0 +1,45 @@
+// Hugging Face config.json <-> ModelConfig for Qwen3 dense models (model_type "qwen3",
+// Qwen3ForCausalLM). docs/finetune.md lists the keys read, their defaults and what is refused.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "qtrain/model_config.h"
+
+namespace qt::hf {
+
+// A deck [model] key and the config.json key holding the same value.
+struct ConfigKey {
+  const char* deck;  // "model.num_layers"
+  const char* hf;    // "num_hidden_layers"
+};
+// Every architecture key of the deck (all [model] keys but preset, init and initializer_range).
+const std::vector<ConfigKey>& config_keys();
+
+// What config.json says beyond the architecture, kept for export.
+struct ConfigExtras {
+  nlohmann::json bos_token_id;  // null when absent; eos may be a list
+  nlohmann::json eos_token_id;
+  nlohmann::json pad_token_id;
+};
+
+// Reads <dir>/config.json. Throws UserError "<dir>/config.json: ..." for a missing or invalid
+// file, another model type, or a feature qtrain does not have (rope scaling, sliding window,
+// attention bias, quantisation, an activation other than silu). The returned preset is "".
+ModelConfig read_config(const std::string& dir, ConfigExtras* extras = nullptr);
+
+// Parses config.json text; `where` names the file in errors.
+ModelConfig parse_config(const std::string& text, const std::string& where,
+                         ConfigExtras* extras = nullptr);
+
+// config.json for transformers (4.51+ and 5.x) and other Qwen3 loaders: bf16 weights, the
+// architecture of `cfg`, and the token ids of `extras` (omitted when null).
+nlohmann::ordered_json make_config_json(const ModelConfig& cfg, const ConfigExtras& extras);
+
+// The token ids that Qwen3's own config.json uses, for a model with Qwen3's vocabulary
+// (vocab_size >= 151646); null ids otherwise.
+ConfigExtras default_extras(const ModelConfig& cfg);
+
+}  // namespace qt::hf

@@ -1,0 +1,391 @@
+// qtrain checkpoint -> Hugging Face model directory (see export.h, docs/finetune.md).
+#include "hf/export.h"
+
+#include <hdf5.h>
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "config/ini_lines.h"
+#include "hf/safetensors.h"
+#include "hf/weights.h"
+#include "io/hdf5_util.h"
+#include "qtrain/checkpoint.h"
+#include "qtrain/error.h"
+#include "qtrain/mesh.h"
+
+namespace qt {
+
+namespace fs = std::filesystem;
+
+namespace hf {
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: qtrain export <checkpoint.h5> <dir> [--tokenizer DIR] [--max-shard-size SIZE] [--force]\n"
+    "  Writes <dir> as a Hugging Face model directory (config.json, generation_config.json,\n"
+    "  bf16 safetensors shards with model.safetensors.index.json, tokenizer files).\n"
+    "  --tokenizer DIR        copy tokenizer.json, tokenizer_config.json, vocab.json, merges.txt\n"
+    "                         ... from DIR (default: the checkpoint's model.init directory)\n"
+    "  --max-shard-size SIZE  largest safetensors shard, e.g. 5GB (default), 500MB, 2GiB\n"
+    "  --force                replace <dir> when it exists and is not empty\n";
+
+std::string read_text(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  if (!in) fail_user("cannot read {}", p.string());
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void write_text(const fs::path& p, const std::string& text) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out << text;
+  out.close();
+  if (!out) fail_user("cannot write {}", p.string());
+}
+
+// What a checkpoint says about its model: the root attributes and the [model] keys of its deck.
+struct CheckpointModel {
+  ModelConfig cfg;
+  std::int64_t step = 0;
+  std::string init_dir;  // [model] init of the run's deck, "" when none
+};
+
+CheckpointModel read_checkpoint_model(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) fail_user("checkpoint {}: no such file", path);
+  h5::QuietErrors quiet;
+  h5::Handle file(H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT), h5::close_file);
+  if (!file.valid())
+    fail_user("checkpoint {}: cannot open it as HDF5 ({})", path, h5::last_error());
+  auto format = h5::try_read_attr_string(file, "format");
+  if (!format || *format != "qtrain-checkpoint")
+    fail_user("{} is not a qtrain checkpoint (no root attribute format = \"qtrain-checkpoint\")", path);
+  CheckpointModel m;
+  auto i64 = [&](const char* name) {
+    auto v = h5::try_read_attr_i64(file, name);
+    if (!v) fail_user("checkpoint {}: root attribute {} is missing", path, name);
+    if (std::strcmp(name, "step") != 0 && (*v < 0 || *v > (std::int64_t{1} << 31)))
+      fail_user("checkpoint {}: root attribute {} = {} is out of range", path, name, *v);
+    return *v;
+  };
+  auto f64 = [&](const char* name) {
+    auto v = h5::try_read_attr_f64(file, name);
+    if (!v) fail_user("checkpoint {}: root attribute {} is missing", path, name);
+    return *v;
+  };
+  ModelConfig& c = m.cfg;
+  c.preset = h5::try_read_attr_string(file, "preset").value_or("");
+  c.vocab_size = static_cast<int>(i64("vocab_size"));
+  c.hidden_size = static_cast<int>(i64("hidden_size"));
+  c.intermediate_size = static_cast<int>(i64("intermediate_size"));
+  c.num_layers = static_cast<int>(i64("num_layers"));
+  c.num_heads = static_cast<int>(i64("num_heads"));
+  c.num_kv_heads = static_cast<int>(i64("num_kv_heads"));
+  c.head_dim = static_cast<int>(i64("head_dim"));
+  c.tie_word_embeddings = i64("tie_word_embeddings") != 0;
+  c.rope_theta = f64("rope_theta");
+  c.rms_norm_eps = f64("rms_norm_eps");
+  m.step = i64("step");
+  // max_position_embeddings, initializer_range and init are not root attributes: the stored
+  // resolved deck has them (the struct defaults stand in when a key is absent).
+  const std::string deck = h5::try_read_attr_string(file, "deck").value_or("");
+  ini::Scan scan;
+  try {
+    scan = ini::scan(deck, path + " (stored deck)");
+  } catch (const UserError&) {
+    return m;  // an unreadable record: keep the defaults
+  }
+  for (const ini::Entry& e : scan.entries) {
+    if (e.key == "model.init") m.init_dir = e.value;
+    int iv = 0;
+    double dv = 0;
+    const char* b = e.value.data();
+    const char* end = b + e.value.size();
+    if (e.key == "model.max_position_embeddings" && std::from_chars(b, end, iv).ec == std::errc() && iv > 0)
+      c.max_position_embeddings = iv;
+    if (e.key == "model.initializer_range" && std::from_chars(b, end, dv).ec == std::errc() && dv > 0)
+      c.initializer_range = dv;
+  }
+  return m;
+}
+
+bool has_tokenizer(const fs::path& dir) {
+  std::error_code ec;
+  return fs::is_regular_file(dir / "tokenizer.json", ec) ||
+         (fs::is_regular_file(dir / "vocab.json", ec) && fs::is_regular_file(dir / "merges.txt", ec));
+}
+
+bool dir_is_empty(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_empty(p, ec) && !ec;
+}
+
+}  // namespace
+
+const std::vector<std::string>& tokenizer_file_names() {
+  static const std::vector<std::string> names = {
+      "tokenizer.json", "tokenizer_config.json", "vocab.json",          "merges.txt",
+      "special_tokens_map.json", "added_tokens.json", "chat_template.jinja"};
+  return names;
+}
+
+std::uint64_t parse_size(const std::string& text) {
+  std::string s;
+  for (char ch : text)
+    if (!std::isspace(static_cast<unsigned char>(ch))) s += ch;
+  std::size_t digits = 0;
+  while (digits < s.size() && (std::isdigit(static_cast<unsigned char>(s[digits])) || s[digits] == '.'))
+    ++digits;
+  double v = 0;
+  if (digits == 0 || std::from_chars(s.data(), s.data() + digits, v).ec != std::errc())
+    fail_user("--max-shard-size {}: not a size (e.g. 5GB, 500MB, 2GiB, 1048576)", text);
+  std::string unit = s.substr(digits);
+  std::transform(unit.begin(), unit.end(), unit.begin(), [](unsigned char ch) { return std::toupper(ch); });
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
+  for (const auto& [name, factor] : kUnits) {
+    if (unit != name) continue;
+    const double bytes = v * factor;
+    if (!(bytes >= 1) || bytes > 1e18)
+      fail_user("--max-shard-size {}: must be at least 1 byte", text);
+    return static_cast<std::uint64_t>(bytes);
+  }
+  fail_user("--max-shard-size {}: unknown unit \"{}\" (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB)", text,
+            s.substr(digits));
+}
+
+std::vector<std::string> write_model_dir(const std::string& dir, const ModelConfig& cfg,
+                                         const ParamLayout& layout, const float* params,
+                                         std::uint64_t max_shard_bytes, const ConfigExtras& extras,
+                                         const std::string& generation_config) {
+  const fs::path d(dir);
+  write_text(d / "config.json", make_config_json(cfg, extras).dump(2) + "\n");
+  if (!generation_config.empty()) write_text(d / "generation_config.json", generation_config);
+
+  // Shards as transformers cuts them: tensors in model order, a new shard when the next tensor
+  // would push the current one past the limit (a tensor larger than the limit gets its own).
+  std::vector<std::vector<const ParamInfo*>> shards(1);
+  std::uint64_t cur = 0, total = 0;
+  for (const ParamInfo& p : layout.params()) {
+    const std::uint64_t b = p.numel * 2;  // bf16
+    if (!shards.back().empty() && cur + b > max_shard_bytes) {
+      shards.emplace_back();
+      cur = 0;
+    }
+    shards.back().push_back(&p);
+    cur += b;
+    total += b;
+  }
+  const std::size_t n = shards.size();
+  std::vector<std::string> files;
+  nlohmann::json weight_map = nlohmann::json::object();
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::string name =
+        n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, n);
+    std::vector<StTensorOut> out;
+    for (const ParamInfo* p : shards[i]) {
+      StTensorOut t;
+      t.name = p->name;
+      t.dtype = StDType::kBF16;
+      t.shape = p->shape;
+      t.f32 = params + p->offset;
+      out.push_back(std::move(t));
+      weight_map[p->name] = name;
+    }
+    write_safetensors((d / name).string(), out, {{"format", "pt"}});
+    files.push_back(name);
+  }
+  if (n > 1) {
+    nlohmann::ordered_json index;
+    index["metadata"] = {{"total_size", total}};
+    index["weight_map"] = weight_map;  // sorted by name
+    write_text(d / "model.safetensors.index.json", index.dump(2) + "\n");
+  }
+  return files;
+}
+
+std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> world) {
+  const bool root = world->rank() == 0;
+  const fs::path out(o.out_dir);
+  const fs::path tmp = out.parent_path() / ("." + out.filename().string() + ".qtrain-export-tmp");
+  // 1. Refuse early what would fail only after reading the checkpoint.
+  std::string err;
+  if (root) {
+    std::error_code ec;
+    if (out.filename().empty() || out.filename() == "." || out.filename() == "..")
+      err = fmt::format("export directory {}: give a directory name", o.out_dir);
+    else if (fs::exists(out, ec) && !fs::is_directory(out, ec))
+      err = fmt::format("export directory {} exists and is not a directory", o.out_dir);
+    else if (fs::is_directory(out, ec) && !dir_is_empty(out) && !o.force)
+      err = fmt::format("export directory {} exists and is not empty; pass --force to replace it",
+                        o.out_dir);
+    else if (!o.tokenizer_dir.empty() && !has_tokenizer(o.tokenizer_dir))
+      err = fmt::format("--tokenizer {}: no tokenizer.json (or vocab.json and merges.txt) there",
+                        o.tokenizer_dir);
+  }
+  agree(*world, err);
+
+  // 2. The model, then the weights (validated, checksummed) on every rank.
+  CheckpointModel cm;
+  try {
+    cm = read_checkpoint_model(o.checkpoint);
+  } catch (const UserError& e) {
+    err = e.what();
+  }
+  agree(*world, err);
+  ParamLayout layout(cm.cfg);
+  std::vector<float> params(layout.numel());
+  {
+    MeshShape shape;
+    shape.dp = world->size();
+    Mesh mesh(shape, world);
+    float dummy = 0;
+    checkpoint_read(o.checkpoint, mesh, layout, params.data(), MomentShard{{0, 0}, &dummy, &dummy},
+                    cm.cfg);
+  }
+
+  // 3. Rank 0 writes the directory under a temporary name, then renames it.
+  std::string summary;
+  if (root) {
+    try {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);  // a stale one from an interrupted export
+      fs::create_directories(tmp, ec);
+      if (ec) fail_user("cannot create {}: {}", tmp.string(), ec.message());
+      // Where the token ids, generation config and tokenizer come from: the model.init
+      // directory the run started from (if it is still there) and --tokenizer.
+      const fs::path init = cm.init_dir;
+      const bool init_ok = !cm.init_dir.empty() && fs::is_regular_file(init / "config.json", ec);
+      ConfigExtras extras = default_extras(cm.cfg);
+      if (init_ok) {
+        try {
+          ConfigExtras from_init;
+          read_config(cm.init_dir, &from_init);
+          extras = from_init;
+        } catch (const UserError& e) {
+          std::fprintf(stderr, "qtrain export: warning: token ids not taken from %s: %s\n",
+                       cm.init_dir.c_str(), e.what());
+        }
+      }
+      std::string gen;
+      for (const fs::path& src : {init, fs::path(o.tokenizer_dir)}) {
+        if (gen.empty() && !src.empty() && fs::is_regular_file(src / "generation_config.json", ec))
+          gen = read_text(src / "generation_config.json");
+      }
+      if (gen.empty()) {
+        nlohmann::ordered_json g;
+        g["_from_model_config"] = true;
+        if (!extras.bos_token_id.is_null()) g["bos_token_id"] = extras.bos_token_id;
+        if (!extras.eos_token_id.is_null()) g["eos_token_id"] = extras.eos_token_id;
+        if (!extras.pad_token_id.is_null()) g["pad_token_id"] = extras.pad_token_id;
+        gen = g.dump(2) + "\n";
+      }
+      const auto files = write_model_dir(tmp.string(), cm.cfg, layout, params.data(),
+                                         o.max_shard_bytes, extras, gen);
+      const fs::path tok = !o.tokenizer_dir.empty() ? fs::path(o.tokenizer_dir) : init;
+      std::vector<std::string> copied;
+      if (!tok.empty() && has_tokenizer(tok)) {
+        for (const std::string& f : tokenizer_file_names()) {
+          if (!fs::is_regular_file(tok / f, ec)) continue;
+          fs::copy_file(tok / f, tmp / f, fs::copy_options::overwrite_existing, ec);
+          if (ec) fail_user("cannot copy {} to {}: {}", (tok / f).string(), tmp.string(), ec.message());
+          copied.push_back(f);
+        }
+      } else {
+        std::fprintf(stderr, "qtrain export: warning: no tokenizer files written (pass --tokenizer "
+                             "DIR, or train with model.init = an HF directory that has them)\n");
+      }
+      // Replace: an empty existing directory is replaced by rename(2) itself; a non-empty one
+      // (with --force) is moved aside first and deleted after.
+      const fs::path old = out.parent_path() / ("." + out.filename().string() + ".qtrain-export-old");
+      const bool replace = fs::is_directory(out, ec) && !dir_is_empty(out);
+      if (replace) {
+        fs::remove_all(old, ec);
+        fs::rename(out, old, ec);
+        if (ec) fail_user("cannot move {} aside: {}", o.out_dir, ec.message());
+      }
+      fs::rename(tmp, out, ec);
+      if (ec) fail_user("cannot rename {} to {}: {}", tmp.string(), o.out_dir, ec.message());
+      if (replace) fs::remove_all(old, ec);
+      summary = fmt::format(
+          "exported {} (step {}) to {}: {} weight file{} (bf16), tokenizer files: {}",
+          o.checkpoint, cm.step, o.out_dir, files.size(), files.size() == 1 ? "" : "s",
+          copied.empty() ? std::string("none") : fmt::format("{}", fmt::join(copied, ", ")));
+    } catch (const UserError& e) {
+      err = e.what();
+    } catch (const fs::filesystem_error& e) {
+      err = fmt::format("export to {}: {}", o.out_dir, e.what());
+    }
+    if (!err.empty()) {
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+    }
+  }
+  agree(*world, err);
+  return summary;
+}
+
+}  // namespace hf
+
+int export_main(int argc, char** argv, std::shared_ptr<MpiComm> world) {
+  const bool root = world->rank() == 0;
+  try {
+    hf::ExportOptions o;
+    std::vector<std::string> positional;
+    for (int i = 1; i < argc; ++i) {
+      std::string a = argv[i];
+      if (a == "--help" || a == "-h") {
+        if (root) std::printf("%s", hf::kUsage);
+        return 0;
+      }
+      if (a == "--force") {
+        o.force = true;
+        continue;
+      }
+      if (a.rfind("--", 0) != 0) {
+        positional.push_back(a);
+        continue;
+      }
+      std::string key = a, value;
+      if (auto eq = a.find('='); eq != std::string::npos) {
+        key = a.substr(0, eq);
+        value = a.substr(eq + 1);
+      } else if (i + 1 < argc) {
+        value = argv[++i];
+      } else {
+        fail_user("(command line): {} needs a value", a);
+      }
+      if (key == "--tokenizer")
+        o.tokenizer_dir = value;
+      else if (key == "--max-shard-size")
+        o.max_shard_bytes = hf::parse_size(value);
+      else
+        fail_user("(command line): unknown option {}\n{}", key, hf::kUsage);
+    }
+    if (positional.size() != 2)
+      fail_user("(command line): expected <checkpoint.h5> <dir>, got {} argument{}\n{}",
+                positional.size(), positional.size() == 1 ? "" : "s", hf::kUsage);
+    o.checkpoint = positional[0];
+    o.out_dir = positional[1];
+    while (o.out_dir.size() > 1 && o.out_dir.back() == '/') o.out_dir.pop_back();
+    const std::string summary = hf::export_checkpoint(o, world);
+    if (root) std::printf("%s\n", summary.c_str());
+    return 0;
+  } catch (const UserError& e) {
+    if (root) std::fprintf(stderr, "qtrain export: error: %s\n", e.what());
+    return kExitBadInput;
+  }
+}
+
+}  // namespace qt

@@ -1,0 +1,416 @@
+// HF export and import under MPI (np 1 and 2): sharded directories with an index, checkpoint ->
+// export -> import gives the bf16-rounded tensors bit for bit, a run started from the export
+// trains exactly like one resumed from the same (rounded) weights, and every bad tensor is a
+// UserError naming it on every rank.
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <bit>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hf/config.h"
+#include "hf/export.h"
+#include "hf/safetensors.h"
+#include "hf/weights.h"
+#include "model/qwen3.h"
+#include "qtrain/checkpoint.h"
+#include "qtrain/deck.h"
+#include "qtrain/error.h"
+#include "qtrain/mesh.h"
+#include "support/random.h"
+#include "train/training_harness.h"
+
+namespace qt::hf {
+namespace {
+
+namespace fs = std::filesystem;
+using test::shared_temp_dir;
+using test::world_rank;
+
+std::shared_ptr<MpiComm> world_comm() {
+  return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
+}
+
+// One seed for all ranks: the tests need identical data everywhere.
+std::uint64_t shared_seed() {
+  std::uint64_t s = test::test_seed();
+  MPI_Bcast(&s, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  return s;
+}
+
+float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+
+// Bitwise equality of the layout's elements of `got` with the bf16 rounding of `src`.
+void expect_bf16_of(const ParamLayout& layout, const std::vector<float>& got,
+                    const std::vector<float>& src) {
+  for (const ParamInfo& p : layout.params()) {
+    for (std::size_t i = 0; i < p.numel; ++i) {
+      const float want = round_bf16(src[p.offset + i]);
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(got[p.offset + i]), std::bit_cast<std::uint32_t>(want))
+          << p.name << " element " << i;
+    }
+  }
+}
+
+ModelConfig small_model(bool tied) {
+  ModelConfig c;
+  c.preset = "";
+  c.vocab_size = 96;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.tie_word_embeddings = tied;
+  c.max_position_embeddings = 512;
+  return c;
+}
+
+std::vector<float> random_params(const ParamLayout& layout, std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  return test::random_vector<float>(layout.numel(), rng, 0.5);
+}
+
+std::string read_file(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void barrier() { MPI_Barrier(MPI_COMM_WORLD); }
+
+// Runs `f` on every rank, expecting a UserError whose text holds every part, on every rank.
+void expect_error_everywhere(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+    ADD_FAILURE() << "no error";
+  } catch (const UserError& e) {
+    const std::string m = e.what();
+    for (const std::string& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "'" << p << "' not in: " << m;
+  }
+  barrier();
+}
+
+TEST(HfExport, ShardedDirectoryWithIndexLoadsBack) {
+  auto world = world_comm();
+  for (bool tied : {true, false}) {
+    const ModelConfig cfg = small_model(tied);
+    const ParamLayout layout(cfg);
+    const auto src = random_params(layout, shared_seed());
+    const std::string dir = shared_temp_dir("hf-shards");
+    const std::uint64_t total = layout.numel() * 2;
+    const std::uint64_t limit = total / 3;  // at least three shards
+    if (world_rank() == 0)
+      write_model_dir(dir, cfg, layout, src.data(), limit, default_extras(cfg), "{}\n");
+    barrier();
+    const nlohmann::json index = nlohmann::json::parse(read_file(fs::path(dir) / "model.safetensors.index.json"));
+    EXPECT_EQ(index["metadata"]["total_size"].get<std::uint64_t>(), total);
+    std::set<std::string> files;
+    for (const ParamInfo& p : layout.params()) {
+      ASSERT_TRUE(index["weight_map"].contains(p.name)) << p.name;
+      files.insert(index["weight_map"][p.name].get<std::string>());
+    }
+    EXPECT_EQ(index["weight_map"].size(), layout.params().size());
+    EXPECT_GE(files.size(), 3u);
+    for (const std::string& f : files) {
+      EXPECT_TRUE(fs::exists(fs::path(dir) / f)) << f;
+      EXPECT_LE(fs::file_size(fs::path(dir) / f), limit + 4096) << f;  // tensors fit the limit
+      EXPECT_NE(f.find(fmt::format("-of-{:05d}.safetensors", files.size())), std::string::npos) << f;
+    }
+    EXPECT_FALSE(fs::exists(fs::path(dir) / "model.safetensors"));
+    EXPECT_EQ(read_config(dir).vocab_size, cfg.vocab_size);
+
+    std::vector<float> got(layout.numel(), -1.0f);
+    const std::string line = load_params(dir, layout, all_rows(layout, got.data()), tied, *world);
+    EXPECT_NE(line.find("shards (model.safetensors.index.json)"), std::string::npos) << line;
+    expect_bf16_of(layout, got, src);
+
+    // Row ranges only, as a tensor-parallel rank will ask: the other rows stay untouched.
+    std::vector<float> part(layout.numel(), -7.0f);
+    std::vector<RowSlice> half;
+    for (const ParamInfo& p : layout.params()) {
+      const std::int64_t rows = p.shape[0], per_row = static_cast<std::int64_t>(p.numel) / rows;
+      half.push_back({&p, rows / 2, rows, part.data() + p.offset + rows / 2 * per_row});
+    }
+    load_params(dir, layout, half, tied, *world);
+    for (const ParamInfo& p : layout.params()) {
+      const std::size_t first = static_cast<std::size_t>(p.shape[0] / 2) * (p.numel / p.shape[0]);
+      for (std::size_t i = 0; i < p.numel; ++i)
+        ASSERT_EQ(part[p.offset + i], i < first ? -7.0f : round_bf16(src[p.offset + i])) << p.name << " " << i;
+    }
+    barrier();
+    if (world_rank() == 0) fs::remove_all(dir);
+  }
+}
+
+// Writes a checkpoint of `params` (moments zero) with the resolved text of `deck`.
+void write_checkpoint(const std::string& path, const Deck& deck, const ParamLayout& layout,
+                      const std::vector<float>& params, std::shared_ptr<MpiComm> world) {
+  MeshShape shape;
+  shape.dp = world->size();
+  Mesh mesh(shape, world);
+  std::vector<float> m(layout.numel(), 0.0f), v(layout.numel(), 0.0f);
+  TrainState st;
+  st.seed = deck.train.seed;
+  checkpoint_write(path, mesh, layout, params.data(), {{0, layout.numel()}, m.data(), v.data()}, st,
+                   deck.model, deck.resolved);
+}
+
+TEST(HfExport, CheckpointExportThenImportGivesIdenticalTensors) {
+  auto world = world_comm();
+  const std::string dir = shared_temp_dir("hf-export");
+  const Deck deck = parse_deck_text(
+      "[model]\nvocab_size = 96\nhidden_size = 32\nintermediate_size = 48\nnum_layers = 2\n"
+      "head_dim = 8\ntie_word_embeddings = false\nmax_position_embeddings = 512\n"
+      "rope_theta = 12345.5\nrms_norm_eps = 1e-5\n[train]\nseq_len = 16\n",
+      "deck.ini", {}, world->size());
+  const ParamLayout layout(deck.model);
+  const auto src = random_params(layout, shared_seed());
+  const std::string ckpt = dir + "/step_00000007.h5";
+  write_checkpoint(ckpt, deck, layout, src, world);
+  // A tokenizer directory to copy from.
+  const std::string tok = dir + "/tok";
+  if (world_rank() == 0) {
+    fs::create_directories(tok);
+    for (const char* f : {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"})
+      std::ofstream(tok + "/" + f) << "{\"file\": \"" << f << "\"}";
+  }
+  barrier();
+
+  ExportOptions o;
+  o.checkpoint = ckpt;
+  o.out_dir = dir + "/hf";
+  o.tokenizer_dir = tok;
+  const std::string summary = export_checkpoint(o, world);
+  if (world_rank() == 0) EXPECT_NE(summary.find("1 weight file"), std::string::npos) << summary;
+  const fs::path out(o.out_dir);
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(out / "model.safetensors.index.json"));  // one shard: no index, as HF
+  EXPECT_TRUE(fs::exists(out / "generation_config.json"));
+  for (const char* f : {"tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"})
+    EXPECT_EQ(read_file(out / f), read_file(fs::path(tok) / f)) << f;
+  EXPECT_FALSE(fs::exists(fs::path(dir) / ".hf.qtrain-export-tmp"));
+
+  // config.json gives the checkpoint's model back, max_position_embeddings from its deck.
+  const ModelConfig back = read_config(o.out_dir);
+  EXPECT_EQ(back.rope_theta, 12345.5);
+  EXPECT_EQ(back.rms_norm_eps, 1e-5);
+  EXPECT_EQ(back.max_position_embeddings, 512);
+  EXPECT_FALSE(back.tie_word_embeddings);
+  EXPECT_EQ(back.num_params(), deck.model.num_params());
+  // The weights: every file tensor is BF16 and equals the rounded source bit for bit.
+  SafetensorsFile f((out / "model.safetensors").string());
+  EXPECT_EQ(f.metadata().at("format"), "pt");
+  for (const StTensor& t : f.tensors()) EXPECT_EQ(t.dtype, StDType::kBF16) << t.name;
+  std::vector<float> got(layout.numel(), -1.0f);
+  load_params(o.out_dir, ParamLayout(back), all_rows(layout, got.data()), false, *world);
+  expect_bf16_of(layout, got, src);
+
+  // Export again, split: the index's shards hold the same tensors.
+  o.max_shard_bytes = 4000;
+  expect_error_everywhere([&] { export_checkpoint(o, world); }, {o.out_dir, "not empty", "--force"});
+  o.force = true;
+  export_checkpoint(o, world);
+  EXPECT_TRUE(fs::exists(out / "model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(out / "model.safetensors"));
+  std::fill(got.begin(), got.end(), -1.0f);
+  load_params(o.out_dir, layout, all_rows(layout, got.data()), false, *world);
+  expect_bf16_of(layout, got, src);
+  barrier();
+  if (world_rank() == 0) fs::remove_all(dir);
+}
+
+TEST(HfExport, TrainingFromTheExportEqualsResumingTheRoundedWeights) {
+  auto world = world_comm();
+  const std::string dir = shared_temp_dir("hf-train");
+  const std::string base =
+      "[model]\npreset = tiny\n[train]\nseq_len = 16\nmicro_batch = 2\nglobal_batch = 4\n"
+      "steps = 3\nseed = 77\n[optim]\nwarmup_steps = 1\n[checkpoint]\nevery = -1\ndir = " + dir +
+      "/ck\n";
+  const Deck deck = parse_deck_text(base, "deck.ini", {}, world->size());
+  const ParamLayout layout(deck.model);
+  std::vector<float> w(layout.numel());
+  init_params(deck.model, layout, deck.train.seed, w.data());
+  for (float& x : w) x = round_bf16(x);  // what the export keeps
+  const std::string ckpt = dir + "/step_00000000.h5";
+  write_checkpoint(ckpt, deck, layout, w, world);
+  ExportOptions o;
+  o.checkpoint = ckpt;
+  o.out_dir = dir + "/hf";
+  export_checkpoint(o, world);
+
+  const int n = world->size();
+  auto a = test::run(n, base, {"--checkpoint.resume=" + ckpt}, dir + "/a.jsonl");
+  auto b = test::run(n, base, {"--model.init=" + o.out_dir, "--checkpoint.resume=none"}, dir + "/b.jsonl");
+  ASSERT_EQ(a.exit_code, 0) << a.error;
+  ASSERT_EQ(b.exit_code, 0) << b.error;
+  ASSERT_EQ(a.steps.size(), 3u);
+  ASSERT_EQ(b.steps.size(), 3u);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << i + 1;
+    EXPECT_EQ(a.steps[i].grad_norm, b.steps[i].grad_norm) << "step " << i + 1;
+    EXPECT_TRUE(std::isfinite(b.steps[i].loss));
+  }
+  // A checkpoint in checkpoint.dir wins over model.init: the run resumes instead.
+  auto c = test::run(n, base, {"--model.init=" + o.out_dir, "--checkpoint.every=0", "--train.stop_at=2"},
+                     dir + "/c.jsonl");
+  ASSERT_EQ(c.exit_code, 0) << c.error;
+  auto d = test::run(n, base, {"--model.init=" + o.out_dir, "--checkpoint.every=0"}, dir + "/d.jsonl");
+  ASSERT_EQ(d.exit_code, 0) << d.error;
+  ASSERT_EQ(d.steps.size(), 1u);  // only step 3 ran: steps 1-2 came from the checkpoint
+  EXPECT_EQ(d.steps[0].step, 3);
+  EXPECT_EQ(d.steps[0].loss, b.steps[2].loss);
+  barrier();
+  if (world_rank() == 0) fs::remove_all(dir);
+}
+
+// ---- import errors ---------------------------------------------------------------------------
+
+class HfImportErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = shared_temp_dir("hf-bad");
+    cfg_ = small_model(true);
+    layout_ = std::make_unique<ParamLayout>(cfg_);
+    src_ = random_params(*layout_, 5);
+  }
+  void TearDown() override {
+    barrier();
+    if (world_rank() == 0) fs::remove_all(dir_);
+  }
+  // The model's tensors as BF16, edited by `edit`, in one model.safetensors under dir_/name.
+  std::string model_dir(const std::string& name, const std::function<void(std::vector<StTensorOut>&)>& edit) {
+    const std::string d = dir_ + "/" + name;
+    if (world_rank() == 0) {
+      fs::create_directories(d);
+      std::ofstream(d + "/config.json") << make_config_json(cfg_, {}).dump();
+      std::vector<StTensorOut> ts;
+      for (const ParamInfo& p : layout_->params())
+        ts.push_back({p.name, StDType::kBF16, p.shape, nullptr, src_.data() + p.offset});
+      edit(ts);
+      write_safetensors(d + "/model.safetensors", ts, {{"format", "pt"}});
+    }
+    barrier();
+    return d;
+  }
+  void load(const std::string& d) {
+    std::vector<float> got(layout_->numel());
+    load_params(d, *layout_, all_rows(*layout_, got.data()), cfg_.tie_word_embeddings, *world_comm());
+  }
+  static void erase(std::vector<StTensorOut>& ts, const std::string& name) {
+    std::erase_if(ts, [&](const StTensorOut& t) { return t.name == name; });
+  }
+  static StTensorOut& find(std::vector<StTensorOut>& ts, const std::string& name) {
+    return *std::find_if(ts.begin(), ts.end(), [&](const StTensorOut& t) { return t.name == name; });
+  }
+  std::string dir_;
+  ModelConfig cfg_;
+  std::unique_ptr<ParamLayout> layout_;
+  std::vector<float> src_;
+};
+
+TEST_F(HfImportErrors, MissingUnexpectedMisshapenMistyped) {
+  auto d = model_dir("missing", [](auto& ts) { erase(ts, "model.norm.weight"); });
+  expect_error_everywhere([&] { load(d); }, {d, "1 tensor", "missing", "model.norm.weight"});
+  const float extra[2] = {1, 2};
+  d = model_dir("unexpected", [&](auto& ts) {
+    ts.push_back({"model.layers.0.self_attn.q_proj.bias", StDType::kF32, {2}, extra, nullptr});
+  });
+  expect_error_everywhere([&] { load(d); }, {"unexpected", "model.layers.0.self_attn.q_proj.bias"});
+  d = model_dir("shape", [](auto& ts) { find(ts, "model.layers.1.mlp.up_proj.weight").shape = {24, 32}; });
+  expect_error_everywhere([&] { load(d); }, {"model.layers.1.mlp.up_proj.weight", "[24, 32]", "[48, 32]"});
+  std::vector<std::int32_t> ints(32);
+  d = model_dir("dtype", [&](auto& ts) {
+    StTensorOut& t = find(ts, "model.norm.weight");
+    t.dtype = StDType::kI32;
+    t.f32 = nullptr;
+    t.raw = ints.data();
+  });
+  expect_error_everywhere([&] { load(d); }, {"model.norm.weight", "dtype I32", "BF16, F16 and F32"});
+  std::vector<float> inf(32, 1.0f);
+  inf[5] = std::numeric_limits<float>::infinity();
+  d = model_dir("nonfinite", [&](auto& ts) {
+    StTensorOut& t = find(ts, "model.norm.weight");
+    t.dtype = StDType::kF32;
+    t.f32 = inf.data();
+  });
+  expect_error_everywhere([&] { load(d); }, {"model.norm.weight", "non-finite", "element 5"});
+}
+
+TEST_F(HfImportErrors, TiedLmHeadIsIgnoredAndOtherDTypesLoad) {
+  auto d = model_dir("tied", [&](auto& ts) {
+    const ParamInfo& e = layout_->find("model.embed_tokens.weight");
+    ts.push_back({"lm_head.weight", StDType::kBF16, e.shape, nullptr, src_.data() + e.offset});
+    find(ts, "model.norm.weight").dtype = StDType::kF16;
+    find(ts, "model.layers.0.self_attn.k_norm.weight").dtype = StDType::kF32;
+  });
+  std::vector<float> got(layout_->numel());
+  load_params(d, *layout_, all_rows(*layout_, got.data()), true, *world_comm());
+  const ParamInfo& n = layout_->find("model.norm.weight");
+  EXPECT_EQ(got[n.offset + 3], f16_to_f32(f32_to_f16(src_[n.offset + 3])));
+  const ParamInfo& k = layout_->find("model.layers.0.self_attn.k_norm.weight");
+  EXPECT_EQ(got[k.offset + 1], src_[k.offset + 1]);
+  barrier();
+}
+
+TEST_F(HfImportErrors, DirectoriesAndIndexes) {
+  expect_error_everywhere([&] { load(dir_); }, {dir_, "no model.safetensors or model.safetensors.index.json"});
+  const std::string d = dir_ + "/indexed";
+  auto write_index = [&](const std::string& text) {
+    if (world_rank() == 0) {
+      fs::create_directories(d);
+      std::ofstream(d + "/model.safetensors.index.json") << text;
+    }
+    barrier();
+  };
+  write_index("{\"weight_map\": {\"model.norm.weight\": \"model-1.safetensors\"}}");
+  expect_error_everywhere([&] { load(d); }, {"model-1.safetensors", "does not exist"});
+  write_index("{\"weight_map\": {\"model.norm.weight\": \"../x.safetensors\"}}");
+  expect_error_everywhere([&] { load(d); }, {"../x.safetensors", "not a file inside"});
+  write_index("{\"metadata\": {}}");
+  expect_error_everywhere([&] { load(d); }, {"weight_map"});
+  write_index("{\"weight_map\": ");
+  expect_error_everywhere([&] { load(d); }, {"model.safetensors.index.json", "not valid JSON"});
+  // An index entry whose shard lacks the tensor; a tensor in two shards.
+  if (world_rank() == 0) {
+    const float one = 1;
+    write_safetensors(d + "/a.safetensors", {{"x", StDType::kF32, {1}, &one, nullptr}}, {});
+    write_safetensors(d + "/b.safetensors", {{"x", StDType::kF32, {1}, &one, nullptr}}, {});
+  }
+  write_index("{\"weight_map\": {\"y\": \"a.safetensors\"}}");
+  expect_error_everywhere([&] { load(d); }, {"\"y\"", "a.safetensors", "no such tensor"});
+  write_index("{\"weight_map\": {\"x\": \"a.safetensors\", \"z\": \"b.safetensors\"}}");
+  expect_error_everywhere([&] { load(d); }, {"\"x\"", "two files"});
+}
+
+TEST(HfExportCli, ArgumentsAndExitCodes) {
+  auto world = world_comm();
+  auto run = [&](std::vector<std::string> args) {
+    std::vector<char*> argv;
+    for (auto& a : args) argv.push_back(a.data());
+    return export_main(static_cast<int>(argv.size()), argv.data(), world);
+  };
+  EXPECT_EQ(run({"export", "--help"}), 0);
+  EXPECT_EQ(run({"export", "only-one"}), 2);
+  EXPECT_EQ(run({"export", "a.h5", "out", "--bogus=1"}), 2);
+  EXPECT_EQ(run({"export", "a.h5", "out", "--max-shard-size", "5XB"}), 2);
+  EXPECT_EQ(run({"export", "no/such/checkpoint.h5", shared_temp_dir("hf-cli") + "/out"}), 2);
+  EXPECT_EQ(parse_size("5GB"), 5'000'000'000u);
+  EXPECT_EQ(parse_size("2GiB"), 2147483648u);
+  EXPECT_EQ(parse_size("500 mb"), 500'000'000u);
+  EXPECT_EQ(parse_size("1024"), 1024u);
+  EXPECT_EQ(parse_size("1.5KB"), 1500u);
+  EXPECT_THROW(parse_size("GB"), UserError);
+  EXPECT_THROW(parse_size("0"), UserError);
+}
+
+}  // namespace
+}  // namespace qt::hf
