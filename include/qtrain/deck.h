@@ -35,6 +35,10 @@ struct OptimConfig {
   double weight_decay = 0.1;
   double grad_clip = 1.0;   // max global gradient L2 norm; 0 disables clipping
   int zero_stage = 0;       // 0: replicated optimizer state; 1: sharded over dp
+  // Data-parallel gradient reduction (cuda back end): the dtype on the wire ("fp32" | "bf16";
+  // gradients are accumulated and stored in fp32 either way) and the bucket size.
+  std::string grad_reduce = "fp32";
+  double reduce_bucket_mb = 32;  // MiB of fp32 gradients per reduction bucket (> 0)
 };
 
 struct DataConfig {

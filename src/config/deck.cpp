@@ -146,6 +146,10 @@ const std::vector<KeySpec>& key_table() {
              "Clip the global gradient L2 norm to this; 0 disables clipping"),
         spec("optim", "zero_stage", &D::optim, &O::zero_stage, "",
              "0: optimizer state replicated; 1: sharded over dp (ZeRO-1)"),
+        spec("optim", "grad_reduce", &D::optim, &O::grad_reduce, "",
+             "dtype of the dp gradient reduction: fp32 | bf16 (bf16: cuda only, half the traffic)"),
+        spec("optim", "reduce_bucket_mb", &D::optim, &O::reduce_bucket_mb, "MiB",
+             "fp32 gradients per dp reduction bucket, overlapped with the backward (cuda)"),
 
         spec("data", "source", &D::data, &Da::source, "",
              "Training data: " + join(kDataSources, " | ")),
@@ -483,6 +487,11 @@ void Builder::validate_train_optim() {
   need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0");
   need(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)");
   need(o.zero_stage == 0 || o.zero_stage == 1, "optim.zero_stage", "must be 0 or 1");
+  need(o.grad_reduce == "fp32" || o.grad_reduce == "bf16", "optim.grad_reduce",
+       "must be fp32 or bf16");
+  need(o.grad_reduce == "fp32" || deck_.train.device == "cuda", "optim.grad_reduce",
+       "bf16 needs train.device = cuda (the cpu reference reduces in fp32)");
+  need(o.reduce_bucket_mb > 0, "optim.reduce_bucket_mb", "must be > 0");
 }
 
 // What is wrong with `path` as a file to read, or "" when it is a readable regular file.

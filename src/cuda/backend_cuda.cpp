@@ -5,9 +5,11 @@
 // at start-up; every buffer comes from it, so the step loop never calls cudaMalloc.
 //
 // Data parallelism: during the backward of a step's last micro-batch, gradients are reduced over
-// dp in buckets of about kBucketBytes on the NCCL stream as soon as the model reports them final
-// (Qwen3Cuda::GradsReady), overlapping the rest of the backward: an all-reduce with ZeRO-0, and
-// with ZeRO-1 a reduce of each bucket's pieces to the ranks that own them (one NCCL group).
+// dp in buckets of optim.reduce_bucket_mb on the NCCL stream as soon as the model reports them
+// final (Qwen3Cuda::GradsReady), overlapping the rest of the backward: an all-reduce with ZeRO-0,
+// and with ZeRO-1 a reduce of each bucket's pieces to the ranks that own them (one NCCL group).
+// optim.grad_reduce = bf16 sends a bf16 copy (made on the NCCL stream) instead of the fp32
+// gradients and converts the result back.
 #include <cuda_profiler_api.h>
 
 #include <cmath>
@@ -33,7 +35,6 @@ namespace qt {
 namespace {
 
 constexpr std::size_t kReservedBytes = std::size_t{3} << 30;  // left to NCCL, cuBLASLt, CUDA
-constexpr std::size_t kBucketBytes = std::size_t{32} << 20;    // fp32 gradients per reduction
 
 class CudaBackend final : public TrainBackend {
  public:
@@ -41,8 +42,6 @@ class CudaBackend final : public TrainBackend {
       : deck_(deck), mesh_(mesh), layout_(deck.model),
         device_(cuda::select_device(mesh.local_rank())),
         arena_(arena_bytes(), fmt::format("GPU {} arena", device_)) {
-    if (deck.train.recompute)
-      fail_user("train.recompute = true is not built yet for train.device = cuda; set it to false");
     const std::size_t n = layout_.numel();
     const int dp = mesh.dp().size();
     chunk_ = (n + dp - 1) / dp;
@@ -71,8 +70,12 @@ class CudaBackend final : public TrainBackend {
     inputs_ = arena_.allocate<std::int32_t>(tokens);
     targets_ = arena_.allocate<std::int32_t>(tokens);
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,
-                                               deck.train.seq_len, arena_);
+                                               deck.train.seq_len, arena_, deck.train.recompute);
     if (dp > 1) nccl_dp_ = std::make_unique<cuda::NcclComm>(mesh.dp(), "dp");
+    bucket_elems_ = std::max<std::size_t>(
+        1, static_cast<std::size_t>(deck.optim.reduce_bucket_mb * (1 << 20) / sizeof(float)));
+    if (dp > 1 && deck.optim.grad_reduce == "bf16")
+      reduce_stage_ = arena_.allocate<cuda::bf16>(padded_);
     for (int r = 0; r < dp; ++r) owners_.push_back(split_range(n, dp, r));
     host_params_.assign(padded_, 0.0f);
     host_m_.assign(range_.size(), 0.0f);
@@ -189,8 +192,7 @@ class CudaBackend final : public TrainBackend {
 
   // The model reports gradients at offsets >= begin final: reduce them once a bucket is full.
   void gradients_ready(std::size_t begin) {
-    const std::size_t bucket = kBucketBytes / sizeof(float);
-    if (begin > 0 && reduced_from_ - begin < bucket) return;
+    if (begin > 0 && reduced_from_ - begin < bucket_elems_) return;
     reduce_gradients(begin, reduced_from_);
     reduced_from_ = begin;
   }
@@ -201,16 +203,30 @@ class CudaBackend final : public TrainBackend {
     if (lo >= hi) return;
     QT_CHECK_CUDA(cudaEventRecord(grads_event_.get(), stream_.get()));
     nccl_dp_->wait_event(grads_event_.get());
+    const bool bf16 = reduce_stage_ != nullptr;
+    void* buf = bf16 ? static_cast<void*>(reduce_stage_) : static_cast<void*>(grads_);
+    const DType t = bf16 ? DType::kBF16 : DType::kF32;
+    const std::size_t es = dtype_size(t);
+    if (bf16)
+      cuda::convert_f32_to_bf16(reduce_stage_ + lo, grads_ + lo, hi - lo, nccl_dp_->stream());
+    // What this rank needs back: the whole bucket (ZeRO-0), or its own piece of it (ZeRO-1).
+    Range mine{lo, hi};
     if (deck_.optim.zero_stage != 1) {
-      nccl_dp_->all_reduce_async(grads_ + lo, hi - lo, DType::kF32, ReduceOp::kSum);
-      return;
+      nccl_dp_->all_reduce_async(static_cast<char*>(buf) + lo * es, hi - lo, t, ReduceOp::kSum);
+    } else {
+      nccl_dp_->group_start();
+      for (int r = 0; r < static_cast<int>(owners_.size()); ++r) {
+        const std::size_t a = std::max(lo, owners_[r].begin), b = std::min(hi, owners_[r].end);
+        if (a < b)
+          nccl_dp_->reduce_async(static_cast<char*>(buf) + a * es, b - a, t, ReduceOp::kSum, r);
+      }
+      nccl_dp_->group_end();
+      const Range& own = owners_[mesh_.dp().rank()];
+      mine = {std::max(lo, own.begin), std::min(hi, own.end)};
     }
-    nccl_dp_->group_start();
-    for (int r = 0; r < static_cast<int>(owners_.size()); ++r) {
-      const std::size_t a = std::max(lo, owners_[r].begin), b = std::min(hi, owners_[r].end);
-      if (a < b) nccl_dp_->reduce_async(grads_ + a, b - a, DType::kF32, ReduceOp::kSum, r);
-    }
-    nccl_dp_->group_end();
+    if (bf16 && mine.begin < mine.end)
+      cuda::convert_bf16_to_f32(grads_ + mine.begin, reduce_stage_ + mine.begin, mine.size(),
+                                nccl_dp_->stream());
   }
 
   // QTRAIN_CUDA_PROFILE_STEPS=a:b brackets steps [a, b) of this process (0-based) with
@@ -229,6 +245,8 @@ class CudaBackend final : public TrainBackend {
   int micro_steps_ = 0, micro_steps_per_step_ = 1;
   std::size_t reduced_from_ = 0;  // grads_[reduced_from_, numel) have their reduction enqueued
   std::vector<Range> owners_;     // ZeRO-1: the flat range each dp rank updates
+  std::size_t bucket_elems_ = 0;
+  cuda::bf16* reduce_stage_ = nullptr;  // bf16 copy of the gradients (optim.grad_reduce = bf16)
   cuda::Event grads_event_;
   ParamLayout layout_;
   int device_;

@@ -32,8 +32,8 @@ void copy_columns(bf16* dst, int dst_ld, const bf16* src, int src_ld, int rows, 
 }
 }  // namespace
 
-Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
-    : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T) {
+Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute)
+    : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T), recompute_(recompute) {
   QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
            "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
   off_embed_ = layout_.find("model.embed_tokens.weight").offset;
@@ -63,7 +63,7 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
     ln_.push_back(arena.allocate<bf16>(N * H));
     rstd_.push_back(arena.allocate<float>(N));
   }
-  acts_.resize(L);
+  acts_.resize(recompute ? 1 : L);
   for (LayerActs& a : acts_) {
     a.qkv_raw = arena.allocate<bf16>(N * (Q + 2 * KV));
     a.q_rstd = arena.allocate<float>(N * nh);
@@ -103,7 +103,7 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
 
 void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
   const LayerOffsets& w = lo_[l];
-  LayerActs& a = acts_[l];
+  LayerActs& a = acts(l);
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
@@ -129,7 +129,7 @@ void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
 
 void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
   const LayerOffsets& w = lo_[l];
-  LayerActs& a = acts_[l];
+  LayerActs& a = acts(l);
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
@@ -185,6 +185,9 @@ double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* 
   // Layers lie between the embedding (offset 0) and the final norm; an untied lm head follows.
   if (ready) ready(off_norm_);
   for (int l = L - 1; l >= 0; --l) {
+    // Recomputing rewrites x_[l + 1], ln_[l + 1] and rstd_[l + 1] with the same bits; layer l + 1's
+    // backward, their last reader, is already enqueued before it.
+    if (recompute_) layer_forward(l, W, s);
     layer_backward(l, W, G, s);
     if (ready) ready(lo_[l].ln1);
   }

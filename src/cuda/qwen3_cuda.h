@@ -24,7 +24,11 @@ using bf16 = __nv_bfloat16;
 class Qwen3Cuda {
  public:
   // Buffers for micro-batches of B x T tokens, taken from `arena` (which must outlive this).
-  Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena);
+  // With `recompute`, only each layer's input (residual stream, its norm and rstd) is kept from
+  // the forward; the backward recomputes the layer's forward into one shared set of activation
+  // buffers first (about a third more compute, activation memory of one layer instead of L).
+  // The results are bitwise those of the run without recompute.
+  Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute = false);
 
   const ParamLayout& layout() const { return layout_; }
 
@@ -70,7 +74,9 @@ class Qwen3Cuda {
   std::vector<bf16*> x_;             // [L+1] residual stream [N, H]; x_[l] is layer l's input
   std::vector<bf16*> ln_;            // [L+1] rmsnorm(x_[l]) [N, H]; ln_[L] is the final norm
   std::vector<float*> rstd_;         // [L+1] [N]
-  std::vector<LayerActs> acts_;
+  std::vector<LayerActs> acts_;      // [L], or [1] shared by every layer with recompute
+  bool recompute_ = false;
+  LayerActs& acts(int l) { return acts_[recompute_ ? 0 : l]; }
   const std::int32_t* inputs_ = nullptr;
   // scratch
   bf16 *tmp_, *dx_, *dtmp_, *dln_;   // [N, H]

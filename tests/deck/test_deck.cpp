@@ -282,6 +282,9 @@ TEST(DeckErrors, OutOfRange) {
   expect_error("[optim]\nweight_decay = -1\n", {"deck.ini:2:", "optim.weight_decay = -1"});
   expect_error("[optim]\ngrad_clip = -1\n", {"deck.ini:2:", "optim.grad_clip = -1"});
   expect_error("[optim]\nzero_stage = 2\n", {"deck.ini:2:", "optim.zero_stage = 2", "0 or 1"});
+  expect_error("[optim]\ngrad_reduce = fp16\n", {"deck.ini:2:", "optim.grad_reduce = fp16", "fp32 or bf16"});
+  expect_error("[optim]\ngrad_reduce = bf16\n", {"deck.ini:2:", "optim.grad_reduce = bf16", "cuda"});
+  expect_error("[optim]\nreduce_bucket_mb = 0\n", {"deck.ini:2:", "optim.reduce_bucket_mb = 0", "> 0"});
   expect_error("[data]\nsynthetic_branching = 0\n", {"deck.ini:2:", "data.synthetic_branching = 0"});
   expect_error("[data]\nsynthetic_branching = 257\n", {"deck.ini:2:", "data.synthetic_branching = 257", "vocab_size = 256"});
   expect_error("[checkpoint]\nkeep = 0\n", {"deck.ini:2:", "checkpoint.keep = 0", ">= 1"});

@@ -49,6 +49,13 @@ TEST(TrainCuda, FollowsTheCpuReferenceAndResumesExactly) {
   ASSERT_EQ(rest.exit_code, 0) << rest.error;
   ASSERT_EQ(rest.steps.size(), 30u);
   for (int i = 15; i < 30; ++i) EXPECT_EQ(rest.steps[i].loss, gpu.steps[i].loss) << "step " << i + 1;
+
+  // Activation recompute changes where activations live, not what is computed: the same bits.
+  auto rec = test::run(1, deck_text(tmp + "/rec"), {"--train.device=cuda", "--train.recompute=true"},
+                       tmp + "/rec.jsonl");
+  ASSERT_EQ(rec.exit_code, 0) << rec.error;
+  ASSERT_EQ(rec.steps.size(), 30u);
+  for (int i = 0; i < 30; ++i) EXPECT_EQ(rec.steps[i].loss, gpu.steps[i].loss) << "step " << i + 1;
   std::filesystem::remove_all(tmp);
 }
 

@@ -50,6 +50,31 @@ TEST(TrainCudaDp2, ReproducesOneGpu) {
                 worst, worst_z1);
   EXPECT_LT(worst, 5e-3);
   EXPECT_LT(worst_z1, 5e-3);
+
+  // Small buckets (dozens per backward, crossing the ZeRO-1 shard boundary): with two ranks each
+  // sum has two terms, so the bucketing cannot change a bit.
+  auto small = test::run(2, deck_text(tmp + "/d"),
+                         {"--optim.zero_stage=1", "--optim.reduce_bucket_mb=0.05"},
+                         tmp + "/small.jsonl");
+  ASSERT_EQ(small.exit_code, 0) << small.error;
+  ASSERT_EQ(small.steps.size(), 20u);
+  for (int i = 0; i < 20; ++i) EXPECT_EQ(small.steps[i].loss, z1.steps[i].loss) << "step " << i + 1;
+  // bf16 on the wire: close to the fp32 reduction, not equal.
+  auto bf16 = test::run(2, deck_text(tmp + "/e"),
+                        {"--optim.grad_reduce=bf16", "--optim.reduce_bucket_mb=0.05"},
+                        tmp + "/bf16.jsonl");
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.error;
+  ASSERT_EQ(bf16.steps.size(), 20u);
+  double worst_bf16 = 0;
+  for (int i = 0; i < 20; ++i) {
+    ASSERT_TRUE(std::isfinite(bf16.steps[i].loss));
+    worst_bf16 =
+        std::max(worst_bf16, std::abs(bf16.steps[i].loss - two.steps[i].loss) / two.steps[i].loss);
+  }
+  if (test::world_rank() == 0)
+    std::printf("bf16 gradient reduction vs fp32: worst relative loss difference %.3e\n",
+                worst_bf16);
+  EXPECT_LT(worst_bf16, 1e-2);
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }
 

@@ -265,20 +265,20 @@ void qk_norm_rope_backward_strided(bf16* dx, int dx_ld, float* dw, const bf16* d
   float* partial = static_cast<float*>(workspace);  // [G, hd]
   switch (hd / 8) {
     case 4:
-      qk_norm_rope_backward_kernel<4><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
-                                                                  cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
+      qk_norm_rope_backward_kernel<4><<<G, kThreads, 0, stream>>>(
+          dx, partial, dout, x, w, rstd, cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
       break;
     case 8:
-      qk_norm_rope_backward_kernel<8><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
-                                                                  cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
+      qk_norm_rope_backward_kernel<8><<<G, kThreads, 0, stream>>>(
+          dx, partial, dout, x, w, rstd, cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
       break;
     case 16:
-      qk_norm_rope_backward_kernel<16><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
-                                                                   cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
+      qk_norm_rope_backward_kernel<16><<<G, kThreads, 0, stream>>>(
+          dx, partial, dout, x, w, rstd, cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
       break;
     default:
-      qk_norm_rope_backward_kernel<32><<<G, kThreads, 0, stream>>>(dx, partial, dout, x, w, rstd,
-                                                                   cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
+      qk_norm_rope_backward_kernel<32><<<G, kThreads, 0, stream>>>(
+          dx, partial, dout, x, w, rstd, cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
       break;
   }
   QT_CHECK_LAUNCH();
