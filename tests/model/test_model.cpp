@@ -8,6 +8,7 @@
 
 #include "model/qwen3.h"
 #include "model/reference_model.h"
+#include "runtime/rng.h"
 #include "support/compare.h"
 #include "support/random.h"
 
@@ -159,6 +160,32 @@ TEST(Init, DeterministicMeshIndependentAndAsTransformers) {
   EXPECT_NEAR(sd, c.initializer_range, 0.001);
   const ParamInfo& n = layout.find("model.layers.1.post_attention_layernorm.weight");
   for (std::size_t i = 0; i < n.numel; ++i) EXPECT_EQ(a[n.offset + i], 1.0f);
+}
+
+// A model large enough for the threaded path (many 1M-element slices): every element is the
+// counter-based value of (seed, tensor name, index), computed here one by one.
+TEST(Init, ThreadedFillMatchesElementFormula) {
+  ModelConfig c;
+  c.vocab_size = 8192;
+  c.hidden_size = 512;
+  c.intermediate_size = 1024;
+  c.num_layers = 3;
+  c.tie_word_embeddings = false;
+  ParamLayout layout(c);
+  ASSERT_GT(layout.numel(), std::size_t{10} << 20);
+  std::vector<float> w(layout.numel(), std::nanf(""));
+  init_params(c, layout, 11, w.data());
+  std::size_t bad = 0;
+  for (const ParamInfo& p : layout.params()) {
+    const std::uint64_t stream = rng::hash_combine(11, rng::hash_string(p.name));
+    for (std::size_t i = 0; i < p.numel; ++i) {
+      const float want = p.shape.size() == 1
+                             ? 1.0f
+                             : static_cast<float>(c.initializer_range * rng::normal(stream, i));
+      bad += w[p.offset + i] != want;
+    }
+  }
+  EXPECT_EQ(bad, 0u) << "of " << layout.numel() << " elements";
 }
 
 TEST(Layout, TransformersNamesAndShapes) {
