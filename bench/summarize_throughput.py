@@ -49,6 +49,13 @@ def main():
             base = os.path.join(a.out_dir, f"torch-{mode}-{tag}.json")
             if os.path.exists(base) and os.path.getsize(base) > 0:
                 rows.append((tag, "pytorch " + mode, json.load(open(base))["tokens_per_s"]))
+    ceiling = os.path.join(a.out_dir, "gemm-ceiling.log")
+    if os.path.exists(ceiling):
+        for line in open(ceiling):
+            if line.startswith("measured cuBLAS ceiling"):
+                tuned = float(line.split(":")[1].split()[0])
+                print(f"{line.strip()} = {100 * tuned / a.peak:.1f}% of the {a.peak:.0f} TFLOP/s peak")
+    print(f"FLOPs per token = 6 N + 12 L H_q T (T = {a.seq_len}); MFU against {a.peak:.0f} TFLOP/s")
     print(f"{'model':<14} {'run':<16} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'qtrain/run':>10}")
     for tag, run, tps in rows:
         spec = tag.replace("-L", ":")

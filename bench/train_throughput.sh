@@ -11,6 +11,12 @@ set -uo pipefail
 build=${1:?build dir}; out=${2:?output dir}; shift 2
 models=("${@:-qwen3-0.6b}")
 mkdir -p "$out"
+# The cuBLASLt bf16 ceiling on this GPU (8192^3), printed beside MFU by summarize_throughput.py.
+if [[ -x $build/bin/qtrain_bench_gemm_cuda ]]; then
+  ( source .kit/kit-env.sh
+    "$build/bin/qtrain_bench_gemm_cuda" --benchmark_filter='ceiling/8192\^3/TN' ) >"$out/gemm-ceiling.log" 2>&1
+  grep "measured cuBLAS ceiling" "$out/gemm-ceiling.log" || echo "gemm ceiling: see $out/gemm-ceiling.log"
+fi
 for spec in "${models[@]}"; do
   model=${spec%%:*}; layers=${spec#"$model"}; layers=${layers#:}
   tag=$model${layers:+-L$layers}
