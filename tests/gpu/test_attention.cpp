@@ -1,8 +1,11 @@
 // Fused causal GQA flash attention (src/ops/cuda/attention_*.cu) against the CPU op in double.
 // Inputs are fresh random numbers rounded to bf16 first, so the GPU and the reference see the
 // same values; only accumulation, the bf16 rounding of P and dS inside the kernels and the
-// rounding of the outputs differ. Every case runs both block shapes (4 and 8 warps), checks
-// NaN/Inf, guard bytes, poisoned (NaN) outputs being fully written, and bitwise determinism.
+// rounding of the outputs differ. Every case runs on every path: the mma.sync kernels with both
+// block shapes (4 and 8 warps) and, where the build and device have them, the sm_90a wgmma kernels
+// (1 and 2 warpgroups per block);
+// each checks NaN/Inf, guard bytes, poisoned (NaN) outputs being fully written, and bitwise
+// determinism.
 // The long-context case (T = 32768) checks sampled rows against a per-row double reference.
 #include <gtest/gtest.h>
 
@@ -81,6 +84,37 @@ double lse_err(const std::vector<float>& got, const std::vector<double>& want) {
   return e;
 }
 
+// The kernel configurations every case runs with.
+struct PathConfig {
+  std::string name;
+  AttentionConfig cfg;
+};
+std::vector<PathConfig> path_configs() {
+  std::vector<PathConfig> v = {{"mma w4", {4, 4, 4, AttentionPath::kMma}},
+                               {"mma w8", {8, 8, 8, AttentionPath::kMma}}};
+  if (attention_wgmma_available()) {
+    v.push_back({"wgmma4", {4, 4, 4, AttentionPath::kWgmma}});  // 1 warpgroup per block
+    v.push_back({"wgmma8", {8, 8, 8, AttentionPath::kWgmma}});  // 2 warpgroups per block
+  } else {
+    static bool said = false;
+    if (!said) std::printf("[attention] no sm_90a wgmma path here: testing the mma path only\n");
+    said = true;
+  }
+  return v;
+}
+
+// On a Hopper GPU the default build (sm_90a) must offer the wgmma path: this catches a probe that
+// wrongly says no (and a build for Hopper without sm_90a).
+TEST(AttentionPath, WgmmaAvailableOnHopper) {
+  QT_REQUIRE_GPU();
+  cudaDeviceProp prop{};
+  QT_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major != 9 || prop.minor != 0)
+    GTEST_SKIP() << "not a compute capability 9.0 device: " << prop.name;
+  EXPECT_TRUE(attention_wgmma_available())
+      << "no sm_90a attention kernels on " << prop.name << " (QTRAIN_CUDA_ARCH must include 90a)";
+}
+
 struct Case {
   int B, T, nh, nkv, hd;
   double score_std = 1.0;  // standard deviation of q and k entries: scores ~ N(0, score_std^2)
@@ -142,9 +176,9 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
   const std::vector<std::uint16_t> nan_q(nq, kBf16NaN), nan_kv(nkvn, kBf16NaN);
   const std::vector<float> nan_l(nl, std::numeric_limits<float>::quiet_NaN());
 
-  for (int warps : {4, 8}) {
-    SCOPED_TRACE("warps per block " + std::to_string(warps));
-    const AttentionConfig cfg{warps, warps, warps};
+  for (const PathConfig& pc : path_configs()) {
+    SCOPED_TRACE("path " + pc.name);
+    const AttentionConfig& cfg = pc.cfg;
     out.upload(nan_q);
     lse.upload(nan_l);
     attention_forward(as_bf16(out), lse.get(), as_bf16(dq_), as_bf16(dk_), as_bf16(dv_), B, T, nh,
@@ -197,8 +231,8 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
     EXPECT_TRUE(dk.download() == dk_g) << "dk differs between two identical backward runs";
     EXPECT_TRUE(dv.download() == dv_g) << "dv differs between two identical backward runs";
 
-    std::printf("[attention] %-32s warps %d  rel err: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n",
-                case_name(c).c_str(), warps, e_out, e_lse, e_dq, e_dk, e_dv);
+    std::printf("[attention] %-32s %-6s  rel err: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n",
+                case_name(c).c_str(), pc.name.c_str(), e_out, e_lse, e_dq, e_dk, e_dv);
   }
   // Inputs are read-only.
   EXPECT_TRUE(dq_.download() == q_b && dk_.download() == k_b && dv_.download() == v_b &&
@@ -325,9 +359,9 @@ TEST(AttentionLong, T32768SampledRows) {
   GuardedBuffer<std::uint16_t> gq(q), gk(k), gv(v), gdo(dout), gout(nq), gdq(nq), gdk(nkvn),
       gdv(nkvn);
   GuardedBuffer<float> glse(static_cast<std::size_t>(nh) * T);
-  for (int warps : {4, 8}) {
-    SCOPED_TRACE("warps per block " + std::to_string(warps));
-    const AttentionConfig cfg{warps, warps, warps};
+  for (const PathConfig& pc : path_configs()) {
+    SCOPED_TRACE("path " + pc.name);
+    const AttentionConfig& cfg = pc.cfg;
     gout.upload(std::vector<std::uint16_t>(nq, kBf16NaN));
     attention_forward(as_bf16(gout), glse.get(), as_bf16(gq), as_bf16(gk), as_bf16(gv), B, T, nh,
                       nkv, hd, cfg, nullptr);
@@ -418,9 +452,9 @@ TEST(AttentionLong, T32768SampledRows) {
     EXPECT_LT(e_dk, Tol::kBf16) << "dk, sampled kv rows";
     EXPECT_LT(e_dv, Tol::kBf16) << "dv, sampled kv rows";
     std::printf(
-        "[attention] T32768 nh16 nkv8 hd128 warps %d, worst sampled row  rel err: out %.2e "
+        "[attention] T32768 nh16 nkv8 hd128 %-6s, worst sampled row  rel err: out %.2e "
         "lse %.2e dq %.2e dk %.2e dv %.2e\n",
-        warps, e_out, e_lse, e_dq, e_dk, e_dv);
+        pc.name.c_str(), e_out, e_lse, e_dq, e_dk, e_dv);
   }
 }
 

@@ -73,6 +73,15 @@ TEST_P(TransformersFixtureCuda, LossAndGradientsMatch) {
   std::int32_t* d_tg = arena.allocate<std::int32_t>(ids.size());
   QT_CHECK_CUDA(cudaMemcpy(master, params.data(), n * 4, cudaMemcpyHostToDevice));
   cuda::convert_f32_to_bf16(weights, master, n, stream.get());  // as the back end does
+  {  // the compute copy holds the fixture's weights, rounded to bf16
+    std::vector<cuda::bf16> w(n);
+    QT_CHECK_CUDA(cudaStreamSynchronize(stream.get()));
+    QT_CHECK_CUDA(cudaMemcpy(w.data(), weights, n * 2, cudaMemcpyDeviceToHost));
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < n; ++i)
+      bad += __bfloat162float(w[i]) != __bfloat162float(__float2bfloat16(params[i]));
+    ASSERT_EQ(bad, 0u) << "of " << n << " bf16 weights differ from the fixture's";
+  }
   QT_CHECK_CUDA(cudaMemset(grads, 0, n * 4));
   QT_CHECK_CUDA(cudaMemcpy(d_in, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
   QT_CHECK_CUDA(cudaMemcpy(d_tg, targets.data(), targets.size() * 4, cudaMemcpyHostToDevice));
