@@ -5,6 +5,8 @@
 //   fwd+bwd  = 3.5 * forward
 // These are the FLOPs of the math, not of the kernels: the deterministic backward recomputes
 // QK^T and dO V^T in its dQ pass (7 products, not 5), which the formula does not count.
+// Both kernel paths are timed: "mma" (mma.sync, any GPU; wN / kvXqY block shapes) and "wgmma"
+// (sm_90a, where the build and the device have it).
 // Each shape and block configuration is validated once before it is timed: out, lse and dq on
 // sampled rows against a per-row double reference, and every output finite. Timed with CUDA
 // events (UseManualTime); each iteration runs the op `kReps` times back to back.
@@ -32,6 +34,7 @@
 namespace {
 
 using qt::cuda::AttentionConfig;
+using qt::cuda::AttentionPath;
 using qt::cuda::bf16;
 
 // One iteration runs the op kReps times between two events and reports the time per run, so the
@@ -294,8 +297,21 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
   std::printf("causal FLOPs: fwd = 4*B*nh*T^2*hd/2; bwd = 2.5*fwd; fwd+bwd = 3.5*fwd\n");
-  std::printf("variants: wN = N warps per forward block; kvXqY = X warps (dK/dV), Y warps (dQ)\n");
+  const bool wgmma = qt::cuda::attention_wgmma_available();
+  std::printf(
+      "variants: mma_wN = mma.sync, N warps per forward block; mma_kvXqY = X warps (dK/dV),"
+      " Y warps (dQ); wgmma = sm_90a kernels (%s here)\n",
+      wgmma ? "available" : "not available");
 
+  // --all: also the non-default block shapes (removed from argv before Google Benchmark sees it).
+  bool all = false;
+  for (int i = 1; i < argc; ++i)
+    if (std::strcmp(argv[i], "--all") == 0) {
+      all = true;
+      for (int j = i; j + 1 < argc; ++j) argv[j] = argv[j + 1];
+      --argc;
+      break;
+    }
   const int tokens = 8192, hd = 128;
   for (auto [nh, nkv] : {std::pair{16, 8}, std::pair{32, 8}})
     for (int T : {1024, 4096, 8192}) {
@@ -307,14 +323,24 @@ int main(int argc, char** argv) {
             ->Unit(benchmark::kMillisecond)
             ->MinTime(kMinTime);
       };
-      reg("fwd/" + s.name() + "/w4", Kind::kFwd, {4, 4, 4});
-      reg("fwd/" + s.name() + "/w8", Kind::kFwd, {8, 4, 4});
+      const AttentionPath kM = AttentionPath::kMma, kW = AttentionPath::kWgmma;
+      reg("fwd/" + s.name() + "/mma_w4", Kind::kFwd, {4, 4, 4, kM});
+      reg("bwd/" + s.name() + "/mma_kv4q4", Kind::kBwd, {4, 4, 4, kM});
+      reg("fwdbwd/" + s.name() + "/mma", Kind::kFwdBwd, {4, 4, 4, kM});
+      if (!wgmma) continue;
+      // wgmma, default block shapes; with --all also the others (wN: N / 4 warpgroups per block).
+      reg("fwd/" + s.name() + "/wgmma", Kind::kFwd, {0, 0, 0, kW});
+      reg("bwd/" + s.name() + "/wgmma", Kind::kBwd, {0, 0, 0, kW});
+      reg("fwdbwd/" + s.name() + "/wgmma", Kind::kFwdBwd, {0, 0, 0, kW});
+      if (!all) continue;
+      reg("fwd/" + s.name() + "/mma_w8", Kind::kFwd, {8, 4, 4, kM});
+      for (int w : {4, 8})
+        reg("fwd/" + s.name() + "/wgmma_w" + std::to_string(w), Kind::kFwd, {w, 0, 0, kW});
       for (int wkv : {4, 8})
         for (int wq : {4, 8})
-          reg("bwd/" + s.name() + "/kv" + std::to_string(wkv) + "q" + std::to_string(wq),
-              Kind::kBwd, {4, wkv, wq});
-      reg("fwdbwd/" + s.name() + "/default", Kind::kFwdBwd, {});
-      reg("fwdbwd/" + s.name() + "/all8", Kind::kFwdBwd, {8, 8, 8});
+          reg("bwd/" + s.name() + "/wgmma_kv" + std::to_string(wkv) + "q" + std::to_string(wq),
+              Kind::kBwd, {0, wkv, wq, kW});
+      reg("fwdbwd/" + s.name() + "/wgmma_all4", Kind::kFwdBwd, {4, 4, 4, kW});
     }
   benchmark::Initialize(&argc, argv);
   benchmark::RunSpecifiedBenchmarks();

@@ -23,12 +23,23 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
                         const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
                         int Tn, int nh, int nkv, int hd, cudaStream_t stream);
 
-// Tuning knob for benchmarks and tests: warps per block (4 or 8) of the forward kernel, the dK/dV
-// kernel and the dQ kernel; 0 keeps the default. Each warp owns 16 rows of its tile.
+// Which kernels run: kMma, the mma.sync kernels (any architecture); kWgmma, the sm_90a kernels
+// (wgmma; needs a build for sm_90a and a compute capability 9.0 device, else aborts); kAuto,
+// kWgmma where available, else kMma (what the engine uses).
+enum class AttentionPath { kAuto, kMma, kWgmma };
+
+// True when this build has the sm_90a kernels and the current device can run them (checked once
+// per device, then cached; no launch, no synchronisation).
+bool attention_wgmma_available();
+
+// Tuning knobs for benchmarks and tests; 0 keeps the default. Warps per block (4 or 8) of the
+// forward kernel, the dK/dV kernel and the dQ kernel: on the mma path each warp owns 16 rows of
+// its tile, on the wgmma path each warpgroup (4 warps) 64.
 struct AttentionConfig {
   int fwd_warps = 0;
   int dkdv_warps = 0;
   int dq_warps = 0;
+  AttentionPath path = AttentionPath::kAuto;
 };
 void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int B,
                        int Tn, int nh, int nkv, int hd, const AttentionConfig& cfg,

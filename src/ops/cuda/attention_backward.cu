@@ -25,6 +25,7 @@
 #include "cuda/check.h"
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/attention_mma.cuh"
+#include "ops/cuda/attention_wgmma.cuh"
 
 namespace qt::cuda {
 namespace {
@@ -463,6 +464,11 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
   if ((wkv != 4 && wkv != 8) || (wq != 4 && wq != 8))
     fail_library("attention", __FILE__, __LINE__, "dkdv_warps, dq_warps",
                  "attention_backward: warps must be 0, 4 or 8");
+  if (attention_use_wgmma(cfg)) {
+    attention_backward_sm90(dq, dk, dv, dout, q, k, v, out, lse, B, Tn, nh, nkv, hd, cfg.dkdv_warps,
+                            cfg.dq_warps, stream);
+    return;
+  }
   if (hd == 128)
     dispatch_backward<128>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, B, Tn, nh, nkv, stream);
   else

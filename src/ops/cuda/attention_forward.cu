@@ -15,6 +15,7 @@
 #include "cuda/check.h"
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/attention_mma.cuh"
+#include "ops/cuda/attention_wgmma.cuh"
 
 namespace qt::cuda {
 namespace {
@@ -204,9 +205,13 @@ void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, cons
                        int Tn, int nh, int nkv, int hd, const AttentionConfig& cfg,
                        cudaStream_t stream) {
   check_shapes("attention_forward", B, Tn, nh, nkv, hd);
-  const int warps = cfg.fwd_warps ? cfg.fwd_warps : 4;
-  if (warps != 4 && warps != 8)
+  if (cfg.fwd_warps != 0 && cfg.fwd_warps != 4 && cfg.fwd_warps != 8)
     fail_library("attention", __FILE__, __LINE__, "fwd_warps", "fwd_warps must be 0, 4 or 8");
+  if (attention_use_wgmma(cfg)) {
+    attention_forward_sm90(out, lse, q, k, v, B, Tn, nh, nkv, hd, cfg.fwd_warps, stream);
+    return;
+  }
+  const int warps = cfg.fwd_warps ? cfg.fwd_warps : 4;
   if (hd == 128) {
     if (warps == 4)
       launch_forward<128, 4>(out, lse, q, k, v, B, Tn, nh, nkv, stream);

@@ -1,0 +1,428 @@
+// Causal GQA flash-attention backward for sm_90a: wgmma (bf16 in, fp32 accumulation), tiles in
+// 128B-swizzled shared memory via cp.async. Same equations, kernels and determinism as the mma.sync
+// path in attention_backward.cu (docs/attention.md): no atomics, every output element summed by
+// one thread in a fixed order.
+//
+//  1. delta: D_i = sum_d dout[i, d] out[i, d] (fp32), kept in the first 4 bytes of dq's row i.
+//  2. dk/dv: a block of NWG warpgroups per (kv tile of BC = 64 NWG rows, kv head, batch); warpgroup
+//  wg
+//     owns kv rows 64 wg .. 64 wg + 63 with their dK and dV in fp32 registers. The block loops over
+//     the query heads of the group and, for each, over the query tiles of BRQ = 64 rows at or after
+//     the diagonal (Q, dO, lse, D double-buffered), per warpgroup:
+//       S^T = K Q^T, dP^T = V dO^T          (wgmma, A and B from shared memory, issued together)
+//       P^T = exp2(S^T scale log2e - lse log2e)        (registers, masked)
+//       dV += P^T dO                         (wgmma, A = P^T in registers, B = dO MN-major)
+//       dS^T = P^T (dP^T - D);  dK += dS^T Q (wgmma, A = dS^T in registers, B = Q MN-major)
+//     A warpgroup whose rows all lie after the query tile skips the tile (it would add zeros).
+//  3. dq: a block of NWG warpgroups per (query tile of 64 NWG rows, query head, batch); warpgroup
+//  wg
+//     owns 64 query rows, loops over the kv tiles of BCK = 64 rows up to its diagonal:
+//       S = Q K^T, dP = dO V^T (issued together), P, dS = P (dP - D), dQ += dS K (K MN-major).
+// Every step ends with all its wgmmas complete, so one barrier per step orders the double buffers.
+// NWG is 1 or 2: one block of two warpgroups per SM, or two blocks of one (whose phases drift
+// apart, so one block's exponentials overlap the other's products).
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+
+#include "cuda/check.h"
+#include "ops/cuda/attention.cuh"
+#include "ops/cuda/attention_mma.cuh"
+#include "ops/cuda/attention_wgmma.cuh"
+
+namespace qt::cuda {
+namespace {
+
+using namespace attn;
+
+constexpr int kQStep = 64;            // query rows per dk/dv step
+constexpr int kDkdvDefaultWarps = 8;  // 2 warpgroups per dk/dv block (cfg.dkdv_warps = 0)
+constexpr int kDqDefaultWarps = 8;    // 2 warpgroups per dq block (cfg.dq_warps = 0)
+// kv rows per dq step. (128, which makes S = Q K^T and dP = dO V^T m64n128 products, measured
+// the same on an H100 and spills registers at hd 128: three [64, 128] fp32 accumulators.)
+constexpr int kDqKvStep = 64;
+
+// D of row (b, t, h), kept in the first 4 bytes of dq's row (16-byte aligned: hd >= 64).
+__device__ __forceinline__ const float* delta_ptr(const bf16* dq, int b, int t, int h, int T,
+                                                  int nh, int hd) {
+  return reinterpret_cast<const float*>(dq + ((static_cast<long long>(b) * T + t) * nh + h) * hd);
+}
+
+// One warp per (b, t, head) row (the same kernel as attention_backward.cu's; kernels are static
+// to their file).
+template <int HD>
+__global__ void __launch_bounds__(256)
+    attention_delta_sm90_kernel(bf16* __restrict__ dq, const bf16* __restrict__ dout,
+                                const bf16* __restrict__ out, long long rows) {
+  const long long row = static_cast<long long>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  constexpr int PER = HD / 32;
+  const bf16* a = dout + row * HD + lane * PER;
+  const bf16* o = out + row * HD + lane * PER;
+  float sum = 0.f;
+#pragma unroll
+  for (int e = 0; e < PER; e += 2) {
+    const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(a + e));
+    const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(o + e));
+    sum += x.x * y.x + x.y * y.y;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+  if (lane == 0) *reinterpret_cast<float*>(dq + row * HD) = sum;
+}
+
+template <int HD, int NWG>
+constexpr int dkdv_smem_bytes() {
+  // K, V [BC][HD]; Q, dO [2][BRQ][HD]; lse, D [2][BRQ] fp32; + alignment slack
+  return 2 * 64 * NWG * HD * 2 + 4 * kQStep * HD * 2 + 4 * kQStep * 4 + 1024;
+}
+
+template <int HD, int NWG>
+__global__ void __launch_bounds__(128 * NWG, 3 - NWG)
+    attention_dkdv_sm90_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const bf16* dq_delta,
+                               const bf16* __restrict__ dout, const bf16* __restrict__ q,
+                               const bf16* __restrict__ k, const bf16* __restrict__ v,
+                               const float* __restrict__ lse, int T, int nh, int nkv, float scale,
+                               float scale_log2) {
+#if QT_ATTN_HAS_WGMMA
+  constexpr int BC = 64 * NWG, BRQ = kQStep, NT = 128 * NWG;
+  constexpr int KT = HD / 16;   // k-steps of S^T and dP^T
+  constexpr int QT = BRQ / 16;  // k-steps of dV and dK
+  constexpr int NS = BRQ / 2;   // S^T accumulators per thread
+  constexpr int QTILE = BRQ * HD * 2;
+  static_assert(NT >= 2 * BRQ, "lse and D rows are loaded one per thread");
+
+  const int kvt = blockIdx.x;  // kv tile 0 sees the most query rows: launched first
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int ratio = nh / nkv;
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
+  const long long kv_off = static_cast<long long>(b) * T * ldkv + kvh * HD;
+
+  extern __shared__ char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  char* sK = smem_raw + (base - raw);                                      // [BC][HD]
+  char* sV = sK + BC * HD * 2;                                             // [BC][HD]
+  const uint32_t aK = base, aV = aK + BC * HD * 2, aQ = aV + BC * HD * 2;  // Q: [2][BRQ][HD]
+  const uint32_t adO = aQ + 2 * QTILE;                                     // dO: [2][BRQ][HD]
+  const uint32_t aL = adO + 2 * QTILE, aD = aL + 2 * BRQ * 4;              // lse, D: [2][BRQ]
+  const float* sL = reinterpret_cast<const float*>(sK + (aL - aK));
+  const float* sD = reinterpret_cast<const float*>(sK + (aD - aK));
+
+  const int k0 = kvt * BC;
+  const int n_qt = (T + BRQ - 1) / BRQ;
+  const int i_first = k0 / BRQ;  // query tiles before it lie wholly above the diagonal
+  const int per_head = n_qt - i_first;
+  const int steps = ratio * per_head;
+
+  // Step s: query head kvh * ratio + s / per_head, query tile i_first + s % per_head.
+  auto load_step = [&](int s, int buf) {
+    const int h = kvh * ratio + s / per_head;
+    const int qrow0 = (i_first + s % per_head) * BRQ;
+    const long long q_off = static_cast<long long>(b) * T * ldq + h * HD;
+    load_tile_sw128<BRQ, HD, NT>(aQ + buf * QTILE, q + q_off, qrow0, ldq, T, tid);
+    load_tile_sw128<BRQ, HD, NT>(adO + buf * QTILE, dout + q_off, qrow0, ldq, T, tid);
+    if (tid < BRQ) {
+      const int t = qrow0 + tid;
+      const float* src = lse + (static_cast<long long>(b) * nh + h) * T + min(t, T - 1);
+      cp_async_4(aL + (buf * BRQ + tid) * 4, src, t < T);
+    } else if (tid < 2 * BRQ) {
+      const int t = qrow0 + tid - BRQ;
+      cp_async_4(aD + (buf * BRQ + tid - BRQ) * 4,
+                 delta_ptr(dq_delta, b, min(t, T - 1), h, T, nh, HD), t < T);
+    }
+  };
+
+  load_tile_sw128<BC, HD, NT>(aK, k + kv_off, k0, ldkv, T, tid);
+  load_tile_sw128<BC, HD, NT>(aV, v + kv_off, k0, ldkv, T, tid);
+  load_step(0, 0);
+  cp_async_commit();
+
+  float dk_acc[HD / 2], dv_acc[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+  const int kv_wg0 = k0 + wg * 64;                       // first kv row of this warpgroup
+  const int kv_row0 = kv_wg0 + warp * 16 + (lane >> 2);  // kv row of st[4nb], st[4nb+1]; +8
+  const int kv_srow = wg * 64;                           // this warpgroup's rows in sK, sV
+
+  for (int s = 0; s < steps; ++s) {
+    cp_async_wait_all();  // step s has landed (this thread's part) ...
+    fence_proxy_async();
+    __syncthreads();  // ... everyone's; every warpgroup finished step s-1
+    if (s + 1 < steps) {
+      load_step(s + 1, (s + 1) & 1);
+      cp_async_commit();
+    }
+    const int buf = s & 1;
+    const int q_base = (i_first + s % per_head) * BRQ;
+    if (q_base + BRQ - 1 < kv_wg0) continue;  // every query of the tile precedes these kv rows
+    const uint32_t tQ = aQ + buf * QTILE, tdO = adO + buf * QTILE;
+    const float* Lb = sL + buf * BRQ;
+    const float* Db = sD + buf * BRQ;
+
+    float st[NS], dpt[NS];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk)
+      wgmma_ss<BRQ>(st, desc_kmajor<BC>(aK, kv_srow, kk), desc_kmajor<BRQ>(tQ, 0, kk), kk > 0);
+    wgmma_commit();
+#pragma unroll
+    for (int kk = 0; kk < KT; ++kk)
+      wgmma_ss<BRQ>(dpt, desc_kmajor<BC>(aV, kv_srow, kk), desc_kmajor<BRQ>(tdO, 0, kk), kk > 0);
+    wgmma_commit();
+
+    wgmma_wait<1>();  // S^T
+    fence_acc(st);
+    // P^T = exp2(S^T scale log2e - lse log2e); zero where query < kv row or query >= T.
+    const bool need_mask = q_base < kv_wg0 + 63 || q_base + BRQ > T;
+#pragma unroll
+    for (int nb = 0; nb < NS / 4; ++nb) {
+      const int col = nb * 8 + 2 * (lane & 3);
+      const float2 l2 = *reinterpret_cast<const float2*>(Lb + col);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float pv = fast_exp2(fmaf(st[4 * nb + e], scale_log2, -(e & 1 ? l2.y : l2.x) * kLog2e));
+        if (need_mask) {
+          const int qi = q_base + col + (e & 1);
+          if (qi < kv_row0 + 8 * (e >> 1) || qi >= T) pv = 0.f;
+        }
+        st[4 * nb + e] = pv;
+      }
+    }
+    uint32_t pa[QT][4];
+    acc_to_frags<QT>(pa, st);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < QT; ++kk) wgmma_rs_tb<HD>(dv_acc, pa[kk], desc_mnmajor<BRQ>(tdO, kk));
+    wgmma_commit();
+
+    wgmma_wait<1>();  // dP^T (dV may still run)
+    fence_acc(dpt);
+    // dS^T = P^T (dP^T - D)
+#pragma unroll
+    for (int nb = 0; nb < NS / 4; ++nb) {
+      const int col = nb * 8 + 2 * (lane & 3);
+      const float2 d2 = *reinterpret_cast<const float2*>(Db + col);
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        dpt[4 * nb + e] = st[4 * nb + e] * (dpt[4 * nb + e] - (e & 1 ? d2.y : d2.x));
+    }
+    uint32_t da[QT][4];
+    acc_to_frags<QT>(da, dpt);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < QT; ++kk) wgmma_rs_tb<HD>(dk_acc, da[kk], desc_mnmajor<BRQ>(tQ, kk));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(dk_acc);
+    fence_acc(dv_acc);
+  }
+
+  // Epilogue through this warp's own rows of sK and sV (only this warpgroup's wgmmas read them;
+  // the barrier makes sure every warp of it is past its last wait).
+  __syncthreads();
+  const int wrow = kv_srow + warp * 16;
+  stage_acc_sw128<BC, HD>(sK, wrow, dk_acc, scale, scale, lane);
+  stage_acc_sw128<BC, HD>(sV, wrow, dv_acc, 1.f, 1.f, lane);
+  __syncwarp();
+  store_warp_rows_sw128<BC, HD>(dk + kv_off, ldkv, k0 + wrow, T, sK, wrow, lane);
+  store_warp_rows_sw128<BC, HD>(dv + kv_off, ldkv, k0 + wrow, T, sV, wrow, lane);
+#else
+  __trap();  // built without sm_90a: the dispatcher never launches this
+#endif
+}
+
+template <int HD, int NWG, int BCK>
+constexpr int dq_smem_bytes() {
+  // Q, dO [BR][HD]; K, V [2][BCK][HD]; + alignment slack
+  return 2 * 64 * NWG * HD * 2 + 4 * BCK * HD * 2 + 1024;
+}
+
+template <int HD, int NWG, int BCK>
+__global__ void __launch_bounds__(128 * NWG, 3 - NWG)
+    attention_dq_sm90_kernel(bf16* dq, const bf16* __restrict__ dout, const bf16* __restrict__ q,
+                             const bf16* __restrict__ k, const bf16* __restrict__ v,
+                             const float* __restrict__ lse, int T, int nh, int nkv, float scale,
+                             float scale_log2) {
+#if QT_ATTN_HAS_WGMMA
+  constexpr int BR = 64 * NWG, NT = 128 * NWG;
+  constexpr int KT = HD / 16;   // k-steps of S and dP
+  constexpr int CT = BCK / 16;  // k-steps of dQ
+  constexpr int NS = BCK / 2;   // S accumulators per thread
+  constexpr int KTILE = BCK * HD * 2;
+
+  const int n_qtiles = (T + BR - 1) / BR;
+  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.x);  // longest rows first
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int kvh = h / (nh / nkv);
+  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
+  const long long q_off = static_cast<long long>(b) * T * ldq + h * HD;
+  const bf16* kb = k + static_cast<long long>(b) * T * ldkv + kvh * HD;
+  const bf16* vb = v + static_cast<long long>(b) * T * ldkv + kvh * HD;
+
+  extern __shared__ char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  char* sQ = smem_raw + (base - raw);                                        // [BR][HD]
+  const uint32_t aQ = base, adO = aQ + BR * HD * 2, aK = adO + BR * HD * 2;  // K: [2][BCK][HD]
+  const uint32_t aV = aK + 2 * KTILE;                                        // V: [2][BCK][HD]
+
+  const int q0 = qt * BR;
+  const int q_end = min(q0 + BR, T);
+  const int n_kv = (q_end - 1) / BCK + 1;
+  const int q_wg0 = q0 + wg * 64;  // first query row of this warpgroup
+  const int q_srow = wg * 64;      // its rows in sQ, sdO
+
+  load_tile_sw128<BR, HD, NT>(aQ, q + q_off, q0, ldq, T, tid);
+  load_tile_sw128<BR, HD, NT>(adO, dout + q_off, q0, ldq, T, tid);
+  load_tile_sw128<BCK, HD, NT>(aK, kb, 0, ldkv, T, tid);
+  load_tile_sw128<BCK, HD, NT>(aV, vb, 0, ldkv, T, tid);
+  cp_async_commit();
+
+  // lse (log2 units) and D of rows g and g+8 of this warp, read before dq is overwritten (only
+  // this warp stores these rows, after the barriers below).
+  const int row_q0 = q_wg0 + warp * 16 + (lane >> 2);
+  float lse2[2], Dr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_q0 + 8 * r;
+    const bool ok = row < T;
+    lse2[r] = ok ? lse[(static_cast<long long>(b) * nh + h) * T + row] * kLog2e : 0.f;
+    Dr[r] = ok ? *delta_ptr(dq, b, row, h, T, nh, HD) : 0.f;
+  }
+
+  float dq_acc[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dq_acc[i] = 0.f;
+
+  for (int j = 0; j < n_kv; ++j) {
+    cp_async_wait_all();  // K_j, V_j (and Q, dO) have landed (this thread's part) ...
+    fence_proxy_async();
+    __syncthreads();  // ... everyone's; every warpgroup finished step j-1
+    if (j + 1 < n_kv) {
+      const int nbuf = (j + 1) & 1;
+      load_tile_sw128<BCK, HD, NT>(aK + nbuf * KTILE, kb, (j + 1) * BCK, ldkv, T, tid);
+      load_tile_sw128<BCK, HD, NT>(aV + nbuf * KTILE, vb, (j + 1) * BCK, ldkv, T, tid);
+      cp_async_commit();
+    }
+    if (j * BCK > q_wg0 + 63) continue;  // every key of the tile follows this warpgroup's queries
+    const uint32_t tK = aK + (j & 1) * KTILE, tV = aV + (j & 1) * KTILE;
+
+    float s[NS], dp[NS];
+    wgmma_fence();
+    wgmma_ss_kmajor<BCK, BR, BCK, KT>(s, aQ, q_srow, tK);
+    wgmma_commit();
+    wgmma_ss_kmajor<BCK, BR, BCK, KT>(dp, adO, q_srow, tV);
+    wgmma_commit();
+
+    wgmma_wait<1>();  // S
+    fence_acc(s);
+    const bool diag = j * BCK + BCK - 1 > q_wg0;
+#pragma unroll
+    for (int i = 0; i < NS; ++i) {
+      const int r = (i >> 1) & 1;
+      float pv = fast_exp2(fmaf(s[i], scale_log2, -lse2[r]));
+      if (diag) {
+        const int key = j * BCK + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
+        if (key > row_q0 + 8 * r) pv = 0.f;
+      }
+      s[i] = pv;
+    }
+    wgmma_wait<0>();  // dP
+    fence_acc(dp);
+#pragma unroll
+    for (int i = 0; i < NS; ++i) dp[i] = s[i] * (dp[i] - Dr[(i >> 1) & 1]);
+    uint32_t da[CT][4];
+    acc_to_frags<CT>(da, dp);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < CT; ++kk) wgmma_rs_tb<HD>(dq_acc, da[kk], desc_mnmajor<BCK>(tK, kk));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_acc(dq_acc);
+  }
+
+  // Epilogue through this warp's own rows of sQ (after every warp's last wgmma wait); overwrites
+  // the D values read above.
+  __syncthreads();
+  const int wrow = q_srow + warp * 16;
+  stage_acc_sw128<BR, HD>(sQ, wrow, dq_acc, scale, scale, lane);
+  __syncwarp();
+  store_warp_rows_sw128<BR, HD>(dq + q_off, ldq, q0 + wrow, T, sQ, wrow, lane);
+#else
+  __trap();  // built without sm_90a: the dispatcher never launches this
+#endif
+}
+
+template <int HD, int WG_KV, int WG_Q, int BCK>
+void launch_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
+                          const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
+                          int T, int nh, int nkv, cudaStream_t stream) {
+  const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
+  const float scale = static_cast<float>(scale_d);
+  const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
+
+  const long long rows = static_cast<long long>(B) * T * nh;
+  attention_delta_sm90_kernel<HD>
+      <<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(dq, dout, out, rows);
+  QT_CHECK_LAUNCH();
+  {
+    constexpr int smem = dkdv_smem_bytes<HD, WG_KV>();
+    auto kernel = attention_dkdv_sm90_kernel<HD, WG_KV>;
+    QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    QT_CHECK_CUDA(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    const dim3 grid((T + 64 * WG_KV - 1) / (64 * WG_KV), nkv, B);
+    kernel<<<grid, 128 * WG_KV, smem, stream>>>(dk, dv, dq, dout, q, k, v, lse, T, nh, nkv, scale,
+                                                scale_log2);
+    QT_CHECK_LAUNCH();
+  }
+  {
+    constexpr int smem = dq_smem_bytes<HD, WG_Q, BCK>();
+    auto kernel = attention_dq_sm90_kernel<HD, WG_Q, BCK>;
+    QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    QT_CHECK_CUDA(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+    const dim3 grid((T + 64 * WG_Q - 1) / (64 * WG_Q), nh, B);
+    kernel<<<grid, 128 * WG_Q, smem, stream>>>(dq, dout, q, k, v, lse, T, nh, nkv, scale,
+                                               scale_log2);
+    QT_CHECK_LAUNCH();
+  }
+}
+
+template <int HD>
+void dispatch_backward_sm90(int wkv, int wq, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
+                            const bf16* q, const bf16* k, const bf16* v, const bf16* out,
+                            const float* lse, int B, int T, int nh, int nkv, cudaStream_t stream) {
+  constexpr int S = kDqKvStep;
+  if (wkv == 1 && wq == 1)
+    launch_backward_sm90<HD, 1, 1, S>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+  else if (wkv == 1)
+    launch_backward_sm90<HD, 1, 2, S>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+  else if (wq == 1)
+    launch_backward_sm90<HD, 2, 1, S>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+  else
+    launch_backward_sm90<HD, 2, 2, S>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+}
+
+}  // namespace
+
+void attention_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
+                             const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
+                             int T, int nh, int nkv, int hd, int dkdv_warps, int dq_warps,
+                             cudaStream_t stream) {
+  check_shapes("attention_backward", B, T, nh, nkv, hd);
+  const int wkv = (dkdv_warps ? dkdv_warps : kDkdvDefaultWarps) / 4;
+  const int wq = (dq_warps ? dq_warps : kDqDefaultWarps) / 4;
+  if (hd == 128)
+    dispatch_backward_sm90<128>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv,
+                                stream);
+  else
+    dispatch_backward_sm90<64>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+}
+
+}  // namespace qt::cuda
