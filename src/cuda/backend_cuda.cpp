@@ -61,8 +61,7 @@ class CudaBackend final : public TrainBackend {
       segs.push_back({p.offset, p.offset + p.numel, p.weight_decay ? 1 : 0});
     segments_ = arena_.allocate<cuda::AdamWSegment>(segs.size());
     num_segments_ = static_cast<int>(segs.size());
-    QT_CHECK_CUDA(cudaMemcpy(segments_, segs.data(), segs.size() * sizeof(segs[0]),
-                             cudaMemcpyHostToDevice));
+    cuda::upload(segments_, segs.data(), segs.size() * sizeof(segs[0]));
     QT_CHECK_CUDA(cudaMemset(master_, 0, padded_ * sizeof(float)));
     QT_CHECK_CUDA(cudaMemset(m_, 0, range_.size() * sizeof(float)));
     QT_CHECK_CUDA(cudaMemset(v_, 0, range_.size() * sizeof(float)));
@@ -97,9 +96,9 @@ class CudaBackend final : public TrainBackend {
 
   void push_state() override {
     const std::size_t n = layout_.numel();
-    QT_CHECK_CUDA(cudaMemcpy(master_, host_params_.data(), n * 4, cudaMemcpyHostToDevice));
-    QT_CHECK_CUDA(cudaMemcpy(m_, host_m_.data(), range_.size() * 4, cudaMemcpyHostToDevice));
-    QT_CHECK_CUDA(cudaMemcpy(v_, host_v_.data(), range_.size() * 4, cudaMemcpyHostToDevice));
+    cuda::upload(master_, host_params_.data(), n * 4);
+    cuda::upload(m_, host_m_.data(), range_.size() * 4);
+    cuda::upload(v_, host_v_.data(), range_.size() * 4);
     cuda::convert_f32_to_bf16(weights_, master_, padded_, stream_.get());
     stream_.synchronize();
   }

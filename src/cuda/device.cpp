@@ -136,6 +136,11 @@ void DeviceArena::overflow(std::size_t count, std::size_t elem) const {
 
 // ---- Stream and Event ----------------------------------------------------------------------------
 
+void upload(void* dst, const void* src, std::size_t bytes) {
+  QT_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  QT_CHECK_CUDA(cudaDeviceSynchronize());
+}
+
 Stream::Stream() { QT_CHECK_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
 Stream::~Stream() {
   if (s_ != nullptr) cudaStreamDestroy(s_);

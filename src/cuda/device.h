@@ -126,6 +126,11 @@ class DeviceArena {
   std::size_t peak_ = 0;
 };
 
+// Copies `bytes` of host memory to the device and returns once they have landed. A plain
+// cudaMemcpy from pageable memory may return before its DMA completes, and work on our
+// non-blocking streams is not ordered after it: set-up copies go through this. Not for the step loop.
+void upload(void* dst, const void* src, std::size_t bytes);
+
 // A CUDA stream, created non-blocking with respect to the legacy default stream.
 class Stream {
  public:

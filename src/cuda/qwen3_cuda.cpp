@@ -55,8 +55,8 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, b
   cpu::rope_table(cos.data(), sin.data(), T, hd, cfg.rope_theta);
   cos_ = arena.allocate<float>(cos.size());
   sin_ = arena.allocate<float>(sin.size());
-  QT_CHECK_CUDA(cudaMemcpy(cos_, cos.data(), cos.size() * 4, cudaMemcpyHostToDevice));
-  QT_CHECK_CUDA(cudaMemcpy(sin_, sin.data(), sin.size() * 4, cudaMemcpyHostToDevice));
+  upload(cos_, cos.data(), cos.size() * 4);
+  upload(sin_, sin.data(), sin.size() * 4);
 
   for (std::size_t l = 0; l <= L; ++l) {
     x_.push_back(arena.allocate<bf16>(N * H));

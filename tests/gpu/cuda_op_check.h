@@ -63,6 +63,7 @@ Vec download(const GuardedBuffer<T>& b) {
 template <typename T>
 void fill_nan(GuardedBuffer<T>& b) {
   QT_CHECK_CUDA(cudaMemset(b.get(), 0xFF, b.bytes()));  // all-ones bits: a NaN in bf16 and fp32
+  QT_CHECK_CUDA(cudaDeviceSynchronize());
 }
 
 inline bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b) {

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/check.h"
+#include "cuda/device.h"
 
 namespace qt::test {
 
@@ -51,6 +52,7 @@ class GuardedBuffer {
     QT_CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(&ptr_), bytes() + kGuard));
     QT_CHECK_CUDA(cudaMemset(ptr_, 0, bytes()));
     QT_CHECK_CUDA(cudaMemset(reinterpret_cast<char*>(ptr_) + bytes(), kSentinel, kGuard));
+    QT_CHECK_CUDA(cudaDeviceSynchronize());  // cudaMemset is asynchronous: order it before any stream
   }
   explicit GuardedBuffer(const std::vector<T>& host) : GuardedBuffer(host.size()) { upload(host); }
   ~GuardedBuffer() { cudaFree(ptr_); }
@@ -61,7 +63,7 @@ class GuardedBuffer {
   std::size_t size() const { return n_; }
   std::size_t bytes() const { return n_ * sizeof(T); }
   void upload(const std::vector<T>& host) {
-    QT_CHECK_CUDA(cudaMemcpy(ptr_, host.data(), bytes(), cudaMemcpyHostToDevice));
+    qt::cuda::upload(ptr_, host.data(), bytes());
   }
   std::vector<T> download() const {
     std::vector<T> host(n_);

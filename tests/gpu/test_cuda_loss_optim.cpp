@@ -133,7 +133,7 @@ TEST(CudaAdamW, MatchesCpuAdamWBitForBit) {
     segs.push_back({p.offset, p.offset + p.numel, p.weight_decay ? 1 : 0});
   const std::size_t seg_bytes = segs.size() * sizeof(cuda::AdamWSegment);
   GuardedBuffer<char> dsegs(seg_bytes);
-  QT_CHECK_CUDA(cudaMemcpy(dsegs.get(), segs.data(), seg_bytes, cudaMemcpyHostToDevice));
+  qt::cuda::upload(dsegs.get(), segs.data(), seg_bytes);
   const auto* seg_ptr = reinterpret_cast<const cuda::AdamWSegment*>(dsegs.get());
 
   auto rng = test_rng();

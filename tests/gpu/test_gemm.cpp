@@ -265,8 +265,7 @@ TEST(Gemm, TunedPlanStaysCorrect) {
   const std::vector<float> ms = GemmContext::current().tune(g, nullptr, 8, 3);
   ASSERT_FALSE(ms.empty());
   EXPECT_GT(ms[0], 0.f) << "the heuristic's first choice must run";
-  QT_CHECK_CUDA(cudaMemcpy(dy.get(), nan_bf16(std::size_t(N) * out).data(), std::size_t(N) * out * 2,
-                           cudaMemcpyHostToDevice));
+  qt::cuda::upload(dy.get(), nan_bf16(std::size_t(N) * out).data(), std::size_t(N) * out * 2);
   linear_forward(dy.get(), dx.get(), dw.get(), N, in, out, nullptr);  // the tuned plan
   sync();
   std::vector<double> ref(std::size_t(N) * out);
@@ -288,8 +287,8 @@ TEST(Gemm, CallerWorkspaceFromAnArena) {
   bf16* dx = arena.allocate<bf16>(x.size());
   bf16* dw = arena.allocate<bf16>(w.size());
   bf16* dy = arena.allocate<bf16>(std::size_t(N) * out);
-  QT_CHECK_CUDA(cudaMemcpy(dx, as_bf16(x).data(), x.size() * 2, cudaMemcpyHostToDevice));
-  QT_CHECK_CUDA(cudaMemcpy(dw, as_bf16(w).data(), w.size() * 2, cudaMemcpyHostToDevice));
+  qt::cuda::upload(dx, as_bf16(x).data(), x.size() * 2);
+  qt::cuda::upload(dw, as_bf16(w).data(), w.size() * 2);
   linear_forward(dy, dx, dw, N, in, out, nullptr);
   std::vector<bf16> y(std::size_t(N) * out);
   QT_CHECK_CUDA(cudaMemcpy(y.data(), dy, y.size() * 2, cudaMemcpyDeviceToHost));

@@ -70,11 +70,11 @@ TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
   float* grads = arena.allocate<float>(layout.numel());
   std::int32_t* d_in = arena.allocate<std::int32_t>(B * T);
   std::int32_t* d_tg = arena.allocate<std::int32_t>(B * T);
-  QT_CHECK_CUDA(cudaMemcpy(master, params.data(), params.size() * 4, cudaMemcpyHostToDevice));
+  qt::cuda::upload(master, params.data(), params.size() * 4);
   cuda::convert_f32_to_bf16(weights, master, layout.numel(), stream.get());
-  QT_CHECK_CUDA(cudaMemset(grads, 0, layout.numel() * 4));
-  QT_CHECK_CUDA(cudaMemcpy(d_in, inputs.data(), B * T * 4, cudaMemcpyHostToDevice));
-  QT_CHECK_CUDA(cudaMemcpy(d_tg, targets.data(), B * T * 4, cudaMemcpyHostToDevice));
+  QT_CHECK_CUDA(cudaMemsetAsync(grads, 0, layout.numel() * 4, stream.get()));
+  qt::cuda::upload(d_in, inputs.data(), B * T * 4);
+  qt::cuda::upload(d_tg, targets.data(), B * T * 4);
   cuda::Qwen3Cuda model(c, B, T, arena);
   const double loss = model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get()) / counted;
   std::vector<float> gpu_grads(layout.numel());
@@ -94,7 +94,7 @@ TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
   std::printf("[%s] gradient rel err: all %.3e, worst tensor %.3e\n", k.name, total, worst);
 
   // Deterministic: a second pass gives the same bits.
-  QT_CHECK_CUDA(cudaMemset(grads, 0, layout.numel() * 4));
+  QT_CHECK_CUDA(cudaMemsetAsync(grads, 0, layout.numel() * 4, stream.get()));
   const double again = model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get()) / counted;
   std::vector<float> again_grads(layout.numel());
   QT_CHECK_CUDA(cudaMemcpy(again_grads.data(), grads, layout.numel() * 4, cudaMemcpyDeviceToHost));

@@ -4,6 +4,7 @@
 // (qtrain_test_reference); here the tolerance is bf16's.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -13,6 +14,7 @@
 #include "cuda/device.h"
 #include "cuda/qwen3_cuda.h"
 #include "gpu_test.h"
+#include "model/qwen3.h"
 #include "ops/cuda/convert.cuh"
 #include "ops/cuda/gemm.cuh"
 #include "reference/fixture.h"
@@ -71,7 +73,7 @@ TEST_P(TransformersFixtureCuda, LossAndGradientsMatch) {
   float* grads = arena.allocate<float>(n);
   std::int32_t* d_in = arena.allocate<std::int32_t>(ids.size());
   std::int32_t* d_tg = arena.allocate<std::int32_t>(ids.size());
-  QT_CHECK_CUDA(cudaMemcpy(master, params.data(), n * 4, cudaMemcpyHostToDevice));
+  qt::cuda::upload(master, params.data(), n * 4);
   cuda::convert_f32_to_bf16(weights, master, n, stream.get());  // as the back end does
   {  // the compute copy holds the fixture's weights, rounded to bf16
     std::vector<cuda::bf16> w(n);
@@ -82,9 +84,9 @@ TEST_P(TransformersFixtureCuda, LossAndGradientsMatch) {
       bad += __bfloat162float(w[i]) != __bfloat162float(__float2bfloat16(params[i]));
     ASSERT_EQ(bad, 0u) << "of " << n << " bf16 weights differ from the fixture's";
   }
-  QT_CHECK_CUDA(cudaMemset(grads, 0, n * 4));
-  QT_CHECK_CUDA(cudaMemcpy(d_in, ids.data(), ids.size() * 4, cudaMemcpyHostToDevice));
-  QT_CHECK_CUDA(cudaMemcpy(d_tg, targets.data(), targets.size() * 4, cudaMemcpyHostToDevice));
+  QT_CHECK_CUDA(cudaMemsetAsync(grads, 0, n * 4, stream.get()));
+  qt::cuda::upload(d_in, ids.data(), ids.size() * 4);
+  qt::cuda::upload(d_tg, targets.data(), targets.size() * 4);
   cuda::Qwen3Cuda model(c, B, T, arena);
   const double loss =
       model.forward_backward(weights, grads, d_in, d_tg, 1.0f / counted, stream.get()) / counted;
@@ -104,11 +106,20 @@ TEST_P(TransformersFixtureCuda, LossAndGradientsMatch) {
     EXPECT_LT(err, 5e-2) << p.name;  // as the CUDA-vs-CPU model test: bf16 weights, activations
     worst = std::max(worst, err);
   }
+  // The error floor of bf16 weights alone: the fp32 CPU engine run on the same weights rounded to
+  // bf16 (for these tiny random-label fixtures up to 1.6e-2). Rounded activations add about as much.
+  std::vector<float> rounded(params);
+  for (float& x : rounded) x = __bfloat162float(__float2bfloat16(x));
+  Qwen3Model cpu(c, B, T, false);
+  cpu.forward(rounded.data(), ids.data(), targets.data());
+  std::vector<float> floor_grads(n, 0.0f);
+  cpu.backward(rounded.data(), floor_grads.data(), 1.0f / counted);
+  const double floor = test::rel_error(floor_grads.data(), want.data(), n);
   const double total = test::rel_error(got.data(), want.data(), n);
-  EXPECT_LT(total, 2e-2);
-  std::printf("[%s] loss %.6f (transformers %.6f, rel %.2e); gradients rel err all %.3e, "
-              "worst tensor %.3e\n",
-              fs::path(GetParam()).stem().c_str(), loss, ref_loss[0], loss_err, total, worst);
+  EXPECT_LT(total, std::max(1e-2, 2 * floor)) << "bf16-weight floor " << floor;
+  std::printf("[%s] loss %.6f (transformers %.6f, rel %.2e); gradients rel err all %.3e "
+              "(bf16-weight floor %.3e), worst tensor %.3e\n",
+              fs::path(GetParam()).stem().c_str(), loss, ref_loss[0], loss_err, total, floor, worst);
 }
 
 INSTANTIATE_TEST_SUITE_P(Golden, TransformersFixtureCuda, ::testing::ValuesIn(cuda_fixtures()),
