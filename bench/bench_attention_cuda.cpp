@@ -5,6 +5,10 @@
 //   fwd+bwd  = 3.5 * forward
 // These are the FLOPs of the math, not of the kernels: the deterministic backward recomputes
 // QK^T and dO V^T in its dQ pass (7 products, not 5), which the formula does not count.
+// Packed shapes (".../T4096_B2_doc1024"): every row holds T / doc documents of doc tokens (pos
+// passed to the kernels); their FLOPs count each document's triangle only (T^2 above becomes
+// T * doc), so the TFLOP/s compare with the causal ones and the ms show the time saved by the
+// skipped tiles.
 // Both kernel paths are timed: "mma" (mma.sync, any GPU; wN / kvXqY block shapes) and "wgmma"
 // (sm_90a, where the build and the device have it).
 // Each shape and block configuration is validated once before it is timed: out, lse and dq on
@@ -73,11 +77,15 @@ std::vector<std::uint16_t> noise(std::size_t n, std::uint64_t seed) {
 
 struct Shape {
   int B, T, nh, nkv, hd;
+  int doc = 0;  // packed: documents of `doc` tokens (T a multiple); 0: one causal row (no pos)
   std::string name() const {
     return "nh" + std::to_string(nh) + "_nkv" + std::to_string(nkv) + "/T" + std::to_string(T) +
-           "_B" + std::to_string(B);
+           "_B" + std::to_string(B) + (doc ? "_doc" + std::to_string(doc) : "");
   }
-  double fwd_flops() const { return 4.0 * B * nh * static_cast<double>(T) * T * hd / 2.0; }
+  double fwd_flops() const {
+    return 4.0 * B * nh * static_cast<double>(T) * (doc ? doc : T) * hd / 2.0;
+  }
+  int doc_start(int t) const { return doc ? t - t % doc : 0; }  // first key of query t
 };
 
 struct DevBuf {
@@ -95,7 +103,7 @@ struct Problem {
   Shape s;
   std::size_t nq, nkv, nl;
   std::vector<std::uint16_t> hq, hk, hv, hdo;
-  DevBuf q, k, v, dout, out, dq, dk, dv, lse;
+  DevBuf q, k, v, dout, out, dq, dk, dv, lse, pos;
   explicit Problem(const Shape& sh)
       : s(sh),
         nq(static_cast<std::size_t>(sh.B) * sh.T * sh.nh * sh.hd),
@@ -113,19 +121,29 @@ struct Problem {
         dq(nq * 2),
         dk(nkv * 2),
         dv(nkv * 2),
-        lse(nl * 4) {
+        lse(nl * 4),
+        pos(static_cast<std::size_t>(sh.B) * sh.T * 4) {
+    std::vector<std::int32_t> hpos(static_cast<std::size_t>(sh.B) * sh.T);
+    for (std::size_t i = 0; i < hpos.size(); ++i) {
+      const int t = static_cast<int>(i % sh.T);
+      hpos[i] = t - sh.doc_start(t);
+    }
+    QT_CHECK_CUDA(cudaMemcpy(pos.p, hpos.data(), hpos.size() * 4, cudaMemcpyHostToDevice));
     QT_CHECK_CUDA(cudaMemcpy(q.p, hq.data(), nq * 2, cudaMemcpyHostToDevice));
     QT_CHECK_CUDA(cudaMemcpy(k.p, hk.data(), nkv * 2, cudaMemcpyHostToDevice));
     QT_CHECK_CUDA(cudaMemcpy(v.p, hv.data(), nkv * 2, cudaMemcpyHostToDevice));
     QT_CHECK_CUDA(cudaMemcpy(dout.p, hdo.data(), nq * 2, cudaMemcpyHostToDevice));
   }
+  const std::int32_t* dpos() const {
+    return s.doc ? static_cast<const std::int32_t*>(pos.p) : nullptr;
+  }
   void forward(const AttentionConfig& c, cudaStream_t st) {
     qt::cuda::attention_forward(out.b(), lse.f(), q.b(), k.b(), v.b(), s.B, s.T, s.nh, s.nkv, s.hd,
-                                c, st);
+                                c, st, dpos());
   }
   void backward(const AttentionConfig& c, cudaStream_t st) {
     qt::cuda::attention_backward(dq.b(), dk.b(), dv.b(), dout.b(), q.b(), k.b(), v.b(), out.b(),
-                                 lse.f(), s.B, s.T, s.nh, s.nkv, s.hd, c, st);
+                                 lse.f(), s.B, s.T, s.nh, s.nkv, s.hd, c, st, dpos());
   }
 };
 
@@ -146,24 +164,25 @@ RowRef row_reference(const Problem& p, int b, int t, int h) {
     return bf16_value(x[((static_cast<std::size_t>(b) * s.T + tt) * s.nkv + g) * hd + d]);
   };
   RowRef r{b, t, h, std::vector<double>(hd, 0.0), std::vector<double>(hd, 0.0)};
+  const int j0 = s.doc_start(t);  // keys j0 .. t; sc[j] stays 0 (unused) below j0
   std::vector<double> sc(t + 1);
   double m = -1e300;
-  for (int j = 0; j <= t; ++j) {
+  for (int j = j0; j <= t; ++j) {
     double a = 0.0;
     for (int d = 0; d < hd; ++d) a += at_q(p.hq, t, d) * at_kv(p.hk, j, d);
     sc[j] = a * scale;
     m = std::max(m, sc[j]);
   }
   double sum = 0.0;
-  for (int j = 0; j <= t; ++j) sum += std::exp(sc[j] - m);
+  for (int j = j0; j <= t; ++j) sum += std::exp(sc[j] - m);
   r.lse = m + std::log(sum);
-  for (int j = 0; j <= t; ++j) {
+  for (int j = j0; j <= t; ++j) {
     sc[j] = std::exp(sc[j] - r.lse);
     for (int d = 0; d < hd; ++d) r.out[d] += sc[j] * at_kv(p.hv, j, d);
   }
   double D = 0.0;
   for (int d = 0; d < hd; ++d) D += at_q(p.hdo, t, d) * r.out[d];
-  for (int j = 0; j <= t; ++j) {
+  for (int j = j0; j <= t; ++j) {
     double dp = 0.0;
     for (int d = 0; d < hd; ++d) dp += at_q(p.hdo, t, d) * at_kv(p.hv, j, d);
     const double ds = sc[j] * (dp - D);
@@ -297,6 +316,7 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s (%d SMs)\n", prop.name, prop.multiProcessorCount);
   std::printf("causal FLOPs: fwd = 4*B*nh*T^2*hd/2; bwd = 2.5*fwd; fwd+bwd = 3.5*fwd\n");
+  std::printf("packed (_docN, documents of N tokens): T^2 becomes T*N in the FLOPs\n");
   const bool wgmma = qt::cuda::attention_wgmma_available();
   std::printf(
       "variants: mma_wN = mma.sync, N warps per forward block; mma_kvXqY = X warps (dK/dV),"
@@ -313,9 +333,11 @@ int main(int argc, char** argv) {
       break;
     }
   const int tokens = 8192, hd = 128;
+  // T, doc: causal rows, then rows packed with documents of 1024 tokens.
+  const std::pair<int, int> rows[] = {{1024, 0}, {4096, 0}, {8192, 0}, {4096, 1024}, {8192, 1024}};
   for (auto [nh, nkv] : {std::pair{16, 8}, std::pair{32, 8}})
-    for (int T : {1024, 4096, 8192}) {
-      const Shape s{tokens / T, T, nh, nkv, hd};
+    for (auto [T, doc] : rows) {
+      const Shape s{tokens / T, T, nh, nkv, hd, doc};
       auto reg = [&](const std::string& name, Kind kind, AttentionConfig cfg) {
         benchmark::RegisterBenchmark(name.c_str(),
                                      [=](benchmark::State& st) { run_case(st, s, kind, cfg); })

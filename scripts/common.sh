@@ -2,6 +2,7 @@
 # Shared set-up for scripts/demo.sh and scripts/test.sh; source it, do not run it.
 #
 #   qt_setup      distribution check, missing packages, MPI environment, `cmake --preset cpu` + build
+#   qt_openblas_coretype BINARY   OPENBLAS_CORETYPE=Haswell where OpenBLAS misdetects an AVX2 CPU
 #
 # Environment it reads:
 #   QTRAIN_SKIP_APT=1   do not check or install distribution packages (dependencies from Spack etc.)
@@ -102,6 +103,20 @@ qt_mpi_env() {
   fi
   export OPENBLAS_NUM_THREADS="${OPENBLAS_NUM_THREADS:-1}"
   export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+}
+
+# OpenBLAS 0.3.21 (Debian 12) does not recognise some recent Xeons and then runs its slowest
+# kernels (core "Prescott", SSE3), about half the speed of the AVX2 ones. When the library linked
+# into BINARY reports Prescott on a CPU with AVX2 and FMA, export OPENBLAS_CORETYPE=Haswell (the
+# AVX2 kernels; every such CPU runs them). An OPENBLAS_CORETYPE already set is kept.
+qt_openblas_coretype() {
+  local binary=$1 core
+  [ -z "${OPENBLAS_CORETYPE:-}" ] || return 0
+  core=$(OPENBLAS_VERBOSE=2 "$binary" --version 2>&1 | sed -n 's/^Core: *//p' | head -n 1)
+  if [ "$core" = Prescott ] && grep -qw avx2 /proc/cpuinfo && grep -qw fma /proc/cpuinfo; then
+    export OPENBLAS_CORETYPE=Haswell
+    qt_log "OpenBLAS chose its SSE3 kernels (core Prescott) on this AVX2 CPU: using OPENBLAS_CORETYPE=Haswell"
+  fi
 }
 
 # GNU nproc obeys OMP_NUM_THREADS, which qt_mpi_env sets to 1: count cores without it.

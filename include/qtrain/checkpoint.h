@@ -7,6 +7,9 @@
 //   each dataset has attribute "checksum" (uint64, see below)
 //   root attributes: format ("qtrain-checkpoint"), format_version, step, samples_consumed,
 //   tokens_consumed, seed, rng_counter, deck (resolved INI text), model config fields.
+// A LoRA run's checkpoint holds the adapters instead of the model (/params/<PEFT name>, their
+// moments under /optim) and names its frozen base in root attributes lora_r, lora_alpha,
+// lora_dropout, lora_targets, lora_base_init and lora_base_seed.
 //
 // Written under "<name>.tmp" and renamed when complete and closed. The checksum of a tensor is
 // sum over its elements of mix(flat index, bit pattern) mod 2^64: additive over any partition of
@@ -17,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "qtrain/lora.h"
 #include "qtrain/mesh.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
@@ -42,16 +46,21 @@ struct MomentShard {
 // Collective over mesh.world(). `params` is the full flat buffer (identical on every rank).
 // The write partition is split_range(numel, world size, world rank); it must lie inside
 // moments.range. Writes `path`.tmp, then renames it to `path`. Errors abort (QT_CHECK_HDF5).
+// lora: a LoRA run's checkpoint; layout and params are then the adapters'.
 void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& layout,
                       const float* params, const MomentShard& moments, const TrainState& state,
-                      const ModelConfig& model, const std::string& deck_text);
+                      const ModelConfig& model, const std::string& deck_text,
+                      const LoraCheckpointInfo* lora = nullptr);
 
 // Collective. Validates the file (format, model shape compatibility, every tensor present with
 // the right shape, checksums) and fills `params` (full flat buffer) and the moments of
 // `moments.range`. Throws UserError on every rank alike when anything is wrong; never modifies
-// the file.
+// the file. lora: read a LoRA run's checkpoint (layout and params the adapters'), which must have
+// the same r, alpha, targets and base; null: a checkpoint of the whole model. A checkpoint of
+// the other kind is a UserError saying so.
 TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayout& layout,
-                           float* params, const MomentShard& moments, const ModelConfig& model);
+                           float* params, const MomentShard& moments, const ModelConfig& model,
+                           const LoraCheckpointInfo* lora = nullptr);
 
 // Complete checkpoint files ("step_NNNNNNNN.h5") in `dir`, newest step first. Same on every rank
 // (rank 0 lists, then broadcasts).

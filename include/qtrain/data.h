@@ -2,8 +2,9 @@
 //
 // Sample g of the run is a window of T+1 tokens; inputs are tokens [0, T), targets are tokens
 // [1, T] (the one-token shift), with -100 where the target is not counted (loss mask, or a
-// target that belongs to no document). The order of samples is fixed by the seed, so the data
-// position of a run is one number: samples consumed.
+// target that belongs to no document), and positions: the RoPE position of each input token
+// (0 at each document start when packing, see Packing). The order of samples is fixed by the
+// seed, so the data position of a run is one number: samples consumed.
 //
 // Token file format (HDF5, docs/data.md):
 //   /tokens       int32 [N]       token ids of all documents, concatenated
@@ -22,13 +23,26 @@
 
 namespace qt {
 
+// How documents of a token file fill the samples (docs/data.md, Packing; deck key data.packing).
+//   kConcat: windows over the concatenated documents, positions 0..T-1, attention crosses
+//            documents.
+//   kPacked: the same windows in the same order; positions restart at 0 at every document start
+//            (and at the window start); a target in another document than its input is -100.
+//   kPadded: one document per sample: each split into chunks of up to T+1 tokens at stride T,
+//            the rest of the sample padded (input kPadToken, target -100, positions continuing).
+// Positions always form a valid row: pos[0] = 0, pos[t] = pos[t-1] + 1 or 0.
+enum class Packing { kConcat, kPacked, kPadded };
+// "concat" | "packed" | "padded" (validated by the deck).
+Packing packing_from_name(const std::string& name);
+
 class DataSource {
  public:
   virtual ~DataSource() = default;
-  // Fills inputs[T] and targets[T] of global sample `index` (any index >= 0; sources cycle
-  // through epochs, each in a seed-fixed order).
+  // Fills inputs[T], targets[T] and positions[T] of global sample `index` (any index >= 0;
+  // sources cycle through epochs, each in a seed-fixed order). positions may be null (not
+  // written).
   virtual void sample(std::int64_t index, std::int32_t* inputs, std::int32_t* targets,
-                      int T) const = 0;
+                      std::int32_t* positions, int T) const = 0;
   // The best achievable mean loss per counted token (nats), NaN when unknown.
   virtual double loss_floor() const { return std::nan(""); }
   virtual std::string describe() const = 0;
@@ -40,9 +54,11 @@ class DataSource {
 std::unique_ptr<DataSource> make_synthetic_source(int vocab, int branching, std::uint64_t seed);
 
 // Opens a token file; throws UserError naming the file and what is wrong (missing dataset, ids
-// out of range for `vocab`, too few tokens for one sample of T + 1).
+// out of range for `vocab`, too few tokens for one sample of T + 1; padded: no document of two
+// tokens).
 std::unique_ptr<DataSource> open_token_file(const std::string& path, int vocab, int T,
-                                            std::uint64_t seed);
+                                            std::uint64_t seed,
+                                            Packing packing = Packing::kConcat);
 
 // Writes a token file (serial; for tools and tests). loss_mask may be empty.
 void write_token_file(const std::string& path, const std::vector<std::int32_t>& tokens,

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "qtrain/lora.h"
 #include "qtrain/mesh.h"
 #include "qtrain/model_config.h"
 
@@ -44,6 +45,9 @@ struct OptimConfig {
 struct DataConfig {
   std::string source = "synthetic";  // "synthetic" or "file"
   std::string path;                  // token file (HDF5) when source = file
+  // How documents fill the windows: "concat" | "packed" | "padded" (docs/data.md, Packing);
+  // packed and padded need source = file.
+  std::string packing = "concat";
   // Synthetic source: a random first-order Markov chain over the model's vocabulary.
   int synthetic_branching = 4;       // successors with non-zero probability per token
 };
@@ -69,6 +73,7 @@ struct Deck {
   MeshShape mesh;
   TrainConfig train;
   OptimConfig optim;
+  LoraConfig lora;                   // [lora]: r = 0 (the default) trains the whole model
   DataConfig data;
   CheckpointConfig checkpoint;
   LogConfig log;

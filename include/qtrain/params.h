@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "qtrain/model_config.h"
@@ -30,6 +31,10 @@ struct LayerOffsets {
 class ParamLayout {
  public:
   explicit ParamLayout(const ModelConfig& cfg);
+  // A layout of other tensors (e.g. LoRA adapters), in the given order: (name, shape) each;
+  // weight decay for tensors of two or more dimensions, as in the model's layout.
+  explicit ParamLayout(
+      const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& tensors);
 
   const std::vector<ParamInfo>& params() const { return params_; }
   std::size_t numel() const { return numel_; }
@@ -37,6 +42,8 @@ class ParamLayout {
   LayerOffsets layer_offsets(int layer) const;
 
  private:
+  void add(std::string name, std::vector<std::int64_t> shape);
+
   std::vector<ParamInfo> params_;
   std::size_t numel_ = 0;
 };

@@ -1,12 +1,14 @@
 // qtrain: `mpirun -np N qtrain [--section.key=value ...] deck.ini`
 //         `qtrain export <checkpoint.h5> <dir> [options]`   (HF safetensors; docs/finetune.md)
 //         `qtrain prep --tokenizer <dir> --output <file.h5> <in.jsonl>...`   (docs/prep.md)
+//         `qtrain generate <checkpoint.h5 | HF dir> --prompt TEXT [options]`  (docs/generate.md)
 #include <mpi.h>
 
 #include <cstdio>
 #include <cstring>
 #include <memory>
 
+#include "generate/generate.h"
 #include "hf/export.h"
 #include "prep/prep.h"
 #include "qtrain/comm.h"
@@ -35,6 +37,8 @@ int main(int argc, char** argv) {
       rc = qt::export_main(argc - 1, argv + 1, world);
     } else if (argc >= 2 && std::strcmp(argv[1], "prep") == 0) {
       rc = qt::prep_main(argc - 1, argv + 1, *world);
+    } else if (argc >= 2 && std::strcmp(argv[1], "generate") == 0) {
+      rc = qt::generate_main(argc - 1, argv + 1, world);
     } else if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
       if (root) std::printf("%s", qt::deck_help().c_str());
     } else if (has_flag(argc, argv, "--version")) {

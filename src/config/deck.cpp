@@ -31,9 +31,10 @@ namespace {
 
 namespace po = boost::program_options;
 
-const std::vector<std::string> kSections = {"model", "mesh",       "train", "optim",
-                                            "data",  "checkpoint", "log"};
+const std::vector<std::string> kSections = {"model", "mesh", "train",      "optim",
+                                            "lora",  "data", "checkpoint", "log"};
 const std::vector<std::string> kDataSources = {"synthetic", "file"};
+const std::vector<std::string> kPackings = {"concat", "packed", "padded"};
 const std::vector<std::string> kDevices = {"cpu", "cuda"};
 const std::vector<Schedule> kSchedules = {Schedule::kCosine, Schedule::kLinear,
                                           Schedule::kConstant};
@@ -76,6 +77,7 @@ const std::vector<KeySpec>& key_table() {
     using S = MeshShape;
     using T = TrainConfig;
     using O = OptimConfig;
+    using Lo = LoraConfig;
     using Da = DataConfig;
     using C = CheckpointConfig;
     using L = LogConfig;
@@ -151,10 +153,21 @@ const std::vector<KeySpec>& key_table() {
         spec("optim", "reduce_bucket_mb", &D::optim, &O::reduce_bucket_mb, "MiB",
              "fp32 gradients per dp reduction bucket, overlapped with the backward (cuda)"),
 
+        spec("lora", "r", &D::lora, &Lo::r, "",
+             "LoRA rank; 0 = off (the whole model trains); > 0: only adapters train, base frozen"),
+        spec("lora", "alpha", &D::lora, &Lo::alpha, "", "LoRA scale numerator: scale = alpha / r"),
+        spec("lora", "dropout", &D::lora, &Lo::dropout, "",
+             "Dropout on the adapters' input, in [0, 1)"),
+        spec("lora", "targets", &D::lora, &Lo::targets, "",
+             "Projections adapted: comma list of q_proj, k_proj, v_proj, o_proj, gate_proj, "
+             "up_proj, down_proj, or all-linear"),
+
         spec("data", "source", &D::data, &Da::source, "",
              "Training data: " + join(kDataSources, " | ")),
         spec("data", "path", &D::data, &Da::path, "path",
              "Token file (HDF5, docs/data.md) when source = file"),
+        spec("data", "packing", &D::data, &Da::packing, "",
+             "Documents in windows: " + join(kPackings, " | ") + " (docs/data.md, Packing)"),
         spec("data", "synthetic_branching", &D::data, &Da::synthetic_branching, "tokens",
              "Synthetic Markov chain: successors per token, 1..vocab_size"),
 
@@ -381,6 +394,7 @@ class Builder {
   void validate_model();
   void validate_mesh();
   void validate_train_optim();
+  void validate_lora();
   void validate_data_checkpoint_log();
 
   std::string path_;
@@ -494,6 +508,22 @@ void Builder::validate_train_optim() {
   need(o.reduce_bucket_mb > 0, "optim.reduce_bucket_mb", "must be > 0");
 }
 
+// [lora] is checked whether or not it is on (r = 0), so that switching it on cannot surprise.
+void Builder::validate_lora() {
+  const LoraConfig& l = deck_.lora;
+  need(l.r >= 0, "lora.r", "must be >= 0 (0 = LoRA off)");
+  need(l.alpha > 0, "lora.alpha", "must be > 0");
+  need(l.dropout >= 0 && l.dropout < 1, "lora.dropout", "must be in [0, 1)");
+  try {
+    parse_lora_targets(l.targets, "");
+  } catch (const UserError& e) {
+    need(false, "lora.targets", "{}", e.what());  // ": unknown target ..."
+  }
+  need(!(l.enabled() && deck_.train.device == "cuda"), "lora.r",
+       ": lora is not yet supported with train.device = cuda (use train.device = cpu, or "
+       "lora.r = 0)");
+}
+
 // What is wrong with `path` as a file to read, or "" when it is a readable regular file.
 std::string file_problem(const std::string& path) {
   std::error_code ec;
@@ -513,6 +543,10 @@ void Builder::validate_data_checkpoint_log() {
   need(std::find(kDataSources.begin(), kDataSources.end(), d.source) != kDataSources.end(),
        "data.source", "is not a data source: {}", join(kDataSources, " | "));
   need(d.synthetic_branching >= 1, "data.synthetic_branching", "must be >= 1");
+  need(std::find(kPackings.begin(), kPackings.end(), d.packing) != kPackings.end(),
+       "data.packing", "is not a packing mode: {}", join(kPackings, " | "));
+  need(d.packing == "concat" || d.source == "file", "data.packing",
+       "needs data.source = file (the synthetic source has no documents); use concat");
   if (d.source == "synthetic") {
     need(d.synthetic_branching <= deck_.model.vocab_size, "data.synthetic_branching",
          "exceeds model.vocab_size = {}", deck_.model.vocab_size);
@@ -542,6 +576,7 @@ void Builder::validate() {
   validate_model();
   validate_mesh();
   validate_train_optim();
+  validate_lora();
   validate_data_checkpoint_log();
 }
 

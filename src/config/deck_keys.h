@@ -13,7 +13,7 @@ struct DeckKeyInfo {
   std::string default_value;  // as written in a deck
 };
 
-// Every key, in section order (model, mesh, train, optim, data, checkpoint, log).
+// Every key, in section order (model, mesh, train, optim, lora, data, checkpoint, log).
 std::vector<DeckKeyInfo> deck_keys();
 
 }  // namespace qt

@@ -68,6 +68,7 @@ class CudaBackend final : public TrainBackend {
     const std::size_t tokens = static_cast<std::size_t>(deck.train.micro_batch) * deck.train.seq_len;
     inputs_ = arena_.allocate<std::int32_t>(tokens);
     targets_ = arena_.allocate<std::int32_t>(tokens);
+    positions_ = arena_.allocate<std::int32_t>(tokens);  // used only when packing
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,
                                                deck.train.seq_len, arena_, deck.train.recompute);
     if (dp > 1) nccl_dp_ = std::make_unique<cuda::NcclComm>(mesh.dp(), "dp");
@@ -118,11 +119,14 @@ class CudaBackend final : public TrainBackend {
   }
 
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
-                    float loss_scale) override {
+                    const std::int32_t* positions, float loss_scale) override {
     const std::size_t bytes =
         static_cast<std::size_t>(deck_.train.micro_batch) * deck_.train.seq_len * 4;
     QT_CHECK_CUDA(cudaMemcpyAsync(inputs_, inputs, bytes, cudaMemcpyHostToDevice, stream_.get()));
     QT_CHECK_CUDA(cudaMemcpyAsync(targets_, targets, bytes, cudaMemcpyHostToDevice, stream_.get()));
+    if (positions)
+      QT_CHECK_CUDA(
+          cudaMemcpyAsync(positions_, positions, bytes, cudaMemcpyHostToDevice, stream_.get()));
     // Gradients must not change once their reduction has started: only the last micro-batch
     // of a step reduces, and no micro-batch may follow it.
     QT_CHECK(micro_steps_ < micro_steps_per_step_, "micro-batch {} of a step of {}",
@@ -131,7 +135,7 @@ class CudaBackend final : public TrainBackend {
     if (nccl_dp_ && ++micro_steps_ == micro_steps_per_step_)
       ready = [this](std::size_t begin) { gradients_ready(begin); };
     return model_->forward_backward(weights_, grads_, inputs_, targets_, loss_scale, stream_.get(),
-                                    ready);
+                                    ready, positions ? positions_ : nullptr);
   }
 
   OptimStepStats optimizer_step(std::int64_t step) override {
@@ -260,6 +264,7 @@ class CudaBackend final : public TrainBackend {
   cuda::AdamWSegment* segments_ = nullptr;
   int num_segments_ = 0;
   std::int32_t *inputs_ = nullptr, *targets_ = nullptr;
+  std::int32_t* positions_ = nullptr;  // device [B, T] RoPE positions (packing)
   std::unique_ptr<cuda::Qwen3Cuda> model_;
   std::unique_ptr<cuda::NcclComm> nccl_dp_;
   std::vector<float> host_params_, host_m_, host_v_;

@@ -111,12 +111,12 @@ void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
   const int QKV = Q + 2 * KV;
   const bf16* ln1 = ln_[l];
   linear_forward(a.qkv_raw, ln1, W + w.wq, N, H, QKV, s);  // wq, wk, wv: one [QKV, H] matrix
-  qk_norm_rope_forward_strided(a.q, a.q_rstd, a.qkv_raw, QKV, W + w.q_norm, cos_, sin_, nullptr,
+  qk_norm_rope_forward_strided(a.q, a.q_rstd, a.qkv_raw, QKV, W + w.q_norm, cos_, sin_, pos_,
                                B_, T_, nh, hd, eps, s);
   qk_norm_rope_forward_strided(a.k, a.k_rstd, a.qkv_raw + Q, QKV, W + w.k_norm, cos_, sin_,
-                               nullptr, B_, T_, nkv, hd, eps, s);
+                               pos_, B_, T_, nkv, hd, eps, s);
   copy_columns(a.v, KV, a.qkv_raw + Q + KV, QKV, N, KV, s);
-  attention_forward(a.att, a.lse, a.q, a.k, a.v, B_, T_, nh, nkv, hd, s);
+  attention_forward(a.att, a.lse, a.q, a.k, a.v, B_, T_, nh, nkv, hd, s, pos_);
   linear_forward(tmp_, a.att, W + w.wo, N, Q, H, s);
   residual_rmsnorm_forward(a.x_mid, a.ln2, a.rstd2, x_[l], tmp_, W + w.ln2, N, H, eps, s);
   linear_forward(a.gu, a.ln2, W + w.w_gate, N, H, 2 * I, s);  // w_gate, w_up: one [2I, H]
@@ -143,13 +143,13 @@ void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
   add_inplace(dx_, dtmp_, NH, s);
   // Attention block; dx_ holds d x_mid and becomes d x_in.
   linear_backward(datt_, G + w.wo, dx_, a.att, W + w.wo, N, Q, H, s);
-  attention_backward(dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, B_, T_, nh, nkv, hd, s);
+  attention_backward(dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, B_, T_, nh, nkv, hd, s,
+                     pos_);
   // d q, d k, d v gathered into dqkv_ rows [dq | dk | dv] for one GEMM against [wq; wk; wv].
   qk_norm_rope_backward_strided(dqkv_, QKV, G + w.q_norm, dq_, a.qkv_raw, QKV, W + w.q_norm,
-                                a.q_rstd, cos_, sin_, nullptr, B_, T_, nh, hd, ws_, s);
+                                a.q_rstd, cos_, sin_, pos_, B_, T_, nh, hd, ws_, s);
   qk_norm_rope_backward_strided(dqkv_ + Q, QKV, G + w.k_norm, dk_, a.qkv_raw + Q, QKV,
-                                W + w.k_norm, a.k_rstd, cos_, sin_, nullptr, B_, T_, nkv, hd, ws_,
-                                s);
+                                W + w.k_norm, a.k_rstd, cos_, sin_, pos_, B_, T_, nkv, hd, ws_, s);
   copy_columns(dqkv_ + Q + KV, QKV, dv_, KV, N, KV, s);
   linear_backward(dln_, G + w.wq, dqkv_, ln_[l], W + w.wq, N, H, QKV, s);
   rmsnorm_backward(dtmp_, G + w.ln1, dln_, x_[l], W + w.ln1, rstd_[l], N, H, ws_, s);
@@ -174,8 +174,10 @@ void Qwen3Cuda::lm_head_loss(const bf16* W, float* G, const std::int32_t* target
 
 double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* inputs,
                                    const std::int32_t* targets, float loss_scale,
-                                   cudaStream_t s, const GradsReady& ready) {
+                                   cudaStream_t s, const GradsReady& ready,
+                                   const std::int32_t* positions) {
   const int N = N_, H = cfg_.hidden_size, L = cfg_.num_layers;
+  pos_ = positions;
   QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s));
   embedding_forward(x_[0], inputs, W + off_embed_, N, H, s);
   rmsnorm_forward(ln_[0], rstd_[0], x_[0], W + lo_[0].ln1, N, H, cfg_.rms_norm_eps, s);

@@ -39,11 +39,13 @@ class Qwen3Cuda {
   using GradsReady = std::function<void(std::size_t begin)>;
 
   // inputs, targets: device [B, T] int32 (targets -100 ignored). W: bf16 weights in the flat
-  // layout; G: fp32 gradients, accumulated (+= loss_scale * d(sum of losses)/dW). Enqueues on
-  // `stream`, then waits for it; returns the sum of the losses.
+  // layout; G: fp32 gradients, accumulated (+= loss_scale * d(sum of losses)/dW). positions:
+  // device [B, T] int32 RoPE positions, 0 where a document starts, attention only within a
+  // document (packing; rows valid as in src/ops/attention.h), or null: 0..T-1, plain causal.
+  // Enqueues on `stream`, then waits for it; returns the sum of the losses.
   double forward_backward(const bf16* W, float* G, const std::int32_t* inputs,
                           const std::int32_t* targets, float loss_scale, cudaStream_t stream,
-                          const GradsReady& ready = {});
+                          const GradsReady& ready = {}, const std::int32_t* positions = nullptr);
 
  private:
   // q/k/v_proj and gate/up_proj are adjacent in the flat layout, so each pair runs as one GEMM
@@ -78,6 +80,7 @@ class Qwen3Cuda {
   bool recompute_ = false;
   LayerActs& acts(int l) { return acts_[recompute_ ? 0 : l]; }
   const std::int32_t* inputs_ = nullptr;
+  const std::int32_t* pos_ = nullptr;  // device [B, T] positions of this micro-batch, or null
   // scratch
   bf16 *tmp_, *dx_, *dtmp_, *dln_;   // [N, H]
   bf16 *dh_, *datt_, *dq_, *dk_, *dv_;  // [N, I], [N, Q], [N, Q], [N, KV], [N, KV]

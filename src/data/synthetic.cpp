@@ -39,7 +39,7 @@ class MarkovSource final : public DataSource {
   }
 
   void sample(std::int64_t index, std::int32_t* inputs, std::int32_t* targets,
-              int T) const override {
+              std::int32_t* positions, int T) const override {
     const std::uint64_t s = rng::hash_combine(seed_, 2 + static_cast<std::uint64_t>(index));
     // Start uniformly, then burn in so the window starts (very nearly) from the stationary
     // distribution that the loss floor assumes.
@@ -51,6 +51,8 @@ class MarkovSource final : public DataSource {
       if (t > 0) targets[t - 1] = x;
       if (t < T) x = step(x, rng::uniform(s, draw++));
     }
+    if (positions)
+      for (int t = 0; t < T; ++t) positions[t] = t;  // one sequence: plain causal
   }
 
   double loss_floor() const override { return floor_; }
@@ -117,7 +119,7 @@ std::unique_ptr<DataSource> make_synthetic_source(int vocab, int branching, std:
 std::unique_ptr<DataSource> make_data_source(const Deck& deck) {
   if (deck.data.source == "file")
     return open_token_file(deck.data.path, deck.model.vocab_size, deck.train.seq_len,
-                           deck.train.seed);
+                           deck.train.seed, packing_from_name(deck.data.packing));
   return make_synthetic_source(deck.model.vocab_size, deck.data.synthetic_branching,
                                deck.train.seed);
 }

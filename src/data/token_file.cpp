@@ -1,5 +1,6 @@
-// Token files: fixed-length windows over concatenated documents (include/qtrain/data.h,
-// docs/data.md). Every rank opens the file on its own (serial HDF5 driver, read only).
+// Token files: fixed-length windows over concatenated documents, or per-document chunks
+// (include/qtrain/data.h, docs/data.md). Every rank opens the file on its own (serial HDF5
+// driver, read only).
 #include "data/token_file.h"
 
 #include <fmt/format.h>
@@ -78,8 +79,8 @@ void read_or_fail(const Column& c, hid_t mem_type, hsize_t lo, hsize_t n, T* out
 
 class TokenFileSource final : public DataSource {
  public:
-  TokenFileSource(std::string path, int T, std::uint64_t seed)
-      : path_(std::move(path)), T_(T), seed_(seed) {}
+  TokenFileSource(std::string path, int T, std::uint64_t seed, Packing packing)
+      : path_(std::move(path)), T_(T), seed_(seed), packing_(packing) {}
 
   // Opens and validates; throws UserError.
   void open(int vocab, std::size_t max_resident_bytes) {
@@ -122,12 +123,27 @@ class TokenFileSource final : public DataSource {
         fail_user("token file {}: /doc_offsets decreases at index {} ({} after {})", path_, d,
                   off[d], off[d - 1]);
     docs_ = static_cast<std::int64_t>(off.size()) - 1;
-
-    if (N < static_cast<hsize_t>(T_) + 1)
-      fail_user("token file {}: /tokens holds {} tokens, one sample needs seq_len + 1 = {}", path_,
-                N, T_ + 1);
     n_ = static_cast<std::int64_t>(N);
-    windows_ = (n_ - 1) / T_;
+
+    if (packing_ == Packing::kPadded) {
+      // Document d of L tokens gives ceil((L - 1) / T) chunks (none when L < 2: no target).
+      chunk_prefix_.assign(off.size(), 0);
+      for (std::int64_t d = 0; d < docs_; ++d) {
+        const std::int64_t L = off[d + 1] - off[d];
+        chunk_prefix_[d + 1] = chunk_prefix_[d] + (L >= 2 ? (L - 2) / T_ + 1 : 0);
+      }
+      units_ = chunk_prefix_.back();
+      if (units_ == 0)
+        fail_user("token file {}: data.packing = padded needs a document of at least 2 tokens; "
+                  "all {} documents are shorter",
+                  path_, docs_);
+    } else {
+      if (N < static_cast<hsize_t>(T_) + 1)
+        fail_user("token file {}: /tokens holds {} tokens, one sample needs seq_len + 1 = {}",
+                  path_, N, T_ + 1);
+      units_ = (n_ - 1) / T_;
+    }
+    if (packing_ != Packing::kConcat) offsets_ = std::move(off);
 
     // Token ids in [0, vocab); keep everything in memory when small enough.
     resident_ = N * (sizeof(std::int32_t) + (has_mask_ ? 1 : 0)) <= max_resident_bytes;
@@ -161,17 +177,70 @@ class TokenFileSource final : public DataSource {
   }
 
   void sample(std::int64_t index, std::int32_t* inputs, std::int32_t* targets,
-              int T) const override {
+              std::int32_t* positions, int T) const override {
     QT_CHECK(T == T_, "token file {} was opened for seq_len {}, asked for {}", path_, T_, T);
     QT_CHECK(index >= 0, "negative sample index {}", index);
     std::lock_guard<std::mutex> lock(mu_);
-    const std::int64_t epoch = index / windows_;
+    const std::int64_t epoch = index / units_;
     if (epoch != order_epoch_) {
-      order_ = token_window_order(windows_, seed_, epoch);
+      order_ = token_window_order(units_, seed_, epoch);
       order_epoch_ = epoch;
     }
-    const std::int64_t start = order_[index % windows_] * T_;  // window = tokens [start, start+T]
-    const std::size_t W = static_cast<std::size_t>(T_) + 1;
+    const std::int64_t unit = order_[index % units_];
+    if (packing_ == Packing::kPadded) {
+      padded_sample(unit, inputs, targets, positions);
+      return;
+    }
+    const std::int64_t start = unit * T_;  // window = tokens [start, start+T]
+    read_tokens(start, static_cast<std::size_t>(T_) + 1);
+    // new_doc[t]: token start + t begins a document (packed only; t = 0 always does).
+    new_doc_.assign(static_cast<std::size_t>(T_) + 1, 0);
+    if (packing_ == Packing::kPacked) {
+      new_doc_[0] = 1;
+      // offsets_.back() = N > start + T, so the scan stops inside the vector.
+      for (auto it = std::upper_bound(offsets_.begin(), offsets_.end(), start);
+           *it <= start + T_; ++it)
+        new_doc_[static_cast<std::size_t>(*it - start)] = 1;
+    }
+    for (int t = 0; t < T; ++t) {
+      inputs[t] = window_[t];
+      targets[t] = window_mask_[t + 1] != 0 && !new_doc_[t + 1] ? window_[t + 1] : kIgnore;
+      if (positions) positions[t] = new_doc_[t] || t == 0 ? 0 : positions[t - 1] + 1;
+    }
+  }
+
+  std::string describe() const override {
+    std::string what;
+    if (packing_ == Packing::kPadded)
+      what = fmt::format("{} chunks of up to {} tokens, one document per sample, padded", units_,
+                         T_ + 1);
+    else
+      what = fmt::format("{} windows of {} tokens{}", units_, T_ + 1,
+                         packing_ == Packing::kPacked ? ", documents packed (no attention across)"
+                                                      : "");
+    return fmt::format("token file {}: {} tokens in {} documents, {}{}{}", path_, n_, docs_, what,
+                       has_mask_ ? ", loss mask" : "", resident_ ? "" : ", read on demand");
+  }
+
+ private:
+  // Chunk `unit` of the padded order: document d, tokens [c T, c T + T] of it (cut at its end).
+  void padded_sample(std::int64_t unit, std::int32_t* inputs, std::int32_t* targets,
+                     std::int32_t* positions) const {
+    const auto d = std::upper_bound(chunk_prefix_.begin(), chunk_prefix_.end(), unit) -
+                   chunk_prefix_.begin() - 1;  // chunk_prefix_[d] <= unit < chunk_prefix_[d+1]
+    const std::int64_t start = offsets_[d] + (unit - chunk_prefix_[d]) * T_;
+    const auto len = static_cast<int>(std::min<std::int64_t>(T_ + 1, offsets_[d + 1] - start));
+    QT_CHECK(len >= 2, "padded chunk of {} tokens", len);
+    read_tokens(start, static_cast<std::size_t>(len));
+    for (int t = 0; t < T_; ++t) {
+      inputs[t] = t < len ? window_[t] : kPadToken;
+      targets[t] = t + 1 < len && window_mask_[t + 1] != 0 ? window_[t + 1] : kIgnore;
+      if (positions) positions[t] = t;  // pads continue the document's positions
+    }
+  }
+
+  // window_, window_mask_ = tokens and mask [start, start + W).
+  void read_tokens(std::int64_t start, std::size_t W) const {
     window_.resize(W);
     window_mask_.assign(W, 1);
     if (resident_) {
@@ -186,23 +255,16 @@ class TokenFileSource final : public DataSource {
                               "after a successful open ({})",
                               path_, start, start + W, h5::last_error()));
     }
-    for (int t = 0; t < T; ++t) {
-      inputs[t] = window_[t];
-      targets[t] = window_mask_[t + 1] != 0 ? window_[t + 1] : kIgnore;
-    }
   }
 
-  std::string describe() const override {
-    return fmt::format("token file {}: {} tokens in {} documents, {} windows of {} tokens{}{}",
-                       path_, n_, docs_, windows_, T_ + 1, has_mask_ ? ", loss mask" : "",
-                       resident_ ? "" : ", read on demand");
-  }
-
- private:
   std::string path_;
   int T_;
   std::uint64_t seed_;
-  std::int64_t n_ = 0, docs_ = 0, windows_ = 0;
+  Packing packing_;
+  // units_: samples per epoch (windows, or chunks when padded).
+  std::int64_t n_ = 0, docs_ = 0, units_ = 0;
+  std::vector<std::int64_t> offsets_;       // [D + 1] doc_offsets (packed, padded)
+  std::vector<std::int64_t> chunk_prefix_;  // [D + 1] chunks before document d (padded)
   bool has_mask_ = false, resident_ = false;
   std::vector<std::int32_t> tokens_mem_;  // [N] when resident
   std::vector<std::uint8_t> mask_mem_;    // [N] when resident and the file has a mask
@@ -214,6 +276,7 @@ class TokenFileSource final : public DataSource {
   mutable std::vector<std::int64_t> order_;
   mutable std::vector<std::int32_t> window_;
   mutable std::vector<std::uint8_t> window_mask_;
+  mutable std::vector<std::uint8_t> new_doc_;  // [T + 1]
 };
 
 }  // namespace
@@ -237,17 +300,25 @@ std::vector<std::int64_t> token_window_order(std::int64_t windows, std::uint64_t
 
 std::unique_ptr<DataSource> open_token_file_limited(const std::string& path, int vocab, int T,
                                                     std::uint64_t seed,
-                                                    std::size_t max_resident_bytes) {
+                                                    std::size_t max_resident_bytes,
+                                                    Packing packing) {
   QT_CHECK(vocab > 0 && T > 0, "token file needs vocab > 0 and seq_len > 0, got {} and {}", vocab,
            T);
-  auto src = std::make_unique<TokenFileSource>(path, T, seed);
+  auto src = std::make_unique<TokenFileSource>(path, T, seed, packing);
   src->open(vocab, max_resident_bytes);
   return src;
 }
 
 std::unique_ptr<DataSource> open_token_file(const std::string& path, int vocab, int T,
-                                            std::uint64_t seed) {
-  return open_token_file_limited(path, vocab, T, seed, kTokenFileResidentBytes);
+                                            std::uint64_t seed, Packing packing) {
+  return open_token_file_limited(path, vocab, T, seed, kTokenFileResidentBytes, packing);
+}
+
+Packing packing_from_name(const std::string& name) {
+  if (name == "packed") return Packing::kPacked;
+  if (name == "padded") return Packing::kPadded;
+  QT_CHECK(name == "concat", "unknown data.packing {}", name);
+  return Packing::kConcat;
 }
 
 void write_token_file(const std::string& path, const std::vector<std::int32_t>& tokens,

@@ -14,6 +14,7 @@
 #include <sstream>
 
 #include "config/ini_lines.h"
+#include "hf/lora_export.h"
 #include "hf/safetensors.h"
 #include "hf/weights.h"
 #include "io/hdf5_util.h"
@@ -36,7 +37,9 @@ constexpr const char* kUsage =
     "  --tokenizer DIR        copy tokenizer.json, tokenizer_config.json, vocab.json, merges.txt\n"
     "                         ... from DIR (default: the checkpoint's model.init directory)\n"
     "  --max-shard-size SIZE  largest safetensors shard, e.g. 5GB (default), 500MB, 2GiB\n"
-    "  --force                replace <dir> when it exists and is not empty\n";
+    "  --force                replace <dir> when it exists and is not empty\n"
+    "  A LoRA run's checkpoint exports as PEFT's adapter_model.safetensors + adapter_config.json;\n"
+    "  --merge                instead, the base model with the adapters merged (W + scale * B A)\n";
 
 std::string read_text(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -53,12 +56,7 @@ void write_text(const fs::path& p, const std::string& text) {
   if (!out) fail_user("cannot write {}", p.string());
 }
 
-// What a checkpoint says about its model: the root attributes and the [model] keys of its deck.
-struct CheckpointModel {
-  ModelConfig cfg;
-  std::int64_t step = 0;
-  std::string init_dir;  // [model] init of the run's deck, "" when none
-};
+}  // namespace
 
 CheckpointModel read_checkpoint_model(const std::string& path) {
   std::error_code ec;
@@ -96,6 +94,20 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
   c.rope_theta = f64("rope_theta");
   c.rms_norm_eps = f64("rms_norm_eps");
   m.step = i64("step");
+  if (auto r = h5::try_read_attr_i64(file, "lora_r")) {  // a LoRA run's checkpoint
+    LoraCheckpointInfo l;
+    l.config.r = static_cast<int>(*r);
+    l.config.alpha = f64("lora_alpha");
+    l.config.dropout = f64("lora_dropout");
+    l.config.targets = h5::try_read_attr_string(file, "lora_targets").value_or("");
+    l.base.init = h5::try_read_attr_string(file, "lora_base_init").value_or("");
+    l.base.seed = h5::try_read_attr_u64(file, "lora_base_seed").value_or(0);
+    if (l.config.r < 1 || !(l.config.alpha > 0))
+      fail_user("checkpoint {}: lora_r = {}, lora_alpha = {} are out of range", path, l.config.r,
+                l.config.alpha);
+    parse_lora_targets(l.config.targets, fmt::format("checkpoint {}: lora_targets", path));
+    m.lora = l;
+  }
   // max_position_embeddings, initializer_range and init are not root attributes: the stored
   // resolved deck has them (the struct defaults stand in when a key is absent).
   const std::string deck = h5::try_read_attr_string(file, "deck").value_or("");
@@ -118,6 +130,8 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
   }
   return m;
 }
+
+namespace {
 
 bool has_tokenizer(const fs::path& dir) {
   std::error_code ec;
@@ -244,9 +258,16 @@ std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> w
     err = e.what();
   }
   agree(*world, err);
+  if (cm.lora && !o.merge) return export_lora_adapters(o, cm, world);  // hf/lora_export.cpp
+  if (!cm.lora && o.merge)
+    fail_user("--merge: checkpoint {} is not a LoRA run's (it holds the whole model); export it "
+              "without --merge",
+              o.checkpoint);
   ParamLayout layout(cm.cfg);
   std::vector<float> params(layout.numel());
-  {
+  if (cm.lora) {
+    lora_merged_params(o.checkpoint, cm, layout, params.data(), world);  // base + scale * B A
+  } else {
     MeshShape shape;
     shape.dp = world->size();
     Mesh mesh(shape, world);
@@ -319,8 +340,9 @@ std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> w
       if (ec) fail_user("cannot rename {} to {}: {}", tmp.string(), o.out_dir, ec.message());
       if (replace) fs::remove_all(old, ec);
       summary = fmt::format(
-          "exported {} (step {}) to {}: {} weight file{} (bf16), tokenizer files: {}",
-          o.checkpoint, cm.step, o.out_dir, files.size(), files.size() == 1 ? "" : "s",
+          "exported {} (step {}{}) to {}: {} weight file{} (bf16), tokenizer files: {}",
+          o.checkpoint, cm.step, cm.lora ? ", LoRA adapters merged into the base" : "", o.out_dir,
+          files.size(), files.size() == 1 ? "" : "s",
           copied.empty() ? std::string("none") : fmt::format("{}", fmt::join(copied, ", ")));
     } catch (const UserError& e) {
       err = e.what();
@@ -349,8 +371,8 @@ int export_main(int argc, char** argv, std::shared_ptr<MpiComm> world) {
         if (root) std::printf("%s", hf::kUsage);
         return 0;
       }
-      if (a == "--force") {
-        o.force = true;
+      if (a == "--force" || a == "--merge") {
+        (a == "--force" ? o.force : o.merge) = true;
         continue;
       }
       if (a.rfind("--", 0) != 0) {

@@ -139,7 +139,8 @@ std::string checkpoint_path(const std::string& dir, std::int64_t step) {
 
 void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& layout,
                       const float* params, const MomentShard& moments, const TrainState& state,
-                      const ModelConfig& model, const std::string& deck_text) {
+                      const ModelConfig& model, const std::string& deck_text,
+                      const LoraCheckpointInfo* lora) {
   MpiComm& world = mesh.world();
   const Range part = split_range(layout.numel(), world.size(), world.rank());
   QT_CHECK(part.size() == 0 || (moments.range.begin <= part.begin && part.end <= moments.range.end),
@@ -185,6 +186,14 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
         write_attr_i64(file, f.name, f.i);
       else
         write_attr_f64(file, f.name, f.d);
+    }
+    if (lora) {
+      write_attr_i64(file, "lora_r", lora->config.r);
+      write_attr_f64(file, "lora_alpha", lora->config.alpha);
+      write_attr_f64(file, "lora_dropout", lora->config.dropout);
+      write_attr_string(file, "lora_targets", lora->config.targets);
+      write_attr_string(file, "lora_base_init", lora->base.init);
+      write_attr_u64(file, "lora_base_seed", lora->base.seed);
     }
 
     // Contiguous datasets, space allocated at creation, never filled (every element is written).
@@ -243,6 +252,54 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
 }
 
 namespace {
+
+// A LoRA checkpoint must be read as one, with the same r, alpha, targets and base; returns an
+// error text or "".
+std::string check_lora(hid_t file, const std::string& path, const LoraCheckpointInfo* want) {
+  const auto r = h5::try_read_attr_i64(file, "lora_r");
+  if (!want && r)
+    return fmt::format(
+        "checkpoint {} holds LoRA adapters (lora.r = {}), not the whole model: resume it with the "
+        "[lora] section of its run, or `qtrain export` it",
+        path, *r);
+  if (!want) return {};
+  if (!r)
+    return fmt::format(
+        "checkpoint {} holds the whole model, not LoRA adapters, so a LoRA run (lora.r = {}) "
+        "cannot resume it; to adapt its weights, `qtrain export` it and start from model.init",
+        path, want->config.r);
+  LoraCheckpointInfo have;
+  have.config.r = static_cast<int>(*r);
+  const auto alpha = h5::try_read_attr_f64(file, "lora_alpha");
+  const auto dropout = h5::try_read_attr_f64(file, "lora_dropout");
+  const auto targets = h5::try_read_attr_string(file, "lora_targets");
+  const auto init = h5::try_read_attr_string(file, "lora_base_init");
+  const auto seed = h5::try_read_attr_u64(file, "lora_base_seed");
+  if (!alpha || !dropout || !targets || !init || !seed)
+    return fmt::format("checkpoint {}: a LoRA root attribute (lora_alpha, lora_dropout, "
+                       "lora_targets, lora_base_init, lora_base_seed) is missing",
+                       path);
+  have.base = {*init, *seed};
+  const std::string mismatch = "checkpoint {} does not match the deck's [lora]: {} is {} in the "
+                               "checkpoint but {} in the deck";
+  if (have.config.r != want->config.r)
+    return fmt::format(fmt::runtime(mismatch), path, "lora.r", have.config.r, want->config.r);
+  if (*alpha != want->config.alpha)
+    return fmt::format(fmt::runtime(mismatch), path, "lora.alpha", *alpha, want->config.alpha);
+  try {
+    if (parse_lora_targets(*targets, "lora_targets") !=
+        parse_lora_targets(want->config.targets, "lora.targets"))
+      return fmt::format(fmt::runtime(mismatch), path, "lora.targets", *targets,
+                         want->config.targets);
+  } catch (const UserError& e) {
+    return fmt::format("checkpoint {}: {}", path, e.what());
+  }
+  if (!have.base.same_as(want->base))
+    return fmt::format("checkpoint {}: its LoRA adapters were trained on the base {}, but this "
+                       "run's base is {}",
+                       path, have.base.describe(), want->base.describe());
+  return {};
+}
 
 // Reads and checks the root attributes; returns an error text or "" and fills `st`.
 std::string read_root(hid_t file, const std::string& path, const ModelConfig& model,
@@ -337,7 +394,8 @@ std::string open_tensor(hid_t file, const std::string& path, const char* group, 
 }  // namespace
 
 TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayout& layout,
-                           float* params, const MomentShard& moments, const ModelConfig& model) {
+                           float* params, const MomentShard& moments, const ModelConfig& model,
+                           const LoraCheckpointInfo* lora) {
   MpiComm& world = mesh.world();
   const std::size_t numel = layout.numel();
   QT_CHECK(moments.range.begin <= moments.range.end && moments.range.end <= numel,
@@ -372,6 +430,7 @@ TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayou
   std::vector<h5::Handle> ds(3 * nt);
   std::vector<std::uint64_t> stored(3 * nt, 0);
   err = read_root(file, path, model, st);
+  if (err.empty()) err = check_lora(file, path, lora);
   for (int g = 0; g < 3 && err.empty(); ++g)
     for (std::size_t t = 0; t < nt && err.empty(); ++t)
       err = open_tensor(file, path, kGroups[g], ps[t], ds[g * nt + t], stored[g * nt + t]);

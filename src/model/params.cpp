@@ -9,18 +9,24 @@
 
 namespace qt {
 
+void ParamLayout::add(std::string name, std::vector<std::int64_t> shape) {
+  ParamInfo p;
+  p.name = std::move(name);
+  p.shape = std::move(shape);
+  p.numel = 1;
+  for (auto d : p.shape) p.numel *= static_cast<std::size_t>(d);
+  p.offset = numel_;
+  p.weight_decay = p.shape.size() >= 2;  // no decay on norm weights
+  numel_ += p.numel;
+  params_.push_back(std::move(p));
+}
+
+ParamLayout::ParamLayout(
+    const std::vector<std::pair<std::string, std::vector<std::int64_t>>>& tensors) {
+  for (const auto& [name, shape] : tensors) add(name, shape);
+}
+
 ParamLayout::ParamLayout(const ModelConfig& c) {
-  auto add = [&](std::string name, std::vector<std::int64_t> shape) {
-    ParamInfo p;
-    p.name = std::move(name);
-    p.shape = std::move(shape);
-    p.numel = 1;
-    for (auto d : p.shape) p.numel *= static_cast<std::size_t>(d);
-    p.offset = numel_;
-    p.weight_decay = p.shape.size() >= 2;  // no decay on norm weights
-    numel_ += p.numel;
-    params_.push_back(std::move(p));
-  };
   const std::int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const std::int64_t Q = c.q_dim(), KV = c.kv_dim(), hd = c.head_dim;
   add("model.embed_tokens.weight", {V, H});

@@ -2,6 +2,7 @@
 // KV = nkv*hd; I intermediate; V vocabulary.
 #include "model/qwen3.h"
 
+#include "model/lora.h"
 #include "ops/attention.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -59,6 +60,7 @@ Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
   const std::size_t Q = cfg.q_dim(), KV = cfg.kv_dim(), I = cfg.intermediate_size;
   inputs_.resize(N);
   targets_.resize(N);
+  pos_.resize(N);
   x_.assign(cfg.num_layers + 1, std::vector<float>(N * H));
   acts_.resize(recompute ? 1 : cfg.num_layers);
   for (auto& a : acts_) a.allocate(cfg, B, T);
@@ -91,20 +93,31 @@ void Qwen3Model::layer_forward(int l, const float* P, const float* x_in, float* 
   cpu::linear_forward(a.q_raw.data(), a.ln1.data(), P + w.wq, N, H, Q);
   cpu::linear_forward(a.k_raw.data(), a.ln1.data(), P + w.wk, N, H, KV);
   cpu::linear_forward(a.v.data(), a.ln1.data(), P + w.wv, N, H, KV);
+  if (lora_) {  // q, k, v += scale * drop(ln1) A^T B^T
+    lora_->forward(l, kLoraQ, a.ln1.data(), a.q_raw.data());
+    lora_->forward(l, kLoraK, a.ln1.data(), a.k_raw.data());
+    lora_->forward(l, kLoraV, a.ln1.data(), a.v.data());
+  }
   cpu::rmsnorm_forward(a.q.data(), a.q_rstd.data(), a.q_raw.data(), P + w.q_norm, N * nh, hd, eps);
   cpu::rmsnorm_forward(a.k.data(), a.k_rstd.data(), a.k_raw.data(), P + w.k_norm, N * nkv, hd, eps);
-  cpu::rope_forward(a.q.data(), rope_cos_.data(), rope_sin_.data(), nullptr, B_, T_, nh, hd);
-  cpu::rope_forward(a.k.data(), rope_cos_.data(), rope_sin_.data(), nullptr, B_, T_, nkv, hd);
+  cpu::rope_forward(a.q.data(), rope_cos_.data(), rope_sin_.data(), pos_ptr_, B_, T_, nh, hd);
+  cpu::rope_forward(a.k.data(), rope_cos_.data(), rope_sin_.data(), pos_ptr_, B_, T_, nkv, hd);
   cpu::attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B_, T_,
-                         nh, nkv, hd);
+                         nh, nkv, hd, pos_ptr_);
   cpu::linear_forward(a.x_mid.data(), a.att.data(), P + w.wo, N, Q, H);
+  if (lora_) lora_->forward(l, kLoraO, a.att.data(), a.x_mid.data());
   add_into(a.x_mid.data(), x_in, a.x_mid.size());
   // MLP block: x_out = x_mid + down(silu(gate(ln2)) * up(ln2))
   cpu::rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.x_mid.data(), P + w.ln2, N, H, eps);
   cpu::linear_forward(a.gate.data(), a.ln2.data(), P + w.w_gate, N, H, I);
   cpu::linear_forward(a.up.data(), a.ln2.data(), P + w.w_up, N, H, I);
+  if (lora_) {
+    lora_->forward(l, kLoraGate, a.ln2.data(), a.gate.data());
+    lora_->forward(l, kLoraUp, a.ln2.data(), a.up.data());
+  }
   cpu::swiglu_forward(a.h.data(), a.gate.data(), a.up.data(), N, I);
   cpu::linear_forward(x_out, a.h.data(), P + w.w_down, N, I, H);
+  if (lora_) lora_->forward(l, kLoraDown, a.h.data(), x_out);
   add_into(x_out, a.x_mid.data(), a.x_mid.size());
 }
 
@@ -115,36 +128,46 @@ void Qwen3Model::layer_backward(int l, const float* P, float* G, const float* x_
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
   const std::size_t NH = static_cast<std::size_t>(N) * H;
+  auto g = [G](std::size_t off) { return G ? G + off : nullptr; };  // null: frozen (LoRA)
   // MLP block; dx holds d x_out, becomes d x_mid.
-  cpu::linear_backward(dh_.data(), G + w.w_down, dx, a.h.data(), P + w.w_down, N, I, H);
+  cpu::linear_backward(dh_.data(), g(w.w_down), dx, a.h.data(), P + w.w_down, N, I, H);
+  if (lora_) lora_->backward(l, kLoraDown, a.h.data(), dx, dh_.data());
   cpu::swiglu_backward(dgate_.data(), dup_.data(), dh_.data(), a.gate.data(), a.up.data(), N, I);
-  cpu::linear_backward(dln_.data(), G + w.w_gate, dgate_.data(), a.ln2.data(), P + w.w_gate, N, H, I);
-  cpu::linear_backward(dtmp_.data(), G + w.w_up, dup_.data(), a.ln2.data(), P + w.w_up, N, H, I);
+  cpu::linear_backward(dln_.data(), g(w.w_gate), dgate_.data(), a.ln2.data(), P + w.w_gate, N, H, I);
+  cpu::linear_backward(dtmp_.data(), g(w.w_up), dup_.data(), a.ln2.data(), P + w.w_up, N, H, I);
+  if (lora_) {
+    lora_->backward(l, kLoraGate, a.ln2.data(), dgate_.data(), dln_.data());
+    lora_->backward(l, kLoraUp, a.ln2.data(), dup_.data(), dtmp_.data());
+  }
   add_into(dln_.data(), dtmp_.data(), NH);
-  cpu::rmsnorm_backward(dtmp_.data(), G + w.ln2, dln_.data(), a.x_mid.data(), P + w.ln2,
+  cpu::rmsnorm_backward(dtmp_.data(), g(w.ln2), dln_.data(), a.x_mid.data(), P + w.ln2,
                         a.rstd2.data(), N, H);
   add_into(dx, dtmp_.data(), NH);
   // attention block; dx holds d x_mid, becomes d x_in.
-  cpu::linear_backward(datt_.data(), G + w.wo, dx, a.att.data(), P + w.wo, N, Q, H);
+  cpu::linear_backward(datt_.data(), g(w.wo), dx, a.att.data(), P + w.wo, N, Q, H);
+  if (lora_) lora_->backward(l, kLoraO, a.att.data(), dx, datt_.data());
   cpu::attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(),
-                          a.v.data(), a.att.data(), a.lse.data(), B_, T_, nh, nkv, hd);
-  cpu::rope_backward(dq_.data(), rope_cos_.data(), rope_sin_.data(), nullptr, B_, T_, nh, hd);
-  cpu::rope_backward(dk_.data(), rope_cos_.data(), rope_sin_.data(), nullptr, B_, T_, nkv, hd);
-  cpu::rmsnorm_backward(dq_.data(), G + w.q_norm, dq_.data(), a.q_raw.data(), P + w.q_norm,
+                          a.v.data(), a.att.data(), a.lse.data(), B_, T_, nh, nkv, hd, pos_ptr_);
+  cpu::rope_backward(dq_.data(), rope_cos_.data(), rope_sin_.data(), pos_ptr_, B_, T_, nh, hd);
+  cpu::rope_backward(dk_.data(), rope_cos_.data(), rope_sin_.data(), pos_ptr_, B_, T_, nkv, hd);
+  cpu::rmsnorm_backward(dq_.data(), g(w.q_norm), dq_.data(), a.q_raw.data(), P + w.q_norm,
                         a.q_rstd.data(), N * nh, hd);
-  cpu::rmsnorm_backward(dk_.data(), G + w.k_norm, dk_.data(), a.k_raw.data(), P + w.k_norm,
+  cpu::rmsnorm_backward(dk_.data(), g(w.k_norm), dk_.data(), a.k_raw.data(), P + w.k_norm,
                         a.k_rstd.data(), N * nkv, hd);
-  cpu::linear_backward(dln_.data(), G + w.wq, dq_.data(), a.ln1.data(), P + w.wq, N, H, Q);
-  cpu::linear_backward(dtmp_.data(), G + w.wk, dk_.data(), a.ln1.data(), P + w.wk, N, H, KV);
+  cpu::linear_backward(dln_.data(), g(w.wq), dq_.data(), a.ln1.data(), P + w.wq, N, H, Q);
+  if (lora_) lora_->backward(l, kLoraQ, a.ln1.data(), dq_.data(), dln_.data());
+  cpu::linear_backward(dtmp_.data(), g(w.wk), dk_.data(), a.ln1.data(), P + w.wk, N, H, KV);
+  if (lora_) lora_->backward(l, kLoraK, a.ln1.data(), dk_.data(), dtmp_.data());
   add_into(dln_.data(), dtmp_.data(), NH);
-  cpu::linear_backward(dtmp_.data(), G + w.wv, dv_.data(), a.ln1.data(), P + w.wv, N, H, KV);
+  cpu::linear_backward(dtmp_.data(), g(w.wv), dv_.data(), a.ln1.data(), P + w.wv, N, H, KV);
+  if (lora_) lora_->backward(l, kLoraV, a.ln1.data(), dv_.data(), dtmp_.data());
   add_into(dln_.data(), dtmp_.data(), NH);
-  cpu::rmsnorm_backward(dtmp_.data(), G + w.ln1, dln_.data(), x_in, P + w.ln1, a.rstd1.data(), N, H);
+  cpu::rmsnorm_backward(dtmp_.data(), g(w.ln1), dln_.data(), x_in, P + w.ln1, a.rstd1.data(), N, H);
   add_into(dx, dtmp_.data(), NH);
 }
 
 double Qwen3Model::forward(const float* P, const std::int32_t* inputs,
-                           const std::int32_t* targets) {
+                           const std::int32_t* targets, const std::int32_t* positions) {
   const int N = N_, H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers;
   for (int i = 0; i < N; ++i) {
     QT_CHECK(inputs[i] >= 0 && inputs[i] < V, "input id {} at {} outside [0, {})", inputs[i], i, V);
@@ -152,7 +175,13 @@ double Qwen3Model::forward(const float* P, const std::int32_t* inputs,
              "target id {} at {} outside [0, {})", targets[i], i, V);
     inputs_[i] = inputs[i];
     targets_[i] = targets[i];
+    if (positions) {
+      QT_CHECK(positions[i] == 0 || (i % T_ != 0 && positions[i] == positions[i - 1] + 1),
+               "position {} at {} is neither 0 nor one past the previous", positions[i], i);
+      pos_[i] = positions[i];
+    }
   }
+  pos_ptr_ = positions ? pos_.data() : nullptr;
   cpu::embedding_forward(x_[0].data(), inputs_.data(), P + off_embed_, N, H);
   for (int l = 0; l < L; ++l)
     layer_forward(l, P, x_[l].data(), x_[l + 1].data(), acts_[recompute_ ? 0 : l]);
@@ -168,9 +197,10 @@ void Qwen3Model::backward(const float* P, float* G, float loss_scale) {
   // logits_ becomes d logits in place.
   cpu::cross_entropy_backward(logits_.data(), logits_.data(), lse_.data(), targets_.data(),
                               loss_scale, N, V);
-  cpu::linear_backward(dtmp_.data(), G + off_lm_head_, logits_.data(), xf_.data(),
+  auto g = [G](std::size_t off) { return G ? G + off : nullptr; };  // null: frozen (LoRA)
+  cpu::linear_backward(dtmp_.data(), g(off_lm_head_), logits_.data(), xf_.data(),
                        P + off_lm_head_, N, H, V);
-  cpu::rmsnorm_backward(dx_.data(), G + off_norm_, dtmp_.data(), x_[L].data(), P + off_norm_,
+  cpu::rmsnorm_backward(dx_.data(), g(off_norm_), dtmp_.data(), x_[L].data(), P + off_norm_,
                         rstdf_.data(), N, H);
   for (int l = L - 1; l >= 0; --l) {
     LayerActs& a = acts_[recompute_ ? 0 : l];
@@ -178,7 +208,7 @@ void Qwen3Model::backward(const float* P, float* G, float loss_scale) {
     if (recompute_) layer_forward(l, P, x_[l].data(), x_[l + 1].data(), a);
     layer_backward(l, P, G, x_[l].data(), dx_.data(), a);
   }
-  cpu::embedding_backward(G + off_embed_, dx_.data(), inputs_.data(), N, H);
+  if (G) cpu::embedding_backward(G + off_embed_, dx_.data(), inputs_.data(), N, H);
 }
 
 }  // namespace qt

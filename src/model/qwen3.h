@@ -10,6 +10,8 @@
 
 namespace qt {
 
+class LoraAdapters;
+
 // Deterministic initialisation as transformers does it: Linear and Embedding weights
 // N(0, initializer_range), norm weights 1. Each element's value depends only on (seed, parameter
 // name, element index), never on the mesh.
@@ -27,12 +29,21 @@ class Qwen3Model {
   int batch() const { return B_; }
   int seq_len() const { return T_; }
 
-  // inputs, targets: [B, T]; targets -100 are not counted. Returns the sum of the cross-entropy
-  // over counted targets (nats) and keeps what backward needs.
-  double forward(const float* params, const std::int32_t* inputs, const std::int32_t* targets);
+  // inputs, targets: [B, T]; targets -100 are not counted. positions: [B, T] RoPE position of
+  // each input, 0 where a document starts, attention only within a document (packing; a valid
+  // row: pos[0] = 0, pos[t] = pos[t-1] + 1 or 0), or null: positions 0..T-1, plain causal.
+  // Returns the sum of the cross-entropy over counted targets (nats) and keeps what backward
+  // needs.
+  double forward(const float* params, const std::int32_t* inputs, const std::int32_t* targets,
+                 const std::int32_t* positions = nullptr);
 
-  // grads += loss_scale * d(summed loss)/d(params), for the last forward.
+  // grads += loss_scale * d(summed loss)/d(params), for the last forward. grads may be null:
+  // the base is frozen (LoRA), only the adapters' gradients accumulate.
   void backward(const float* params, float* grads, float loss_scale);
+
+  // LoRA adapters applied beside the projections they target in every forward and backward
+  // (src/model/lora.h; their weights and gradients are bound there), or null: none.
+  void set_lora(LoraAdapters* lora) { lora_ = lora; }
 
   // [B*T, V] logits of the last forward (valid until backward).
   const float* logits() const { return logits_.data(); }
@@ -59,11 +70,13 @@ class Qwen3Model {
   ParamLayout layout_;
   int B_, T_, N_;
   bool recompute_;
+  LoraAdapters* lora_ = nullptr;
   std::size_t off_embed_, off_norm_, off_lm_head_;
   std::vector<LayerOffsets> lp_;
   std::vector<float> rope_cos_, rope_sin_;   // [T, hd/2]
 
-  std::vector<std::int32_t> inputs_, targets_;
+  std::vector<std::int32_t> inputs_, targets_, pos_;
+  const std::int32_t* pos_ptr_ = nullptr;    // pos_.data() when the last forward had positions
   std::vector<std::vector<float>> x_;        // x_[l]: [N, H] input of layer l; x_[L]: final
   std::vector<LayerActs> acts_;              // one per layer, or one scratch with recompute
   std::vector<float> xf_, rstdf_;            // final norm output [N, H], [N]

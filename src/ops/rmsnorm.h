@@ -9,7 +9,8 @@ namespace qt::cpu {
 template <typename T>
 void rmsnorm_forward(T* y, T* rstd, const T* x, const T* w, int N, int C, double eps);
 
-// dx[N, C] written; dw[C] accumulated (+=). rstd from the forward. dx may alias dy.
+// dx[N, C] written; dw[C] accumulated (+=), skipped when dw is null (frozen). rstd from the
+// forward. dx may alias dy.
 template <typename T>
 void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T* rstd, int N,
                       int C);

@@ -92,6 +92,14 @@ RenderedChat render_qwen3_chat(const std::vector<ChatMessage>& m) {
   return r;
 }
 
+std::string render_qwen3_generation_prompt(const std::vector<ChatMessage>& messages,
+                                           bool enable_thinking) {
+  std::string out = render_qwen3_chat(messages).text;
+  out += "<|im_start|>assistant\n";
+  if (!enable_thinking) out += "<think>\n\n</think>\n\n";
+  return out;
+}
+
 bool is_qwen3_chat_template(const std::string& tmpl) {
   std::uint64_t h = 0xcbf29ce484222325ULL;  // FNV-1a of the template in Qwen3's tokenizer_config
   for (unsigned char c : tmpl) h = (h ^ c) * 0x100000001b3ULL;

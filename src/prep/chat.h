@@ -27,6 +27,13 @@ struct RenderedChat {
 // Renders `messages`; throws std::invalid_argument for an unknown role.
 RenderedChat render_qwen3_chat(const std::vector<ChatMessage>& messages);
 
+// The prompt for generating the next assistant turn (`qtrain generate --chat`): `messages`
+// rendered as above, then "<|im_start|>assistant\n" as the template adds with
+// add_generation_prompt=True, and "<think>\n\n</think>\n\n" after it when enable_thinking is
+// false (the template's enable_thinking=False: the model answers without reasoning).
+std::string render_qwen3_generation_prompt(const std::vector<ChatMessage>& messages,
+                                           bool enable_thinking = true);
+
 // The chat template text this renderer reproduces: true when `tmpl` is Qwen3's (prep warns when
 // a tokenizer directory brings another one).
 bool is_qwen3_chat_template(const std::string& tmpl);

@@ -1,7 +1,8 @@
 // `qtrain prep` (prep.h, docs/prep.md). The input files, concatenated, are cut into one byte
-// range per rank; a line belongs to the rank whose range holds its first byte. Each rank encodes
-// its lines in order and the token file is written with parallel HDF5, rank r's documents after
-// those of ranks < r, so the file does not depend on the number of ranks.
+// range per rank; a line belongs to the rank whose range holds its first byte (with --format
+// plain, a record: the lines between two separator lines, by the byte where it starts). Each rank
+// encodes its records in order and the token file is written with parallel HDF5, rank r's
+// documents after those of ranks < r, so the file does not depend on the number of ranks.
 #include "prep/prep.h"
 
 #include <glob.h>
@@ -40,7 +41,7 @@ constexpr std::size_t kExamplesPerRank = 8;  // first problems reported with fil
 constexpr std::size_t kExamplesShown = 8;
 
 struct Options {
-  std::string tokenizer, output, eos = "<|endoftext|>", format = "auto";
+  std::string tokenizer, output, eos = "<|endoftext|>", format = "auto", separator;
   std::int64_t max_tokens = 0;
   bool truncate = false, help = false;
   double progress_s = 10.0;
@@ -54,7 +55,10 @@ po::options_description option_table(Options& o) {
       "tokenizer directory (tokenizer.json [+ tokenizer_config.json]) or tokenizer.json")(
       "output,o", po::value(&o.output), "token file to write (HDF5, docs/data.md)")(
       "format,f", po::value(&o.format)->default_value("auto"),
-      "record form: auto | text | chat | instruction")(
+      "record form: auto | text | chat | instruction (JSONL), or plain: plain-text files, a "
+      "record = the lines between --separator lines")(
+      "separator", po::value(&o.separator)->default_value(""),
+      "with --format plain: the line that separates records, e.g. % (default: an empty line)")(
       "max-tokens", po::value(&o.max_tokens)->default_value(0),
       "records with more tokens are skipped (or cut with --truncate); 0 = no limit")(
       "truncate", po::bool_switch(&o.truncate), "cut records longer than --max-tokens")(
@@ -84,6 +88,9 @@ Options parse_options(int argc, char** argv) {
   if (o.inputs.empty()) fail_user("no input file given");
   if (o.max_tokens < 0) fail_user("--max-tokens must be >= 0, got {}", o.max_tokens);
   if (o.truncate && o.max_tokens == 0) fail_user("--truncate needs --max-tokens");
+  if (o.format != "plain" && !o.separator.empty()) fail_user("--separator needs --format plain");
+  if (o.separator.find_first_of("\r\n") != std::string::npos)
+    fail_user("--separator must be one line (no line break)");
   return o;
 }
 
@@ -92,7 +99,8 @@ Format parse_format(const std::string& s) {
   if (s == "text") return Format::kText;
   if (s == "chat") return Format::kChat;
   if (s == "instruction") return Format::kInstruction;
-  fail_user("--format {}: expected auto, text, chat or instruction", s);
+  if (s == "plain") return Format::kText;  // the records of plain-text files are texts
+  fail_user("--format {}: expected auto, text, chat, instruction or plain", s);
 }
 
 // Input paths in order; a path that does not exist but holds a wildcard is expanded (sorted).
@@ -201,6 +209,85 @@ void encode_range(const std::string& path, int file, std::int64_t lo, std::int64
     done += pos - start;
     progress.tick(done, l);
   }
+}
+
+// Plain text: is the line that ends just before byte `at` (at > 0, byte at - 1 is '\n') the
+// separator (a trailing '\r' ignored)?
+bool line_before_is_separator(std::ifstream& in, std::int64_t at, const std::string& sep) {
+  const std::int64_t end = at - 1;  // the '\n' ending that line
+  const std::int64_t from =
+      std::max<std::int64_t>(0, end - static_cast<std::int64_t>(sep.size()) - 2);
+  std::string buf(static_cast<std::size_t>(end - from), '\0');
+  in.clear();
+  in.seekg(from);
+  in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+  const std::size_t nl = buf.rfind('\n');
+  if (nl == std::string::npos && from > 0) return false;  // longer than the separator
+  std::string line = nl == std::string::npos ? buf : buf.substr(nl + 1);
+  if (!line.empty() && line.back() == '\r') line.pop_back();
+  return line == sep;
+}
+
+// Plain text: encodes the records of `path` that start in [lo, hi). A record is a run of one or
+// more lines between separator lines (or the file's ends), joined by '\n' without a final one,
+// trailing '\r's dropped; it starts at byte 0 or just after a separator line. A record of blank
+// lines only is counted as empty.
+void encode_plain_range(const std::string& path, std::int64_t lo, std::int64_t hi,
+                        const std::string& sep, prep::RecordEncoder& enc, Local& l,
+                        Progress& progress, std::int64_t& done) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail_user("input file {}: cannot open it for reading", path);
+  // The first line start at or after lo, and whether a record starts there.
+  std::int64_t pos = lo;
+  std::string line;
+  if (lo > 0) {
+    in.seekg(lo - 1);
+    char c = 0;
+    in.get(c);
+    if (c != '\n') {
+      std::getline(in, line);
+      pos += static_cast<std::int64_t>(line.size()) + 1;
+    }
+  }
+  bool mine = pos < hi && (pos == 0 || line_before_is_separator(in, pos, sep));
+  in.clear();
+  in.seekg(pos);
+  std::string text;
+  std::int64_t lines = 0;  // lines of the current record
+  auto finish = [&]() {
+    if (mine && lines > 0) {
+      const std::size_t before = l.tokens.size();
+      const prep::RecordResult r = text.find_first_not_of(" \t\n\r\f\v") == std::string::npos
+                                       ? prep::RecordResult{Skip::kEmpty, "blank record", false}
+                                       : enc.add_text(text, l.tokens, l.mask);
+      ++l.counts[static_cast<int>(r.skip)];
+      if (r.skip == Skip::kNone) {
+        l.doc_len.push_back(static_cast<std::int64_t>(l.tokens.size() - before));
+        l.truncated += r.truncated ? 1 : 0;
+        l.trained += static_cast<std::int64_t>(l.tokens.size() - before);
+      }
+      progress.tick(done, l);
+    }
+    text.clear();
+    lines = 0;
+  };
+  while (std::getline(in, line)) {
+    const std::int64_t start = pos;
+    pos += static_cast<std::int64_t>(line.size()) + 1;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (mine) done += pos - start;
+    if (line == sep) {
+      finish();
+      mine = pos < hi;  // the next record starts at pos: ours when before hi
+      if (!mine) break;
+      continue;
+    }
+    if (mine) {
+      if (lines++ > 0) text += '\n';
+      text += line;
+    }
+  }
+  finish();
 }
 
 // Rank 0 receives every rank's string, in rank order.
@@ -326,6 +413,7 @@ std::string human_bytes(std::int64_t n) {
 int run(const Options& o, MpiComm& world, PrepStats* stats) {
   const bool root = world.rank() == 0;
   const Format format = parse_format(o.format);
+  const bool plain = o.format == "plain";
   const std::vector<std::string> files = expand_inputs(o.inputs);
   const fs::path out_dir = fs::path(o.output).parent_path();
   std::error_code ec;
@@ -358,7 +446,9 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   std::int64_t done = 0;
   for (std::size_t f = 0; f < files.size(); ++f) {
     const std::int64_t a = std::max(lo, base[f]), b = std::min(hi, base[f + 1]);
-    if (a < b)
+    if (a < b && plain)
+      encode_plain_range(files[f], a - base[f], b - base[f], o.separator, enc, l, progress, done);
+    else if (a < b)
       encode_range(files[f], static_cast<int>(f), a - base[f], b - base[f], enc, l, progress, done);
   }
 
@@ -452,7 +542,8 @@ int prep_main(int argc, char** argv, MpiComm& world, PrepStats* stats) {
         ss << option_table(dummy);
         std::printf(
             "%s\nRecords (JSONL, one per line): {\"text\": ...} | {\"messages\": [{\"role\", "
-            "\"content\"}, ...]} | {\"instruction\", \"input\", \"output\"}. docs/prep.md.\n",
+            "\"content\"}, ...]} | {\"instruction\", \"input\", \"output\"}; or, with --format "
+            "plain,\nplain text split at --separator lines. docs/prep.md.\n",
             ss.str().c_str());
       }
       return 0;

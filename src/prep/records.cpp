@@ -102,18 +102,7 @@ RecordResult RecordEncoder::add(std::string_view line, std::vector<std::int32_t>
     if (f == Format::kText) {
       const std::string* text = opt_string(j, "text", "");
       if (text == nullptr) throw std::invalid_argument("\"text\" is null");
-      if (text->empty()) return skip(Skip::kEmpty, "empty text");
-      tok_.encode_append(*text, ids_, nullptr);
-      ids_.push_back(eos_id_);
-      bool truncated = false;
-      if (max_tokens_ > 0 && static_cast<std::int64_t>(ids_.size()) > max_tokens_) {
-        if (!truncate_) return skip(Skip::kTooLong, fmt::format("{} tokens", ids_.size()));
-        ids_.resize(static_cast<std::size_t>(max_tokens_));
-        truncated = true;
-      }
-      tokens.insert(tokens.end(), ids_.begin(), ids_.end());
-      mask.insert(mask.end(), ids_.size(), 1);
-      return {Skip::kNone, {}, truncated};
+      return add_text(*text, tokens, mask);
     }
 
     std::vector<ChatMessage> msgs;
@@ -189,6 +178,23 @@ RecordResult RecordEncoder::add(std::string_view line, std::vector<std::int32_t>
     mask.resize(first);
     return skip(Skip::kInvalid, short_json_error(e.what()));
   }
+}
+
+RecordResult RecordEncoder::add_text(std::string_view text, std::vector<std::int32_t>& tokens,
+                                     std::vector<std::uint8_t>& mask) {
+  if (text.empty()) return skip(Skip::kEmpty, "empty text");
+  ids_.clear();
+  tok_.encode_append(text, ids_, nullptr);
+  ids_.push_back(eos_id_);
+  bool truncated = false;
+  if (max_tokens_ > 0 && static_cast<std::int64_t>(ids_.size()) > max_tokens_) {
+    if (!truncate_) return skip(Skip::kTooLong, fmt::format("{} tokens", ids_.size()));
+    ids_.resize(static_cast<std::size_t>(max_tokens_));
+    truncated = true;
+  }
+  tokens.insert(tokens.end(), ids_.begin(), ids_.end());
+  mask.insert(mask.end(), ids_.size(), 1);
+  return {Skip::kNone, {}, truncated};
 }
 
 }  // namespace qt::prep

@@ -34,6 +34,11 @@ class RecordEncoder {
   RecordResult add(std::string_view line, std::vector<std::int32_t>& tokens,
                    std::vector<std::uint8_t>& mask);
 
+  // A text record given as its text (a {"text"} record's string, or a record of a plain-text
+  // file): its tokens, then the eos token, every token in the loss; empty text is kEmpty.
+  RecordResult add_text(std::string_view text, std::vector<std::int32_t>& tokens,
+                        std::vector<std::uint8_t>& mask);
+
  private:
   Tokenizer tok_;
   Format format_;

@@ -10,6 +10,7 @@
 #include "optim/optimizer.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/deck.h"
+#include "qtrain/error.h"
 #include "qtrain/mesh.h"
 #include "qtrain/params.h"
 
@@ -29,13 +30,23 @@ class TrainBackend {
   virtual MomentShard host_moments() = 0;
   virtual void push_state() = 0;  // host -> back end (after initialisation or a checkpoint read)
   virtual void pull_state() = 0;  // back end -> host (before a checkpoint write)
+  // What trains, and what checkpoints and host_moments() hold: the whole model (layout(),
+  // host_params()), or with [lora] only the adapters, in their own layout and host buffer (the
+  // base in host_params() is then frozen: no gradients, no moments).
+  virtual const ParamLayout& trained_layout() const { return layout(); }
+  virtual float* host_trained() { return host_params(); }
+  // The index in the data order of the first sequence of the next micro_step (keys LoRA's
+  // dropout masks, so that they do not depend on the mesh).
+  virtual void set_first_sample(std::int64_t /*first*/) {}
 
   // Gradients to zero before the first micro-batch of a step.
   virtual void zero_grads() = 0;
-  // Forward and backward of one micro-batch: inputs, targets [micro_batch, seq_len] on the host.
+  // Forward and backward of one micro-batch: inputs, targets [micro_batch, seq_len] on the host;
+  // positions [micro_batch, seq_len] on the host, the RoPE position of each input (a document
+  // starts where it is 0; attention stays inside documents), or null: positions 0..seq_len-1.
   // Gradients += loss_scale * d(sum of losses)/d(params). Returns the sum of the losses (nats).
   virtual double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
-                            float loss_scale) = 0;
+                            const std::int32_t* positions, float loss_scale) = 0;
   // Reduces the gradients over dp, clips, and updates the parameters (0-based step index).
   virtual OptimStepStats optimizer_step(std::int64_t step) = 0;
 
@@ -48,7 +59,10 @@ std::unique_ptr<TrainBackend> make_cpu_backend(const Deck& deck, Mesh& mesh);
 std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh);
 
 inline std::unique_ptr<TrainBackend> make_backend(const Deck& deck, Mesh& mesh) {
-  return deck.train.device == "cuda" ? make_cuda_backend(deck, mesh) : make_cpu_backend(deck, mesh);
+  if (deck.train.device != "cuda") return make_cpu_backend(deck, mesh);
+  // parse_deck refuses this too; here for decks built in code.
+  if (deck.lora.enabled()) fail_user("lora is not yet supported with train.device = cuda");
+  return make_cuda_backend(deck, mesh);
 }
 
 }  // namespace qt

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "hf/weights.h"
+#include "model/lora.h"
 #include "model/qwen3.h"
 #include "train/backend.h"
 #include "qtrain/checkpoint.h"
@@ -37,18 +38,18 @@ double seconds_since(Clock::time_point t0) {
 // Restores the newest usable checkpoint (resume = auto), a named one, or none.
 // Returns true when state/params/moments were loaded.
 bool try_resume(const Deck& deck, Mesh& mesh, const ParamLayout& layout, float* params,
-                const MomentShard& moments, TrainState& state) {
+                const MomentShard& moments, TrainState& state, const LoraCheckpointInfo* lora) {
   const bool root = mesh.world_rank() == 0;
   const std::string& mode = deck.checkpoint.resume;
   if (mode == "none") return false;
   if (mode != "auto") {
-    state = checkpoint_read(mode, mesh, layout, params, moments, deck.model);
+    state = checkpoint_read(mode, mesh, layout, params, moments, deck.model, lora);
     if (root) std::printf("resumed from %s at step %lld\n", mode.c_str(), static_cast<long long>(state.step));
     return true;
   }
   for (const std::string& path : checkpoint_list(deck.checkpoint.dir, mesh.world())) {
     try {
-      state = checkpoint_read(path, mesh, layout, params, moments, deck.model);
+      state = checkpoint_read(path, mesh, layout, params, moments, deck.model, lora);
       if (root) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
       return true;
     } catch (const UserError& e) {
@@ -73,6 +74,11 @@ int run_training(const Deck& deck, Mesh& mesh) {
 
   std::unique_ptr<TrainBackend> backend = make_backend(deck, mesh);
   const ParamLayout& layout = backend->layout();
+  // What trains and what checkpoints hold: the model, or with [lora] its adapters alone (the
+  // checkpoint then names the frozen base: model.init, or the model of train.seed).
+  const ParamLayout& trained = backend->trained_layout();
+  const LoraCheckpointInfo lora_info{deck.lora, {deck.model_init, tc.seed}};
+  const LoraCheckpointInfo* lora = deck.lora.enabled() ? &lora_info : nullptr;
   std::unique_ptr<DataSource> data = make_data_source(deck);
 
   if (root) {
@@ -83,6 +89,12 @@ int run_training(const Deck& deck, Mesh& mesh) {
                 model_name.c_str(), static_cast<long long>(layout.numel()),
                 deck.model.num_layers, deck.model.hidden_size, deck.model.num_heads,
                 deck.model.num_kv_heads, deck.model.vocab_size);
+    if (lora)
+      std::printf("lora: r %d, alpha %g (scale %g), dropout %g, targets %s: %lld trainable "
+                  "parameters (%.3g%% of the model), base frozen\n",
+                  deck.lora.r, deck.lora.alpha, deck.lora.scale(), deck.lora.dropout,
+                  deck.lora.targets.c_str(), static_cast<long long>(trained.numel()),
+                  100.0 * static_cast<double>(trained.numel()) / static_cast<double>(layout.numel()));
     std::printf("data: %s\n", data->describe().c_str());
     std::printf("back end: %s\n", backend->describe().c_str());
     std::printf("batch: %d sequences x %d tokens per step = %d micro-batches of %d on each of %d dp ranks; ZeRO-%d\n",
@@ -93,20 +105,26 @@ int run_training(const Deck& deck, Mesh& mesh) {
 
   TrainState state;
   state.seed = tc.seed;
-  const bool resumed =
-      try_resume(deck, mesh, layout, backend->host_params(), backend->host_moments(), state);
-  // A checkpoint wins over model.init: the HF weights start a run only at step 0.
-  if (!resumed && !deck.model_init.empty()) {
+  const bool resumed = try_resume(deck, mesh, trained, backend->host_trained(),
+                                  backend->host_moments(), state, lora);
+  // A checkpoint wins over model.init: the HF weights start a run only at step 0. A LoRA
+  // checkpoint holds only the adapters, so the frozen base is loaded every time.
+  const bool load_base = !resumed || lora;
+  if (load_base && !deck.model_init.empty()) {
     const std::string from = hf::load_params(deck.model_init, layout,
                                              hf::all_rows(layout, backend->host_params()),
                                              deck.model.tie_word_embeddings, mesh.world());
     if (root) std::printf("initialised parameters from %s\n", from.c_str());
-  } else if (!resumed) {
+  } else if (load_base) {
     init_params(deck.model, layout, tc.seed, backend->host_params());
     if (root) std::printf("initialised parameters from seed %llu\n", static_cast<unsigned long long>(tc.seed));
   } else if (root && !deck.model_init.empty()) {
     std::printf("model.init %s not loaded: the checkpoint's weights continue the run\n",
                 deck.model_init.c_str());
+  }
+  if (lora && !resumed) {
+    lora_init(trained, tc.seed, backend->host_trained());
+    if (root) std::printf("initialised LoRA adapters as PEFT does (B = 0: the base model's output)\n");
   }
   backend->push_state();
   const std::int64_t last = tc.stop_at > 0 ? std::min(tc.stop_at, tc.steps) : tc.steps;
@@ -121,14 +139,18 @@ int run_training(const Deck& deck, Mesh& mesh) {
   auto save = [&](std::int64_t step) {
     const std::string path = checkpoint_path(deck.checkpoint.dir, step);
     backend->pull_state();
-    checkpoint_write(path, mesh, layout, backend->host_params(), backend->host_moments(), state,
-                     deck.model, deck.resolved);
+    checkpoint_write(path, mesh, trained, backend->host_trained(), backend->host_moments(), state,
+                     deck.model, deck.resolved, lora);
     checkpoint_prune(deck.checkpoint.dir, deck.checkpoint.keep, mesh.world());
     if (root) std::printf("checkpoint written: %s\n", path.c_str());
   };
 
   std::vector<std::int32_t> inputs(static_cast<std::size_t>(local_seqs) * T);
   std::vector<std::int32_t> targets(inputs.size());
+  // RoPE positions [local_seqs, T]; passed on only when packing (null: plain causal, positions
+  // 0..T-1, so the concat path is unchanged).
+  std::vector<std::int32_t> positions(inputs.size());
+  const bool packing = deck.data.packing != "concat";
   const auto t_start = Clock::now();
   auto t_log = t_start;
   std::int64_t tokens_since_log = 0;
@@ -138,8 +160,10 @@ int run_training(const Deck& deck, Mesh& mesh) {
     const std::int64_t step = state.step;
     // 1. This rank's sequences of the global batch.
     const std::int64_t base = state.samples_consumed + static_cast<std::int64_t>(dp.rank()) * local_seqs;
-    for (int s = 0; s < local_seqs; ++s)
-      data->sample(base + s, &inputs[static_cast<std::size_t>(s) * T], &targets[static_cast<std::size_t>(s) * T], T);
+    for (int s = 0; s < local_seqs; ++s) {
+      const std::size_t at = static_cast<std::size_t>(s) * T;
+      data->sample(base + s, &inputs[at], &targets[at], &positions[at], T);
+    }
     // 2. Counted tokens of the global batch.
     std::int64_t counted = 0;
     for (auto t : targets) counted += t != -100;
@@ -150,7 +174,9 @@ int run_training(const Deck& deck, Mesh& mesh) {
     const float scale = counted > 0 ? 1.0f / static_cast<float>(counted) : 0.0f;
     for (int m = 0; m < micro_steps; ++m) {
       const std::size_t off = static_cast<std::size_t>(m) * B * T;
-      loss_sum += backend->micro_step(&inputs[off], &targets[off], scale);
+      backend->set_first_sample(base + static_cast<std::int64_t>(m) * B);
+      loss_sum += backend->micro_step(&inputs[off], &targets[off],
+                                      packing ? &positions[off] : nullptr, scale);
     }
     // 4. Optimizer.
     const OptimStepStats os = backend->optimizer_step(step);

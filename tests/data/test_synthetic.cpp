@@ -18,9 +18,9 @@ TEST(Synthetic, SamplesAreDeterministicShiftedAndInRange) {
   auto other = make_synthetic_source(50, 3, seed + 1);
   const int T = 33;
   std::vector<std::int32_t> in1(T), tg1(T), in2(T), tg2(T), in3(T), tg3(T);
-  a->sample(12345, in1.data(), tg1.data(), T);
-  b->sample(12345, in2.data(), tg2.data(), T);
-  other->sample(12345, in3.data(), tg3.data(), T);
+  a->sample(12345, in1.data(), tg1.data(), nullptr, T);
+  b->sample(12345, in2.data(), tg2.data(), nullptr, T);
+  other->sample(12345, in3.data(), tg3.data(), nullptr, T);
   EXPECT_EQ(in1, in2);
   EXPECT_EQ(tg1, tg2);
   EXPECT_NE(in1, in3);
@@ -29,8 +29,13 @@ TEST(Synthetic, SamplesAreDeterministicShiftedAndInRange) {
     EXPECT_LT(in1[t], 50);
     if (t + 1 < T) EXPECT_EQ(tg1[t], in1[t + 1]);  // targets are the inputs shifted by one
   }
-  a->sample(12346, in2.data(), tg2.data(), T);
+  a->sample(12346, in2.data(), tg2.data(), nullptr, T);
   EXPECT_NE(in1, in2);
+  // Positions: one sequence, 0 .. T-1; and the same tokens as without them.
+  std::vector<std::int32_t> pos(T, -1);
+  a->sample(12345, in2.data(), tg2.data(), pos.data(), T);
+  EXPECT_EQ(in1, in2);
+  for (int t = 0; t < T; ++t) EXPECT_EQ(pos[t], t);
 }
 
 TEST(Synthetic, LossFloorIsTheEmpiricalEntropyRate) {
@@ -41,7 +46,7 @@ TEST(Synthetic, LossFloorIsTheEmpiricalEntropyRate) {
   std::vector<double> from_count(V, 0);
   std::vector<std::int32_t> in(T), tg(T);
   for (int s = 0; s < 4000; ++s) {
-    src->sample(s, in.data(), tg.data(), T);
+    src->sample(s, in.data(), tg.data(), nullptr, T);
     for (int t = 0; t < T; ++t) {
       pair_count[{in[t], tg[t]}] += 1;
       from_count[in[t]] += 1;

@@ -213,7 +213,7 @@ TEST(Deck, ResolvedDeckRoundTripsExactly) {
 TEST(Deck, ResolvedDeckListsEveryKeyInSectionOrder) {
   Deck d = parse("");
   std::size_t last = 0;
-  for (const char* sec : {"[model]", "[mesh]", "[train]", "[optim]", "[data]", "[checkpoint]", "[log]"}) {
+  for (const char* sec : {"[model]", "[mesh]", "[train]", "[optim]", "[lora]", "[data]", "[checkpoint]", "[log]"}) {
     std::size_t at = d.resolved.find(std::string("\n") + sec + "\n");
     ASSERT_NE(at, std::string::npos) << sec;
     EXPECT_GT(at, last) << sec;
@@ -303,6 +303,31 @@ TEST(DeckErrors, InconsistentValues) {
   expect_error("[mesh]\nep = 3\n", {"deck.ini:2:", "mesh.ep = 3", "does not divide mesh.dp = 2"});
 }
 
+TEST(Deck, LoraSection) {
+  Deck off = parse("");
+  EXPECT_FALSE(off.lora.enabled());
+  Deck d = parse("[lora]\nr = 8\nalpha = 32\ndropout = 0.05\ntargets = q_proj, v_proj\n");
+  EXPECT_EQ(d.lora.r, 8);
+  EXPECT_EQ(d.lora.scale(), 4.0);
+  EXPECT_EQ(d.lora.dropout, 0.05);
+  EXPECT_EQ(d.lora.targets, "q_proj, v_proj");
+  EXPECT_EQ(parse_deck_text(d.resolved, "resolved.ini", {}, 2).lora.targets, "q_proj, v_proj");
+  EXPECT_EQ(parse("", {"--lora.r=4", "--lora.targets=all-linear"}).lora.r, 4);
+}
+
+TEST(DeckErrors, Lora) {
+  expect_error("[lora]\nr = -1\n", {"deck.ini:2:", "lora.r = -1", ">= 0"});
+  expect_error("[lora]\nr = 4\nalpha = 0\n", {"deck.ini:3:", "lora.alpha = 0", "> 0"});
+  expect_error("[lora]\ndropout = 1\n", {"deck.ini:2:", "lora.dropout = 1", "[0, 1)"});
+  expect_error("[lora]\nr = 4\ntargets = q_proj, lm_head\n",
+               {"deck.ini:3:", "lora.targets = q_proj, lm_head: unknown target lm_head", "down_proj"});
+  expect_error("[lora]\ntargets = q_proj,q_proj\n", {"deck.ini:2:", "q_proj is given twice"});
+  expect_error("[lora]\ntargets =\n", {"deck.ini:2:", "lora.targets", "empty name"});
+  expect_error("[lora]\nr = 8\n[train]\ndevice = cuda\n",
+               {"deck.ini:2:", "lora.r = 8: lora is not yet supported with train.device = cuda"});
+  expect_error("[lora]\nrank = 8\n", {"deck.ini:2:", "unknown key lora.rank"});
+}
+
 TEST(DeckErrors, ParallelismNotBuiltYet) {
   expect_error("[mesh]\ntp = 2\n", {"deck.ini:2: mesh.tp = 2: tensor parallelism is not built yet (only dp is); set it to 1"});
   expect_error("[mesh]\npp = 2\n", {"deck.ini:2:", "mesh.pp = 2", "pipeline parallelism is not built yet"});
@@ -319,6 +344,18 @@ TEST(DeckErrors, DataAndResumeFiles) {
   EXPECT_EQ(parse("[data]\nsource = file\npath = " + tokens + "\n").data.path, tokens);
   // A data.path is ignored by the synthetic source, so a file deck can be smoke-tested.
   EXPECT_NO_THROW(parse("[data]\npath = " + s.path("none.h5") + "\n"));
+
+  // Packing: three modes; packed and padded need documents, i.e. a token file.
+  EXPECT_EQ(parse("").data.packing, "concat");
+  for (const char* mode : {"concat", "packed", "padded"}) {
+    EXPECT_EQ(parse("[data]\nsource = file\npath = " + tokens + "\npacking = " + mode + "\n")
+                  .data.packing, mode);
+  }
+  expect_error("[data]\nsource = file\npath = " + tokens + "\npacking = pack\n",
+               {"deck.ini:4:", "data.packing = pack", "is not a packing mode: concat | packed | padded"});
+  expect_error("[data]\npacking = packed\n",
+               {"deck.ini:2:", "data.packing = packed", "needs data.source = file"});
+  expect_error("[data]\npacking = padded\n", {"deck.ini:2:", "data.packing = padded", "needs data.source = file"});
 
   expect_error("[checkpoint]\nresume = " + s.path("step_1.h5") + "\n",
                {"deck.ini:2:", "checkpoint.resume", "no such file", "auto, none"});

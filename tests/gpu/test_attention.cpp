@@ -7,6 +7,9 @@
 // each checks NaN/Inf, guard bytes, poisoned (NaN) outputs being fully written, and bitwise
 // determinism.
 // The long-context case (T = 32768) checks sampled rows against a per-row double reference.
+// Packed cases (suite Packed): rows holding several documents (pos [B, T], query t attends keys
+// t - pos[t] .. t) against the CPU op with the same pos; random document lengths (length 1
+// included), one document spanning a whole row, documents starting at and beside tile borders.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -118,12 +121,40 @@ TEST(AttentionPath, WgmmaAvailableOnHopper) {
 struct Case {
   int B, T, nh, nkv, hd;
   double score_std = 1.0;  // standard deviation of q and k entries: scores ~ N(0, score_std^2)
+  // Packed documents, per batch row: the document lengths (summing to T), or empty for random
+  // lengths (1 .. doc_max, some of length 1) drawn from the test's generator. No rows: causal.
+  std::vector<std::vector<int>> docs = {};
+  int doc_max = 0;
+  const char* tag = "";  // distinguishes packed cases of the same shape
 };
 std::string case_name(const Case& c) {
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "B%d_T%d_nh%d_nkv%d_hd%d%s", c.B, c.T, c.nh, c.nkv, c.hd,
-                c.score_std > 1.0 ? "_peaked" : "");
+  char buf[128];
+  std::snprintf(buf, sizeof buf, "B%d_T%d_nh%d_nkv%d_hd%d%s%s%s", c.B, c.T, c.nh, c.nkv, c.hd,
+                c.score_std > 1.0 ? "_peaked" : "", c.docs.empty() ? "" : "_packed_", c.tag);
   return buf;
+}
+
+// pos [B, T] of a packed case: each row's documents, positions 0, 1, .. within each.
+std::vector<std::int32_t> packed_positions(const Case& c, std::mt19937_64& rng) {
+  std::vector<std::int32_t> pos;
+  for (int b = 0; b < c.B; ++b) {
+    std::vector<int> lens = c.docs[b];
+    if (lens.empty()) {  // random lengths, about one in six of length 1
+      std::uniform_int_distribution<int> len(1, c.doc_max), coin(0, 5);
+      for (int left = c.T; left > 0;) {
+        const int n = std::min(left, coin(rng) == 0 ? 1 : len(rng));
+        lens.push_back(n);
+        left -= n;
+      }
+    }
+    int total = 0;
+    for (int n : lens) {
+      for (int p = 0; p < n; ++p) pos.push_back(p);
+      total += n;
+    }
+    EXPECT_EQ(total, c.T) << "document lengths of row " << b;
+  }
+  return pos;
 }
 
 std::vector<Case> all_cases() {
@@ -143,6 +174,30 @@ std::vector<Case> all_cases() {
   return cases;
 }
 
+// Packed rows: B = 2 with a different layout per row, hd 64 and 128, GQA 1, 2 and 4.
+std::vector<Case> packed_cases() {
+  const std::vector<int> rnd = {};  // random lengths
+  std::vector<Case> cases;
+  // Random short documents beside one document spanning the whole row.
+  cases.push_back({2, 1000, 4, 2, 64, 1.0, {rnd, {1000}}, 40, "rand40_whole"});
+  cases.push_back({2, 1000, 8, 2, 128, 1.0, {{1000}, rnd}, 300, "whole_rand300"});
+  // Borders of the 64-row tiles (and of the 128-row wgmma tiles): at, one before, one after.
+  cases.push_back(
+      {2, 512, 2, 2, 128, 1.0, {{64, 64, 1, 127, 128, 128}, {63, 65, 129, 255}}, 0, "borders"});
+  cases.push_back({2, 512, 4, 1, 64, 1.0, {{1, 1, 1, 509}, {509, 1, 1, 1}}, 0, "ones"});
+  // Every token its own document: only the diagonal is read.
+  cases.push_back({1, 130, 4, 2, 64, 1.0, {std::vector<int>(130, 1)}, 0, "all_ones"});
+  cases.push_back({2, 127, 4, 2, 128, 3.0, {rnd, rnd}, 20, "rand20"});  // peaked scores
+  // Long rows: 4 x 1024 beside random documents; one long document among short ones.
+  cases.push_back({2, 4096, 4, 1, 128, 1.0, {{1024, 1024, 1024, 1024}, rnd}, 700, "4x1024_rand"});
+  cases.push_back({1, 4096, 4, 2, 64, 1.0, {{3000, 1, 1095}}, 0, "long_one_long"});
+  cases.push_back({2, 4096, 4, 2, 64, 1.0, {rnd, rnd}, 2000, "rand2000"});
+  // One document per row: also compared bitwise with pos == nullptr.
+  cases.push_back({2, 1000, 4, 2, 64, 1.0, {{1000}, {1000}}, 0, "whole"});
+  cases.push_back({2, 127, 8, 2, 128, 1.0, {{127}, {127}}, 0, "whole"});
+  return cases;
+}
+
 class AttentionCase : public ::testing::TestWithParam<Case> {};
 
 TEST_P(AttentionCase, MatchesCpuInDouble) {
@@ -154,22 +209,33 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
   const std::size_t nl = static_cast<std::size_t>(B) * nh * T;
 
   std::mt19937_64 rng(qt::test::test_seed() ^
-                      (static_cast<std::uint64_t>(T) * 1000003u + nh * 101u + hd + B));
+                      (static_cast<std::uint64_t>(T) * 1000003u + nh * 101u + hd + B) ^
+                      (c.docs.empty() ? 0 : std::hash<std::string>{}(c.tag)));
   std::vector<std::uint16_t> q_b, k_b, v_b, do_b;
   std::vector<double> q, k, v, dout;
   random_bf16(nq, rng, c.score_std, q_b, q);
   random_bf16(nkvn, rng, c.score_std, k_b, k);
   random_bf16(nkvn, rng, 1.0, v_b, v);
   random_bf16(nq, rng, 1.0, do_b, dout);
+  const bool packed = !c.docs.empty();
+  const std::vector<std::int32_t> pos_h =
+      packed ? packed_positions(c, rng) : std::vector<std::int32_t>{};
+  const std::int32_t* pos_cpu = packed ? pos_h.data() : nullptr;
 
   // Reference in double: forward, then backward from the exact out and lse.
   std::vector<double> out_ref(nq), lse_ref(nl), dq_ref(nq), dk_ref(nkvn), dv_ref(nkvn);
   qt::cpu::attention_forward<double>(out_ref.data(), lse_ref.data(), q.data(), k.data(), v.data(),
-                                     B, T, nh, nkv, hd);
+                                     B, T, nh, nkv, hd, pos_cpu);
   qt::cpu::attention_backward<double>(dq_ref.data(), dk_ref.data(), dv_ref.data(), dout.data(),
                                       q.data(), k.data(), v.data(), out_ref.data(), lse_ref.data(),
-                                      B, T, nh, nkv, hd);
+                                      B, T, nh, nkv, hd, pos_cpu);
 
+  GuardedBuffer<std::int32_t> dpos(packed ? pos_h : std::vector<std::int32_t>(1, 0));
+  const std::int32_t* pos = packed ? dpos.get() : nullptr;
+  // Every row one whole document: the packed kernels must equal the causal ones bitwise.
+  bool whole_rows = packed;
+  for (int b = 0; b < B && packed; ++b)
+    whole_rows = whole_rows && pos_h[static_cast<std::size_t>(b) * T + T - 1] == T - 1;
   GuardedBuffer<std::uint16_t> dq_(q_b), dk_(k_b), dv_(v_b), ddo(do_b);
   GuardedBuffer<std::uint16_t> dq(nq), dk(nkvn), dv(nkvn), out(nq);
   GuardedBuffer<float> lse(nl);
@@ -182,7 +248,7 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
     out.upload(nan_q);
     lse.upload(nan_l);
     attention_forward(as_bf16(out), lse.get(), as_bf16(dq_), as_bf16(dk_), as_bf16(dv_), B, T, nh,
-                      nkv, hd, cfg, nullptr);
+                      nkv, hd, cfg, nullptr, pos);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     const std::vector<std::uint16_t> out_g = out.download();
     const std::vector<float> lse_g = lse.download();
@@ -201,7 +267,7 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
     dv.upload(nan_kv);
     attention_backward(as_bf16(dq), as_bf16(dk), as_bf16(dv), as_bf16(ddo), as_bf16(dq_),
                        as_bf16(dk_), as_bf16(dv_), as_bf16(out), lse.get(), B, T, nh, nkv, hd, cfg,
-                       nullptr);
+                       nullptr, pos);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     const std::vector<std::uint16_t> dq_g = dq.download(), dk_g = dk.download(),
                                      dv_g = dv.download();
@@ -225,11 +291,24 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
     dv.upload(nan_kv);
     attention_backward(as_bf16(dq), as_bf16(dk), as_bf16(dv), as_bf16(ddo), as_bf16(dq_),
                        as_bf16(dk_), as_bf16(dv_), as_bf16(out), lse.get(), B, T, nh, nkv, hd, cfg,
-                       nullptr);
+                       nullptr, pos);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     EXPECT_TRUE(dq.download() == dq_g) << "dq differs between two identical backward runs";
     EXPECT_TRUE(dk.download() == dk_g) << "dk differs between two identical backward runs";
     EXPECT_TRUE(dv.download() == dv_g) << "dv differs between two identical backward runs";
+
+    if (whole_rows) {  // the same inputs without pos: bitwise the same outputs
+      attention_forward(as_bf16(out), lse.get(), as_bf16(dq_), as_bf16(dk_), as_bf16(dv_), B, T, nh,
+                        nkv, hd, cfg, nullptr);
+      attention_backward(as_bf16(dq), as_bf16(dk), as_bf16(dv), as_bf16(ddo), as_bf16(dq_),
+                         as_bf16(dk_), as_bf16(dv_), as_bf16(out), lse.get(), B, T, nh, nkv, hd,
+                         cfg, nullptr);
+      QT_CHECK_CUDA(cudaDeviceSynchronize());
+      EXPECT_TRUE(out.download() == out_g && lse.download() == lse_g)
+          << "one document per row: forward differs from pos == nullptr";
+      EXPECT_TRUE(dq.download() == dq_g && dk.download() == dk_g && dv.download() == dv_g)
+          << "one document per row: backward differs from pos == nullptr";
+    }
 
     std::printf("[attention] %-32s %-6s  rel err: out %.2e lse %.2e dq %.2e dk %.2e dv %.2e\n",
                 case_name(c).c_str(), pc.name.c_str(), e_out, e_lse, e_dq, e_dk, e_dv);
@@ -241,6 +320,10 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, AttentionCase, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<Case>& i) {
+                           return case_name(i.param);
+                         });
+INSTANTIATE_TEST_SUITE_P(Packed, AttentionCase, ::testing::ValuesIn(packed_cases()),
                          [](const ::testing::TestParamInfo<Case>& i) {
                            return case_name(i.param);
                          });

@@ -1,5 +1,6 @@
 // The CUDA Qwen3 (bf16) against the CPU model (fp32) on the same bf16-representable weights:
-// loss and every weight gradient.
+// loss and every weight gradient; plain causal rows, and packed rows (documents of random
+// lengths, positions restarting at each, data.packing = packed).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -23,6 +24,7 @@ struct Case {
   const char* name;
   int heads, kv_heads, head_dim;
   bool tied;
+  bool packed = false;  // rows of several documents, with positions
 };
 
 class Qwen3CudaVsCpu : public ::testing::TestWithParam<Case> {};
@@ -48,18 +50,28 @@ TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
       for (std::size_t i = 0; i < p.numel; ++i) params[p.offset + i] = 1.0f + params[p.offset + i];
   for (float& x : params) x = __bfloat162float(__float2bfloat16(x));  // both sides see bf16 weights
   std::uniform_int_distribution<int> tok(0, c.vocab_size - 1);
-  std::vector<std::int32_t> inputs(B * T), targets(B * T);
+  std::vector<std::int32_t> inputs(B * T), targets(B * T), positions(B * T);
   long counted = 0;
-  for (int i = 0; i < B * T; ++i) {
+  for (int i = 0, len = 0; i < B * T; ++i) {
     inputs[i] = tok(rng);
     targets[i] = i % 7 == 3 ? -100 : tok(rng);
     counted += targets[i] != -100;
+    // packed: documents of 1 .. 80 tokens (some cross a 64-key tile), cut at each row's end
+    if (i % T == 0 || len == 0) {
+      len = 1 + static_cast<int>(rng() % 80);
+      positions[i] = 0;
+    } else {
+      positions[i] = positions[i - 1] + 1;
+    }
+    --len;
   }
+  const std::int32_t* pos = k.packed ? positions.data() : nullptr;
   const float scale = 1.0f / counted;
 
   Qwen3Model cpu_model(c, B, T, false);
   std::vector<float> cpu_grads(layout.numel(), 0.0f);
-  const double cpu_loss = cpu_model.forward(params.data(), inputs.data(), targets.data()) / counted;
+  const double cpu_loss =
+      cpu_model.forward(params.data(), inputs.data(), targets.data(), pos) / counted;
   cpu_model.backward(params.data(), cpu_grads.data(), scale);
 
   cuda::DeviceArena arena(std::size_t{1} << 30, "test arena");
@@ -70,13 +82,17 @@ TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
   float* grads = arena.allocate<float>(layout.numel());
   std::int32_t* d_in = arena.allocate<std::int32_t>(B * T);
   std::int32_t* d_tg = arena.allocate<std::int32_t>(B * T);
+  std::int32_t* d_pos = arena.allocate<std::int32_t>(B * T);
   qt::cuda::upload(master, params.data(), params.size() * 4);
   cuda::convert_f32_to_bf16(weights, master, layout.numel(), stream.get());
   QT_CHECK_CUDA(cudaMemsetAsync(grads, 0, layout.numel() * 4, stream.get()));
   qt::cuda::upload(d_in, inputs.data(), B * T * 4);
   qt::cuda::upload(d_tg, targets.data(), B * T * 4);
+  qt::cuda::upload(d_pos, positions.data(), B * T * 4);
+  const std::int32_t* dpos = k.packed ? d_pos : nullptr;
   cuda::Qwen3Cuda model(c, B, T, arena);
-  const double loss = model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get()) / counted;
+  const double loss =
+      model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get(), {}, dpos) / counted;
   std::vector<float> gpu_grads(layout.numel());
   QT_CHECK_CUDA(cudaMemcpy(gpu_grads.data(), grads, layout.numel() * 4, cudaMemcpyDeviceToHost));
 
@@ -95,7 +111,8 @@ TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
 
   // Deterministic: a second pass gives the same bits.
   QT_CHECK_CUDA(cudaMemsetAsync(grads, 0, layout.numel() * 4, stream.get()));
-  const double again = model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get()) / counted;
+  const double again =
+      model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get(), {}, dpos) / counted;
   std::vector<float> again_grads(layout.numel());
   QT_CHECK_CUDA(cudaMemcpy(again_grads.data(), grads, layout.numel() * 4, cudaMemcpyDeviceToHost));
   EXPECT_EQ(loss, again);
@@ -104,7 +121,9 @@ TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Qwen3CudaVsCpu,
                          ::testing::Values(Case{"tied_gqa2_hd64", 4, 2, 64, true},
-                                           Case{"untied_gqa4_hd128", 8, 2, 128, false}),
+                                           Case{"untied_gqa4_hd128", 8, 2, 128, false},
+                                           Case{"packed_tied_gqa2_hd64", 4, 2, 64, true, true},
+                                           Case{"packed_untied_gqa4_hd128", 8, 2, 128, false, true}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

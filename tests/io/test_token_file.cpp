@@ -73,8 +73,8 @@ TEST_F(TokenFile, SamplesAreShiftedWindowsWithMaskedTargets) {
     std::vector<std::int64_t> order;
     for (std::int64_t k = 0; k < W; ++k) {
       const std::int64_t g = epoch * W + k;
-      src->sample(g, in.data(), tg.data(), T);
-      lazy->sample(g, in2.data(), tg2.data(), T);
+      src->sample(g, in.data(), tg.data(), nullptr, T);
+      lazy->sample(g, in2.data(), tg2.data(), nullptr, T);
       ASSERT_EQ(in, in2);
       ASSERT_EQ(tg, tg2);
       ASSERT_EQ(in[0] % T, 0) << "windows start at multiples of T";
@@ -98,9 +98,9 @@ TEST_F(TokenFile, SamplesAreShiftedWindowsWithMaskedTargets) {
   }
   // Random access, any order, gives the same samples.
   const std::int64_t g = 2 * W + 5;
-  src->sample(g, in.data(), tg.data(), T);
-  src->sample(0, in2.data(), tg2.data(), T);
-  src->sample(g, in2.data(), tg2.data(), T);
+  src->sample(g, in.data(), tg.data(), nullptr, T);
+  src->sample(0, in2.data(), tg2.data(), nullptr, T);
+  src->sample(g, in2.data(), tg2.data(), nullptr, T);
   EXPECT_EQ(in, in2);
 }
 
@@ -138,7 +138,7 @@ TEST_F(TokenFile, WithoutMaskEveryTargetCounts) {
   auto src = open_token_file(path, vocab, T, 7);
   std::vector<std::int32_t> in(T), tg(T);
   for (std::int64_t g = 0; g < 10; ++g) {
-    src->sample(g, in.data(), tg.data(), T);
+    src->sample(g, in.data(), tg.data(), nullptr, T);
     const std::int64_t w = token_window_order(10, 7, 0)[g];
     for (int t = 0; t < T; ++t) {
       EXPECT_EQ(in[t], tokens[w * T + t]);
@@ -154,7 +154,7 @@ TEST_F(TokenFile, ExactlyOneWindowIsEnough) {
   write_token_file(path, tokens, {0, T + 1}, {}, 4);
   auto src = open_token_file(path, 4, T, 1);
   std::vector<std::int32_t> in(T), tg(T);
-  src->sample(5, in.data(), tg.data(), T);  // every epoch is the single window
+  src->sample(5, in.data(), tg.data(), nullptr, T);  // every epoch is the single window
   EXPECT_EQ(in, std::vector<std::int32_t>(T, 3));
 }
 

@@ -146,6 +146,8 @@ class PrepMpi : public ::testing::Test {
   }
   std::unique_ptr<MpiComm> world_;
   std::string dir_;
+  std::vector<std::vector<std::string>> plain_content_;  // PlainText test: lines of each file
+  std::vector<std::string> plain_files_;
 };
 
 TEST_F(PrepMpi, SameFileOnAnyNumberOfRanks) {
@@ -225,6 +227,137 @@ TEST_F(PrepMpi, SameFileOnAnyNumberOfRanks) {
   }
 }
 
+// Random plain-text lines: words, separator lines ("%", sometimes "%\r"), blank lines, CRLF.
+std::vector<std::string> random_plain_lines(std::mt19937_64& rng, int n) {
+  const std::vector<std::string> words = {"the", "cat", "über",  "日本語",     "👍",  "%%",
+                                          " ",   "\t",  "don't", "<|im_end|>", "--", "Zen"};
+  std::vector<std::string> lines;
+  for (int i = 0; i < n; ++i) {
+    std::string s;
+    switch (rng() % 6) {
+      case 0:
+        s = "%";
+        break;
+      case 1:
+        s = rng() % 2 ? "" : "   ";
+        break;
+      default:
+        for (int k = 0, m = 1 + static_cast<int>(rng() % 12); k < m; ++k)
+          s += (k ? " " : "") + words[rng() % words.size()];
+    }
+    lines.push_back(s + (rng() % 5 == 0 ? "\r" : ""));
+  }
+  return lines;
+}
+
+// The oracle of plain-text prep: each file's lines ('\r' dropped) grouped between separator
+// lines; a group of one or more lines is a record, a blank one empty, the others add_text of the
+// lines joined by '\n'.
+TokenFile plain_oracle(const std::vector<std::vector<std::string>>& content, const std::string& sep,
+                       int max_tokens, std::int64_t& records, std::vector<std::int64_t>& skipped) {
+  prep::RecordEncoder enc(test::qwen3_tokenizer(), prep::Format::kText, max_tokens, false,
+                          "<|endoftext|>");
+  TokenFile want;
+  want.offsets.push_back(0);
+  skipped.assign(static_cast<int>(prep::Skip::kCount), 0);
+  records = 0;
+  for (const auto& file_lines : content) {
+    std::vector<std::string> group;
+    auto flush = [&]() {
+      if (group.empty()) return;
+      ++records;
+      std::string text;
+      for (std::size_t i = 0; i < group.size(); ++i) text += (i ? "\n" : "") + group[i];
+      group.clear();
+      if (text.find_first_not_of(" \t\n\r") == std::string::npos) {
+        ++skipped[static_cast<int>(prep::Skip::kEmpty)];
+        return;
+      }
+      const prep::RecordResult r = enc.add_text(text, want.tokens, want.mask);
+      if (r.skip == prep::Skip::kNone)
+        want.offsets.push_back(static_cast<std::int64_t>(want.tokens.size()));
+      else
+        ++skipped[static_cast<int>(r.skip)];
+    };
+    for (std::string line : file_lines) {
+      if (!line.empty() && line.back() == '\r') line.pop_back();
+      if (line == sep)
+        flush();
+      else
+        group.push_back(line);
+    }
+    flush();
+  }
+  return want;
+}
+
+TEST_F(PrepMpi, PlainTextSameFileOnAnyNumberOfRanks) {
+  const std::string tokdir = test::qwen3_tokenizer_dir();
+  ASSERT_FALSE(tokdir.empty());
+  std::uint64_t seed = test::test_seed();
+  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+  std::mt19937_64 rng(seed + 7);
+  // Three sets of files of random sizes (the ranks' byte ranges split them at other places),
+  // each with the separator "%" and with the default, an empty line.
+  // Paragraphs (empty-line separators) are longer: a larger --max-tokens keeps some of them.
+  std::int64_t documents = 0, too_long = 0;
+  for (int round = 0; round < 6; ++round) {
+    const std::string sep = round % 2 ? "" : "%";
+    const int max_tokens = sep.empty() ? 150 : 40;
+    SCOPED_TRACE("round " + std::to_string(round) + ", separator '" + sep + "'");
+    if (round % 2 == 0) {
+      const std::vector<std::vector<std::string>> content = {
+          random_plain_lines(rng, 100 + static_cast<int>(rng() % 300)),
+          {"%", "a"},
+          random_plain_lines(rng, 41),
+          {}};
+      plain_content_ = content;
+      plain_files_.clear();
+      for (std::size_t f = 0; f < content.size(); ++f)
+        plain_files_.push_back(write("plain" + std::to_string(f) + ".txt", content[f], f != 2));
+    }
+    world_->barrier();
+    const std::vector<std::string> common = {
+        "--tokenizer", tokdir, "--format",     "plain",
+        "--separator", sep,    "--max-tokens", std::to_string(max_tokens),
+        "--progress",  "0"};
+    std::vector<std::string> args = common;
+    args.insert(args.end(), {"--output", dir_ + "/all.h5"});
+    args.insert(args.end(), plain_files_.begin(), plain_files_.end());
+    PrepStats all_stats, one_stats;
+    EXPECT_EQ(run_prep(args, *world_, &all_stats), 0);  // the same verdict on every rank
+    if (world_rank() == 0) {
+      MpiComm self(MPI_COMM_SELF, "self", false);
+      args = common;
+      args.insert(args.end(), {"--output", dir_ + "/one.h5"});
+      args.insert(args.end(), plain_files_.begin(), plain_files_.end());
+      EXPECT_EQ(run_prep(args, self, &one_stats), 0);
+      const TokenFile all = read_token_file(dir_ + "/all.h5"),
+                      one = read_token_file(dir_ + "/one.h5");
+      std::int64_t records = 0;
+      std::vector<std::int64_t> skipped;
+      const TokenFile want = plain_oracle(plain_content_, sep, max_tokens, records, skipped);
+      documents += static_cast<std::int64_t>(want.offsets.size()) - 1;
+      too_long += skipped[static_cast<int>(prep::Skip::kTooLong)];
+      for (const TokenFile* t : {&all, &one}) {
+        EXPECT_EQ(t->tokens, want.tokens);
+        EXPECT_EQ(t->offsets, want.offsets);
+        EXPECT_EQ(t->mask, want.mask);
+      }
+      for (const PrepStats* st : {&all_stats, &one_stats}) {
+        EXPECT_EQ(st->records, records);
+        EXPECT_EQ(st->documents, static_cast<std::int64_t>(want.offsets.size()) - 1);
+        EXPECT_EQ(st->skipped, skipped);
+      }
+    }
+    world_->barrier();
+  }
+  if (world_rank() == 0) {  // the files did exercise both outcomes
+    EXPECT_GT(documents, 20);
+    EXPECT_GT(too_long, 0);
+  }
+}
+
 TEST_F(PrepMpi, BadInputExitsTwoOnEveryRank) {
   const std::string tokdir = test::qwen3_tokenizer_dir();
   ASSERT_FALSE(tokdir.empty());
@@ -238,6 +371,8 @@ TEST_F(PrepMpi, BadInputExitsTwoOnEveryRank) {
   EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", out, "--format", "poetry", bad}, *world_),
             2);
   EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", out, "--bogus", bad}, *world_), 2);
+  EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", out, "--separator", "%", bad}, *world_),
+            2);  // --separator without --format plain
   EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", dir_ + "/no/dir/out.h5", bad}, *world_),
             2);
   EXPECT_EQ(run_prep({"--help"}, *world_), 0);

@@ -16,7 +16,7 @@ void linear_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, int N, i
   // dx[N, in] = dy[N, out] * w[out, in]
   if (dx != nullptr) gemm<T>(false, false, N, in, out, T(1), dy, out, w, in, T(0), dx, in);
   // dw[out, in] += dy[N, out]^T * x[N, in]
-  gemm<T>(true, false, out, in, N, T(1), dy, out, x, in, T(1), dw, in);
+  if (dw != nullptr) gemm<T>(true, false, out, in, N, T(1), dy, out, x, in, T(1), dw, in);
 }
 
 template void linear_forward<float>(float*, const float*, const float*, int, int, int);

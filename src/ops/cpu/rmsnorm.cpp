@@ -45,7 +45,8 @@ void rmsnorm_backward(T* dx, T* dw, const T* dy, const T* x, const T* w, const T
       dxr[c] = static_cast<T>(r * (double(w[c]) * g - xhat * m));
     }
   }
-  for (int c = 0; c < C; ++c) dw[c] += static_cast<T>(dw_acc[c]);
+  if (dw != nullptr)
+    for (int c = 0; c < C; ++c) dw[c] += static_cast<T>(dw_acc[c]);
 }
 
 template void rmsnorm_forward<float>(float*, float*, const float*, const float*, int, int, double);

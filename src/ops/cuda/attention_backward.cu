@@ -17,6 +17,9 @@
 //             diagonal: S, P from lse, dP = dO V^T, dS = P (dP - D), dQ += dS K.
 // Kernel 3 recomputes S and dP once more (7 tile products instead of FA2's 5 with atomic dQ):
 // the price of determinism without a [T, T]-sized or per-tile dQ workspace.
+// PACKED (pos given): key j is also masked for query t when j < ds[t] = t - pos[t]. ds never
+// decreases in t, so kernel 2 stops at the first query tile whose first row starts its document
+// after the kv tile's last row, and kernel 3 starts at the kv tile holding ds of its first row.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -65,18 +68,36 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) *reinterpret_cast<float*>(dq + row * HD) = sum;
 }
 
-template <int HD, int WARPS>
-constexpr int dkdv_smem_bytes() {
-  return 2 * 16 * WARPS * HD * 2 + 4 * kStepRows<HD> * HD * 2 + 4 * kStepRows<HD> * 4;
+template <int HD, int WARPS, bool PACKED>
+constexpr int dkdv_smem_bytes() {  // + [2][BRQ] pos when PACKED
+  return 2 * 16 * WARPS * HD * 2 + 4 * kStepRows<HD> * HD * 2 +
+         (PACKED ? 6 : 4) * kStepRows<HD> * 4;
 }
 
-template <int HD, int WARPS>
+// First query tile in [i_first + 1, n_qt) whose first row's document starts after key k_last
+// (n_qt if none): every later tile's rows start even later (ds never decreases), so the query
+// tiles [i_first, result) are the only ones that read keys <= k_last. Binary search, pb = pos[b].
+__device__ __forceinline__ int packed_query_tile_end(const int* pb, int i_first, int n_qt, int rows,
+                                                     int k_last) {
+  int lo = i_first + 1, hi = n_qt;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    const int t = mid * rows;
+    if (t - pb[t] > k_last)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return lo;
+}
+
+template <int HD, int WARPS, bool PACKED>
 __global__ void __launch_bounds__(WARPS * 32)
     attention_dkdv_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const bf16* dq_delta,
                           const bf16* __restrict__ dout, const bf16* __restrict__ q,
                           const bf16* __restrict__ k, const bf16* __restrict__ v,
-                          const float* __restrict__ lse, int T, int nh, int nkv, float scale,
-                          float scale_log2) {
+                          const float* __restrict__ lse, const int* __restrict__ pos, int T, int nh,
+                          int nkv, float scale, float scale_log2) {
   constexpr int BC = 16 * WARPS, BRQ = kStepRows<HD>, NT = 32 * WARPS;
   constexpr int KT = HD / 16, NBQ = BRQ / 8;
   constexpr int QTILE = BRQ * HD * 2;
@@ -96,13 +117,17 @@ __global__ void __launch_bounds__(WARPS * 32)
   char* sdO = sQ + 2 * QTILE;                             // [2][BRQ][HD]
   float* sL = reinterpret_cast<float*>(sdO + 2 * QTILE);  // [2][BRQ] lse
   float* sD = sL + 2 * BRQ;                               // [2][BRQ] D
+  int* sP = reinterpret_cast<int*>(sD + 2 * BRQ);         // [2][BRQ] pos (PACKED only)
   const uint32_t aK = smem_addr(sK), aV = smem_addr(sV), aQ = smem_addr(sQ), adO = smem_addr(sdO),
-                 aL = smem_addr(sL), aD = smem_addr(sD);
+                 aL = smem_addr(sL), aD = smem_addr(sD), aP = smem_addr(sP);
 
   const int k0 = kvt * BC;
   const int n_qt = (T + BRQ - 1) / BRQ;
   const int i_first = k0 / BRQ;  // query tiles before it lie wholly above the diagonal
-  const int per_head = n_qt - i_first;
+  const int* pb = PACKED ? pos + static_cast<long long>(b) * T : nullptr;
+  int i_end = n_qt;  // query tiles from i_end on read none of this tile's keys
+  if constexpr (PACKED) i_end = packed_query_tile_end(pb, i_first, n_qt, BRQ, k0 + BC - 1);
+  const int per_head = i_end - i_first;
   const int steps = ratio * per_head;
 
   // Step s: query head kvh * ratio + s / per_head, query tile i_first + s % per_head.
@@ -116,6 +141,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       const int t = qrow0 + tid;
       const float* src = lse + (static_cast<long long>(b) * nh + h) * T + min(t, T - 1);
       cp_async_4(aL + (buf * BRQ + tid) * 4, src, t < T);
+      if constexpr (PACKED) cp_async_4(aP + (buf * BRQ + tid) * 4, pb + min(t, T - 1), t < T);
     } else if (tid < 2 * BRQ) {
       const int t = qrow0 + tid - BRQ;
       cp_async_4(aD + (buf * BRQ + tid - BRQ) * 4,
@@ -185,8 +211,23 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
         st[nb][e] = p;
       }
+    if constexpr (PACKED) {
+      // Zero where kv row < ds[query]; needed only if the tile's last real query starts its
+      // document after this warp's first kv row. (Queries >= T read pos 0: masked above.)
+      const int* Pb = sP + buf * BRQ;
+      const int last = min(BRQ, T - q_base) - 1;
+      if (q_base + last - Pb[last] > k0 + warp * 16) {
+#pragma unroll
+        for (int nb = 0; nb < NBQ; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = nb * 8 + 2 * (lane & 3) + (e & 1);
+            if (kv_row0 + 8 * (e >> 1) < q_base + col - Pb[col]) st[nb][e] = 0.f;
+          }
+      }
+    }
 
-      // dV += P^T dO
+    // dV += P^T dO
 #pragma unroll
     for (int kk = 0; kk < BRQ / 16; ++kk) {
       uint32_t pa[4];
@@ -256,12 +297,12 @@ constexpr int dq_smem_bytes() {
   return 2 * 16 * WARPS * HD * 2 + 4 * kStepRows<HD> * HD * 2;
 }
 
-template <int HD, int WARPS>
+template <int HD, int WARPS, bool PACKED>
 __global__ void __launch_bounds__(WARPS * 32)
     attention_dq_kernel(bf16* dq, const bf16* __restrict__ dout, const bf16* __restrict__ q,
                         const bf16* __restrict__ k, const bf16* __restrict__ v,
-                        const float* __restrict__ lse, int T, int nh, int nkv, float scale,
-                        float scale_log2) {
+                        const float* __restrict__ lse, const int* __restrict__ pos, int T, int nh,
+                        int nkv, float scale, float scale_log2) {
   constexpr int BR = 16 * WARPS, BCK = kStepRows<HD>, NT = 32 * WARPS;
   constexpr int KT = HD / 16, NBK = BCK / 8;
   constexpr int KTILE = BCK * HD * 2;
@@ -287,10 +328,24 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int q_end = min(q0 + BR, T);
   const int n_kv = (q_end - 1) / BCK + 1;
 
+  // Packed: document starts of rows g and g+8 (padded rows: the last row's), their maximum over
+  // the warp, and the first kv tile any row of the block reads.
+  int j0 = 0, ds_row[2] = {0, 0}, ds_warp = 0;
+  if constexpr (PACKED) {
+    const int* pb = pos + static_cast<long long>(b) * T;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = min(q0 + warp * 16 + (lane >> 2) + 8 * r, T - 1);
+      ds_row[r] = row - pb[row];
+    }
+    ds_warp = __shfl_sync(0xffffffffu, ds_row[1], 31);
+    j0 = (q0 - pb[q0]) / BCK;
+  }
+
   load_tile<BR, HD, NT>(aQ, q + q_off, q0, ldq, T, tid);
   load_tile<BR, HD, NT>(adO, dout + q_off, q0, ldq, T, tid);
-  load_tile<BCK, HD, NT>(aK, kb, 0, ldkv, T, tid);
-  load_tile<BCK, HD, NT>(aV, vb, 0, ldkv, T, tid);
+  load_tile<BCK, HD, NT>(aK + (j0 & 1) * KTILE, kb, j0 * BCK, ldkv, T, tid);
+  load_tile<BCK, HD, NT>(aV + (j0 & 1) * KTILE, vb, j0 * BCK, ldkv, T, tid);
   cp_async_commit();
 
   // lse (log2 units) and D of rows g and g+8 of this warp, read before dq is overwritten.
@@ -320,8 +375,8 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dq_acc[nb][e] = 0.f;
 
-  for (int j = 0; j < n_kv; ++j) {
-    if (j > 0) {
+  for (int j = j0; j < n_kv; ++j) {
+    if (j > j0) {
       cp_async_wait_all();
       __syncthreads();
     }
@@ -361,6 +416,17 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
         s[nb][e] = p;
       }
+    if constexpr (PACKED) {
+      if (j * BCK < ds_warp) {  // some row of this warp starts its document inside this tile
+#pragma unroll
+        for (int nb = 0; nb < NBK; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = j * BCK + nb * 8 + 2 * (lane & 3) + (e & 1);
+            if (key < ds_row[e >> 1]) s[nb][e] = 0.f;
+          }
+      }
+    }
 
     // dP = dO V^T, dS = P (dP - D)
     float dp[NBK][4];
@@ -405,10 +471,10 @@ __global__ void __launch_bounds__(WARPS * 32)
   store_warp_rows<HD>(dq + q_off, ldq, q0 + warp * 16, T, sQ, warp * 16, lane);
 }
 
-template <int HD, int WARPS_KV, int WARPS_Q>
+template <int HD, int WARPS_KV, int WARPS_Q, bool PACKED>
 void launch_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
-                     const bf16* v, const bf16* out, const float* lse, int B, int T, int nh,
-                     int nkv, cudaStream_t stream) {
+                     const bf16* v, const bf16* out, const float* lse, const int* pos, int B, int T,
+                     int nh, int nkv, cudaStream_t stream) {
   const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
   const float scale = static_cast<float>(scale_d);
   const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
@@ -419,37 +485,42 @@ void launch_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16*
   QT_CHECK_LAUNCH();
 
   {
-    constexpr int smem = dkdv_smem_bytes<HD, WARPS_KV>();
-    auto kernel = attention_dkdv_kernel<HD, WARPS_KV>;
+    constexpr int smem = dkdv_smem_bytes<HD, WARPS_KV, PACKED>();
+    auto kernel = attention_dkdv_kernel<HD, WARPS_KV, PACKED>;
     QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid((T + 16 * WARPS_KV - 1) / (16 * WARPS_KV), nkv, B);
-    kernel<<<grid, WARPS_KV * 32, smem, stream>>>(dk, dv, dq, dout, q, k, v, lse, T, nh, nkv, scale,
-                                                  scale_log2);
+    kernel<<<grid, WARPS_KV * 32, smem, stream>>>(dk, dv, dq, dout, q, k, v, lse, pos, T, nh, nkv,
+                                                  scale, scale_log2);
     QT_CHECK_LAUNCH();
   }
   {
     constexpr int smem = dq_smem_bytes<HD, WARPS_Q>();
-    auto kernel = attention_dq_kernel<HD, WARPS_Q>;
+    auto kernel = attention_dq_kernel<HD, WARPS_Q, PACKED>;
     QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     const dim3 grid((T + 16 * WARPS_Q - 1) / (16 * WARPS_Q), nh, B);
-    kernel<<<grid, WARPS_Q * 32, smem, stream>>>(dq, dout, q, k, v, lse, T, nh, nkv, scale,
+    kernel<<<grid, WARPS_Q * 32, smem, stream>>>(dq, dout, q, k, v, lse, pos, T, nh, nkv, scale,
                                                  scale_log2);
     QT_CHECK_LAUNCH();
   }
 }
 
-template <int HD>
+template <int HD, bool PACKED>
 void dispatch_backward(int wkv, int wq, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
                        const bf16* q, const bf16* k, const bf16* v, const bf16* out,
-                       const float* lse, int B, int T, int nh, int nkv, cudaStream_t stream) {
+                       const float* lse, const int* pos, int B, int T, int nh, int nkv,
+                       cudaStream_t stream) {
   if (wkv == 4 && wq == 4)
-    launch_backward<HD, 4, 4>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+    launch_backward<HD, 4, 4, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
+                                      stream);
   else if (wkv == 4 && wq == 8)
-    launch_backward<HD, 4, 8>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+    launch_backward<HD, 4, 8, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
+                                      stream);
   else if (wkv == 8 && wq == 4)
-    launch_backward<HD, 8, 4>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+    launch_backward<HD, 8, 4, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
+                                      stream);
   else
-    launch_backward<HD, 8, 8>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+    launch_backward<HD, 8, 8, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
+                                      stream);
 }
 
 }  // namespace
@@ -457,7 +528,7 @@ void dispatch_backward(int wkv, int wq, bf16* dq, bf16* dk, bf16* dv, const bf16
 void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
                         const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
                         int Tn, int nh, int nkv, int hd, const AttentionConfig& cfg,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, const std::int32_t* pos) {
   check_shapes("attention_backward", B, Tn, nh, nkv, hd);
   const int wkv = cfg.dkdv_warps ? cfg.dkdv_warps : 4;
   const int wq = cfg.dq_warps ? cfg.dq_warps : 4;
@@ -465,21 +536,33 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
     fail_library("attention", __FILE__, __LINE__, "dkdv_warps, dq_warps",
                  "attention_backward: warps must be 0, 4 or 8");
   if (attention_use_wgmma(cfg)) {
-    attention_backward_sm90(dq, dk, dv, dout, q, k, v, out, lse, B, Tn, nh, nkv, hd, cfg.dkdv_warps,
-                            cfg.dq_warps, stream);
+    attention_backward_sm90(dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh, nkv, hd,
+                            cfg.dkdv_warps, cfg.dq_warps, stream);
     return;
   }
-  if (hd == 128)
-    dispatch_backward<128>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, B, Tn, nh, nkv, stream);
-  else
-    dispatch_backward<64>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, B, Tn, nh, nkv, stream);
+  if (hd == 128) {
+    if (pos)
+      dispatch_backward<128, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh,
+                                   nkv, stream);
+    else
+      dispatch_backward<128, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh,
+                                    nkv, stream);
+  } else {
+    if (pos)
+      dispatch_backward<64, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh, nkv,
+                                  stream);
+    else
+      dispatch_backward<64, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh,
+                                   nkv, stream);
+  }
 }
 
 void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
                         const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
-                        int Tn, int nh, int nkv, int hd, cudaStream_t stream) {
+                        int Tn, int nh, int nkv, int hd, cudaStream_t stream,
+                        const std::int32_t* pos) {
   attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, Tn, nh, nkv, hd, AttentionConfig{},
-                     stream);
+                     stream, pos);
 }
 
 }  // namespace qt::cuda

@@ -7,6 +7,8 @@
 //   the diagonal; online softmax (running max m and partial sum l per row, the sum reduced over
 //   the 4 lanes of a row only at the end); O = alpha O + P V with P rounded to bf16.
 // At the end O / l goes out through shared memory (16-byte stores) and lse = (m + log2 l) ln 2.
+// PACKED (pos given): row t also masks keys below its document start ds[t] = t - pos[t]; ds never
+// decreases, so the walk starts at the tile of ds[q0] (earlier tiles hold no key of any row).
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -29,11 +31,12 @@ constexpr int fwd_smem_bytes() {
   return (16 * WARPS + 4 * kFwdBC) * HD * 2;  // Q tile + 2 x (K tile + V tile)
 }
 
-template <int HD, int WARPS>
+template <int HD, int WARPS, bool PACKED>
 __global__ void __launch_bounds__(WARPS * 32)
     attention_forward_kernel(bf16* __restrict__ out, float* __restrict__ lse,
                              const bf16* __restrict__ q, const bf16* __restrict__ k,
-                             const bf16* __restrict__ v, int T, int nh, int nkv, float scale_log2) {
+                             const bf16* __restrict__ v, const int* __restrict__ pos, int T, int nh,
+                             int nkv, float scale_log2) {
   constexpr int BR = 16 * WARPS, BC = kFwdBC, NT = 32 * WARPS;
   constexpr int KT = HD / 16;  // k-steps over the head dimension
   constexpr int NB = BC / 8;   // 8-column blocks of S
@@ -59,9 +62,23 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int q_end = min(q0 + BR, T);  // rows q0 .. q_end-1 are real
   const int n_kv = (q_end - 1) / BC + 1;
 
+  // Packed: document starts of rows g and g+8 (padded rows >= T: the last row's, the largest),
+  // their maximum over this warp (the last row's), and the first key tile any row reads.
+  int j0 = 0, ds_row[2] = {0, 0}, ds_warp = 0;
+  if constexpr (PACKED) {
+    const int* pb = pos + static_cast<long long>(b) * T;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = min(q0 + warp * 16 + (lane >> 2) + 8 * r, T - 1);
+      ds_row[r] = row - pb[row];
+    }
+    ds_warp = __shfl_sync(0xffffffffu, ds_row[1], 31);
+    j0 = (q0 - pb[q0]) / BC;
+  }
+
   load_tile<BR, HD, NT>(aQ, qb, q0, ldq, T, tid);
-  load_tile<BC, HD, NT>(aK, kb, 0, ldkv, T, tid);
-  load_tile<BC, HD, NT>(aV, vb, 0, ldkv, T, tid);
+  load_tile<BC, HD, NT>(aK + (j0 & 1) * TILE, kb, j0 * BC, ldkv, T, tid);
+  load_tile<BC, HD, NT>(aV + (j0 & 1) * TILE, vb, j0 * BC, ldkv, T, tid);
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -79,8 +96,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   float l_run[2] = {0.f, 0.f};                      // this lane's part of the row sums
   const int row_q0 = q0 + warp * 16 + (lane >> 2);  // query index of c0/c1; c2/c3: +8
 
-  for (int j = 0; j < n_kv; ++j) {
-    if (j > 0) {
+  for (int j = j0; j < n_kv; ++j) {
+    if (j > j0) {
       cp_async_wait_all();  // tile j has landed (this thread's part) ...
       __syncthreads();      // ... everyone's part, and nobody still reads tile j-1's buffer
     }
@@ -123,9 +140,22 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
         s[nb][e] = x;
       }
+    if constexpr (PACKED) {
+      if (j * BC < ds_warp) {  // some row of this warp starts its document inside this tile
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = j * BC + nb * 8 + 2 * (lane & 3) + (e & 1);
+            if (key < ds_row[e >> 1]) s[nb][e] = -INFINITY;
+          }
+      }
+    }
 
-      // Online softmax. Tile 0 always holds key 0 <= q, so m_run is finite from the first tile on
-      // and no row ever computes inf - inf.
+    // Online softmax. Causal: tile 0 always holds key 0 <= q, so m_run is finite from the first
+    // tile on and no row ever computes inf - inf. Packed: a row whose document starts after
+    // this tile has every key masked (m_new = -inf); it subtracts 0 instead, so its p and alpha
+    // are 0 (O and l stay 0) until its first real tile; its own key t is in a later tile.
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
@@ -134,13 +164,15 @@ __global__ void __launch_bounds__(WARPS * 32)
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m_run[r], mx);
-      const float alpha = fast_exp2(m_run[r] - m_new);
+      float m_use = m_new;
+      if constexpr (PACKED) m_use = m_new == -INFINITY ? 0.f : m_new;
+      const float alpha = fast_exp2(m_run[r] - m_use);
       m_run[r] = m_new;
       float sum = 0.f;
 #pragma unroll
       for (int nb = 0; nb < NB; ++nb) {
-        const float p0 = fast_exp2(s[nb][2 * r] - m_new);
-        const float p1 = fast_exp2(s[nb][2 * r + 1] - m_new);
+        const float p0 = fast_exp2(s[nb][2 * r] - m_use);
+        const float p1 = fast_exp2(s[nb][2 * r + 1] - m_use);
         s[nb][2 * r] = p0;
         s[nb][2 * r + 1] = p1;
         sum += p0 + p1;
@@ -187,15 +219,16 @@ __global__ void __launch_bounds__(WARPS * 32)
 }
 
 template <int HD, int WARPS>
-void launch_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int B,
-                    int T, int nh, int nkv, cudaStream_t stream) {
+void launch_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+                    const int* pos, int B, int T, int nh, int nkv, cudaStream_t stream) {
   constexpr int BR = 16 * WARPS;
   constexpr int smem = fwd_smem_bytes<HD, WARPS>();
-  auto kernel = attention_forward_kernel<HD, WARPS>;
+  auto kernel =
+      pos ? attention_forward_kernel<HD, WARPS, true> : attention_forward_kernel<HD, WARPS, false>;
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid((T + BR - 1) / BR, nh, B);
   const float scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD))) * kLog2e;
-  kernel<<<grid, WARPS * 32, smem, stream>>>(out, lse, q, k, v, T, nh, nkv, scale_log2);
+  kernel<<<grid, WARPS * 32, smem, stream>>>(out, lse, q, k, v, pos, T, nh, nkv, scale_log2);
   QT_CHECK_LAUNCH();
 }
 
@@ -203,31 +236,32 @@ void launch_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const b
 
 void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int B,
                        int Tn, int nh, int nkv, int hd, const AttentionConfig& cfg,
-                       cudaStream_t stream) {
+                       cudaStream_t stream, const std::int32_t* pos) {
   check_shapes("attention_forward", B, Tn, nh, nkv, hd);
   if (cfg.fwd_warps != 0 && cfg.fwd_warps != 4 && cfg.fwd_warps != 8)
     fail_library("attention", __FILE__, __LINE__, "fwd_warps", "fwd_warps must be 0, 4 or 8");
   if (attention_use_wgmma(cfg)) {
-    attention_forward_sm90(out, lse, q, k, v, B, Tn, nh, nkv, hd, cfg.fwd_warps, stream);
+    attention_forward_sm90(out, lse, q, k, v, pos, B, Tn, nh, nkv, hd, cfg.fwd_warps, stream);
     return;
   }
   const int warps = cfg.fwd_warps ? cfg.fwd_warps : 4;
   if (hd == 128) {
     if (warps == 4)
-      launch_forward<128, 4>(out, lse, q, k, v, B, Tn, nh, nkv, stream);
+      launch_forward<128, 4>(out, lse, q, k, v, pos, B, Tn, nh, nkv, stream);
     else
-      launch_forward<128, 8>(out, lse, q, k, v, B, Tn, nh, nkv, stream);
+      launch_forward<128, 8>(out, lse, q, k, v, pos, B, Tn, nh, nkv, stream);
   } else {
     if (warps == 4)
-      launch_forward<64, 4>(out, lse, q, k, v, B, Tn, nh, nkv, stream);
+      launch_forward<64, 4>(out, lse, q, k, v, pos, B, Tn, nh, nkv, stream);
     else
-      launch_forward<64, 8>(out, lse, q, k, v, B, Tn, nh, nkv, stream);
+      launch_forward<64, 8>(out, lse, q, k, v, pos, B, Tn, nh, nkv, stream);
   }
 }
 
 void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int B,
-                       int Tn, int nh, int nkv, int hd, cudaStream_t stream) {
-  attention_forward(out, lse, q, k, v, B, Tn, nh, nkv, hd, AttentionConfig{}, stream);
+                       int Tn, int nh, int nkv, int hd, cudaStream_t stream,
+                       const std::int32_t* pos) {
+  attention_forward(out, lse, q, k, v, B, Tn, nh, nkv, hd, AttentionConfig{}, stream, pos);
 }
 
 }  // namespace qt::cuda

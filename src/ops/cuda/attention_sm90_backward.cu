@@ -21,6 +21,11 @@
 // Every step ends with all its wgmmas complete, so one barrier per step orders the double buffers.
 // NWG is 1 or 2: one block of two warpgroups per SM, or two blocks of one (whose phases drift
 // apart, so one block's exponentials overlap the other's products).
+// PACKED (pos given): key j is also masked for query t when j < ds[t] = t - pos[t]. ds never
+// decreases, so dk/dv stops at the first query tile whose first row starts its document after the
+// kv tile's last row (and a warpgroup skips tiles whose first query starts after its last kv
+// row), and dq starts at the kv tile holding ds of its first row (a warpgroup skips kv tiles
+// before its own first row's ds).
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -73,19 +78,36 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) *reinterpret_cast<float*>(dq + row * HD) = sum;
 }
 
-template <int HD, int NWG>
+template <int HD, int NWG, bool PACKED>
 constexpr int dkdv_smem_bytes() {
-  // K, V [BC][HD]; Q, dO [2][BRQ][HD]; lse, D [2][BRQ] fp32; + alignment slack
-  return 2 * 64 * NWG * HD * 2 + 4 * kQStep * HD * 2 + 4 * kQStep * 4 + 1024;
+  // K, V [BC][HD]; Q, dO [2][BRQ][HD]; lse, D (and pos when PACKED) [2][BRQ] 4 bytes; + slack
+  return 2 * 64 * NWG * HD * 2 + 4 * kQStep * HD * 2 + (PACKED ? 6 : 4) * kQStep * 4 + 1024;
 }
 
-template <int HD, int NWG>
+// First query tile in [i_first + 1, n_qt) whose first row's document starts after key k_last
+// (n_qt if none): every later tile's rows start even later (ds never decreases), so the query
+// tiles [i_first, result) are the only ones that read keys <= k_last. Binary search, pb = pos[b].
+__device__ __forceinline__ int packed_query_tile_end(const int* pb, int i_first, int n_qt, int rows,
+                                                     int k_last) {
+  int lo = i_first + 1, hi = n_qt;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    const int t = mid * rows;
+    if (t - pb[t] > k_last)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return lo;
+}
+
+template <int HD, int NWG, bool PACKED>
 __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     attention_dkdv_sm90_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const bf16* dq_delta,
                                const bf16* __restrict__ dout, const bf16* __restrict__ q,
                                const bf16* __restrict__ k, const bf16* __restrict__ v,
-                               const float* __restrict__ lse, int T, int nh, int nkv, float scale,
-                               float scale_log2) {
+                               const float* __restrict__ lse, const int* __restrict__ pos, int T,
+                               int nh, int nkv, float scale, float scale_log2) {
 #if QT_ATTN_HAS_WGMMA
   constexpr int BC = 64 * NWG, BRQ = kQStep, NT = 128 * NWG;
   constexpr int KT = HD / 16;   // k-steps of S^T and dP^T
@@ -109,13 +131,18 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const uint32_t aK = base, aV = aK + BC * HD * 2, aQ = aV + BC * HD * 2;  // Q: [2][BRQ][HD]
   const uint32_t adO = aQ + 2 * QTILE;                                     // dO: [2][BRQ][HD]
   const uint32_t aL = adO + 2 * QTILE, aD = aL + 2 * BRQ * 4;              // lse, D: [2][BRQ]
+  const uint32_t aP = aD + 2 * BRQ * 4;                                    // pos: [2][BRQ]
   const float* sL = reinterpret_cast<const float*>(sK + (aL - aK));
   const float* sD = reinterpret_cast<const float*>(sK + (aD - aK));
+  const int* sP = reinterpret_cast<const int*>(sK + (aP - aK));
 
   const int k0 = kvt * BC;
   const int n_qt = (T + BRQ - 1) / BRQ;
   const int i_first = k0 / BRQ;  // query tiles before it lie wholly above the diagonal
-  const int per_head = n_qt - i_first;
+  const int* pb = PACKED ? pos + static_cast<long long>(b) * T : nullptr;
+  int i_end = n_qt;  // query tiles from i_end on read none of this tile's keys
+  if constexpr (PACKED) i_end = packed_query_tile_end(pb, i_first, n_qt, BRQ, k0 + BC - 1);
+  const int per_head = i_end - i_first;
   const int steps = ratio * per_head;
 
   // Step s: query head kvh * ratio + s / per_head, query tile i_first + s % per_head.
@@ -129,6 +156,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
       const int t = qrow0 + tid;
       const float* src = lse + (static_cast<long long>(b) * nh + h) * T + min(t, T - 1);
       cp_async_4(aL + (buf * BRQ + tid) * 4, src, t < T);
+      if constexpr (PACKED) cp_async_4(aP + (buf * BRQ + tid) * 4, pb + min(t, T - 1), t < T);
     } else if (tid < 2 * BRQ) {
       const int t = qrow0 + tid - BRQ;
       cp_async_4(aD + (buf * BRQ + tid - BRQ) * 4,
@@ -159,6 +187,13 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     const int buf = s & 1;
     const int q_base = (i_first + s % per_head) * BRQ;
     if (q_base + BRQ - 1 < kv_wg0) continue;  // every query of the tile precedes these kv rows
+    const int* Pb = sP + buf * BRQ;           // pos of the tile's queries (PACKED)
+    bool low_mask = false;                    // some query's document starts after a kv row
+    if constexpr (PACKED) {
+      if (q_base - Pb[0] > kv_wg0 + 63) continue;  // every query's document starts after them
+      const int last = min(BRQ, T - q_base) - 1;
+      low_mask = q_base + last - Pb[last] > kv_wg0 + warp * 16;
+    }
     const uint32_t tQ = aQ + buf * QTILE, tdO = adO + buf * QTILE;
     const float* Lb = sL + buf * BRQ;
     const float* Db = sD + buf * BRQ;
@@ -190,6 +225,21 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
           if (qi < kv_row0 + 8 * (e >> 1) || qi >= T) pv = 0.f;
         }
         st[4 * nb + e] = pv;
+      }
+    }
+    if constexpr (PACKED) {
+      // Zero where kv row < ds[query] (queries >= T read pos 0 and are masked above).
+      if (low_mask) {
+#pragma unroll
+        for (int nb = 0; nb < NS / 4; ++nb) {
+          const int col = nb * 8 + 2 * (lane & 3);
+          const int2 p2 = *reinterpret_cast<const int2*>(Pb + col);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int ds = q_base + col + (e & 1) - (e & 1 ? p2.y : p2.x);
+            if (kv_row0 + 8 * (e >> 1) < ds) st[4 * nb + e] = 0.f;
+          }
+        }
       }
     }
     uint32_t pa[QT][4];
@@ -241,12 +291,12 @@ constexpr int dq_smem_bytes() {
   return 2 * 64 * NWG * HD * 2 + 4 * BCK * HD * 2 + 1024;
 }
 
-template <int HD, int NWG, int BCK>
+template <int HD, int NWG, int BCK, bool PACKED>
 __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     attention_dq_sm90_kernel(bf16* dq, const bf16* __restrict__ dout, const bf16* __restrict__ q,
                              const bf16* __restrict__ k, const bf16* __restrict__ v,
-                             const float* __restrict__ lse, int T, int nh, int nkv, float scale,
-                             float scale_log2) {
+                             const float* __restrict__ lse, const int* __restrict__ pos, int T,
+                             int nh, int nkv, float scale, float scale_log2) {
 #if QT_ATTN_HAS_WGMMA
   constexpr int BR = 64 * NWG, NT = 128 * NWG;
   constexpr int KT = HD / 16;   // k-steps of S and dP
@@ -277,10 +327,26 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const int q_wg0 = q0 + wg * 64;  // first query row of this warpgroup
   const int q_srow = wg * 64;      // its rows in sQ, sdO
 
+  // Packed: document starts of rows g and g+8 (padded rows: the last row's), their maximum over
+  // the warp, the first kv row this warpgroup reads, and the first kv tile the block reads.
+  int j0 = 0, ds_row[2] = {0, 0}, ds_warp = 0, ds_wg = 0;
+  if constexpr (PACKED) {
+    const int* pb = pos + static_cast<long long>(b) * T;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = min(q_wg0 + warp * 16 + (lane >> 2) + 8 * r, T - 1);
+      ds_row[r] = row - pb[row];
+    }
+    ds_warp = __shfl_sync(0xffffffffu, ds_row[1], 31);
+    const int wrow0 = min(q_wg0, T - 1);
+    ds_wg = wrow0 - pb[wrow0];
+    j0 = (q0 - pb[q0]) / BCK;
+  }
+
   load_tile_sw128<BR, HD, NT>(aQ, q + q_off, q0, ldq, T, tid);
   load_tile_sw128<BR, HD, NT>(adO, dout + q_off, q0, ldq, T, tid);
-  load_tile_sw128<BCK, HD, NT>(aK, kb, 0, ldkv, T, tid);
-  load_tile_sw128<BCK, HD, NT>(aV, vb, 0, ldkv, T, tid);
+  load_tile_sw128<BCK, HD, NT>(aK + (j0 & 1) * KTILE, kb, j0 * BCK, ldkv, T, tid);
+  load_tile_sw128<BCK, HD, NT>(aV + (j0 & 1) * KTILE, vb, j0 * BCK, ldkv, T, tid);
   cp_async_commit();
 
   // lse (log2 units) and D of rows g and g+8 of this warp, read before dq is overwritten (only
@@ -299,7 +365,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) dq_acc[i] = 0.f;
 
-  for (int j = 0; j < n_kv; ++j) {
+  for (int j = j0; j < n_kv; ++j) {
     cp_async_wait_all();  // K_j, V_j (and Q, dO) have landed (this thread's part) ...
     fence_proxy_async();
     __syncthreads();  // ... everyone's; every warpgroup finished step j-1
@@ -310,6 +376,9 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
       cp_async_commit();
     }
     if (j * BCK > q_wg0 + 63) continue;  // every key of the tile follows this warpgroup's queries
+    if constexpr (PACKED) {
+      if (j * BCK + BCK - 1 < ds_wg) continue;  // ... or precedes all their documents
+    }
     const uint32_t tK = aK + (j & 1) * KTILE, tV = aV + (j & 1) * KTILE;
 
     float s[NS], dp[NS];
@@ -329,6 +398,12 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
       if (diag) {
         const int key = j * BCK + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
         if (key > row_q0 + 8 * r) pv = 0.f;
+      }
+      if constexpr (PACKED) {
+        if (j * BCK < ds_warp) {  // some row of this warp starts its document inside the tile
+          const int key = j * BCK + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
+          if (key < ds_row[r]) pv = 0.f;
+        }
       }
       s[i] = pv;
     }
@@ -358,10 +433,10 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 #endif
 }
 
-template <int HD, int WG_KV, int WG_Q, int BCK>
+template <int HD, int WG_KV, int WG_Q, int BCK, bool PACKED>
 void launch_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
-                          const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
-                          int T, int nh, int nkv, cudaStream_t stream) {
+                          const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                          const int* pos, int B, int T, int nh, int nkv, cudaStream_t stream) {
   const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
   const float scale = static_cast<float>(scale_d);
   const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
@@ -371,58 +446,73 @@ void launch_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const 
       <<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(dq, dout, out, rows);
   QT_CHECK_LAUNCH();
   {
-    constexpr int smem = dkdv_smem_bytes<HD, WG_KV>();
-    auto kernel = attention_dkdv_sm90_kernel<HD, WG_KV>;
+    constexpr int smem = dkdv_smem_bytes<HD, WG_KV, PACKED>();
+    auto kernel = attention_dkdv_sm90_kernel<HD, WG_KV, PACKED>;
     QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     QT_CHECK_CUDA(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
     const dim3 grid((T + 64 * WG_KV - 1) / (64 * WG_KV), nkv, B);
-    kernel<<<grid, 128 * WG_KV, smem, stream>>>(dk, dv, dq, dout, q, k, v, lse, T, nh, nkv, scale,
-                                                scale_log2);
+    kernel<<<grid, 128 * WG_KV, smem, stream>>>(dk, dv, dq, dout, q, k, v, lse, pos, T, nh, nkv,
+                                                scale, scale_log2);
     QT_CHECK_LAUNCH();
   }
   {
     constexpr int smem = dq_smem_bytes<HD, WG_Q, BCK>();
-    auto kernel = attention_dq_sm90_kernel<HD, WG_Q, BCK>;
+    auto kernel = attention_dq_sm90_kernel<HD, WG_Q, BCK, PACKED>;
     QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     QT_CHECK_CUDA(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
     const dim3 grid((T + 64 * WG_Q - 1) / (64 * WG_Q), nh, B);
-    kernel<<<grid, 128 * WG_Q, smem, stream>>>(dq, dout, q, k, v, lse, T, nh, nkv, scale,
+    kernel<<<grid, 128 * WG_Q, smem, stream>>>(dq, dout, q, k, v, lse, pos, T, nh, nkv, scale,
                                                scale_log2);
     QT_CHECK_LAUNCH();
   }
 }
 
-template <int HD>
+template <int HD, bool PACKED>
 void dispatch_backward_sm90(int wkv, int wq, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
                             const bf16* q, const bf16* k, const bf16* v, const bf16* out,
-                            const float* lse, int B, int T, int nh, int nkv, cudaStream_t stream) {
+                            const float* lse, const int* pos, int B, int T, int nh, int nkv,
+                            cudaStream_t stream) {
   constexpr int S = kDqKvStep;
   if (wkv == 1 && wq == 1)
-    launch_backward_sm90<HD, 1, 1, S>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+    launch_backward_sm90<HD, 1, 1, S, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
+                                              nkv, stream);
   else if (wkv == 1)
-    launch_backward_sm90<HD, 1, 2, S>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+    launch_backward_sm90<HD, 1, 2, S, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
+                                              nkv, stream);
   else if (wq == 1)
-    launch_backward_sm90<HD, 2, 1, S>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+    launch_backward_sm90<HD, 2, 1, S, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
+                                              nkv, stream);
   else
-    launch_backward_sm90<HD, 2, 2, S>(dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+    launch_backward_sm90<HD, 2, 2, S, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
+                                              nkv, stream);
 }
 
 }  // namespace
 
 void attention_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
-                             const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
-                             int T, int nh, int nkv, int hd, int dkdv_warps, int dq_warps,
-                             cudaStream_t stream) {
+                             const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                             const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
+                             int dkdv_warps, int dq_warps, cudaStream_t stream) {
   check_shapes("attention_backward", B, T, nh, nkv, hd);
   const int wkv = (dkdv_warps ? dkdv_warps : kDkdvDefaultWarps) / 4;
   const int wq = (dq_warps ? dq_warps : kDqDefaultWarps) / 4;
-  if (hd == 128)
-    dispatch_backward_sm90<128>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv,
-                                stream);
-  else
-    dispatch_backward_sm90<64>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, B, T, nh, nkv, stream);
+  if (hd == 128) {
+    if (pos)
+      dispatch_backward_sm90<128, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
+                                        nkv, stream);
+    else
+      dispatch_backward_sm90<128, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T,
+                                         nh, nkv, stream);
+  } else {
+    if (pos)
+      dispatch_backward_sm90<64, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
+                                       nkv, stream);
+    else
+      dispatch_backward_sm90<64, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
+                                        nkv, stream);
+  }
 }
 
 }  // namespace qt::cuda

@@ -15,6 +15,8 @@
 // stores), lse = (m + log2 l) ln 2. One barrier per iteration orders the buffers: K_{j+1} goes
 // where K_{j-1} was (every warpgroup waited for S_{j-1} before the barrier), V_j where V_{j-2} was
 // (P_{j-2} V_{j-2} was waited for in iteration j-1).
+// PACKED (pos given): keys below a row's document start ds[t] = t - pos[t] are masked too, and the
+// walk starts at the tile of ds[q0] (ds never decreases: earlier tiles hold no key of any row).
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -38,12 +40,12 @@ constexpr int fwd_smem_bytes() {
   return 5 * 64 * NWG * HD * 2 + 1024;  // Q + 2 x (K + V), + alignment slack
 }
 
-template <int HD, int NWG>
+template <int HD, int NWG, bool PACKED>
 __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     attention_forward_sm90_kernel(bf16* __restrict__ out, float* __restrict__ lse,
                                   const bf16* __restrict__ q, const bf16* __restrict__ k,
-                                  const bf16* __restrict__ v, int T, int nh, int nkv,
-                                  float scale_log2) {
+                                  const bf16* __restrict__ v, const int* __restrict__ pos, int T,
+                                  int nh, int nkv, float scale_log2) {
 #if QT_ATTN_HAS_WGMMA
   constexpr int BR = 64 * NWG, BC = 64 * NWG, NT = 128 * NWG;
   constexpr int KT = HD / 16;  // k-steps of S = Q K^T
@@ -71,8 +73,22 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const int q_end = min(q0 + BR, T);
   const int n_kv = (q_end - 1) / BC + 1;
 
+  // Packed: document starts of rows g and g+8 (padded rows >= T: the last row's, the largest),
+  // their maximum over this warp (its last row's), and the first key tile any row reads.
+  int j0 = 0, ds_row[2] = {0, 0}, ds_warp = 0;
+  if constexpr (PACKED) {
+    const int* pb = pos + static_cast<long long>(b) * T;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = min(q0 + wg * 64 + warp * 16 + (lane >> 2) + 8 * r, T - 1);
+      ds_row[r] = row - pb[row];
+    }
+    ds_warp = __shfl_sync(0xffffffffu, ds_row[1], 31);
+    j0 = (q0 - pb[q0]) / BC;
+  }
+
   load_tile_sw128<BR, HD, NT>(aQ, qb, q0, ldq, T, tid);
-  load_tile_sw128<BC, HD, NT>(aK, kb, 0, ldkv, T, tid);
+  load_tile_sw128<BC, HD, NT>(aK + (j0 & 1) * TILE, kb, j0 * BC, ldkv, T, tid);
   cp_async_commit();
   cp_async_wait_all();
   fence_proxy_async();
@@ -121,6 +137,19 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
         if (key > row_q0 + 8 * ((i >> 1) & 1)) s[i] = -INFINITY;
       }
     }
+    // Packed: keys below the row's document start, where some row of this warp starts inside
+    // the tile. A row whose document starts after this tile then has every key masked (m_new =
+    // -inf): it subtracts 0 instead, so its p and alpha are 0 (O and l stay 0) until its first
+    // real tile; its own key t is always in a later, processed tile.
+    if constexpr (PACKED) {
+      if (j * BC < ds_warp) {
+#pragma unroll
+        for (int i = 0; i < NS; ++i) {
+          const int key = j * BC + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
+          if (key < ds_row[(i >> 1) & 1]) s[i] = -INFINITY;
+        }
+      }
+    }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float mx = -INFINITY;
@@ -130,13 +159,15 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float m_new = fmaxf(m_run[r], mx * scale_log2);
-      alpha[r] = fast_exp2(m_run[r] - m_new);
+      float m_use = m_new;
+      if constexpr (PACKED) m_use = m_new == -INFINITY ? 0.f : m_new;
+      alpha[r] = fast_exp2(m_run[r] - m_use);
       m_run[r] = m_new;
       float sum = 0.f;
 #pragma unroll
       for (int nb = 0; nb < NS / 4; ++nb) {
-        const float p0 = fast_exp2(fmaf(s[4 * nb + 2 * r], scale_log2, -m_new));
-        const float p1 = fast_exp2(fmaf(s[4 * nb + 2 * r + 1], scale_log2, -m_new));
+        const float p0 = fast_exp2(fmaf(s[4 * nb + 2 * r], scale_log2, -m_use));
+        const float p1 = fast_exp2(fmaf(s[4 * nb + 2 * r + 1], scale_log2, -m_use));
         s[4 * nb + 2 * r] = p0;
         s[4 * nb + 2 * r + 1] = p1;
         sum += p0 + p1;
@@ -145,18 +176,18 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     }
   };
 
-  // Tile 0 (O is still zero: no P V to overlap with).
+  // Tile j0 (O is still zero: no P V to overlap with).
   {
     wgmma_fence();
-    issue_s(0);
-    load_kv(0, n_kv);
+    issue_s(j0);
+    load_kv(j0, n_kv);
     wgmma_wait<0>();
     fence_acc(s);
     float alpha[2];
-    softmax(0, alpha);
+    softmax(j0, alpha);
     acc_to_frags<PT>(p, s);
   }
-  for (int j = 1; j < n_kv; ++j) {
+  for (int j = j0 + 1; j < n_kv; ++j) {
     cp_async_wait_all();  // K_j and V_{j-1} have landed (this thread's part) ...
     fence_proxy_async();
     __syncthreads();  // ... everyone's, and every warpgroup is done with K_{j-1}, V_{j-2}
@@ -212,15 +243,16 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 }
 
 template <int HD, int NWG>
-void launch_forward_sm90(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v, int B,
-                         int T, int nh, int nkv, cudaStream_t stream) {
+void launch_forward_sm90(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+                         const int* pos, int B, int T, int nh, int nkv, cudaStream_t stream) {
   constexpr int smem = fwd_smem_bytes<HD, NWG>();
-  auto kernel = attention_forward_sm90_kernel<HD, NWG>;
+  auto kernel = pos ? attention_forward_sm90_kernel<HD, NWG, true>
+                    : attention_forward_sm90_kernel<HD, NWG, false>;
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   const dim3 grid((T + 64 * NWG - 1) / (64 * NWG), nh, B);
   const float scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD))) * kLog2e;
-  kernel<<<grid, 128 * NWG, smem, stream>>>(out, lse, q, k, v, T, nh, nkv, scale_log2);
+  kernel<<<grid, 128 * NWG, smem, stream>>>(out, lse, q, k, v, pos, T, nh, nkv, scale_log2);
   QT_CHECK_LAUNCH();
 }
 
@@ -286,19 +318,20 @@ bool attention_use_wgmma(const AttentionConfig& cfg) {
 }
 
 void attention_forward_sm90(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                            int B, int T, int nh, int nkv, int hd, int warps, cudaStream_t stream) {
+                            const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
+                            int warps, cudaStream_t stream) {
   check_shapes("attention_forward", B, T, nh, nkv, hd);
   const int nwg = (warps ? warps : kFwdDefaultWarps) / 4;
   if (hd == 128) {
     if (nwg == 1)
-      launch_forward_sm90<128, 1>(out, lse, q, k, v, B, T, nh, nkv, stream);
+      launch_forward_sm90<128, 1>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);
     else
-      launch_forward_sm90<128, 2>(out, lse, q, k, v, B, T, nh, nkv, stream);
+      launch_forward_sm90<128, 2>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);
   } else {
     if (nwg == 1)
-      launch_forward_sm90<64, 1>(out, lse, q, k, v, B, T, nh, nkv, stream);
+      launch_forward_sm90<64, 1>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);
     else
-      launch_forward_sm90<64, 2>(out, lse, q, k, v, B, T, nh, nkv, stream);
+      launch_forward_sm90<64, 2>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);
   }
 }
 

@@ -41,13 +41,15 @@ namespace qt::cuda {
 
 // Host launchers of the sm_90a path (attention_sm90_forward.cu, attention_sm90_backward.cu); the
 // public entry points in attention_forward.cu / attention_backward.cu dispatch to them.
-// warps (4 or 8, 0 for the default) picks 1 or 2 warpgroups per block of each kernel.
+// warps (4 or 8, 0 for the default) picks 1 or 2 warpgroups per block of each kernel; pos is the
+// device [B, T] positions of packed documents or nullptr (plain causal).
 void attention_forward_sm90(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
-                            int B, int T, int nh, int nkv, int hd, int warps, cudaStream_t stream);
+                            const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
+                            int warps, cudaStream_t stream);
 void attention_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
-                             const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
-                             int T, int nh, int nkv, int hd, int dkdv_warps, int dq_warps,
-                             cudaStream_t stream);
+                             const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                             const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
+                             int dkdv_warps, int dq_warps, cudaStream_t stream);
 
 // Whether cfg selects the sm_90a path (kAuto: when available; kWgmma when unavailable aborts).
 bool attention_use_wgmma(const AttentionConfig& cfg);

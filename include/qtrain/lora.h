@@ -1,0 +1,50 @@
+// LoRA settings (the deck's [lora] section) as PEFT defines them: for a target Linear
+// W [out, in], y = x W^T + scale * dropout(x) A^T B^T with A [r, in], B [out, r] and
+// scale = alpha / r. Only A and B train; W stays frozen. docs/finetune.md, "LoRA".
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace qt {
+
+struct LoraConfig {
+  int r = 0;           // rank; 0 = LoRA off (the whole model trains)
+  double alpha = 16;   // scale = alpha / r
+  double dropout = 0;  // inverted dropout on the adapters' input, in [0, 1)
+  std::string targets = "q_proj,k_proj,v_proj,o_proj";  // comma list of kLoraTargets
+  bool enabled() const { return r > 0; }
+  double scale() const { return alpha / r; }
+};
+
+// The projections LoRA can adapt, in the order of the adapter layout within a layer, with their
+// module paths inside a decoder layer (transformers' names).
+inline constexpr int kNumLoraTargets = 7;
+inline constexpr std::array<const char*, kNumLoraTargets> kLoraTargets = {
+    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"};
+inline constexpr std::array<const char*, kNumLoraTargets> kLoraModules = {
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+
+// Indices into kLoraTargets of a comma list ("q_proj, v_proj"), ascending. Throws UserError
+// "<what>: ..." on an empty list, an unknown name or a name given twice.
+std::vector<int> parse_lora_targets(const std::string& list, const std::string& what);
+
+// The frozen base a LoRA run adapts, stored in its checkpoints: the model.init directory, or
+// (when that is empty) the model initialised from train.seed.
+struct LoraBase {
+  std::string init;                       // [model] init as written; "" = initialised from `seed`
+  std::uint64_t seed = 0;                 // train.seed (used only when init is "")
+  std::string describe() const;           // "model.init = DIR" or "train.seed = N"
+  bool same_as(const LoraBase& o) const;  // same directory (lexically normalised) or same seed
+};
+
+// What a LoRA run's checkpoint holds beside its adapters (root attributes lora_*).
+struct LoraCheckpointInfo {
+  LoraConfig config;
+  LoraBase base;
+};
+
+}  // namespace qt

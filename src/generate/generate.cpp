@@ -1,0 +1,376 @@
+// `qtrain generate` (generate.h, docs/generate.md): options, loading the model and the tokenizer,
+// and the decoding loop over KvDecoder and Sampler.
+#include "generate/generate.h"
+
+#include <boost/program_options.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "generate/kv_decoder.h"
+#include "generate/sampler.h"
+#include "hf/config.h"
+#include "hf/export.h"
+#include "hf/lora_export.h"
+#include "hf/weights.h"
+#include "prep/chat.h"
+#include "qtrain/checkpoint.h"
+#include "qtrain/comm.h"
+#include "qtrain/error.h"
+#include "qtrain/mesh.h"
+#include "qtrain/tokenizer.h"
+
+namespace qt {
+
+namespace {
+
+namespace po = boost::program_options;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string model, prompt, system, tokenizer, device = "cpu";
+  bool chat = false, no_think = false, help = false;
+  std::int64_t max_new_tokens = 128;
+  double temperature = 0, top_p = 1;
+  std::uint64_t seed = 0;
+};
+
+po::options_description option_table(Options& o) {
+  po::options_description d(
+      "qtrain generate MODEL --prompt TEXT [options]\n"
+      "  MODEL: a qtrain checkpoint (.h5), a checkpoint directory (its newest step_*.h5) or a\n"
+      "  Hugging Face Qwen3 directory (config.json + safetensors). Runs on the CPU, one process");
+  auto add = d.add_options();
+  add("help,h", po::bool_switch(&o.help), "print this help");
+  add("prompt,p", po::value(&o.prompt),
+      "the prompt text (special tokens such as <|im_start|> are parsed)");
+  add("chat", po::bool_switch(&o.chat),
+      "render the prompt as a user message with Qwen3's chat template and the generation prompt "
+      "(<|im_start|>assistant\\n)");
+  add("system", po::value(&o.system), "with --chat: a system message before the user message");
+  add("no-think", po::bool_switch(&o.no_think),
+      "with --chat: an empty <think></think> block after the generation prompt, as the template "
+      "writes it with enable_thinking=False (the model answers without reasoning)");
+  add("tokenizer,t", po::value(&o.tokenizer),
+      "tokenizer directory (default: MODEL when it is an HF directory with tokenizer.json, or a "
+      "checkpoint's model.init directory)");
+  add("max-new-tokens,n", po::value(&o.max_new_tokens)->default_value(128),
+      "stop after this many new tokens");
+  add("temperature", po::value(&o.temperature)->default_value(0.0),
+      "0 = greedy (argmax); > 0 samples from softmax(logits / temperature)");
+  add("top-p", po::value(&o.top_p)->default_value(1.0),
+      "sample only from the smallest set of tokens whose probabilities sum to >= top-p");
+  add("seed", po::value(&o.seed)->default_value(0), "seed of the sampling draws");
+  add("device", po::value(&o.device)->default_value("cpu"),
+      "cpu (the GPU version is not built yet: cuda is refused)");
+  return d;
+}
+
+Options parse_options(int argc, char** argv) {
+  Options o;
+  po::options_description d = option_table(o);
+  po::options_description all;
+  all.add(d).add_options()("model", po::value<std::vector<std::string>>());
+  po::positional_options_description pos;
+  pos.add("model", -1);
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(all).positional(pos).run(), vm);
+    po::notify(vm);
+  } catch (const po::error& e) {
+    fail_user("{} (qtrain generate --help lists the options)", e.what());
+  }
+  if (o.help) return o;
+  const auto models =
+      vm.count("model") ? vm["model"].as<std::vector<std::string>>() : std::vector<std::string>{};
+  if (models.size() != 1)
+    fail_user("expected one MODEL (a checkpoint or a Hugging Face directory), got {}",
+              models.size());
+  o.model = models[0];
+  if (!vm.count("prompt")) fail_user("--prompt is required");
+  if (o.device == "cuda" || o.device == "gpu")
+    fail_user(
+        "--device {}: generation on the GPU is not built yet; qtrain generate runs on the "
+        "CPU only (--device cpu, the default)",
+        o.device);
+  if (o.device != "cpu") fail_user("--device {}: expected cpu", o.device);
+  if (o.max_new_tokens < 1) fail_user("--max-new-tokens must be >= 1, got {}", o.max_new_tokens);
+  if (!(o.temperature >= 0) || !std::isfinite(o.temperature))
+    fail_user("--temperature must be >= 0 (0 = greedy), got {}", o.temperature);
+  if (!(o.top_p > 0 && o.top_p <= 1)) fail_user("--top-p must be in (0, 1], got {}", o.top_p);
+  if (!o.chat && (o.no_think || vm.count("system")))
+    fail_user("{} needs --chat", o.no_think ? "--no-think" : "--system");
+  if (!o.chat && o.prompt.empty()) fail_user("--prompt is empty");
+  return o;
+}
+
+bool has_file(const fs::path& p) {
+  std::error_code ec;
+  return fs::is_regular_file(p, ec);
+}
+
+// Where the weights, the tokenizer and generation_config.json come from.
+struct ModelSource {
+  bool hf = false;   // a Hugging Face directory, else a qtrain checkpoint
+  std::string path;  // the directory or the checkpoint file
+  ModelConfig cfg;
+  hf::ConfigExtras extras;   // config.json's token ids (HF only)
+  hf::CheckpointModel ckpt;  // a checkpoint's model (checkpoint only); ckpt.lora: a LoRA run's
+  std::string side_dir;      // default tokenizer and generation_config.json ("" = none)
+  std::string describe;
+};
+
+ModelSource resolve_model(const std::string& model, Comm& world) {
+  std::error_code ec;
+  ModelSource s;
+  if (!fs::exists(model, ec))
+    fail_user(
+        "model {}: no such file or directory (give a qtrain checkpoint .h5, a checkpoint "
+        "directory or a Hugging Face model directory)",
+        model);
+  if (fs::is_directory(model, ec) && has_file(fs::path(model) / "config.json")) {
+    s.hf = true;
+    s.path = model;
+    s.cfg = hf::read_config(model, &s.extras);
+    s.side_dir = model;
+    s.describe = fmt::format("Hugging Face directory {}", model);
+    return s;
+  }
+  s.path = model;
+  if (fs::is_directory(model, ec)) {
+    const std::vector<std::string> found = checkpoint_list(model, world);
+    if (found.empty())
+      fail_user(
+          "model {}: a directory with neither config.json (Hugging Face) nor complete "
+          "step_*.h5 checkpoints",
+          model);
+    s.path = found.front();
+  }
+  s.ckpt = hf::read_checkpoint_model(s.path);
+  s.cfg = s.ckpt.cfg;
+  if (!s.ckpt.init_dir.empty() && fs::is_directory(s.ckpt.init_dir, ec))
+    s.side_dir = s.ckpt.init_dir;
+  s.describe = fmt::format("checkpoint {} (step {}{})", s.path, s.ckpt.step,
+                           s.ckpt.lora ? ", LoRA adapters merged into their base" : "");
+  return s;
+}
+
+// The ids of a token-id field: an integer or a list of them (null or absent: none).
+std::vector<std::int32_t> json_ids(const nlohmann::json& e) {
+  std::vector<std::int32_t> ids;
+  if (e.is_number_integer()) ids.push_back(e.get<std::int32_t>());
+  if (e.is_array())
+    for (const nlohmann::json& v : e)
+      if (v.is_number_integer()) ids.push_back(v.get<std::int32_t>());
+  return ids;
+}
+
+// eos ids of generation_config.json in `dir` (none when there is no such file).
+std::vector<std::int32_t> generation_config_eos(const std::string& dir) {
+  const fs::path p = fs::path(dir) / "generation_config.json";
+  if (dir.empty() || !has_file(p)) return {};
+  std::ifstream in(p, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(ss.str());
+  } catch (const nlohmann::json::exception& e) {
+    fail_user("{}: not valid JSON ({})", p.string(), e.what());
+  }
+  return j.is_object() && j.contains("eos_token_id") ? json_ids(j["eos_token_id"])
+                                                     : std::vector<std::int32_t>{};
+}
+
+std::vector<float> load_weights(const ModelSource& s, const ParamLayout& layout,
+                                std::shared_ptr<MpiComm> world) {
+  std::vector<float> params(layout.numel());
+  if (s.hf) {
+    hf::load_params(s.path, layout, hf::all_rows(layout, params.data()), s.cfg.tie_word_embeddings,
+                    *world);
+  } else if (s.ckpt.lora) {  // the base with W + scale * B A, as `qtrain export --merge` writes it
+    hf::lora_merged_params(s.path, s.ckpt, layout, params.data(), world);
+  } else {
+    MeshShape shape;
+    Mesh mesh(shape, world);
+    float dummy = 0;
+    checkpoint_read(s.path, mesh, layout, params.data(), MomentShard{{0, 0}, &dummy, &dummy},
+                    s.cfg);
+  }
+  return params;
+}
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+int run(const Options& o, std::shared_ptr<MpiComm> world) {
+  if (world->size() != 1)
+    fail_user(
+        "qtrain generate runs on one process (there is no multi-rank inference); it was "
+        "started on {} MPI ranks: run it without mpirun, or with mpirun -np 1",
+        world->size());
+  const auto t_load = Clock::now();
+  const ModelSource src = resolve_model(o.model, *world);
+
+  // The tokenizer, the prompt and the stop tokens, before the (possibly large) weights.
+  std::string tok_dir = o.tokenizer;
+  if (tok_dir.empty()) {
+    if (src.side_dir.empty() || !has_file(fs::path(src.side_dir) / "tokenizer.json"))
+      fail_user(
+          "no tokenizer for {}: {}; pass --tokenizer DIR (scripts/get-tokenizer.sh fetches "
+          "Qwen3's)",
+          o.model,
+          src.hf ? fmt::format("{} has no tokenizer.json", src.path)
+          : src.side_dir.empty()
+              ? std::string("the checkpoint's run had no model.init directory")
+              : fmt::format("its model.init directory {} has no tokenizer.json", src.side_dir));
+    tok_dir = src.side_dir;
+  }
+  const Tokenizer tok = Tokenizer::from_dir(tok_dir);
+  std::string text = o.prompt;
+  if (o.chat) {
+    std::vector<prep::ChatMessage> msgs;
+    if (!o.system.empty()) msgs.push_back({"system", tok.normalize(o.system), std::nullopt});
+    msgs.push_back({"user", tok.normalize(o.prompt), std::nullopt});
+    text = prep::render_qwen3_generation_prompt(msgs, !o.no_think);
+  }
+  const std::vector<std::int32_t> prompt = tok.encode(text);
+  const ModelConfig& cfg = src.cfg;
+  for (std::int32_t id : prompt)
+    if (id >= cfg.vocab_size)
+      fail_user(
+          "the prompt has token id {} ({}), outside the model's vocabulary of {}: tokenizer "
+          "{} does not belong to this model",
+          id, tok.decode(std::span(&id, 1)), cfg.vocab_size, tok_dir);
+  if (static_cast<std::int64_t>(prompt.size()) >= cfg.max_position_embeddings)
+    fail_user("the prompt has {} tokens; the model allows {} positions (max_position_embeddings)",
+              prompt.size(), cfg.max_position_embeddings);
+  std::set<std::int32_t> stop;
+  for (const char* t : {"<|im_end|>", "<|endoftext|>"})
+    if (auto id = tok.token_id(t)) stop.insert(*id);
+  if (!tok.eos_token().empty())
+    if (auto id = tok.token_id(tok.eos_token())) stop.insert(*id);
+  for (const std::string& dir : {src.side_dir, tok_dir})
+    for (std::int32_t id : generation_config_eos(dir)) stop.insert(id);
+  for (std::int32_t id : json_ids(src.extras.eos_token_id)) stop.insert(id);
+  std::string stop_text;
+  for (std::int32_t id : stop)
+    if (id >= 0 && id < tok.vocab_size())
+      stop_text += (stop_text.empty() ? "" : " ") + tok.decode(std::span(&id, 1));
+
+  // The weights, the cache.
+  const ParamLayout layout(cfg);
+  const std::vector<float> params = load_weights(src, layout, world);
+  const std::int64_t cap64 =
+      std::min<std::int64_t>(cfg.max_position_embeddings, prompt.size() + o.max_new_tokens);
+  gen::KvDecoder dec(cfg, params.data(), static_cast<int>(cap64));
+  // Ids past the tokenizer's (the padding rows of Qwen3's 151936-row embedding) are never drawn.
+  const int allowed = std::min(cfg.vocab_size, tok.vocab_size());
+  std::fprintf(
+      stderr,
+      "qtrain generate: %s: %d layers, hidden %d, vocab %d, %.1fM parameters; loaded in "
+      "%.1f s\nqtrain generate: tokenizer %s; prompt %zu tokens; %s; stops at %s or "
+      "after %lld new tokens\n",
+      src.describe.c_str(), cfg.num_layers, cfg.hidden_size, cfg.vocab_size, layout.numel() / 1e6,
+      seconds_since(t_load), tok_dir.c_str(), prompt.size(),
+      o.temperature == 0
+          ? "greedy"
+          : fmt::format("temperature {} top-p {} seed {}", o.temperature, o.top_p, o.seed).c_str(),
+      stop_text.empty() ? "(no stop token)" : stop_text.c_str(),
+      static_cast<long long>(o.max_new_tokens));
+  std::fflush(stderr);
+
+  // Prefill in one pass, then one token at a time; text goes out as soon as it is whole UTF-8.
+  gen::Sampler sampler(o.temperature, o.top_p, o.seed);
+  const auto t0 = Clock::now();
+  const float* logits = dec.append(prompt);
+  const double t_prefill = seconds_since(t0);
+  std::string pending, why;
+  std::int64_t produced = 0;
+  for (;;) {
+    const std::int32_t t = sampler.next(logits, allowed);
+    if (stop.count(t)) {
+      why = fmt::format("stopped at {}", tok.decode(std::span(&t, 1)));
+      break;
+    }
+    pending += tok.decode(std::span(&t, 1));
+    const std::size_t n = gen::utf8_complete_prefix(pending);
+    std::fwrite(pending.data(), 1, n, stdout);
+    std::fflush(stdout);
+    pending.erase(0, n);
+    if (++produced == o.max_new_tokens) {
+      why = fmt::format("stopped after --max-new-tokens {}", o.max_new_tokens);
+      break;
+    }
+    if (dec.length() == dec.capacity()) {
+      why = fmt::format("stopped at the model's {} positions", cfg.max_position_embeddings);
+      break;
+    }
+    logits = dec.append(std::span(&t, 1));
+  }
+  if (!pending.empty()) std::fputs("\xEF\xBF\xBD", stdout);  // an unfinished UTF-8 sequence
+  std::fputs("\n", stdout);
+  std::fflush(stdout);
+  const double t_all = seconds_since(t0);
+  std::fprintf(stderr,
+               "qtrain generate: %lld new tokens, %s; prefill %.2f s, %.1f tokens/s after it\n",
+               static_cast<long long>(produced), why.c_str(), t_prefill,
+               produced > 1 ? (produced - 1) / std::max(t_all - t_prefill, 1e-9) : 0.0);
+  return 0;
+}
+
+}  // namespace
+
+namespace gen {
+
+std::size_t utf8_complete_prefix(std::string_view s) {
+  const std::size_t n = s.size();
+  for (std::size_t back = 1; back <= 4 && back <= n; ++back) {
+    const auto b = static_cast<unsigned char>(s[n - back]);
+    if ((b & 0xC0) == 0x80) continue;  // a continuation byte: look further back
+    const std::size_t need = b < 0x80             ? 1
+                             : (b & 0xE0) == 0xC0 ? 2
+                             : (b & 0xF0) == 0xE0 ? 3
+                             : (b & 0xF8) == 0xF0 ? 4
+                                                  : 1;  // invalid lead
+    return back < need ? n - back : n;
+  }
+  return n;  // only continuation bytes at the end: invalid, print them
+}
+
+}  // namespace gen
+
+int generate_main(int argc, char** argv, std::shared_ptr<MpiComm> world) {
+  const bool root = world->rank() == 0;
+  try {
+    const Options o = parse_options(argc, argv);
+    if (o.help) {
+      if (root) {
+        Options dummy;
+        std::ostringstream ss;
+        ss << option_table(dummy);
+        std::printf(
+            "%s\nThe generated text goes to stdout as it is decoded; model and timing lines go to "
+            "stderr.\nCPU only for now (the GPU version comes later); one process, not several "
+            "MPI ranks. docs/generate.md.\n",
+            ss.str().c_str());
+      }
+      return 0;
+    }
+    return run(o, world);
+  } catch (const UserError& e) {
+    if (root) std::fprintf(stderr, "qtrain generate: error: %s\n", e.what());
+    return kExitBadInput;
+  }
+}
+
+}  // namespace qt

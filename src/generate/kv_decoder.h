@@ -1,0 +1,61 @@
+// Qwen3 inference on the CPU with a key/value cache (docs/generate.md): the math of
+// Qwen3Model::forward (src/model/qwen3.cpp, ../shared/docs/qwen3-spec.md section 2) over the same
+// CPU ops, for one sequence. A call appends n tokens at positions [len, len + n): one pass of
+// GEMMs over the n rows (the whole prompt at once), their keys and values (after k-norm and RoPE)
+// stored in the cache, and each query attending to the cached positions [0, its own].
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+
+namespace qt::gen {
+
+// Single-query attention over a cache (the decode step; prefill calls it once per query).
+// q, out: [nh, hd]; k, v: [len, nkv, hd] (rows 0..len-1 of the cache); query head h reads kv
+// head h / (nh / nkv); scale 1/sqrt(hd), softmax sums in double. out is written.
+void cached_attention(float* out, const float* q, const float* k, const float* v, int len, int nh,
+                      int nkv, int hd);
+
+class KvDecoder {
+ public:
+  // params: the flat buffer of ParamLayout(cfg), kept by pointer (it must outlive the decoder).
+  // capacity: cache size in tokens, at most cfg.max_position_embeddings.
+  KvDecoder(const ModelConfig& cfg, const float* params, int capacity);
+
+  const ModelConfig& config() const { return cfg_; }
+  int length() const { return len_; }  // tokens in the cache
+  int capacity() const { return cap_; }
+  void reset() { len_ = 0; }  // forget the sequence (the cache is overwritten)
+
+  // Appends ids (n >= 1 tokens in [0, V), length() + n <= capacity()). Returns the logits of the
+  // new positions, [n, V] when all_logits, else [V] of the last one; valid until the next call.
+  const float* append(std::span<const std::int32_t> ids, bool all_logits = false);
+
+  // Bytes of the key/value cache.
+  std::size_t cache_bytes() const { return (k_.size() + v_.size()) * sizeof(float); }
+
+ private:
+  void layer(int l, int n);  // x_ [n, H] in, x_ out (residual stream updated in place)
+
+  ModelConfig cfg_;
+  ParamLayout layout_;
+  const float* P_;
+  int cap_, len_ = 0;
+  std::size_t off_embed_, off_norm_, off_lm_head_;
+  std::vector<LayerOffsets> lp_;
+  std::vector<float> rope_cos_, rope_sin_;  // [cap, hd/2]
+  std::vector<float> k_, v_;                // [L, cap, nkv, hd] after k-norm and RoPE; v as is
+  // Scratch for a chunk of n rows.
+  std::vector<std::int32_t> pos_;         // [n] positions len..len+n-1
+  std::vector<float> x_, ln_, rstd_;      // [n, H], [n, H], [n * max(nh, nkv)]
+  std::vector<float> q_raw_, q_, k_raw_;  // [n, Q], [n, Q], [n, KV]
+  std::vector<float> att_, tmp_;          // [n, Q], [n, H]
+  std::vector<float> gate_, up_, h_;      // [n, I]
+  std::vector<float> logits_;             // [n or 1, V]
+};
+
+}  // namespace qt::gen

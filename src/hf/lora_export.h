@@ -1,0 +1,43 @@
+// A LoRA run's checkpoint outside qtrain (docs/finetune.md, "LoRA"):
+//   qtrain export ckpt.h5 DIR          -> DIR/adapter_model.safetensors (fp32, PEFT's names) and
+//                                         DIR/adapter_config.json, what peft's
+//                                         PeftModel.from_pretrained(base, DIR) loads;
+//   qtrain export ckpt.h5 DIR --merge  -> a model directory with W + scale * B A (export.h).
+// The base is the one the checkpoint names: its run's model.init directory, or the model that
+// init_params builds from its seed.
+#pragma once
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "hf/export.h"
+#include "qtrain/comm.h"
+#include "qtrain/params.h"
+
+namespace qt::hf {
+
+// Collective: the adapters of LoRA checkpoint `path` (cm.lora set), validated and checksummed,
+// as a flat buffer of lora_layout(cm.cfg, cm.lora->config).
+std::vector<float> read_lora_adapters(const std::string& path, const CheckpointModel& cm,
+                                      std::shared_ptr<MpiComm> world);
+
+// Collective: the frozen base of the LoRA checkpoint into `params` (ParamLayout(cm.cfg)).
+// UserError when its model.init directory is gone or does not fit.
+void load_lora_base(const std::string& path, const CheckpointModel& cm, const ParamLayout& layout,
+                    float* params, Comm& world);
+
+// Collective: base + scale * B A, the merged model's weights, into `params`.
+void lora_merged_params(const std::string& path, const CheckpointModel& cm,
+                        const ParamLayout& layout, float* params, std::shared_ptr<MpiComm> world);
+
+// adapter_config.json as peft writes it for a LoraConfig with these settings.
+nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora);
+
+// The adapter directory (rank 0 writes it atomically, as export_checkpoint does). Returns the
+// summary line.
+std::string export_lora_adapters(const ExportOptions& o, const CheckpointModel& cm,
+                                 std::shared_ptr<MpiComm> world);
+
+}  // namespace qt::hf

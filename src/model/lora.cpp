@@ -1,0 +1,243 @@
+// LoRA adapters on the CPU (see lora.h): layout, PEFT's initialisation, the forward and backward
+// of one adapted projection, and merging into the base weights.
+#include "model/lora.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <tuple>
+
+#include "ops/gemm.h"
+#include "qtrain/error.h"
+#include "runtime/rng.h"
+
+namespace qt {
+
+namespace {
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t");
+  if (b == std::string::npos) return {};
+  return s.substr(b, s.find_last_not_of(" \t") - b + 1);
+}
+
+// "dir/" and "dir/./" name the same directory as "dir".
+std::string normal_dir(const std::string& d) {
+  std::string s = std::filesystem::path(d).lexically_normal().string();
+  while (s.size() > 1 && s.back() == '/') s.pop_back();
+  return s;
+}
+
+}  // namespace
+
+std::vector<int> parse_lora_targets(const std::string& list, const std::string& what) {
+  std::string names;
+  for (const char* n : kLoraTargets) names += (names.empty() ? "" : " | ") + std::string(n);
+  std::vector<int> out;
+  if (trim(list) == "all-linear") {  // PEFT's shorthand: every projection (never lm_head)
+    for (int t = 0; t < kNumLoraTargets; ++t) out.push_back(t);
+    return out;
+  }
+  for (std::size_t start = 0;;) {
+    const std::size_t comma = list.find(',', start);
+    const std::string item =
+        trim(list.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (item.empty())
+      fail_user("{}: an empty name in the list; give a comma list of {} (or all-linear)", what,
+                names);
+    auto it = std::find_if(kLoraTargets.begin(), kLoraTargets.end(),
+                           [&](const char* n) { return item == n; });
+    if (it == kLoraTargets.end())
+      fail_user("{}: unknown target {}; targets are {} (or all-linear)", what, item, names);
+    const int idx = static_cast<int>(it - kLoraTargets.begin());
+    if (std::find(out.begin(), out.end(), idx) != out.end())
+      fail_user("{}: {} is given twice", what, item);
+    out.push_back(idx);
+    if (comma == std::string::npos) break;
+    start = comma + 1;
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string LoraBase::describe() const {
+  return init.empty() ? fmt::format("train.seed = {}", seed) : fmt::format("model.init = {}", init);
+}
+
+bool LoraBase::same_as(const LoraBase& o) const {
+  if (init.empty() || o.init.empty()) return init.empty() && o.init.empty() && seed == o.seed;
+  return normal_dir(init) == normal_dir(o.init);
+}
+
+std::string lora_param_name(int layer, int target, char which) {
+  return fmt::format("base_model.model.model.layers.{}.{}.lora_{}.weight", layer,
+                     kLoraModules[target], which);
+}
+
+std::pair<int, int> lora_target_dims(const ModelConfig& c, int target) {
+  const int H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim(), I = c.intermediate_size;
+  switch (target) {
+    case kLoraQ:
+      return {H, Q};
+    case kLoraK:
+      return {H, KV};
+    case kLoraV:
+      return {H, KV};
+    case kLoraO:
+      return {Q, H};
+    case kLoraGate:
+      return {H, I};
+    case kLoraUp:
+      return {H, I};
+    case kLoraDown:
+      return {I, H};
+  }
+  QT_CHECK(false, "LoRA target {} out of range", target);
+  return {0, 0};
+}
+
+ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora) {
+  QT_CHECK(lora.r > 0, "lora_layout with r = {}", lora.r);
+  const std::vector<int> targets = parse_lora_targets(lora.targets, "lora.targets");
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    for (int t : targets) {
+      const auto [in, out] = lora_target_dims(cfg, t);
+      tensors.push_back({lora_param_name(l, t, 'A'), {lora.r, in}});
+      tensors.push_back({lora_param_name(l, t, 'B'), {out, lora.r}});
+    }
+  }
+  return ParamLayout(tensors);
+}
+
+void lora_init(const ParamLayout& layout, std::uint64_t seed, float* adapters) {
+  for (const ParamInfo& p : layout.params()) {
+    float* w = adapters + p.offset;
+    if (p.name.find(".lora_B.") != std::string::npos) {
+      std::fill(w, w + p.numel, 0.0f);
+      continue;
+    }
+    // kaiming_uniform_(a = sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in).
+    const double bound = 1.0 / std::sqrt(static_cast<double>(p.shape[1]));
+    const std::uint64_t stream = rng::hash_combine(seed, rng::hash_string(p.name));
+    for (std::size_t i = 0; i < p.numel; ++i)
+      w[i] = static_cast<float>(bound * (2.0 * rng::uniform(stream, i) - 1.0));
+  }
+}
+
+void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* adapters,
+                const ParamLayout& base_layout, float* base) {
+  const ParamLayout layout = lora_layout(cfg, lora);
+  const float scale = static_cast<float>(lora.scale());
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
+      const auto [in, out] = lora_target_dims(cfg, t);
+      const float* A = adapters + layout.find(lora_param_name(l, t, 'A')).offset;  // [r, in]
+      const float* B = adapters + layout.find(lora_param_name(l, t, 'B')).offset;  // [out, r]
+      float* W =
+          base + base_layout.find(fmt::format("model.layers.{}.{}.weight", l,
+                                              kLoraModules[t]))
+                     .offset;  // [out, in]
+      // W[out, in] += scale * B[out, r] A[r, in]
+      cpu::gemm<float>(false, false, out, in, lora.r, scale, B, lora.r, A, in, 1.0f, W, in);
+    }
+  }
+}
+
+LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B, int T)
+    : cfg_(cfg),
+      lora_(lora),
+      layout_(lora_layout(cfg, lora)),
+      B_(B),
+      T_(T),
+      N_(B * T),
+      scale_(lora.scale()) {
+  slots_.resize(static_cast<std::size_t>(cfg.num_layers) * kNumLoraTargets);
+  int max_in = 0;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
+      Slot& s = slots_[static_cast<std::size_t>(l) * kNumLoraTargets + t];
+      s.on = true;
+      std::tie(s.in, s.out) = lora_target_dims(cfg, t);
+      s.a = layout_.find(lora_param_name(l, t, 'A')).offset;
+      s.b = layout_.find(lora_param_name(l, t, 'B')).offset;
+      s.xa.resize(static_cast<std::size_t>(N_) * lora.r);
+      max_in = std::max(max_in, s.in);
+    }
+  }
+  const std::size_t N = N_;
+  if (lora.dropout > 0) {
+    xd_.resize(N * max_in);
+    mask_.resize(N * max_in);
+  }
+  g_.resize(N * lora.r);
+  dxd_.resize(N * max_in);
+}
+
+const float* LoraAdapters::dropped(int layer, int target, const float* x, int in) {
+  const double p = lora_.dropout;
+  if (p <= 0) return x;
+  const float keep_scale = static_cast<float>(1.0 / (1.0 - p));
+  const std::uint64_t stream =
+      rng::hash_combine(rng::hash_combine(seed_, rng::hash_string("lora_dropout")),
+                        static_cast<std::uint64_t>(layer) * kNumLoraTargets + target);
+  for (int n = 0; n < N_; ++n) {
+    // Token t of the sequence with index g in the data order.
+    const std::uint64_t g = static_cast<std::uint64_t>(first_sample_ + n / T_);
+    const std::uint64_t first = (g * T_ + n % T_) * static_cast<std::uint64_t>(in);
+    const std::size_t row = static_cast<std::size_t>(n) * in;
+    for (int i = 0; i < in; ++i) {
+      const float m = rng::uniform(stream, first + i) >= p ? keep_scale : 0.0f;
+      mask_[row + i] = m;
+      xd_[row + i] = x[row + i] * m;
+    }
+  }
+  return xd_.data();
+}
+
+void LoraAdapters::forward(int layer, int target, const float* x, float* y) {
+  Slot& s = slots_[static_cast<std::size_t>(layer) * kNumLoraTargets + target];
+  if (!s.on) return;
+  QT_CHECK(params_ != nullptr, "LoRA forward without adapter weights (bind() first)");
+  const int r = lora_.r;
+  const float* xd = dropped(layer, target, x, s.in);
+  // xa[N, r] = xd[N, in] A[r, in]^T
+  cpu::gemm<float>(false, true, N_, r, s.in, 1.0f, xd, s.in, params_ + s.a, s.in, 0.0f, s.xa.data(),
+                   r);
+  // y[N, out] += scale * xa[N, r] B[out, r]^T
+  cpu::gemm<float>(false, true, N_, s.out, r, static_cast<float>(scale_), s.xa.data(), r,
+                   params_ + s.b, r, 1.0f, y, s.out);
+}
+
+void LoraAdapters::backward(int layer, int target, const float* x, const float* dy, float* dx) {
+  Slot& s = slots_[static_cast<std::size_t>(layer) * kNumLoraTargets + target];
+  if (!s.on) return;
+  QT_CHECK(params_ != nullptr && grads_ != nullptr,
+           "LoRA backward without adapter weights and gradients (bind() first)");
+  const int r = lora_.r, N = N_;
+  const float scale = static_cast<float>(scale_);
+  const float* xd = dropped(layer, target, x, s.in);  // the forward's mask again
+  const float* A = params_ + s.a;                     // [r, in]
+  const float* B = params_ + s.b;                     // [out, r]
+  // dB[out, r] += scale * dy[N, out]^T xa[N, r]
+  cpu::gemm<float>(true, false, s.out, r, N, scale, dy, s.out, s.xa.data(), r, 1.0f, grads_ + s.b,
+                   r);
+  // g[N, r] = dy[N, out] B[out, r]
+  cpu::gemm<float>(false, false, N, r, s.out, 1.0f, dy, s.out, B, r, 0.0f, g_.data(), r);
+  // dA[r, in] += scale * g[N, r]^T xd[N, in]
+  cpu::gemm<float>(true, false, r, s.in, N, scale, g_.data(), r, xd, s.in, 1.0f, grads_ + s.a,
+                   s.in);
+  if (dx == nullptr) return;
+  // d xd[N, in] = scale * g[N, r] A[r, in]; through the dropout mask into dx.
+  cpu::gemm<float>(false, false, N, s.in, r, scale, g_.data(), r, A, s.in, 0.0f, dxd_.data(), s.in);
+  const std::size_t n = static_cast<std::size_t>(N) * s.in;
+  if (lora_.dropout > 0) {
+    for (std::size_t i = 0; i < n; ++i) dx[i] += dxd_[i] * mask_[i];
+  } else {
+    for (std::size_t i = 0; i < n; ++i) dx[i] += dxd_[i];
+  }
+}
+
+}  // namespace qt

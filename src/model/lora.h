@@ -1,0 +1,89 @@
+// LoRA adapters on the CPU, as PEFT's LoraLayer computes them (include/qtrain/lora.h):
+//   y = x W^T + scale * drop(x) A^T B^T,   A [r, in], B [out, r], scale = alpha / r,
+// drop = inverted dropout (keep with probability 1 - p, kept values times 1 / (1 - p)).
+// The adapters live in their own flat fp32 buffer with their own layout (PEFT's names, e.g.
+// "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"); Qwen3Model calls forward()
+// and backward() beside each adapted projection, and the frozen base gets no gradient.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "qtrain/lora.h"
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+
+namespace qt {
+
+// Index into kLoraTargets.
+enum LoraTarget : int { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown };
+
+// PEFT's name of A ('A') or B ('B') of one projection of one layer.
+std::string lora_param_name(int layer, int target, char which);
+// [in, out] of projection `target` in `cfg` (W is [out, in]).
+std::pair<int, int> lora_target_dims(const ModelConfig& cfg, int target);
+// The adapter layout: per layer, per target in kLoraTargets order, A [r, in] then B [out, r].
+ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora);
+// PEFT's initialisation: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform_ with a = sqrt(5)),
+// B = 0, so the adapted model starts as the base. Value i of A depends on (seed, name, i) only.
+void lora_init(const ParamLayout& layout, std::uint64_t seed, float* adapters);
+// Base weights W [out, in] += scale * B A for every adapter of `layout` (export --merge).
+// base: the model's flat buffer (base_layout).
+void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* adapters,
+                const ParamLayout& base_layout, float* base);
+
+class LoraAdapters {
+ public:
+  // Adapters for micro-batches of B sequences of T tokens (N = B*T rows).
+  LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B, int T);
+
+  const LoraConfig& config() const { return lora_; }
+  const ParamLayout& layout() const { return layout_; }
+  double scale() const { return scale_; }
+
+  // The adapter weights and gradient buffer (layout().numel(); gradients accumulate, +=) of the
+  // next forward and backward. grads may be null when no backward follows.
+  void bind(const float* params, float* grads) { params_ = params, grads_ = grads; }
+  // Keys the dropout masks of the next forward and backward: the run's seed and the index in
+  // the data order of the micro-batch's first sequence. The mask of element i of token t of
+  // sequence g is a pure function of (seed, layer, target, g, t, i): independent of the mesh and
+  // of micro-batching, and the same when a layer is recomputed.
+  void set_dropout_key(std::uint64_t seed, std::int64_t first_sample) {
+    seed_ = seed, first_sample_ = first_sample;
+  }
+
+  // y[N, out] += scale * drop(x) A^T B^T for x [N, in]; keeps drop(x) A^T [N, r] for backward.
+  // No-op for a projection that is not a target.
+  void forward(int layer, int target, const float* x, float* y);
+  // After forward(layer, target, x, .): with dy [N, out] the gradient of y,
+  //   dB [out, r] += scale * dy^T (drop(x) A^T),   dA [r, in] += scale * (dy B)^T drop(x),
+  //   dx [N, in]  += scale * drop'((dy B) A)       (skipped when dx is null).
+  void backward(int layer, int target, const float* x, const float* dy, float* dx);
+
+ private:
+  struct Slot {  // one adapted projection of one layer
+    bool on = false;
+    int in = 0, out = 0;
+    std::size_t a = 0, b = 0;  // offsets of A and B in the adapter buffer
+    std::vector<float> xa;     // [N, r] drop(x) A^T of the last forward
+  };
+  // x with the dropout mask of (layer, target) applied, into xd_ ([N, in], the mask times
+  // 1 / (1 - p) into mask_); returns x itself when dropout is off.
+  const float* dropped(int layer, int target, const float* x, int in);
+
+  ModelConfig cfg_;
+  LoraConfig lora_;
+  ParamLayout layout_;
+  int B_, T_, N_;
+  double scale_;
+  std::vector<Slot> slots_;  // [layer * kNumLoraTargets + target]
+  const float* params_ = nullptr;
+  float* grads_ = nullptr;
+  std::uint64_t seed_ = 0;
+  std::int64_t first_sample_ = 0;
+  std::vector<float> xd_, mask_, g_, dxd_;  // scratch: [N, max in] x 2, [N, r], [N, max in]
+};
+
+}  // namespace qt

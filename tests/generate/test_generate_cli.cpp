@@ -1,0 +1,228 @@
+// `qtrain generate` end to end (generate_main in process, stdout captured), with Qwen3's
+// tokenizer (the qwen3_tokenizer CTest fixture): a Hugging Face directory and a qtrain checkpoint
+// of a small model with Qwen3's 151936-token vocabulary and random weights; what the command
+// prints equals the decoding of KvDecoder + Sampler on the same weights, greedy and sampled,
+// plain and with the chat template. Also the generation-prompt form of the chat renderer.
+#include <gtest/gtest.h>
+#include <mpi.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "generate/generate.h"
+#include "generate/kv_decoder.h"
+#include "generate/sampler.h"
+#include "hf/config.h"
+#include "hf/export.h"
+#include "hf/weights.h"
+#include "model/lora.h"
+#include "model/qwen3.h"
+#include "prep/chat.h"
+#include "qtrain/checkpoint.h"
+#include "qtrain/comm.h"
+#include "qtrain/mesh.h"
+#include "support/random.h"
+#include "tokenizer/qwen3_tokenizer.h"
+
+namespace qt {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::shared_ptr<MpiComm> world_comm() {
+  return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
+}
+
+// Runs generate_main with `args`; returns (exit code, stdout).
+std::pair<int, std::string> run_generate(std::vector<std::string> args) {
+  args.insert(args.begin(), "generate");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  testing::internal::CaptureStdout();
+  const int rc = generate_main(static_cast<int>(argv.size()), argv.data(), world_comm());
+  return {rc, testing::internal::GetCapturedStdout()};
+}
+
+ModelConfig small_qwen3_vocab() {
+  ModelConfig c;
+  c.preset = "";
+  c.vocab_size = 151936;  // Qwen3's embedding rows (the tokenizer has 151669 ids)
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 16;
+  c.tie_word_embeddings = false;
+  c.max_position_embeddings = 4096;
+  return c;
+}
+
+// What the command must print: the decoded tokens of KvDecoder + Sampler until a stop token or
+// max_new, whole UTF-8 (a dangling tail as U+FFFD), then a newline.
+std::string expected_output(const ModelConfig& c, const std::vector<float>& params,
+                            const std::string& prompt_text, double temperature, double top_p,
+                            std::uint64_t seed, int max_new) {
+  const Tokenizer& tok = test::qwen3_tokenizer();
+  const std::vector<std::int32_t> prompt = tok.encode(prompt_text);
+  const std::set<std::int32_t> stop = {*tok.token_id("<|im_end|>"), *tok.token_id("<|endoftext|>")};
+  gen::KvDecoder dec(c, params.data(), static_cast<int>(prompt.size()) + max_new);
+  gen::Sampler s(temperature, top_p, seed);
+  const float* logits = dec.append(prompt);
+  std::string bytes;
+  for (int k = 0; k < max_new; ++k) {
+    const std::int32_t t = s.next(logits, tok.vocab_size());
+    if (stop.count(t)) break;
+    bytes += tok.decode(std::span(&t, 1));
+    if (k + 1 < max_new) logits = dec.append(std::span(&t, 1));
+  }
+  const std::size_t whole = gen::utf8_complete_prefix(bytes);
+  return bytes.substr(0, whole) + (whole < bytes.size() ? "\xEF\xBF\xBD" : "") + "\n";
+}
+
+class GenerateCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    tok_dir_ = test::qwen3_tokenizer_dir();
+    ASSERT_FALSE(tok_dir_.empty());
+    dir_ = fs::temp_directory_path() / ("qtrain_test_generate_" + std::to_string(::getpid()) + "_" +
+                                        std::to_string(test::test_seed() % 100000));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+    cfg_ = small_qwen3_vocab();
+    const ParamLayout layout(cfg_);
+    std::mt19937_64 rng(test::test_seed());
+    params_ = test::random_vector<float>(layout.numel(), rng, 0.5);
+    for (const ParamInfo& p : layout.params())
+      if (p.shape.size() == 1)
+        for (std::size_t i = 0; i < p.numel; ++i)
+          params_[p.offset + i] = 1.0f + 0.2f * params_[p.offset + i];
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // An HF directory of the weights (bf16) with the tokenizer; params_ becomes what it holds.
+  std::string write_hf_dir() {
+    const std::string d = (dir_ / "hf").string();
+    fs::create_directories(d);
+    const ParamLayout layout(cfg_);
+    hf::write_model_dir(d, cfg_, layout, params_.data(), 5'000'000'000, hf::default_extras(cfg_),
+                        "");
+    for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
+      fs::copy_file(fs::path(tok_dir_) / f, fs::path(d) / f);
+    auto world = world_comm();
+    hf::load_params(d, layout, hf::all_rows(layout, params_.data()), cfg_.tie_word_embeddings,
+                    *world);
+    return d;
+  }
+
+  fs::path dir_;
+  std::string tok_dir_;
+  ModelConfig cfg_;
+  std::vector<float> params_;
+};
+
+TEST_F(GenerateCli, GreedyFromHfDirectoryEqualsKvDecoder) {
+  const std::string d = write_hf_dir();
+  const std::string prompt = "The quick brown fox";
+  const auto [rc, out] = run_generate({d, "--prompt", prompt, "--max-new-tokens", "12"});
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(out, expected_output(cfg_, params_, prompt, 0.0, 1.0, 0, 12));
+}
+
+TEST_F(GenerateCli, SampledChatNoThinkIsSeededAndEqualsKvDecoder) {
+  const std::string d = write_hf_dir();
+  const std::vector<std::string> args = {d,           "--chat",   "--no-think", "--system",
+                                         "Be brief.", "--prompt", "Hi there",   "--temperature",
+                                         "0.8",       "--top-p",  "0.9",        "--seed",
+                                         "11",        "-n",       "10"};
+  const auto [rc1, out1] = run_generate(args);
+  const auto [rc2, out2] = run_generate(args);
+  EXPECT_EQ(rc1, 0);
+  EXPECT_EQ(rc2, 0);
+  EXPECT_EQ(out1, out2);
+  const std::string rendered =
+      "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
+      "<|im_start|>assistant\n<think>\n\n</think>\n\n";
+  EXPECT_EQ(out1, expected_output(cfg_, params_, rendered, 0.8, 0.9, 11, 10));
+}
+
+TEST_F(GenerateCli, FromCheckpointDirectoryWithTokenizerOption) {
+  // A qtrain checkpoint (fp32) written as training writes it, in a directory of checkpoints.
+  auto world = world_comm();
+  const ParamLayout layout(cfg_);
+  std::vector<float> zeros(layout.numel(), 0.0f);
+  {
+    Mesh mesh(MeshShape{}, world);
+    TrainState st;
+    st.step = 5;
+    checkpoint_write(checkpoint_path((dir_ / "ckpt").string(), 5), mesh, layout, params_.data(),
+                     MomentShard{{0, layout.numel()}, zeros.data(), zeros.data()}, st, cfg_, "");
+  }
+  const std::string prompt = "Once upon a time";
+  // No model.init in the checkpoint: the tokenizer must be named.
+  const auto [rc0, out0] = run_generate({(dir_ / "ckpt").string(), "--prompt", prompt});
+  EXPECT_EQ(rc0, 2);
+  EXPECT_EQ(out0, "");
+  const auto [rc, out] = run_generate(
+      {(dir_ / "ckpt").string(), "--prompt", prompt, "--tokenizer", tok_dir_, "-n", "9"});
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(out, expected_output(cfg_, params_, prompt, 0.0, 1.0, 0, 9));
+}
+
+TEST_F(GenerateCli, FromLoraCheckpointMergesTheAdapters) {
+  // A LoRA run's checkpoint (adapters only) whose base is the model initialised from a seed:
+  // generate uses the base with W + scale * B A, as `qtrain export --merge` does.
+  auto world = world_comm();
+  LoraCheckpointInfo info;
+  info.config.r = 4;
+  info.config.alpha = 8;
+  info.config.targets = "q_proj,v_proj,down_proj";
+  info.base.seed = 77;
+  const ParamLayout adapters_layout = lora_layout(cfg_, info.config);
+  std::mt19937_64 rng(test::test_seed() + 9);
+  const std::vector<float> adapters = test::random_vector<float>(adapters_layout.numel(), rng, 0.5);
+  std::vector<float> zeros(adapters_layout.numel(), 0.0f);
+  {
+    Mesh mesh(MeshShape{}, world);
+    TrainState st;
+    st.step = 3;
+    st.seed = 77;
+    checkpoint_write((dir_ / "lora.h5").string(), mesh, adapters_layout, adapters.data(),
+                     MomentShard{{0, adapters_layout.numel()}, zeros.data(), zeros.data()}, st,
+                     cfg_, "", &info);
+  }
+  const ParamLayout layout(cfg_);
+  std::vector<float> merged(layout.numel());
+  init_params(cfg_, layout, 77, merged.data());
+  lora_merge(cfg_, info.config, adapters.data(), layout, merged.data());
+  const std::string prompt = "A day for";
+  const auto [rc, out] = run_generate(
+      {(dir_ / "lora.h5").string(), "--prompt", prompt, "--tokenizer", tok_dir_, "-n", "8"});
+  EXPECT_EQ(rc, 0);
+  EXPECT_EQ(out, expected_output(cfg_, merged, prompt, 0.0, 1.0, 0, 8));
+}
+
+TEST(ChatGenerationPrompt, AsTheTemplateRendersIt) {
+  // Qwen3's template with add_generation_prompt=True (and enable_thinking=False).
+  const std::vector<prep::ChatMessage> m = {{"user", "2+2?", std::nullopt}};
+  EXPECT_EQ(prep::render_qwen3_generation_prompt(m),
+            "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(prep::render_qwen3_generation_prompt(m, false),
+            "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  // Earlier turns render as without the generation prompt (the last query is the final user).
+  const std::vector<prep::ChatMessage> multi = {{"system", "S", std::nullopt},
+                                                {"user", "a", std::nullopt},
+                                                {"assistant", "<think>r</think>b", std::nullopt},
+                                                {"user", "c", std::nullopt}};
+  EXPECT_EQ(prep::render_qwen3_generation_prompt(multi),
+            "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\na<|im_end|>\n"
+            "<|im_start|>assistant\nb<|im_end|>\n<|im_start|>user\nc<|im_end|>\n"
+            "<|im_start|>assistant\n");
+}
+
+}  // namespace
+}  // namespace qt
