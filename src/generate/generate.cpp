@@ -16,6 +16,9 @@
 
 #include "generate/kv_decoder.h"
 #include "generate/sampler.h"
+#ifdef QTRAIN_HAVE_CUDA
+#include "generate/kv_decoder_cuda.h"  // no CUDA header in it
+#endif
 #include "hf/config.h"
 #include "hf/export.h"
 #include "hf/lora_export.h"
@@ -47,7 +50,8 @@ po::options_description option_table(Options& o) {
   po::options_description d(
       "qtrain generate MODEL --prompt TEXT [options]\n"
       "  MODEL: a qtrain checkpoint (.h5), a checkpoint directory (its newest step_*.h5) or a\n"
-      "  Hugging Face Qwen3 directory (config.json + safetensors). Runs on the CPU, one process");
+      "  Hugging Face Qwen3 directory (config.json + safetensors). One process, on the CPU or one "
+      "GPU");
   auto add = d.add_options();
   add("help,h", po::bool_switch(&o.help), "print this help");
   add("prompt,p", po::value(&o.prompt),
@@ -70,7 +74,7 @@ po::options_description option_table(Options& o) {
       "sample only from the smallest set of tokens whose probabilities sum to >= top-p");
   add("seed", po::value(&o.seed)->default_value(0), "seed of the sampling draws");
   add("device", po::value(&o.device)->default_value("cpu"),
-      "cpu (the GPU version is not built yet: cuda is refused)");
+      "cpu (fp32) or cuda (GPU 0, bf16; needs a qtrain built with the CUDA back end)");
   return d;
 }
 
@@ -96,12 +100,15 @@ Options parse_options(int argc, char** argv) {
               models.size());
   o.model = models[0];
   if (!vm.count("prompt")) fail_user("--prompt is required");
-  if (o.device == "cuda" || o.device == "gpu")
+  if (o.device == "gpu") o.device = "cuda";
+  if (o.device != "cpu" && o.device != "cuda")
+    fail_user("--device {}: expected cpu or cuda", o.device);
+#ifndef QTRAIN_HAVE_CUDA
+  if (o.device == "cuda")
     fail_user(
-        "--device {}: generation on the GPU is not built yet; qtrain generate runs on the "
-        "CPU only (--device cpu, the default)",
-        o.device);
-  if (o.device != "cpu") fail_user("--device {}: expected cpu", o.device);
+        "--device cuda needs a CUDA build: this qtrain was built without the CUDA back end; build "
+        "it with `cmake --preset cuda` (needs CUDA 13 and NCCL), or use --device cpu");
+#endif
   if (o.max_new_tokens < 1) fail_user("--max-new-tokens must be >= 1, got {}", o.max_new_tokens);
   if (!(o.temperature >= 0) || !std::isfinite(o.temperature))
     fail_user("--temperature must be >= 0 (0 = greedy), got {}", o.temperature);
@@ -269,19 +276,37 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
 
   // The weights, the cache.
   const ParamLayout layout(cfg);
-  const std::vector<float> params = load_weights(src, layout, world);
+  std::vector<float> params = load_weights(src, layout, world);
   const std::int64_t cap64 =
       std::min<std::int64_t>(cfg.max_position_embeddings, prompt.size() + o.max_new_tokens);
-  gen::KvDecoder dec(cfg, params.data(), static_cast<int>(cap64));
+  const int cap = static_cast<int>(cap64);
+  std::unique_ptr<gen::Decoder> dec_ptr;
+  std::string where = "on the CPU, fp32";
+#ifdef QTRAIN_HAVE_CUDA
+  if (o.device == "cuda") {
+    auto gpu = std::make_unique<gen::KvDecoderCuda>(cfg, params.data(), cap);
+    // Warm-up, so that the timings below leave out one-time costs (kernel loading, cuBLASLt
+    // set-up): a prefill and a decode step of one token, then the cache is forgotten.
+    gpu->append(std::span(prompt.data(), 1));
+    if (cap >= 2) gpu->append(std::span(prompt.data(), 1));
+    gpu->reset();
+    where = fmt::format("on {}, bf16, {:.2f} GiB of device memory", gpu->device_description(),
+                        gpu->device_bytes() / double(1 << 30));
+    dec_ptr = std::move(gpu);
+    std::vector<float>().swap(params);  // the GPU holds its own bf16 copy
+  }
+#endif
+  if (!dec_ptr) dec_ptr = std::make_unique<gen::KvDecoder>(cfg, params.data(), cap);
+  gen::Decoder& dec = *dec_ptr;
   // Ids past the tokenizer's (the padding rows of Qwen3's 151936-row embedding) are never drawn.
   const int allowed = std::min(cfg.vocab_size, tok.vocab_size());
   std::fprintf(
       stderr,
       "qtrain generate: %s: %d layers, hidden %d, vocab %d, %.1fM parameters; loaded in "
-      "%.1f s\nqtrain generate: tokenizer %s; prompt %zu tokens; %s; stops at %s or "
+      "%.1f s %s\nqtrain generate: tokenizer %s; prompt %zu tokens; %s; stops at %s or "
       "after %lld new tokens\n",
       src.describe.c_str(), cfg.num_layers, cfg.hidden_size, cfg.vocab_size, layout.numel() / 1e6,
-      seconds_since(t_load), tok_dir.c_str(), prompt.size(),
+      seconds_since(t_load), where.c_str(), tok_dir.c_str(), prompt.size(),
       o.temperature == 0
           ? "greedy"
           : fmt::format("temperature {} top-p {} seed {}", o.temperature, o.top_p, o.seed).c_str(),
@@ -321,9 +346,13 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
   std::fputs("\n", stdout);
   std::fflush(stdout);
   const double t_all = seconds_since(t0);
+  // Decode speed: the steps after the prefill (each a forward of one token, the draw and the
+  // printing of its text), i.e. the new tokens past the first.
   std::fprintf(stderr,
-               "qtrain generate: %lld new tokens, %s; prefill %.2f s, %.1f tokens/s after it\n",
-               static_cast<long long>(produced), why.c_str(), t_prefill,
+               "qtrain generate: %lld new tokens, %s; prefill %zu tokens in %.3f s (%.1f "
+               "tokens/s), decode %.1f tokens/s\n",
+               static_cast<long long>(produced), why.c_str(), prompt.size(), t_prefill,
+               prompt.size() / std::max(t_prefill, 1e-9),
                produced > 1 ? (produced - 1) / std::max(t_all - t_prefill, 1e-9) : 0.0);
   return 0;
 }
@@ -360,8 +389,8 @@ int generate_main(int argc, char** argv, std::shared_ptr<MpiComm> world) {
         ss << option_table(dummy);
         std::printf(
             "%s\nThe generated text goes to stdout as it is decoded; model and timing lines go to "
-            "stderr.\nCPU only for now (the GPU version comes later); one process, not several "
-            "MPI ranks. docs/generate.md.\n",
+            "stderr.\nOne process, not several MPI ranks; --device cuda needs a CUDA build. "
+            "docs/generate.md.\n",
             ss.str().c_str());
       }
       return 0;

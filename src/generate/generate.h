@@ -1,8 +1,9 @@
 // `qtrain generate <model> --prompt TEXT`: text from a qtrain checkpoint or a Hugging Face Qwen3
-// directory, on the CPU, with a key/value cache (docs/generate.md). Greedy or top-p sampling;
-// --chat renders the prompt with Qwen3's chat template; the text is streamed to stdout as it is
-// decoded. One process: under mpirun with more than one rank it refuses (exit 2 on every rank).
-// The GPU version is not built yet: --device cuda is refused.
+// directory, with a key/value cache, on the CPU (KvDecoder, fp32) or with --device cuda on one
+// GPU (KvDecoderCuda, bf16; a CPU-only build refuses it with exit 2) (docs/generate.md). Greedy
+// or top-p sampling; --chat renders the prompt with Qwen3's chat template; the text is streamed
+// to stdout as it is decoded. One process: under mpirun with more than one rank it refuses (exit
+// 2 on every rank).
 #pragma once
 
 #include <cstddef>

@@ -5,6 +5,7 @@
 // stored in the cache, and each query attending to the cached positions [0, its own].
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -20,23 +21,34 @@ namespace qt::gen {
 void cached_attention(float* out, const float* q, const float* k, const float* v, int len, int nh,
                       int nkv, int hd);
 
-class KvDecoder {
+// What `qtrain generate` needs from a model with a key/value cache: KvDecoder (CPU, fp32) or
+// KvDecoderCuda (kv_decoder_cuda.h, GPU, bf16), chosen by --device.
+class Decoder {
+ public:
+  virtual ~Decoder() = default;
+  virtual const ModelConfig& config() const = 0;
+  virtual int length() const = 0;    // tokens in the cache
+  virtual int capacity() const = 0;  // cache size in tokens
+  virtual void reset() = 0;          // forget the sequence (the cache is overwritten)
+  // Appends ids (n >= 1 tokens in [0, V), length() + n <= capacity()). Returns the logits (fp32,
+  // host memory) of the new positions, [n, V] when all_logits, else [V] of the last one; valid
+  // until the next call.
+  virtual const float* append(std::span<const std::int32_t> ids, bool all_logits = false) = 0;
+  virtual std::size_t cache_bytes() const = 0;  // bytes of the key/value cache
+};
+
+class KvDecoder final : public Decoder {
  public:
   // params: the flat buffer of ParamLayout(cfg), kept by pointer (it must outlive the decoder).
   // capacity: cache size in tokens, at most cfg.max_position_embeddings.
   KvDecoder(const ModelConfig& cfg, const float* params, int capacity);
 
-  const ModelConfig& config() const { return cfg_; }
-  int length() const { return len_; }  // tokens in the cache
-  int capacity() const { return cap_; }
-  void reset() { len_ = 0; }  // forget the sequence (the cache is overwritten)
-
-  // Appends ids (n >= 1 tokens in [0, V), length() + n <= capacity()). Returns the logits of the
-  // new positions, [n, V] when all_logits, else [V] of the last one; valid until the next call.
-  const float* append(std::span<const std::int32_t> ids, bool all_logits = false);
-
-  // Bytes of the key/value cache.
-  std::size_t cache_bytes() const { return (k_.size() + v_.size()) * sizeof(float); }
+  const ModelConfig& config() const override { return cfg_; }
+  int length() const override { return len_; }
+  int capacity() const override { return cap_; }
+  void reset() override { len_ = 0; }
+  const float* append(std::span<const std::int32_t> ids, bool all_logits = false) override;
+  std::size_t cache_bytes() const override { return (k_.size() + v_.size()) * sizeof(float); }
 
  private:
   void layer(int l, int n);  // x_ [n, H] in, x_ out (residual stream updated in place)

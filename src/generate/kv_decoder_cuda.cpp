@@ -1,0 +1,318 @@
+// Qwen3 forward with a bf16 key/value cache on the GPU (kv_decoder_cuda.h). CUDA host code:
+// compiled only with QTRAIN_CUDA (CMakeLists.txt takes every src/*/*_cuda.cpp into the CUDA
+// sources). Shapes: n new rows; H hidden; Q = nh*hd; KV = nkv*hd; QKV = Q + 2 KV; I intermediate;
+// V vocabulary; cap cache positions.
+#include "generate/kv_decoder_cuda.h"
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/device.h"
+#include "ops/cuda/attention.cuh"
+#include "ops/cuda/convert.cuh"
+#include "ops/cuda/decode_attention.cuh"
+#include "ops/cuda/embedding.cuh"
+#include "ops/cuda/gemm.cuh"
+#include "ops/cuda/qk_norm_rope.cuh"
+#include "ops/cuda/rmsnorm.cuh"
+#include "ops/cuda/swiglu.cuh"
+#include "ops/rope.h"
+#include "qtrain/error.h"
+#include "qtrain/params.h"
+
+namespace qt::gen {
+
+namespace {
+
+using cuda::bf16;
+
+constexpr std::size_t kStageElems = std::size_t{16} << 20;  // fp32 staging of the weight upload
+
+// Pinned host memory (fast, truly asynchronous copies), grown on demand; contents not kept.
+template <typename T>
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() {
+    if (p_ != nullptr) cudaFreeHost(p_);
+  }
+  T* reserve(std::size_t n) {
+    if (n > n_) {
+      if (p_ != nullptr) QT_CHECK_CUDA(cudaFreeHost(p_));
+      p_ = nullptr;
+      QT_CHECK_CUDA(cudaMallocHost(reinterpret_cast<void**>(&p_), n * sizeof(T)));
+      n_ = n;
+    }
+    return p_;
+  }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+// Hands out the blocks of a call from an arena, or (arena null) only counts their bytes, so the
+// size of the scratch arena and the blocks carved from it come from one list.
+class Carver {
+ public:
+  explicit Carver(cuda::DeviceArena* a) : a_(a) {}
+  template <typename T>
+  T* take(std::size_t count) {
+    bytes_ += cuda::round_up(count * sizeof(T), cuda::DeviceArena::kAlignment);
+    return a_ != nullptr ? a_->allocate<T>(count) : nullptr;
+  }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  cuda::DeviceArena* a_;
+  std::size_t bytes_ = 0;
+};
+
+// The device buffers of one append of n rows (logits for `rows` of them).
+struct Scratch {
+  std::int32_t* ids;        // [n]
+  bf16 *x, *ln, *tmp;       // [n, H]: residual stream, norm output, GEMM output
+  float* rstd;              // [n]
+  bf16* qkv;                // [n, QKV] rows [q | k | v] before q/k norm
+  bf16 *q, *k, *v;          // [n, Q], [n, KV], [n, KV] after norm and rope (v: prefill only)
+  float *q_rstd, *k_rstd;   // [n * nh], [n * nkv]
+  bf16* att;                // [n, Q]
+  float* lse;               // [nh, n] (prefill)
+  bf16 *gu, *h;             // [n, 2 I], [n, I]
+  float* logits;            // [rows, V]
+  void* attn_ws;            // decode_attention workspace (len > 0)
+  std::size_t attn_ws_bytes;
+};
+
+Scratch carve(Carver& c, const ModelConfig& m, int n, int rows, int len) {
+  const std::size_t N = n, H = m.hidden_size, Q = m.q_dim(), KV = m.kv_dim();
+  const std::size_t I = m.intermediate_size;
+  Scratch s{};
+  s.ids = c.take<std::int32_t>(N);
+  s.x = c.take<bf16>(N * H);
+  s.ln = c.take<bf16>(N * H);
+  s.tmp = c.take<bf16>(N * H);
+  s.rstd = c.take<float>(N);
+  s.qkv = c.take<bf16>(N * (Q + 2 * KV));
+  s.q = c.take<bf16>(N * Q);
+  s.k = c.take<bf16>(N * KV);
+  s.v = c.take<bf16>(len == 0 ? N * KV : 0);
+  s.q_rstd = c.take<float>(N * m.num_heads);
+  s.k_rstd = c.take<float>(N * m.num_kv_heads);
+  s.att = c.take<bf16>(N * Q);
+  s.lse = c.take<float>(len == 0 ? N * m.num_heads : 0);
+  s.gu = c.take<bf16>(N * 2 * I);
+  s.h = c.take<bf16>(N * I);
+  s.logits = c.take<float>(static_cast<std::size_t>(rows) * m.vocab_size);
+  s.attn_ws_bytes = len == 0 ? 0
+                             : cuda::decode_attention_workspace_bytes(
+                                   n, m.num_heads, m.num_kv_heads, m.head_dim, len + n);
+  s.attn_ws = c.take<char>(s.attn_ws_bytes);
+  return s;
+}
+
+// A model the CUDA ops cannot run is the user's to hear about, not an assertion.
+void check_supported(const ModelConfig& c) {
+  if (c.head_dim != 64 && c.head_dim != 128)
+    fail_user("--device cuda supports head_dim 64 and 128 (the CUDA attention); this model has {}",
+              c.head_dim);
+  if (c.num_kv_heads < 1 || c.num_heads % c.num_kv_heads != 0 ||
+      c.num_heads / c.num_kv_heads > 16)
+    fail_user("--device cuda supports up to 16 query heads per kv head; this model has {} heads "
+              "and {} kv heads",
+              c.num_heads, c.num_kv_heads);
+  if (c.hidden_size % 8 != 0 || c.hidden_size > 8192)
+    fail_user("--device cuda needs a hidden size that is a multiple of 8 and at most 8192 (the "
+              "CUDA RMSNorm); this model has {}",
+              c.hidden_size);
+}
+
+}  // namespace
+
+struct KvDecoderCuda::Impl {
+  Impl(const ModelConfig& c, const float* params, int capacity);
+  void layer(int l, int n, const Scratch& s);
+  const float* append(std::span<const std::int32_t> ids, bool all_logits);
+
+  ModelConfig cfg;
+  ParamLayout layout;
+  int cap, len = 0;
+  int device;  // made current before the stream and the arenas below are created
+  cuda::Stream stream;
+  std::size_t off_embed, off_norm, off_lm_head;
+  std::vector<LayerOffsets> lo;
+  std::unique_ptr<cuda::DeviceArena> arena;    // weights, cache, rope tables
+  std::unique_ptr<cuda::DeviceArena> scratch;  // one call's buffers; regrown when a call needs more
+  bf16* W = nullptr;                           // [numel] bf16 weights, flat layout
+  bf16 *kc = nullptr, *vc = nullptr;           // [L, nkv, cap, hd] each
+  float *cos = nullptr, *sin = nullptr;        // [cap, hd/2] fp32 RoPE tables
+  PinnedBuffer<std::int32_t> ids_host;
+  PinnedBuffer<float> logits_host;
+};
+
+KvDecoderCuda::Impl::Impl(const ModelConfig& c, const float* params, int capacity)
+    : cfg(c), layout(c), cap(capacity), device(cuda::select_device(0)) {
+  check_supported(cfg);
+  QT_CHECK(capacity >= 1, "cache capacity {} < 1", capacity);
+  off_embed = layout.find("model.embed_tokens.weight").offset;
+  off_norm = layout.find("model.norm.weight").offset;
+  off_lm_head = cfg.tie_word_embeddings ? off_embed : layout.find("lm_head.weight").offset;
+  const std::size_t H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
+  const std::size_t I = cfg.intermediate_size;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    lo.push_back(layout.layer_offsets(l));
+    const LayerOffsets& o = lo.back();  // the fused q/k/v and gate/up GEMMs rely on it
+    QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
+             "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
+  }
+  const std::size_t numel = layout.numel(), half = static_cast<std::size_t>(cap) * c.head_dim / 2;
+  const std::size_t cache = static_cast<std::size_t>(cfg.num_layers) * cap * KV;
+  Carver count(nullptr);
+  count.take<bf16>(numel);
+  count.take<bf16>(cache);
+  count.take<bf16>(cache);
+  count.take<float>(half);
+  count.take<float>(half);
+  try {
+    arena = std::make_unique<cuda::DeviceArena>(count.bytes(), "generate weights and cache");
+    scratch = std::make_unique<cuda::DeviceArena>(kStageElems * sizeof(float), "generate scratch");
+  } catch (const cuda::OutOfMemory& e) {
+    const cuda::DeviceMemory m = cuda::device_memory();
+    fail_user(
+        "the GPU has too little free memory for the model: {} of bf16 weights and {} of key/value "
+        "cache for {} positions, {} free of {} ({}); lower --max-new-tokens to shrink the cache",
+        cuda::format_bytes(numel * 2), cuda::format_bytes(2 * cache * 2), cap,
+        cuda::format_bytes(m.free_bytes), cuda::format_bytes(m.total_bytes), e.what());
+  }
+  W = arena->allocate<bf16>(numel);
+  kc = arena->allocate<bf16>(cache);
+  vc = arena->allocate<bf16>(cache);
+  cos = arena->allocate<float>(half);
+  sin = arena->allocate<float>(half);
+  std::vector<float> tc(half), ts(half);
+  cpu::rope_table(tc.data(), ts.data(), cap, c.head_dim, c.rope_theta);
+  cuda::upload(cos, tc.data(), half * sizeof(float));
+  cuda::upload(sin, ts.data(), half * sizeof(float));
+  // fp32 -> bf16 (round to nearest even) through a staging block.
+  {
+    cuda::DeviceArena::Scope scope(*scratch);
+    float* stage = scratch->allocate<float>(kStageElems);
+    for (std::size_t off = 0; off < numel; off += kStageElems) {
+      const std::size_t m = std::min(kStageElems, numel - off);
+      cuda::upload(stage, params + off, m * sizeof(float));
+      cuda::convert_f32_to_bf16(W + off, stage, m, stream.get());
+      stream.synchronize();  // before the next chunk overwrites the stage
+    }
+  }
+}
+
+void KvDecoderCuda::Impl::layer(int l, int n, const Scratch& s) {
+  const LayerOffsets& w = lo[l];
+  const int H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim(), QKV = Q + 2 * KV;
+  const int I = cfg.intermediate_size, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
+  const int hd = cfg.head_dim;
+  const double eps = cfg.rms_norm_eps;
+  const cudaStream_t st = stream.get();
+  const std::size_t per_layer = static_cast<std::size_t>(cap) * KV;
+  bf16* kc_l = kc + l * per_layer;  // [nkv, cap, hd]
+  bf16* vc_l = vc + l * per_layer;
+  // Rows of the tables from position len on: the kernels' token t is position len + t.
+  const float* cos_p = cos + static_cast<std::size_t>(len) * hd / 2;
+  const float* sin_p = sin + static_cast<std::size_t>(len) * hd / 2;
+  // attention block (s.ln holds rmsnorm(x) with this layer's input norm)
+  cuda::linear_forward(s.qkv, s.ln, W + w.wq, n, H, QKV, st);  // wq, wk, wv: one [QKV, H]
+  cuda::qk_norm_rope_forward_strided(s.q, s.q_rstd, s.qkv, QKV, W + w.q_norm, cos_p, sin_p,
+                                     nullptr, 1, n, nh, hd, eps, st);
+  cuda::qk_norm_rope_forward_strided(s.k, s.k_rstd, s.qkv + Q, QKV, W + w.k_norm, cos_p, sin_p,
+                                     nullptr, 1, n, nkv, hd, eps, st);
+  cuda::kv_cache_write(kc_l, vc_l, s.k, KV, s.qkv + Q + KV, QKV, n, len, nkv, hd, cap, st);
+  if (len == 0) {  // the whole sequence is new: causal attention among the n rows
+    const std::size_t e = sizeof(bf16);
+    QT_CHECK_CUDA(cudaMemcpy2DAsync(s.v, KV * e, s.qkv + Q + KV, QKV * e, KV * e, n,
+                                    cudaMemcpyDeviceToDevice, st));
+    cuda::attention_forward(s.att, s.lse, s.q, s.k, s.v, 1, n, nh, nkv, hd, st);
+  } else {
+    cuda::decode_attention(s.att, s.q, kc_l, vc_l, n, len, nh, nkv, hd, cap, s.attn_ws,
+                           s.attn_ws_bytes, st);
+  }
+  cuda::linear_forward(s.tmp, s.att, W + w.wo, n, Q, H, st);
+  cuda::residual_rmsnorm_forward(s.x, s.ln, s.rstd, s.x, s.tmp, W + w.ln2, n, H, eps, st);
+  // MLP block
+  cuda::linear_forward(s.gu, s.ln, W + w.w_gate, n, H, 2 * I, st);  // w_gate, w_up: one [2I, H]
+  cuda::swiglu_forward_strided(s.h, s.gu, s.gu + I, 2 * I, n, I, st);
+  cuda::linear_forward(s.tmp, s.h, W + w.w_down, n, I, H, st);
+  const bf16* next_norm = l + 1 < cfg.num_layers ? W + lo[l + 1].ln1 : W + off_norm;
+  cuda::residual_rmsnorm_forward(s.x, s.ln, s.rstd, s.x, s.tmp, next_norm, n, H, eps, st);
+}
+
+const float* KvDecoderCuda::Impl::append(std::span<const std::int32_t> ids, bool all_logits) {
+  const int n = static_cast<int>(ids.size());
+  const int H = cfg.hidden_size, V = cfg.vocab_size;
+  QT_CHECK(n >= 1 && len + n <= cap, "append of {} tokens to a cache holding {} of {}", n, len,
+           cap);
+  for (int i = 0; i < n; ++i)
+    QT_CHECK(ids[i] >= 0 && ids[i] < V, "token id {} at {} outside [0, {})", ids[i], i, V);
+  const int rows = all_logits ? n : 1;
+  QT_CHECK(scratch != nullptr, "the decoder is unusable after a failed allocation");
+  Carver count(nullptr);
+  carve(count, cfg, n, rows, len);
+  if (count.bytes() > scratch->capacity()) {
+    scratch.reset();  // the old block goes first: the new one may need its room
+    try {
+      scratch = std::make_unique<cuda::DeviceArena>(count.bytes(), "generate scratch");
+    } catch (const cuda::OutOfMemory& e) {
+      fail_user("the GPU has too little free memory for {} tokens at once: {}", n, e.what());
+    }
+  }
+  cuda::DeviceArena::Scope scope(*scratch);
+  Carver take(scratch.get());
+  const Scratch s = carve(take, cfg, n, rows, len);
+  const cudaStream_t st = stream.get();
+
+  std::int32_t* ids_h = ids_host.reserve(n);
+  std::copy(ids.begin(), ids.end(), ids_h);
+  QT_CHECK_CUDA(cudaMemcpyAsync(s.ids, ids_h, n * sizeof(std::int32_t), cudaMemcpyHostToDevice, st));
+  cuda::embedding_forward(s.x, s.ids, W + off_embed, n, H, st);
+  const bf16* first_norm = cfg.num_layers > 0 ? W + lo[0].ln1 : W + off_norm;
+  cuda::rmsnorm_forward(s.ln, s.rstd, s.x, first_norm, n, H, cfg.rms_norm_eps, st);
+  for (int l = 0; l < cfg.num_layers; ++l) layer(l, n, s);
+  // s.ln is the final norm of every row; the lm head for the last `rows`, in fp32.
+  cuda::gemm(false, true, rows, V, H, 1.0f, s.ln + static_cast<std::size_t>(n - rows) * H, H,
+             W + off_lm_head, H, 0.0f, s.logits, V, st);
+  float* out = logits_host.reserve(static_cast<std::size_t>(rows) * V);
+  QT_CHECK_CUDA(cudaMemcpyAsync(out, s.logits, static_cast<std::size_t>(rows) * V * sizeof(float),
+                                cudaMemcpyDeviceToHost, st));
+  stream.synchronize();
+  len += n;
+  return out;
+}
+
+KvDecoderCuda::KvDecoderCuda(const ModelConfig& cfg, const float* params, int capacity)
+    : impl_(std::make_unique<Impl>(cfg, params, capacity)) {}
+KvDecoderCuda::~KvDecoderCuda() = default;
+
+const ModelConfig& KvDecoderCuda::config() const { return impl_->cfg; }
+int KvDecoderCuda::length() const { return impl_->len; }
+int KvDecoderCuda::capacity() const { return impl_->cap; }
+void KvDecoderCuda::reset() { impl_->len = 0; }
+const float* KvDecoderCuda::append(std::span<const std::int32_t> ids, bool all_logits) {
+  return impl_->append(ids, all_logits);
+}
+std::size_t KvDecoderCuda::cache_bytes() const {
+  return 2 * static_cast<std::size_t>(impl_->cfg.num_layers) * impl_->cap * impl_->cfg.kv_dim() *
+         sizeof(bf16);
+}
+std::string KvDecoderCuda::device_description() const {
+  return fmt::format("GPU {} ({})", impl_->device, cuda::device_info(impl_->device).name);
+}
+std::size_t KvDecoderCuda::device_bytes() const {
+  return impl_->arena->capacity() + (impl_->scratch ? impl_->scratch->capacity() : 0);
+}
+
+}  // namespace qt::gen
