@@ -8,11 +8,15 @@ FLOPs per token = 6 N + 12 L H_q T, N = the parameters that take part in matrix 
 decoder layer, the final norm and the lm head counted once (the input embedding table, a lookup, is
 left out; a tied model's one matrix counts as the lm head). MFU is against --peak TFLOP/s
 (989 = H100 SXM dense bf16). qtrain's tokens/s is the mean of the logged intervals after step 20.
+LoRA runs (LORA=1 bench/train_throughput.sh: qtrain-lora-*.jsonl beside peft-*.json) get a table
+of their own: tokens/s of qtrain and PEFT, their ratio, and peak GPU memory (qtrain: the arena's
+peak, the step log's "memory" field; PEFT: torch.cuda.max_memory_allocated).
 """
 import argparse
 import glob
 import json
 import os
+import re
 
 PRESETS = {  # hidden, intermediate, layers, heads, kv heads (qwen3-spec.md 1.1); head_dim 128
     "qwen3-0.6b": (1024, 3072, 28, 16, 8),
@@ -33,18 +37,60 @@ def flops_per_token(spec, seq_len):
     return 6 * n + 12 * n_layers * q * seq_len
 
 
+def late_tokens_per_s(steps):
+    late = [s["tokens_per_s"] for s in steps if s["step"] > 20] or [steps[-1]["tokens_per_s"]]
+    return sum(late) / len(late)
+
+
+# "GPU arena 12.3 GiB used, 14.5 GiB peak; ..." -> 14.5 (GiB)
+def arena_peak_gib(steps):
+    units = {"B": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 1024.0}
+    for s in reversed(steps):
+        m = re.search(r"([0-9.]+) (B|KiB|MiB|GiB|TiB) peak", s.get("memory", ""))
+        if m:
+            return float(m.group(1)) * units[m.group(2)]
+    return float("nan")
+
+
+def lora_table(out_dir):
+    rows = []
+    for path in sorted(glob.glob(os.path.join(out_dir, "qtrain-lora-*.jsonl"))):
+        tag = os.path.basename(path)[len("qtrain-lora-"):-len(".jsonl")]
+        steps = [json.loads(line) for line in open(path)]
+        if not steps:
+            continue
+        peft_path = os.path.join(out_dir, f"peft-{tag}.json")
+        peft = None
+        if os.path.exists(peft_path) and os.path.getsize(peft_path) > 0:
+            peft = json.load(open(peft_path))
+        rows.append((tag, late_tokens_per_s(steps), arena_peak_gib(steps), peft))
+    if not rows:
+        return
+    print("LoRA r=8 on q/k/v/o_proj, dropout 0 (qtrain vs PEFT, same GPU)")
+    print(f"{'model':<14} {'batch':>5} {'qtrain tok/s':>12} {'PEFT tok/s':>10} {'qtrain/PEFT':>11} "
+          f"{'qtrain peak':>11} {'PEFT peak':>9}")
+    for tag, tps, peak, peft in rows:
+        p_tps = peft["tokens_per_s"] if peft else float("nan")
+        batch = f"{peft['batch']}{'+ckpt' if peft.get('grad_ckpt') else ''}" if peft else "?"
+        p_peak = peft["peak_mem_gib"] if peft else float("nan")
+        print(f"{tag:<14} {batch:>5} {tps:>12.0f} {p_tps:>10.0f} {tps / p_tps:>10.2f}x "
+              f"{peak:>7.1f} GiB {p_peak:>5.1f} GiB")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
     ap.add_argument("--peak", type=float, default=989.0)
     ap.add_argument("--seq-len", type=int, default=4096)
     a = ap.parse_args()
+    lora_table(a.out_dir)
     rows = []
     for path in sorted(glob.glob(os.path.join(a.out_dir, "qtrain-*.jsonl"))):
         tag = os.path.basename(path)[len("qtrain-"):-len(".jsonl")]
+        if tag.startswith("lora-"):
+            continue
         steps = [json.loads(line) for line in open(path)]
-        late = [s["tokens_per_s"] for s in steps if s["step"] > 20] or [steps[-1]["tokens_per_s"]]
-        rows.append((tag, "qtrain", sum(late) / len(late)))
+        rows.append((tag, "qtrain", late_tokens_per_s(steps)))
         for mode in ("eager", "compile"):
             base = os.path.join(a.out_dir, f"torch-{mode}-{tag}.json")
             if os.path.exists(base) and os.path.getsize(base) > 0:
@@ -55,6 +101,8 @@ def main():
             if line.startswith("measured cuBLAS ceiling"):
                 tuned = float(line.split(":")[1].split()[0])
                 print(f"{line.strip()} = {100 * tuned / a.peak:.1f}% of the {a.peak:.0f} TFLOP/s peak")
+    if not rows:
+        return
     print(f"FLOPs per token = 6 N + 12 L H_q T (T = {a.seq_len}); MFU against {a.peak:.0f} TFLOP/s")
     print(f"{'model':<14} {'run':<16} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6} {'qtrain/run':>10}")
     for tag, run, tps in rows:

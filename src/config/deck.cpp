@@ -519,9 +519,6 @@ void Builder::validate_lora() {
   } catch (const UserError& e) {
     need(false, "lora.targets", "{}", e.what());  // ": unknown target ..."
   }
-  need(!(l.enabled() && deck_.train.device == "cuda"), "lora.r",
-       ": lora is not yet supported with train.device = cuda (use train.device = cpu, or "
-       "lora.r = 0)");
 }
 
 // What is wrong with `path` as a file to read, or "" when it is a readable regular file.

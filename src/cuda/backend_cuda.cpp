@@ -273,6 +273,7 @@ class CudaBackend final : public TrainBackend {
 }  // namespace
 
 std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
+  if (deck.lora.enabled()) return make_cuda_lora_backend(deck, mesh);
   return std::make_unique<CudaBackend>(deck, mesh);
 }
 

@@ -1,12 +1,14 @@
 // Qwen3 forward and backward on the GPU. Shapes: N = B*T rows, H hidden, Q = nh*hd,
 // KV = nkv*hd, I intermediate, V vocabulary. Every residual add is fused with the norm that
 // follows it (residual_rmsnorm_forward): layer l's output add produces layer l+1's input norm,
-// or the final norm after the last layer.
+// or the final norm after the last layer. LoRA adapters (lora_) add into each fused projection's
+// output right after its GEMM, and take their gradients right after the projection's backward.
 #include "cuda/qwen3_cuda.h"
 
 #include <algorithm>
 
 #include "cuda/check.h"
+#include "cuda/lora_cuda.h"
 #include "ops/rope.h"
 #include "ops/cuda/add.cuh"
 #include "ops/cuda/attention.cuh"
@@ -111,6 +113,7 @@ void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
   const int QKV = Q + 2 * KV;
   const bf16* ln1 = ln_[l];
   linear_forward(a.qkv_raw, ln1, W + w.wq, N, H, QKV, s);  // wq, wk, wv: one [QKV, H] matrix
+  if (lora_) lora_->forward(l, LoraSite::kQKV, ln1, a.qkv_raw, s);
   qk_norm_rope_forward_strided(a.q, a.q_rstd, a.qkv_raw, QKV, W + w.q_norm, cos_, sin_, pos_,
                                B_, T_, nh, hd, eps, s);
   qk_norm_rope_forward_strided(a.k, a.k_rstd, a.qkv_raw + Q, QKV, W + w.k_norm, cos_, sin_,
@@ -118,13 +121,25 @@ void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
   copy_columns(a.v, KV, a.qkv_raw + Q + KV, QKV, N, KV, s);
   attention_forward(a.att, a.lse, a.q, a.k, a.v, B_, T_, nh, nkv, hd, s, pos_);
   linear_forward(tmp_, a.att, W + w.wo, N, Q, H, s);
+  if (lora_) lora_->forward(l, LoraSite::kO, a.att, tmp_, s);
   residual_rmsnorm_forward(a.x_mid, a.ln2, a.rstd2, x_[l], tmp_, W + w.ln2, N, H, eps, s);
   linear_forward(a.gu, a.ln2, W + w.w_gate, N, H, 2 * I, s);  // w_gate, w_up: one [2I, H]
+  if (lora_) lora_->forward(l, LoraSite::kGateUp, a.ln2, a.gu, s);
   swiglu_forward_strided(a.h, a.gu, a.gu + I, 2 * I, N, I, s);
   linear_forward(tmp_, a.h, W + w.w_down, N, I, H, s);
+  if (lora_) lora_->forward(l, LoraSite::kDown, a.h, tmp_, s);
   const bf16* next_norm = l + 1 < cfg_.num_layers ? W + lo_[l + 1].ln1 : W + off_norm_;
   residual_rmsnorm_forward(x_[l + 1], ln_[l + 1], rstd_[l + 1], a.x_mid, tmp_, next_norm, N, H,
                            eps, s);
+}
+
+Qwen3Cuda::Depth Qwen3Cuda::backward_depth(int l, const float* G) const {
+  if (G != nullptr || l > 0) return kBelow;
+  // Frozen base, layer 0: down to the adapter nearest the input (every layer has the same).
+  if (lora_->adapts(LoraSite::kQKV)) return kQKV;
+  if (lora_->adapts(LoraSite::kO)) return kO;
+  if (lora_->adapts(LoraSite::kGateUp)) return kGateUp;
+  return kDown;
 }
 
 void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
@@ -135,24 +150,36 @@ void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
   const int hd = cfg_.head_dim;
   const std::size_t NH = static_cast<std::size_t>(N) * H;
   const int QKV = Q + 2 * KV;
+  auto dW = [G](std::size_t off) { return G ? G + off : nullptr; };  // null: frozen
+  // An activation gradient past the depth has no reader: not computed (null dx).
+  const Depth depth = backward_depth(l, G);
+  auto past = [depth](Depth d, bf16* dx) { return depth > d ? dx : nullptr; };
   // MLP block; dx_ holds d x_out and becomes d x_mid. gu is overwritten by its gradient.
-  linear_backward(dh_, G + w.w_down, dx_, a.h, W + w.w_down, N, I, H, s);
+  linear_backward(past(kDown, dh_), dW(w.w_down), dx_, a.h, W + w.w_down, N, I, H, s);
+  if (lora_) lora_->backward(l, LoraSite::kDown, a.h, dx_, past(kDown, dh_), s);
+  if (depth == kDown) return;
   swiglu_backward_strided(a.gu, a.gu + I, dh_, a.gu, a.gu + I, 2 * I, N, I, s);
-  linear_backward(dln_, G + w.w_gate, a.gu, a.ln2, W + w.w_gate, N, H, 2 * I, s);
-  rmsnorm_backward(dtmp_, G + w.ln2, dln_, a.x_mid, W + w.ln2, a.rstd2, N, H, ws_, s);
+  linear_backward(past(kGateUp, dln_), dW(w.w_gate), a.gu, a.ln2, W + w.w_gate, N, H, 2 * I, s);
+  if (lora_) lora_->backward(l, LoraSite::kGateUp, a.ln2, a.gu, past(kGateUp, dln_), s);
+  if (depth == kGateUp) return;
+  rmsnorm_backward(dtmp_, dW(w.ln2), dln_, a.x_mid, W + w.ln2, a.rstd2, N, H, ws_, s);
   add_inplace(dx_, dtmp_, NH, s);
   // Attention block; dx_ holds d x_mid and becomes d x_in.
-  linear_backward(datt_, G + w.wo, dx_, a.att, W + w.wo, N, Q, H, s);
+  linear_backward(past(kO, datt_), dW(w.wo), dx_, a.att, W + w.wo, N, Q, H, s);
+  if (lora_) lora_->backward(l, LoraSite::kO, a.att, dx_, past(kO, datt_), s);
+  if (depth == kO) return;
   attention_backward(dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, B_, T_, nh, nkv, hd, s,
                      pos_);
   // d q, d k, d v gathered into dqkv_ rows [dq | dk | dv] for one GEMM against [wq; wk; wv].
-  qk_norm_rope_backward_strided(dqkv_, QKV, G + w.q_norm, dq_, a.qkv_raw, QKV, W + w.q_norm,
+  qk_norm_rope_backward_strided(dqkv_, QKV, dW(w.q_norm), dq_, a.qkv_raw, QKV, W + w.q_norm,
                                 a.q_rstd, cos_, sin_, pos_, B_, T_, nh, hd, ws_, s);
-  qk_norm_rope_backward_strided(dqkv_ + Q, QKV, G + w.k_norm, dk_, a.qkv_raw + Q, QKV,
+  qk_norm_rope_backward_strided(dqkv_ + Q, QKV, dW(w.k_norm), dk_, a.qkv_raw + Q, QKV,
                                 W + w.k_norm, a.k_rstd, cos_, sin_, pos_, B_, T_, nkv, hd, ws_, s);
   copy_columns(dqkv_ + Q + KV, QKV, dv_, KV, N, KV, s);
-  linear_backward(dln_, G + w.wq, dqkv_, ln_[l], W + w.wq, N, H, QKV, s);
-  rmsnorm_backward(dtmp_, G + w.ln1, dln_, x_[l], W + w.ln1, rstd_[l], N, H, ws_, s);
+  linear_backward(past(kQKV, dln_), dW(w.wq), dqkv_, ln_[l], W + w.wq, N, H, QKV, s);
+  if (lora_) lora_->backward(l, LoraSite::kQKV, ln_[l], dqkv_, past(kQKV, dln_), s);
+  if (depth == kQKV) return;
+  rmsnorm_backward(dtmp_, dW(w.ln1), dln_, x_[l], W + w.ln1, rstd_[l], N, H, ws_, s);
   add_inplace(dx_, dtmp_, NH, s);
 }
 
@@ -167,8 +194,8 @@ void Qwen3Cuda::lm_head_loss(const bf16* W, float* G, const std::int32_t* target
     linear_forward(logits_, xf + r0 * H, W + off_lm_head_, rows, H, V, s);
     cross_entropy_forward(losses_, chunk_lse_, logits_, targets + r0, rows, V, loss_sum_, s);
     cross_entropy_backward(logits_, logits_, chunk_lse_, targets + r0, loss_scale, rows, V, s);
-    linear_backward(dtmp_ + r0 * H, G + off_lm_head_, logits_, xf + r0 * H, W + off_lm_head_,
-                    rows, H, V, s);
+    linear_backward(dtmp_ + r0 * H, G ? G + off_lm_head_ : nullptr, logits_, xf + r0 * H,
+                    W + off_lm_head_, rows, H, V, s);
   }
 }
 
@@ -177,13 +204,15 @@ double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* 
                                    cudaStream_t s, const GradsReady& ready,
                                    const std::int32_t* positions) {
   const int N = N_, H = cfg_.hidden_size, L = cfg_.num_layers;
+  QT_CHECK(G != nullptr || lora_ != nullptr, "a frozen base (G null) without LoRA adapters");
   pos_ = positions;
   QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s));
   embedding_forward(x_[0], inputs, W + off_embed_, N, H, s);
   rmsnorm_forward(ln_[0], rstd_[0], x_[0], W + lo_[0].ln1, N, H, cfg_.rms_norm_eps, s);
   for (int l = 0; l < L; ++l) layer_forward(l, W, s);
   lm_head_loss(W, G, targets, loss_scale, s);
-  rmsnorm_backward(dx_, G + off_norm_, dtmp_, x_[L], W + off_norm_, rstd_[L], N, H, ws_, s);
+  rmsnorm_backward(dx_, G ? G + off_norm_ : nullptr, dtmp_, x_[L], W + off_norm_, rstd_[L], N, H,
+                   ws_, s);
   // Layers lie between the embedding (offset 0) and the final norm; an untied lm head follows.
   if (ready) ready(off_norm_);
   for (int l = L - 1; l >= 0; --l) {
@@ -193,7 +222,7 @@ double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* 
     layer_backward(l, W, G, s);
     if (ready) ready(lo_[l].ln1);
   }
-  embedding_backward(G + off_embed_, dx_, inputs, N, H, ws_, ws_bytes_, s);
+  if (G != nullptr) embedding_backward(G + off_embed_, dx_, inputs, N, H, ws_, ws_bytes_, s);
   if (ready) ready(0);
   double loss = 0;
   QT_CHECK_CUDA(cudaMemcpyAsync(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, s));

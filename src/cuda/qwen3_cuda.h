@@ -21,6 +21,8 @@ namespace qt::cuda {
 
 using bf16 = __nv_bfloat16;
 
+class LoraCuda;
+
 class Qwen3Cuda {
  public:
   // Buffers for micro-batches of B x T tokens, taken from `arena` (which must outlive this).
@@ -32,6 +34,11 @@ class Qwen3Cuda {
 
   const ParamLayout& layout() const { return layout_; }
 
+  // LoRA adapters applied beside the projections they target in every forward and backward
+  // (src/cuda/lora_cuda.h; their weights and gradients are bound there), or null: none. Set once,
+  // before the first forward_backward.
+  void set_lora(LoraCuda* lora) { lora_ = lora; }
+
   // Called on the host while the backward is enqueued, with a watermark that only decreases and
   // ends at 0: once the work enqueued so far on the stream has run, every gradient at flat offset
   // >= begin is final for this micro-batch (the final norm and lm head first, then layer L-1 down
@@ -39,7 +46,9 @@ class Qwen3Cuda {
   using GradsReady = std::function<void(std::size_t begin)>;
 
   // inputs, targets: device [B, T] int32 (targets -100 ignored). W: bf16 weights in the flat
-  // layout; G: fp32 gradients, accumulated (+= loss_scale * d(sum of losses)/dW). positions:
+  // layout; G: fp32 gradients, accumulated (+= loss_scale * d(sum of losses)/dW), or null: the
+  // base is frozen (LoRA; needs set_lora): no weight gradient is computed, nor any gradient that
+  // only they would use (the embedding's, layer 0's below its lowest adapter). positions:
   // device [B, T] int32 RoPE positions, 0 where a document starts, attention only within a
   // document (packing; rows valid as in src/ops/attention.h), or null: 0..T-1, plain causal.
   // Enqueues on `stream`, then waits for it; returns the sum of the losses.
@@ -64,6 +73,10 @@ class Qwen3Cuda {
 
   void layer_forward(int l, const bf16* W, cudaStream_t s);
   void layer_backward(int l, const bf16* W, float* G, cudaStream_t s);
+  // How far down layer l's backward goes: through its projections in backward order, then to
+  // its input (kBelow), unless the base is frozen and nothing below needs a gradient.
+  enum Depth { kDown, kGateUp, kO, kQKV, kBelow };
+  Depth backward_depth(int l, const float* G) const;
   void lm_head_loss(const bf16* W, float* G, const std::int32_t* targets, float loss_scale,
                     cudaStream_t s);
 
@@ -79,6 +92,7 @@ class Qwen3Cuda {
   std::vector<LayerActs> acts_;      // [L], or [1] shared by every layer with recompute
   bool recompute_ = false;
   LayerActs& acts(int l) { return acts_[recompute_ ? 0 : l]; }
+  LoraCuda* lora_ = nullptr;
   const std::int32_t* inputs_ = nullptr;
   const std::int32_t* pos_ = nullptr;  // device [B, T] positions of this micro-batch, or null
   // scratch

@@ -1,6 +1,8 @@
 // Deterministic, mesh-independent initialisation (transformers' _init_weights for Qwen3).
 // Value i of a tensor depends only on (seed, tensor name, i), so the work is split over threads
 // freely: the result is the same bits for any thread count.
+#include <sched.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -32,6 +34,18 @@ void init_slice(const ModelConfig& cfg, const ParamInfo& p, std::uint64_t seed, 
 
 }  // namespace
 
+unsigned init_params_threads(const ParamLayout& layout) {
+  std::size_t slices = 0;
+  for (const ParamInfo& p : layout.params()) slices += (p.numel + kSlice - 1) / kSlice;
+  // The CPUs this process may run on (mpirun binds each rank to one core by default for small
+  // runs), not the machine's: more threads than that only take turns on the same cores.
+  unsigned cpus = std::thread::hardware_concurrency();
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = static_cast<unsigned>(CPU_COUNT(&set));
+  // Threads only pay for large models (start-up of billions of parameters took tens of seconds).
+  return std::clamp<unsigned>(std::min<std::size_t>(cpus, slices / 4), 1, kMaxThreads);
+}
+
 void init_params(const ModelConfig& cfg, const ParamLayout& layout, std::uint64_t seed,
                  float* params) {
   struct Work {
@@ -42,9 +56,7 @@ void init_params(const ModelConfig& cfg, const ParamLayout& layout, std::uint64_
   for (const ParamInfo& p : layout.params())
     for (std::size_t b = 0; b < p.numel; b += kSlice)
       work.push_back({&p, b, std::min(p.numel, b + kSlice)});
-  // Threads only pay for large models (start-up of billions of parameters took tens of seconds).
-  const unsigned threads = std::clamp<unsigned>(
-      std::min<std::size_t>(std::thread::hardware_concurrency(), work.size() / 4), 1, kMaxThreads);
+  const unsigned threads = init_params_threads(layout);
   auto run = [&](unsigned t) {
     for (std::size_t k = t; k < work.size(); k += threads)
       init_slice(cfg, *work[k].p, seed, params, work[k].begin, work[k].end);

@@ -127,6 +127,11 @@ void lora_init(const ParamLayout& layout, std::uint64_t seed, float* adapters) {
   }
 }
 
+std::uint64_t lora_dropout_stream(std::uint64_t seed, int layer, int target) {
+  return rng::hash_combine(rng::hash_combine(seed, rng::hash_string("lora_dropout")),
+                           static_cast<std::uint64_t>(layer) * kNumLoraTargets + target);
+}
+
 void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* adapters,
                 const ParamLayout& base_layout, float* base) {
   const ParamLayout layout = lora_layout(cfg, lora);
@@ -180,9 +185,7 @@ const float* LoraAdapters::dropped(int layer, int target, const float* x, int in
   const double p = lora_.dropout;
   if (p <= 0) return x;
   const float keep_scale = static_cast<float>(1.0 / (1.0 - p));
-  const std::uint64_t stream =
-      rng::hash_combine(rng::hash_combine(seed_, rng::hash_string("lora_dropout")),
-                        static_cast<std::uint64_t>(layer) * kNumLoraTargets + target);
+  const std::uint64_t stream = lora_dropout_stream(seed_, layer, target);
   for (int n = 0; n < N_; ++n) {
     // Token t of the sequence with index g in the data order.
     const std::uint64_t g = static_cast<std::uint64_t>(first_sample_ + n / T_);

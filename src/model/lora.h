@@ -29,6 +29,11 @@ ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora);
 // PEFT's initialisation: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform_ with a = sqrt(5)),
 // B = 0, so the adapted model starts as the base. Value i of A depends on (seed, name, i) only.
 void lora_init(const ParamLayout& layout, std::uint64_t seed, float* adapters);
+// The dropout stream of projection `target` of layer `layer` in a run with `seed`: element i of
+// token t of the sequence with index g in the data order (rows of `in` elements) is kept iff
+// rng::uniform(stream, (g * T + t) * in + i) >= dropout, in double (src/runtime/rng.h). The CUDA
+// back end draws the same masks (src/ops/cuda/lora_dropout.cuh).
+std::uint64_t lora_dropout_stream(std::uint64_t seed, int layer, int target);
 // Base weights W [out, in] += scale * B A for every adapter of `layout` (export --merge).
 // base: the model's flat buffer (base_layout).
 void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* adapters,

@@ -17,6 +17,9 @@ class LoraAdapters;
 // name, element index), never on the mesh.
 void init_params(const ModelConfig& cfg, const ParamLayout& layout, std::uint64_t seed,
                  float* params);
+// The host threads init_params uses for `layout`: up to 16, no more than the CPUs this process
+// may run on (its affinity mask).
+unsigned init_params_threads(const ParamLayout& layout);
 
 class Qwen3Model {
  public:

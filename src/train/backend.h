@@ -55,13 +55,13 @@ class TrainBackend {
 };
 
 std::unique_ptr<TrainBackend> make_cpu_backend(const Deck& deck, Mesh& mesh);
-// Defined by the CUDA back end (src/cuda/); without it, throws UserError saying so.
+// Defined by the CUDA back end (src/cuda/); without it, throws UserError saying so. With [lora]
+// it returns make_cuda_lora_backend's (src/cuda/backend_cuda_lora.cpp; CUDA builds only).
 std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh);
+std::unique_ptr<TrainBackend> make_cuda_lora_backend(const Deck& deck, Mesh& mesh);
 
 inline std::unique_ptr<TrainBackend> make_backend(const Deck& deck, Mesh& mesh) {
   if (deck.train.device != "cuda") return make_cpu_backend(deck, mesh);
-  // parse_deck refuses this too; here for decks built in code.
-  if (deck.lora.enabled()) fail_user("lora is not yet supported with train.device = cuda");
   return make_cuda_backend(deck, mesh);
 }
 

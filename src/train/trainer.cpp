@@ -116,6 +116,16 @@ int run_training(const Deck& deck, Mesh& mesh) {
                                              deck.model.tie_word_embeddings, mesh.world());
     if (root) std::printf("initialised parameters from %s\n", from.c_str());
   } else if (load_base) {
+    const unsigned threads = init_params_threads(layout);
+    // Billions of parameters on one core take minutes (Qwen3-8B: over 6 under mpirun -np 1).
+    if (root && layout.numel() > (std::size_t{1} << 30)) {
+      std::printf("initialising %.2fB parameters on %u host thread(s)%s\n", layout.numel() * 1e-9,
+                  threads,
+                  threads > 1 ? ""
+                              : " (this rank may run on one core only: mpirun binds ranks to cores "
+                                "by default; --bind-to none or --map-by slot:PE=<cores> gives it more)");
+      std::fflush(stdout);
+    }
     init_params(deck.model, layout, tc.seed, backend->host_params());
     if (root) std::printf("initialised parameters from seed %llu\n", static_cast<unsigned long long>(tc.seed));
   } else if (root && !deck.model_init.empty()) {

@@ -313,6 +313,11 @@ TEST(Deck, LoraSection) {
   EXPECT_EQ(d.lora.targets, "q_proj, v_proj");
   EXPECT_EQ(parse_deck_text(d.resolved, "resolved.ini", {}, 2).lora.targets, "q_proj, v_proj");
   EXPECT_EQ(parse("", {"--lora.r=4", "--lora.targets=all-linear"}).lora.r, 4);
+  // Both back ends train LoRA, with ZeRO-1 and (cuda) a bf16 gradient reduction.
+  Deck gpu = parse("[lora]\nr = 8\n[train]\ndevice = cuda\n[optim]\nzero_stage = 1\n"
+                   "grad_reduce = bf16\n");
+  EXPECT_TRUE(gpu.lora.enabled());
+  EXPECT_EQ(gpu.train.device, "cuda");
 }
 
 TEST(DeckErrors, Lora) {
@@ -323,8 +328,6 @@ TEST(DeckErrors, Lora) {
                {"deck.ini:3:", "lora.targets = q_proj, lm_head: unknown target lm_head", "down_proj"});
   expect_error("[lora]\ntargets = q_proj,q_proj\n", {"deck.ini:2:", "q_proj is given twice"});
   expect_error("[lora]\ntargets =\n", {"deck.ini:2:", "lora.targets", "empty name"});
-  expect_error("[lora]\nr = 8\n[train]\ndevice = cuda\n",
-               {"deck.ini:2:", "lora.r = 8: lora is not yet supported with train.device = cuda"});
   expect_error("[lora]\nrank = 8\n", {"deck.ini:2:", "unknown key lora.rank"});
 }
 

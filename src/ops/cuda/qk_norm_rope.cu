@@ -282,7 +282,7 @@ void qk_norm_rope_backward_strided(bf16* dx, int dx_ld, float* dw, const bf16* d
       break;
   }
   QT_CHECK_LAUNCH();
-  column_sum_accumulate(dw, partial, G, hd, stream);
+  if (dw != nullptr) column_sum_accumulate(dw, partial, G, hd, stream);
 }
 
 }  // namespace qt::cuda

@@ -34,8 +34,8 @@ std::size_t qk_norm_rope_backward_workspace_bytes(int B, int Tn, int heads, int 
 // From dout (the gradient of out) and the forward's x and rstd, in fp32:
 //   dy = the inverse rotation of dout (bf16 c, s as in the forward)
 //   dx = r * (w*dy - xhat * mean(w*dy*xhat)),  xhat = float(x) * r     bf16 written; may alias dout
-//   dw += sum over (b, t, head) of dy * xhat                            [hd] fp32 accumulated,
-// deterministically (fixed-order partial sums per block, then over blocks). No float atomics.
+//   dw += sum over (b, t, head) of dy * xhat                            [hd] fp32 accumulated
+// (skipped when dw is null: a frozen weight), deterministically (fixed-order partial sums per block, then over blocks). No float atomics.
 void qk_norm_rope_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x, const bf16* w,
                            const float* rstd, const float* cos, const float* sin,
                            const std::int32_t* pos, int B, int Tn, int heads, int hd,

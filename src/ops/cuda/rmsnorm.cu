@@ -199,7 +199,7 @@ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const 
     rmsnorm_backward_kernel<1>
         <<<G, block_threads(C), 0, stream>>>(dx, partial, dy, x, w, rstd, N, C);
   QT_CHECK_LAUNCH();
-  column_sum_accumulate(dw, partial, G, C, stream);
+  if (dw != nullptr) column_sum_accumulate(dw, partial, G, C, stream);
 }
 
 }  // namespace qt::cuda

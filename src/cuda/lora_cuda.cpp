@@ -1,0 +1,131 @@
+// LoRA adapters on the GPU; see lora_cuda.h. Every product is one cuBLASLt GEMM (bf16 in, fp32
+// accumulation) on the target's column block of the fused output (leading dimension = the
+// site's width); the weight gradients accumulate in fp32 straight into the gradient buffer.
+#include "cuda/lora_cuda.h"
+
+#include <algorithm>
+#include <tuple>
+
+#include "model/lora.h"
+#include "ops/cuda/gemm.cuh"
+#include "ops/cuda/lora_dropout.cuh"
+#include "qtrain/error.h"
+
+namespace qt::cuda {
+
+namespace {
+
+LoraSite site_of(int target) {
+  switch (target) {
+    case kLoraQ:
+    case kLoraK:
+    case kLoraV:
+      return LoraSite::kQKV;
+    case kLoraO:
+      return LoraSite::kO;
+    case kLoraGate:
+    case kLoraUp:
+      return LoraSite::kGateUp;
+    default:
+      return LoraSite::kDown;
+  }
+}
+
+}  // namespace
+
+LoraCuda::LoraCuda(const ModelConfig& cfg, const LoraConfig& lora, int B, int T,
+                   DeviceArena& arena)
+    : cfg_(cfg), lora_(lora), layout_(lora_layout(cfg, lora)), T_(T), N_(B * T),
+      scale_(static_cast<float>(lora.scale())) {
+  const int Q = cfg.q_dim(), KV = cfg.kv_dim(), I = cfg.intermediate_size;
+  // Column of each target in its site's fused output (Qwen3Cuda's qkv_raw and gu rows).
+  const std::array<int, kNumLoraTargets> col = {0, Q, Q + KV, 0, 0, I, 0};
+  slots_.resize(static_cast<std::size_t>(cfg.num_layers) * 4);
+  const std::size_t N = N_;
+  int max_in = 0;
+  for (int l = 0; l < cfg.num_layers; ++l) {
+    for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
+      Slot s;
+      s.target = t;
+      std::tie(s.in, s.out) = lora_target_dims(cfg, t);
+      s.col = col[t];
+      s.a = layout_.find(lora_param_name(l, t, 'A')).offset;
+      s.b = layout_.find(lora_param_name(l, t, 'B')).offset;
+      s.xa = arena.allocate<bf16>(N * lora.r);
+      max_in = std::max(max_in, s.in);
+      slots_[static_cast<std::size_t>(l) * 4 + static_cast<int>(site_of(t))].push_back(s);
+    }
+  }
+  gy_ = arena.allocate<bf16>(N * lora.r);
+  if (lora.dropout > 0) xd_ = arena.allocate<bf16>(N * max_in);
+}
+
+bool LoraCuda::adapts(LoraSite site) const { return !slots(0, site).empty(); }
+
+int LoraCuda::width(LoraSite site) const {
+  switch (site) {
+    case LoraSite::kQKV:
+      return cfg_.q_dim() + 2 * cfg_.kv_dim();
+    case LoraSite::kGateUp:
+      return 2 * cfg_.intermediate_size;
+    default:
+      return cfg_.hidden_size;
+  }
+}
+
+LoraDropoutKey LoraCuda::dropout_key(int layer, int target) const {
+  LoraDropoutKey key;
+  key.stream = lora_dropout_stream(seed_, layer, target);
+  key.first_row = first_sample_ * T_;
+  key.p = lora_.dropout;
+  key.keep_scale = static_cast<float>(1.0 / (1.0 - lora_.dropout));
+  return key;
+}
+
+const bf16* LoraCuda::dropped(int layer, const Slot& slot, const bf16* x, cudaStream_t s) {
+  if (lora_.dropout <= 0) return x;
+  lora_dropout_forward(xd_, x, N_, slot.in, dropout_key(layer, slot.target), s);
+  return xd_;
+}
+
+void LoraCuda::forward(int layer, LoraSite site, const bf16* x, bf16* y, cudaStream_t s) {
+  QT_CHECK(w_ != nullptr, "LoRA forward without adapter weights (bind() first)");
+  const int r = lora_.r, ld = width(site);
+  for (const Slot& slot : slots(layer, site)) {
+    const bf16* xd = dropped(layer, slot, x, s);
+    // xa[N, r] = xd[N, in] A[r, in]^T
+    gemm(false, true, N_, r, slot.in, 1.f, xd, slot.in, w_ + slot.a, slot.in, 0.f, slot.xa, r, s);
+    // y[N, col:col+out] += scale * xa[N, r] B[out, r]^T
+    gemm(false, true, N_, slot.out, r, scale_, slot.xa, r, w_ + slot.b, r, 1.f, y + slot.col, ld,
+         s);
+  }
+}
+
+void LoraCuda::backward(int layer, LoraSite site, const bf16* x, const bf16* dy, bf16* dx,
+                        cudaStream_t s) {
+  QT_CHECK(w_ != nullptr && g_ != nullptr,
+           "LoRA backward without adapter weights and gradients (bind() first)");
+  const int r = lora_.r, ld = width(site), N = N_;
+  for (const Slot& slot : slots(layer, site)) {
+    const bf16* dyt = dy + slot.col;  // [N, out], rows ld apart
+    // dB[out, r] += scale * dy[N, out]^T xa[N, r]
+    gemm(true, false, slot.out, r, N, scale_, dyt, ld, slot.xa, r, 1.f, g_ + slot.b, r, s);
+    // g[N, r] = dy[N, out] B[out, r]
+    gemm(false, false, N, r, slot.out, 1.f, dyt, ld, w_ + slot.b, r, 0.f, gy_, r, s);
+    // dA[r, in] += scale * g[N, r]^T xd[N, in]   (the forward's mask, regenerated)
+    const bf16* xd = dropped(layer, slot, x, s);
+    gemm(true, false, r, slot.in, N, scale_, gy_, r, xd, slot.in, 1.f, g_ + slot.a, slot.in, s);
+    if (dx == nullptr) continue;
+    const bf16* A = w_ + slot.a;
+    if (lora_.dropout <= 0) {
+      // dx[N, in] += scale * g[N, r] A[r, in]
+      gemm(false, false, N, slot.in, r, scale_, gy_, r, A, slot.in, 1.f, dx, slot.in, s);
+    } else {
+      // d xd = scale * g A (into xd_, no longer needed), then through the mask into dx.
+      gemm(false, false, N, slot.in, r, scale_, gy_, r, A, slot.in, 0.f, xd_, slot.in, s);
+      lora_dropout_backward(dx, xd_, N, slot.in, dropout_key(layer, slot.target), s);
+    }
+  }
+}
+
+}  // namespace qt::cuda

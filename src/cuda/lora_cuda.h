@@ -1,0 +1,93 @@
+// LoRA adapters on the GPU: qt::LoraAdapters (src/model/lora.h) in bf16, for Qwen3Cuda. Same
+// layout (PEFT's names, A [r, in] then B [out, r] per layer and target), same math and the same
+// dropout masks bit for bit:
+//   y  += scale * drop(x) A^T B^T                         (forward; xa = drop(x) A^T kept)
+//   dB += scale * dy^T xa,  g = dy B,  dA += scale * g^T drop(x),  dx += scale * drop'(g A)
+// Weights are the bf16 compute copy, gradients fp32 (accumulated, +=); xa [N, r] is kept per
+// layer and target in bf16, the dropout mask is regenerated in the backward, never stored.
+//
+// Qwen3Cuda fuses projections that share an input into one GEMM, so the adapters are called per
+// site: the site's fused output y (and its gradient dy) holds each target's columns.
+//   kQKV:    x = rmsnorm 1 [N, H], y = [q | k | v] [N, Q + 2 KV]
+//   kO:      x = attention [N, Q], y = [N, H]
+//   kGateUp: x = rmsnorm 2 [N, H], y = [gate | up] [N, 2 I]
+//   kDown:   x = swiglu [N, I],    y = [N, H]
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "cuda/device.h"
+#include "ops/cuda/lora_dropout.cuh"
+#include "qtrain/lora.h"
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+
+namespace qt::cuda {
+
+using bf16 = __nv_bfloat16;
+
+enum class LoraSite { kQKV, kO, kGateUp, kDown };  // in the order of the forward
+
+class LoraCuda {
+ public:
+  // For micro-batches of B sequences of T tokens (N = B*T rows); buffers from `arena`.
+  LoraCuda(const ModelConfig& cfg, const LoraConfig& lora, int B, int T, DeviceArena& arena);
+
+  const ParamLayout& layout() const { return layout_; }
+
+  // The adapters' bf16 weights and fp32 gradients (layout().numel() each, device) of the next
+  // forward and backward.
+  void bind(const bf16* weights, float* grads) { w_ = weights, g_ = grads; }
+  // Keys the dropout masks (LoraAdapters::set_dropout_key): the run's seed and the index in the
+  // data order of the micro-batch's first sequence.
+  void set_dropout_key(std::uint64_t seed, std::int64_t first_sample) {
+    seed_ = seed, first_sample_ = first_sample;
+  }
+
+  // True when some target of `site` is adapted.
+  bool adapts(LoraSite site) const;
+  // y += scale * drop(x) A^T B^T for every adapted target of the site, into its columns of y;
+  // keeps xa for the backward. A recomputed forward rewrites xa with the same bits.
+  void forward(int layer, LoraSite site, const bf16* x, bf16* y, cudaStream_t s);
+  // After forward(layer, site, x, .), with dy the gradient of the site's output: dA and dB
+  // accumulate; dx [N, in] += scale * drop'(g A) (bf16), skipped when dx is null.
+  void backward(int layer, LoraSite site, const bf16* x, const bf16* dy, bf16* dx,
+                cudaStream_t s);
+
+ private:
+  struct Slot {  // one adapted projection of one layer
+    int target = -1;
+    int in = 0, out = 0;
+    int col = 0;               // first column of the target in the site's fused output
+    std::size_t a = 0, b = 0;  // offsets of A and B in the layout
+    bf16* xa = nullptr;        // [N, r] drop(x) A^T of the last forward
+  };
+  // The adapted slots of one site of one layer (at most 3).
+  const std::vector<Slot>& slots(int layer, LoraSite site) const {
+    return slots_[static_cast<std::size_t>(layer) * 4 + static_cast<int>(site)];
+  }
+  int width(LoraSite site) const;  // columns of the site's fused output (its row stride)
+  LoraDropoutKey dropout_key(int layer, int target) const;
+  // x with slot's dropout mask applied (into xd_), or x itself when dropout is off.
+  const bf16* dropped(int layer, const Slot& slot, const bf16* x, cudaStream_t s);
+
+  ModelConfig cfg_;
+  LoraConfig lora_;
+  ParamLayout layout_;
+  int T_, N_;
+  float scale_;
+  std::vector<std::vector<Slot>> slots_;  // [layer * 4 + site]
+  const bf16* w_ = nullptr;
+  float* g_ = nullptr;
+  std::uint64_t seed_ = 0;
+  std::int64_t first_sample_ = 0;
+  bf16* gy_ = nullptr;  // [N, r] dy B of one target
+  bf16* xd_ = nullptr;  // [N, max in]: drop(x), then scale * g A (dropout > 0 only)
+};
+
+}  // namespace qt::cuda
