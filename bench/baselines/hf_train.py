@@ -23,35 +23,34 @@ PRESETS = {  # hidden, intermediate, layers, heads, kv heads, tied (qwen3-spec.m
 }
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_args(ap):
+    """The options every baseline takes (hf_train.py, peft_train.py)."""
     ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS))
     ap.add_argument("--layers", type=int, default=0, help="override the layer count")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--compile", action="store_true")
-    a = ap.parse_args()
+
+
+def qwen3_config(a):
+    """(Qwen3Config, layer count) of a --model preset with its --layers override."""
     h, i, layers, nh, nkv, tied = PRESETS[a.model]
     layers = a.layers or layers
     cfg = Qwen3Config(vocab_size=151936, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
                       num_attention_heads=nh, num_key_value_heads=nkv, head_dim=128,
                       tie_word_embeddings=tied, max_position_embeddings=40960,
                       rope_parameters={"rope_type": "default", "rope_theta": 1e6}, use_cache=False)
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
-    model.config._attn_implementation = "sdpa"
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
-    step_fn = model
-    if a.compile:
-        step_fn = torch.compile(model)
+    return cfg, layers
+
+
+def time_training(model_fn, opt, a):
+    """Trains --warmup untimed then --steps timed steps of --batch x --seq-len random tokens
+    (labels = inputs). Returns (tokens/s, peak GPU GiB of the timed steps, last loss)."""
     ids = torch.randint(0, 151936, (a.batch, a.seq_len), device="cuda")
-    n_params = sum(p.numel() for p in model.parameters())
 
     def step():
-        loss = step_fn(input_ids=ids, labels=ids).loss
+        loss = model_fn(input_ids=ids, labels=ids).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -66,12 +65,29 @@ def main():
         loss = step()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    tokens = a.batch * a.seq_len * a.steps
+    return a.batch * a.seq_len * a.steps / dt, torch.cuda.max_memory_allocated() / 2**30, float(loss)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(ap)
+    ap.add_argument("--compile", action="store_true")
+    a = ap.parse_args()
+    cfg, layers = qwen3_config(a)
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(cfg).to(device="cuda", dtype=torch.bfloat16)
+    model.config._attn_implementation = "sdpa"
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+    step_fn = model
+    if a.compile:
+        step_fn = torch.compile(model)
+    n_params = sum(p.numel() for p in model.parameters())
+    tokens_per_s, peak, loss = time_training(step_fn, opt, a)
     print(json.dumps({"baseline": "pytorch+transformers", "mode": "compile" if a.compile else "eager",
                       "model": a.model, "layers": layers, "params": n_params, "seq_len": a.seq_len,
-                      "batch": a.batch, "tokens_per_s": tokens / dt,
-                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                      "final_loss": float(loss), "gpu": torch.cuda.get_device_name()}))
+                      "batch": a.batch, "tokens_per_s": tokens_per_s, "peak_mem_gib": peak,
+                      "final_loss": loss, "gpu": torch.cuda.get_device_name()}))
 
 
 if __name__ == "__main__":

@@ -12,39 +12,23 @@ over the timed steps (after warm-up), peak GPU memory.
 """
 import argparse
 import json
-import time
 
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3ForCausalLM
 
-PRESETS = {  # hidden, intermediate, layers, heads, kv heads, tied (qwen3-spec.md 1.1)
-    "qwen3-0.6b": (1024, 3072, 28, 16, 8, True),
-    "qwen3-1.7b": (2048, 6144, 28, 16, 8, True),
-    "qwen3-4b": (2560, 9728, 36, 32, 8, True),
-    "qwen3-8b": (4096, 12288, 36, 32, 8, False),
-}
+from hf_train import add_common_args, qwen3_config, time_training  # same directory
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen3-0.6b", choices=sorted(PRESETS))
-    ap.add_argument("--layers", type=int, default=0, help="override the layer count")
-    ap.add_argument("--seq-len", type=int, default=4096)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=5)
+    add_common_args(ap)
     ap.add_argument("--r", type=int, default=8)
     ap.add_argument("--alpha", type=float, default=16)
     ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     ap.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing (non-reentrant)")
     a = ap.parse_args()
-    h, i, layers, nh, nkv, tied = PRESETS[a.model]
-    layers = a.layers or layers
-    cfg = Qwen3Config(vocab_size=151936, hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
-                      num_attention_heads=nh, num_key_value_heads=nkv, head_dim=128,
-                      tie_word_embeddings=tied, max_position_embeddings=40960,
-                      rope_parameters={"rope_type": "default", "rope_theta": 1e6}, use_cache=False)
+    cfg, layers = qwen3_config(a)
     torch.manual_seed(0)
     # Built on the GPU in bf16 (an 8B model initialised on the CPU in fp32 takes minutes).
     torch.set_default_dtype(torch.bfloat16)
@@ -62,31 +46,12 @@ def main():
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)
     opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.0, fused=True)
-    ids = torch.randint(0, 151936, (a.batch, a.seq_len), device="cuda")
-
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    tokens = a.batch * a.seq_len * a.steps
+    tokens_per_s, peak, loss = time_training(model, opt, a)
     print(json.dumps({"baseline": "peft", "mode": "eager", "model": a.model, "layers": layers,
                       "params": n_params, "trainable_params": n_trainable, "r": a.r,
                       "lora_alpha": a.alpha, "targets": a.targets, "grad_ckpt": a.grad_ckpt,
-                      "seq_len": a.seq_len, "batch": a.batch, "tokens_per_s": tokens / dt,
-                      "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                      "final_loss": float(loss), "gpu": torch.cuda.get_device_name(),
+                      "seq_len": a.seq_len, "batch": a.batch, "tokens_per_s": tokens_per_s,
+                      "peak_mem_gib": peak, "final_loss": loss, "gpu": torch.cuda.get_device_name(),
                       "peft_adapter_dtype": str(trainable[0].dtype)}))
 
 

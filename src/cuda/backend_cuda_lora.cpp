@@ -10,7 +10,6 @@
 // step's last backward: one all-reduce, fp32 or bf16 on the wire (optim.grad_reduce), whole
 // (optim.reduce_bucket_mb does not apply). Then clipping and the fused AdamW over the adapters,
 // with the CPU LoRA back end's weight-decay rule (each tensor's ParamInfo::weight_decay).
-#include <cmath>
 #include <fmt/format.h>
 #include <memory>
 #include <vector>
@@ -20,10 +19,9 @@
 #include "cuda/lora_cuda.h"
 #include "cuda/nccl_comm.h"
 #include "cuda/qwen3_cuda.h"
-#include "ops/cuda/adamw.cuh"
+#include "cuda/trained_state.h"
 #include "ops/cuda/convert.cuh"
 #include "ops/cuda/gemm.cuh"
-#include "optim/schedule.h"
 #include "qtrain/error.h"
 #include "train/backend.h"
 
@@ -39,46 +37,23 @@ class CudaLoraBackend final : public TrainBackend {
   CudaLoraBackend(const Deck& deck, Mesh& mesh)
       : deck_(deck), mesh_(mesh), layout_(deck.model),
         device_(cuda::select_device(mesh.local_rank())),
-        arena_(arena_bytes(), fmt::format("GPU {} arena", device_)) {
+        arena_(cuda::arena_bytes_leaving(kReservedBytes), fmt::format("GPU {} arena", device_)),
+        gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
+        base_(arena_.allocate<cuda::bf16>(layout_.numel())),
+        lora_(std::make_unique<cuda::LoraCuda>(deck.model, deck.lora, deck.train.micro_batch,
+                                               deck.train.seq_len, arena_)),
+        state_(lora_->layout(), mesh.dp(), deck.optim.zero_stage == 1, arena_),
+        batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {
     const int B = deck.train.micro_batch, T = deck.train.seq_len;
-    gemm_ws_ = arena_.allocate(cuda::kGemmWorkspaceBytes);
-    cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
-    base_ = arena_.allocate<cuda::bf16>(layout_.numel());
-    lora_ = std::make_unique<cuda::LoraCuda>(deck.model, deck.lora, B, T, arena_);
-    const ParamLayout& al = lora_->layout();
-    const std::size_t n = al.numel();
     const int dp = mesh.dp().size();
-    chunk_ = (n + dp - 1) / dp;
-    padded_ = chunk_ * dp;
-    range_ = deck.optim.zero_stage == 1 ? split_range(n, dp, mesh.dp().rank()) : Range{0, n};
-    master_ = arena_.allocate<float>(padded_);
-    grads_ = arena_.allocate<float>(padded_);
-    weights_ = arena_.allocate<cuda::bf16>(padded_);
-    m_ = arena_.allocate<float>(range_.size());
-    v_ = arena_.allocate<float>(range_.size());
-    QT_CHECK_CUDA(cudaMemset(master_, 0, padded_ * sizeof(float)));  // the padding stays zero
-    QT_CHECK_CUDA(cudaMemset(grads_, 0, padded_ * sizeof(float)));
-    norm_ws_ = arena_.allocate(cuda::grad_norm_workspace_bytes());
-    std::vector<cuda::AdamWSegment> segs;
-    for (const ParamInfo& p : al.params())
-      segs.push_back({p.offset, p.offset + p.numel, p.weight_decay ? 1 : 0});
-    segments_ = arena_.allocate<cuda::AdamWSegment>(segs.size());
-    num_segments_ = static_cast<int>(segs.size());
-    cuda::upload(segments_, segs.data(), segs.size() * sizeof(segs[0]));
-    const std::size_t tokens = static_cast<std::size_t>(B) * T;
-    inputs_ = arena_.allocate<std::int32_t>(tokens);
-    targets_ = arena_.allocate<std::int32_t>(tokens);
-    positions_ = arena_.allocate<std::int32_t>(tokens);  // used only when packing
+    cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, B, T, arena_, deck.train.recompute);
     model_->set_lora(lora_.get());
-    lora_->bind(weights_, grads_);
+    lora_->bind(state_.weights(), state_.grads());
     if (dp > 1) nccl_dp_ = std::make_unique<cuda::NcclComm>(mesh.dp(), "dp");
     if (dp > 1 && deck.optim.grad_reduce == "bf16")
-      reduce_stage_ = arena_.allocate<cuda::bf16>(padded_);
+      reduce_stage_ = arena_.allocate<cuda::bf16>(state_.padded());
     host_params_.assign(layout_.numel(), 0.0f);
-    host_adapters_.assign(padded_, 0.0f);
-    host_m_.assign(range_.size(), 0.0f);
-    host_v_.assign(range_.size(), 0.0f);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
   }
 
@@ -95,8 +70,8 @@ class CudaLoraBackend final : public TrainBackend {
         cuda::format_bytes(arena_.used()));
   }
   float* host_params() override { return host_params_.data(); }
-  float* host_trained() override { return host_adapters_.data(); }
-  MomentShard host_moments() override { return {range_, host_m_.data(), host_v_.data()}; }
+  float* host_trained() override { return state_.host_params(); }
+  MomentShard host_moments() override { return state_.host_moments(); }
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
 
   void push_state() override {
@@ -112,98 +87,42 @@ class CudaLoraBackend final : public TrainBackend {
         stream_.synchronize();  // before the next block overwrites the staging buffer
       }
     }
-    const std::size_t n = lora_->layout().numel();
-    cuda::upload(master_, host_adapters_.data(), n * 4);
-    cuda::upload(m_, host_m_.data(), range_.size() * 4);
-    cuda::upload(v_, host_v_.data(), range_.size() * 4);
-    cuda::convert_f32_to_bf16(weights_, master_, padded_, stream_.get());
-    stream_.synchronize();
+    state_.push(stream_.get());
   }
-  void pull_state() override {  // the adapters and their moments; the base never changes
-    stream_.synchronize();
-    const std::size_t n = lora_->layout().numel();
-    QT_CHECK_CUDA(cudaMemcpy(host_adapters_.data(), master_, n * 4, cudaMemcpyDeviceToHost));
-    QT_CHECK_CUDA(cudaMemcpy(host_m_.data(), m_, range_.size() * 4, cudaMemcpyDeviceToHost));
-    QT_CHECK_CUDA(cudaMemcpy(host_v_.data(), v_, range_.size() * 4, cudaMemcpyDeviceToHost));
-  }
-
-  void zero_grads() override {
-    QT_CHECK_CUDA(cudaMemsetAsync(grads_, 0, padded_ * sizeof(float), stream_.get()));
-  }
+  // The adapters and their moments; the base never changes.
+  void pull_state() override { state_.pull(stream_.get()); }
+  void zero_grads() override { state_.zero_grads(stream_.get()); }
 
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
-    const std::size_t bytes =
-        static_cast<std::size_t>(deck_.train.micro_batch) * deck_.train.seq_len * 4;
-    QT_CHECK_CUDA(cudaMemcpyAsync(inputs_, inputs, bytes, cudaMemcpyHostToDevice, stream_.get()));
-    QT_CHECK_CUDA(cudaMemcpyAsync(targets_, targets, bytes, cudaMemcpyHostToDevice, stream_.get()));
-    if (positions)
-      QT_CHECK_CUDA(
-          cudaMemcpyAsync(positions_, positions, bytes, cudaMemcpyHostToDevice, stream_.get()));
+    const std::int32_t* pos = batch_.upload(inputs, targets, positions, stream_.get());
     lora_->set_dropout_key(deck_.train.seed, first_sample_);
-    return model_->forward_backward(base_, nullptr, inputs_, targets_, loss_scale, stream_.get(),
-                                    {}, positions ? positions_ : nullptr);
+    return model_->forward_backward(base_, nullptr, batch_.inputs(), batch_.targets(), loss_scale,
+                                    stream_.get(), {}, pos);
   }
 
   OptimStepStats optimizer_step(std::int64_t step) override {
-    OptimStepStats s;
-    const OptimConfig& o = deck_.optim;
-    s.lr = lr_at(o, deck_.train.steps, step);
-    const bool zero1 = o.zero_stage == 1;
-    const std::size_t n = lora_->layout().numel();
-    if (nccl_dp_) reduce_gradients(n);
-    const float* g = grads_ + range_.begin;  // every rank holds the whole reduced gradient
-    double sumsq = cuda::grad_norm_squared_sync(g, range_.size(), norm_ws_, stream_.get());
-    if (zero1) sumsq = mesh_.dp().sum(sumsq);
-    s.grad_norm = std::sqrt(sumsq);
-    if (o.grad_clip > 0 && s.grad_norm > o.grad_clip) s.clip_scale = o.grad_clip / (s.grad_norm + 1e-6);
-    cuda::AdamWStepArgs args;
-    args.lr = s.lr;
-    args.beta1 = o.beta1;
-    args.beta2 = o.beta2;
-    args.eps = o.eps;
-    args.weight_decay = o.weight_decay;
-    args.clip_scale = s.clip_scale;
-    args.step = step + 1;
-    cuda::adamw_step(master_ + range_.begin, weights_ + range_.begin, m_, v_, g, range_.size(),
-                     range_.begin, segments_, num_segments_, args, stream_.get());
-    if (zero1 && nccl_dp_) {
-      // Every rank's updated shard to every rank (in place), then the bf16 copy of the whole.
-      stream_.synchronize();
-      nccl_dp_->all_gather(master_ + chunk_ * mesh_.dp().rank(), master_, chunk_, DType::kF32);
-      cuda::convert_f32_to_bf16(weights_, master_, padded_, stream_.get());
-    }
-    return s;
+    // Every rank then holds the whole reduced gradient; with ZeRO-1 it updates its shard.
+    if (nccl_dp_) reduce_gradients(lora_->layout().numel());
+    return state_.step(deck_.optim, deck_.train.steps, step, mesh_.dp(), nccl_dp_.get(),
+                       stream_.get());
   }
 
-  std::string memory_report() override {
-    const cuda::DeviceMemory m = cuda::device_memory();
-    return fmt::format("GPU arena {} used, {} peak; device {} free of {}",
-                       cuda::format_bytes(arena_.used()), cuda::format_bytes(arena_.peak()),
-                       cuda::format_bytes(m.free_bytes), cuda::format_bytes(m.total_bytes));
-  }
+  std::string memory_report() override { return cuda::memory_report(arena_); }
 
  private:
-  // The arena takes the GPU's free memory less kReservedBytes (called after select_device).
-  static std::size_t arena_bytes() {
-    const cuda::DeviceMemory m = cuda::device_memory();
-    if (m.free_bytes <= kReservedBytes + (std::size_t{1} << 30))
-      fail_user("the GPU has only {} free; qtrain needs more than {}",
-                cuda::format_bytes(m.free_bytes), cuda::format_bytes(kReservedBytes + (1ull << 30)));
-    return m.free_bytes - kReservedBytes;
-  }
-
-  // Sums the adapter gradients grads_[0, n) over dp, in place on every rank (blocking).
+  // Sums the adapter gradients [0, n) over dp, in place on every rank (blocking).
   void reduce_gradients(std::size_t n) {
+    float* grads = state_.grads();
     stream_.synchronize();  // the backward is done before NCCL reads the gradients
     if (reduce_stage_ == nullptr) {
-      nccl_dp_->all_reduce(grads_, n, DType::kF32, ReduceOp::kSum);
+      nccl_dp_->all_reduce(grads, n, DType::kF32, ReduceOp::kSum);
       return;
     }
-    cuda::convert_f32_to_bf16(reduce_stage_, grads_, n, stream_.get());
+    cuda::convert_f32_to_bf16(reduce_stage_, grads, n, stream_.get());
     stream_.synchronize();
     nccl_dp_->all_reduce(reduce_stage_, n, DType::kBF16, ReduceOp::kSum);
-    cuda::convert_bf16_to_f32(grads_, reduce_stage_, n, stream_.get());
+    cuda::convert_bf16_to_f32(grads, reduce_stage_, n, stream_.get());
   }
 
   const Deck& deck_;
@@ -212,25 +131,16 @@ class CudaLoraBackend final : public TrainBackend {
   int device_;
   cuda::DeviceArena arena_;
   cuda::Stream stream_;
-  void* gemm_ws_ = nullptr;
-  cuda::bf16* base_ = nullptr;          // [numel] frozen base weights, bf16
+  void* gemm_ws_;
+  cuda::bf16* base_;  // [numel] frozen base weights, bf16
   std::unique_ptr<cuda::LoraCuda> lora_;
-  std::size_t chunk_ = 0, padded_ = 0;  // adapter elements per dp rank, and chunk_ * dp
-  Range range_;                         // the adapter elements whose moments this rank holds
-  float *master_ = nullptr, *grads_ = nullptr;  // [padded_] fp32 adapters and their gradients
-  float *m_ = nullptr, *v_ = nullptr;           // [range_.size()] AdamW moments
-  cuda::bf16* weights_ = nullptr;               // [padded_] bf16 compute copy of the adapters
-  cuda::bf16* reduce_stage_ = nullptr;          // bf16 gradients (optim.grad_reduce = bf16)
-  void* norm_ws_ = nullptr;
-  cuda::AdamWSegment* segments_ = nullptr;
-  int num_segments_ = 0;
-  std::int32_t *inputs_ = nullptr, *targets_ = nullptr;
-  std::int32_t* positions_ = nullptr;  // device [B, T] RoPE positions (packing)
+  cuda::TrainedState state_;  // the adapters: master weights, gradients, bf16 copy, moments
+  cuda::BatchBuffers batch_;
+  cuda::bf16* reduce_stage_ = nullptr;  // bf16 gradients (optim.grad_reduce = bf16)
   std::unique_ptr<cuda::Qwen3Cuda> model_;
   std::unique_ptr<cuda::NcclComm> nccl_dp_;
   std::int64_t first_sample_ = 0;
   std::vector<float> host_params_;  // [numel] the fp32 base as loaded (host only)
-  std::vector<float> host_adapters_, host_m_, host_v_;
 };
 
 }  // namespace
