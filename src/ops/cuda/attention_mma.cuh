@@ -84,6 +84,24 @@ __device__ __forceinline__ void store_warp_rows(bf16* g, long long ld, int grow0
   }
 }
 
+// Packed rows (PACKED, both backward paths): the first query tile in [i_first + 1, n_qt) whose
+// first row's document starts after key k_last (n_qt if none): every later tile's rows start even
+// later (ds = t - pos[t] never decreases), so the query tiles [i_first, result) are the only ones
+// that read keys <= k_last. Binary search, pb = pos[b].
+__device__ __forceinline__ int packed_query_tile_end(const int* pb, int i_first, int n_qt, int rows,
+                                                     int k_last) {
+  int lo = i_first + 1, hi = n_qt;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    const int t = mid * rows;
+    if (t - pb[t] > k_last)
+      hi = mid;
+    else
+      lo = mid + 1;
+  }
+  return lo;
+}
+
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])

@@ -84,23 +84,6 @@ constexpr int dkdv_smem_bytes() {
   return 2 * 64 * NWG * HD * 2 + 4 * kQStep * HD * 2 + (PACKED ? 6 : 4) * kQStep * 4 + 1024;
 }
 
-// First query tile in [i_first + 1, n_qt) whose first row's document starts after key k_last
-// (n_qt if none): every later tile's rows start even later (ds never decreases), so the query
-// tiles [i_first, result) are the only ones that read keys <= k_last. Binary search, pb = pos[b].
-__device__ __forceinline__ int packed_query_tile_end(const int* pb, int i_first, int n_qt, int rows,
-                                                     int k_last) {
-  int lo = i_first + 1, hi = n_qt;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    const int t = mid * rows;
-    if (t - pb[t] > k_last)
-      hi = mid;
-    else
-      lo = mid + 1;
-  }
-  return lo;
-}
-
 template <int HD, int NWG, bool PACKED>
 __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     attention_dkdv_sm90_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv, const bf16* dq_delta,
