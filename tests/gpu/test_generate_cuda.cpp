@@ -267,7 +267,7 @@ TEST_P(DecoderVsCpu, LogitsAtEveryStep) {
   double worst = 0;
   for (int s = 0;; ++s) {
     const double err = test::rel_error(lg, lc);
-    EXPECT_LT(err, test::kTolBf16) << "step " << s;
+    EXPECT_LT(err, test::kTolBf16Model) << "step " << s;
     worst = std::max(worst, err);
     if (s == steps) break;
     // Both continue with the GPU's greedy token: the sequences stay the same.
@@ -306,14 +306,14 @@ TEST_P(DecoderVsCpu, PrefillThenStepsEqualsOnePrefill) {
   const double e_steps = test::rel_error(by_steps, want_last);
   const double e_once = test::rel_error(by_prefill, want_last);
   const double e_between = test::rel_error(by_steps, by_prefill);
-  EXPECT_LT(e_steps, test::kTolBf16);
-  EXPECT_LT(e_once, test::kTolBf16);
+  EXPECT_LT(e_steps, test::kTolBf16Model);
+  EXPECT_LT(e_once, test::kTolBf16Model);
   EXPECT_LT(e_between, test::kTolBf16);
 
   // Logits of every row of a prefill.
   once.reset();
   const std::vector<float> rows = copy_logits(once.append(all, true), static_cast<std::size_t>(T) * V);
-  EXPECT_LT(test::rel_error(rows, want), test::kTolBf16);
+  EXPECT_LT(test::rel_error(rows, want), test::kTolBf16Model);
   double worst_row = 0;
   for (int t = 0; t < T; ++t)
     worst_row = std::max(worst_row, test::rel_error(rows.data() + static_cast<std::size_t>(t) * V,
@@ -395,13 +395,13 @@ TEST(DecoderVsCpuLong, LongPromptThenSteps) {
   std::vector<float> lc = copy_logits(cpu.append(prompt), V);
   std::vector<float> lg = copy_logits(gpu.append(prompt), V);
   double worst = test::rel_error(lg, lc);
-  EXPECT_LT(worst, test::kTolBf16) << "prefill";
+  EXPECT_LT(worst, test::kTolBf16Model) << "prefill";
   for (int s = 0; s < steps; ++s) {
     const std::int32_t t = gen::argmax(lg.data(), V);
     lc = copy_logits(cpu.append(std::span(&t, 1)), V);
     lg = copy_logits(gpu.append(std::span(&t, 1)), V);
     const double err = test::rel_error(lg, lc);
-    EXPECT_LT(err, test::kTolBf16) << "step " << s;
+    EXPECT_LT(err, test::kTolBf16Model) << "step " << s;
     worst = std::max(worst, err);
   }
   std::printf("[long] %d-token prompt, %d steps: logits rel err worst %.3e\n", T, steps, worst);
