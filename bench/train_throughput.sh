@@ -5,6 +5,8 @@
 #   usage: bench/train_throughput.sh BUILD_DIR OUT_DIR [MODEL[:LAYERS] ...]   (default: qwen3-0.6b)
 #   e.g. qwen3-0.6b qwen3-1.7b qwen3-8b:8   (the last: eight Qwen3-8B-shaped layers)
 #   COMPILED="qwen3-0.6b qwen3-1.7b": the models also measured under torch.compile (default 0.6b)
+#   QTRAIN_OPTS="--optim.overlap_update=false ...": more qtrain options (word-split)
+#   BASELINES=0: qtrain only (no PyTorch runs)
 #   LORA=1: LoRA instead (docs/finetune.md): qtrain with [lora] r=8, alpha=16, dropout 0 on
 #     q/k/v/o_proj next to PEFT (bench/baselines/peft_train.py) with the same settings; the models
 #     in LORA_B1 (default qwen3-8b) run one sequence a step, PEFT with gradient checkpointing.
@@ -54,10 +56,11 @@ for spec in "${models[@]}"; do
       --train.device=cuda --train.seq_len=4096 --train.micro_batch=2 --train.global_batch=2 \
       --train.steps=30 --train.recompute=false --data.source=synthetic --checkpoint.every=-1 \
       --checkpoint.resume=none --log.every=5 --log.metrics="$out/qtrain-$tag.jsonl" \
-      --optim.warmup_steps=5 ) >"$out/qtrain-$tag.log" 2>&1 \
+      --optim.warmup_steps=5 ${QTRAIN_OPTS:-} ) >"$out/qtrain-$tag.log" 2>&1 \
     || echo "qtrain $model failed: see $out/qtrain-$tag.log"
   grep -E "^step|error" "$out/qtrain-$tag.log" | tail -3
   modes=(eager); [[ " ${COMPILED:-qwen3-0.6b} " == *" $spec "* ]] && modes+=(compile)
+  [[ ${BASELINES:-1} == 0 ]] && modes=()
   for mode in "${modes[@]}"; do
     flag=""; [[ $mode == compile ]] && flag=--compile
     python3 bench/baselines/hf_train.py --model "$model" "${hf_layers[@]}" --seq-len 4096 --batch 2 \
