@@ -40,8 +40,6 @@ struct OptimConfig {
   // gradients are accumulated and stored in fp32 either way) and the bucket size.
   std::string grad_reduce = "fp32";
   double reduce_bucket_mb = 32;  // MiB of fp32 gradients per reduction bucket (> 0)
-  // cuda: each step's AdamW runs beside the next step's forward, layer by layer (same results).
-  bool overlap_update = true;
 };
 
 struct DataConfig {

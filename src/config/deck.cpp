@@ -152,8 +152,6 @@ const std::vector<KeySpec>& key_table() {
              "dtype of the dp gradient reduction: fp32 | bf16 (bf16: cuda only, half the traffic)"),
         spec("optim", "reduce_bucket_mb", &D::optim, &O::reduce_bucket_mb, "MiB",
              "fp32 gradients per dp reduction bucket, overlapped with the backward (cuda)"),
-        spec("optim", "overlap_update", &D::optim, &O::overlap_update, "",
-             "cuda: run each step's AdamW beside the next step's forward, layer by layer"),
 
         spec("lora", "r", &D::lora, &Lo::r, "",
              "LoRA rank; 0 = off (the whole model trains); > 0: only adapters train, base frozen"),

@@ -10,9 +10,6 @@
 // and with ZeRO-1 a reduce of each bucket's pieces to the ranks that own them (one NCCL group).
 // optim.grad_reduce = bf16 sends a bf16 copy (made on the NCCL stream) instead of the fp32
 // gradients and converts the result back.
-//
-// optim.overlap_update: the AdamW of a step runs on a low-priority stream beside the next step's
-// forward, piece by piece in the order the forward reads the weights (TrainedState).
 #include <cuda_profiler_api.h>
 
 #include <cstdio>
@@ -58,13 +55,6 @@ class CudaBackend final : public TrainBackend {
     if (dp > 1 && deck.optim.grad_reduce == "bf16")
       reduce_stage_ = arena_.allocate<cuda::bf16>(state_.padded());
     for (int r = 0; r < dp; ++r) owners_.push_back(split_range(n, dp, r));
-    // optim.overlap_update: each step's AdamW runs beside the next step's forward, layer by
-    // layer (not with a ZeRO-1 shard over dp > 1, whose all-gather needs the whole update).
-    if (deck.optim.overlap_update && (deck.optim.zero_stage != 1 || dp == 1)) {
-      state_.overlap_update(model_->weight_piece_ends());
-      model_->set_weights_needed(
-          [this](std::size_t end, cudaStream_t s) { state_.wait_weights(end, s); });
-    }
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     read_profile_window();
   }
@@ -183,7 +173,7 @@ class CudaBackend final : public TrainBackend {
   ParamLayout layout_;
   int device_;
   cuda::DeviceArena arena_;
-  cuda::Stream stream_{cuda::Stream::kHigh};  // before the overlapped update's low-priority one
+  cuda::Stream stream_;
   void* gemm_ws_;
   cuda::TrainedState state_;  // the model's master weights, gradients, bf16 copy and moments
   cuda::BatchBuffers batch_;

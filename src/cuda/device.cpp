@@ -141,12 +141,7 @@ void upload(void* dst, const void* src, std::size_t bytes) {
   QT_CHECK_CUDA(cudaDeviceSynchronize());
 }
 
-Stream::Stream(Priority p) {
-  int least = 0, greatest = 0;
-  QT_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  QT_CHECK_CUDA(cudaStreamCreateWithPriority(&s_, cudaStreamNonBlocking,
-                                             p == kHigh ? greatest : least));
-}
+Stream::Stream() { QT_CHECK_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }
 Stream::~Stream() {
   if (s_ != nullptr) cudaStreamDestroy(s_);
 }

@@ -134,10 +134,7 @@ void upload(void* dst, const void* src, std::size_t bytes);
 // A CUDA stream, created non-blocking with respect to the legacy default stream.
 class Stream {
  public:
-  // Priority: kHigh streams' blocks are scheduled before pending blocks of kLow ones (CUDA's
-  // default priority is the lowest; kHigh is the device's greatest).
-  enum Priority { kLow, kHigh };
-  explicit Stream(Priority p = kLow);
+  Stream();
   ~Stream();
   Stream(const Stream&) = delete;
   Stream& operator=(const Stream&) = delete;

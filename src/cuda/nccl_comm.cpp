@@ -63,11 +63,7 @@ NcclComm::NcclComm(const MpiComm& mpi, std::string name, double timeout_s, OnTim
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);  // NVLink multicast stays off (shared GPUs)
   QT_CHECK_CUDA(cudaGetDevice(&device_));
   scratch_ = DeviceBuffer(kHostStagingBytes, "NcclComm '" + name_ + "' scratch");
-  // Blocking: ordered after the legacy default stream. The greatest priority, as the back ends'
-  // compute streams: a low-priority stream (the overlapped optimizer update) never delays it.
-  int least = 0, greatest = 0;
-  QT_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-  QT_CHECK_CUDA(cudaStreamCreateWithPriority(&stream_, cudaStreamDefault, greatest));
+  QT_CHECK_CUDA(cudaStreamCreate(&stream_));  // blocking: ordered after the legacy default stream
 
   ncclUniqueId id{};
   if (rank_ == 0) QT_CHECK_NCCL(ncclGetUniqueId(&id));

@@ -32,11 +32,6 @@ void copy_columns(bf16* dst, int dst_ld, const bf16* src, int src_ld, int rows, 
   QT_CHECK_CUDA(cudaMemcpy2DAsync(dst, dst_ld * e, src, src_ld * e, cols * e, rows,
                                   cudaMemcpyDeviceToDevice, s));
 }
-
-std::size_t lowest_offset(const LayerOffsets& o) {
-  return std::min({o.ln1, o.wq, o.wk, o.wv, o.wo, o.q_norm, o.k_norm, o.ln2, o.w_gate, o.w_up,
-                   o.w_down});
-}
 }  // namespace
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute)
@@ -53,8 +48,6 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, b
   QT_CHECK(off_embed_ == 0 && off_norm_ > (L > 0 ? lo_.back().w_down : 0) &&
                (cfg.tie_word_embeddings || off_lm_head_ > off_norm_),
            "unexpected parameter layout order");
-  for (int l = 0; l < cfg.num_layers; ++l)  // layer l ends where layer l + 1 or the norm begins
-    layer_end_.push_back(l + 1 < cfg.num_layers ? lowest_offset(lo_[l + 1]) : off_norm_);
   for (const LayerOffsets& o : lo_)  // the fused q/k/v and gate/up GEMMs rely on it
     QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
              "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
@@ -108,14 +101,6 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, b
                         qk_norm_rope_backward_workspace_bytes(B, T, nkv, hd),
                         embedding_backward_workspace_bytes(N_)});
   ws_ = arena.allocate(ws_bytes_);
-}
-
-std::vector<std::size_t> Qwen3Cuda::weight_piece_ends() const {
-  std::vector<std::size_t> ends;
-  if (!lo_.empty()) ends.push_back(lowest_offset(lo_[0]));
-  ends.insert(ends.end(), layer_end_.begin(), layer_end_.end());
-  ends.push_back(layout_.numel());
-  return ends;
 }
 
 void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
@@ -222,16 +207,9 @@ double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* 
   QT_CHECK(G != nullptr || lora_ != nullptr, "a frozen base (G null) without LoRA adapters");
   pos_ = positions;
   QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s));
-  // Each forward piece also reads the next layer's input norm (or the final norm).
-  const std::size_t numel = layout_.numel();
-  need_weights(L > 0 ? layer_end_[0] : numel, s);
   embedding_forward(x_[0], inputs, W + off_embed_, N, H, s);
   rmsnorm_forward(ln_[0], rstd_[0], x_[0], W + lo_[0].ln1, N, H, cfg_.rms_norm_eps, s);
-  for (int l = 0; l < L; ++l) {
-    need_weights(l + 1 < L ? layer_end_[l + 1] : numel, s);
-    layer_forward(l, W, s);
-  }
-  need_weights(numel, s);  // the lm head, then every gradient write
+  for (int l = 0; l < L; ++l) layer_forward(l, W, s);
   lm_head_loss(W, G, targets, loss_scale, s);
   rmsnorm_backward(dx_, G ? G + off_norm_ : nullptr, dtmp_, x_[L], W + off_norm_, rstd_[L], N, H,
                    ws_, s);

@@ -45,17 +45,6 @@ class Qwen3Cuda {
   // to layer 0, the embedding last). The data-parallel reduction starts from it.
   using GradsReady = std::function<void(std::size_t begin)>;
 
-  // Called on the host while the forward is enqueued, with an `end` that only increases and
-  // ends at the layout's numel: the work about to be enqueued on the stream reads weights at
-  // flat offsets below `end` (the embedding and layer 0 first, then layer by layer, the final
-  // norm and lm head last). TrainedState::wait_weights makes the stream wait for their update.
-  // Set once, or not at all (the weights are current).
-  using WeightsNeeded = std::function<void(std::size_t end, cudaStream_t s)>;
-  void set_weights_needed(WeightsNeeded f) { weights_needed_ = std::move(f); }
-  // Where the pieces of the flat layout that the forward reads in turn end: the embedding, each
-  // layer, then the final norm and an untied lm head (TrainedState::overlap_update's pieces).
-  std::vector<std::size_t> weight_piece_ends() const;
-
   // inputs, targets: device [B, T] int32 (targets -100 ignored). W: bf16 weights in the flat
   // layout; G: fp32 gradients, accumulated (+= loss_scale * d(sum of losses)/dW), or null: the
   // base is frozen (LoRA; needs set_lora): no weight gradient is computed, nor any gradient that
@@ -104,11 +93,6 @@ class Qwen3Cuda {
   bool recompute_ = false;
   LayerActs& acts(int l) { return acts_[recompute_ ? 0 : l]; }
   LoraCuda* lora_ = nullptr;
-  WeightsNeeded weights_needed_;
-  std::vector<std::size_t> layer_end_;  // [L] one past layer l's last weight (flat offset)
-  void need_weights(std::size_t end, cudaStream_t s) const {
-    if (weights_needed_) weights_needed_(end, s);
-  }
   const std::int32_t* inputs_ = nullptr;
   const std::int32_t* pos_ = nullptr;  // device [B, T] positions of this micro-batch, or null
   // scratch

@@ -2,7 +2,6 @@
 // trained_state.h).
 #include "cuda/trained_state.h"
 
-#include <algorithm>
 #include <cmath>
 #include <fmt/format.h>
 
@@ -41,7 +40,6 @@ TrainedState::TrainedState(const ParamLayout& layout, const MpiComm& dp, bool ze
 }
 
 void TrainedState::push(cudaStream_t s) {
-  finish_update();
   upload(master_, host_params_.data(), numel_ * 4);
   upload(m_, host_m_.data(), range_.size() * 4);
   upload(v_, host_v_.data(), range_.size() * 4);
@@ -50,7 +48,6 @@ void TrainedState::push(cudaStream_t s) {
 }
 
 void TrainedState::pull(cudaStream_t s) {
-  finish_update();
   QT_CHECK_CUDA(cudaStreamSynchronize(s));
   QT_CHECK_CUDA(cudaMemcpy(host_params_.data(), master_, numel_ * 4, cudaMemcpyDeviceToHost));
   QT_CHECK_CUDA(cudaMemcpy(host_m_.data(), m_, range_.size() * 4, cudaMemcpyDeviceToHost));
@@ -58,38 +55,7 @@ void TrainedState::pull(cudaStream_t s) {
 }
 
 void TrainedState::zero_grads(cudaStream_t s) {
-  if (grads_zeroed_) {
-    // The forward waits for every piece before the first gradient is written (the lm head
-    // reads the whole layout's last piece or the embedding; forward_backward's order).
-    grads_zeroed_ = false;
-    return;
-  }
   QT_CHECK_CUDA(cudaMemsetAsync(grads_, 0, padded_ * sizeof(float), s));
-}
-
-void TrainedState::overlap_update(std::vector<std::size_t> piece_ends) {
-  QT_CHECK(range_.size() == numel_, "the overlapped update needs the whole range on this rank");
-  QT_CHECK(!piece_ends.empty() && piece_ends.back() == numel_ &&
-               std::is_sorted(piece_ends.begin(), piece_ends.end()),
-           "update pieces must ascend to numel");
-  piece_ends_ = std::move(piece_ends);
-  piece_done_.clear();
-  for (std::size_t i = 0; i < piece_ends_.size(); ++i)
-    piece_done_.push_back(std::make_unique<Event>());
-  waited_ = piece_ends_.size();
-}
-
-void TrainedState::wait_weights(std::size_t end, cudaStream_t s) {
-  while (waited_ < piece_ends_.size() && (waited_ == 0 ? 0 : piece_ends_[waited_ - 1]) < end) {
-    QT_CHECK_CUDA(cudaStreamWaitEvent(s, piece_done_[waited_]->get()));
-    ++waited_;
-  }
-}
-
-void TrainedState::finish_update() {
-  if (piece_ends_.empty()) return;
-  update_stream_.synchronize();
-  waited_ = piece_ends_.size();
 }
 
 OptimStepStats TrainedState::step(const OptimConfig& o, std::int64_t total_steps,
@@ -110,23 +76,6 @@ OptimStepStats TrainedState::step(const OptimConfig& o, std::int64_t total_steps
   args.weight_decay = o.weight_decay;
   args.clip_scale = st.clip_scale;
   args.step = step + 1;
-  if (!piece_ends_.empty()) {
-    QT_CHECK(waited_ == piece_ends_.size(), "a step before the last update was waited for");
-    norm_done_.record(s);  // the gradients are final
-    const cudaStream_t u = update_stream_.get();
-    QT_CHECK_CUDA(cudaStreamWaitEvent(u, norm_done_.get()));
-    std::size_t a = 0;
-    for (std::size_t i = 0; i < piece_ends_.size(); a = piece_ends_[i++]) {
-      const std::size_t n = piece_ends_[i] - a;
-      adamw_step(master_ + a, weights_ + a, m_ + a, v_ + a, grads_ + a, n, a, segments_,
-                 num_segments_, args, u);
-      QT_CHECK_CUDA(cudaMemsetAsync(grads_ + a, 0, n * sizeof(float), u));
-      piece_done_[i]->record(u);
-    }
-    waited_ = 0;
-    grads_zeroed_ = true;
-    return st;
-  }
   adamw_step(master_ + range_.begin, weights_ + range_.begin, m_, v_, g, range_.size(),
              range_.begin, segments_, num_segments_, args, s);
   if (zero1_ && nccl != nullptr) {

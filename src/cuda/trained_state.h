@@ -7,7 +7,6 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -41,19 +40,7 @@ class TrainedState {
   void push(cudaStream_t s);
   // Device -> host (after synchronising `s`).
   void pull(cudaStream_t s);
-  // Zeroes the gradients on `s`, unless the overlapped update already zeroes them.
   void zero_grads(cudaStream_t s);
-
-  // Overlapped update. With pieces set (ascending flat offsets, the last numel(): e.g. the
-  // embedding, each layer, the final norm and lm head), step() enqueues the update piece by
-  // piece on a low-priority stream of its own, each piece followed by the zeroing of its
-  // gradients, and returns without waiting for it. Before the next forward reads weights at
-  // offsets below `end`, it calls wait_weights(end, s): `s` waits (on the GPU) for the pieces
-  // that start below `end`. So the update of later layers runs beside the forward of earlier
-  // ones, with the same results. Only where this rank updates every element (not a ZeRO-1 shard
-  // of dp > 1: its all-gather needs the whole update first); push() and pull() wait for it.
-  void overlap_update(std::vector<std::size_t> piece_ends);
-  void wait_weights(std::size_t end, cudaStream_t s);
 
   // The optimizer step on gradients already reduced over dp (grads()[range()] final): the
   // global norm (summed over dp with ZeRO-1), clipping at o.grad_clip, the fused AdamW of
@@ -72,15 +59,6 @@ class TrainedState {
   AdamWSegment* segments_;
   int num_segments_;
   std::vector<float> host_params_, host_m_, host_v_;
-  // The overlapped update: piece i is [piece_ends_[i - 1], piece_ends_[i]); pieces >= waited_
-  // of the last step have not yet been waited for by the compute stream.
-  std::vector<std::size_t> piece_ends_;
-  std::vector<std::unique_ptr<Event>> piece_done_;
-  std::size_t waited_ = 0;
-  bool grads_zeroed_ = false;  // the last step's pieces zero the gradients
-  Stream update_stream_{Stream::kLow};
-  Event norm_done_;
-  void finish_update();  // the host waits for the overlapped update
 };
 
 // Device copies of one micro-batch's inputs, targets and positions ([B, T] int32 each).
