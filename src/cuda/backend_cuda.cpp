@@ -74,7 +74,7 @@ class CudaBackend final : public TrainBackend {
 
   void zero_grads() override {
     if (steps_done_ == profile_begin_) QT_CHECK_CUDA(cudaProfilerStart());
-    state_.zero_grads(stream_.get());
+    // No memset: the step's first micro-batch writes every gradient (GradWrite::kOverwrite).
     micro_steps_ = 0;
     reduced_from_ = layout_.numel();
   }
@@ -86,11 +86,14 @@ class CudaBackend final : public TrainBackend {
     // of a step reduces, and no micro-batch may follow it.
     QT_CHECK(micro_steps_ < micro_steps_per_step_, "micro-batch {} of a step of {}",
              micro_steps_ + 1, micro_steps_per_step_);
+    const auto write = micro_steps_ == 0 ? cuda::Qwen3Cuda::GradWrite::kOverwrite
+                                         : cuda::Qwen3Cuda::GradWrite::kAccumulate;
     cuda::Qwen3Cuda::GradsReady ready;
-    if (nccl_dp_ && ++micro_steps_ == micro_steps_per_step_)
+    if (++micro_steps_ == micro_steps_per_step_ && nccl_dp_)
       ready = [this](std::size_t begin) { gradients_ready(begin); };
     return model_->forward_backward(state_.weights(), state_.grads(), batch_.inputs(),
-                                    batch_.targets(), loss_scale, stream_.get(), ready, pos);
+                                    batch_.targets(), loss_scale, stream_.get(), ready, pos,
+                                    write);
   }
 
   OptimStepStats optimizer_step(std::int64_t step) override {

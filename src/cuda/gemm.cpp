@@ -252,11 +252,12 @@ void linear_forward(bf16* y, const bf16* x, const bf16* w, int N, int in, int ou
 }
 
 void linear_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w, int N,
-                     int in, int out, cudaStream_t stream) {
+                     int in, int out, cudaStream_t stream, bool accumulate) {
   // dx[N, in] = dy[N, out] * w[out, in]
   if (dx != nullptr) gemm(false, false, N, in, out, 1.f, dy, out, w, in, 0.f, dx, in, stream);
   // dw[out, in] += dy[N, out]^T * x[N, in]
-  if (dw != nullptr) gemm(true, false, out, in, N, 1.f, dy, out, x, in, 1.f, dw, in, stream);
+  if (dw != nullptr)
+    gemm(true, false, out, in, N, 1.f, dy, out, x, in, accumulate ? 1.f : 0.f, dw, in, stream);
 }
 
 }  // namespace qt::cuda

@@ -155,35 +155,38 @@ void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
   const std::size_t NH = static_cast<std::size_t>(N) * H;
   const int QKV = Q + 2 * KV;
   auto dW = [G](std::size_t off) { return G ? G + off : nullptr; };  // null: frozen
+  const bool acc = accumulate_;  // each weight gradient is made once per micro-batch
   // An activation gradient past the depth has no reader: not computed (null dx).
   const Depth depth = backward_depth(l, G);
   auto past = [depth](Depth d, bf16* dx) { return depth > d ? dx : nullptr; };
   // MLP block; dx_ holds d x_out and becomes d x_mid. gu is overwritten by its gradient.
-  linear_backward(past(kDown, dh_), dW(w.w_down), dx_, a.h, W + w.w_down, N, I, H, s);
+  linear_backward(past(kDown, dh_), dW(w.w_down), dx_, a.h, W + w.w_down, N, I, H, s, acc);
   if (lora_) lora_->backward(l, LoraSite::kDown, a.h, dx_, past(kDown, dh_), s);
   if (depth == kDown) return;
   swiglu_backward_strided(a.gu, a.gu + I, dh_, a.gu, a.gu + I, 2 * I, N, I, s);
-  linear_backward(past(kGateUp, dln_), dW(w.w_gate), a.gu, a.ln2, W + w.w_gate, N, H, 2 * I, s);
+  linear_backward(past(kGateUp, dln_), dW(w.w_gate), a.gu, a.ln2, W + w.w_gate, N, H, 2 * I, s,
+                  acc);
   if (lora_) lora_->backward(l, LoraSite::kGateUp, a.ln2, a.gu, past(kGateUp, dln_), s);
   if (depth == kGateUp) return;
-  rmsnorm_backward(dtmp_, dW(w.ln2), dln_, a.x_mid, W + w.ln2, a.rstd2, N, H, ws_, s);
+  rmsnorm_backward(dtmp_, dW(w.ln2), dln_, a.x_mid, W + w.ln2, a.rstd2, N, H, ws_, s, acc);
   add_inplace(dx_, dtmp_, NH, s);
   // Attention block; dx_ holds d x_mid and becomes d x_in.
-  linear_backward(past(kO, datt_), dW(w.wo), dx_, a.att, W + w.wo, N, Q, H, s);
+  linear_backward(past(kO, datt_), dW(w.wo), dx_, a.att, W + w.wo, N, Q, H, s, acc);
   if (lora_) lora_->backward(l, LoraSite::kO, a.att, dx_, past(kO, datt_), s);
   if (depth == kO) return;
   attention_backward(dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, B_, T_, nh, nkv, hd, s,
                      pos_);
   // d q, d k, d v gathered into dqkv_ rows [dq | dk | dv] for one GEMM against [wq; wk; wv].
   qk_norm_rope_backward_strided(dqkv_, QKV, dW(w.q_norm), dq_, a.qkv_raw, QKV, W + w.q_norm,
-                                a.q_rstd, cos_, sin_, pos_, B_, T_, nh, hd, ws_, s);
+                                a.q_rstd, cos_, sin_, pos_, B_, T_, nh, hd, ws_, s, acc);
   qk_norm_rope_backward_strided(dqkv_ + Q, QKV, dW(w.k_norm), dk_, a.qkv_raw + Q, QKV,
-                                W + w.k_norm, a.k_rstd, cos_, sin_, pos_, B_, T_, nkv, hd, ws_, s);
+                                W + w.k_norm, a.k_rstd, cos_, sin_, pos_, B_, T_, nkv, hd, ws_, s,
+                                acc);
   copy_columns(dqkv_ + Q + KV, QKV, dv_, KV, N, KV, s);
-  linear_backward(past(kQKV, dln_), dW(w.wq), dqkv_, ln_[l], W + w.wq, N, H, QKV, s);
+  linear_backward(past(kQKV, dln_), dW(w.wq), dqkv_, ln_[l], W + w.wq, N, H, QKV, s, acc);
   if (lora_) lora_->backward(l, LoraSite::kQKV, ln_[l], dqkv_, past(kQKV, dln_), s);
   if (depth == kQKV) return;
-  rmsnorm_backward(dtmp_, dW(w.ln1), dln_, x_[l], W + w.ln1, rstd_[l], N, H, ws_, s);
+  rmsnorm_backward(dtmp_, dW(w.ln1), dln_, x_[l], W + w.ln1, rstd_[l], N, H, ws_, s, acc);
   add_inplace(dx_, dtmp_, NH, s);
 }
 
@@ -199,24 +202,25 @@ void Qwen3Cuda::lm_head_loss(const bf16* W, float* G, const std::int32_t* target
     cross_entropy_forward(losses_, chunk_lse_, logits_, targets + r0, rows, V, loss_sum_, s);
     cross_entropy_backward(logits_, logits_, chunk_lse_, targets + r0, loss_scale, rows, V, s);
     linear_backward(dtmp_ + r0 * H, G ? G + off_lm_head_ : nullptr, logits_, xf + r0 * H,
-                    W + off_lm_head_, rows, H, V, s);
+                    W + off_lm_head_, rows, H, V, s, accumulate_ || c0 > 0);
   }
 }
 
 double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* inputs,
                                    const std::int32_t* targets, float loss_scale,
                                    cudaStream_t s, const GradsReady& ready,
-                                   const std::int32_t* positions) {
+                                   const std::int32_t* positions, GradWrite grad_write) {
   const int N = N_, H = cfg_.hidden_size, L = cfg_.num_layers;
   QT_CHECK(G != nullptr || lora_ != nullptr, "a frozen base (G null) without LoRA adapters");
   pos_ = positions;
+  accumulate_ = grad_write == GradWrite::kAccumulate;
   QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s));
   embedding_forward(x_[0], inputs, W + off_embed_, N, H, s);
   rmsnorm_forward(ln_[0], rstd_[0], x_[0], W + lo_[0].ln1, N, H, cfg_.rms_norm_eps, s);
   for (int l = 0; l < L; ++l) layer_forward(l, W, s);
   lm_head_loss(W, G, targets, loss_scale, s);
   rmsnorm_backward(dx_, G ? G + off_norm_ : nullptr, dtmp_, x_[L], W + off_norm_, rstd_[L], N, H,
-                   ws_, s);
+                   ws_, s, accumulate_);
   // Layers lie between the embedding (offset 0) and the final norm; an untied lm head follows.
   if (ready) ready(off_norm_);
   for (int l = L - 1; l >= 0; --l) {
@@ -226,7 +230,14 @@ double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* 
     layer_backward(l, W, G, s);
     if (ready) ready(lo_[l].ln1);
   }
-  if (G != nullptr) embedding_backward(G + off_embed_, dx_, inputs, N, H, ws_, ws_bytes_, s);
+  if (G != nullptr) {
+    // The embedding backward adds rows: it needs them zero when writing, unless the tied lm head
+    // (the same table) has already written them.
+    if (!accumulate_ && !cfg_.tie_word_embeddings)
+      QT_CHECK_CUDA(cudaMemsetAsync(G + off_embed_, 0,
+                                    sizeof(float) * cfg_.vocab_size * cfg_.hidden_size, s));
+    embedding_backward(G + off_embed_, dx_, inputs, N, H, ws_, ws_bytes_, s);
+  }
   if (ready) ready(0);
   double loss = 0;
   QT_CHECK_CUDA(cudaMemcpyAsync(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, s));

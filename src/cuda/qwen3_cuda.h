@@ -45,8 +45,13 @@ class Qwen3Cuda {
   // to layer 0, the embedding last). The data-parallel reduction starts from it.
   using GradsReady = std::function<void(std::size_t begin)>;
 
+  // How G receives this micro-batch's gradients: added (kAccumulate), or written without reading
+  // G first (kOverwrite: the first micro-batch of a step, so G needs no zeroing before it).
+  enum class GradWrite { kAccumulate, kOverwrite };
+
   // inputs, targets: device [B, T] int32 (targets -100 ignored). W: bf16 weights in the flat
-  // layout; G: fp32 gradients, accumulated (+= loss_scale * d(sum of losses)/dW), or null: the
+  // layout; G: fp32 gradients, accumulated (+= loss_scale * d(sum of losses)/dW; with kOverwrite
+  // written: = ...; every element of the layout is written, the padding after it untouched), or null: the
   // base is frozen (LoRA; needs set_lora): no weight gradient is computed, nor any gradient that
   // only they would use (the embedding's, layer 0's below its lowest adapter). positions:
   // device [B, T] int32 RoPE positions, 0 where a document starts, attention only within a
@@ -54,7 +59,8 @@ class Qwen3Cuda {
   // Enqueues on `stream`, then waits for it; returns the sum of the losses.
   double forward_backward(const bf16* W, float* G, const std::int32_t* inputs,
                           const std::int32_t* targets, float loss_scale, cudaStream_t stream,
-                          const GradsReady& ready = {}, const std::int32_t* positions = nullptr);
+                          const GradsReady& ready = {}, const std::int32_t* positions = nullptr,
+                          GradWrite grad_write = GradWrite::kAccumulate);
 
  private:
   // q/k/v_proj and gate/up_proj are adjacent in the flat layout, so each pair runs as one GEMM
@@ -93,6 +99,7 @@ class Qwen3Cuda {
   bool recompute_ = false;
   LayerActs& acts(int l) { return acts_[recompute_ ? 0 : l]; }
   LoraCuda* lora_ = nullptr;
+  bool accumulate_ = true;  // this micro-batch's GradWrite: add into G (else write G)
   const std::int32_t* inputs_ = nullptr;
   const std::int32_t* pos_ = nullptr;  // device [B, T] positions of this micro-batch, or null
   // scratch

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "cuda/device.h"
@@ -118,6 +119,28 @@ TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
   QT_CHECK_CUDA(cudaMemcpy(again_grads.data(), grads, layout.numel() * 4, cudaMemcpyDeviceToHost));
   EXPECT_EQ(loss, again);
   EXPECT_EQ(gpu_grads, again_grads);
+
+  // GradWrite::kOverwrite writes every gradient without reading G: over NaN it gives the bits of
+  // accumulating into zeros; a second micro-batch accumulated on top gives those of two
+  // accumulations into zeros.
+  using GW = cuda::Qwen3Cuda::GradWrite;
+  QT_CHECK_CUDA(cudaMemsetAsync(grads, 0xff, layout.numel() * 4, stream.get()));  // NaN
+  model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get(), {}, dpos, GW::kOverwrite);
+  std::vector<float> written(layout.numel());
+  QT_CHECK_CUDA(cudaMemcpy(written.data(), grads, layout.numel() * 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(written.data(), gpu_grads.data(), written.size() * 4), 0)
+      << "overwritten gradients differ from accumulated ones (or kept a NaN)";
+  model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get(), {}, dpos);
+  std::vector<float> twice(layout.numel());
+  QT_CHECK_CUDA(cudaMemcpy(twice.data(), grads, layout.numel() * 4, cudaMemcpyDeviceToHost));
+  model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get(), {}, dpos, GW::kOverwrite);
+  model.forward_backward(weights, grads, d_in, d_tg, scale, stream.get(), {}, dpos, GW::kAccumulate);
+  std::vector<float> twice_again(layout.numel());
+  QT_CHECK_CUDA(cudaMemcpy(twice_again.data(), grads, layout.numel() * 4, cudaMemcpyDeviceToHost));
+  EXPECT_EQ(twice, twice_again);
+  std::vector<float> doubled(gpu_grads);  // the second micro-batch added (fp32 rounding only)
+  for (float& x : doubled) x *= 2;
+  EXPECT_LT(rel_error(twice.data(), doubled.data(), twice.size()), 1e-5);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, Qwen3CudaVsCpu,

@@ -8,7 +8,8 @@ static constexpr int kSlices = 32;   // partial rows summed in parallel per colu
 
 // dw[c] += sum_g partial[g, c]. Slice y sums rows g = y, y + 32, ... in increasing order; the 32
 // slice sums are then added in slice order. The order depends on G and C only.
-static __global__ void column_sum_accumulate_kernel(float* dw, const float* partial, int G, int C) {
+static __global__ void column_sum_accumulate_kernel(float* dw, const float* partial, int G, int C,
+                                                    bool accumulate) {
   __shared__ float sums[kSlices][kColumns + 1];
   const int c = blockIdx.x * kColumns + threadIdx.x;
   float s = 0.0f;
@@ -20,13 +21,15 @@ static __global__ void column_sum_accumulate_kernel(float* dw, const float* part
   if (threadIdx.y == 0 && c < C) {
     float t = 0.0f;
     for (int y = 0; y < kSlices; ++y) t += sums[y][threadIdx.x];
-    dw[c] += t;
+    dw[c] = accumulate ? dw[c] + t : t;
   }
 }
 
-void column_sum_accumulate(float* dw, const float* partial, int G, int C, cudaStream_t stream) {
+void column_sum_accumulate(float* dw, const float* partial, int G, int C, cudaStream_t stream,
+                           bool accumulate) {
   const dim3 block(kColumns, kSlices);
-  column_sum_accumulate_kernel<<<ceil_div(C, kColumns), block, 0, stream>>>(dw, partial, G, C);
+  column_sum_accumulate_kernel<<<ceil_div(C, kColumns), block, 0, stream>>>(dw, partial, G, C,
+                                                                            accumulate);
   QT_CHECK_LAUNCH();
 }
 

@@ -123,7 +123,9 @@ __device__ __forceinline__ void block_sum(T (&v)[R], T* smem) {
 }
 
 // dw[c] += sum over g = 0..G-1 of partial[g, c], in a fixed order: the second pass of every
-// deterministic weight-gradient reduction. partial [G, C] fp32, dw [C] fp32.
-void column_sum_accumulate(float* dw, const float* partial, int G, int C, cudaStream_t stream);
+// deterministic weight-gradient reduction. partial [G, C] fp32, dw [C] fp32. accumulate false:
+// dw[c] = the sum (dw is not read).
+void column_sum_accumulate(float* dw, const float* partial, int G, int C, cudaStream_t stream,
+                           bool accumulate = true);
 
 }  // namespace qt::cuda

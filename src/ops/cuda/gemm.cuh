@@ -42,8 +42,9 @@ void linear_forward(bf16* y, const bf16* x, const bf16* w, int N, int in, int ou
 
 // dx[N, in]   = dy[N, out] * w[out, in]                  (written, bf16; skipped when dx is null)
 // dw[out, in] += dy^T[out, N] * x[N, in]                 (accumulated, fp32; skipped when dw is
-//                                                         null: a frozen weight)
+//                                                         null: a frozen weight; accumulate
+//                                                         false: written, dw not read)
 void linear_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w, int N,
-                     int in, int out, cudaStream_t stream);
+                     int in, int out, cudaStream_t stream, bool accumulate = true);
 
 }  // namespace qt::cuda

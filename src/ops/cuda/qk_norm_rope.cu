@@ -237,16 +237,16 @@ std::size_t qk_norm_rope_backward_workspace_bytes(int B, int Tn, int heads, int 
 void qk_norm_rope_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x, const bf16* w,
                            const float* rstd, const float* cos, const float* sin,
                            const std::int32_t* pos, int B, int Tn, int heads, int hd,
-                           void* workspace, cudaStream_t stream) {
+                           void* workspace, cudaStream_t stream, bool accumulate) {
   qk_norm_rope_backward_strided(dx, heads * hd, dw, dout, x, heads * hd, w, rstd, cos, sin, pos, B,
-                                Tn, heads, hd, workspace, stream);
+                                Tn, heads, hd, workspace, stream, accumulate);
 }
 
 void qk_norm_rope_backward_strided(bf16* dx, int dx_ld, float* dw, const bf16* dout,
                                    const bf16* x, int x_ld, const bf16* w, const float* rstd,
                                    const float* cos, const float* sin, const std::int32_t* pos,
                                    int B, int Tn, int heads, int hd, void* workspace,
-                                   cudaStream_t stream) {
+                                   cudaStream_t stream, bool accumulate) {
   const char* op = "qk_norm_rope_backward";
   check_args(op, B, Tn, heads, hd);
   check_ld(op, "x", x_ld, heads, hd);
@@ -282,7 +282,7 @@ void qk_norm_rope_backward_strided(bf16* dx, int dx_ld, float* dw, const bf16* d
       break;
   }
   QT_CHECK_LAUNCH();
-  if (dw != nullptr) column_sum_accumulate(dw, partial, G, hd, stream);
+  if (dw != nullptr) column_sum_accumulate(dw, partial, G, hd, stream, accumulate);
 }
 
 }  // namespace qt::cuda

@@ -35,11 +35,11 @@ std::size_t qk_norm_rope_backward_workspace_bytes(int B, int Tn, int heads, int 
 //   dy = the inverse rotation of dout (bf16 c, s as in the forward)
 //   dx = r * (w*dy - xhat * mean(w*dy*xhat)),  xhat = float(x) * r     bf16 written; may alias dout
 //   dw += sum over (b, t, head) of dy * xhat                            [hd] fp32 accumulated
-// (skipped when dw is null: a frozen weight), deterministically (fixed-order partial sums per block, then over blocks). No float atomics.
+// (skipped when dw is null: a frozen weight; accumulate false: dw = the sum, not read), deterministically (fixed-order partial sums per block, then over blocks). No float atomics.
 void qk_norm_rope_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x, const bf16* w,
                            const float* rstd, const float* cos, const float* sin,
                            const std::int32_t* pos, int B, int Tn, int heads, int hd,
-                           void* workspace, cudaStream_t stream);
+                           void* workspace, cudaStream_t stream, bool accumulate = true);
 
 // Strided forms: consecutive tokens of x (and of dx) are `x_ld` (`dx_ld`) elements apart, so q
 // and k can be read from, and their gradients written into, one [N, Q + 2 KV] buffer made by one
@@ -53,6 +53,6 @@ void qk_norm_rope_backward_strided(bf16* dx, int dx_ld, float* dw, const bf16* d
                                    const bf16* x, int x_ld, const bf16* w, const float* rstd,
                                    const float* cos, const float* sin, const std::int32_t* pos,
                                    int B, int Tn, int heads, int hd, void* workspace,
-                                   cudaStream_t stream);
+                                   cudaStream_t stream, bool accumulate = true);
 
 }  // namespace qt::cuda

@@ -181,7 +181,8 @@ std::size_t rmsnorm_backward_workspace_bytes(int N, int C) {
 }
 
 void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
-                      const float* rstd, int N, int C, void* workspace, cudaStream_t stream) {
+                      const float* rstd, int N, int C, void* workspace, cudaStream_t stream,
+                      bool accumulate) {
   const char* op = "rmsnorm_backward";
   check_shape(op, N, C);
   check_aligned(op, "dx", dx);
@@ -199,7 +200,7 @@ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const 
     rmsnorm_backward_kernel<1>
         <<<G, block_threads(C), 0, stream>>>(dx, partial, dy, x, w, rstd, N, C);
   QT_CHECK_LAUNCH();
-  if (dw != nullptr) column_sum_accumulate(dw, partial, G, C, stream);
+  if (dw != nullptr) column_sum_accumulate(dw, partial, G, C, stream, accumulate);
 }
 
 }  // namespace qt::cuda

@@ -35,9 +35,11 @@ std::size_t rmsnorm_backward_workspace_bytes(int N, int C);
 // With xhat = float(x) * rstd (unrounded) and fp32 math:
 //   dx = rstd * (w*dy - xhat * mean(w*dy*xhat))     [N, C] bf16 written; dx may alias dy
 //   dw += sum_n dy * xhat                            [C] fp32 accumulated; skipped when dw is null
+//                                                    (accumulate false: dw = the sum, not read)
 // dw is reduced deterministically (fixed-order partial sums per block in `workspace`, then a
 // fixed-order sum over blocks): the same bits on every run. No float atomics.
 void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
-                      const float* rstd, int N, int C, void* workspace, cudaStream_t stream);
+                      const float* rstd, int N, int C, void* workspace, cudaStream_t stream,
+                      bool accumulate = true);
 
 }  // namespace qt::cuda
