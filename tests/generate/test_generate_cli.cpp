@@ -25,6 +25,7 @@
 #include "qtrain/checkpoint.h"
 #include "qtrain/comm.h"
 #include "qtrain/mesh.h"
+#include "support/generate_cli.h"
 #include "support/random.h"
 #include "tokenizer/qwen3_tokenizer.h"
 
@@ -33,19 +34,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::shared_ptr<MpiComm> world_comm() {
-  return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
-}
-
-// Runs generate_main with `args`; returns (exit code, stdout).
-std::pair<int, std::string> run_generate(std::vector<std::string> args) {
-  args.insert(args.begin(), "generate");
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  testing::internal::CaptureStdout();
-  const int rc = generate_main(static_cast<int>(argv.size()), argv.data(), world_comm());
-  return {rc, testing::internal::GetCapturedStdout()};
-}
+using test::CliRun;
+using test::run_generate;
+using test::world_comm;
 
 ModelConfig small_qwen3_vocab() {
   ModelConfig c;
@@ -62,26 +53,14 @@ ModelConfig small_qwen3_vocab() {
   return c;
 }
 
-// What the command must print: the decoded tokens of KvDecoder + Sampler until a stop token or
-// max_new, whole UTF-8 (a dangling tail as U+FFFD), then a newline.
+// What the command must print for these weights (KvDecoder + Sampler, fp32).
 std::string expected_output(const ModelConfig& c, const std::vector<float>& params,
                             const std::string& prompt_text, double temperature, double top_p,
                             std::uint64_t seed, int max_new) {
   const Tokenizer& tok = test::qwen3_tokenizer();
-  const std::vector<std::int32_t> prompt = tok.encode(prompt_text);
-  const std::set<std::int32_t> stop = {*tok.token_id("<|im_end|>"), *tok.token_id("<|endoftext|>")};
-  gen::KvDecoder dec(c, params.data(), static_cast<int>(prompt.size()) + max_new);
-  gen::Sampler s(temperature, top_p, seed);
-  const float* logits = dec.append(prompt);
-  std::string bytes;
-  for (int k = 0; k < max_new; ++k) {
-    const std::int32_t t = s.next(logits, tok.vocab_size());
-    if (stop.count(t)) break;
-    bytes += tok.decode(std::span(&t, 1));
-    if (k + 1 < max_new) logits = dec.append(std::span(&t, 1));
-  }
-  const std::size_t whole = gen::utf8_complete_prefix(bytes);
-  return bytes.substr(0, whole) + (whole < bytes.size() ? "\xEF\xBF\xBD" : "") + "\n";
+  gen::KvDecoder dec(c, params.data(),
+                     static_cast<int>(tok.encode(prompt_text).size()) + max_new);
+  return test::expected_generation(dec, tok, prompt_text, temperature, top_p, seed, max_new);
 }
 
 class GenerateCli : public ::testing::Test {
@@ -94,13 +73,8 @@ class GenerateCli : public ::testing::Test {
     fs::remove_all(dir_);
     fs::create_directories(dir_);
     cfg_ = small_qwen3_vocab();
-    const ParamLayout layout(cfg_);
     std::mt19937_64 rng(test::test_seed());
-    params_ = test::random_vector<float>(layout.numel(), rng, 0.5);
-    for (const ParamInfo& p : layout.params())
-      if (p.shape.size() == 1)
-        for (std::size_t i = 0; i < p.numel; ++i)
-          params_[p.offset + i] = 1.0f + 0.2f * params_[p.offset + i];
+    params_ = test::generation_weights(cfg_, rng);
   }
   void TearDown() override { fs::remove_all(dir_); }
 
@@ -128,9 +102,9 @@ class GenerateCli : public ::testing::Test {
 TEST_F(GenerateCli, GreedyFromHfDirectoryEqualsKvDecoder) {
   const std::string d = write_hf_dir();
   const std::string prompt = "The quick brown fox";
-  const auto [rc, out] = run_generate({d, "--prompt", prompt, "--max-new-tokens", "12"});
-  EXPECT_EQ(rc, 0);
-  EXPECT_EQ(out, expected_output(cfg_, params_, prompt, 0.0, 1.0, 0, 12));
+  const CliRun r = run_generate({d, "--prompt", prompt, "--max-new-tokens", "12"});
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out, expected_output(cfg_, params_, prompt, 0.0, 1.0, 0, 12));
 }
 
 TEST_F(GenerateCli, SampledChatNoThinkIsSeededAndEqualsKvDecoder) {
@@ -139,15 +113,14 @@ TEST_F(GenerateCli, SampledChatNoThinkIsSeededAndEqualsKvDecoder) {
                                          "Be brief.", "--prompt", "Hi there",   "--temperature",
                                          "0.8",       "--top-p",  "0.9",        "--seed",
                                          "11",        "-n",       "10"};
-  const auto [rc1, out1] = run_generate(args);
-  const auto [rc2, out2] = run_generate(args);
-  EXPECT_EQ(rc1, 0);
-  EXPECT_EQ(rc2, 0);
-  EXPECT_EQ(out1, out2);
+  const CliRun r1 = run_generate(args), r2 = run_generate(args);
+  EXPECT_EQ(r1.rc, 0) << r1.err;
+  EXPECT_EQ(r2.rc, 0) << r2.err;
+  EXPECT_EQ(r1.out, r2.out);
   const std::string rendered =
       "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n"
       "<|im_start|>assistant\n<think>\n\n</think>\n\n";
-  EXPECT_EQ(out1, expected_output(cfg_, params_, rendered, 0.8, 0.9, 11, 10));
+  EXPECT_EQ(r1.out, expected_output(cfg_, params_, rendered, 0.8, 0.9, 11, 10));
 }
 
 TEST_F(GenerateCli, FromCheckpointDirectoryWithTokenizerOption) {
@@ -164,13 +137,14 @@ TEST_F(GenerateCli, FromCheckpointDirectoryWithTokenizerOption) {
   }
   const std::string prompt = "Once upon a time";
   // No model.init in the checkpoint: the tokenizer must be named.
-  const auto [rc0, out0] = run_generate({(dir_ / "ckpt").string(), "--prompt", prompt});
-  EXPECT_EQ(rc0, 2);
-  EXPECT_EQ(out0, "");
-  const auto [rc, out] = run_generate(
+  const CliRun r0 = run_generate({(dir_ / "ckpt").string(), "--prompt", prompt});
+  EXPECT_EQ(r0.rc, 2);
+  EXPECT_EQ(r0.out, "");
+  EXPECT_NE(r0.err.find("--tokenizer"), std::string::npos) << r0.err;
+  const CliRun r = run_generate(
       {(dir_ / "ckpt").string(), "--prompt", prompt, "--tokenizer", tok_dir_, "-n", "9"});
-  EXPECT_EQ(rc, 0);
-  EXPECT_EQ(out, expected_output(cfg_, params_, prompt, 0.0, 1.0, 0, 9));
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out, expected_output(cfg_, params_, prompt, 0.0, 1.0, 0, 9));
 }
 
 TEST_F(GenerateCli, FromLoraCheckpointMergesTheAdapters) {
@@ -200,10 +174,10 @@ TEST_F(GenerateCli, FromLoraCheckpointMergesTheAdapters) {
   init_params(cfg_, layout, 77, merged.data());
   lora_merge(cfg_, info.config, adapters.data(), layout, merged.data());
   const std::string prompt = "A day for";
-  const auto [rc, out] = run_generate(
+  const CliRun r = run_generate(
       {(dir_ / "lora.h5").string(), "--prompt", prompt, "--tokenizer", tok_dir_, "-n", "8"});
-  EXPECT_EQ(rc, 0);
-  EXPECT_EQ(out, expected_output(cfg_, merged, prompt, 0.0, 1.0, 0, 8));
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out, expected_output(cfg_, merged, prompt, 0.0, 1.0, 0, 8));
 }
 
 TEST(ChatGenerationPrompt, AsTheTemplateRendersIt) {

@@ -32,6 +32,7 @@
 #include "qtrain/params.h"
 #include "support/compare.h"
 #include "support/random.h"
+#include "tiny_model.h"
 
 namespace qt {
 namespace {
@@ -203,38 +204,10 @@ struct ModelCase {
 };
 
 ModelConfig tiny_model(const ModelCase& m) {
-  ModelConfig c;
-  c.preset = "";
-  c.vocab_size = 512;
-  c.hidden_size = 128;
-  c.intermediate_size = 256;
-  c.num_layers = 2;
-  c.num_heads = m.heads;
-  c.num_kv_heads = m.kv_heads;
-  c.head_dim = m.head_dim;
-  c.tie_word_embeddings = m.tied;
-  c.max_position_embeddings = 4096;
-  return c;
+  return test::tiny_model(m.heads, m.kv_heads, m.head_dim, m.tied);
 }
 
-// Random weights (norm weights near 1), the lm head scaled by `head_scale` (spreads the logits),
-// rounded to bf16 so that both decoders see the same numbers.
-std::vector<float> bf16_weights(const ModelConfig& c, std::mt19937_64& rng,
-                                double head_scale = 1.0) {
-  const ParamLayout layout(c);
-  std::vector<float> p = test::random_vector<float>(layout.numel(), rng, 0.05);
-  for (const ParamInfo& info : layout.params()) {
-    const bool head = info.name == (c.tie_word_embeddings ? "model.embed_tokens.weight"
-                                                          : "lm_head.weight");
-    for (std::size_t i = 0; i < info.numel; ++i) {
-      float& x = p[info.offset + i];
-      if (info.shape.size() == 1) x += 1.0f;
-      else if (head) x *= static_cast<float>(head_scale);
-    }
-  }
-  for (float& x : p) x = __bfloat162float(__float2bfloat16(x));
-  return p;
-}
+using test::bf16_weights;
 
 std::vector<std::int32_t> random_tokens(int n, int vocab, std::mt19937_64& rng) {
   std::uniform_int_distribution<int> tok(0, vocab - 1);

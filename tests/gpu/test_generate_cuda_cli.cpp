@@ -27,6 +27,7 @@
 #include "qtrain/comm.h"
 #include "qtrain/mesh.h"
 #include "qtrain/tokenizer.h"
+#include "support/generate_cli.h"
 #include "support/random.h"
 #include "tokenizer/text.h"
 
@@ -35,26 +36,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::shared_ptr<MpiComm> world_comm() {
-  return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
-}
-
-struct CliRun {
-  int rc;
-  std::string out, err;
-};
-
-CliRun run_generate(std::vector<std::string> args) {
-  args.insert(args.begin(), "generate");
-  std::vector<char*> argv;
-  for (std::string& a : args) argv.push_back(a.data());
-  testing::internal::CaptureStdout();
-  testing::internal::CaptureStderr();
-  const int rc = generate_main(static_cast<int>(argv.size()), argv.data(), world_comm());
-  std::string out = testing::internal::GetCapturedStdout();
-  std::string err = testing::internal::GetCapturedStderr();
-  return {rc, out, err};
-}
+using test::CliRun;
+using test::run_generate;
+using test::world_comm;
 
 // A byte-level BPE tokenizer without merges: ids 0..255 are the bytes, then <|endoftext|>,
 // <|im_start|>, <|im_end|> (special).
@@ -102,13 +86,8 @@ class GenerateCudaCli : public ::testing::Test {
     fs::create_directories(dir_ / "tok");
     write_byte_tokenizer(dir_ / "tok");
     cfg_ = tiny_model();
-    const ParamLayout layout(cfg_);
     std::mt19937_64 rng(test::test_seed());
-    params_ = test::random_vector<float>(layout.numel(), rng, 0.5);
-    for (const ParamInfo& p : layout.params())
-      if (p.shape.size() == 1)
-        for (std::size_t i = 0; i < p.numel; ++i)
-          params_[p.offset + i] = 1.0f + 0.2f * params_[p.offset + i];
+    params_ = test::generation_weights(cfg_, rng);
   }
   void TearDown() override {
     if (!dir_.empty()) fs::remove_all(dir_);
@@ -127,26 +106,13 @@ class GenerateCudaCli : public ::testing::Test {
     return d;
   }
 
-  // What the command must print: KvDecoderCuda + Sampler until a stop token or max_new, whole
-  // UTF-8 (a dangling tail as U+FFFD), then a newline.
+  // What the command must print for params_ (KvDecoderCuda + Sampler, bf16).
   std::string expected_output(const std::string& prompt_text, double temperature, double top_p,
                               std::uint64_t seed, int max_new) const {
     const Tokenizer tok = Tokenizer::from_dir((dir_ / "tok").string());
-    const std::vector<std::int32_t> prompt = tok.encode(prompt_text);
-    const std::set<std::int32_t> stop = {*tok.token_id("<|im_end|>"),
-                                         *tok.token_id("<|endoftext|>")};
-    gen::KvDecoderCuda dec(cfg_, params_.data(), static_cast<int>(prompt.size()) + max_new);
-    gen::Sampler s(temperature, top_p, seed);
-    const float* logits = dec.append(prompt);
-    std::string bytes;
-    for (int k = 0; k < max_new; ++k) {
-      const std::int32_t t = s.next(logits, tok.vocab_size());
-      if (stop.count(t)) break;
-      bytes += tok.decode(std::span(&t, 1));
-      if (k + 1 < max_new) logits = dec.append(std::span(&t, 1));
-    }
-    const std::size_t whole = gen::utf8_complete_prefix(bytes);
-    return bytes.substr(0, whole) + (whole < bytes.size() ? "\xEF\xBF\xBD" : "") + "\n";
+    gen::KvDecoderCuda dec(cfg_, params_.data(),
+                           static_cast<int>(tok.encode(prompt_text).size()) + max_new);
+    return test::expected_generation(dec, tok, prompt_text, temperature, top_p, seed, max_new);
   }
 
   fs::path dir_;

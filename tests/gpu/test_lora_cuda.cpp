@@ -12,6 +12,7 @@
 #include "cuda/lora_cuda.h"
 #include "cuda/qwen3_cuda.h"
 #include "gpu_test.h"
+#include "tiny_model.h"
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "ops/cuda/convert.cuh"
@@ -27,8 +28,6 @@ namespace {
 using test::bf16_bits;
 using test::bf16_value;
 using test::rel_error;
-
-float round_bf16(float x) { return bf16_value(bf16_bits(x)); }
 
 // ---- The dropout kernel: the CPU's masks, bit for bit --------------------------------------------
 
@@ -113,15 +112,7 @@ class LoraCudaVsCpu : public ::testing::TestWithParam<Case> {};
 TEST_P(LoraCudaVsCpu, LossAndAdapterGradients) {
   QT_REQUIRE_GPU();
   const Case k = GetParam();
-  ModelConfig c;
-  c.vocab_size = 512;
-  c.hidden_size = 128;
-  c.intermediate_size = 256;
-  c.num_layers = 2;
-  c.num_heads = k.heads;
-  c.num_kv_heads = k.kv_heads;
-  c.head_dim = k.head_dim;
-  c.tie_word_embeddings = k.tied;
+  const ModelConfig c = test::tiny_model(k.heads, k.kv_heads, k.head_dim, k.tied);
   LoraConfig lc;
   lc.r = k.r;
   lc.alpha = 2.0 * k.r;
@@ -133,10 +124,7 @@ TEST_P(LoraCudaVsCpu, LossAndAdapterGradients) {
   ParamLayout layout(c);
   const ParamLayout alayout = lora_layout(c, lc);
   std::mt19937_64 rng(test::test_seed());
-  auto params = test::random_vector<float>(layout.numel(), rng, 0.05);
-  for (const ParamInfo& p : layout.params())
-    if (p.shape.size() == 1)
-      for (std::size_t i = 0; i < p.numel; ++i) params[p.offset + i] = 1.0f + params[p.offset + i];
+  const std::vector<float> params = test::bf16_weights(c, rng);  // both sides: bf16 values
   // A as PEFT initialises it, B random (not 0), so that every gradient path is live.
   std::vector<float> adapters(alayout.numel());
   lora_init(alayout, rng(), adapters.data());
@@ -144,24 +132,10 @@ TEST_P(LoraCudaVsCpu, LossAndAdapterGradients) {
     if (p.name.find(".lora_B.") != std::string::npos)
       for (std::size_t i = 0; i < p.numel; ++i)
         adapters[p.offset + i] = static_cast<float>(std::normal_distribution<double>(0, 0.1)(rng));
-  for (float& x : params) x = round_bf16(x);  // both sides see the same bf16 values
-  for (float& x : adapters) x = round_bf16(x);
-  std::uniform_int_distribution<int> tok(0, c.vocab_size - 1);
-  std::vector<std::int32_t> inputs(B * T), targets(B * T), positions(B * T);
-  long counted = 0;
-  for (int i = 0, len = 0; i < B * T; ++i) {
-    inputs[i] = tok(rng);
-    targets[i] = i % 7 == 3 ? -100 : tok(rng);
-    counted += targets[i] != -100;
-    if (i % T == 0 || len == 0) {  // packed: documents of 1 .. 80 tokens, cut at each row's end
-      len = 1 + static_cast<int>(rng() % 80);
-      positions[i] = 0;
-    } else {
-      positions[i] = positions[i - 1] + 1;
-    }
-    --len;
-  }
-  const std::int32_t* pos = k.packed ? positions.data() : nullptr;
+  for (float& x : adapters) x = test::round_bf16(x);
+  const test::TokenBatch batch = test::random_batch(B, T, c.vocab_size, rng);
+  const long counted = batch.counted;
+  const std::int32_t* pos = k.packed ? batch.positions.data() : nullptr;
   const float scale = 1.0f / counted;
 
   // CPU: the fp32 engine with the base frozen (no base gradients).
@@ -172,7 +146,7 @@ TEST_P(LoraCudaVsCpu, LossAndAdapterGradients) {
   cpu_lora.bind(adapters.data(), cpu_grads.data());
   cpu_lora.set_dropout_key(seed, first_sample);
   const double cpu_loss =
-      cpu_model.forward(params.data(), inputs.data(), targets.data(), pos) / counted;
+      cpu_model.forward(params.data(), batch.inputs.data(), batch.targets.data(), pos) / counted;
   cpu_model.backward(params.data(), nullptr, scale);
   ASSERT_TRUE(std::isfinite(cpu_loss));
 
@@ -192,9 +166,9 @@ TEST_P(LoraCudaVsCpu, LossAndAdapterGradients) {
   stream.synchronize();
   cuda::upload(staging, adapters.data(), na * 4);
   cuda::convert_f32_to_bf16(aw, staging, na, stream.get());
-  cuda::upload(d_in, inputs.data(), B * T * 4);
-  cuda::upload(d_tg, targets.data(), B * T * 4);
-  cuda::upload(d_pos, positions.data(), B * T * 4);
+  cuda::upload(d_in, batch.inputs.data(), B * T * 4);
+  cuda::upload(d_tg, batch.targets.data(), B * T * 4);
+  cuda::upload(d_pos, batch.positions.data(), B * T * 4);
   const std::int32_t* dpos = k.packed ? d_pos : nullptr;
 
   // One pass of the GPU model (recompute or not): loss and adapter gradients.

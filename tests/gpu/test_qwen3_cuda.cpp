@@ -10,6 +10,7 @@
 #include "cuda/device.h"
 #include "cuda/qwen3_cuda.h"
 #include "cuda_op_check.h"
+#include "tiny_model.h"
 #include "gpu_test.h"
 #include "model/qwen3.h"
 #include "ops/cuda/convert.cuh"
@@ -34,46 +35,20 @@ class Qwen3CudaVsCpu : public ::testing::TestWithParam<Case> {};
 TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
   QT_REQUIRE_GPU();
   const Case k = GetParam();
-  ModelConfig c;
-  c.vocab_size = 512;
-  c.hidden_size = 128;
-  c.intermediate_size = 256;
-  c.num_layers = 2;
-  c.num_heads = k.heads;
-  c.num_kv_heads = k.kv_heads;
-  c.head_dim = k.head_dim;
-  c.tie_word_embeddings = k.tied;
+  const ModelConfig c = test::tiny_model(k.heads, k.kv_heads, k.head_dim, k.tied);
   const int B = 2, T = 96;
   ParamLayout layout(c);
   std::mt19937_64 rng(test::test_seed());
-  auto params = test::random_vector<float>(layout.numel(), rng, 0.05);
-  for (const ParamInfo& p : layout.params())
-    if (p.shape.size() == 1)
-      for (std::size_t i = 0; i < p.numel; ++i) params[p.offset + i] = 1.0f + params[p.offset + i];
-  for (float& x : params) x = __bfloat162float(__float2bfloat16(x));  // both sides see bf16 weights
-  std::uniform_int_distribution<int> tok(0, c.vocab_size - 1);
-  std::vector<std::int32_t> inputs(B * T), targets(B * T), positions(B * T);
-  long counted = 0;
-  for (int i = 0, len = 0; i < B * T; ++i) {
-    inputs[i] = tok(rng);
-    targets[i] = i % 7 == 3 ? -100 : tok(rng);
-    counted += targets[i] != -100;
-    // packed: documents of 1 .. 80 tokens (some cross a 64-key tile), cut at each row's end
-    if (i % T == 0 || len == 0) {
-      len = 1 + static_cast<int>(rng() % 80);
-      positions[i] = 0;
-    } else {
-      positions[i] = positions[i - 1] + 1;
-    }
-    --len;
-  }
-  const std::int32_t* pos = k.packed ? positions.data() : nullptr;
+  const std::vector<float> params = test::bf16_weights(c, rng);  // both sides see bf16 weights
+  const test::TokenBatch batch = test::random_batch(B, T, c.vocab_size, rng);
+  const long counted = batch.counted;
+  const std::int32_t* pos = k.packed ? batch.positions.data() : nullptr;
   const float scale = 1.0f / counted;
 
   Qwen3Model cpu_model(c, B, T, false);
   std::vector<float> cpu_grads(layout.numel(), 0.0f);
   const double cpu_loss =
-      cpu_model.forward(params.data(), inputs.data(), targets.data(), pos) / counted;
+      cpu_model.forward(params.data(), batch.inputs.data(), batch.targets.data(), pos) / counted;
   cpu_model.backward(params.data(), cpu_grads.data(), scale);
 
   cuda::DeviceArena arena(std::size_t{1} << 30, "test arena");
@@ -88,9 +63,9 @@ TEST_P(Qwen3CudaVsCpu, LossAndGradients) {
   qt::cuda::upload(master, params.data(), params.size() * 4);
   cuda::convert_f32_to_bf16(weights, master, layout.numel(), stream.get());
   QT_CHECK_CUDA(cudaMemsetAsync(grads, 0, layout.numel() * 4, stream.get()));
-  qt::cuda::upload(d_in, inputs.data(), B * T * 4);
-  qt::cuda::upload(d_tg, targets.data(), B * T * 4);
-  qt::cuda::upload(d_pos, positions.data(), B * T * 4);
+  qt::cuda::upload(d_in, batch.inputs.data(), B * T * 4);
+  qt::cuda::upload(d_tg, batch.targets.data(), B * T * 4);
+  qt::cuda::upload(d_pos, batch.positions.data(), B * T * 4);
   const std::int32_t* dpos = k.packed ? d_pos : nullptr;
   cuda::Qwen3Cuda model(c, B, T, arena);
   const double loss =

@@ -24,14 +24,15 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import numpy as np
 import torch
 import transformers
 from safetensors.numpy import load_file, save_file
-from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from refcheck import load_hf, run_cpp  # noqa: E402
 
 VARIANTS = [  # name, overrides of inputs/tiny.ini
     ("tied_gqa2_hd64", dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -58,26 +59,6 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def run_cpp(args, kit, cmd):
-    """Runs a C++ program of the build inside the runtime kit's environment."""
-    env = dict(os.environ, KIT=kit, OPENBLAS_NUM_THREADS="4")
-    script = 'source "$KIT/kit-env.sh" && exec "$@"' if kit else 'exec "$@"'
-    res = subprocess.run(["bash", "-c", script, "_"] + cmd, env=env, capture_output=True, text=True)
-    if res.returncode != 0:
-        print(res.stdout + res.stderr)
-        raise SystemExit(f"{' '.join(cmd)} failed with exit code {res.returncode}")
-    return res.stdout
-
-
-def load_hf(path, dtype, device):
-    kw = dict(attn_implementation="eager", output_loading_info=True)
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
-    except TypeError:  # transformers 4.x
-        model, info = AutoModelForCausalLM.from_pretrained(path, torch_dtype=dtype, **kw)
-    return model.to(device).eval(), info
-
-
 def hf_logits(model, ids, device):
     with torch.no_grad():
         t = torch.from_numpy(ids).to(device)
@@ -86,7 +67,7 @@ def hf_logits(model, ids, device):
 
 
 def ours(a, path, ids_file, out_file):
-    run_cpp(a, a.kit, [a.tool, "logits", path, ids_file, out_file])
+    run_cpp(a.kit, [a.tool, "logits", path, ids_file, out_file])
     r = load_file(out_file)
     return r["logits"], float(r["loss"])
 
@@ -153,13 +134,13 @@ def main():
                 "--train.seq_len=16", "--train.micro_batch=2", "--train.global_batch=2",
                 "--optim.lr=0.02", "--optim.warmup_steps=0"]
         args += [f"--model.{k}={v}" for k, v in ov.items()]
-        run_cpp(a, a.kit, args)
+        run_cpp(a.kit, args)
         ckpt = os.path.join(ck, "step_00000001.h5")
         out = os.path.join(a.work, name)
         exporter = [a.qtrain, "export"] if a.export == "qtrain" else [a.tool, "export"]
         # Shard the small models too, so that the index is what transformers reads.
         shard = ["--max-shard-size=20KB"] if ov["vocab_size"] < 1000 else []
-        print("  " + run_cpp(a, a.kit, exporter + [ckpt, out] + shard).strip())
+        print("  " + run_cpp(a.kit, exporter + [ckpt, out] + shard).strip())
         cfg = json.load(open(os.path.join(out, "config.json")))
         if ov["vocab_size"] == 151936:
             check(cfg["bos_token_id"] == 151643 and cfg["eos_token_id"] == 151645,

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 
 import numpy as np
@@ -40,7 +39,9 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.numpy import load_file, save_file
 from safetensors.torch import load_file as load_torch
-from transformers import AutoModelForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from refcheck import load_hf, run_cpp  # noqa: E402
 
 MODELS = [  # name, [model] keys of the base
     ("tied_gqa2", dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -71,17 +72,6 @@ def rel_err(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
 
 
-def run_cpp(a, cmd):
-    """Runs a C++ program of the build inside the runtime kit's environment."""
-    env = dict(os.environ, KIT=a.kit, OPENBLAS_NUM_THREADS="4")
-    script = 'source "$KIT/kit-env.sh" && exec "$@"' if a.kit else 'exec "$@"'
-    res = subprocess.run(["bash", "-c", script, "_"] + cmd, env=env, capture_output=True, text=True)
-    if res.returncode != 0:
-        print(res.stdout + res.stderr)
-        raise SystemExit(f"{' '.join(cmd)} failed with exit code {res.returncode}")
-    return res.stdout
-
-
 def write_deck(path, sections):
     with open(path, "w") as f:
         for sec, keys in sections.items():
@@ -89,12 +79,7 @@ def write_deck(path, sections):
 
 
 def from_pretrained(path, device):
-    kw = dict(attn_implementation="eager")
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kw)
-    except TypeError:  # transformers 4.x
-        model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, **kw)
-    return model.to(device).eval()
+    return load_hf(path, torch.float32, device)[0]
 
 
 def logits_of(model, ids, device):
@@ -115,9 +100,9 @@ def train_base(a, name, keys):
         "checkpoint": dict(dir=ck, resume="none"),
         "log": dict(metrics=""),
     })
-    run_cpp(a, [a.qtrain, deck])
+    run_cpp(a.kit, [a.qtrain, deck])
     base = os.path.join(a.work, name + "_base")
-    print("  " + run_cpp(a, [a.qtrain, "export", os.path.join(ck, "step_00000002.h5"), base]).strip())
+    print("  " + run_cpp(a.kit, [a.qtrain, "export", os.path.join(ck, "step_00000002.h5"), base]).strip())
     return base
 
 
@@ -133,7 +118,7 @@ def train_lora(a, name, base, lora):
         "checkpoint": dict(dir=ck, resume="none"),
         "log": dict(metrics=""),
     })
-    out = run_cpp(a, [a.qtrain, deck])
+    out = run_cpp(a.kit, [a.qtrain, deck])
     m = re.search(r"^lora: .*: (\d+) trainable parameters", out, re.M)
     return os.path.join(ck, "step_00000006.h5"), int(m.group(1)) if m else -1
 
@@ -142,8 +127,8 @@ def check_lora(a, name, base, lora, ids):
     ckpt, ours_trainable = train_lora(a, name, base, lora)
     adapter = os.path.join(a.work, name + "_adapter")
     merged = os.path.join(a.work, name + "_merged")
-    print("  " + run_cpp(a, [a.qtrain, "export", ckpt, adapter]).strip())
-    print("  " + run_cpp(a, [a.qtrain, "export", "--merge", ckpt, merged]).strip())
+    print("  " + run_cpp(a.kit, [a.qtrain, "export", ckpt, adapter]).strip())
+    print("  " + run_cpp(a.kit, [a.qtrain, "export", "--merge", ckpt, merged]).strip())
     cfg = json.load(open(os.path.join(adapter, "adapter_config.json")))
     check(cfg["peft_type"] == "LORA" and cfg["r"] == lora["r"] and cfg["lora_alpha"] == lora["alpha"]
           and cfg["lora_dropout"] == lora["dropout"] and cfg["base_model_name_or_path"] == base,
@@ -151,7 +136,7 @@ def check_lora(a, name, base, lora, ids):
     ids_file = os.path.join(a.work, name + ".ids.safetensors")
     save_file({"input_ids": ids}, ids_file)
     out_file = os.path.join(a.work, name + ".ours.safetensors")
-    run_cpp(a, [a.tool, "lora-logits", ckpt, ids_file, out_file])
+    run_cpp(a.kit, [a.tool, "lora-logits", ckpt, ids_file, out_file])
     r = load_file(out_file)
     ref, ref_loss = r["logits"], float(r["loss"])
     stored = load_file(os.path.join(adapter, "adapter_model.safetensors"))
