@@ -15,6 +15,15 @@ names=("$@")
 if [ ${#names[@]} -eq 0 ]; then
   for exe in "$build"/bin/qtrain_gpu_*; do names+=("${exe##*/qtrain_gpu_}"); done
 fi
+# A library the loader cannot find (a kit made without KIT_EXTRA, docs/cuda.md) fails every test
+# the same way: say so once, before running anything.
+missing=$(ldd "$build/bin/qtrain" "$build"/bin/qtrain_gpu_* 2>/dev/null | awk '/not found/ {print $1}' | sort -u | tr '\n' ' ')
+if [ -n "$missing" ]; then
+  echo "gpu-tests: the loader cannot find: $missing"
+  echo "gpu-tests: make the kit with KIT_EXTRA=\"libbenchmark1debian libutf8proc2\" (docs/cuda.md);" \
+       "on a warm machine rm -rf /opt/kit before sourcing .kit/kit-env.sh"
+  exit 1
+fi
 failed=0
 for name in "${names[@]}"; do
   exe=$build/bin/qtrain_gpu_$name
