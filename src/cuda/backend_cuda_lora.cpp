@@ -30,7 +30,6 @@ namespace qt {
 namespace {
 
 constexpr std::size_t kReservedBytes = std::size_t{3} << 30;    // left to NCCL, cuBLASLt, CUDA
-constexpr std::size_t kStagingFloats = std::size_t{16} << 20;  // 64 MiB of fp32 base weights
 
 class CudaLoraBackend final : public TrainBackend {
  public:
@@ -76,17 +75,7 @@ class CudaLoraBackend final : public TrainBackend {
 
   void push_state() override {
     // The base: fp32 on the host to bf16 on the GPU, one staging block at a time.
-    {
-      cuda::DeviceArena::Scope scope(arena_);
-      const std::size_t n = layout_.numel();
-      float* stage = arena_.allocate<float>(std::min(n, kStagingFloats));
-      for (std::size_t lo = 0; lo < n; lo += kStagingFloats) {
-        const std::size_t k = std::min(kStagingFloats, n - lo);
-        cuda::upload(stage, host_params_.data() + lo, k * 4);
-        cuda::convert_f32_to_bf16(base_ + lo, stage, k, stream_.get());
-        stream_.synchronize();  // before the next block overwrites the staging buffer
-      }
-    }
+    cuda::upload_as_bf16(base_, host_params_.data(), layout_.numel(), arena_, stream_.get());
     state_.push(stream_.get());
   }
   // The adapters and their moments; the base never changes.

@@ -3,7 +3,10 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "cuda/check.h"
+#include "ops/cuda/convert.cuh"
 #include "qtrain/error.h"
 #include "runtime/process.h"
 
@@ -139,6 +142,18 @@ void DeviceArena::overflow(std::size_t count, std::size_t elem) const {
 void upload(void* dst, const void* src, std::size_t bytes) {
   QT_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   QT_CHECK_CUDA(cudaDeviceSynchronize());
+}
+
+void upload_as_bf16(__nv_bfloat16* dst, const float* src, std::size_t n, DeviceArena& arena,
+                    cudaStream_t stream) {
+  DeviceArena::Scope scope(arena);
+  float* stage = arena.allocate<float>(std::min(n, kUploadStageFloats));
+  for (std::size_t lo = 0; lo < n; lo += kUploadStageFloats) {
+    const std::size_t k = std::min(kUploadStageFloats, n - lo);
+    upload(stage, src + lo, k * sizeof(float));
+    convert_f32_to_bf16(dst + lo, stage, k, stream);
+    QT_CHECK_CUDA(cudaStreamSynchronize(stream));  // before the next block overwrites the stage
+  }
 }
 
 Stream::Stream() { QT_CHECK_CUDA(cudaStreamCreateWithFlags(&s_, cudaStreamNonBlocking)); }

@@ -6,6 +6,7 @@
 // that live outside the arena (the arena's own block, a communicator's scratch word).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstddef>
@@ -130,6 +131,15 @@ class DeviceArena {
 // cudaMemcpy from pageable memory may return before its DMA completes, and work on our
 // non-blocking streams is not ordered after it: set-up copies go through this. Not for the step loop.
 void upload(void* dst, const void* src, std::size_t bytes);
+
+// fp32 values staged per upload_as_bf16 call: 64 MiB.
+constexpr std::size_t kUploadStageFloats = std::size_t{16} << 20;
+
+// dst[k] = bf16(src[k]) for k < n (round to nearest even): host fp32 to device bf16 through a
+// staging block of min(n, kUploadStageFloats) fp32 taken from `arena` and released on return.
+// Set-up time only: waits for `stream` after each block.
+void upload_as_bf16(__nv_bfloat16* dst, const float* src, std::size_t n, DeviceArena& arena,
+                    cudaStream_t stream);
 
 // A CUDA stream, created non-blocking with respect to the legacy default stream.
 class Stream {

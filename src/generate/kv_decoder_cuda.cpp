@@ -13,7 +13,6 @@
 #include "cuda/check.h"
 #include "cuda/device.h"
 #include "ops/cuda/attention.cuh"
-#include "ops/cuda/convert.cuh"
 #include "ops/cuda/decode_attention.cuh"
 #include "ops/cuda/embedding.cuh"
 #include "ops/cuda/gemm.cuh"
@@ -29,8 +28,6 @@ namespace qt::gen {
 namespace {
 
 using cuda::bf16;
-
-constexpr std::size_t kStageElems = std::size_t{16} << 20;  // fp32 staging of the weight upload
 
 // Pinned host memory (fast, truly asynchronous copies), grown on demand; contents not kept.
 template <typename T>
@@ -181,7 +178,9 @@ KvDecoderCuda::Impl::Impl(const ModelConfig& c, const float* params, int capacit
   count.take<float>(half);
   try {
     arena = std::make_unique<cuda::DeviceArena>(count.bytes(), "generate weights and cache");
-    scratch = std::make_unique<cuda::DeviceArena>(kStageElems * sizeof(float), "generate scratch");
+    // First sized for the weights' staging block (cuda::upload_as_bf16), regrown by append().
+    scratch = std::make_unique<cuda::DeviceArena>(cuda::kUploadStageFloats * sizeof(float),
+                                                  "generate scratch");
   } catch (const cuda::OutOfMemory& e) {
     const cuda::DeviceMemory m = cuda::device_memory();
     fail_user(
@@ -199,17 +198,7 @@ KvDecoderCuda::Impl::Impl(const ModelConfig& c, const float* params, int capacit
   cpu::rope_table(tc.data(), ts.data(), cap, c.head_dim, c.rope_theta);
   cuda::upload(cos, tc.data(), half * sizeof(float));
   cuda::upload(sin, ts.data(), half * sizeof(float));
-  // fp32 -> bf16 (round to nearest even) through a staging block.
-  {
-    cuda::DeviceArena::Scope scope(*scratch);
-    float* stage = scratch->allocate<float>(kStageElems);
-    for (std::size_t off = 0; off < numel; off += kStageElems) {
-      const std::size_t m = std::min(kStageElems, numel - off);
-      cuda::upload(stage, params + off, m * sizeof(float));
-      cuda::convert_f32_to_bf16(W + off, stage, m, stream.get());
-      stream.synchronize();  // before the next chunk overwrites the stage
-    }
-  }
+  cuda::upload_as_bf16(W, params, numel, *scratch, stream.get());
 }
 
 void KvDecoderCuda::Impl::layer(int l, int n, const Scratch& s) {
