@@ -17,8 +17,6 @@
 #include "generate/kv_decoder.h"
 #include "generate/sampler.h"
 #include "hf/config.h"
-#include "hf/export.h"
-#include "hf/weights.h"
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "prep/chat.h"
@@ -80,17 +78,9 @@ class GenerateCli : public ::testing::Test {
 
   // An HF directory of the weights (bf16) with the tokenizer; params_ becomes what it holds.
   std::string write_hf_dir() {
-    const std::string d = (dir_ / "hf").string();
-    fs::create_directories(d);
-    const ParamLayout layout(cfg_);
-    hf::write_model_dir(d, cfg_, layout, params_.data(), 5'000'000'000, hf::default_extras(cfg_),
-                        "");
-    for (const char* f : {"tokenizer.json", "tokenizer_config.json"})
-      fs::copy_file(fs::path(tok_dir_) / f, fs::path(d) / f);
-    auto world = world_comm();
-    hf::load_params(d, layout, hf::all_rows(layout, params_.data()), cfg_.tie_word_embeddings,
-                    *world);
-    return d;
+    test::write_hf_model(dir_ / "hf", cfg_, params_, tok_dir_,
+                         {"tokenizer.json", "tokenizer_config.json"});
+    return (dir_ / "hf").string();
   }
 
   fs::path dir_;
@@ -125,16 +115,7 @@ TEST_F(GenerateCli, SampledChatNoThinkIsSeededAndEqualsKvDecoder) {
 
 TEST_F(GenerateCli, FromCheckpointDirectoryWithTokenizerOption) {
   // A qtrain checkpoint (fp32) written as training writes it, in a directory of checkpoints.
-  auto world = world_comm();
-  const ParamLayout layout(cfg_);
-  std::vector<float> zeros(layout.numel(), 0.0f);
-  {
-    Mesh mesh(MeshShape{}, world);
-    TrainState st;
-    st.step = 5;
-    checkpoint_write(checkpoint_path((dir_ / "ckpt").string(), 5), mesh, layout, params_.data(),
-                     MomentShard{{0, layout.numel()}, zeros.data(), zeros.data()}, st, cfg_, "");
-  }
+  test::write_model_checkpoint(dir_ / "ckpt", cfg_, params_, 5);
   const std::string prompt = "Once upon a time";
   // No model.init in the checkpoint: the tokenizer must be named.
   const CliRun r0 = run_generate({(dir_ / "ckpt").string(), "--prompt", prompt});

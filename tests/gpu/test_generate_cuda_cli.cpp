@@ -21,11 +21,7 @@
 #include "generate/sampler.h"
 #include "gpu_test.h"
 #include "hf/config.h"
-#include "hf/export.h"
-#include "hf/weights.h"
-#include "qtrain/checkpoint.h"
 #include "qtrain/comm.h"
-#include "qtrain/mesh.h"
 #include "qtrain/tokenizer.h"
 #include "support/generate_cli.h"
 #include "support/random.h"
@@ -38,7 +34,6 @@ namespace fs = std::filesystem;
 
 using test::CliRun;
 using test::run_generate;
-using test::world_comm;
 
 // A byte-level BPE tokenizer without merges: ids 0..255 are the bytes, then <|endoftext|>,
 // <|im_start|>, <|im_end|> (special).
@@ -96,14 +91,8 @@ class GenerateCudaCli : public ::testing::Test {
   // A Hugging Face directory of the weights (bf16) with the tokenizer; params_ becomes what it
   // holds.
   std::string write_hf_dir(const ModelConfig& c) {
-    const std::string d = (dir_ / "hf").string();
-    fs::create_directories(d);
-    const ParamLayout layout(c);
-    hf::write_model_dir(d, c, layout, params_.data(), 5'000'000'000, hf::default_extras(c), "");
-    fs::copy_file(dir_ / "tok" / "tokenizer.json", fs::path(d) / "tokenizer.json");
-    auto world = world_comm();
-    hf::load_params(d, layout, hf::all_rows(layout, params_.data()), c.tie_word_embeddings, *world);
-    return d;
+    test::write_hf_model(dir_ / "hf", c, params_, dir_ / "tok", {"tokenizer.json"});
+    return (dir_ / "hf").string();
   }
 
   // What the command must print for params_ (KvDecoderCuda + Sampler, bf16).
@@ -149,16 +138,7 @@ TEST_F(GenerateCudaCli, SampledChatIsSeeded) {
 
 TEST_F(GenerateCudaCli, FromCheckpointDirectory) {
   // A qtrain checkpoint (fp32) written as training writes it, in a directory of checkpoints.
-  auto world = world_comm();
-  const ParamLayout layout(cfg_);
-  std::vector<float> zeros(layout.numel(), 0.0f);
-  {
-    Mesh mesh(MeshShape{}, world);
-    TrainState st;
-    st.step = 5;
-    checkpoint_write(checkpoint_path((dir_ / "ckpt").string(), 5), mesh, layout, params_.data(),
-                     MomentShard{{0, layout.numel()}, zeros.data(), zeros.data()}, st, cfg_, "");
-  }
+  test::write_model_checkpoint(dir_ / "ckpt", cfg_, params_, 5);
   const std::string prompt = "Once upon a time";
   const CliRun r = run_generate({(dir_ / "ckpt").string(), "--device", "cuda", "--prompt", prompt,
                               "--tokenizer", (dir_ / "tok").string(), "-n", "16"});

@@ -7,6 +7,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <random>
 #include <set>
@@ -16,7 +17,11 @@
 
 #include "generate/generate.h"
 #include "generate/sampler.h"
+#include "hf/export.h"
+#include "hf/weights.h"
+#include "qtrain/checkpoint.h"
 #include "qtrain/comm.h"
+#include "qtrain/mesh.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
 #include "qtrain/tokenizer.h"
@@ -78,6 +83,33 @@ inline std::vector<float> generation_weights(const ModelConfig& c, std::mt19937_
     if (info.shape.size() == 1)
       for (std::size_t i = 0; i < info.numel; ++i) p[info.offset + i] = 1.0f + 0.2f * p[info.offset + i];
   return p;
+}
+
+// A Hugging Face directory `dir` of the weights (bf16) with the named files of tok_dir (the
+// tokenizer); params becomes what the directory holds (bf16-rounded).
+inline void write_hf_model(const std::filesystem::path& dir, const ModelConfig& c,
+                           std::vector<float>& params, const std::filesystem::path& tok_dir,
+                           const std::vector<std::string>& tok_files) {
+  std::filesystem::create_directories(dir);
+  const ParamLayout layout(c);
+  hf::write_model_dir(dir.string(), c, layout, params.data(), 5'000'000'000, hf::default_extras(c),
+                      "");
+  for (const std::string& f : tok_files) std::filesystem::copy_file(tok_dir / f, dir / f);
+  hf::load_params(dir.string(), layout, hf::all_rows(layout, params.data()), c.tie_word_embeddings,
+                  *world_comm());
+}
+
+// A whole-model qtrain checkpoint (fp32, zero moments) of params at `step`, written as training
+// writes it into the checkpoint directory `dir`.
+inline void write_model_checkpoint(const std::filesystem::path& dir, const ModelConfig& c,
+                                   const std::vector<float>& params, std::int64_t step) {
+  const ParamLayout layout(c);
+  std::vector<float> zeros(layout.numel(), 0.0f);
+  Mesh mesh(MeshShape{}, world_comm());
+  TrainState st;
+  st.step = step;
+  checkpoint_write(checkpoint_path(dir.string(), step), mesh, layout, params.data(),
+                   MomentShard{{0, layout.numel()}, zeros.data(), zeros.data()}, st, c, "");
 }
 
 }  // namespace qt::test
