@@ -32,14 +32,12 @@ namespace qt {
 
 namespace {
 
-constexpr std::size_t kReservedBytes = std::size_t{3} << 30;  // left to NCCL, cuBLASLt, CUDA
-
 class CudaBackend final : public TrainBackend {
  public:
   CudaBackend(const Deck& deck, Mesh& mesh)
       : deck_(deck), mesh_(mesh), layout_(deck.model),
         device_(cuda::select_device(mesh.local_rank())),
-        arena_(cuda::arena_bytes_leaving(kReservedBytes), fmt::format("GPU {} arena", device_)),
+        arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         state_(layout_, mesh.dp(), deck.optim.zero_stage == 1, arena_),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {

@@ -29,14 +29,12 @@ namespace qt {
 
 namespace {
 
-constexpr std::size_t kReservedBytes = std::size_t{3} << 30;    // left to NCCL, cuBLASLt, CUDA
-
 class CudaLoraBackend final : public TrainBackend {
  public:
   CudaLoraBackend(const Deck& deck, Mesh& mesh)
       : deck_(deck), mesh_(mesh), layout_(deck.model),
         device_(cuda::select_device(mesh.local_rank())),
-        arena_(cuda::arena_bytes_leaving(kReservedBytes), fmt::format("GPU {} arena", device_)),
+        arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         base_(arena_.allocate<cuda::bf16>(layout_.numel())),
         lora_(std::make_unique<cuda::LoraCuda>(deck.model, deck.lora, deck.train.micro_batch,

@@ -104,7 +104,8 @@ const std::int32_t* BatchBuffers::upload(const std::int32_t* inputs, const std::
   return positions_;
 }
 
-std::size_t arena_bytes_leaving(std::size_t reserved) {
+std::size_t training_arena_bytes() {
+  constexpr std::size_t reserved = std::size_t{3} << 30;
   const DeviceMemory m = device_memory();
   if (m.free_bytes <= reserved + (std::size_t{1} << 30))
     fail_user("the GPU has only {} free; qtrain needs more than {}", format_bytes(m.free_bytes),

@@ -77,9 +77,9 @@ class BatchBuffers {
   std::int32_t *inputs_, *targets_, *positions_;
 };
 
-// The arena's size: the GPU's free memory less `reserved` (for NCCL, cuBLASLt and CUDA); a
-// UserError when less than 1 GiB would be left. Call after select_device.
-std::size_t arena_bytes_leaving(std::size_t reserved);
+// A training back end's arena: the GPU's free memory less 3 GiB left to NCCL, cuBLASLt and CUDA;
+// a UserError when less than 1 GiB would be left. Call after select_device.
+std::size_t training_arena_bytes();
 // "GPU arena X used, Y peak; device Z free of W" for the step log.
 std::string memory_report(const DeviceArena& arena);
 
