@@ -78,21 +78,10 @@ __global__ void __launch_bounds__(256)
   if (lane == 0) *reinterpret_cast<float*>(dq + row * HD) = sum;
 }
 
-// Buffers of a dk/dv step's Q, dO, lse, D (and pos). With 3 (two warpgroups per block: one block
-// per SM, shared memory to spare) a step's dK product is still running when the next step's S^T
-// and dP^T are issued: the buffer the next load overwrites is the one of two steps back, whose
-// products every thread waited for before the barrier. With 2 (one warpgroup, two blocks per SM)
-// each step waits for its dK product before the barrier.
-template <int NWG>
-// (Measured with 2 as well, which keeps the dK/dV kernel as before and overlaps only in dQ.)
-constexpr int kDkdvBufs = NWG == 2 ? 3 : 2;
-
 template <int HD, int NWG, bool PACKED>
 constexpr int dkdv_smem_bytes() {
-  // K, V [BC][HD]; Q, dO [NBUF][BRQ][HD]; lse, D (and pos when PACKED) [NBUF][BRQ] 4 bytes; + slack
-  constexpr int NBUF = kDkdvBufs<NWG>;
-  return 2 * 64 * NWG * HD * 2 + 2 * NBUF * kQStep * HD * 2 + (PACKED ? 3 : 2) * NBUF * kQStep * 4 +
-         1024;
+  // K, V [BC][HD]; Q, dO [2][BRQ][HD]; lse, D (and pos when PACKED) [2][BRQ] 4 bytes; + slack
+  return 2 * 64 * NWG * HD * 2 + 4 * kQStep * HD * 2 + (PACKED ? 6 : 4) * kQStep * 4 + 1024;
 }
 
 template <int HD, int NWG, bool PACKED>
@@ -108,8 +97,6 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   constexpr int QT = BRQ / 16;  // k-steps of dV and dK
   constexpr int NS = BRQ / 2;   // S^T accumulators per thread
   constexpr int QTILE = BRQ * HD * 2;
-  constexpr int NBUF = kDkdvBufs<NWG>;
-  constexpr bool kOverlapDk = NBUF == 3;  // step s's dK product runs on into step s + 1
   static_assert(NT >= 2 * BRQ, "lse and D rows are loaded one per thread");
 
   const int kvt = blockIdx.x;  // kv tile 0 sees the most query rows: launched first
@@ -124,10 +111,10 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const uint32_t base = (raw + 1023u) & ~1023u;
   char* sK = smem_raw + (base - raw);                                      // [BC][HD]
   char* sV = sK + BC * HD * 2;                                             // [BC][HD]
-  const uint32_t aK = base, aV = aK + BC * HD * 2, aQ = aV + BC * HD * 2;  // Q: [NBUF][BRQ][HD]
-  const uint32_t adO = aQ + NBUF * QTILE;                                  // dO: [NBUF][BRQ][HD]
-  const uint32_t aL = adO + NBUF * QTILE, aD = aL + NBUF * BRQ * 4;        // lse, D: [NBUF][BRQ]
-  const uint32_t aP = aD + NBUF * BRQ * 4;                                 // pos: [NBUF][BRQ]
+  const uint32_t aK = base, aV = aK + BC * HD * 2, aQ = aV + BC * HD * 2;  // Q: [2][BRQ][HD]
+  const uint32_t adO = aQ + 2 * QTILE;                                     // dO: [2][BRQ][HD]
+  const uint32_t aL = adO + 2 * QTILE, aD = aL + 2 * BRQ * 4;              // lse, D: [2][BRQ]
+  const uint32_t aP = aD + 2 * BRQ * 4;                                    // pos: [2][BRQ]
   const float* sL = reinterpret_cast<const float*>(sK + (aL - aK));
   const float* sD = reinterpret_cast<const float*>(sK + (aD - aK));
   const int* sP = reinterpret_cast<const int*>(sK + (aP - aK));
@@ -168,35 +155,25 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   float dk_acc[HD / 2], dv_acc[HD / 2];
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
-  fence_acc(dk_acc);  // the zeros are written here, before any product is in flight
-  fence_acc(dv_acc);
   const int kv_wg0 = k0 + wg * 64;                       // first kv row of this warpgroup
   const int kv_row0 = kv_wg0 + warp * 16 + (lane >> 2);  // kv row of st[4nb], st[4nb+1]; +8
   const int kv_srow = wg * 64;                           // this warpgroup's rows in sK, sV
 
-  wgmma_fence();
-  if constexpr (kOverlapDk) wgmma_commit();  // an empty group: one group is pending at each step
   for (int s = 0; s < steps; ++s) {
     cp_async_wait_all();  // step s has landed (this thread's part) ...
     fence_proxy_async();
-    __syncthreads();  // ... everyone's; every warpgroup finished the products of step s + 1 - NBUF
+    __syncthreads();  // ... everyone's; every warpgroup finished step s-1
     if (s + 1 < steps) {
-      load_step(s + 1, (s + 1) % NBUF);
+      load_step(s + 1, (s + 1) & 1);
       cp_async_commit();
     }
-    const int buf = s % NBUF;
+    const int buf = s & 1;
     const int q_base = (i_first + s % per_head) * BRQ;
-    if (q_base + BRQ - 1 < kv_wg0) {  // every query of the tile precedes these kv rows
-      if constexpr (kOverlapDk) { wgmma_wait<0>(); wgmma_fence(); wgmma_commit(); }
-      continue;
-    }
-    const int* Pb = sP + buf * BRQ;  // pos of the tile's queries (PACKED)
-    bool low_mask = false;           // some query's document starts after a kv row
+    if (q_base + BRQ - 1 < kv_wg0) continue;  // every query of the tile precedes these kv rows
+    const int* Pb = sP + buf * BRQ;           // pos of the tile's queries (PACKED)
+    bool low_mask = false;                    // some query's document starts after a kv row
     if constexpr (PACKED) {
-      if (q_base - Pb[0] > kv_wg0 + 63) {  // every query's document starts after them
-        if constexpr (kOverlapDk) { wgmma_wait<0>(); wgmma_fence(); wgmma_commit(); }
-        continue;
-      }
+      if (q_base - Pb[0] > kv_wg0 + 63) continue;  // every query's document starts after them
       const int last = min(BRQ, T - q_base) - 1;
       low_mask = q_base + last - Pb[last] > kv_wg0 + warp * 16;
     }
@@ -215,7 +192,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
       wgmma_ss<BRQ>(dpt, desc_kmajor<BC>(aV, kv_srow, kk), desc_kmajor<BRQ>(tdO, 0, kk), kk > 0);
     wgmma_commit();
 
-    wgmma_wait<1>();  // S^T (and the previous step's dK)
+    wgmma_wait<1>();  // S^T
     fence_acc(st);
     // P^T = exp2(S^T scale log2e - lse log2e); zero where query < kv row or query >= T.
     const bool need_mask = q_base < kv_wg0 + 63 || q_base + BRQ > T;
@@ -272,15 +249,10 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 #pragma unroll
     for (int kk = 0; kk < QT; ++kk) wgmma_rs_tb<HD>(dk_acc, da[kk], desc_mnmajor<BRQ>(tQ, kk));
     wgmma_commit();
-    if constexpr (!kOverlapDk) {
-      wgmma_wait<0>();
-      fence_acc(dk_acc);
-      fence_acc(dv_acc);
-    }
+    wgmma_wait<0>();
+    fence_acc(dk_acc);
+    fence_acc(dv_acc);
   }
-  wgmma_wait<0>();
-  fence_acc(dk_acc);
-  fence_acc(dv_acc);
 
   // Epilogue through this warp's own rows of sK and sV (only this warpgroup's wgmmas read them;
   // the barrier makes sure every warp of it is past its last wait).
@@ -296,16 +268,10 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 #endif
 }
 
-// K buffers of the dq kernel: with 3 (two warpgroups per block) a step's dQ product, which reads
-// K_j, still runs when the next step's S and dP are issued, as in dk/dv. V is read only by dP,
-// which completes within its step, so it keeps 2.
-template <int NWG>
-constexpr int kDqKBufs = NWG == 2 ? 3 : 2;
-
 template <int HD, int NWG, int BCK>
 constexpr int dq_smem_bytes() {
-  // Q, dO [BR][HD]; K [NBK][BCK][HD]; V [2][BCK][HD]; + alignment slack
-  return 2 * 64 * NWG * HD * 2 + (kDqKBufs<NWG> + 2) * BCK * HD * 2 + 1024;
+  // Q, dO [BR][HD]; K, V [2][BCK][HD]; + alignment slack
+  return 2 * 64 * NWG * HD * 2 + 4 * BCK * HD * 2 + 1024;
 }
 
 template <int HD, int NWG, int BCK, bool PACKED>
@@ -320,8 +286,6 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   constexpr int CT = BCK / 16;  // k-steps of dQ
   constexpr int NS = BCK / 2;   // S accumulators per thread
   constexpr int KTILE = BCK * HD * 2;
-  constexpr int NBK = kDqKBufs<NWG>;
-  constexpr bool kOverlapDq = NBK == 3;  // step j's dQ product runs on into step j + 1
 
   const int n_qtiles = (T + BR - 1) / BR;
   const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.x);  // longest rows first
@@ -337,8 +301,8 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const uint32_t raw = smem_addr(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   char* sQ = smem_raw + (base - raw);                                        // [BR][HD]
-  const uint32_t aQ = base, adO = aQ + BR * HD * 2, aK = adO + BR * HD * 2;  // K: [NBK][BCK][HD]
-  const uint32_t aV = aK + NBK * KTILE;                                      // V: [2][BCK][HD]
+  const uint32_t aQ = base, adO = aQ + BR * HD * 2, aK = adO + BR * HD * 2;  // K: [2][BCK][HD]
+  const uint32_t aV = aK + 2 * KTILE;                                        // V: [2][BCK][HD]
 
   const int q0 = qt * BR;
   const int q_end = min(q0 + BR, T);
@@ -364,7 +328,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 
   load_tile_sw128<BR, HD, NT>(aQ, q + q_off, q0, ldq, T, tid);
   load_tile_sw128<BR, HD, NT>(adO, dout + q_off, q0, ldq, T, tid);
-  load_tile_sw128<BCK, HD, NT>(aK + (j0 % NBK) * KTILE, kb, j0 * BCK, ldkv, T, tid);
+  load_tile_sw128<BCK, HD, NT>(aK + (j0 & 1) * KTILE, kb, j0 * BCK, ldkv, T, tid);
   load_tile_sw128<BCK, HD, NT>(aV + (j0 & 1) * KTILE, vb, j0 * BCK, ldkv, T, tid);
   cp_async_commit();
 
@@ -383,27 +347,22 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   float dq_acc[HD / 2];
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) dq_acc[i] = 0.f;
-  fence_acc(dq_acc);  // the zeros are written here, before any product is in flight
 
-  wgmma_fence();
-  if constexpr (kOverlapDq) wgmma_commit();  // an empty group: one group is pending at each step
   for (int j = j0; j < n_kv; ++j) {
     cp_async_wait_all();  // K_j, V_j (and Q, dO) have landed (this thread's part) ...
     fence_proxy_async();
-    __syncthreads();  // ... everyone's; every warpgroup finished the products of step j + 1 - NBK
+    __syncthreads();  // ... everyone's; every warpgroup finished step j-1
     if (j + 1 < n_kv) {
-      load_tile_sw128<BCK, HD, NT>(aK + ((j + 1) % NBK) * KTILE, kb, (j + 1) * BCK, ldkv, T, tid);
-      load_tile_sw128<BCK, HD, NT>(aV + ((j + 1) & 1) * KTILE, vb, (j + 1) * BCK, ldkv, T, tid);
+      const int nbuf = (j + 1) & 1;
+      load_tile_sw128<BCK, HD, NT>(aK + nbuf * KTILE, kb, (j + 1) * BCK, ldkv, T, tid);
+      load_tile_sw128<BCK, HD, NT>(aV + nbuf * KTILE, vb, (j + 1) * BCK, ldkv, T, tid);
       cp_async_commit();
     }
-    // Tiles this warpgroup skips: every key follows its queries, or precedes all their documents.
-    bool skip = j * BCK > q_wg0 + 63;
-    if constexpr (PACKED) skip = skip || j * BCK + BCK - 1 < ds_wg;
-    if (skip) {
-      if constexpr (kOverlapDq) { wgmma_wait<0>(); wgmma_fence(); wgmma_commit(); }
-      continue;
+    if (j * BCK > q_wg0 + 63) continue;  // every key of the tile follows this warpgroup's queries
+    if constexpr (PACKED) {
+      if (j * BCK + BCK - 1 < ds_wg) continue;  // ... or precedes all their documents
     }
-    const uint32_t tK = aK + (j % NBK) * KTILE, tV = aV + (j & 1) * KTILE;
+    const uint32_t tK = aK + (j & 1) * KTILE, tV = aV + (j & 1) * KTILE;
 
     float s[NS], dp[NS];
     wgmma_fence();
@@ -412,7 +371,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     wgmma_ss_kmajor<BCK, BR, BCK, KT>(dp, adO, q_srow, tV);
     wgmma_commit();
 
-    wgmma_wait<1>();  // S (and the previous step's dQ)
+    wgmma_wait<1>();  // S
     fence_acc(s);
     const bool diag = j * BCK + BCK - 1 > q_wg0;
 #pragma unroll
@@ -441,13 +400,9 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 #pragma unroll
     for (int kk = 0; kk < CT; ++kk) wgmma_rs_tb<HD>(dq_acc, da[kk], desc_mnmajor<BCK>(tK, kk));
     wgmma_commit();
-    if constexpr (!kOverlapDq) {
-      wgmma_wait<0>();
-      fence_acc(dq_acc);
-    }
+    wgmma_wait<0>();
+    fence_acc(dq_acc);
   }
-  wgmma_wait<0>();
-  fence_acc(dq_acc);
 
   // Epilogue through this warp's own rows of sQ (after every warp's last wgmma wait); overwrites
   // the D values read above.
