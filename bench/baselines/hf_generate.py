@@ -56,13 +56,10 @@ def main():
 
     cfg, _ = qwen3_config(a)
     cfg.use_cache = True
-    if os.path.exists(os.path.join(a.save, "config.json")):
-        model = Qwen3ForCausalLM.from_pretrained(a.save, dtype=torch.bfloat16, attn_implementation="sdpa")
-    else:
+    if not os.path.exists(os.path.join(a.save, "config.json")):
         torch.manual_seed(0)
-        model = Qwen3ForCausalLM(cfg).to(torch.bfloat16)
-        model.save_pretrained(a.save)
-        model = Qwen3ForCausalLM.from_pretrained(a.save, dtype=torch.bfloat16, attn_implementation="sdpa")
+        Qwen3ForCausalLM(cfg).to(torch.bfloat16).save_pretrained(a.save)
+    model = Qwen3ForCausalLM.from_pretrained(a.save, dtype=torch.bfloat16, attn_implementation="sdpa")
     model = model.cuda().eval()
 
     tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(a.tokenizer, "tokenizer.json"))
