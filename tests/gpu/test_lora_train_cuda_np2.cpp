@@ -25,15 +25,6 @@ std::string deck_text(const std::string& dir) {
          "[log]\nevery = 1\n";
 }
 
-double worst_rel(const test::RunResult& a, const test::RunResult& b) {
-  double w = 0;
-  for (std::size_t i = 0; i < b.steps.size(); ++i) {
-    if (i >= a.steps.size() || !std::isfinite(a.steps[i].loss)) return INFINITY;
-    w = std::max(w, std::abs(a.steps[i].loss - b.steps[i].loss) / b.steps[i].loss);
-  }
-  return w;
-}
-
 TEST(LoraTrainCudaDp2, ReproducesOneGpu) {
   int gpus = 0;
   if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
@@ -50,7 +41,9 @@ TEST(LoraTrainCudaDp2, ReproducesOneGpu) {
     ASSERT_EQ(r->exit_code, 0) << r->error;
     ASSERT_EQ(r->steps.size(), 16u);
   }
-  const double w2 = worst_rel(two, one), wz1 = worst_rel(z1, one), wbf = worst_rel(bf16, two);
+  const double w2 = test::max_rel_loss_diff(two.steps, one.steps);
+  const double wz1 = test::max_rel_loss_diff(z1.steps, one.steps);
+  const double wbf = test::max_rel_loss_diff(bf16.steps, two.steps);
   if (test::world_rank() == 0)
     std::printf("LoRA dp 2 vs 1 GPU: worst relative loss difference %.3e (ZeRO-0), %.3e (ZeRO-1); "
                 "bf16 reduction vs fp32 %.3e\n", w2, wz1, wbf);

@@ -39,16 +39,6 @@ std::string deck_text(const std::string& dir, bool lora = true, bool preset = tr
          "[log]\nevery = 1\n";
 }
 
-double max_rel_diff(const std::vector<StepRecord>& a, const std::vector<StepRecord>& b) {
-  if (a.size() != b.size() || a.empty()) return INFINITY;
-  double worst = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i].loss) || a[i].step != b[i].step) return INFINITY;
-    worst = std::max(worst, std::abs(a[i].loss - b[i].loss) / std::abs(b[i].loss));
-  }
-  return worst;
-}
-
 std::shared_ptr<MpiComm> world_comm() {
   return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
 }
@@ -154,8 +144,8 @@ TEST_F(LoraTraining, MeshIndependentResumableAndRefusesMismatches) {
   double gain = 0;
   for (int i = 8; i < 12; ++i) gain += (frozen.steps[i].loss - two.steps[i].loss) / 4;
   EXPECT_GT(gain, 0.03);
-  EXPECT_LT(max_rel_diff(two.steps, one.steps), 1e-5);
-  EXPECT_LT(max_rel_diff(z1.steps, one.steps), 1e-5);
+  EXPECT_LT(test::max_rel_loss_diff(two.steps, one.steps), 1e-5);
+  EXPECT_LT(test::max_rel_loss_diff(z1.steps, one.steps), 1e-5);
 
   auto first = run(2, deck_text(path("d")), {"--train.stop_at=6"}, path("d.jsonl"));
   ASSERT_EQ(first.steps.size(), 6u);

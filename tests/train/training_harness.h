@@ -4,6 +4,8 @@
 
 #include <mpi.h>
 
+#include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -58,6 +60,18 @@ inline std::vector<StepRecord> read_metrics(const std::string& path) {
                    j["grad_norm"].is_null() ? NAN : j["grad_norm"].get<double>()});
   }
   return out;
+}
+
+// The largest |a - b| / |b| of the losses of two runs' steps; infinity when the runs' steps
+// differ in number or step, none was logged, or a loss of `a` is not finite.
+inline double max_rel_loss_diff(const std::vector<StepRecord>& a, const std::vector<StepRecord>& b) {
+  if (a.size() != b.size() || a.empty()) return INFINITY;
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i].loss) || a[i].step != b[i].step) return INFINITY;
+    worst = std::max(worst, std::abs(a[i].loss - b[i].loss) / std::abs(b[i].loss));
+  }
+  return worst;
 }
 
 struct RunResult {
