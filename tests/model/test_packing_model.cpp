@@ -119,9 +119,11 @@ TEST(PackedModel, LossAndGradientsEqualDocumentsOneByOne) {
       EXPECT_EQ(test::rel_error(g_recompute.data() + p.offset, g_packed.data() + p.offset, p.numel), 0)
           << p.name;
     }
-    // The test can fail: without positions, attention crosses documents and the loss moves.
-    const double l_plain = packed_run(cfg, pk, params, g_plain, false, false);
-    EXPECT_GT(std::abs(l_plain - l_ref), 1e-3 * std::abs(l_ref));
+    // The test can fail: without positions, attention crosses documents and the gradients move
+    // far beyond the tolerance above. (The summed loss alone is no sure check: the per-document
+    // changes have either sign and can nearly cancel.)
+    packed_run(cfg, pk, params, g_plain, false, false);
+    EXPECT_GT(test::rel_error(g_plain, g_ref), 1e-2) << "attention without positions crosses documents";
   }
 }
 
