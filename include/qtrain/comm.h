@@ -64,6 +64,14 @@ class Comm {
   }
 };
 
+// Broadcasts a string from `root` (packed in 64-bit words: Comm has no byte type).
+void broadcast_string(Comm& comm, std::string& s, int root);
+
+// Every rank passes its own error text ("" = none). If any rank has one, every rank throws a
+// UserError with the text of the lowest failing rank, so that one rank's bad input stops all of
+// them with the same message instead of leaving the others waiting in a collective.
+void agree(Comm& comm, const std::string& err);
+
 // MPI implementation. Owns (and frees) the MPI communicator if `owned` is true.
 // Sets MPI_ERRORS_RETURN on it, so every call is checked with QT_CHECK_MPI.
 class MpiComm final : public Comm {

@@ -60,8 +60,4 @@ std::vector<RowSlice> all_rows(const ParamLayout& layout, float* params);
 std::string load_params(const std::string& dir, const ParamLayout& layout,
                         const std::vector<RowSlice>& slices, bool tied_embeddings, Comm& world);
 
-// Every rank passes its error text ("" = none); if any rank has one, every rank throws a
-// UserError with the text of the lowest failing rank.
-void agree(Comm& comm, const std::string& err);
-
 }  // namespace qt::hf

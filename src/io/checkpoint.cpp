@@ -65,27 +65,6 @@ std::string shape_text(const std::vector<hsize_t>& d) {
   return fmt::format("[{}]", fmt::join(d, ", "));
 }
 
-// Broadcasts a string from `root` (packed in 64-bit words: Comm has no byte type).
-void broadcast_string(Comm& comm, std::string& s, int root) {
-  std::uint64_t n = s.size();
-  comm.broadcast(&n, 1, DType::kU64, root);
-  std::vector<std::uint64_t> words((n + 7) / 8, 0);
-  if (comm.rank() == root && n > 0) std::memcpy(words.data(), s.data(), n);
-  if (!words.empty()) comm.broadcast(words.data(), words.size(), DType::kU64, root);
-  s.assign(reinterpret_cast<const char*>(words.data()), n);
-}
-
-// Every rank passes its own error text ("" = none). If any rank has one, every rank throws a
-// UserError with the text of the lowest failing rank.
-void agree(Comm& comm, const std::string& err) {
-  std::int64_t first = err.empty() ? comm.size() : comm.rank();
-  comm.all_reduce(&first, 1, DType::kI64, ReduceOp::kMin);
-  if (first == comm.size()) return;
-  std::string msg = err;
-  broadcast_string(comm, msg, static_cast<int>(first));
-  throw UserError(msg);
-}
-
 // The model config fields stored as root attributes and compared on read.
 struct ModelField {
   const char* name;
