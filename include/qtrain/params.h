@@ -28,6 +28,13 @@ struct LayerOffsets {
   std::size_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, w_gate, w_up, w_down;
 };
 
+// Flat-buffer offsets of a whole model's parameters. lm_head is the embedding's offset when the
+// embeddings are tied.
+struct ModelOffsets {
+  std::size_t embed = 0, norm = 0, lm_head = 0;
+  std::vector<LayerOffsets> layers;  // [num_layers]
+};
+
 class ParamLayout {
  public:
   explicit ParamLayout(const ModelConfig& cfg);
@@ -40,12 +47,16 @@ class ParamLayout {
   std::size_t numel() const { return numel_; }
   const ParamInfo& find(const std::string& name) const;  // aborts if absent
   LayerOffsets layer_offsets(int layer) const;
+  // Only for a model's layout (the ModelConfig constructor); aborts for another.
+  const ModelOffsets& model_offsets() const;
 
  private:
   void add(std::string name, std::vector<std::int64_t> shape);
 
   std::vector<ParamInfo> params_;
   std::size_t numel_ = 0;
+  bool is_model_ = false;
+  ModelOffsets model_;
 };
 
 // An even split of [0, n) into `parts` ranges; range i is [begin, end).

@@ -39,20 +39,22 @@ void copy_columns(bf16* dst, int dst_ld, const bf16* src, int src_ld, int rows, 
 }  // namespace
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute)
-    : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T), recompute_(recompute) {
+    : cfg_(cfg),
+      layout_(cfg),
+      off_(layout_.model_offsets()),
+      B_(B),
+      T_(T),
+      N_(B * T),
+      recompute_(recompute) {
   QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
            "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
-  off_embed_ = layout_.find("model.embed_tokens.weight").offset;
-  off_norm_ = layout_.find("model.norm.weight").offset;
-  off_lm_head_ = cfg.tie_word_embeddings ? off_embed_ : layout_.find("lm_head.weight").offset;
-  for (int l = 0; l < cfg.num_layers; ++l) lo_.push_back(layout_.layer_offsets(l));
   const std::size_t N = N_, H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
   const std::size_t I = cfg.intermediate_size, V = cfg.vocab_size, L = cfg.num_layers;
   // forward_backward's gradient watermark relies on the order embedding, layers, norm, lm head.
-  QT_CHECK(off_embed_ == 0 && off_norm_ > (L > 0 ? lo_.back().w_down : 0) &&
-               (cfg.tie_word_embeddings || off_lm_head_ > off_norm_),
+  QT_CHECK(off_.embed == 0 && off_.norm > (L > 0 ? off_.layers.back().w_down : 0) &&
+               (cfg.tie_word_embeddings || off_.lm_head > off_.norm),
            "unexpected parameter layout order");
-  for (const LayerOffsets& o : lo_)  // the fused q/k/v and gate/up GEMMs rely on it
+  for (const LayerOffsets& o : off_.layers)  // the fused q/k/v and gate/up GEMMs rely on it
     QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
              "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
   const int hd = cfg.head_dim, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
@@ -108,7 +110,7 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, b
 }
 
 void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
-  const LayerOffsets& w = lo_[l];
+  const LayerOffsets& w = off_.layers[l];
   LayerActs& a = acts(l);
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
@@ -132,7 +134,7 @@ void Qwen3Cuda::layer_forward(int l, const bf16* W, cudaStream_t s) {
   swiglu_forward_strided(a.h, a.gu, a.gu + I, 2 * I, N, I, s);
   linear_forward(tmp_, a.h, W + w.w_down, N, I, H, s);
   if (lora_) lora_->forward(l, LoraSite::kDown, a.h, tmp_, s);
-  const bf16* next_norm = l + 1 < cfg_.num_layers ? W + lo_[l + 1].ln1 : W + off_norm_;
+  const bf16* next_norm = l + 1 < cfg_.num_layers ? W + off_.layers[l + 1].ln1 : W + off_.norm;
   residual_rmsnorm_forward(x_[l + 1], ln_[l + 1], rstd_[l + 1], a.x_mid, tmp_, next_norm, N, H,
                            eps, s);
 }
@@ -147,7 +149,7 @@ Qwen3Cuda::Depth Qwen3Cuda::backward_depth(int l, const float* G) const {
 }
 
 void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
-  const LayerOffsets& w = lo_[l];
+  const LayerOffsets& w = off_.layers[l];
   LayerActs& a = acts(l);
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
@@ -198,11 +200,11 @@ void Qwen3Cuda::lm_head_loss(const bf16* W, float* G, const std::int32_t* target
   for (int c0 = 0; c0 < N_; c0 += chunk_) {
     const int rows = std::min(chunk_, N_ - c0);
     const std::size_t r0 = static_cast<std::size_t>(c0);
-    linear_forward(logits_, xf + r0 * H, W + off_lm_head_, rows, H, V, s);
+    linear_forward(logits_, xf + r0 * H, W + off_.lm_head, rows, H, V, s);
     cross_entropy_forward(losses_, chunk_lse_, logits_, targets + r0, rows, V, loss_sum_, s);
     cross_entropy_backward(logits_, logits_, chunk_lse_, targets + r0, loss_scale, rows, V, s);
-    linear_backward(dtmp_ + r0 * H, G ? G + off_lm_head_ : nullptr, logits_, xf + r0 * H,
-                    W + off_lm_head_, rows, H, V, s, accumulate_ || c0 > 0);
+    linear_backward(dtmp_ + r0 * H, G ? G + off_.lm_head : nullptr, logits_, xf + r0 * H,
+                    W + off_.lm_head, rows, H, V, s, accumulate_ || c0 > 0);
   }
 }
 
@@ -215,28 +217,28 @@ double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* 
   pos_ = positions;
   accumulate_ = grad_write == GradWrite::kAccumulate;
   QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s));
-  embedding_forward(x_[0], inputs, W + off_embed_, N, H, s);
-  rmsnorm_forward(ln_[0], rstd_[0], x_[0], W + lo_[0].ln1, N, H, cfg_.rms_norm_eps, s);
+  embedding_forward(x_[0], inputs, W + off_.embed, N, H, s);
+  rmsnorm_forward(ln_[0], rstd_[0], x_[0], W + off_.layers[0].ln1, N, H, cfg_.rms_norm_eps, s);
   for (int l = 0; l < L; ++l) layer_forward(l, W, s);
   lm_head_loss(W, G, targets, loss_scale, s);
-  rmsnorm_backward(dx_, G ? G + off_norm_ : nullptr, dtmp_, x_[L], W + off_norm_, rstd_[L], N, H,
+  rmsnorm_backward(dx_, G ? G + off_.norm : nullptr, dtmp_, x_[L], W + off_.norm, rstd_[L], N, H,
                    ws_, s, accumulate_);
   // Layers lie between the embedding (offset 0) and the final norm; an untied lm head follows.
-  if (ready) ready(off_norm_);
+  if (ready) ready(off_.norm);
   for (int l = L - 1; l >= 0; --l) {
     // Recomputing rewrites x_[l + 1], ln_[l + 1] and rstd_[l + 1] with the same bits; layer l + 1's
     // backward, their last reader, is already enqueued before it.
     if (recompute_) layer_forward(l, W, s);
     layer_backward(l, W, G, s);
-    if (ready) ready(lo_[l].ln1);
+    if (ready) ready(off_.layers[l].ln1);
   }
   if (G != nullptr) {
     // The embedding backward adds rows: it needs them zero when writing, unless the tied lm head
     // (the same table) has already written them.
     if (!accumulate_ && !cfg_.tie_word_embeddings)
-      QT_CHECK_CUDA(cudaMemsetAsync(G + off_embed_, 0,
+      QT_CHECK_CUDA(cudaMemsetAsync(G + off_.embed, 0,
                                     sizeof(float) * cfg_.vocab_size * cfg_.hidden_size, s));
-    embedding_backward(G + off_embed_, dx_, inputs, N, H, ws_, ws_bytes_, s);
+    embedding_backward(G + off_.embed, dx_, inputs, N, H, ws_, ws_bytes_, s);
   }
   if (ready) ready(0);
   double loss = 0;

@@ -88,9 +88,8 @@ class Qwen3Cuda {
 
   ModelConfig cfg_;
   ParamLayout layout_;
+  ModelOffsets off_;  // of layout_
   int B_, T_, N_;
-  std::size_t off_embed_, off_norm_, off_lm_head_;
-  std::vector<LayerOffsets> lo_;
   float *cos_, *sin_;                // [T, hd/2] fp32 tables
   std::vector<bf16*> x_;             // [L+1] residual stream [N, H]; x_[l] is layer l's input
   std::vector<bf16*> ln_;            // [L+1] rmsnorm(x_[l]) [N, H]; ln_[L] is the final norm

@@ -52,15 +52,11 @@ void add_into(float* y, const float* x, std::size_t n) {  // y += x
 }  // namespace
 
 KvDecoder::KvDecoder(const ModelConfig& cfg, const float* params, int capacity)
-    : cfg_(cfg), layout_(cfg), P_(params), cap_(capacity) {
+    : cfg_(cfg), layout_(cfg), off_(layout_.model_offsets()), P_(params), cap_(capacity) {
   QT_CHECK(cfg.num_heads % cfg.num_kv_heads == 0, "heads {} not divisible by kv heads {}",
            cfg.num_heads, cfg.num_kv_heads);
   QT_CHECK(cfg.head_dim % 2 == 0, "head_dim {} must be even for RoPE", cfg.head_dim);
   QT_CHECK(capacity >= 1, "cache capacity {} < 1", capacity);
-  off_embed_ = layout_.find("model.embed_tokens.weight").offset;
-  off_norm_ = layout_.find("model.norm.weight").offset;
-  off_lm_head_ = cfg.tie_word_embeddings ? off_embed_ : layout_.find("lm_head.weight").offset;
-  for (int l = 0; l < cfg.num_layers; ++l) lp_.push_back(layout_.layer_offsets(l));
   const int hd = cfg.head_dim;
   rope_cos_.resize(static_cast<std::size_t>(cap_) * hd / 2);
   rope_sin_.resize(rope_cos_.size());
@@ -71,7 +67,7 @@ KvDecoder::KvDecoder(const ModelConfig& cfg, const float* params, int capacity)
 }
 
 void KvDecoder::layer(int l, int n) {
-  const LayerOffsets& w = lp_[l];
+  const LayerOffsets& w = off_.layers[l];
   const int H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
@@ -128,16 +124,16 @@ const float* KvDecoder::append(std::span<const std::int32_t> ids, bool all_logit
   up_.resize(N * I);
   h_.resize(N * I);
 
-  cpu::embedding_forward(x_.data(), ids.data(), P_ + off_embed_, n, H);
+  cpu::embedding_forward(x_.data(), ids.data(), P_ + off_.embed, n, H);
   for (int l = 0; l < cfg_.num_layers; ++l) layer(l, n);
   len_ += n;
   // Final norm and lm head over the rows asked for.
   const int rows = all_logits ? n : 1;
   const float* x_last = x_.data() + static_cast<std::size_t>(n - rows) * H;
-  cpu::rmsnorm_forward(ln_.data(), rstd_.data(), x_last, P_ + off_norm_, rows, H,
+  cpu::rmsnorm_forward(ln_.data(), rstd_.data(), x_last, P_ + off_.norm, rows, H,
                        cfg_.rms_norm_eps);
   logits_.resize(static_cast<std::size_t>(rows) * V);
-  cpu::linear_forward(logits_.data(), ln_.data(), P_ + off_lm_head_, rows, H, V);
+  cpu::linear_forward(logits_.data(), ln_.data(), P_ + off_.lm_head, rows, H, V);
   return logits_.data();
 }
 

@@ -55,10 +55,9 @@ class KvDecoder final : public Decoder {
 
   ModelConfig cfg_;
   ParamLayout layout_;
+  ModelOffsets off_;  // of layout_
   const float* P_;
   int cap_, len_ = 0;
-  std::size_t off_embed_, off_norm_, off_lm_head_;
-  std::vector<LayerOffsets> lp_;
   std::vector<float> rope_cos_, rope_sin_;  // [cap, hd/2]
   std::vector<float> k_, v_;                // [L, cap, nkv, hd] after k-norm and RoPE; v as is
   // Scratch for a chunk of n rows.

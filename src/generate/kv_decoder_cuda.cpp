@@ -139,11 +139,10 @@ struct KvDecoderCuda::Impl {
 
   ModelConfig cfg;
   ParamLayout layout;
+  ModelOffsets off;  // of layout
   int cap, len = 0;
   int device;  // made current before the stream and the arenas below are created
   cuda::Stream stream;
-  std::size_t off_embed, off_norm, off_lm_head;
-  std::vector<LayerOffsets> lo;
   std::unique_ptr<cuda::DeviceArena> arena;    // weights, cache, rope tables
   std::unique_ptr<cuda::DeviceArena> scratch;  // one call's buffers; regrown when a call needs more
   bf16* W = nullptr;                           // [numel] bf16 weights, flat layout
@@ -154,20 +153,18 @@ struct KvDecoderCuda::Impl {
 };
 
 KvDecoderCuda::Impl::Impl(const ModelConfig& c, const float* params, int capacity)
-    : cfg(c), layout(c), cap(capacity), device(cuda::select_device(0)) {
+    : cfg(c),
+      layout(c),
+      off(layout.model_offsets()),
+      cap(capacity),
+      device(cuda::select_device(0)) {
   check_supported(cfg);
   QT_CHECK(capacity >= 1, "cache capacity {} < 1", capacity);
-  off_embed = layout.find("model.embed_tokens.weight").offset;
-  off_norm = layout.find("model.norm.weight").offset;
-  off_lm_head = cfg.tie_word_embeddings ? off_embed : layout.find("lm_head.weight").offset;
   const std::size_t H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
   const std::size_t I = cfg.intermediate_size;
-  for (int l = 0; l < cfg.num_layers; ++l) {
-    lo.push_back(layout.layer_offsets(l));
-    const LayerOffsets& o = lo.back();  // the fused q/k/v and gate/up GEMMs rely on it
+  for (const LayerOffsets& o : off.layers)  // the fused q/k/v and gate/up GEMMs rely on it
     QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
              "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
-  }
   const std::size_t numel = layout.numel(), half = static_cast<std::size_t>(cap) * c.head_dim / 2;
   const std::size_t cache = static_cast<std::size_t>(cfg.num_layers) * cap * KV;
   Carver count(nullptr);
@@ -202,7 +199,7 @@ KvDecoderCuda::Impl::Impl(const ModelConfig& c, const float* params, int capacit
 }
 
 void KvDecoderCuda::Impl::layer(int l, int n, const Scratch& s) {
-  const LayerOffsets& w = lo[l];
+  const LayerOffsets& w = off.layers[l];
   const int H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim(), QKV = Q + 2 * KV;
   const int I = cfg.intermediate_size, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
   const int hd = cfg.head_dim;
@@ -236,7 +233,7 @@ void KvDecoderCuda::Impl::layer(int l, int n, const Scratch& s) {
   cuda::linear_forward(s.gu, s.ln, W + w.w_gate, n, H, 2 * I, st);  // w_gate, w_up: one [2I, H]
   cuda::swiglu_forward_strided(s.h, s.gu, s.gu + I, 2 * I, n, I, st);
   cuda::linear_forward(s.tmp, s.h, W + w.w_down, n, I, H, st);
-  const bf16* next_norm = l + 1 < cfg.num_layers ? W + lo[l + 1].ln1 : W + off_norm;
+  const bf16* next_norm = l + 1 < cfg.num_layers ? W + off.layers[l + 1].ln1 : W + off.norm;
   cuda::residual_rmsnorm_forward(s.x, s.ln, s.rstd, s.x, s.tmp, next_norm, n, H, eps, st);
 }
 
@@ -267,13 +264,13 @@ const float* KvDecoderCuda::Impl::append(std::span<const std::int32_t> ids, bool
   std::int32_t* ids_h = ids_host.reserve(n);
   std::copy(ids.begin(), ids.end(), ids_h);
   QT_CHECK_CUDA(cudaMemcpyAsync(s.ids, ids_h, n * sizeof(std::int32_t), cudaMemcpyHostToDevice, st));
-  cuda::embedding_forward(s.x, s.ids, W + off_embed, n, H, st);
-  const bf16* first_norm = cfg.num_layers > 0 ? W + lo[0].ln1 : W + off_norm;
+  cuda::embedding_forward(s.x, s.ids, W + off.embed, n, H, st);
+  const bf16* first_norm = cfg.num_layers > 0 ? W + off.layers[0].ln1 : W + off.norm;
   cuda::rmsnorm_forward(s.ln, s.rstd, s.x, first_norm, n, H, cfg.rms_norm_eps, st);
   for (int l = 0; l < cfg.num_layers; ++l) layer(l, n, s);
   // s.ln is the final norm of every row; the lm head for the last `rows`, in fp32.
   cuda::gemm(false, true, rows, V, H, 1.0f, s.ln + static_cast<std::size_t>(n - rows) * H, H,
-             W + off_lm_head, H, 0.0f, s.logits, V, st);
+             W + off.lm_head, H, 0.0f, s.logits, V, st);
   float* out = logits_host.reserve(static_cast<std::size_t>(rows) * V);
   QT_CHECK_CUDA(cudaMemcpyAsync(out, s.logits, static_cast<std::size_t>(rows) * V * sizeof(float),
                                 cudaMemcpyDeviceToHost, st));

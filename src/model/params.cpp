@@ -46,6 +46,16 @@ ParamLayout::ParamLayout(const ModelConfig& c) {
   }
   add("model.norm.weight", {H});
   if (!c.tie_word_embeddings) add("lm_head.weight", {V, H});
+  is_model_ = true;
+  model_.embed = find("model.embed_tokens.weight").offset;
+  model_.norm = find("model.norm.weight").offset;
+  model_.lm_head = c.tie_word_embeddings ? model_.embed : find("lm_head.weight").offset;
+  for (int l = 0; l < c.num_layers; ++l) model_.layers.push_back(layer_offsets(l));
+}
+
+const ModelOffsets& ParamLayout::model_offsets() const {
+  QT_CHECK(is_model_, "model_offsets() of a layout that is not a model's");
+  return model_;
 }
 
 const ParamInfo& ParamLayout::find(const std::string& name) const {

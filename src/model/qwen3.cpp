@@ -43,14 +43,16 @@ void Qwen3Model::LayerActs::allocate(const ModelConfig& c, int B, int T) {
 }
 
 Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
-    : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T), recompute_(recompute) {
+    : cfg_(cfg),
+      layout_(cfg),
+      off_(layout_.model_offsets()),
+      B_(B),
+      T_(T),
+      N_(B * T),
+      recompute_(recompute) {
   QT_CHECK(cfg.num_heads % cfg.num_kv_heads == 0, "heads {} not divisible by kv heads {}",
            cfg.num_heads, cfg.num_kv_heads);
   QT_CHECK(cfg.head_dim % 2 == 0, "head_dim {} must be even for RoPE", cfg.head_dim);
-  off_embed_ = layout_.find("model.embed_tokens.weight").offset;
-  off_norm_ = layout_.find("model.norm.weight").offset;
-  off_lm_head_ = cfg.tie_word_embeddings ? off_embed_ : layout_.find("lm_head.weight").offset;
-  for (int l = 0; l < cfg.num_layers; ++l) lp_.push_back(layout_.layer_offsets(l));
   const int hd = cfg.head_dim;
   rope_cos_.resize(static_cast<std::size_t>(T) * hd / 2);
   rope_sin_.resize(rope_cos_.size());
@@ -83,7 +85,7 @@ Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
 
 void Qwen3Model::layer_forward(int l, const float* P, const float* x_in, float* x_out,
                                LayerActs& a) {
-  const LayerOffsets& w = lp_[l];
+  const LayerOffsets& w = off_.layers[l];
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
@@ -123,7 +125,7 @@ void Qwen3Model::layer_forward(int l, const float* P, const float* x_in, float* 
 
 void Qwen3Model::layer_backward(int l, const float* P, float* G, const float* x_in, float* dx,
                                 LayerActs& a) {
-  const LayerOffsets& w = lp_[l];
+  const LayerOffsets& w = off_.layers[l];
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
@@ -182,12 +184,12 @@ double Qwen3Model::forward(const float* P, const std::int32_t* inputs,
     }
   }
   pos_ptr_ = positions ? pos_.data() : nullptr;
-  cpu::embedding_forward(x_[0].data(), inputs_.data(), P + off_embed_, N, H);
+  cpu::embedding_forward(x_[0].data(), inputs_.data(), P + off_.embed, N, H);
   for (int l = 0; l < L; ++l)
     layer_forward(l, P, x_[l].data(), x_[l + 1].data(), acts_[recompute_ ? 0 : l]);
-  cpu::rmsnorm_forward(xf_.data(), rstdf_.data(), x_[L].data(), P + off_norm_, N, H,
+  cpu::rmsnorm_forward(xf_.data(), rstdf_.data(), x_[L].data(), P + off_.norm, N, H,
                        cfg_.rms_norm_eps);
-  cpu::linear_forward(logits_.data(), xf_.data(), P + off_lm_head_, N, H, V);
+  cpu::linear_forward(logits_.data(), xf_.data(), P + off_.lm_head, N, H, V);
   return cpu::cross_entropy_forward(losses_.data(), lse_.data(), logits_.data(), targets_.data(),
                                     N, V);
 }
@@ -198,9 +200,9 @@ void Qwen3Model::backward(const float* P, float* G, float loss_scale) {
   cpu::cross_entropy_backward(logits_.data(), logits_.data(), lse_.data(), targets_.data(),
                               loss_scale, N, V);
   auto g = [G](std::size_t off) { return G ? G + off : nullptr; };  // null: frozen (LoRA)
-  cpu::linear_backward(dtmp_.data(), g(off_lm_head_), logits_.data(), xf_.data(),
-                       P + off_lm_head_, N, H, V);
-  cpu::rmsnorm_backward(dx_.data(), g(off_norm_), dtmp_.data(), x_[L].data(), P + off_norm_,
+  cpu::linear_backward(dtmp_.data(), g(off_.lm_head), logits_.data(), xf_.data(),
+                       P + off_.lm_head, N, H, V);
+  cpu::rmsnorm_backward(dx_.data(), g(off_.norm), dtmp_.data(), x_[L].data(), P + off_.norm,
                         rstdf_.data(), N, H);
   for (int l = L - 1; l >= 0; --l) {
     LayerActs& a = acts_[recompute_ ? 0 : l];
@@ -208,7 +210,7 @@ void Qwen3Model::backward(const float* P, float* G, float loss_scale) {
     if (recompute_) layer_forward(l, P, x_[l].data(), x_[l + 1].data(), a);
     layer_backward(l, P, G, x_[l].data(), dx_.data(), a);
   }
-  if (G) cpu::embedding_backward(G + off_embed_, dx_.data(), inputs_.data(), N, H);
+  if (G) cpu::embedding_backward(G + off_.embed, dx_.data(), inputs_.data(), N, H);
 }
 
 }  // namespace qt

@@ -71,11 +71,10 @@ class Qwen3Model {
 
   ModelConfig cfg_;
   ParamLayout layout_;
+  ModelOffsets off_;  // of layout_
   int B_, T_, N_;
   bool recompute_;
   LoraAdapters* lora_ = nullptr;
-  std::size_t off_embed_, off_norm_, off_lm_head_;
-  std::vector<LayerOffsets> lp_;
   std::vector<float> rope_cos_, rope_sin_;   // [T, hd/2]
 
   std::vector<std::int32_t> inputs_, targets_, pos_;
