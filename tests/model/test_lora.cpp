@@ -133,11 +133,14 @@ TEST_P(LoraGradients, MatchFiniteDifferencesOfFp64) {
   EXPECT_LT(std::abs(loss - ref_loss()) / ref_loss(), 1e-5);
   const std::vector<double> fd = finite_differences(ad, ref_loss);
   const std::vector<double> g(ag.begin(), ag.end());
-  EXPECT_LT(rel_error(g, fd), 2e-5);
+  // fp32 against fp64: usually below 5e-6, but a rare seed's ill-conditioned problem spreads
+  // ~2.5e-5 over every tensor (QT_TEST_SEED=21484377271413, all-linear; 1 seed of about 320), so
+  // 5e-5 in all and 2e-4 per tensor, still far below what a missing or misscaled term gives.
+  EXPECT_LT(rel_error(g, fd), 5e-5);
   for (const ParamInfo& p : pb.alayout.params()) {  // every A and B of every layer on its own
     std::vector<double> a(g.begin() + p.offset, g.begin() + p.offset + p.numel);
     std::vector<double> b(fd.begin() + p.offset, fd.begin() + p.offset + p.numel);
-    EXPECT_LT(rel_error(a, b), 1e-4) << p.name;
+    EXPECT_LT(rel_error(a, b), 2e-4) << p.name;
   }
   if (!all) return;
   // The gradient flowing into x through the adapters (dx): with the base's gradients switched
@@ -151,9 +154,9 @@ TEST_P(LoraGradients, MatchFiniteDifferencesOfFp64) {
   std::vector<double> w = base;
   const std::vector<double> fdw = finite_differences(
       w, [&] { return ref.loss(pb.merged64(w, ad), pb.inputs, pb.targets, pb.B, pb.T); });
-  EXPECT_LT(rel_error(std::vector<double>(bg.begin(), bg.end()), fdw), 2e-5);
+  EXPECT_LT(rel_error(std::vector<double>(bg.begin(), bg.end()), fdw), 5e-5);
   const ParamInfo& e = pb.layout.find("model.embed_tokens.weight");
-  EXPECT_LT(rel_error(bg.data() + e.offset, fdw.data() + e.offset, e.numel), 1e-4);
+  EXPECT_LT(rel_error(bg.data() + e.offset, fdw.data() + e.offset, e.numel), 2e-4);
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryTarget, LoraGradients,
