@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -46,17 +47,15 @@ class ParamLayout {
   const std::vector<ParamInfo>& params() const { return params_; }
   std::size_t numel() const { return numel_; }
   const ParamInfo& find(const std::string& name) const;  // aborts if absent
-  LayerOffsets layer_offsets(int layer) const;
   // Only for a model's layout (the ModelConfig constructor); aborts for another.
   const ModelOffsets& model_offsets() const;
 
  private:
-  void add(std::string name, std::vector<std::int64_t> shape);
+  std::size_t add(std::string name, std::vector<std::int64_t> shape);  // returns its offset
 
   std::vector<ParamInfo> params_;
   std::size_t numel_ = 0;
-  bool is_model_ = false;
-  ModelOffsets model_;
+  std::optional<ModelOffsets> model_;  // set by the ModelConfig constructor
 };
 
 // An even split of [0, n) into `parts` ranges; range i is [begin, end).

@@ -39,13 +39,7 @@ void copy_columns(bf16* dst, int dst_ld, const bf16* src, int src_ld, int rows, 
 }  // namespace
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute)
-    : cfg_(cfg),
-      layout_(cfg),
-      off_(layout_.model_offsets()),
-      B_(B),
-      T_(T),
-      N_(B * T),
-      recompute_(recompute) {
+    : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T), recompute_(recompute) {
   QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
            "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
   const std::size_t N = N_, H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();

@@ -88,7 +88,7 @@ class Qwen3Cuda {
 
   ModelConfig cfg_;
   ParamLayout layout_;
-  ModelOffsets off_;  // of layout_
+  ModelOffsets off_ = layout_.model_offsets();
   int B_, T_, N_;
   float *cos_, *sin_;                // [T, hd/2] fp32 tables
   std::vector<bf16*> x_;             // [L+1] residual stream [N, H]; x_[l] is layer l's input

@@ -52,7 +52,7 @@ void add_into(float* y, const float* x, std::size_t n) {  // y += x
 }  // namespace
 
 KvDecoder::KvDecoder(const ModelConfig& cfg, const float* params, int capacity)
-    : cfg_(cfg), layout_(cfg), off_(layout_.model_offsets()), P_(params), cap_(capacity) {
+    : cfg_(cfg), layout_(cfg), P_(params), cap_(capacity) {
   QT_CHECK(cfg.num_heads % cfg.num_kv_heads == 0, "heads {} not divisible by kv heads {}",
            cfg.num_heads, cfg.num_kv_heads);
   QT_CHECK(cfg.head_dim % 2 == 0, "head_dim {} must be even for RoPE", cfg.head_dim);

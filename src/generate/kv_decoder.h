@@ -55,7 +55,7 @@ class KvDecoder final : public Decoder {
 
   ModelConfig cfg_;
   ParamLayout layout_;
-  ModelOffsets off_;  // of layout_
+  ModelOffsets off_ = layout_.model_offsets();
   const float* P_;
   int cap_, len_ = 0;
   std::vector<float> rope_cos_, rope_sin_;  // [cap, hd/2]

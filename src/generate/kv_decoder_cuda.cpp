@@ -139,7 +139,7 @@ struct KvDecoderCuda::Impl {
 
   ModelConfig cfg;
   ParamLayout layout;
-  ModelOffsets off;  // of layout
+  ModelOffsets off = layout.model_offsets();
   int cap, len = 0;
   int device;  // made current before the stream and the arenas below are created
   cuda::Stream stream;
@@ -153,11 +153,7 @@ struct KvDecoderCuda::Impl {
 };
 
 KvDecoderCuda::Impl::Impl(const ModelConfig& c, const float* params, int capacity)
-    : cfg(c),
-      layout(c),
-      off(layout.model_offsets()),
-      cap(capacity),
-      device(cuda::select_device(0)) {
+    : cfg(c), layout(c), cap(capacity), device(cuda::select_device(0)) {
   check_supported(cfg);
   QT_CHECK(capacity >= 1, "cache capacity {} < 1", capacity);
   const std::size_t H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();

@@ -43,13 +43,7 @@ void Qwen3Model::LayerActs::allocate(const ModelConfig& c, int B, int T) {
 }
 
 Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
-    : cfg_(cfg),
-      layout_(cfg),
-      off_(layout_.model_offsets()),
-      B_(B),
-      T_(T),
-      N_(B * T),
-      recompute_(recompute) {
+    : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T), recompute_(recompute) {
   QT_CHECK(cfg.num_heads % cfg.num_kv_heads == 0, "heads {} not divisible by kv heads {}",
            cfg.num_heads, cfg.num_kv_heads);
   QT_CHECK(cfg.head_dim % 2 == 0, "head_dim {} must be even for RoPE", cfg.head_dim);

@@ -71,7 +71,7 @@ class Qwen3Model {
 
   ModelConfig cfg_;
   ParamLayout layout_;
-  ModelOffsets off_;  // of layout_
+  ModelOffsets off_ = layout_.model_offsets();
   int B_, T_, N_;
   bool recompute_;
   LoraAdapters* lora_ = nullptr;

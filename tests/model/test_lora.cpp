@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <random>
 
@@ -136,6 +137,8 @@ TEST_P(LoraGradients, MatchFiniteDifferencesOfFp64) {
   // fp32 against fp64: usually below 5e-6, but a rare seed's ill-conditioned problem spreads
   // ~2.5e-5 over every tensor (QT_TEST_SEED=21484377271413, all-linear; 1 seed of about 320), so
   // 5e-5 in all and 2e-4 per tensor, still far below what a missing or misscaled term gives.
+  // The printed errors let a loop over seeds show the distribution (docs/ops.md).
+  std::printf("%s: adapter gradient error %.3e\n", GetParam(), rel_error(g, fd));
   EXPECT_LT(rel_error(g, fd), 5e-5);
   for (const ParamInfo& p : pb.alayout.params()) {  // every A and B of every layer on its own
     std::vector<double> a(g.begin() + p.offset, g.begin() + p.offset + p.numel);
@@ -154,7 +157,9 @@ TEST_P(LoraGradients, MatchFiniteDifferencesOfFp64) {
   std::vector<double> w = base;
   const std::vector<double> fdw = finite_differences(
       w, [&] { return ref.loss(pb.merged64(w, ad), pb.inputs, pb.targets, pb.B, pb.T); });
-  EXPECT_LT(rel_error(std::vector<double>(bg.begin(), bg.end()), fdw), 5e-5);
+  const double base_err = rel_error(std::vector<double>(bg.begin(), bg.end()), fdw);
+  std::printf("%s: base gradient error %.3e\n", GetParam(), base_err);
+  EXPECT_LT(base_err, 5e-5);
   const ParamInfo& e = pb.layout.find("model.embed_tokens.weight");
   EXPECT_LT(rel_error(bg.data() + e.offset, fdw.data() + e.offset, e.numel), 2e-4);
 }
