@@ -170,11 +170,11 @@ class CudaBackend final : public TrainBackend {
   std::vector<Range> owners_;     // ZeRO-1: the flat range each dp rank updates
   std::size_t bucket_elems_ = 0;
   cuda::bf16* reduce_stage_ = nullptr;  // bf16 copy of the gradients (optim.grad_reduce = bf16)
-  cuda::Event grads_event_;
   ParamLayout layout_;
-  int device_;
+  int device_;  // made current before any member below creates a CUDA object (they belong to it)
   cuda::DeviceArena arena_;
   cuda::Stream stream_;
+  cuda::Event grads_event_;  // recorded on stream_ before each bucket's dp reduction
   void* gemm_ws_;
   cuda::TrainedState state_;  // the model's master weights, gradients, bf16 copy and moments
   cuda::BatchBuffers batch_;
