@@ -10,7 +10,6 @@
 #include "cuda/check.h"
 #include "cuda/lora_cuda.h"
 #include "ops/rope.h"
-#include "ops/cuda/add.cuh"
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/cross_entropy.cuh"
 #include "ops/cuda/embedding.cuh"
@@ -148,7 +147,6 @@ void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
-  const std::size_t NH = static_cast<std::size_t>(N) * H;
   const int QKV = Q + 2 * KV;
   auto dW = [G](std::size_t off) { return G ? G + off : nullptr; };  // null: frozen
   const bool acc = accumulate_;  // each weight gradient is made once per micro-batch
@@ -164,8 +162,7 @@ void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
                   acc);
   if (lora_) lora_->backward(l, LoraSite::kGateUp, a.ln2, a.gu, past(kGateUp, dln_), s);
   if (depth == kGateUp) return;
-  rmsnorm_backward(dtmp_, dW(w.ln2), dln_, a.x_mid, W + w.ln2, a.rstd2, N, H, ws_, s, acc);
-  add_inplace(dx_, dtmp_, NH, s);
+  residual_rmsnorm_backward(dx_, dW(w.ln2), dln_, a.x_mid, W + w.ln2, a.rstd2, N, H, ws_, s, acc);
   // Attention block; dx_ holds d x_mid and becomes d x_in.
   linear_backward(past(kO, datt_), dW(w.wo), dx_, a.att, W + w.wo, N, Q, H, s, acc);
   if (lora_) lora_->backward(l, LoraSite::kO, a.att, dx_, past(kO, datt_), s);
@@ -182,8 +179,7 @@ void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
   linear_backward(past(kQKV, dln_), dW(w.wq), dqkv_, ln_[l], W + w.wq, N, H, QKV, s, acc);
   if (lora_) lora_->backward(l, LoraSite::kQKV, ln_[l], dqkv_, past(kQKV, dln_), s);
   if (depth == kQKV) return;
-  rmsnorm_backward(dtmp_, dW(w.ln1), dln_, x_[l], W + w.ln1, rstd_[l], N, H, ws_, s, acc);
-  add_inplace(dx_, dtmp_, NH, s);
+  residual_rmsnorm_backward(dx_, dW(w.ln1), dln_, x_[l], W + w.ln1, rstd_[l], N, H, ws_, s, acc);
 }
 
 // Logits, loss and their backward, chunk by chunk; leaves d(final norm output) in dtmp_.

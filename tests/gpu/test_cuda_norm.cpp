@@ -148,6 +148,39 @@ TEST_P(CudaRmsNorm, BackwardMatchesCpuAndDwIsDeterministic) {
   EXPECT_EQ(rel_err(download(dg), download(ddx)), 0.0) << "dx aliasing dy";
 }
 
+TEST_P(CudaRmsNorm, ResidualBackwardAddsTheNormGradientToTheStream) {
+  QT_REQUIRE_GPU();
+  const auto [N, C] = GetParam();
+  const std::size_t n = std::size_t(N) * C;
+  auto rng = test_rng();
+  const Bf16Input x = random_bf16(n, rng), g = random_bf16(n, rng), res = random_bf16(n, rng);
+  const Bf16Input w = random_weight(C, rng);
+  GuardedBuffer<bf16> dx_in(x.bits), dw_in(w.bits), dg(g.bits), dy(n), dres(res.bits), ddx(n);
+  GuardedBuffer<float> drstd(N), ddw(C), ddw_plain(C);
+  GuardedBuffer<char> ws(cuda::rmsnorm_backward_workspace_bytes(N, C));
+  cuda::rmsnorm_forward(dy.get(), drstd.get(), dx_in.get(), dw_in.get(), N, C, kEps, nullptr);
+  fill_nan(ddw);
+  cuda::residual_rmsnorm_backward(dres.get(), ddw.get(), dg.get(), dx_in.get(), dw_in.get(),
+                                  drstd.get(), N, C, ws.get(), nullptr, /*accumulate=*/false);
+
+  // dres = residual + the norm's input gradient (double CPU op), one bf16 rounding.
+  Vec y(n), rstd(N), dx(n), dw(C, 0.0);
+  cpu::rmsnorm_forward<double>(y.data(), rstd.data(), x.value.data(), w.value.data(), N, C, kEps);
+  cpu::rmsnorm_backward<double>(dx.data(), dw.data(), g.value.data(), x.value.data(),
+                                w.value.data(), rstd.data(), N, C);
+  Vec want(n);
+  for (std::size_t k = 0; k < n; ++k) want[k] = res.value[k] + dx[k];
+  QT_EXPECT_GPU_CLOSE(dres, want, kTolBf16Once);
+  QT_EXPECT_GPU_CLOSE(ddw, dw, kTolF32);
+  EXPECT_TRUE(dres.guard_intact());
+  EXPECT_TRUE(ws.guard_intact());
+  // dw: the same bits as the plain backward's (written, not accumulated).
+  fill_nan(ddw_plain);
+  cuda::rmsnorm_backward(ddx.get(), ddw_plain.get(), dg.get(), dx_in.get(), dw_in.get(),
+                         drstd.get(), N, C, ws.get(), nullptr, /*accumulate=*/false);
+  EXPECT_TRUE(bitwise_equal(ddw.download(), ddw_plain.download()));
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaRmsNorm,
                          ::testing::Values(NormCase{37, 264}, NormCase{130, 1024},
                                            NormCase{9, 2048}, NormCase{3, 8}, NormCase{5, 8192},

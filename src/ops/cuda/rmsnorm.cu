@@ -90,8 +90,9 @@ static __global__ void __launch_bounds__(max_threads(R))
 }
 
 // Block b handles row groups b, b + gridDim.x, ... (R rows each), keeps its dw contribution in
-// registers (8 columns per thread) and writes it to partial[b, :] at the end.
-template <int R>
+// registers (8 columns per thread) and writes it to partial[b, :] at the end. kAdd: dx is the
+// residual stream's gradient, read and written as bf16(dx + the norm's input gradient).
+template <int R, bool kAdd>
 static __global__ void __launch_bounds__(max_threads(R))
     rmsnorm_backward_kernel(bf16* dx, float* __restrict__ partial, const bf16* dy,
                             const bf16* __restrict__ x, const bf16* __restrict__ w,
@@ -135,7 +136,14 @@ static __global__ void __launch_bounds__(max_threads(R))
       float d[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) d[i] = rs[r] * (wv[i] * g[r][i] - xh[r][i] * m);
-      store_bf16x8(dx + static_cast<std::size_t>(row) * C + c8, d);
+      bf16* out = dx + static_cast<std::size_t>(row) * C + c8;
+      if constexpr (kAdd) {
+        float prev[8];
+        load_bf16x8_rw(out, prev);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) d[i] += prev[i];
+      }
+      store_bf16x8(out, d);
     }
   }
   if (active) store_f32x8(partial + static_cast<std::size_t>(blockIdx.x) * C + c8, dwacc);
@@ -180,12 +188,12 @@ std::size_t rmsnorm_backward_workspace_bytes(int N, int C) {
   return static_cast<std::size_t>(backward_blocks(N, C)) * C * sizeof(float);
 }
 
-void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
-                      const float* rstd, int N, int C, void* workspace, cudaStream_t stream,
-                      bool accumulate) {
-  const char* op = "rmsnorm_backward";
+template <bool kAdd>
+static void launch_backward(const char* op, bf16* dx, float* dw, const bf16* dy, const bf16* x,
+                            const bf16* w, const float* rstd, int N, int C, void* workspace,
+                            cudaStream_t stream, bool accumulate) {
   check_shape(op, N, C);
-  check_aligned(op, "dx", dx);
+  check_aligned(op, kAdd ? "dres" : "dx", dx);
   check_aligned(op, "dy", dy);
   check_aligned(op, "x", x);
   check_aligned(op, "w", w);
@@ -194,13 +202,28 @@ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const 
   const int G = backward_blocks(N, C);
   float* partial = static_cast<float*>(workspace);  // [G, C]
   if (rows_per_block(C) == 4)
-    rmsnorm_backward_kernel<4>
+    rmsnorm_backward_kernel<4, kAdd>
         <<<G, block_threads(C), 0, stream>>>(dx, partial, dy, x, w, rstd, N, C);
   else
-    rmsnorm_backward_kernel<1>
+    rmsnorm_backward_kernel<1, kAdd>
         <<<G, block_threads(C), 0, stream>>>(dx, partial, dy, x, w, rstd, N, C);
   QT_CHECK_LAUNCH();
   if (dw != nullptr) column_sum_accumulate(dw, partial, G, C, stream, accumulate);
+}
+
+void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
+                      const float* rstd, int N, int C, void* workspace, cudaStream_t stream,
+                      bool accumulate) {
+  launch_backward<false>("rmsnorm_backward", dx, dw, dy, x, w, rstd, N, C, workspace, stream,
+                         accumulate);
+}
+
+void residual_rmsnorm_backward(bf16* dres, float* dw, const bf16* dy, const bf16* x,
+                               const bf16* w, const float* rstd, int N, int C, void* workspace,
+                               cudaStream_t stream, bool accumulate) {
+  QT_CUDA_REQUIRE(dres != dy, "residual_rmsnorm_backward: dres must not alias dy");
+  launch_backward<true>("residual_rmsnorm_backward", dres, dw, dy, x, w, rstd, N, C, workspace,
+                        stream, accumulate);
 }
 
 }  // namespace qt::cuda

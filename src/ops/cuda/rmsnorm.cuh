@@ -42,4 +42,13 @@ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const 
                       const float* rstd, int N, int C, void* workspace, cudaStream_t stream,
                       bool accumulate = true);
 
+// The backward of a pre-norm branch added to the residual stream's gradient in one pass:
+//   dres = bf16(float(dres) + rmsnorm_backward's dx)   [N, C] read and written in place
+//   dw as rmsnorm_backward.
+// One rounding instead of two (rmsnorm_backward into a buffer, then an add). dres must not alias
+// dy or x.
+void residual_rmsnorm_backward(bf16* dres, float* dw, const bf16* dy, const bf16* x,
+                               const bf16* w, const float* rstd, int N, int C, void* workspace,
+                               cudaStream_t stream, bool accumulate = true);
+
 }  // namespace qt::cuda
