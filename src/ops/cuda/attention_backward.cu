@@ -86,8 +86,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int QTILE = BRQ * HD * 2;
   static_assert(NT >= 2 * BRQ, "lse and D rows are loaded one per thread");
 
-  const int kvt = blockIdx.x;  // kv tile 0 sees the most query rows: launched first
-  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int kvt = blockIdx.z;  // kv tile 0 sees the most query rows: launched first
+  const int kvh = blockIdx.x, b = blockIdx.y;
   const int ratio = nh / nkv;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
@@ -291,8 +291,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int KTILE = BCK * HD * 2;
 
   const int n_qtiles = (T + BR - 1) / BR;
-  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.x);  // longest rows first
-  const int h = blockIdx.y, b = blockIdx.z;
+  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.z);  // longest rows first
+  const int h = blockIdx.x, b = blockIdx.y;
   const int kvh = h / (nh / nkv);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
@@ -471,7 +471,7 @@ void launch_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16*
     constexpr int smem = dkdv_smem_bytes<HD, WARPS_KV, PACKED>();
     auto kernel = attention_dkdv_kernel<HD, WARPS_KV, PACKED>;
     QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const dim3 grid((T + 16 * WARPS_KV - 1) / (16 * WARPS_KV), nkv, B);
+    const dim3 grid = tiles_last_grid((T + 16 * WARPS_KV - 1) / (16 * WARPS_KV), nkv, B);
     kernel<<<grid, WARPS_KV * 32, smem, stream>>>(dk, dv, dq, dout, q, k, v, lse, pos, T, nh, nkv,
                                                   scale, scale_log2);
     QT_CHECK_LAUNCH();
@@ -480,7 +480,7 @@ void launch_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16*
     constexpr int smem = dq_smem_bytes<HD, WARPS_Q>();
     auto kernel = attention_dq_kernel<HD, WARPS_Q, PACKED>;
     QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    const dim3 grid((T + 16 * WARPS_Q - 1) / (16 * WARPS_Q), nh, B);
+    const dim3 grid = tiles_last_grid((T + 16 * WARPS_Q - 1) / (16 * WARPS_Q), nh, B);
     kernel<<<grid, WARPS_Q * 32, smem, stream>>>(dq, dout, q, k, v, lse, pos, T, nh, nkv, scale,
                                                  scale_log2);
     QT_CHECK_LAUNCH();

@@ -43,8 +43,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int TILE = BC * HD * 2;
 
   const int n_qtiles = (T + BR - 1) / BR;
-  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.x);  // longest rows first
-  const int h = blockIdx.y, b = blockIdx.z;
+  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.z);  // longest rows first
+  const int h = blockIdx.x, b = blockIdx.y;
   const int kvh = h / (nh / nkv);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
@@ -226,7 +226,7 @@ void launch_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const b
   auto kernel =
       pos ? attention_forward_kernel<HD, WARPS, true> : attention_forward_kernel<HD, WARPS, false>;
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid((T + BR - 1) / BR, nh, B);
+  const dim3 grid = tiles_last_grid((T + BR - 1) / BR, nh, B);
   const float scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD))) * kLog2e;
   kernel<<<grid, WARPS * 32, smem, stream>>>(out, lse, q, k, v, pos, T, nh, nkv, scale_log2);
   QT_CHECK_LAUNCH();

@@ -24,6 +24,17 @@ using bf16 = __nv_bfloat16;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
+// Grid of the attention kernels: (head, batch, tile), the tile slowest. Blocks start in linear
+// order (x fastest), so the longest tiles of every head and batch start first and the short ones
+// fill the tail. With the tile fastest, the longest block of the last head started near the end:
+// a simulated makespan of 78% (dk/dv) and 88% (dq, forward) of the ideal for B 2, nh 16, T 4096
+// on 132 SMs, against 98.5% and 99% with this order. Kernels read h = blockIdx.x,
+// b = blockIdx.y, tile = blockIdx.z; check_shapes keeps B and the tiles (>= 64 rows) <= 65535.
+inline dim3 tiles_last_grid(int tiles, int heads, int B) {
+  return dim3(static_cast<unsigned>(heads), static_cast<unsigned>(B),
+              static_cast<unsigned>(tiles));
+}
+
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -181,9 +192,10 @@ __device__ __forceinline__ void stage_acc(char* tile, int row_base, const float 
 inline void check_shapes(const char* op, int B, int T, int nh, int nkv, int hd) {
   if (hd != 64 && hd != 128)
     fail_library("attention", __FILE__, __LINE__, "hd == 64 || hd == 128", op);
-  if (B < 1 || B > 65535 || T < 1 || nh < 1 || nh > 65535 || nkv < 1 || nh % nkv != 0)
+  if (B < 1 || B > 65535 || T < 1 || T > 65535 * 64 || nh < 1 || nh > 65535 || nkv < 1 ||
+      nh % nkv != 0)
     fail_library("attention", __FILE__, __LINE__,
-                 "1 <= B, nh <= 65535, T >= 1, nkv >= 1, nh % nkv == 0", op);
+                 "1 <= B, nh <= 65535, 1 <= T <= 65535 * 64, nkv >= 1, nh % nkv == 0", op);
 }
 
 }  // namespace qt::cuda::attn

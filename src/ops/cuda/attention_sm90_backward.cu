@@ -99,8 +99,8 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   constexpr int QTILE = BRQ * HD * 2;
   static_assert(NT >= 2 * BRQ, "lse and D rows are loaded one per thread");
 
-  const int kvt = blockIdx.x;  // kv tile 0 sees the most query rows: launched first
-  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int kvt = blockIdx.z;  // kv tile 0 sees the most query rows: launched first
+  const int kvh = blockIdx.x, b = blockIdx.y;
   const int ratio = nh / nkv;
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
@@ -288,8 +288,8 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   constexpr int KTILE = BCK * HD * 2;
 
   const int n_qtiles = (T + BR - 1) / BR;
-  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.x);  // longest rows first
-  const int h = blockIdx.y, b = blockIdx.z;
+  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.z);  // longest rows first
+  const int h = blockIdx.x, b = blockIdx.y;
   const int kvh = h / (nh / nkv);
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
@@ -434,7 +434,7 @@ void launch_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const 
     QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     QT_CHECK_CUDA(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    const dim3 grid((T + 64 * WG_KV - 1) / (64 * WG_KV), nkv, B);
+    const dim3 grid = tiles_last_grid((T + 64 * WG_KV - 1) / (64 * WG_KV), nkv, B);
     kernel<<<grid, 128 * WG_KV, smem, stream>>>(dk, dv, dq, dout, q, k, v, lse, pos, T, nh, nkv,
                                                 scale, scale_log2);
     QT_CHECK_LAUNCH();
@@ -445,7 +445,7 @@ void launch_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const 
     QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     QT_CHECK_CUDA(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    const dim3 grid((T + 64 * WG_Q - 1) / (64 * WG_Q), nh, B);
+    const dim3 grid = tiles_last_grid((T + 64 * WG_Q - 1) / (64 * WG_Q), nh, B);
     kernel<<<grid, 128 * WG_Q, smem, stream>>>(dq, dout, q, k, v, lse, pos, T, nh, nkv, scale,
                                                scale_log2);
     QT_CHECK_LAUNCH();

@@ -54,8 +54,8 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   constexpr int TILE = BC * HD * 2;
 
   const int n_qtiles = (T + BR - 1) / BR;
-  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.x);  // longest rows first
-  const int h = blockIdx.y, b = blockIdx.z;
+  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.z);  // longest rows first
+  const int h = blockIdx.x, b = blockIdx.y;
   const int kvh = h / (nh / nkv);
   const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
   const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
@@ -250,7 +250,7 @@ void launch_forward_sm90(bf16* out, float* lse, const bf16* q, const bf16* k, co
                     : attention_forward_sm90_kernel<HD, NWG, false>;
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-  const dim3 grid((T + 64 * NWG - 1) / (64 * NWG), nh, B);
+  const dim3 grid = tiles_last_grid((T + 64 * NWG - 1) / (64 * NWG), nh, B);
   const float scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD))) * kLog2e;
   kernel<<<grid, 128 * NWG, smem, stream>>>(out, lse, q, k, v, pos, T, nh, nkv, scale_log2);
   QT_CHECK_LAUNCH();
