@@ -35,8 +35,10 @@ namespace {
 class CudaBackend final : public TrainBackend {
  public:
   CudaBackend(const Deck& deck, Mesh& mesh)
-      : deck_(deck), mesh_(mesh), layout_(deck.model),
-        device_(cuda::select_device(mesh.local_rank())),
+      : device_(cuda::select_device(mesh.local_rank())),
+        deck_(deck),
+        mesh_(mesh),
+        layout_(deck.model),
         arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         state_(layout_, mesh.dp(), deck.optim.zero_stage == 1, arena_),
@@ -162,6 +164,9 @@ class CudaBackend final : public TrainBackend {
       fail_user("QTRAIN_CUDA_PROFILE_STEPS = '{}': expected a:b with 0 <= a < b", env);
   }
 
+  // First member: the rank's device is current before any member below creates a CUDA object
+  // (streams, events, arenas belong to the device that was current when they were made).
+  int device_;
   const Deck& deck_;
   Mesh& mesh_;
   long steps_done_ = 0, profile_begin_ = -1, profile_end_ = -1;
@@ -171,7 +176,6 @@ class CudaBackend final : public TrainBackend {
   std::size_t bucket_elems_ = 0;
   cuda::bf16* reduce_stage_ = nullptr;  // bf16 copy of the gradients (optim.grad_reduce = bf16)
   ParamLayout layout_;
-  int device_;  // made current before any member below creates a CUDA object (they belong to it)
   cuda::DeviceArena arena_;
   cuda::Stream stream_;
   cuda::Event grads_event_;  // recorded on stream_ before each bucket's dp reduction

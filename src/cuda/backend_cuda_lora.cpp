@@ -32,8 +32,10 @@ namespace {
 class CudaLoraBackend final : public TrainBackend {
  public:
   CudaLoraBackend(const Deck& deck, Mesh& mesh)
-      : deck_(deck), mesh_(mesh), layout_(deck.model),
-        device_(cuda::select_device(mesh.local_rank())),
+      : device_(cuda::select_device(mesh.local_rank())),
+        deck_(deck),
+        mesh_(mesh),
+        layout_(deck.model),
         arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         base_(arena_.allocate<cuda::bf16>(layout_.numel())),
@@ -112,10 +114,12 @@ class CudaLoraBackend final : public TrainBackend {
     cuda::convert_bf16_to_f32(grads, reduce_stage_, n, stream_.get());
   }
 
+  // First member: the rank's device is current before any member below creates a CUDA object
+  // (streams, events, arenas belong to the device that was current when they were made).
+  int device_;
   const Deck& deck_;
   Mesh& mesh_;
   ParamLayout layout_;  // the base model's
-  int device_;
   cuda::DeviceArena arena_;
   cuda::Stream stream_;
   void* gemm_ws_;
