@@ -6,7 +6,7 @@
 #   e.g. qwen3-0.6b qwen3-1.7b qwen3-8b:8   (the last: eight Qwen3-8B-shaped layers)
 #   COMPILED="qwen3-0.6b qwen3-1.7b": the models also measured under torch.compile (default 0.6b)
 #   QTRAIN_OPTS="--optim.overlap_update=false ...": more qtrain options (word-split)
-#   BASELINES=0: qtrain only (no PyTorch runs)
+#   BASELINES=0: qtrain only (no PyTorch runs); CEILING=0: skip the cuBLASLt ceiling measurement
 #   LORA=1: LoRA instead (docs/finetune.md): qtrain with [lora] r=8, alpha=16, dropout 0 on
 #     q/k/v/o_proj next to PEFT (bench/baselines/peft_train.py) with the same settings; the models
 #     in LORA_B1 (default qwen3-8b) run one sequence a step, PEFT with gradient checkpointing.
@@ -40,7 +40,7 @@ if [[ ${LORA:-0} == 1 ]]; then
   exit 0
 fi
 # The cuBLASLt bf16 ceiling on this GPU (8192^3), printed beside MFU by summarize_throughput.py.
-if [[ -x $build/bin/qtrain_bench_gemm_cuda ]]; then
+if [[ ${CEILING:-1} != 0 && -x $build/bin/qtrain_bench_gemm_cuda ]]; then
   ( source .kit/kit-env.sh
     "$build/bin/qtrain_bench_gemm_cuda" --benchmark_filter='ceiling/8192\^3/TN' ) >"$out/gemm-ceiling.log" 2>&1
   grep "measured cuBLAS ceiling" "$out/gemm-ceiling.log" || echo "gemm ceiling: see $out/gemm-ceiling.log"

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# A/B training throughput of two builds on one GPU, in one call: qtrain runs of build A and build B
+# alternate (A B A B ...) so that clock and power drift touch both alike. Each run is the qtrain
+# run of bench/train_throughput.sh (2 x 4096 tokens a step, synthetic tokens, 30 steps); tokens/s
+# is the mean of the logged intervals after step 20. Prints every run and, per model, the mean of
+# B over the mean of A.
+#   usage: bench/ab_throughput.sh BUILD_A BUILD_B OUT_DIR [MODEL[:LAYERS] ...]  (default qwen3-1.7b)
+#   ROUNDS=2: A/B pairs per model; QTRAIN_OPTS as in train_throughput.sh (both builds)
+# A build directory holds bin/qtrain and lib/libqtrain_engine.so: a CUDA build, or a copy of its
+# bin/ and lib/ (e.g. of the commit before a change, to measure the change). Run it on the GPU
+# machine from the repository root with the runtime kit in .kit (docs/cuda.md).
+set -uo pipefail
+build_a=${1:?build A}; build_b=${2:?build B}; out=${3:?output dir}; shift 3
+models=("${@:-qwen3-1.7b}")
+mkdir -p "$out"
+base_ld=${LD_LIBRARY_PATH:-}
+for spec in "${models[@]}"; do
+  tag=${spec/:/-L}
+  for ((r = 1; r <= ${ROUNDS:-2}; ++r)); do
+    for side in a b; do
+      build=$build_a; [[ $side == b ]] && build=$build_b
+      dir=$out/$tag-$side$r
+      # The binaries' RUNPATH names the machine they were built on: point the loader at the build.
+      LD_LIBRARY_PATH=$(cd "$build" && pwd)/lib:$base_ld BASELINES=0 CEILING=0 \
+        bash bench/train_throughput.sh "$build" "$dir" "$spec" >"$dir.log" 2>&1 \
+        || echo "$tag $side$r failed: see $dir.log"
+    done
+  done
+done
+python3 - "$out" "${ROUNDS:-2}" "${models[@]}" <<'PY'
+import json, sys
+out, rounds, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+def tps(path):
+    try:
+        steps = [json.loads(l) for l in open(path)]
+    except OSError:
+        return None
+    late = [s["tokens_per_s"] for s in steps if s["step"] > 20] or [steps[-1]["tokens_per_s"]]
+    return sum(late) / len(late)
+for spec in models:
+    tag = spec.replace(":", "-L")
+    runs = {side: [tps(f"{out}/{tag}-{side}{r}/qtrain-{tag}.jsonl") for r in range(1, rounds + 1)]
+            for side in "ab"}
+    for side in "ab":
+        print(f"{tag} {side.upper()}: " + ", ".join("failed" if t is None else f"{t:.0f}"
+                                                     for t in runs[side]) + " tokens/s")
+    ok = {side: [t for t in runs[side] if t is not None] for side in "ab"}
+    if ok["a"] and ok["b"]:
+        a, b = (sum(ok[s]) / len(ok[s]) for s in "ab")
+        print(f"{tag}: B / A = {b / a:.4f} ({100 * (b / a - 1):+.2f}%)")
+PY
