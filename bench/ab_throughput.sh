@@ -13,16 +13,13 @@ set -uo pipefail
 build_a=${1:?build A}; build_b=${2:?build B}; out=${3:?output dir}; shift 3
 models=("${@:-qwen3-1.7b}")
 mkdir -p "$out"
-base_ld=${LD_LIBRARY_PATH:-}
 for spec in "${models[@]}"; do
   tag=${spec/:/-L}
   for ((r = 1; r <= ${ROUNDS:-2}; ++r)); do
     for side in a b; do
       build=$build_a; [[ $side == b ]] && build=$build_b
       dir=$out/$tag-$side$r
-      # The binaries' RUNPATH names the machine they were built on: point the loader at the build.
-      LD_LIBRARY_PATH=$(cd "$build" && pwd)/lib:$base_ld BASELINES=0 CEILING=0 \
-        bash bench/train_throughput.sh "$build" "$dir" "$spec" >"$dir.log" 2>&1 \
+      BASELINES=0 CEILING=0 bash bench/train_throughput.sh "$build" "$dir" "$spec" >"$dir.log" 2>&1 \
         || echo "$tag $side$r failed: see $dir.log"
     done
   done
