@@ -11,8 +11,6 @@
 # Prints one table row per model and writes OUT_DIR/generate-speed.md.
 set -uo pipefail
 build=${1:?build dir}; out=${2:?output dir}; shift 2
-# The binaries' RUNPATH names the machine that built them: point the loader at this build's lib/.
-export LD_LIBRARY_PATH=$(cd "$build" && pwd)/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 models=("${@:-qwen3-0.6b}")
 tok=${TOKENIZER:-build/tokenizers/qwen3}; new=${NEW:-256}; dir=${MODELS_DIR:-/tmp/qtrain-gen-models}
 mkdir -p "$out" "$dir"

@@ -6,8 +6,6 @@
 # group with bench/summarize_kernels.py. Run on the GPU machine with the runtime kit in .kit.
 set -uo pipefail
 build=${1:?build dir}; out=${2:?output dir}; spec=${3:?model}; shift 3
-# The binaries' RUNPATH names the machine that built them: point the loader at this build's lib/.
-export LD_LIBRARY_PATH=$(cd "$build" && pwd)/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 model=${spec%%:*}; layers=${spec#"$model"}; layers=${layers#:}
 tag=$model${layers:+-L$layers}
 qt_layers=(); [[ -n $layers ]] && qt_layers=(--model.num_layers="$layers")

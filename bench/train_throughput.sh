@@ -14,8 +14,6 @@
 # Then `python3 bench/summarize_throughput.py OUT_DIR` prints tokens/s, model TFLOP/s and MFU.
 set -uo pipefail
 build=${1:?build dir}; out=${2:?output dir}; shift 2
-# The binaries' RUNPATH names the machine that built them: point the loader at this build's lib/.
-export LD_LIBRARY_PATH=$(cd "$build" && pwd)/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 models=("${@:-qwen3-0.6b}")
 mkdir -p "$out"
 if [[ ${LORA:-0} == 1 ]]; then

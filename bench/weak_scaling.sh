@@ -8,8 +8,6 @@
 # Run it on the GPU machine from the repository root with the runtime kit in .kit (docs/cuda.md).
 set -uo pipefail
 build=${1:?build dir}; out=${2:?output dir}; model=${3:-qwen3-0.6b}; n=${4:-2}
-# The binaries' RUNPATH names the machine that built them: point the loader at this build's lib/.
-export LD_LIBRARY_PATH=$(cd "$build" && pwd)/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 shift $(( $# < 4 ? $# : 4 ))
 mkdir -p "$out"
 for np in 1 "$n"; do
