@@ -24,16 +24,15 @@ for spec in "${models[@]}"; do
     done
   done
 done
-python3 - "$out" "${ROUNDS:-2}" "${models[@]}" <<'PY'
+PYTHONPATH=bench python3 - "$out" "${ROUNDS:-2}" "${models[@]}" <<'PY'
 import json, sys
+from summarize_throughput import late_tokens_per_s
 out, rounds, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def tps(path):
     try:
-        steps = [json.loads(l) for l in open(path)]
+        return late_tokens_per_s([json.loads(l) for l in open(path)])
     except OSError:
         return None
-    late = [s["tokens_per_s"] for s in steps if s["step"] > 20] or [steps[-1]["tokens_per_s"]]
-    return sum(late) / len(late)
 for spec in models:
     tag = spec.replace(":", "-L")
     runs = {side: [tps(f"{out}/{tag}-{side}{r}/qtrain-{tag}.jsonl") for r in range(1, rounds + 1)]

@@ -21,13 +21,12 @@ for np in 1 "$n"; do
     >"$out/weak-$model-np$np.log" 2>&1 || echo "np $np failed: see $out/weak-$model-np$np.log"
   grep -E "^step|error" "$out/weak-$model-np$np.log" | tail -2
 done
-python3 - "$out" "$model" "$n" <<'PY'
+PYTHONPATH=bench python3 - "$out" "$model" "$n" <<'PY'
 import json, sys
+from summarize_throughput import late_tokens_per_s
 out, model, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 def tps(np):
-    steps = [json.loads(l) for l in open(f"{out}/weak-{model}-np{np}.jsonl")]
-    late = [s["tokens_per_s"] for s in steps if s["step"] > 20] or [steps[-1]["tokens_per_s"]]
-    return sum(late) / len(late)
+    return late_tokens_per_s([json.loads(l) for l in open(f"{out}/weak-{model}-np{np}.jsonl")])
 one, many = tps(1), tps(n)
 print(f"{model}: 1 GPU {one:.0f} tokens/s, {n} GPUs {many:.0f} tokens/s: "
       f"weak-scaling efficiency {100 * many / (n * one):.1f}%")

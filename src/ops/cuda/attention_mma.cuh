@@ -25,10 +25,8 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
 // Grid of the attention kernels: (head, batch, tile), the tile slowest. Blocks start in linear
-// order (x fastest), so the longest tiles of every head and batch start first and the short ones
-// fill the tail. With the tile fastest, the longest block of the last head started near the end:
-// a simulated makespan (bench/attention_schedule.py) of 78% (dk/dv) and 88% (dq, forward) of the
-// ideal for B 2, nh 16, T 4096 on 132 SMs, against 98.5% and 99% with this order. Kernels read h = blockIdx.x,
+// order (x fastest), so the longest tiles (index 0) of every head and batch start first and the
+// short ones fill the tail (docs/attention.md, "Launch order"). Kernels read h = blockIdx.x,
 // b = blockIdx.y, tile = blockIdx.z; check_shapes keeps B and the tiles (>= 64 rows) <= 65535.
 inline dim3 tiles_last_grid(int tiles, int heads, int B) {
   return dim3(static_cast<unsigned>(heads), static_cast<unsigned>(B),

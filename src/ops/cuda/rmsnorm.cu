@@ -221,7 +221,8 @@ void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const 
 void residual_rmsnorm_backward(bf16* dres, float* dw, const bf16* dy, const bf16* x,
                                const bf16* w, const float* rstd, int N, int C, void* workspace,
                                cudaStream_t stream, bool accumulate) {
-  QT_CUDA_REQUIRE(dres != dy, "residual_rmsnorm_backward: dres must not alias dy");
+  QT_CUDA_REQUIRE(dres != dy && dres != x,
+                  "residual_rmsnorm_backward: dres must not alias dy or x");
   launch_backward<true>("residual_rmsnorm_backward", dres, dw, dy, x, w, rstd, N, C, workspace,
                         stream, accumulate);
 }
