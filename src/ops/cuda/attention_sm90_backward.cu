@@ -163,17 +163,27 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     cp_async_wait_all();  // step s has landed (this thread's part) ...
     fence_proxy_async();
     __syncthreads();  // ... everyone's; every warpgroup finished step s-1
-    if (s + 1 < steps) {
-      load_step(s + 1, (s + 1) & 1);
-      cp_async_commit();
-    }
+    // Step s+1's loads go out after this step's first products are issued, so that their
+    // address arithmetic does not delay them; a skipped step issues them at once.
+    auto prefetch = [&] {
+      if (s + 1 < steps) {
+        load_step(s + 1, (s + 1) & 1);
+        cp_async_commit();
+      }
+    };
     const int buf = s & 1;
     const int q_base = (i_first + s % per_head) * BRQ;
-    if (q_base + BRQ - 1 < kv_wg0) continue;  // every query of the tile precedes these kv rows
-    const int* Pb = sP + buf * BRQ;           // pos of the tile's queries (PACKED)
-    bool low_mask = false;                    // some query's document starts after a kv row
+    if (q_base + BRQ - 1 < kv_wg0) {  // every query of the tile precedes these kv rows
+      prefetch();
+      continue;
+    }
+    const int* Pb = sP + buf * BRQ;  // pos of the tile's queries (PACKED)
+    bool low_mask = false;           // some query's document starts after a kv row
     if constexpr (PACKED) {
-      if (q_base - Pb[0] > kv_wg0 + 63) continue;  // every query's document starts after them
+      if (q_base - Pb[0] > kv_wg0 + 63) {  // every query's document starts after them
+        prefetch();
+        continue;
+      }
       const int last = min(BRQ, T - q_base) - 1;
       low_mask = q_base + last - Pb[last] > kv_wg0 + warp * 16;
     }
@@ -191,6 +201,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     for (int kk = 0; kk < KT; ++kk)
       wgmma_ss<BRQ>(dpt, desc_kmajor<BC>(aV, kv_srow, kk), desc_kmajor<BRQ>(tdO, 0, kk), kk > 0);
     wgmma_commit();
+    prefetch();
 
     wgmma_wait<1>();  // S^T
     fence_acc(st);
@@ -352,15 +363,23 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     cp_async_wait_all();  // K_j, V_j (and Q, dO) have landed (this thread's part) ...
     fence_proxy_async();
     __syncthreads();  // ... everyone's; every warpgroup finished step j-1
-    if (j + 1 < n_kv) {
-      const int nbuf = (j + 1) & 1;
-      load_tile_sw128<BCK, HD, NT>(aK + nbuf * KTILE, kb, (j + 1) * BCK, ldkv, T, tid);
-      load_tile_sw128<BCK, HD, NT>(aV + nbuf * KTILE, vb, (j + 1) * BCK, ldkv, T, tid);
-      cp_async_commit();
-    }
-    if (j * BCK > q_wg0 + 63) continue;  // every key of the tile follows this warpgroup's queries
-    if constexpr (PACKED) {
-      if (j * BCK + BCK - 1 < ds_wg) continue;  // ... or precedes all their documents
+    // K, V of tile j+1 go out after this tile's first products are issued (a skipped tile
+    // issues them at once), as in the dK/dV kernel.
+    auto prefetch = [&] {
+      if (j + 1 < n_kv) {
+        const int nbuf = (j + 1) & 1;
+        load_tile_sw128<BCK, HD, NT>(aK + nbuf * KTILE, kb, (j + 1) * BCK, ldkv, T, tid);
+        load_tile_sw128<BCK, HD, NT>(aV + nbuf * KTILE, vb, (j + 1) * BCK, ldkv, T, tid);
+        cp_async_commit();
+      }
+    };
+    // Skipped: every key of the tile follows this warpgroup's queries, or (PACKED) precedes all
+    // their documents.
+    bool skip = j * BCK > q_wg0 + 63;
+    if constexpr (PACKED) skip = skip || j * BCK + BCK - 1 < ds_wg;
+    if (skip) {
+      prefetch();
+      continue;
     }
     const uint32_t tK = aK + (j & 1) * KTILE, tV = aV + (j & 1) * KTILE;
 
@@ -370,6 +389,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     wgmma_commit();
     wgmma_ss_kmajor<BCK, BR, BCK, KT>(dp, adO, q_srow, tV);
     wgmma_commit();
+    prefetch();
 
     wgmma_wait<1>();  // S
     fence_acc(s);
