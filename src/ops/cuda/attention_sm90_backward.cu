@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const int kvt = blockIdx.z;  // kv tile 0 sees the most query rows: launched first
   const int kvh = blockIdx.x, b = blockIdx.y;
   const int ratio = nh / nkv;
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int tid = threadIdx.x, wg = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
   const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
   const long long kv_off = static_cast<long long>(b) * T * ldkv + kvh * HD;
 
@@ -128,10 +128,11 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const int per_head = i_end - i_first;
   const int steps = ratio * per_head;
 
-  // Step s: query head kvh * ratio + s / per_head, query tile i_first + s % per_head.
-  auto load_step = [&](int s, int buf) {
-    const int h = kvh * ratio + s / per_head;
-    const int qrow0 = (i_first + s % per_head) * BRQ;
+  // Step s reads query head kvh * ratio + hs and query tile i_first + is, where hs = s / per_head
+  // and is = s % per_head (kept as counters by the loop: no division per step).
+  auto load_step = [&](int hs, int is, int buf) {
+    const int h = kvh * ratio + hs;
+    const int qrow0 = (i_first + is) * BRQ;
     const long long q_off = static_cast<long long>(b) * T * ldq + h * HD;
     load_tile_sw128<BRQ, HD, NT>(aQ + buf * QTILE, q + q_off, qrow0, ldq, T, tid);
     load_tile_sw128<BRQ, HD, NT>(adO + buf * QTILE, dout + q_off, qrow0, ldq, T, tid);
@@ -149,7 +150,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 
   load_tile_sw128<BC, HD, NT>(aK, k + kv_off, k0, ldkv, T, tid);
   load_tile_sw128<BC, HD, NT>(aV, v + kv_off, k0, ldkv, T, tid);
-  load_step(0, 0);
+  load_step(0, 0, 0);
   cp_async_commit();
 
   float dk_acc[HD / 2], dv_acc[HD / 2];
@@ -159,7 +160,13 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const int kv_row0 = kv_wg0 + warp * 16 + (lane >> 2);  // kv row of st[4nb], st[4nb+1]; +8
   const int kv_srow = wg * 64;                           // this warpgroup's rows in sK, sV
 
+  int hs = 0, is = -1;  // s / per_head and s % per_head of step s, advanced at its top
   for (int s = 0; s < steps; ++s) {
+    if (++is == per_head) {
+      is = 0;
+      ++hs;
+    }
+    const bool last_tile = is + 1 == per_head;  // step s+1 starts the next head
     cp_async_wait_all();  // step s has landed (this thread's part) ...
     fence_proxy_async();
     __syncthreads();  // ... everyone's; every warpgroup finished step s-1
@@ -167,12 +174,12 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     // address arithmetic does not delay them; a skipped step issues them at once.
     auto prefetch = [&] {
       if (s + 1 < steps) {
-        load_step(s + 1, (s + 1) & 1);
+        load_step(hs + last_tile, last_tile ? 0 : is + 1, (s + 1) & 1);
         cp_async_commit();
       }
     };
     const int buf = s & 1;
-    const int q_base = (i_first + s % per_head) * BRQ;
+    const int q_base = (i_first + is) * BRQ;
     if (q_base + BRQ - 1 < kv_wg0) {  // every query of the tile precedes these kv rows
       prefetch();
       continue;
@@ -193,13 +200,9 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 
     float st[NS], dpt[NS];
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < KT; ++kk)
-      wgmma_ss<BRQ>(st, desc_kmajor<BC>(aK, kv_srow, kk), desc_kmajor<BRQ>(tQ, 0, kk), kk > 0);
+    wgmma_ss_kmajor<BRQ, BC, BRQ, KT>(st, aK, kv_srow, tQ);
     wgmma_commit();
-#pragma unroll
-    for (int kk = 0; kk < KT; ++kk)
-      wgmma_ss<BRQ>(dpt, desc_kmajor<BC>(aV, kv_srow, kk), desc_kmajor<BRQ>(tdO, 0, kk), kk > 0);
+    wgmma_ss_kmajor<BRQ, BC, BRQ, KT>(dpt, aV, kv_srow, tdO);
     wgmma_commit();
     prefetch();
 
@@ -239,8 +242,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     uint32_t pa[QT][4];
     acc_to_frags<QT>(pa, st);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < QT; ++kk) wgmma_rs_tb<HD>(dv_acc, pa[kk], desc_mnmajor<BRQ>(tdO, kk));
+    wgmma_rs_mnmajor<HD, BRQ, QT>(dv_acc, pa, tdO);
     wgmma_commit();
 
     wgmma_wait<1>();  // dP^T (dV may still run)
@@ -257,8 +259,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     uint32_t da[QT][4];
     acc_to_frags<QT>(da, dpt);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < QT; ++kk) wgmma_rs_tb<HD>(dk_acc, da[kk], desc_mnmajor<BRQ>(tQ, kk));
+    wgmma_rs_mnmajor<HD, BRQ, QT>(dk_acc, da, tQ);
     wgmma_commit();
     wgmma_wait<0>();
     fence_acc(dk_acc);
@@ -302,7 +303,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.z);  // longest rows first
   const int h = blockIdx.x, b = blockIdx.y;
   const int kvh = h / (nh / nkv);
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int tid = threadIdx.x, wg = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
   const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
   const long long q_off = static_cast<long long>(b) * T * ldq + h * HD;
   const bf16* kb = k + static_cast<long long>(b) * T * ldkv + kvh * HD;
@@ -417,8 +418,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     uint32_t da[CT][4];
     acc_to_frags<CT>(da, dp);
     wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < CT; ++kk) wgmma_rs_tb<HD>(dq_acc, da[kk], desc_mnmajor<BCK>(tK, kk));
+    wgmma_rs_mnmajor<HD, BCK, CT>(dq_acc, da, tK);
     wgmma_commit();
     wgmma_wait<0>();
     fence_acc(dq_acc);

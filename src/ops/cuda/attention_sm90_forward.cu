@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.z);  // longest rows first
   const int h = blockIdx.x, b = blockIdx.y;
   const int kvh = h / (nh / nkv);
-  const int tid = threadIdx.x, wg = tid >> 7, warp = (tid >> 5) & 3, lane = tid & 31;
+  const int tid = threadIdx.x, wg = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
   const long long ldq = static_cast<long long>(nh) * HD, ldkv = static_cast<long long>(nkv) * HD;
   const bf16* qb = q + static_cast<long long>(b) * T * ldq + h * HD;
   const bf16* kb = k + static_cast<long long>(b) * T * ldkv + kvh * HD;
@@ -107,16 +107,13 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   // S_j = Q K_j^T into s (one commit group).
   auto issue_s = [&](int j) {
     const uint32_t tK = aK + (j & 1) * TILE;
-#pragma unroll
-    for (int kk = 0; kk < KT; ++kk)
-      wgmma_ss<BC>(s, desc_kmajor<BR>(aQ, q_row0, kk), desc_kmajor<BC>(tK, 0, kk), kk > 0);
+    wgmma_ss_kmajor<BC, BR, BC, KT>(s, aQ, q_row0, tK);
     wgmma_commit();
   };
   // O += P V_j (one commit group).
   auto issue_pv = [&](int j) {
     const uint32_t tV = aV + (j & 1) * TILE;
-#pragma unroll
-    for (int kk = 0; kk < PT; ++kk) wgmma_rs_tb<HD>(o, p[kk], desc_mnmajor<BC>(tV, kk));
+    wgmma_rs_mnmajor<HD, BC, PT>(o, p, tV);
     wgmma_commit();
   };
   // cp.async of K_{j+1} (zero rows past the last tile: branch-free) and V_j (one commit group).

@@ -132,13 +132,6 @@ __device__ __forceinline__ uint64_t desc_mnmajor(uint32_t tile, int kk) {
   return wgmma_desc(tile + kk * 2048, R * 128, 1024);
 }
 
-// The value of x, opaque to the compiler: descriptors derived from it inside a loop are recomputed
-// at their use (a few integer ops) instead of being hoisted into 2 registers each for the loop.
-__device__ __forceinline__ uint32_t opaque(uint32_t x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -168,6 +161,12 @@ __device__ __forceinline__ void fence_frag(uint32_t (&a)[N][4]) {
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
+// threadIdx.x / 128, broadcast from lane 0 so that the compiler knows it is the same in every lane
+// of the warp: shared-memory addresses and wgmma descriptors derived from it can then live in
+// uniform registers, instead of being formed per thread and moved there before every wgmma.
+__device__ __forceinline__ int warpgroup_index() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0);
+}
 // Barrier of the 128 threads of warpgroup wg (ids 1, 2, ...; 0 is __syncthreads).
 __device__ __forceinline__ void warpgroup_barrier(int wg) {
   asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
@@ -175,75 +174,38 @@ __device__ __forceinline__ void warpgroup_barrier(int wg) {
 
 #if QT_ATTN_HAS_WGMMA
 
-// d (+)= A B, A and B from shared memory (descriptors), both K-major; accumulate = 0 overwrites d.
-__device__ __forceinline__ void wgmma_ss_m64n64(float (&d)[32], uint64_t da, uint64_t db,
-                                                int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// d (+)= A B, A and B from shared memory (descriptors), both K-major; accumulate = 0 overwrites d.
-__device__ __forceinline__ void wgmma_ss_m64n128(float (&d)[64], uint64_t da, uint64_t db,
-                                                 int accumulate) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63])
-      : "l"(da), "l"(db), "r"(accumulate));
-}
-
-// d += A B, A from registers (bf16 pairs), B from shared memory MN-major (transpose bit set).
+// d += A B, A from registers (bf16 pairs), B from shared memory MN-major (transpose bit set), its
+// descriptor db + OB formed inside the instruction's block.
+template <uint32_t OB = 0>
 __device__ __forceinline__ void wgmma_rs_m64n64_tb(float (&d)[32], const uint32_t (&a)[4],
                                                    uint64_t db) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %37, 0;\nadd.s64 db, %36, %38;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+      "}, {%32, %33, %34, %35}, db, p, 1, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
         "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1), "n"(OB));
 }
 
-// d += A B, A from registers (bf16 pairs), B from shared memory MN-major (transpose bit set).
+// d += A B, A from registers (bf16 pairs), B from shared memory MN-major (transpose bit set), its
+// descriptor db + OB formed inside the instruction's block.
+template <uint32_t OB = 0>
 __device__ __forceinline__ void wgmma_rs_m64n128_tb(float (&d)[64], const uint32_t (&a)[4],
                                                     uint64_t db) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "{\n.reg .pred p;\n.reg .b64 db;\nsetp.ne.b32 p, %69, 0;\nadd.s64 db, %68, %70;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
       "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
       "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+      "}, {%64, %65, %66, %67}, db, p, 1, 1, 1;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
@@ -254,11 +216,12 @@ __device__ __forceinline__ void wgmma_rs_m64n128_tb(float (&d)[64], const uint32
         "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
         "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(1), "n"(OB));
 }
 
-// As wgmma_ss_m64n64, with the descriptors da + OA and db + OB formed inside the instruction's
-// block: only the two base descriptors stay live across a run of k-steps.
+// d (+)= A B, A and B from shared memory, both K-major, their descriptors da + OA and db + OB
+// formed inside the instruction's block (only the two base descriptors stay live across a run of
+// k-steps); accumulate = 0 overwrites d.
 template <uint32_t OA, uint32_t OB>
 __device__ __forceinline__ void wgmma_ss_m64n64_off(float (&d)[32], uint64_t da, uint64_t db,
                                                     int accumulate) {
@@ -277,8 +240,7 @@ __device__ __forceinline__ void wgmma_ss_m64n64_off(float (&d)[32], uint64_t da,
       : "l"(da), "l"(db), "r"(accumulate), "n"(OA), "n"(OB));
 }
 
-// As wgmma_ss_m64n128, with the descriptors da + OA and db + OB formed inside the instruction's
-// block: only the two base descriptors stay live across a run of k-steps.
+// As wgmma_ss_m64n64_off, N = 128.
 template <uint32_t OA, uint32_t OB>
 __device__ __forceinline__ void wgmma_ss_m64n128_off(float (&d)[64], uint64_t da, uint64_t db,
                                                      int accumulate) {
@@ -324,23 +286,20 @@ __device__ __forceinline__ void wgmma_ss_kmajor(float (&d)[N / 2], uint32_t tile
   (std::make_integer_sequence<int, KT>{});
 }
 
-template <int N>
-__device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db,
-                                         int accumulate) {
-  static_assert(N == 64 || N == 128, "wgmma_ss: N is 64 or 128");
-  if constexpr (N == 64)
-    wgmma_ss_m64n64(d, da, db, accumulate);
-  else
-    wgmma_ss_m64n128(d, da, db, accumulate);
-}
-template <int N>
-__device__ __forceinline__ void wgmma_rs_tb(float (&d)[N / 2], const uint32_t (&a)[4],
-                                            uint64_t db) {
-  static_assert(N == 64 || N == 128, "wgmma_rs_tb: N is 64 or 128");
-  if constexpr (N == 64)
-    wgmma_rs_m64n64_tb(d, a, db);
-  else
-    wgmma_rs_m64n128_tb(d, a, db);
+// d += A B over the KS k-steps of A's register fragments a[kk] and an MN-major tile of R rows at
+// tile_b (k-step kk = its rows 16 kk .. 16 kk + 15): one base descriptor, constant offsets.
+template <int N, int R, int KS>
+__device__ __forceinline__ void wgmma_rs_mnmajor(float (&d)[N / 2], const uint32_t (&a)[KS][4],
+                                                 uint32_t tile_b) {
+  static_assert(N == 64 || N == 128, "wgmma_rs_mnmajor: N is 64 or 128");
+  const uint64_t db = desc_mnmajor<R>(tile_b, 0);
+  [&]<int... KK>(std::integer_sequence<int, KK...>) {
+    if constexpr (N == 64)
+      (wgmma_rs_m64n64_tb<KK * 2048 / 16>(d, a[KK], db), ...);
+    else
+      (wgmma_rs_m64n128_tb<KK * 2048 / 16>(d, a[KK], db), ...);
+  }
+  (std::make_integer_sequence<int, KS>{});
 }
 
 #endif  // QT_ATTN_HAS_WGMMA
