@@ -1,6 +1,7 @@
 // Achieved memory bandwidth of the memory-bound CUDA ops (everything but GEMM and attention) at
-// Qwen3-0.6B and Qwen3-1.7B sizes: 8192 tokens, H = 1024 / 2048, I = 3072 / 6144, 16 q heads of
-// 128, V = 151936, and the whole parameter count for AdamW, the gradient norm and the conversions.
+// Qwen3-0.6B, Qwen3-1.7B and Qwen3-8B sizes: 8192 tokens, H = 1024 / 2048 / 4096, I = 3072 / 6144 /
+// 12288, 16 q heads of 128, V = 151936, and the whole parameter count (for the 8B: the 8 layers
+// of the training benchmark) for AdamW, the gradient norm and the conversions.
 // Bytes are the fewest the op must move (each input read once, each output written once); GB/s
 // is that over the median time per call (CUDA events around batches of calls that rotate over
 // enough buffer sets to defeat L2; UseManualTime), printed against the measured
@@ -140,8 +141,12 @@ struct Model {
   int H, I;
   std::size_t params;  // parameter count (spec table)
 };
+// qwen3-8b-L8: the 8 Qwen3-8B-shaped layers of the training benchmark (untied embedding and lm
+// head, 2 x 151936 x 4096, plus 8 layers of 192946432 and the final norm); its AdamW case needs
+// about 50 GB of device memory.
 const Model kModels[] = {{"qwen3-0.6b", 1024, 3072, 596049920},
-                         {"qwen3-1.7b", 2048, 6144, 1720574976}};
+                         {"qwen3-1.7b", 2048, 6144, 1720574976},
+                         {"qwen3-8b-L8", 4096, 12288, 2788235264}};
 
 struct Result {
   double bytes, us, gbs;
