@@ -103,7 +103,7 @@ struct Problem {
   Shape s;
   std::size_t nq, nkv, nl;
   std::vector<std::uint16_t> hq, hk, hv, hdo;
-  DevBuf q, k, v, dout, out, dq, dk, dv, lse, pos, ws;
+  DevBuf q, k, v, dout, out, dq, dk, dv, lse, pos;
   explicit Problem(const Shape& sh)
       : s(sh),
         nq(static_cast<std::size_t>(sh.B) * sh.T * sh.nh * sh.hd),
@@ -122,9 +122,7 @@ struct Problem {
         dk(nkv * 2),
         dv(nkv * 2),
         lse(nl * 4),
-        pos(static_cast<std::size_t>(sh.B) * sh.T * 4),
-        ws(std::max<std::size_t>(
-            1, qt::cuda::attention_backward_workspace_bytes(sh.B, sh.T, sh.nh, sh.hd))) {
+        pos(static_cast<std::size_t>(sh.B) * sh.T * 4) {
     std::vector<std::int32_t> hpos(static_cast<std::size_t>(sh.B) * sh.T);
     for (std::size_t i = 0; i < hpos.size(); ++i) {
       const int t = static_cast<int>(i % sh.T);
@@ -143,11 +141,9 @@ struct Problem {
     qt::cuda::attention_forward(out.b(), lse.f(), q.b(), k.b(), v.b(), s.B, s.T, s.nh, s.nkv, s.hd,
                                 c, st, dpos());
   }
-  // split: no workspace, so the sm_90a path runs its separate dQ kernel instead of the fused one.
-  void backward(const AttentionConfig& c, cudaStream_t st, bool split) {
+  void backward(const AttentionConfig& c, cudaStream_t st) {
     qt::cuda::attention_backward(dq.b(), dk.b(), dv.b(), dout.b(), q.b(), k.b(), v.b(), out.b(),
-                                 lse.f(), s.B, s.T, s.nh, s.nkv, s.hd, c, st, dpos(),
-                                 split ? nullptr : ws.p);
+                                 lse.f(), s.B, s.T, s.nh, s.nkv, s.hd, c, st, dpos());
   }
 };
 
@@ -224,14 +220,14 @@ std::vector<T> download(const void* d, std::size_t n) {
 }
 
 // Runs forward and backward once with `c` and checks them; empty string when right.
-std::string validate(Problem& p, const AttentionConfig& c, bool split, cudaStream_t st) {
+std::string validate(Problem& p, const AttentionConfig& c, cudaStream_t st) {
   const Shape& s = p.s;
   QT_CHECK_CUDA(cudaMemsetAsync(p.out.p, 0xFF, p.nq * 2, st));  // NaN poison
   QT_CHECK_CUDA(cudaMemsetAsync(p.dq.p, 0xFF, p.nq * 2, st));
   QT_CHECK_CUDA(cudaMemsetAsync(p.dk.p, 0xFF, p.nkv * 2, st));
   QT_CHECK_CUDA(cudaMemsetAsync(p.dv.p, 0xFF, p.nkv * 2, st));
   p.forward(c, st);
-  p.backward(c, st, split);
+  p.backward(c, st);
   QT_CHECK_CUDA(cudaStreamSynchronize(st));
   const auto out = download<std::uint16_t>(p.out.p, p.nq);
   const auto lse = download<float>(p.lse.p, p.nl);
@@ -267,8 +263,7 @@ std::string validate(Problem& p, const AttentionConfig& c, bool split, cudaStrea
 
 enum class Kind { kFwd, kBwd, kFwdBwd };
 
-void run_case(benchmark::State& state, const Shape& shape, Kind kind, AttentionConfig cfg,
-              bool split) {
+void run_case(benchmark::State& state, const Shape& shape, Kind kind, AttentionConfig cfg) {
   static std::map<std::string, std::unique_ptr<Problem>> problems;  // one set of buffers at a time
   auto it = problems.find(shape.name());
   if (it == problems.end()) {
@@ -278,7 +273,7 @@ void run_case(benchmark::State& state, const Shape& shape, Kind kind, AttentionC
   Problem& p = *it->second;
   cudaStream_t st;
   QT_CHECK_CUDA(cudaStreamCreate(&st));
-  const std::string err = validate(p, cfg, split, st);  // also the warm-up
+  const std::string err = validate(p, cfg, st);  // also the warm-up
   if (!err.empty()) {
     state.SkipWithError(err.c_str());
     QT_CHECK_CUDA(cudaStreamDestroy(st));
@@ -293,7 +288,7 @@ void run_case(benchmark::State& state, const Shape& shape, Kind kind, AttentionC
     QT_CHECK_CUDA(cudaEventRecord(e0, st));
     for (int r = 0; r < kReps; ++r) {
       if (kind != Kind::kBwd) p.forward(cfg, st);
-      if (kind != Kind::kFwd) p.backward(cfg, st, split);
+      if (kind != Kind::kFwd) p.backward(cfg, st);
     }
     QT_CHECK_CUDA(cudaEventRecord(e1, st));
     QT_CHECK_CUDA(cudaEventSynchronize(e1));
@@ -325,8 +320,7 @@ int main(int argc, char** argv) {
   const bool wgmma = qt::cuda::attention_wgmma_available();
   std::printf(
       "variants: mma_wN = mma.sync, N warps per forward block; mma_kvXqY = X warps (dK/dV),"
-      " Y warps (dQ); wgmma = sm_90a kernels (%s here), backward with the fused dK/dV/dQ kernel;"
-      " wgmma_split = its separate dQ kernel\n",
+      " Y warps (dQ); wgmma = sm_90a kernels (%s here)\n",
       wgmma ? "available" : "not available");
 
   // --all: also the non-default block shapes (removed from argv before Google Benchmark sees it).
@@ -344,10 +338,9 @@ int main(int argc, char** argv) {
   for (auto [nh, nkv] : {std::pair{16, 8}, std::pair{32, 8}})
     for (auto [T, doc] : rows) {
       const Shape s{tokens / T, T, nh, nkv, hd, doc};
-      auto reg = [&](const std::string& name, Kind kind, AttentionConfig cfg,
-                     bool split = false) {
-        benchmark::RegisterBenchmark(
-            name.c_str(), [=](benchmark::State& st) { run_case(st, s, kind, cfg, split); })
+      auto reg = [&](const std::string& name, Kind kind, AttentionConfig cfg) {
+        benchmark::RegisterBenchmark(name.c_str(),
+                                     [=](benchmark::State& st) { run_case(st, s, kind, cfg); })
             ->UseManualTime()
             ->Unit(benchmark::kMillisecond)
             ->MinTime(kMinTime);
@@ -361,9 +354,6 @@ int main(int argc, char** argv) {
       reg("fwd/" + s.name() + "/wgmma", Kind::kFwd, {0, 0, 0, kW});
       reg("bwd/" + s.name() + "/wgmma", Kind::kBwd, {0, 0, 0, kW});
       reg("fwdbwd/" + s.name() + "/wgmma", Kind::kFwdBwd, {0, 0, 0, kW});
-      // The separate dQ kernel (no workspace): the backward before the fused dK/dV/dQ kernel.
-      reg("bwd/" + s.name() + "/wgmma_split", Kind::kBwd, {0, 0, 0, kW}, true);
-      reg("fwdbwd/" + s.name() + "/wgmma_split", Kind::kFwdBwd, {0, 0, 0, kW}, true);
       if (!all) continue;
       reg("fwd/" + s.name() + "/mma_w8", Kind::kFwd, {8, 4, 4, kM});
       for (int w : {4, 8})

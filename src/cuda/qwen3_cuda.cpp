@@ -98,8 +98,7 @@ Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, b
   ws_bytes_ = std::max({rmsnorm_backward_workspace_bytes(N_, cfg.hidden_size),
                         qk_norm_rope_backward_workspace_bytes(B, T, nh, hd),
                         qk_norm_rope_backward_workspace_bytes(B, T, nkv, hd),
-                        embedding_backward_workspace_bytes(N_),
-                        attention_backward_workspace_bytes(B, T, nh, hd)});
+                        embedding_backward_workspace_bytes(N_)});
   ws_ = arena.allocate(ws_bytes_);
 }
 
@@ -169,7 +168,7 @@ void Qwen3Cuda::layer_backward(int l, const bf16* W, float* G, cudaStream_t s) {
   if (lora_) lora_->backward(l, LoraSite::kO, a.att, dx_, past(kO, datt_), s);
   if (depth == kO) return;
   attention_backward(dq_, dk_, dv_, datt_, a.q, a.k, a.v, a.att, a.lse, B_, T_, nh, nkv, hd, s,
-                     pos_, ws_);
+                     pos_);
   // d q, d k, d v gathered into dqkv_ rows [dq | dk | dv] for one GEMM against [wq; wk; wv].
   qk_norm_rope_backward_strided(dqkv_, QKV, dW(w.q_norm), dq_, a.qkv_raw, QKV, W + w.q_norm,
                                 a.q_rstd, cos_, sin_, pos_, B_, T_, nh, hd, ws_, s, acc);

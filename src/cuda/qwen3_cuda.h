@@ -109,7 +109,7 @@ class Qwen3Cuda {
   bf16* logits_;                     // [chunk, V]
   float *losses_, *chunk_lse_;       // [chunk]
   double* loss_sum_;                 // device scalar
-  void* ws_;                         // norm / embedding / attention backward workspace
+  void* ws_;                         // norm / embedding backward workspace
   std::size_t ws_bytes_;
 };
 

@@ -91,7 +91,6 @@ double lse_err(const std::vector<float>& got, const std::vector<double>& want) {
 struct PathConfig {
   std::string name;
   AttentionConfig cfg;
-  bool workspace = false;  // pass attention_backward a workspace (sm_90a: the fused dQ kernel)
 };
 std::vector<PathConfig> path_configs() {
   std::vector<PathConfig> v = {{"mma w4", {4, 4, 4, AttentionPath::kMma}},
@@ -99,8 +98,6 @@ std::vector<PathConfig> path_configs() {
   if (attention_wgmma_available()) {
     v.push_back({"wgmma4", {4, 4, 4, AttentionPath::kWgmma}});  // 1 warpgroup per block
     v.push_back({"wgmma8", {8, 8, 8, AttentionPath::kWgmma}});  // 2 warpgroups per block
-    // The engine's configuration: dK/dV and dQ in one kernel (hd 128; hd 64 runs as wgmma8).
-    v.push_back({"wgmma8 fused dq", {8, 8, 8, AttentionPath::kWgmma}, true});
   } else {
     static bool said = false;
     if (!said) std::printf("[attention] no sm_90a wgmma path here: testing the mma path only\n");
@@ -242,8 +239,6 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
   GuardedBuffer<std::uint16_t> dq_(q_b), dk_(k_b), dv_(v_b), ddo(do_b);
   GuardedBuffer<std::uint16_t> dq(nq), dk(nkvn), dv(nkvn), out(nq);
   GuardedBuffer<float> lse(nl);
-  GuardedBuffer<std::uint8_t> ws(std::max<std::size_t>(
-      1, attention_backward_workspace_bytes(B, T, nh, hd)));
   const std::vector<std::uint16_t> nan_q(nq, kBf16NaN), nan_kv(nkvn, kBf16NaN);
   const std::vector<float> nan_l(nl, std::numeric_limits<float>::quiet_NaN());
 
@@ -272,7 +267,7 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
     dv.upload(nan_kv);
     attention_backward(as_bf16(dq), as_bf16(dk), as_bf16(dv), as_bf16(ddo), as_bf16(dq_),
                        as_bf16(dk_), as_bf16(dv_), as_bf16(out), lse.get(), B, T, nh, nkv, hd, cfg,
-                       nullptr, pos, pc.workspace ? ws.get() : nullptr);
+                       nullptr, pos);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     const std::vector<std::uint16_t> dq_g = dq.download(), dk_g = dk.download(),
                                      dv_g = dv.download();
@@ -296,19 +291,18 @@ TEST_P(AttentionCase, MatchesCpuInDouble) {
     dv.upload(nan_kv);
     attention_backward(as_bf16(dq), as_bf16(dk), as_bf16(dv), as_bf16(ddo), as_bf16(dq_),
                        as_bf16(dk_), as_bf16(dv_), as_bf16(out), lse.get(), B, T, nh, nkv, hd, cfg,
-                       nullptr, pos, pc.workspace ? ws.get() : nullptr);
+                       nullptr, pos);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     EXPECT_TRUE(dq.download() == dq_g) << "dq differs between two identical backward runs";
     EXPECT_TRUE(dk.download() == dk_g) << "dk differs between two identical backward runs";
     EXPECT_TRUE(dv.download() == dv_g) << "dv differs between two identical backward runs";
-    EXPECT_TRUE(ws.guard_intact()) << "workspace: write past the end";
 
     if (whole_rows) {  // the same inputs without pos: bitwise the same outputs
       attention_forward(as_bf16(out), lse.get(), as_bf16(dq_), as_bf16(dk_), as_bf16(dv_), B, T, nh,
                         nkv, hd, cfg, nullptr);
       attention_backward(as_bf16(dq), as_bf16(dk), as_bf16(dv), as_bf16(ddo), as_bf16(dq_),
                          as_bf16(dk_), as_bf16(dv_), as_bf16(out), lse.get(), B, T, nh, nkv, hd,
-                         cfg, nullptr, nullptr, pc.workspace ? ws.get() : nullptr);
+                         cfg, nullptr);
       QT_CHECK_CUDA(cudaDeviceSynchronize());
       EXPECT_TRUE(out.download() == out_g && lse.download() == lse_g)
           << "one document per row: forward differs from pos == nullptr";
@@ -448,8 +442,6 @@ TEST(AttentionLong, T32768SampledRows) {
   GuardedBuffer<std::uint16_t> gq(q), gk(k), gv(v), gdo(dout), gout(nq), gdq(nq), gdk(nkvn),
       gdv(nkvn);
   GuardedBuffer<float> glse(static_cast<std::size_t>(nh) * T);
-  GuardedBuffer<std::uint8_t> ws(std::max<std::size_t>(
-      1, attention_backward_workspace_bytes(B, T, nh, hd)));
   for (const PathConfig& pc : path_configs()) {
     SCOPED_TRACE("path " + pc.name);
     const AttentionConfig& cfg = pc.cfg;
@@ -483,23 +475,14 @@ TEST(AttentionLong, T32768SampledRows) {
     gdv.upload(std::vector<std::uint16_t>(nkvn, kBf16NaN));
     attention_backward(as_bf16(gdq), as_bf16(gdk), as_bf16(gdv), as_bf16(gdo), as_bf16(gq),
                        as_bf16(gk), as_bf16(gv), as_bf16(gout), glse.get(), B, T, nh, nkv, hd, cfg,
-                       nullptr, nullptr, pc.workspace ? ws.get() : nullptr);
+                       nullptr);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     const std::vector<std::uint16_t> dq_g = gdq.download(), dk_g = gdk.download(),
                                      dv_g = gdv.download();
     EXPECT_EQ(count_nonfinite(bf16_to_double(dq_g)), 0u);
     EXPECT_EQ(count_nonfinite(bf16_to_double(dk_g)), 0u);
     EXPECT_EQ(count_nonfinite(bf16_to_double(dv_g)), 0u);
-    EXPECT_TRUE(gdq.guard_intact() && gdk.guard_intact() && gdv.guard_intact() &&
-                ws.guard_intact());
-    if (pc.workspace) {  // the ordered dQ adds of 512 query tiles per head: the same bits again
-      attention_backward(as_bf16(gdq), as_bf16(gdk), as_bf16(gdv), as_bf16(gdo), as_bf16(gq),
-                         as_bf16(gk), as_bf16(gv), as_bf16(gout), glse.get(), B, T, nh, nkv, hd,
-                         cfg, nullptr, nullptr, ws.get());
-      QT_CHECK_CUDA(cudaDeviceSynchronize());
-      EXPECT_TRUE(gdq.download() == dq_g && gdk.download() == dk_g && gdv.download() == dv_g)
-          << "fused backward differs between two identical runs";
-    }
+    EXPECT_TRUE(gdq.guard_intact() && gdk.guard_intact() && gdv.guard_intact());
 
     std::vector<double> dq_got(dq_ref.size());
     for (int idx = 0; idx < nr * nh; ++idx) {

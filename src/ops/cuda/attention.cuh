@@ -10,7 +10,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
-#include <cstddef>
 #include <cstdint>
 
 namespace qt::cuda {
@@ -26,16 +25,10 @@ void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, cons
 // dq: [B, T, nh, hd]; dk, dv: [B, T, nkv, hd]; all written (=). Deterministic: the same inputs
 // give bitwise the same gradients. dq doubles as scratch for D_i = sum(dout_i * out_i) until the
 // last kernel overwrites it, so dq must not alias any input.
-// workspace: attention_backward_workspace_bytes(B, Tn, nh, hd) bytes of device memory (256-byte
-// aligned), or nullptr. With it the sm_90a path runs its fused dK/dV/dQ kernel (hd 128, the
-// default dK/dV block), which adds dQ in a fixed order into an fp32 accumulator there; without
-// it, a separate dQ kernel that recomputes S and dP (docs/attention.md).
 void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
                         const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
                         int Tn, int nh, int nkv, int hd, cudaStream_t stream,
-                        const std::int32_t* pos = nullptr, void* workspace = nullptr);
-// Bytes of that workspace; 0 where no fused kernel would use it (no sm_90a path, hd 64).
-std::size_t attention_backward_workspace_bytes(int B, int Tn, int nh, int hd);
+                        const std::int32_t* pos = nullptr);
 
 // Which kernels run: kMma, the mma.sync kernels (any architecture); kWgmma, the sm_90a kernels
 // (wgmma; needs a build for sm_90a and a compute capability 9.0 device, else aborts); kAuto,
@@ -61,7 +54,6 @@ void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, cons
 void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
                         const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
                         int Tn, int nh, int nkv, int hd, const AttentionConfig& cfg,
-                        cudaStream_t stream, const std::int32_t* pos = nullptr,
-                        void* workspace = nullptr);
+                        cudaStream_t stream, const std::int32_t* pos = nullptr);
 
 }  // namespace qt::cuda

@@ -511,7 +511,7 @@ void dispatch_backward(int wkv, int wq, bf16* dq, bf16* dk, bf16* dv, const bf16
 void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
                         const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
                         int Tn, int nh, int nkv, int hd, const AttentionConfig& cfg,
-                        cudaStream_t stream, const std::int32_t* pos, void* workspace) {
+                        cudaStream_t stream, const std::int32_t* pos) {
   check_shapes("attention_backward", B, Tn, nh, nkv, hd);
   const int wkv = cfg.dkdv_warps ? cfg.dkdv_warps : 4;
   const int wq = cfg.dq_warps ? cfg.dq_warps : 4;
@@ -520,7 +520,7 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
                  "attention_backward: warps must be 0, 4 or 8");
   if (attention_use_wgmma(cfg)) {
     attention_backward_sm90(dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh, nkv, hd,
-                            cfg.dkdv_warps, cfg.dq_warps, workspace, stream);
+                            cfg.dkdv_warps, cfg.dq_warps, stream);
     return;
   }
   if (hd == 128) {
@@ -543,14 +543,9 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
 void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
                         const bf16* k, const bf16* v, const bf16* out, const float* lse, int B,
                         int Tn, int nh, int nkv, int hd, cudaStream_t stream,
-                        const std::int32_t* pos, void* workspace) {
+                        const std::int32_t* pos) {
   attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B, Tn, nh, nkv, hd, AttentionConfig{},
-                     stream, pos, workspace);
-}
-
-std::size_t attention_backward_workspace_bytes(int B, int Tn, int nh, int hd) {
-  check_shapes("attention_backward_workspace_bytes", B, Tn, nh, nh, hd);
-  return attention_wgmma_available() ? attention_backward_sm90_workspace_bytes(B, Tn, nh, hd) : 0;
+                     stream, pos);
 }
 
 }  // namespace qt::cuda

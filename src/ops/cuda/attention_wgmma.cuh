@@ -25,7 +25,6 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
-#include <cstddef>
 #include <cstdint>
 #include <utility>
 
@@ -47,15 +46,10 @@ namespace qt::cuda {
 void attention_forward_sm90(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                             const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
                             int warps, cudaStream_t stream);
-// workspace: attention_backward_sm90_workspace_bytes() of device memory selects the fused dK/dV/dQ
-// kernel where it applies (hd 128, two warpgroups for dK/dV); nullptr runs the separate dQ kernel.
 void attention_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
                              const bf16* k, const bf16* v, const bf16* out, const float* lse,
                              const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
-                             int dkdv_warps, int dq_warps, void* workspace, cudaStream_t stream);
-// Bytes of that workspace: an fp32 dQ accumulator per query tile and one ordering counter per
-// tile; 0 where the fused kernel does not apply (hd != 128).
-std::size_t attention_backward_sm90_workspace_bytes(int B, int T, int nh, int hd);
+                             int dkdv_warps, int dq_warps, cudaStream_t stream);
 
 // Whether cfg selects the sm_90a path (kAuto: when available; kWgmma when unavailable aborts).
 bool attention_use_wgmma(const AttentionConfig& cfg);
@@ -228,8 +222,7 @@ __device__ __forceinline__ void wgmma_rs_m64n128_tb(float (&d)[64], const uint32
 // d (+)= A B, A and B from shared memory, both K-major, their descriptors da + OA and db + OB
 // formed inside the instruction's block (only the two base descriptors stay live across a run of
 // k-steps); accumulate = 0 overwrites d.
-// TRANS = 1 sets both transpose bits: A and B MN-major (the fused dQ = dS K of the backward).
-template <uint32_t OA, uint32_t OB, int TRANS = 0>
+template <uint32_t OA, uint32_t OB>
 __device__ __forceinline__ void wgmma_ss_m64n64_off(float (&d)[32], uint64_t da, uint64_t db,
                                                     int accumulate) {
   asm volatile(
@@ -238,13 +231,13 @@ __device__ __forceinline__ void wgmma_ss_m64n64_off(float (&d)[32], uint64_t da,
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
       "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
-      "}, da, db, p, 1, 1, %37, %37;\n}\n"
+      "}, da, db, p, 1, 1, 0, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
         "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
         "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
         "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
         "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "l"(da), "l"(db), "r"(accumulate), "n"(OA), "n"(OB), "n"(TRANS));
+      : "l"(da), "l"(db), "r"(accumulate), "n"(OA), "n"(OB));
 }
 
 // As wgmma_ss_m64n64_off, N = 128.
@@ -307,67 +300,6 @@ __device__ __forceinline__ void wgmma_rs_mnmajor(float (&d)[N / 2], const uint32
       (wgmma_rs_m64n128_tb<KK * 2048 / 16>(d, a[KK], db), ...);
   }
   (std::make_integer_sequence<int, KS>{});
-}
-
-// d = A B (overwritten) over KS k-steps, A [64, 16 KS] and B [16 KS, 64] both MN-major in
-// tiles of R rows (k-step kk = their rows 16 kk .. 16 kk + 15, one 64-column panel each).
-template <int R, int KS>
-__device__ __forceinline__ void wgmma_ss_mnmajor_n64(float (&d)[32], uint32_t tile_a,
-                                                     uint32_t tile_b) {
-  const uint64_t da = desc_mnmajor<R>(tile_a, 0), db = desc_mnmajor<R>(tile_b, 0);
-  [&]<int... KK>(std::integer_sequence<int, KK...>) {
-    (wgmma_ss_m64n64_off<KK * 2048 / 16, KK * 2048 / 16, 1>(d, da, db, KK > 0), ...);
-  }
-  (std::make_integer_sequence<int, KS>{});
-}
-
-// ---- Bulk copies (TMA, no tensor map) and ordering counters of the fused dQ accumulation ----
-// Global <- shared, `bytes` (a multiple of 16, both addresses 16-byte aligned), as a plain store
-// or an fp32 add performed at L2; completion tracked by bulk groups of the issuing thread.
-__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;\n" ::"l"(dst),
-               "r"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile(
-      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
-      "r"(src), "r"(bytes)
-      : "memory");
-}
-__device__ __forceinline__ void bulk_commit() {
-  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-// All but the newest N bulk groups of this thread complete (their writes performed, not only
-// their reads).
-template <int N>
-__device__ __forceinline__ void bulk_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
-}
-// Orders this thread's generic-proxy and async-proxy (bulk copy) accesses to global memory.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-// The ordering counters are read and written relaxed, at gpu scope (no L1, no membar): a counter
-// is set only after cp.async.bulk.wait_group has seen the add complete at L2, and the next add
-// is issued only after its read returned the expected value (a control dependency), so the adds
-// of a tile follow one another in time; the proxy fences order them with the counter accesses.
-__device__ __forceinline__ int load_relaxed_gpu(const int* p) {
-  int v;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void store_relaxed_gpu(int* p, int v) {
-  asm volatile("st.relaxed.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_shared_b32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c,
-                                             uint32_t d) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c),
-               "r"(d)
-               : "memory");
 }
 
 #endif  // QT_ATTN_HAS_WGMMA
