@@ -1,7 +1,9 @@
 // Fused per-head RMSNorm + RoPE, forward and backward; see qk_norm_rope.cuh.
-// Layout: L = hd / 8 consecutive lanes own one head row, 8 elements (one 16-byte vector) each;
-// lanes [0, L/2) hold the first half of the row, whose rotation partners sit L/2 lanes up, so a
-// partner's values come by one xor shuffle. Row sums are xor-shuffle sums over the L lanes.
+// Layout: L = hd / 8 consecutive lanes own HPT head rows of one token (heads h0 .. h0 + HPT - 1),
+// 8 elements (one 16-byte vector) of each; lanes [0, L/2) hold the first half of a row, whose
+// rotation partners sit L/2 lanes up, so a partner's values come by one xor shuffle. Row sums are
+// xor-shuffle sums over the L lanes. The rows of a token share their cos and sin, which each lane
+// loads once for its HPT rows (HPT = 4, 2 or 1, the largest that divides the head count).
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/qk_norm_rope.cuh"
 
@@ -45,15 +47,9 @@ static __device__ __forceinline__ void rope_coeffs(const float* cos, const float
   for (int i = 0; i < 8; ++i) c[i] = round_bf16(c[i]), s[i] = round_bf16(s[i]);
 }
 
-// Element 0 of head row `row` (= token * heads + head) of a tensor whose tokens are ld apart.
-static __device__ __forceinline__ std::size_t strided_offset(std::int64_t row, int heads,
-                                                             std::int64_t ld, int hd) {
-  return static_cast<std::size_t>(row / heads) * ld + static_cast<std::size_t>(row % heads) * hd;
-}
-
-// One head row per L lanes; rows = B * T * heads. No early exit: every lane takes part in the
-// shuffles; lanes past the last row work on zeros and store nothing.
-template <int L>
+// HPT head rows per L lanes; rows = B * T * heads, a multiple of HPT. No early exit: every lane
+// takes part in the shuffles; lanes past the last row work on zeros and store nothing.
+template <int L, int HPT>
 static __global__ void qk_norm_rope_forward_kernel(
     bf16* out, float* __restrict__ rstd, const bf16* x, const bf16* __restrict__ w,
     const float* __restrict__ cos, const float* __restrict__ sin,
@@ -61,47 +57,53 @@ static __global__ void qk_norm_rope_forward_kernel(
     float eps) {
   constexpr int hd = 8 * L;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const std::int64_t row = t / L;
+  const std::int64_t row0 = t / L * HPT;
   const int sub = threadIdx.x % L;
-  const bool valid = row < rows;
-  const std::size_t off = static_cast<std::size_t>(row) * hd + sub * 8;
-  const std::size_t x_off = strided_offset(row, heads, x_ld, hd) + sub * 8;
-  // Every load is issued before the first shuffle: the row, the weight and the tables.
-  float v[8] = {}, wv[8], c[8] = {}, s[8] = {};
+  const bool valid = row0 < rows;
+  const std::int64_t bt = row0 / heads;  // the token
+  const std::size_t off = static_cast<std::size_t>(row0) * hd + sub * 8;
+  const std::size_t x_off = static_cast<std::size_t>(bt) * x_ld +
+                            static_cast<std::size_t>(row0 - bt * heads) * hd + sub * 8;
+  // Every load is issued before the first shuffle: the rows, the weight and the tables.
+  float v[HPT][8] = {}, wv[8], c[8] = {}, s[8] = {};
   if (valid) {
-    load_bf16x8_rw(x + x_off, v);  // out may alias x
-    const std::int64_t bt = row / heads;
+#pragma unroll
+    for (int k = 0; k < HPT; ++k) load_bf16x8_rw(x + x_off + k * hd, v[k]);  // out may alias x
     rope_coeffs<L>(cos, sin, pos != nullptr ? pos[bt] : bt % Tn, sub, c, s);
   }
   load_bf16x8(w + sub * 8, wv);
-  float ss = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) ss += v[i] * v[i];
-  const float r = rsqrtf(row_sum<L>(ss) / static_cast<float>(hd) + eps);
-  float y[8], p[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) y[i] = round_bf16(wv[i] * round_bf16(v[i] * r));
-  partner_bf16x8<L>(y, p);
-  if (!valid) return;                             // after the last shuffle
   const float sign = sub < L / 2 ? -1.0f : 1.0f;  // rotate_half: -x2 in the first half, x1 after
-  float o[8];
 #pragma unroll
-  for (int i = 0; i < 8; ++i) o[i] = round_bf16(y[i] * c[i]) + round_bf16(sign * p[i] * s[i]);
-  store_bf16x8(out + off, o);
-  if (sub == 0) rstd[row] = r;
+  for (int k = 0; k < HPT; ++k) {
+    float ss = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) ss += v[k][i] * v[k][i];
+    const float r = rsqrtf(row_sum<L>(ss) / static_cast<float>(hd) + eps);
+    float y[8], p[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) y[i] = round_bf16(wv[i] * round_bf16(v[k][i] * r));
+    partner_bf16x8<L>(y, p);
+    if (valid) {  // uniform over the L lanes of the rows
+      float o[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) o[i] = round_bf16(y[i] * c[i]) + round_bf16(sign * p[i] * s[i]);
+      store_bf16x8(out + off + k * hd, o);
+      if (sub == 0) rstd[row0 + k] = r;
+    }
+  }
 }
 
-// Block b handles row groups b, b + gridDim.x, ... of kThreads / L rows. Its dw contribution is
-// kept per lane (8 columns), summed over the block's rows in a fixed order through shared memory,
-// and written to partial[b, :].
-template <int L>
+// Block b handles row groups b, b + gridDim.x, ... of kThreads / L * HPT rows. Its dw
+// contribution is kept per lane (8 columns), summed over the block's rows in a fixed order through
+// shared memory, and written to partial[b, :].
+template <int L, int HPT>
 static __global__ void qk_norm_rope_backward_kernel(
     bf16* dx, float* __restrict__ partial, const bf16* dout, const bf16* __restrict__ x,
     const bf16* __restrict__ w, const float* __restrict__ rstd, const float* __restrict__ cos,
     const float* __restrict__ sin, const std::int32_t* __restrict__ pos, std::int64_t rows, int Tn,
     int heads, std::int64_t x_ld, std::int64_t dx_ld) {
   constexpr int hd = 8 * L;
-  constexpr int rows_per_iter = kThreads / L;
+  constexpr int rows_per_iter = kThreads / L * HPT;
   __shared__ float acc[kThreads][9];  // [thread][column], padded against bank conflicts
   const int sub = threadIdx.x % L;
   const float sign = sub < L / 2 ? 1.0f : -1.0f;  // inverse rotation
@@ -109,36 +111,43 @@ static __global__ void qk_norm_rope_backward_kernel(
   load_bf16x8(w + sub * 8, wv);
   for (std::int64_t base = static_cast<std::int64_t>(blockIdx.x) * rows_per_iter; base < rows;
        base += static_cast<std::int64_t>(gridDim.x) * rows_per_iter) {
-    const std::int64_t row = base + threadIdx.x / L;
-    const bool valid = row < rows;
-    const std::size_t off = static_cast<std::size_t>(row) * hd + sub * 8;
-    const std::size_t x_off = strided_offset(row, heads, x_ld, hd) + sub * 8;
-    float d[8] = {}, xh[8] = {}, p[8], c[8] = {}, s[8] = {};
-    float r = 0.0f;
+    const std::int64_t row0 = base + threadIdx.x / L * HPT;
+    const bool valid = row0 < rows;
+    const std::int64_t bt = row0 / heads;  // the token
+    const std::size_t off = static_cast<std::size_t>(row0) * hd + sub * 8;
+    const std::size_t in_head = static_cast<std::size_t>(row0 - bt * heads) * hd + sub * 8;
+    const std::size_t x_off = static_cast<std::size_t>(bt) * x_ld + in_head;
+    float d[HPT][8] = {}, xh[HPT][8] = {}, c[8] = {}, s[8] = {}, r[HPT] = {};
     if (valid) {
-      load_bf16x8_rw(dout + off, d);  // dx may alias dout
-      load_bf16x8(x + x_off, xh);
-      r = rstd[row];
-      const std::int64_t bt = row / heads;
+#pragma unroll
+      for (int k = 0; k < HPT; ++k) {
+        load_bf16x8_rw(dout + off + k * hd, d[k]);  // dx may alias dout
+        load_bf16x8(x + x_off + k * hd, xh[k]);
+        r[k] = rstd[row0 + k];
+      }
       const std::int64_t position = pos != nullptr ? pos[bt] : bt % Tn;
       rope_coeffs<L>(cos, sin, position, sub, c, s);
     }
-    partner_bf16x8<L>(d, p);
-    // out_i = y_i c + rot_i s  =>  dy_i = dout_i c + dout_partner s (first half), - (second)
-    float dy[8], dot = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      dy[i] = d[i] * c[i] + sign * p[i] * s[i];
-      xh[i] *= r;
-      dot += wv[i] * dy[i] * xh[i];
-      dwacc[i] += dy[i] * xh[i];
-    }
-    const float m = row_sum<L>(dot) / static_cast<float>(hd);
-    if (valid) {
-      float g[8];
+    for (int k = 0; k < HPT; ++k) {
+      float p[8];
+      partner_bf16x8<L>(d[k], p);
+      // out_i = y_i c + rot_i s  =>  dy_i = dout_i c + dout_partner s (first half), - (second)
+      float dy[8], dot = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) g[i] = r * (wv[i] * dy[i] - xh[i] * m);
-      store_bf16x8(dx + strided_offset(row, heads, dx_ld, hd) + sub * 8, g);
+      for (int i = 0; i < 8; ++i) {
+        dy[i] = d[k][i] * c[i] + sign * p[i] * s[i];
+        xh[k][i] *= r[k];
+        dot += wv[i] * dy[i] * xh[k][i];
+        dwacc[i] += dy[i] * xh[k][i];
+      }
+      const float m = row_sum<L>(dot) / static_cast<float>(hd);
+      if (valid) {
+        float g[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) g[i] = r[k] * (wv[i] * dy[i] - xh[k][i] * m);
+        store_bf16x8(dx + static_cast<std::size_t>(bt) * dx_ld + in_head + k * hd, g);
+      }
     }
   }
 #pragma unroll
@@ -147,8 +156,29 @@ static __global__ void qk_norm_rope_backward_kernel(
   if (threadIdx.x < hd) {
     const int col = threadIdx.x, lane_of_col = col / 8, i = col % 8;
     float sum = 0.0f;
-    for (int k = 0; k < rows_per_iter; ++k) sum += acc[k * L + lane_of_col][i];
+    for (int k = 0; k < kThreads / L; ++k) sum += acc[k * L + lane_of_col][i];
     partial[static_cast<std::size_t>(blockIdx.x) * hd + col] = sum;
+  }
+}
+
+// Head rows per lane group: the largest of 4, 2, 1 that divides the head count.
+static int rows_per_group(int heads) { return heads % 4 == 0 ? 4 : heads % 2 == 0 ? 2 : 1; }
+
+// f.template operator()<L, HPT>() for L = hd / 8 and HPT = rows_per_group(heads).
+template <typename F>
+static void dispatch(int hd, int heads, F&& f) {
+  auto by_hpt = [&]<int L>() {
+    switch (rows_per_group(heads)) {
+      case 4: f.template operator()<L, 4>(); break;
+      case 2: f.template operator()<L, 2>(); break;
+      default: f.template operator()<L, 1>(); break;
+    }
+  };
+  switch (hd / 8) {
+    case 4: by_hpt.template operator()<4>(); break;
+    case 8: by_hpt.template operator()<8>(); break;
+    case 16: by_hpt.template operator()<16>(); break;
+    default: by_hpt.template operator()<32>(); break;
   }
 }
 
@@ -177,8 +207,8 @@ static std::int64_t num_rows(int B, int Tn, int heads) {
   return static_cast<std::int64_t>(B) * Tn * heads;
 }
 
-static int backward_blocks(std::int64_t rows, int hd) {
-  const std::int64_t per_iter = kThreads / (hd / 8);
+static int backward_blocks(std::int64_t rows, int heads, int hd) {
+  const std::int64_t per_iter = kThreads / (hd / 8) * rows_per_group(heads);
   return static_cast<int>(
       std::max<std::int64_t>(1, std::min<std::int64_t>(ceil_div(rows, per_iter), kBwdMaxBlocks)));
 }
@@ -207,31 +237,19 @@ void qk_norm_rope_forward_strided(bf16* out, float* rstd, const bf16* x, int x_l
   const std::int64_t rows = num_rows(B, Tn, heads);
   if (rows == 0) return;
   const int L = hd / 8;
-  const auto grid = static_cast<unsigned int>(ceil_div<std::int64_t>(rows * L, kThreads));
+  const std::int64_t groups = rows / rows_per_group(heads);
+  const auto grid = static_cast<unsigned int>(ceil_div<std::int64_t>(groups * L, kThreads));
   const float e = static_cast<float>(eps);
-  switch (L) {
-    case 4:
-      qk_norm_rope_forward_kernel<4>
-          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, x_ld, e);
-      break;
-    case 8:
-      qk_norm_rope_forward_kernel<8>
-          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, x_ld, e);
-      break;
-    case 16:
-      qk_norm_rope_forward_kernel<16>
-          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, x_ld, e);
-      break;
-    default:
-      qk_norm_rope_forward_kernel<32>
-          <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, x_ld, e);
-      break;
-  }
+  dispatch(hd, heads, [&]<int LL, int HPT>() {
+    qk_norm_rope_forward_kernel<LL, HPT>
+        <<<grid, kThreads, 0, stream>>>(out, rstd, x, w, cos, sin, pos, rows, Tn, heads, x_ld, e);
+  });
   QT_CHECK_LAUNCH();
 }
 
 std::size_t qk_norm_rope_backward_workspace_bytes(int B, int Tn, int heads, int hd) {
-  return static_cast<std::size_t>(backward_blocks(num_rows(B, Tn, heads), hd)) * hd * sizeof(float);
+  return static_cast<std::size_t>(backward_blocks(num_rows(B, Tn, heads), heads, hd)) * hd *
+         sizeof(float);
 }
 
 void qk_norm_rope_backward(bf16* dx, float* dw, const bf16* dout, const bf16* x, const bf16* w,
@@ -261,26 +279,12 @@ void qk_norm_rope_backward_strided(bf16* dx, int dx_ld, float* dw, const bf16* d
   check_aligned(op, "sin", sin);
   const std::int64_t rows = num_rows(B, Tn, heads);
   if (rows == 0) return;
-  const int G = backward_blocks(rows, hd);
+  const int G = backward_blocks(rows, heads, hd);
   float* partial = static_cast<float*>(workspace);  // [G, hd]
-  switch (hd / 8) {
-    case 4:
-      qk_norm_rope_backward_kernel<4><<<G, kThreads, 0, stream>>>(
-          dx, partial, dout, x, w, rstd, cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
-      break;
-    case 8:
-      qk_norm_rope_backward_kernel<8><<<G, kThreads, 0, stream>>>(
-          dx, partial, dout, x, w, rstd, cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
-      break;
-    case 16:
-      qk_norm_rope_backward_kernel<16><<<G, kThreads, 0, stream>>>(
-          dx, partial, dout, x, w, rstd, cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
-      break;
-    default:
-      qk_norm_rope_backward_kernel<32><<<G, kThreads, 0, stream>>>(
-          dx, partial, dout, x, w, rstd, cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
-      break;
-  }
+  dispatch(hd, heads, [&]<int L, int HPT>() {
+    qk_norm_rope_backward_kernel<L, HPT><<<G, kThreads, 0, stream>>>(
+        dx, partial, dout, x, w, rstd, cos, sin, pos, rows, Tn, heads, x_ld, dx_ld);
+  });
   QT_CHECK_LAUNCH();
   if (dw != nullptr) column_sum_accumulate(dw, partial, G, hd, stream, accumulate);
 }

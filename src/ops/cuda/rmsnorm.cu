@@ -107,6 +107,7 @@ static __global__ void __launch_bounds__(max_threads(R))
   const float inv_c = 1.0f / static_cast<float>(C);
   for (int row0 = blockIdx.x * R; row0 < N; row0 += gridDim.x * R) {  // uniform in the block
     float g[R][8], xh[R][8], dot[R], rs[R];
+    uint4 prev[R];  // kAdd: dx's 8 bf16 of each row, loaded with the rest (not after the sum)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const int row = row0 + r;
@@ -114,8 +115,9 @@ static __global__ void __launch_bounds__(max_threads(R))
       dot[r] = 0.0f;
       if (active && row < N) {
         const std::size_t off = static_cast<std::size_t>(row) * C + c8;
-        load_bf16x8_rw(dy + off, g[r]);  // dx may alias dy
+        load_bf16x8_rw(dy + off, g[r]);  // dx may alias dy (not when kAdd)
         load_bf16x8(x + off, xh[r]);
+        if constexpr (kAdd) prev[r] = *reinterpret_cast<const uint4*>(dx + off);
       } else {
 #pragma unroll
         for (int i = 0; i < 8; ++i) g[r][i] = 0.0f, xh[r][i] = 0.0f;
@@ -138,10 +140,13 @@ static __global__ void __launch_bounds__(max_threads(R))
       for (int i = 0; i < 8; ++i) d[i] = rs[r] * (wv[i] * g[r][i] - xh[r][i] * m);
       bf16* out = dx + static_cast<std::size_t>(row) * C + c8;
       if constexpr (kAdd) {
-        float prev[8];
-        load_bf16x8_rw(out, prev);
+        const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(&prev[r]);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) d[i] += prev[i];
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(p2[i]);
+          d[2 * i] += f.x;
+          d[2 * i + 1] += f.y;
+        }
       }
       store_bf16x8(out, d);
     }
