@@ -416,6 +416,19 @@ void register_cases() {
     p.finite = [=] { return all_finite(logits, nv); };
     return p;
   });
+  add("cross_entropy_fwd_bwd(V=151936,in place)", [=] {
+    Prepared p;
+    bf16* logits = p.mem->make<bf16>(nv, 2.0);
+    std::int32_t* t = p.mem->ids(N, kVocab);
+    float *loss = p.mem->make<float>(N), *lse = p.mem->make<float>(N);
+    double* sum = p.mem->make<double>(1);
+    p.bytes = 2.0 * nv * 2 + N * 12.0;  // what memory must move: the logits in, the gradient out
+    p.run = [=](cudaStream_t s) {
+      qt::cuda::cross_entropy_forward_backward(loss, lse, logits, t, 1.0f / N, N, kVocab, sum, s);
+    };
+    p.finite = [=] { return all_finite(loss, N) && all_finite(logits, nv); };
+    return p;
+  });
 }
 
 }  // namespace

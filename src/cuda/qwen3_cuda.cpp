@@ -191,8 +191,8 @@ void Qwen3Cuda::lm_head_loss(const bf16* W, float* G, const std::int32_t* target
     const int rows = std::min(chunk_, N_ - c0);
     const std::size_t r0 = static_cast<std::size_t>(c0);
     linear_forward(logits_, xf + r0 * H, W + off_.lm_head, rows, H, V, s);
-    cross_entropy_forward(losses_, chunk_lse_, logits_, targets + r0, rows, V, loss_sum_, s);
-    cross_entropy_backward(logits_, logits_, chunk_lse_, targets + r0, loss_scale, rows, V, s);
+    cross_entropy_forward_backward(losses_, chunk_lse_, logits_, targets + r0, loss_scale, rows, V,
+                                   loss_sum_, s);
     linear_backward(dtmp_ + r0 * H, G ? G + off_.lm_head : nullptr, logits_, xf + r0 * H,
                     W + off_.lm_head, rows, H, V, s, accumulate_ || c0 > 0);
   }

@@ -67,24 +67,28 @@ TEST_P(CudaCrossEntropy, ForwardAndBackwardMatchCpu) {
       losses.data(), lse.data(), logits.value.data(), targets.data(), N, V);
   cpu::cross_entropy_backward<double>(grad.data(), logits.value.data(), lse.data(), targets.data(),
                                       double(scale), N, V);
-  QT_EXPECT_GPU_CLOSE(dlse, lse, kTolF32);
   // A row's loss is lse - logit[target], both rounded in fp32 on the GPU: its error scales with
   // |lse| (about 500 in row 1), not with the loss, which can be near 0. So each row's loss, and
   // their sum, are bounded relative to max(1, |lse|) of the rows.
-  const Vec got_losses = download(dlosses);
-  double lse_scale = 0.0;
-  for (int i = 0; i < N; ++i) {
-    if (targets[i] == cpu::kIgnoreIndex) {
-      EXPECT_EQ(got_losses[i], 0.0) << "ignored row " << i;
-      continue;
+  auto check_forward = [&](const GuardedBuffer<float>& glosses, const GuardedBuffer<float>& glse,
+                           const GuardedBuffer<double>& gsum) {
+    QT_EXPECT_GPU_CLOSE(glse, lse, kTolF32);
+    const Vec got_losses = download(glosses);
+    double lse_scale = 0.0;
+    for (int i = 0; i < N; ++i) {
+      if (targets[i] == cpu::kIgnoreIndex) {
+        EXPECT_EQ(got_losses[i], 0.0) << "ignored row " << i;
+        continue;
+      }
+      const double bound = kTolF32 * std::max(1.0, std::abs(lse[i]));
+      EXPECT_NEAR(got_losses[i], losses[i], bound) << "loss of row " << i;
+      lse_scale += std::max(1.0, std::abs(lse[i]));
     }
-    const double bound = kTolF32 * std::max(1.0, std::abs(lse[i]));
-    EXPECT_NEAR(got_losses[i], losses[i], bound) << "loss of row " << i;
-    lse_scale += std::max(1.0, std::abs(lse[i]));
-  }
-  const double sum = dsum.download()[0] - prior;
-  EXPECT_NEAR(sum, total, kTolF32 * lse_scale + 1e-12);
-  EXPECT_TRUE(dsum.guard_intact());
+    const double sum = gsum.download()[0] - prior;
+    EXPECT_NEAR(sum, total, kTolF32 * lse_scale + 1e-12);
+    EXPECT_TRUE(gsum.guard_intact());
+  };
+  check_forward(dlosses, dlse, dsum);
   auto body = [&](const GuardedBuffer<bf16>& b) {
     const Vec all = download(b);
     return Vec(all.begin() + shift, all.begin() + shift + n);
@@ -94,9 +98,28 @@ TEST_P(CudaCrossEntropy, ForwardAndBackwardMatchCpu) {
   EXPECT_LT(eg, kTolBf16Once) << "dlogits";
   std::printf("[ err ] cross_entropy N=%d V=%d shift=%d: dlogits rel err %.3e\n", N, V, shift, eg);
   EXPECT_TRUE(dgrad.guard_intact());
-  for (int i = 0; i < N; ++i)  // ignored rows: exact zeros
-    if (targets[i] == cpu::kIgnoreIndex)
-      for (int v = 0; v < V; ++v) ASSERT_EQ(g[std::size_t(i) * V + v], 0.0) << "row " << i;
+  auto check_ignored_rows = [&](const Vec& grads) {  // exact zeros
+    for (int i = 0; i < N; ++i)
+      if (targets[i] == cpu::kIgnoreIndex)
+        for (int v = 0; v < V; ++v) ASSERT_EQ(grads[std::size_t(i) * V + v], 0.0) << "row " << i;
+  };
+  check_ignored_rows(g);
+
+  // Forward and backward in one kernel, the gradient over the logits (the fused lm head's call).
+  GuardedBuffer<bf16> fused(padded);
+  GuardedBuffer<float> flosses(N), flse(N);
+  GuardedBuffer<double> fsum(std::vector<double>{prior});
+  fill_nan(flosses);
+  fill_nan(flse);
+  cuda::cross_entropy_forward_backward(flosses.get(), flse.get(), fused.get() + shift,
+                                       dtargets.get(), scale, N, V, fsum.get(), nullptr);
+  check_forward(flosses, flse, fsum);
+  const Vec fg = body(fused);
+  const double efg = rel_err(fg, grad);
+  EXPECT_LT(efg, kTolBf16Once) << "fused dlogits";
+  std::printf("[ err ] cross_entropy_forward_backward: dlogits rel err %.3e\n", efg);
+  EXPECT_TRUE(fused.guard_intact() && flosses.guard_intact() && flse.guard_intact());
+  check_ignored_rows(fg);
 
   // In place (dlogits = logits): the same bits.
   cuda::cross_entropy_backward(dlogits.get() + shift, dlogits.get() + shift, dlse.get(),

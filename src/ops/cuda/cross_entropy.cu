@@ -1,10 +1,15 @@
-// Cross-entropy forward (one block per row, online max/sum) and backward (elementwise over the
-// row); see cross_entropy.cuh. Rows are walked in chunks of 8 logits: one 16-byte vector when
+// Cross-entropy forward (one block per row, online max/sum), backward (elementwise over the
+// row) and both in one pass (a persistent block per SM and row); see cross_entropy.cuh. Rows are walked in chunks of 8 logits: one 16-byte vector when
 // kVec, else 8 scalar loads with bounds checks (V % 8 != 0 or a misaligned pointer).
+#include <algorithm>
 #include <cmath>
+
+#include <cooperative_groups.h>
 
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/cross_entropy.cuh"
+
+namespace cg = cooperative_groups;
 
 namespace qt::cuda {
 
@@ -13,6 +18,7 @@ static constexpr int kFwdUnroll = 4;  // chunks of 8 in flight per thread
 static constexpr int kBwdThreads = 256;
 static constexpr int kBwdUnroll = 4;
 static constexpr int kSumThreads = 1024;
+static constexpr int kFusedThreads = 1024;
 static constexpr float kLog2e = 1.4426950408889634f;
 static constexpr std::int32_t kIgnoreIndex = -100;
 
@@ -55,22 +61,19 @@ static __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
   return {m, a.s * exp2f((a.m - m) * kLog2e) + b.s * exp2f((b.m - m) * kLog2e)};
 }
 
-template <bool kVec>
-static __global__ void __launch_bounds__(kFwdThreads)
-    cross_entropy_forward_kernel(float* __restrict__ losses, float* __restrict__ lse,
-                                 const bf16* __restrict__ logits,
-                                 const std::int32_t* __restrict__ targets, int V) {
-  __shared__ MaxSum warp_part[32];
-  const int n = blockIdx.x;
-  const bf16* row = logits + static_cast<std::size_t>(n) * V;
+// Online max and sum of exp over a row, by the block's THREADS threads, combined over the block in
+// a fixed order (xor tree in each warp, then warps 0, 1, ... by thread 0): thread 0 returns
+// lse = m + log(s); the other threads' results are undefined. Ends with the block's barrier.
+template <bool kVec, int THREADS>
+static __device__ __forceinline__ float row_lse(const bf16* row, int V, MaxSum* warp_part) {
   const int chunks = ceil_div(V, 8);
   MaxSum acc{-INFINITY, 0.0f};
-  for (int c0 = threadIdx.x; c0 < chunks; c0 += kFwdUnroll * kFwdThreads) {
+  for (int c0 = threadIdx.x; c0 < chunks; c0 += kFwdUnroll * THREADS) {
     float x[kFwdUnroll][8];
     float mx = -INFINITY;
 #pragma unroll
     for (int u = 0; u < kFwdUnroll; ++u) {
-      const int c = c0 + u * kFwdThreads;
+      const int c = c0 + u * THREADS;
       if (c < chunks) {
         load_chunk<kVec>(row, c, V, -INFINITY, x[u]);
       } else {
@@ -90,7 +93,6 @@ static __global__ void __launch_bounds__(kFwdThreads)
       for (int i = 0; i < 8; ++i) s += exp2f((x[u][i] - m) * kLog2e);
     acc = {m, s};
   }
-  // Block combine in a fixed order: xor tree in each warp, then warps 0, 1, ... by thread 0.
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
     MaxSum other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
@@ -98,13 +100,132 @@ static __global__ void __launch_bounds__(kFwdThreads)
   }
   if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = acc;
   __syncthreads();
-  if (threadIdx.x != 0) return;
   MaxSum total = warp_part[0];
-  for (int w = 1; w < kFwdThreads / 32; ++w) total = combine(total, warp_part[w]);
-  const float l = total.m + logf(total.s);
+  if (threadIdx.x == 0)
+    for (int w = 1; w < THREADS / 32; ++w) total = combine(total, warp_part[w]);
+  return total.m + logf(total.s);
+}
+
+// d = bf16(scale * (exp(x - l) - onehot(t))) for the 8 logits of chunk c (0 on ignored rows).
+static __device__ __forceinline__ void chunk_grad(const float (&x)[8], int c, float l,
+                                                  std::int32_t t, float scale, float (&d)[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float p = exp2f((x[i] - l) * kLog2e);
+    d[i] = t == kIgnoreIndex ? 0.0f : scale * (c * 8 + i == t ? p - 1.0f : p);
+  }
+}
+
+template <bool kVec>
+static __global__ void __launch_bounds__(kFwdThreads)
+    cross_entropy_forward_kernel(float* __restrict__ losses, float* __restrict__ lse,
+                                 const bf16* __restrict__ logits,
+                                 const std::int32_t* __restrict__ targets, int V) {
+  __shared__ MaxSum warp_part[32];
+  const int n = blockIdx.x;
+  const bf16* row = logits + static_cast<std::size_t>(n) * V;
+  const float l = row_lse<kVec, kFwdThreads>(row, V, warp_part);
+  if (threadIdx.x != 0) return;
   lse[n] = l;
   const std::int32_t t = targets[n];
   losses[n] = t == kIgnoreIndex ? 0.0f : l - __bfloat162float(row[t]);
+}
+
+// Rows of a cluster of two blocks: cluster k takes rows k, k + clusters, ...; block r of it keeps
+// chunks [r h, r h + h) of the row (h = kFusedHalf(V) chunks of 8 logits) in shared memory, so
+// each logit is read from memory once. Pass 1 loads the half row and its online max and sum;
+// the two halves' (max, sum) are combined through distributed shared memory in a fixed order
+// (rank 0's first), so both blocks get the same lse; pass 2 writes the gradient over the logits
+// from shared memory. Only for V % 8 == 0 and 16-byte aligned rows (kVec).
+static constexpr int kFusedMaxHalfBytes = 200 * 1024;
+static int fused_half_chunks(int V) { return ceil_div(ceil_div(V, 8), 2); }
+
+static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kFusedThreads, 1)
+    cross_entropy_fused_kernel(float* __restrict__ losses, float* __restrict__ lse, bf16* logits,
+                               const std::int32_t* __restrict__ targets, float scale, int N,
+                               int V) {
+  extern __shared__ uint4 half_row[];  // [h] chunks of 8 bf16
+  __shared__ MaxSum warp_part[32];
+  __shared__ MaxSum mine;              // this block's (max, sum), read by the other block too
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const MaxSum* other = cluster.map_shared_rank(&mine, rank ^ 1);
+  const int chunks = V / 8, h = ceil_div(chunks, 2);
+  const int c_begin = rank * h, c_end = min(chunks, c_begin + h);
+  const int clusters = static_cast<int>(gridDim.x) / 2;
+  for (int n = static_cast<int>(blockIdx.x) / 2; n < N; n += clusters) {
+    bf16* row = logits + static_cast<std::size_t>(n) * V;
+    const std::int32_t t = targets[n];
+    MaxSum acc{-INFINITY, 0.0f};
+    for (int c0 = c_begin + static_cast<int>(threadIdx.x); c0 < c_end;
+         c0 += kFwdUnroll * kFusedThreads) {
+      uint4 u[kFwdUnroll];  // kFwdUnroll loads in flight before any is used
+#pragma unroll
+      for (int k = 0; k < kFwdUnroll; ++k) {
+        const int c = c0 + k * kFusedThreads;
+        if (c < c_end) u[k] = *reinterpret_cast<const uint4*>(row + static_cast<std::size_t>(c) * 8);
+      }
+#pragma unroll
+      for (int k = 0; k < kFwdUnroll; ++k) {
+        const int c = c0 + k * kFusedThreads;
+        if (c >= c_end) break;
+        half_row[c - c_begin] = u[k];
+        const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&u[k]);
+        float x[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 f = __bfloat1622float2(b2[i]);
+          x[2 * i] = f.x;
+          x[2 * i + 1] = f.y;
+        }
+        float mx = x[0];
+#pragma unroll
+        for (int i = 1; i < 8; ++i) mx = fmaxf(mx, x[i]);
+        const float m = fmaxf(acc.m, mx);
+        float s = acc.s * exp2f((acc.m - m) * kLog2e);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) s += exp2f((x[i] - m) * kLog2e);
+        acc = {m, s};
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      MaxSum o2{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
+      acc = combine(acc, o2);
+    }
+    if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      MaxSum total = warp_part[0];
+      for (int w = 1; w < kFusedThreads / 32; ++w) total = combine(total, warp_part[w]);
+      mine = total;
+    }
+    cluster.sync();  // both halves' (max, sum) written; the half rows loaded
+    const MaxSum theirs = *other;
+    const MaxSum both = rank == 0 ? combine(mine, theirs) : combine(theirs, mine);
+    const float l = both.m + logf(both.s);
+    if (threadIdx.x == 0 && rank == 0) lse[n] = l;
+    if (threadIdx.x == 0 && t != kIgnoreIndex && t / 8 >= c_begin && t / 8 < c_end) {
+      const bf16* lt = reinterpret_cast<const bf16*>(half_row) + (t - c_begin * 8);
+      losses[n] = l - __bfloat162float(*lt);
+    } else if (threadIdx.x == 0 && rank == 0 && t == kIgnoreIndex) {
+      losses[n] = 0.0f;
+    }
+    for (int c = c_begin + static_cast<int>(threadIdx.x); c < c_end; c += kFusedThreads) {
+      const uint4 u = half_row[c - c_begin];
+      const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+      float x[8], d[8];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 f = __bfloat1622float2(b2[i]);
+        x[2 * i] = f.x;
+        x[2 * i + 1] = f.y;
+      }
+      chunk_grad(x, c, l, t, scale, d);
+      store_bf16x8(row + static_cast<std::size_t>(c) * 8, d);
+    }
+    cluster.sync();  // `mine` and the half rows are rewritten for the next row
+  }
 }
 
 // *loss_sum += sum of losses[0, N), in double, in a fixed order. One block.
@@ -140,11 +261,7 @@ static __global__ void __launch_bounds__(kBwdThreads)
     const int c = c0 + u * kBwdThreads;
     if (c >= chunks) break;
     float d[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float p = exp2f((x[u][i] - l) * kLog2e);
-      d[i] = t == kIgnoreIndex ? 0.0f : scale * (c * 8 + i == t ? p - 1.0f : p);
-    }
+    chunk_grad(x[u], c, l, t, scale, d);
     store_chunk<kVec>(dlogits + off, c, V, d);
   }
 }
@@ -185,6 +302,37 @@ void cross_entropy_backward(bf16* dlogits, const bf16* logits, const float* lse,
     cross_entropy_backward_kernel<false>
         <<<grid, kBwdThreads, 0, stream>>>(dlogits, logits, lse, targets, scale, V);
   QT_CHECK_LAUNCH();
+}
+
+void cross_entropy_forward_backward(float* losses, float* lse, bf16* logits,
+                                    const std::int32_t* targets, float scale, int N, int V,
+                                    double* loss_sum, cudaStream_t stream) {
+  check_shape("cross_entropy_forward_backward", N, V);
+  if (N == 0) return;
+  const std::size_t half_bytes = static_cast<std::size_t>(fused_half_chunks(V)) * 16;
+  if (V % 8 != 0 || !is_aligned16(logits) || half_bytes > kFusedMaxHalfBytes) {
+    cross_entropy_forward(losses, lse, logits, targets, N, V, loss_sum, stream);
+    cross_entropy_backward(logits, logits, lse, targets, scale, N, V, stream);
+    return;
+  }
+  static thread_local int sms = 0, device = -1;
+  int d = 0;
+  QT_CHECK_CUDA(cudaGetDevice(&d));
+  if (d != device) {
+    QT_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d));
+    QT_CHECK_CUDA(cudaFuncSetAttribute(cross_entropy_fused_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kFusedMaxHalfBytes));
+    device = d;
+  }
+  const int grid = 2 * std::min(N, sms / 2);  // clusters of two blocks, one block per SM
+  cross_entropy_fused_kernel<<<grid, kFusedThreads, half_bytes, stream>>>(losses, lse, logits,
+                                                                          targets, scale, N, V);
+  QT_CHECK_LAUNCH();
+  if (loss_sum != nullptr) {
+    loss_sum_kernel<<<1, kSumThreads, 0, stream>>>(loss_sum, losses, N);
+    QT_CHECK_LAUNCH();
+  }
 }
 
 }  // namespace qt::cuda

@@ -31,4 +31,14 @@ void cross_entropy_backward(bf16* dlogits, const bf16* logits, const float* lse,
                             const std::int32_t* targets, float scale, int N, int V,
                             cudaStream_t stream);
 
+// Both of the above, the gradient written over the logits (dlogits = logits): losses, lse and
+// *loss_sum as cross_entropy_forward, then logits[n, :] = dlogits as cross_entropy_backward with
+// that lse. Where V % 8 == 0, the rows are 16-byte aligned and half a row fits in 200 KB of
+// shared memory (V up to 204800), one kernel does both, with each half row held in the shared
+// memory of one block of a two-block cluster: every logit is read from memory once. Otherwise
+// the two kernels above run.
+void cross_entropy_forward_backward(float* losses, float* lse, bf16* logits,
+                                    const std::int32_t* targets, float scale, int N, int V,
+                                    double* loss_sum, cudaStream_t stream);
+
 }  // namespace qt::cuda
