@@ -61,9 +61,25 @@ static __device__ __forceinline__ MaxSum combine(MaxSum a, MaxSum b) {
   return {m, a.s * exp2f((a.m - m) * kLog2e) + b.s * exp2f((b.m - m) * kLog2e)};
 }
 
-// Online max and sum of exp over a row, by the block's THREADS threads, combined over the block in
-// a fixed order (xor tree in each warp, then warps 0, 1, ... by thread 0): thread 0 returns
-// lse = m + log(s); the other threads' results are undefined. Ends with the block's barrier.
+// The block's (max, sum) in a fixed order: xor tree in each warp, then warps 0, 1, ... by
+// thread 0, which alone gets the result. Contains the block's barrier.
+template <int THREADS>
+static __device__ __forceinline__ MaxSum block_combine(MaxSum acc, MaxSum* warp_part) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    MaxSum other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
+    acc = combine(acc, other);
+  }
+  if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  MaxSum total = warp_part[0];
+  if (threadIdx.x == 0)
+    for (int w = 1; w < THREADS / 32; ++w) total = combine(total, warp_part[w]);
+  return total;
+}
+
+// Online max and sum of exp over a row, by the block's THREADS threads (block_combine): thread 0
+// returns lse = m + log(s); the other threads' results are undefined.
 template <bool kVec, int THREADS>
 static __device__ __forceinline__ float row_lse(const bf16* row, int V, MaxSum* warp_part) {
   const int chunks = ceil_div(V, 8);
@@ -93,17 +109,19 @@ static __device__ __forceinline__ float row_lse(const bf16* row, int V, MaxSum* 
       for (int i = 0; i < 8; ++i) s += exp2f((x[u][i] - m) * kLog2e);
     acc = {m, s};
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    MaxSum other{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
-    acc = combine(acc, other);
-  }
-  if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = acc;
-  __syncthreads();
-  MaxSum total = warp_part[0];
-  if (threadIdx.x == 0)
-    for (int w = 1; w < THREADS / 32; ++w) total = combine(total, warp_part[w]);
+  const MaxSum total = block_combine<THREADS>(acc, warp_part);
   return total.m + logf(total.s);
+}
+
+// The 8 bf16 of a 16-byte vector as floats.
+static __device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&x)[8]) {
+  const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(b2[i]);
+    x[2 * i] = f.x;
+    x[2 * i + 1] = f.y;
+  }
 }
 
 // d = bf16(scale * (exp(x - l) - onehot(t))) for the 8 logits of chunk c (0 on ignored rows).
@@ -170,14 +188,8 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kFusedThreads
         const int c = c0 + k * kFusedThreads;
         if (c >= c_end) break;
         half_row[c - c_begin] = u[k];
-        const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&u[k]);
         float x[8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(b2[i]);
-          x[2 * i] = f.x;
-          x[2 * i + 1] = f.y;
-        }
+        unpack_bf16x8(u[k], x);
         float mx = x[0];
 #pragma unroll
         for (int i = 1; i < 8; ++i) mx = fmaxf(mx, x[i]);
@@ -188,18 +200,8 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kFusedThreads
         acc = {m, s};
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      MaxSum o2{__shfl_xor_sync(0xffffffffu, acc.m, o), __shfl_xor_sync(0xffffffffu, acc.s, o)};
-      acc = combine(acc, o2);
-    }
-    if ((threadIdx.x & 31) == 0) warp_part[threadIdx.x >> 5] = acc;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      MaxSum total = warp_part[0];
-      for (int w = 1; w < kFusedThreads / 32; ++w) total = combine(total, warp_part[w]);
-      mine = total;
-    }
+    const MaxSum total = block_combine<kFusedThreads>(acc, warp_part);
+    if (threadIdx.x == 0) mine = total;
     cluster.sync();  // both halves' (max, sum) written; the half rows loaded
     const MaxSum theirs = *other;
     const MaxSum both = rank == 0 ? combine(mine, theirs) : combine(theirs, mine);
@@ -212,15 +214,8 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kFusedThreads
       losses[n] = 0.0f;
     }
     for (int c = c_begin + static_cast<int>(threadIdx.x); c < c_end; c += kFusedThreads) {
-      const uint4 u = half_row[c - c_begin];
-      const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&u);
       float x[8], d[8];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(b2[i]);
-        x[2 * i] = f.x;
-        x[2 * i + 1] = f.y;
-      }
+      unpack_bf16x8(half_row[c - c_begin], x);
       chunk_grad(x, c, l, t, scale, d);
       store_bf16x8(row + static_cast<std::size_t>(c) * 8, d);
     }
