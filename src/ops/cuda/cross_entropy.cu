@@ -1,6 +1,7 @@
 // Cross-entropy forward (one block per row, online max/sum), backward (elementwise over the
-// row) and both in one pass (a persistent block per SM and row); see cross_entropy.cuh. Rows are walked in chunks of 8 logits: one 16-byte vector when
-// kVec, else 8 scalar loads with bounds checks (V % 8 != 0 or a misaligned pointer).
+// row) and both in one kernel (a cluster of two blocks per row, Hopper and later); see
+// cross_entropy.cuh. Rows are walked in chunks of 8 logits: one 16-byte vector when kVec, else
+// 8 scalar loads with bounds checks (V % 8 != 0 or a misaligned pointer).
 #include <algorithm>
 #include <cmath>
 
@@ -149,19 +150,21 @@ static __global__ void __launch_bounds__(kFwdThreads)
   losses[n] = t == kIgnoreIndex ? 0.0f : l - __bfloat162float(row[t]);
 }
 
-// Rows of a cluster of two blocks: cluster k takes rows k, k + clusters, ...; block r of it keeps
-// chunks [r h, r h + h) of the row (h = kFusedHalf(V) chunks of 8 logits) in shared memory, so
-// each logit is read from memory once. Pass 1 loads the half row and its online max and sum;
-// the two halves' (max, sum) are combined through distributed shared memory in a fixed order
-// (rank 0's first), so both blocks get the same lse; pass 2 writes the gradient over the logits
-// from shared memory. Only for V % 8 == 0 and 16-byte aligned rows (kVec).
+// Rows of a cluster of two blocks: cluster k takes rows k, k + clusters, ...; block r of it
+// keeps chunks [r h, r h + h) of the row (h = fused_half_chunks(V) chunks of 8 logits) in shared
+// memory, so each logit is read from memory once. Pass 1 loads the half row and its online max
+// and sum; the two halves' (max, sum) are combined through distributed shared memory in a fixed
+// order (rank 0's first), so both blocks get the same lse; pass 2 writes the gradient over the
+// logits from shared memory. Only for V % 8 == 0 and 16-byte aligned rows (kVec), on devices with
+// thread-block clusters (compute capability 9.0 and later; launched with a cluster dimension).
 static constexpr int kFusedMaxHalfBytes = 200 * 1024;
 static int fused_half_chunks(int V) { return ceil_div(ceil_div(V, 8), 2); }
 
-static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kFusedThreads, 1)
+static __global__ void __launch_bounds__(kFusedThreads, 1)
     cross_entropy_fused_kernel(float* __restrict__ losses, float* __restrict__ lse, bf16* logits,
                                const std::int32_t* __restrict__ targets, float scale, int N,
                                int V) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ uint4 half_row[];  // [h] chunks of 8 bf16
   __shared__ MaxSum warp_part[32];
   __shared__ MaxSum mine;              // this block's (max, sum), read by the other block too
@@ -181,7 +184,8 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kFusedThreads
 #pragma unroll
       for (int k = 0; k < kFwdUnroll; ++k) {
         const int c = c0 + k * kFusedThreads;
-        if (c < c_end) u[k] = *reinterpret_cast<const uint4*>(row + static_cast<std::size_t>(c) * 8);
+        if (c < c_end)
+          u[k] = *reinterpret_cast<const uint4*>(row + static_cast<std::size_t>(c) * 8);
       }
 #pragma unroll
       for (int k = 0; k < kFwdUnroll; ++k) {
@@ -221,6 +225,9 @@ static __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(kFusedThreads
     }
     cluster.sync();  // `mine` and the half rows are rewritten for the next row
   }
+#else
+  __trap();  // no clusters before sm_90: the launcher never runs this
+#endif
 }
 
 // *loss_sum += sum of losses[0, N), in double, in a fixed order. One block.
@@ -310,20 +317,44 @@ void cross_entropy_forward_backward(float* losses, float* lse, bf16* logits,
     cross_entropy_backward(logits, logits, lse, targets, scale, N, V, stream);
     return;
   }
+  // Per device: its SM count and whether the fused kernel runs there (a device with clusters,
+  // compute capability >= 9.0, and a build of the kernel for it, not the sm_80 fallback body).
   static thread_local int sms = 0, device = -1;
+  static thread_local bool clusters = false;
   int d = 0;
   QT_CHECK_CUDA(cudaGetDevice(&d));
   if (d != device) {
+    int major = 0;
     QT_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d));
-    QT_CHECK_CUDA(cudaFuncSetAttribute(cross_entropy_fused_kernel,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       kFusedMaxHalfBytes));
+    QT_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d));
+    cudaFuncAttributes fa{};
+    QT_CHECK_CUDA(cudaFuncGetAttributes(&fa, cross_entropy_fused_kernel));
+    clusters = major >= 9 && fa.binaryVersion >= 90;
+    if (clusters)
+      QT_CHECK_CUDA(cudaFuncSetAttribute(cross_entropy_fused_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kFusedMaxHalfBytes));
     device = d;
   }
-  const int grid = 2 * std::min(N, sms / 2);  // clusters of two blocks, one block per SM
-  cross_entropy_fused_kernel<<<grid, kFusedThreads, half_bytes, stream>>>(losses, lse, logits,
-                                                                          targets, scale, N, V);
-  QT_CHECK_LAUNCH();
+  if (!clusters) {
+    cross_entropy_forward(losses, lse, logits, targets, N, V, loss_sum, stream);
+    cross_entropy_backward(logits, logits, lse, targets, scale, N, V, stream);
+    return;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(2 * std::min(N, sms / 2)));  // a block per SM
+  config.blockDim = dim3(kFusedThreads);
+  config.dynamicSmemBytes = half_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 2;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  QT_CHECK_CUDA(cudaLaunchKernelEx(&config, cross_entropy_fused_kernel, losses, lse, logits,
+                                   targets, scale, N, V));
   if (loss_sum != nullptr) {
     loss_sum_kernel<<<1, kSumThreads, 0, stream>>>(loss_sum, losses, N);
     QT_CHECK_LAUNCH();
