@@ -254,6 +254,20 @@ void register_cases() {
       p.finite = [=] { return all_finite(dx, nh) && all_finite(dw, H); };
       return p;
     });
+    // What training runs (both norms of a layer): the residual gradient read and written too.
+    add(base + "residual_rmsnorm_bwd", [=] {
+      Prepared p;
+      bf16 *x = p.mem->make<bf16>(nh), *w = p.mem->make<bf16>(H), *dy = p.mem->make<bf16>(nh);
+      bf16* dres = p.mem->make<bf16>(nh);
+      float *r = p.mem->make<float>(N, 1.0, true), *dw = p.mem->make<float>(H);
+      char* ws = p.mem->raw(qt::cuda::rmsnorm_backward_workspace_bytes(N, H));
+      p.bytes = 4.0 * nh * 2 + N * 4.0;
+      p.run = [=](cudaStream_t s) {
+        qt::cuda::residual_rmsnorm_backward(dres, dw, dy, x, w, r, N, H, ws, s);
+      };
+      p.finite = [=] { return all_finite(dres, nh) && all_finite(dw, H); };
+      return p;
+    });
     const std::size_t nq = std::size_t(N) * kHeads * kHeadDim;
     auto tables = [](Buffers& mem) {
       const int half = kHeadDim / 2;
