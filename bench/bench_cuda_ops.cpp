@@ -243,31 +243,25 @@ void register_cases() {
       p.finite = [=] { return all_finite(y, nh); };
       return p;
     });
-    add(base + "rmsnorm_bwd", [=] {
-      Prepared p;
-      bf16 *x = p.mem->make<bf16>(nh), *w = p.mem->make<bf16>(H), *dy = p.mem->make<bf16>(nh);
-      bf16* dx = p.mem->make<bf16>(nh);
-      float *r = p.mem->make<float>(N, 1.0, true), *dw = p.mem->make<float>(H);
-      char* ws = p.mem->raw(qt::cuda::rmsnorm_backward_workspace_bytes(N, H));
-      p.bytes = 3.0 * nh * 2 + N * 4.0;
-      p.run = [=](cudaStream_t s) { qt::cuda::rmsnorm_backward(dx, dw, dy, x, w, r, N, H, ws, s); };
-      p.finite = [=] { return all_finite(dx, nh) && all_finite(dw, H); };
-      return p;
-    });
-    // What training runs (both norms of a layer): the residual gradient read and written too.
-    add(base + "residual_rmsnorm_bwd", [=] {
-      Prepared p;
-      bf16 *x = p.mem->make<bf16>(nh), *w = p.mem->make<bf16>(H), *dy = p.mem->make<bf16>(nh);
-      bf16* dres = p.mem->make<bf16>(nh);
-      float *r = p.mem->make<float>(N, 1.0, true), *dw = p.mem->make<float>(H);
-      char* ws = p.mem->raw(qt::cuda::rmsnorm_backward_workspace_bytes(N, H));
-      p.bytes = 4.0 * nh * 2 + N * 4.0;
-      p.run = [=](cudaStream_t s) {
-        qt::cuda::residual_rmsnorm_backward(dres, dw, dy, x, w, r, N, H, ws, s);
-      };
-      p.finite = [=] { return all_finite(dres, nh) && all_finite(dw, H); };
-      return p;
-    });
+    // The plain backward, and the residual one training runs for both norms of a layer (which
+    // also reads and writes the residual gradient).
+    for (const bool residual : {false, true})
+      add(base + (residual ? "residual_rmsnorm_bwd" : "rmsnorm_bwd"), [=] {
+        Prepared p;
+        bf16 *x = p.mem->make<bf16>(nh), *w = p.mem->make<bf16>(H), *dy = p.mem->make<bf16>(nh);
+        bf16* dx = p.mem->make<bf16>(nh);
+        float *r = p.mem->make<float>(N, 1.0, true), *dw = p.mem->make<float>(H);
+        char* ws = p.mem->raw(qt::cuda::rmsnorm_backward_workspace_bytes(N, H));
+        p.bytes = (residual ? 4.0 : 3.0) * nh * 2 + N * 4.0;
+        p.run = [=](cudaStream_t s) {
+          if (residual)
+            qt::cuda::residual_rmsnorm_backward(dx, dw, dy, x, w, r, N, H, ws, s);
+          else
+            qt::cuda::rmsnorm_backward(dx, dw, dy, x, w, r, N, H, ws, s);
+        };
+        p.finite = [=] { return all_finite(dx, nh) && all_finite(dw, H); };
+        return p;
+      });
     const std::size_t nq = std::size_t(N) * kHeads * kHeadDim;
     auto tables = [](Buffers& mem) {
       const int half = kHeadDim / 2;
@@ -402,45 +396,49 @@ void register_cases() {
   }
   // Cross-entropy does not depend on the model below the lm-head: one size, V = 151936.
   const std::size_t nv = std::size_t(N) * kVocab;
+  // The buffers of one cross-entropy case: logits [N, V] bf16, targets, losses, lse, loss sum.
+  struct Ce {
+    bf16* logits;
+    std::int32_t* t;
+    float *loss, *lse;
+    double* sum;
+  };
+  auto ce_buffers = [=](Prepared& p) {
+    return Ce{p.mem->make<bf16>(nv, 2.0), p.mem->ids(N, kVocab), p.mem->make<float>(N),
+              p.mem->make<float>(N), p.mem->make<double>(1)};
+  };
   add("cross_entropy_fwd(V=151936)", [=] {
     Prepared p;
-    bf16* logits = p.mem->make<bf16>(nv, 2.0);
-    std::int32_t* t = p.mem->ids(N, kVocab);
-    float *loss = p.mem->make<float>(N), *lse = p.mem->make<float>(N);
-    double* sum = p.mem->make<double>(1);
+    const Ce c = ce_buffers(p);
     p.bytes = nv * 2.0 + N * 12.0;
     p.run = [=](cudaStream_t s) {
-      qt::cuda::cross_entropy_forward(loss, lse, logits, t, N, kVocab, sum, s);
+      qt::cuda::cross_entropy_forward(c.loss, c.lse, c.logits, c.t, N, kVocab, c.sum, s);
     };
-    p.finite = [=] { return all_finite(loss, N) && all_finite(lse, N); };
+    p.finite = [=] { return all_finite(c.loss, N) && all_finite(c.lse, N); };
     return p;
   });
   add("cross_entropy_bwd(V=151936,in place)", [=] {
     Prepared p;
-    bf16* logits = p.mem->make<bf16>(nv, 2.0);
-    std::int32_t* t = p.mem->ids(N, kVocab);
-    float *loss = p.mem->make<float>(N), *lse = p.mem->make<float>(N);
-    qt::cuda::cross_entropy_forward(loss, lse, logits, t, N, kVocab, nullptr, nullptr);
+    const Ce c = ce_buffers(p);
+    qt::cuda::cross_entropy_forward(c.loss, c.lse, c.logits, c.t, N, kVocab, nullptr, nullptr);
     p.bytes = 2.0 * nv * 2 + N * 8.0;
     // In place, as the fused lm-head will call it; after the first call the logits hold
     // gradients, which only changes the values, not the work.
     p.run = [=](cudaStream_t s) {
-      qt::cuda::cross_entropy_backward(logits, logits, lse, t, 1.0f / N, N, kVocab, s);
+      qt::cuda::cross_entropy_backward(c.logits, c.logits, c.lse, c.t, 1.0f / N, N, kVocab, s);
     };
-    p.finite = [=] { return all_finite(logits, nv); };
+    p.finite = [=] { return all_finite(c.logits, nv); };
     return p;
   });
   add("cross_entropy_fwd_bwd(V=151936,in place)", [=] {
     Prepared p;
-    bf16* logits = p.mem->make<bf16>(nv, 2.0);
-    std::int32_t* t = p.mem->ids(N, kVocab);
-    float *loss = p.mem->make<float>(N), *lse = p.mem->make<float>(N);
-    double* sum = p.mem->make<double>(1);
+    const Ce c = ce_buffers(p);
     p.bytes = 2.0 * nv * 2 + N * 12.0;  // what memory must move: the logits in, the gradient out
     p.run = [=](cudaStream_t s) {
-      qt::cuda::cross_entropy_forward_backward(loss, lse, logits, t, 1.0f / N, N, kVocab, sum, s);
+      qt::cuda::cross_entropy_forward_backward(c.loss, c.lse, c.logits, c.t, 1.0f / N, N, kVocab,
+                                               c.sum, s);
     };
-    p.finite = [=] { return all_finite(loss, N) && all_finite(logits, nv); };
+    p.finite = [=] { return all_finite(c.loss, N) && all_finite(c.logits, nv); };
     return p;
   });
 }

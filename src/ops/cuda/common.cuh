@@ -40,9 +40,8 @@ inline constexpr int kMaxPartials = 1024;
 // ---------------------------------------------------------------------------------------------
 // 16-byte vectors. Pointers must be 16-byte aligned.
 
-// 8 bf16 at p -> 8 floats (read-only path).
-__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
-  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+// The 8 bf16 of a 16-byte vector (already loaded) -> 8 floats.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&f)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -52,17 +51,15 @@ __device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
   }
 }
 
+// 8 bf16 at p -> 8 floats (read-only path).
+__device__ __forceinline__ void load_bf16x8(const bf16* p, float (&f)[8]) {
+  unpack_bf16x8(__ldg(reinterpret_cast<const uint4*>(p)), f);
+}
+
 // 8 bf16 at p -> 8 floats, through the ordinary (coherent) path: for data this kernel may also
 // write (an output that aliases an input).
 __device__ __forceinline__ void load_bf16x8_rw(const bf16* p, float (&f)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 t = __bfloat1622float2(h[i]);
-    f[2 * i] = t.x;
-    f[2 * i + 1] = t.y;
-  }
+  unpack_bf16x8(*reinterpret_cast<const uint4*>(p), f);
 }
 
 // 8 floats -> 8 bf16 (round to nearest even) at p.

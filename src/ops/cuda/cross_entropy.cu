@@ -114,17 +114,6 @@ static __device__ __forceinline__ float row_lse(const bf16* row, int V, MaxSum* 
   return total.m + logf(total.s);
 }
 
-// The 8 bf16 of a 16-byte vector as floats.
-static __device__ __forceinline__ void unpack_bf16x8(const uint4& u, float (&x)[8]) {
-  const __nv_bfloat162* b2 = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(b2[i]);
-    x[2 * i] = f.x;
-    x[2 * i + 1] = f.y;
-  }
-}
-
 // d = bf16(scale * (exp(x - l) - onehot(t))) for the 8 logits of chunk c (0 on ignored rows).
 static __device__ __forceinline__ void chunk_grad(const float (&x)[8], int c, float l,
                                                   std::int32_t t, float scale, float (&d)[8]) {
@@ -240,6 +229,13 @@ static __global__ void __launch_bounds__(kSumThreads)
   if (threadIdx.x == 0) *loss_sum += v[0];
 }
 
+// The loss_sum_kernel launch of both entry points; nothing when loss_sum is null.
+static void add_loss_sum(double* loss_sum, const float* losses, int N, cudaStream_t stream) {
+  if (loss_sum == nullptr) return;
+  loss_sum_kernel<<<1, kSumThreads, 0, stream>>>(loss_sum, losses, N);
+  QT_CHECK_LAUNCH();
+}
+
 // Block (n, y) handles chunks y * kBwdUnroll * kBwdThreads + u * kBwdThreads + threadIdx.x of
 // row n.
 template <bool kVec>
@@ -285,10 +281,7 @@ void cross_entropy_forward(float* losses, float* lse, const bf16* logits,
     cross_entropy_forward_kernel<false>
         <<<N, kFwdThreads, 0, stream>>>(losses, lse, logits, targets, V);
   QT_CHECK_LAUNCH();
-  if (loss_sum != nullptr) {
-    loss_sum_kernel<<<1, kSumThreads, 0, stream>>>(loss_sum, losses, N);
-    QT_CHECK_LAUNCH();
-  }
+  add_loss_sum(loss_sum, losses, N, stream);
 }
 
 void cross_entropy_backward(bf16* dlogits, const bf16* logits, const float* lse,
@@ -306,43 +299,48 @@ void cross_entropy_backward(bf16* dlogits, const bf16* logits, const float* lse,
   QT_CHECK_LAUNCH();
 }
 
+// Whether the fused kernel runs on the current device (thread-block clusters, compute capability
+// >= 9.0, and a build of the kernel for it rather than the pre-sm_90 body), and its SM count;
+// probed once per device and thread, setting the kernel's shared-memory limit on the way.
+struct FusedSupport {
+  int sms = 0;
+  bool clusters = false;
+};
+static FusedSupport fused_support() {
+  static thread_local FusedSupport cached;
+  static thread_local int cached_device = -1;
+  int d = 0;
+  QT_CHECK_CUDA(cudaGetDevice(&d));
+  if (d == cached_device) return cached;
+  int major = 0;
+  QT_CHECK_CUDA(cudaDeviceGetAttribute(&cached.sms, cudaDevAttrMultiProcessorCount, d));
+  QT_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d));
+  cudaFuncAttributes fa{};
+  QT_CHECK_CUDA(cudaFuncGetAttributes(&fa, cross_entropy_fused_kernel));
+  cached.clusters = major >= 9 && fa.binaryVersion >= 90;
+  if (cached.clusters)
+    QT_CHECK_CUDA(cudaFuncSetAttribute(cross_entropy_fused_kernel,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       kFusedMaxHalfBytes));
+  cached_device = d;
+  return cached;
+}
+
 void cross_entropy_forward_backward(float* losses, float* lse, bf16* logits,
                                     const std::int32_t* targets, float scale, int N, int V,
                                     double* loss_sum, cudaStream_t stream) {
   check_shape("cross_entropy_forward_backward", N, V);
   if (N == 0) return;
   const std::size_t half_bytes = static_cast<std::size_t>(fused_half_chunks(V)) * 16;
-  if (V % 8 != 0 || !is_aligned16(logits) || half_bytes > kFusedMaxHalfBytes) {
-    cross_entropy_forward(losses, lse, logits, targets, N, V, loss_sum, stream);
-    cross_entropy_backward(logits, logits, lse, targets, scale, N, V, stream);
-    return;
-  }
-  // Per device: its SM count and whether the fused kernel runs there (a device with clusters,
-  // compute capability >= 9.0, and a build of the kernel for it, not the sm_80 fallback body).
-  static thread_local int sms = 0, device = -1;
-  static thread_local bool clusters = false;
-  int d = 0;
-  QT_CHECK_CUDA(cudaGetDevice(&d));
-  if (d != device) {
-    int major = 0;
-    QT_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, d));
-    QT_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, d));
-    cudaFuncAttributes fa{};
-    QT_CHECK_CUDA(cudaFuncGetAttributes(&fa, cross_entropy_fused_kernel));
-    clusters = major >= 9 && fa.binaryVersion >= 90;
-    if (clusters)
-      QT_CHECK_CUDA(cudaFuncSetAttribute(cross_entropy_fused_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kFusedMaxHalfBytes));
-    device = d;
-  }
-  if (!clusters) {
+  const bool fits = V % 8 == 0 && is_aligned16(logits) && half_bytes <= kFusedMaxHalfBytes;
+  const FusedSupport dev = fits ? fused_support() : FusedSupport{};
+  if (!dev.clusters) {  // the two kernels
     cross_entropy_forward(losses, lse, logits, targets, N, V, loss_sum, stream);
     cross_entropy_backward(logits, logits, lse, targets, scale, N, V, stream);
     return;
   }
   cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(2 * std::min(N, sms / 2)));  // a block per SM
+  config.gridDim = dim3(static_cast<unsigned>(2 * std::min(N, dev.sms / 2)));  // a block per SM
   config.blockDim = dim3(kFusedThreads);
   config.dynamicSmemBytes = half_bytes;
   config.stream = stream;
@@ -355,10 +353,7 @@ void cross_entropy_forward_backward(float* losses, float* lse, bf16* logits,
   config.numAttrs = 1;
   QT_CHECK_CUDA(cudaLaunchKernelEx(&config, cross_entropy_fused_kernel, losses, lse, logits,
                                    targets, scale, N, V));
-  if (loss_sum != nullptr) {
-    loss_sum_kernel<<<1, kSumThreads, 0, stream>>>(loss_sum, losses, N);
-    QT_CHECK_LAUNCH();
-  }
+  add_loss_sum(loss_sum, losses, N, stream);
 }
 
 }  // namespace qt::cuda

@@ -140,13 +140,10 @@ static __global__ void __launch_bounds__(max_threads(R))
       for (int i = 0; i < 8; ++i) d[i] = rs[r] * (wv[i] * g[r][i] - xh[r][i] * m);
       bf16* out = dx + static_cast<std::size_t>(row) * C + c8;
       if constexpr (kAdd) {
-        const __nv_bfloat162* p2 = reinterpret_cast<const __nv_bfloat162*>(&prev[r]);
+        float p[8];
+        unpack_bf16x8(prev[r], p);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 f = __bfloat1622float2(p2[i]);
-          d[2 * i] += f.x;
-          d[2 * i + 1] += f.y;
-        }
+        for (int i = 0; i < 8; ++i) d[i] += p[i];
       }
       store_bf16x8(out, d);
     }
