@@ -41,7 +41,8 @@ bool attention_wgmma_available();
 
 // Tuning knobs for benchmarks and tests; 0 keeps the default. Warps per block (4 or 8) of the
 // forward kernel, the dK/dV kernel and the dQ kernel: on the mma path each warp owns 16 rows of
-// its tile, on the wgmma path each warpgroup (4 warps) 64.
+// its tile, on the wgmma path each warpgroup (4 warps) 64. dkdv_warps, dq_warps = 12 (wgmma path
+// only): the warp-specialised kernel (a TMA producer warpgroup and two consumer warpgroups).
 struct AttentionConfig {
   int fwd_warps = 0;
   int dkdv_warps = 0;

@@ -40,12 +40,6 @@ using namespace attn;
 template <int HD>
 constexpr int kStepRows = HD == 128 ? 32 : 64;
 
-// D of row (b, t, h), kept in the first 4 bytes of dq's row (16-byte aligned: hd >= 64).
-__device__ __forceinline__ const float* delta_ptr(const bf16* dq, int b, int t, int h, int T,
-                                                  int nh, int hd) {
-  return reinterpret_cast<const float*>(dq + ((static_cast<long long>(b) * T + t) * nh + h) * hd);
-}
-
 template <int HD>
 __global__ void __launch_bounds__(256)
     attention_delta_kernel(bf16* __restrict__ dq, const bf16* __restrict__ dout,
@@ -515,10 +509,12 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
   check_shapes("attention_backward", B, Tn, nh, nkv, hd);
   const int wkv = cfg.dkdv_warps ? cfg.dkdv_warps : 4;
   const int wq = cfg.dq_warps ? cfg.dq_warps : 4;
-  if ((wkv != 4 && wkv != 8) || (wq != 4 && wq != 8))
+  const bool wgmma = attention_use_wgmma(cfg);
+  auto valid = [&](int w) { return w == 4 || w == 8 || (wgmma && w == 12); };
+  if (!valid(wkv) || !valid(wq))
     fail_library("attention", __FILE__, __LINE__, "dkdv_warps, dq_warps",
-                 "attention_backward: warps must be 0, 4 or 8");
-  if (attention_use_wgmma(cfg)) {
+                 "attention_backward: warps must be 0, 4 or 8 (or 12 on the wgmma path)");
+  if (wgmma) {
     attention_backward_sm90(dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh, nkv, hd,
                             cfg.dkdv_warps, cfg.dq_warps, stream);
     return;

@@ -93,6 +93,13 @@ __device__ __forceinline__ void store_warp_rows(bf16* g, long long ld, int grow0
   }
 }
 
+// The backward's D of row (b, t, h), kept in the first 4 bytes of dq's row until the dQ kernel
+// overwrites it (16-byte aligned: hd >= 64).
+__device__ __forceinline__ const float* delta_ptr(const bf16* dq, int b, int t, int h, int T,
+                                                  int nh, int hd) {
+  return reinterpret_cast<const float*>(dq + ((static_cast<long long>(b) * T + t) * nh + h) * hd);
+}
+
 // Packed rows (PACKED, both backward paths): the first query tile in [i_first + 1, n_qt) whose
 // first row's document starts after key k_last (n_qt if none): every later tile's rows start even
 // later (ds = t - pos[t] never decreases), so the query tiles [i_first, result) are the only ones

@@ -35,6 +35,7 @@
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/attention_wgmma.cuh"
+#include "ops/cuda/common.cuh"
 
 namespace qt::cuda {
 namespace {
@@ -42,17 +43,11 @@ namespace {
 using namespace attn;
 
 constexpr int kQStep = 64;            // query rows per dk/dv step
-constexpr int kDkdvDefaultWarps = 8;  // 2 warpgroups per dk/dv block (cfg.dkdv_warps = 0)
-constexpr int kDqDefaultWarps = 8;    // 2 warpgroups per dq block (cfg.dq_warps = 0)
+constexpr int kDkdvDefaultWarps = 12;  // warp-specialised dK/dV (cfg.dkdv_warps = 0)
+constexpr int kDqDefaultWarps = 12;    // warp-specialised dQ (cfg.dq_warps = 0)
 // kv rows per dq step. (128, which makes S = Q K^T and dP = dO V^T m64n128 products, measured
 // the same on an H100 and spills registers at hd 128: three [64, 128] fp32 accumulators.)
 constexpr int kDqKvStep = 64;
-
-// D of row (b, t, h), kept in the first 4 bytes of dq's row (16-byte aligned: hd >= 64).
-__device__ __forceinline__ const float* delta_ptr(const bf16* dq, int b, int t, int h, int T,
-                                                  int nh, int hd) {
-  return reinterpret_cast<const float*>(dq + ((static_cast<long long>(b) * T + t) * nh + h) * hd);
-}
 
 // One warp per (b, t, head) row (the same kernel as attention_backward.cu's; kernels are static
 // to their file).
@@ -436,10 +431,40 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
 #endif
 }
 
-template <int HD, int WG_KV, int WG_Q, int BCK, bool PACKED>
-void launch_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
-                          const bf16* k, const bf16* v, const bf16* out, const float* lse,
-                          const int* pos, int B, int T, int nh, int nkv, cudaStream_t stream) {
+template <int HD, int WG, bool PACKED>
+void launch_dkdv_sm90(bf16* dk, bf16* dv, const bf16* dq, const bf16* dout, const bf16* q,
+                      const bf16* k, const bf16* v, const float* lse, const int* pos, int B, int T,
+                      int nh, int nkv, float scale, float scale_log2, cudaStream_t stream) {
+  constexpr int smem = dkdv_smem_bytes<HD, WG, PACKED>();
+  auto kernel = attention_dkdv_sm90_kernel<HD, WG, PACKED>;
+  QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  const dim3 grid = tiles_last_grid((T + 64 * WG - 1) / (64 * WG), nkv, B);
+  kernel<<<grid, 128 * WG, smem, stream>>>(dk, dv, dq, dout, q, k, v, lse, pos, T, nh, nkv, scale,
+                                           scale_log2);
+  QT_CHECK_LAUNCH();
+}
+
+template <int HD, int WG, bool PACKED>
+void launch_dq_sm90(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                    const float* lse, const int* pos, int B, int T, int nh, int nkv, float scale,
+                    float scale_log2, cudaStream_t stream) {
+  constexpr int smem = dq_smem_bytes<HD, WG, kDqKvStep>();
+  auto kernel = attention_dq_sm90_kernel<HD, WG, kDqKvStep, PACKED>;
+  QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  const dim3 grid = tiles_last_grid((T + 64 * WG - 1) / (64 * WG), nh, B);
+  kernel<<<grid, 128 * WG, smem, stream>>>(dq, dout, q, k, v, lse, pos, T, nh, nkv, scale,
+                                           scale_log2);
+  QT_CHECK_LAUNCH();
+}
+
+// The three kernels; wkv, wq: warpgroups per dK/dV and dQ block, 3 = warp-specialised
+// (attention_sm90_backward_ws.cu).
+template <int HD, bool PACKED>
+void backward_sm90(int wkv, int wq, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
+                   const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
+                   const int* pos, int B, int T, int nh, int nkv, cudaStream_t stream) {
   const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
   const float scale = static_cast<float>(scale_d);
   const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
@@ -448,48 +473,22 @@ void launch_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const 
   attention_delta_sm90_kernel<HD>
       <<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(dq, dout, out, rows);
   QT_CHECK_LAUNCH();
-  {
-    constexpr int smem = dkdv_smem_bytes<HD, WG_KV, PACKED>();
-    auto kernel = attention_dkdv_sm90_kernel<HD, WG_KV, PACKED>;
-    QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    QT_CHECK_CUDA(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    const dim3 grid = tiles_last_grid((T + 64 * WG_KV - 1) / (64 * WG_KV), nkv, B);
-    kernel<<<grid, 128 * WG_KV, smem, stream>>>(dk, dv, dq, dout, q, k, v, lse, pos, T, nh, nkv,
-                                                scale, scale_log2);
-    QT_CHECK_LAUNCH();
-  }
-  {
-    constexpr int smem = dq_smem_bytes<HD, WG_Q, BCK>();
-    auto kernel = attention_dq_sm90_kernel<HD, WG_Q, BCK, PACKED>;
-    QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    QT_CHECK_CUDA(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
-    const dim3 grid = tiles_last_grid((T + 64 * WG_Q - 1) / (64 * WG_Q), nh, B);
-    kernel<<<grid, 128 * WG_Q, smem, stream>>>(dq, dout, q, k, v, lse, pos, T, nh, nkv, scale,
-                                               scale_log2);
-    QT_CHECK_LAUNCH();
-  }
-}
-
-template <int HD, bool PACKED>
-void dispatch_backward_sm90(int wkv, int wq, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
-                            const bf16* q, const bf16* k, const bf16* v, const bf16* out,
-                            const float* lse, const int* pos, int B, int T, int nh, int nkv,
-                            cudaStream_t stream) {
-  constexpr int S = kDqKvStep;
-  if (wkv == 1 && wq == 1)
-    launch_backward_sm90<HD, 1, 1, S, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
-                                              nkv, stream);
+  if (wkv == 3)
+    attention_dkdv_ws_sm90(dk, dv, dq, dout, q, k, v, lse, pos, B, T, nh, nkv, HD, stream);
   else if (wkv == 1)
-    launch_backward_sm90<HD, 1, 2, S, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
-                                              nkv, stream);
-  else if (wq == 1)
-    launch_backward_sm90<HD, 2, 1, S, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
-                                              nkv, stream);
+    launch_dkdv_sm90<HD, 1, PACKED>(dk, dv, dq, dout, q, k, v, lse, pos, B, T, nh, nkv, scale,
+                                    scale_log2, stream);
   else
-    launch_backward_sm90<HD, 2, 2, S, PACKED>(dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
-                                              nkv, stream);
+    launch_dkdv_sm90<HD, 2, PACKED>(dk, dv, dq, dout, q, k, v, lse, pos, B, T, nh, nkv, scale,
+                                    scale_log2, stream);
+  if (wq == 3)
+    attention_dq_ws_sm90(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, HD, stream);
+  else if (wq == 1)
+    launch_dq_sm90<HD, 1, PACKED>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, scale, scale_log2,
+                                  stream);
+  else
+    launch_dq_sm90<HD, 2, PACKED>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, scale, scale_log2,
+                                  stream);
 }
 
 }  // namespace
@@ -499,22 +498,27 @@ void attention_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, con
                              const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
                              int dkdv_warps, int dq_warps, cudaStream_t stream) {
   check_shapes("attention_backward", B, T, nh, nkv, hd);
-  const int wkv = (dkdv_warps ? dkdv_warps : kDkdvDefaultWarps) / 4;
-  const int wq = (dq_warps ? dq_warps : kDqDefaultWarps) / 4;
+  int wkv = (dkdv_warps ? dkdv_warps : kDkdvDefaultWarps) / 4;  // 3: warp-specialised
+  int wq = (dq_warps ? dq_warps : kDqDefaultWarps) / 4;
+  // The tensor maps of the warp-specialised kernels need 16-byte aligned bases.
+  if (!(is_aligned16(q) && is_aligned16(dout) && is_aligned16(k) && is_aligned16(v))) {
+    wkv = wkv == 3 ? 2 : wkv;
+    wq = wq == 3 ? 2 : wq;
+  }
   if (hd == 128) {
     if (pos)
-      dispatch_backward_sm90<128, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
-                                        nkv, stream);
+      backward_sm90<128, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
+                               stream);
     else
-      dispatch_backward_sm90<128, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T,
-                                         nh, nkv, stream);
+      backward_sm90<128, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
+                                stream);
   } else {
     if (pos)
-      dispatch_backward_sm90<64, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
-                                       nkv, stream);
+      backward_sm90<64, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
+                              stream);
     else
-      dispatch_backward_sm90<64, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh,
-                                        nkv, stream);
+      backward_sm90<64, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
+                               stream);
   }
 }
 

@@ -51,6 +51,18 @@ void attention_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, con
                              const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
                              int dkdv_warps, int dq_warps, cudaStream_t stream);
 
+// The dK/dV and dQ kernels of attention_backward_sm90, warp-specialised
+// (attention_sm90_backward_ws.cu): a TMA producer warp and two consumer warpgroups per 128 rows;
+// same results as the kernels they replace (D already in dq / dq_delta). q, dout, k, v 16-byte
+// aligned.
+void attention_dkdv_ws_sm90(bf16* dk, bf16* dv, const bf16* dq_delta, const bf16* dout,
+                            const bf16* q, const bf16* k, const bf16* v, const float* lse,
+                            const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
+                            cudaStream_t stream);
+void attention_dq_ws_sm90(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                          const float* lse, const std::int32_t* pos, int B, int T, int nh, int nkv,
+                          int hd, cudaStream_t stream);
+
 // Whether cfg selects the sm_90a path (kAuto: when available; kWgmma when unavailable aborts).
 bool attention_use_wgmma(const AttentionConfig& cfg);
 

@@ -1,0 +1,567 @@
+// The attention backward's dK/dV and dQ kernels for sm_90a, warp-specialised: the same equations,
+// tiles, order of additions and results as attention_dkdv_sm90_kernel and attention_dq_sm90_kernel
+// (attention_sm90_backward.cu, which documents them), with the loads moved to a producer warp.
+//
+// A block of three warpgroups:
+//   warpgroup 0, the producer (24 registers per thread; one warp works): the block's resident
+//     tiles once, then per step the streamed tiles with TMA (tensor maps, 128B swizzle, rows >= T
+//     read as zero) into one of kStages buffers; it signals the buffer's "full" mbarrier and waits
+//     on its "empty" one before reusing it;
+//   warpgroups 1 and 2, the consumers (240 registers), each owning 64 rows of the block's tile
+//     with their accumulators in fp32 registers: wait for the step's buffer, run the step's
+//     products and release the buffer (one arrival per warp).
+// dK/dV: 128 kv rows per block (K, V resident), Q, dO, lse, D (and pos) of 64 query rows per step
+// (lse, D, pos with plain loads by the producer warp's lanes). dQ: 128 query rows per block
+// (Q, dO resident; lse and D in registers), K, V of 64 kv rows per step.
+// No block-wide barrier in the loops: the two consumers drift apart, so one's exponentials overlap
+// the other's products, and neither issues loads.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <string>
+
+#include "cuda/check.h"
+#include "ops/cuda/attention.cuh"
+#include "ops/cuda/attention_mma.cuh"
+#include "ops/cuda/attention_wgmma.cuh"
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/tma.cuh"
+
+namespace qt::cuda {
+namespace {
+
+using namespace attn;
+
+constexpr int kStages = 3;  // buffers of the streamed tiles
+constexpr int kWsBC = 128;  // dK/dV: kv rows per block (64 per consumer warpgroup)
+constexpr int kWsBRQ = 64;  // dK/dV: query rows per step
+constexpr int kWsBR = 128;  // dQ: query rows per block
+constexpr int kWsBCK = 64;  // dQ: kv rows per step
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 65536
+
+template <int HD>
+struct WsLayout {  // byte offsets from the 1024-aligned base
+  static constexpr int kKV = kWsBC * HD * 2, kQ = kWsBRQ * HD * 2;
+  static constexpr int K = 0, V = kKV, Q = 2 * kKV, dO = Q + kStages * kQ;
+  static constexpr int L = dO + kStages * kQ, D = L + kStages * kWsBRQ * 4,
+                       P = D + kStages * kWsBRQ * 4;
+  static constexpr int bars = P + kStages * kWsBRQ * 4;  // kv_full, full[kStages], empty[kStages]
+  static constexpr int bytes = bars + (1 + 2 * kStages) * 8 + 1024;  // + alignment slack
+};
+
+template <int HD, bool PACKED>
+__global__ void __launch_bounds__(384, 1)
+    attention_dkdv_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
+                             const __grid_constant__ CUtensorMap tm_do,
+                             const __grid_constant__ CUtensorMap tm_k,
+                             const __grid_constant__ CUtensorMap tm_v, bf16* __restrict__ dk,
+                             bf16* __restrict__ dv, const bf16* dq_delta,
+                             const float* __restrict__ lse, const int* __restrict__ pos, int T,
+                             int nh, int nkv, float scale, float scale_log2) {
+#if QT_ATTN_HAS_WGMMA
+  using Lay = WsLayout<HD>;
+  constexpr int BC = kWsBC, BRQ = kWsBRQ;
+  constexpr int KT = HD / 16;   // k-steps of S^T and dP^T
+  constexpr int QT = BRQ / 16;  // k-steps of dV and dK
+  constexpr int NS = BRQ / 2;   // S^T accumulators per thread
+  constexpr int PANELS = HD / 64;
+
+  const int kvt = blockIdx.z;  // kv tile 0 sees the most query rows: launched first
+  const int kvh = blockIdx.x, b = blockIdx.y;
+  const int ratio = nh / nkv;
+  const int tid = threadIdx.x, wg = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
+
+  extern __shared__ char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  char* sbase = smem_raw + (base - raw);
+  const uint32_t aK = base + Lay::K, aV = base + Lay::V;
+  const uint32_t kv_full = base + Lay::bars;
+  auto full = [&](int st) { return kv_full + 8 * (1 + st); };
+  auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
+  float* sL = reinterpret_cast<float*>(sbase + Lay::L);
+  float* sD = reinterpret_cast<float*>(sbase + Lay::D);
+  int* sP = reinterpret_cast<int*>(sbase + Lay::P);
+
+  const int k0 = kvt * BC;
+  const int n_qt = (T + BRQ - 1) / BRQ;
+  const int i_first = k0 / BRQ;  // query tiles before it lie wholly above the diagonal
+  const int* pb = PACKED ? pos + static_cast<long long>(b) * T : nullptr;
+  int i_end = n_qt;  // query tiles from i_end on read none of this tile's keys
+  if constexpr (PACKED) i_end = packed_query_tile_end(pb, i_first, n_qt, BRQ, k0 + BC - 1);
+  const int per_head = i_end - i_first;
+  const int steps = ratio * per_head;
+
+  if (tid == 0) {
+    tma::mbar_init(kv_full, 1);
+    for (int st = 0; st < kStages; ++st) {
+      tma::mbar_init(full(st), 32);  // the producer warp's lanes (lane 0 also sets the bytes)
+      tma::mbar_init(empty(st), 8);  // one arrival per consumer warp
+    }
+    tma::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer -------------------------------------------------------------------------
+    tma::setmaxnreg_dec<kProducerRegs>();
+    if (warp != 0) return;
+    if (lane == 0) {
+      tma::prefetch_map(&tm_q);
+      tma::prefetch_map(&tm_do);
+      tma::mbar_arrive_expect_tx(kv_full, 2 * Lay::kKV);
+#pragma unroll
+      for (int p = 0; p < PANELS; ++p) {
+        tma::load_4d(aK + p * BC * 128, &tm_k, 64 * p, kvh, k0, b, kv_full);
+        tma::load_4d(aV + p * BC * 128, &tm_v, 64 * p, kvh, k0, b, kv_full);
+      }
+    }
+    int hs = 0, is = 0;
+    for (int s = 0; s < steps; ++s) {
+      const int st = s % kStages;
+      tma::mbar_wait(empty(st), ((s / kStages) & 1) ^ 1);
+      const int h = kvh * ratio + hs;
+      const int qrow0 = (i_first + is) * BRQ;
+      if (lane == 0) {
+        tma::mbar_expect_tx(full(st), 2 * Lay::kQ);
+        const uint32_t tQ = base + Lay::Q + st * Lay::kQ, tdO = base + Lay::dO + st * Lay::kQ;
+#pragma unroll
+        for (int p = 0; p < PANELS; ++p) {
+          tma::load_4d(tQ + p * BRQ * 128, &tm_q, 64 * p, h, qrow0, b, full(st));
+          tma::load_4d(tdO + p * BRQ * 128, &tm_do, 64 * p, h, qrow0, b, full(st));
+        }
+      }
+      __syncwarp();  // the bytes are expected before any lane's arrival can complete the phase
+#pragma unroll
+      for (int r = lane; r < BRQ; r += 32) {
+        const int t = qrow0 + r;
+        const bool ok = t < T;
+        sL[st * BRQ + r] = ok ? lse[(static_cast<long long>(b) * nh + h) * T + t] : 0.f;
+        sD[st * BRQ + r] = ok ? *delta_ptr(dq_delta, b, t, h, T, nh, HD) : 0.f;
+        if constexpr (PACKED) sP[st * BRQ + r] = ok ? pb[t] : 0;
+      }
+      tma::mbar_arrive(full(st));
+      if (++is == per_head) {
+        is = 0;
+        ++hs;
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ------------------------------------------------------------------------------
+  tma::setmaxnreg_inc<kConsumerRegs>();
+  const int c = wg - 1;
+  const long long ldkv = static_cast<long long>(nkv) * HD;
+  const long long kv_off = static_cast<long long>(b) * T * ldkv + kvh * HD;
+  float dk_acc[HD / 2], dv_acc[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dk_acc[i] = dv_acc[i] = 0.f;
+  const int kv_wg0 = k0 + c * 64;                        // first kv row of this warpgroup
+  const int kv_row0 = kv_wg0 + warp * 16 + (lane >> 2);  // kv row of st[4nb], st[4nb+1]; +8
+  const int kv_srow = c * 64;                            // this warpgroup's rows in sK, sV
+
+  tma::mbar_wait(kv_full, 0);
+  int is = 0;
+  for (int s = 0; s < steps; ++s) {
+    const int stg = s % kStages;
+    const uint32_t tQ = base + Lay::Q + stg * Lay::kQ, tdO = base + Lay::dO + stg * Lay::kQ;
+    const float* Lb = sL + stg * BRQ;
+    const float* Db = sD + stg * BRQ;
+    const int* Pb = sP + stg * BRQ;  // pos of the tile's queries (PACKED)
+    const int q_base = (i_first + is) * BRQ;
+    if (++is == per_head) is = 0;
+    tma::mbar_wait(full(stg), (s / kStages) & 1);
+
+    bool skip = q_base + BRQ - 1 < kv_wg0;  // every query of the tile precedes these kv rows
+    bool low_mask = false;                  // some query's document starts after a kv row
+    if constexpr (PACKED) {
+      skip = skip || q_base - Pb[0] > kv_wg0 + 63;  // every query's document starts after them
+      const int last = min(BRQ, T - q_base) - 1;
+      low_mask = q_base + last - Pb[last] > kv_wg0 + warp * 16;
+    }
+    if (!skip) {
+      float st[NS], dpt[NS];
+      wgmma_fence();
+      wgmma_ss_kmajor<BRQ, BC, BRQ, KT>(st, aK, kv_srow, tQ);
+      wgmma_commit();
+      wgmma_ss_kmajor<BRQ, BC, BRQ, KT>(dpt, aV, kv_srow, tdO);
+      wgmma_commit();
+
+      wgmma_wait<1>();  // S^T
+      fence_acc(st);
+      // P^T = exp2(S^T scale log2e - lse log2e); zero where query < kv row or query >= T.
+      const bool need_mask = q_base < kv_wg0 + 63 || q_base + BRQ > T;
+#pragma unroll
+      for (int nb = 0; nb < NS / 4; ++nb) {
+        const int col = nb * 8 + 2 * (lane & 3);
+        const float2 l2 = *reinterpret_cast<const float2*>(Lb + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float pv = fast_exp2(fmaf(st[4 * nb + e], scale_log2, -(e & 1 ? l2.y : l2.x) * kLog2e));
+          if (need_mask) {
+            const int qi = q_base + col + (e & 1);
+            if (qi < kv_row0 + 8 * (e >> 1) || qi >= T) pv = 0.f;
+          }
+          st[4 * nb + e] = pv;
+        }
+      }
+      if constexpr (PACKED) {
+        // Zero where kv row < ds[query] (queries >= T read pos 0 and are masked above).
+        if (low_mask) {
+#pragma unroll
+          for (int nb = 0; nb < NS / 4; ++nb) {
+            const int col = nb * 8 + 2 * (lane & 3);
+            const int2 p2 = *reinterpret_cast<const int2*>(Pb + col);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int ds = q_base + col + (e & 1) - (e & 1 ? p2.y : p2.x);
+              if (kv_row0 + 8 * (e >> 1) < ds) st[4 * nb + e] = 0.f;
+            }
+          }
+        }
+      }
+      uint32_t pa[QT][4];
+      acc_to_frags<QT>(pa, st);
+      wgmma_fence();
+      wgmma_rs_mnmajor<HD, BRQ, QT>(dv_acc, pa, tdO);
+      wgmma_commit();
+
+      wgmma_wait<1>();  // dP^T (dV may still run)
+      fence_acc(dpt);
+      // dS^T = P^T (dP^T - D)
+#pragma unroll
+      for (int nb = 0; nb < NS / 4; ++nb) {
+        const int col = nb * 8 + 2 * (lane & 3);
+        const float2 d2 = *reinterpret_cast<const float2*>(Db + col);
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          dpt[4 * nb + e] = st[4 * nb + e] * (dpt[4 * nb + e] - (e & 1 ? d2.y : d2.x));
+      }
+      uint32_t da[QT][4];
+      acc_to_frags<QT>(da, dpt);
+      wgmma_fence();
+      wgmma_rs_mnmajor<HD, BRQ, QT>(dk_acc, da, tQ);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(dk_acc);
+      fence_acc(dv_acc);
+    }
+    __syncwarp();  // every lane's reads of the buffer are done
+    if (lane == 0) tma::mbar_arrive(empty(stg));
+  }
+
+  // Epilogue through this warpgroup's own rows of sK and sV (only its wgmmas read them; the
+  // barrier makes sure each of its warps is past its last wait).
+  warpgroup_barrier(wg);
+  const int wrow = kv_srow + warp * 16;
+  stage_acc_sw128<BC, HD>(sbase + Lay::K, wrow, dk_acc, scale, scale, lane);
+  stage_acc_sw128<BC, HD>(sbase + Lay::V, wrow, dv_acc, 1.f, 1.f, lane);
+  __syncwarp();
+  store_warp_rows_sw128<BC, HD>(dk + kv_off, ldkv, k0 + wrow, T, sbase + Lay::K, wrow, lane);
+  store_warp_rows_sw128<BC, HD>(dv + kv_off, ldkv, k0 + wrow, T, sbase + Lay::V, wrow, lane);
+#else
+  __trap();  // built without sm_90a: the dispatcher never launches this
+#endif
+}
+
+template <int HD>
+struct WsDqLayout {  // byte offsets from the 1024-aligned base
+  static constexpr int kQ = kWsBR * HD * 2, kKV = kWsBCK * HD * 2;
+  static constexpr int Q = 0, dO = kQ, K = 2 * kQ, V = K + kStages * kKV;
+  static constexpr int bars = V + kStages * kKV;  // qdo_full, full[kStages], empty[kStages]
+  static constexpr int bytes = bars + (1 + 2 * kStages) * 8 + 1024;  // + alignment slack
+};
+
+template <int HD, bool PACKED>
+__global__ void __launch_bounds__(384, 1)
+    attention_dq_ws_kernel(const __grid_constant__ CUtensorMap tm_q,
+                           const __grid_constant__ CUtensorMap tm_do,
+                           const __grid_constant__ CUtensorMap tm_k,
+                           const __grid_constant__ CUtensorMap tm_v, bf16* dq,
+                           const float* __restrict__ lse, const int* __restrict__ pos, int T,
+                           int nh, int nkv, float scale, float scale_log2) {
+#if QT_ATTN_HAS_WGMMA
+  using Lay = WsDqLayout<HD>;
+  constexpr int BR = kWsBR, BCK = kWsBCK;
+  constexpr int KT = HD / 16;   // k-steps of S and dP
+  constexpr int CT = BCK / 16;  // k-steps of dQ
+  constexpr int NS = BCK / 2;   // S accumulators per thread
+  constexpr int PANELS = HD / 64;
+
+  const int n_qtiles = (T + BR - 1) / BR;
+  const int qt = n_qtiles - 1 - static_cast<int>(blockIdx.z);  // longest rows first
+  const int h = blockIdx.x, b = blockIdx.y;
+  const int kvh = h / (nh / nkv);
+  const int tid = threadIdx.x, wg = warpgroup_index(), warp = (tid >> 5) & 3, lane = tid & 31;
+
+  extern __shared__ char smem_raw[];
+  const uint32_t raw = smem_addr(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  char* sbase = smem_raw + (base - raw);
+  const uint32_t aQ = base + Lay::Q, adO = base + Lay::dO;
+  const uint32_t qdo_full = base + Lay::bars;
+  auto full = [&](int st) { return qdo_full + 8 * (1 + st); };
+  auto empty = [&](int st) { return qdo_full + 8 * (1 + kStages + st); };
+
+  const int q0 = qt * BR;
+  const int q_end = min(q0 + BR, T);
+  const int n_kv = (q_end - 1) / BCK + 1;
+  const int* pb = PACKED ? pos + static_cast<long long>(b) * T : nullptr;
+  int j0 = 0;  // first kv tile any row reads (PACKED: the tile of the first row's document start)
+  if constexpr (PACKED) j0 = (q0 - pb[q0]) / BCK;
+
+  if (tid == 0) {
+    tma::mbar_init(qdo_full, 1);
+    for (int st = 0; st < kStages; ++st) {
+      tma::mbar_init(full(st), 1);   // the producer's arrival with the bytes
+      tma::mbar_init(empty(st), 8);  // one arrival per consumer warp
+    }
+    tma::fence_mbar_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer -------------------------------------------------------------------------
+    tma::setmaxnreg_dec<kProducerRegs>();
+    if (warp != 0 || lane != 0) return;
+    tma::prefetch_map(&tm_k);
+    tma::prefetch_map(&tm_v);
+    tma::mbar_arrive_expect_tx(qdo_full, 2 * Lay::kQ);
+#pragma unroll
+    for (int p = 0; p < PANELS; ++p) {
+      tma::load_4d(aQ + p * BR * 128, &tm_q, 64 * p, h, q0, b, qdo_full);
+      tma::load_4d(adO + p * BR * 128, &tm_do, 64 * p, h, q0, b, qdo_full);
+    }
+    for (int j = j0; j < n_kv; ++j) {
+      const int s = j - j0, st = s % kStages;
+      tma::mbar_wait(empty(st), ((s / kStages) & 1) ^ 1);
+      tma::mbar_arrive_expect_tx(full(st), 2 * Lay::kKV);
+      const uint32_t tK = base + Lay::K + st * Lay::kKV, tV = base + Lay::V + st * Lay::kKV;
+#pragma unroll
+      for (int p = 0; p < PANELS; ++p) {
+        tma::load_4d(tK + p * BCK * 128, &tm_k, 64 * p, kvh, j * BCK, b, full(st));
+        tma::load_4d(tV + p * BCK * 128, &tm_v, 64 * p, kvh, j * BCK, b, full(st));
+      }
+    }
+    return;
+  }
+
+  // ---- consumers ------------------------------------------------------------------------------
+  tma::setmaxnreg_inc<kConsumerRegs>();
+  const int c = wg - 1;
+  const long long ldq = static_cast<long long>(nh) * HD;
+  const long long q_off = static_cast<long long>(b) * T * ldq + h * HD;
+  const int q_wg0 = q0 + c * 64;  // first query row of this warpgroup
+  const int q_srow = c * 64;      // its rows in sQ, sdO
+  const int row_q0 = q_wg0 + warp * 16 + (lane >> 2);
+
+  // Packed: document starts of rows g and g+8 (padded rows: the last row's), their maximum over
+  // the warp, and the first kv row this warpgroup reads.
+  int ds_row[2] = {0, 0}, ds_warp = 0, ds_wg = 0;
+  if constexpr (PACKED) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = min(row_q0 + 8 * r, T - 1);
+      ds_row[r] = row - pb[row];
+    }
+    ds_warp = __shfl_sync(0xffffffffu, ds_row[1], 31);
+    const int wrow0 = min(q_wg0, T - 1);
+    ds_wg = wrow0 - pb[wrow0];
+  }
+  // lse (log2 units) and D of rows g and g+8 of this warp, read before dq is overwritten (only
+  // this warp stores these rows, at the end).
+  float lse2[2], Dr[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_q0 + 8 * r;
+    const bool ok = row < T;
+    lse2[r] = ok ? lse[(static_cast<long long>(b) * nh + h) * T + row] * kLog2e : 0.f;
+    Dr[r] = ok ? *delta_ptr(dq, b, row, h, T, nh, HD) : 0.f;
+  }
+  float dq_acc[HD / 2];
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) dq_acc[i] = 0.f;
+
+  tma::mbar_wait(qdo_full, 0);
+  for (int j = j0; j < n_kv; ++j) {
+    const int s = j - j0, stg = s % kStages;
+    const uint32_t tK = base + Lay::K + stg * Lay::kKV, tV = base + Lay::V + stg * Lay::kKV;
+    // Skipped: every key of the tile follows this warpgroup's queries, or (PACKED) precedes all
+    // their documents.
+    bool skip = j * BCK > q_wg0 + 63;
+    if constexpr (PACKED) skip = skip || j * BCK + BCK - 1 < ds_wg;
+    // Waited for even when skipped: a parity wait must never fall a phase behind.
+    tma::mbar_wait(full(stg), (s / kStages) & 1);
+    if (!skip) {
+      float sc[NS], dp[NS];
+      wgmma_fence();
+      wgmma_ss_kmajor<BCK, BR, BCK, KT>(sc, aQ, q_srow, tK);
+      wgmma_commit();
+      wgmma_ss_kmajor<BCK, BR, BCK, KT>(dp, adO, q_srow, tV);
+      wgmma_commit();
+
+      wgmma_wait<1>();  // S
+      fence_acc(sc);
+      const bool diag = j * BCK + BCK - 1 > q_wg0;
+#pragma unroll
+      for (int i = 0; i < NS; ++i) {
+        const int r = (i >> 1) & 1;
+        float pv = fast_exp2(fmaf(sc[i], scale_log2, -lse2[r]));
+        if (diag) {
+          const int key = j * BCK + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
+          if (key > row_q0 + 8 * r) pv = 0.f;
+        }
+        if constexpr (PACKED) {
+          if (j * BCK < ds_warp) {  // some row of this warp starts its document inside the tile
+            const int key = j * BCK + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
+            if (key < ds_row[r]) pv = 0.f;
+          }
+        }
+        sc[i] = pv;
+      }
+      wgmma_wait<0>();  // dP
+      fence_acc(dp);
+#pragma unroll
+      for (int i = 0; i < NS; ++i) dp[i] = sc[i] * (dp[i] - Dr[(i >> 1) & 1]);
+      uint32_t da[CT][4];
+      acc_to_frags<CT>(da, dp);
+      wgmma_fence();
+      wgmma_rs_mnmajor<HD, BCK, CT>(dq_acc, da, tK);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(dq_acc);
+    }
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(empty(stg));
+  }
+
+  // Epilogue through this warpgroup's own rows of sQ (only its wgmmas read them); overwrites the
+  // D values read above.
+  warpgroup_barrier(wg);
+  const int wrow = q_srow + warp * 16;
+  stage_acc_sw128<BR, HD>(sbase + Lay::Q, wrow, dq_acc, scale, scale, lane);
+  __syncwarp();
+  store_warp_rows_sw128<BR, HD>(dq + q_off, ldq, q0 + wrow, T, sbase + Lay::Q, wrow, lane);
+#else
+  __trap();  // built without sm_90a: the dispatcher never launches this
+#endif
+}
+
+template <int HD, bool PACKED>
+void launch_dq_ws(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                  const float* lse, const int* pos, int B, int T, int nh, int nkv,
+                  cudaStream_t stream) {
+  const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
+  const float scale = static_cast<float>(scale_d);
+  const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
+  const CUtensorMap tm_q = make_head_tile_map(q, B, T, nh, HD, kWsBR);
+  const CUtensorMap tm_do = make_head_tile_map(dout, B, T, nh, HD, kWsBR);
+  const CUtensorMap tm_k = make_head_tile_map(k, B, T, nkv, HD, kWsBCK);
+  const CUtensorMap tm_v = make_head_tile_map(v, B, T, nkv, HD, kWsBCK);
+  constexpr int smem = WsDqLayout<HD>::bytes;
+  auto kernel = attention_dq_ws_kernel<HD, PACKED>;
+  QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid = tiles_last_grid((T + kWsBR - 1) / kWsBR, nh, B);
+  kernel<<<grid, 384, smem, stream>>>(tm_q, tm_do, tm_k, tm_v, dq, lse, pos, T, nh, nkv, scale,
+                                      scale_log2);
+  QT_CHECK_LAUNCH();
+}
+
+template <int HD, bool PACKED>
+void launch_dkdv_ws(bf16* dk, bf16* dv, const bf16* dq_delta, const bf16* dout, const bf16* q,
+                    const bf16* k, const bf16* v, const float* lse, const int* pos, int B, int T,
+                    int nh, int nkv, cudaStream_t stream) {
+  const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
+  const float scale = static_cast<float>(scale_d);
+  const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
+  const CUtensorMap tm_q = make_head_tile_map(q, B, T, nh, HD, kWsBRQ);
+  const CUtensorMap tm_do = make_head_tile_map(dout, B, T, nh, HD, kWsBRQ);
+  const CUtensorMap tm_k = make_head_tile_map(k, B, T, nkv, HD, kWsBC);
+  const CUtensorMap tm_v = make_head_tile_map(v, B, T, nkv, HD, kWsBC);
+  constexpr int smem = WsLayout<HD>::bytes;
+  auto kernel = attention_dkdv_ws_kernel<HD, PACKED>;
+  QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid = tiles_last_grid((T + kWsBC - 1) / kWsBC, nkv, B);
+  kernel<<<grid, 384, smem, stream>>>(tm_q, tm_do, tm_k, tm_v, dk, dv, dq_delta, lse, pos, T, nh,
+                                      nkv, scale, scale_log2);
+  QT_CHECK_LAUNCH();
+}
+
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                 const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                 const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                 CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+EncodeTiled encode_tiled() {
+  static const EncodeTiled fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    QT_CHECK_CUDA(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000,
+                                                   cudaEnableDefault, &found));
+    if (found != cudaDriverEntryPointSuccess || p == nullptr)
+      fail_library("CUDA driver", __FILE__, __LINE__, "cudaGetDriverEntryPointByVersion",
+                   "cuTensorMapEncodeTiled not found (driver older than CUDA 12.0?)");
+    return reinterpret_cast<EncodeTiled>(p);
+  }();
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap make_head_tile_map(const void* base, int B, int T, int heads, int hd, int box_rows) {
+  QT_CUDA_REQUIRE(is_aligned16(base) && (hd == 64 || hd == 128) && box_rows >= 1 && box_rows <= 256,
+                  "make_head_tile_map: needs a 16-byte aligned base, hd 64 or 128, 1..256 rows");
+  CUtensorMap map;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(hd), static_cast<cuuint64_t>(heads),
+                              static_cast<cuuint64_t>(T), static_cast<cuuint64_t>(B)};
+  const cuuint64_t row = static_cast<cuuint64_t>(heads) * hd * 2;  // bytes per token
+  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(hd) * 2, row, row * T};
+  const cuuint32_t box[4] = {64, 1, static_cast<cuuint32_t>(box_rows), 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult rc = encode_tiled()(
+      &map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, const_cast<void*>(base), dims, strides, box, unit,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (rc != CUDA_SUCCESS)
+    fail_library("CUDA driver", __FILE__, __LINE__, "cuTensorMapEncodeTiled",
+                 ("error " + std::to_string(static_cast<int>(rc))).c_str());
+  return map;
+}
+
+void attention_dkdv_ws_sm90(bf16* dk, bf16* dv, const bf16* dq_delta, const bf16* dout,
+                            const bf16* q, const bf16* k, const bf16* v, const float* lse,
+                            const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
+                            cudaStream_t stream) {
+  if (hd == 128) {
+    if (pos)
+      launch_dkdv_ws<128, true>(dk, dv, dq_delta, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+    else
+      launch_dkdv_ws<128, false>(dk, dv, dq_delta, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+  } else {
+    if (pos)
+      launch_dkdv_ws<64, true>(dk, dv, dq_delta, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+    else
+      launch_dkdv_ws<64, false>(dk, dv, dq_delta, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+  }
+}
+
+void attention_dq_ws_sm90(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
+                          const float* lse, const std::int32_t* pos, int B, int T, int nh, int nkv,
+                          int hd, cudaStream_t stream) {
+  if (hd == 128) {
+    if (pos)
+      launch_dq_ws<128, true>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+    else
+      launch_dq_ws<128, false>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+  } else {
+    if (pos)
+      launch_dq_ws<64, true>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+    else
+      launch_dq_ws<64, false>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+  }
+}
+
+}  // namespace qt::cuda
