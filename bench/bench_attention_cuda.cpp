@@ -354,14 +354,16 @@ int main(int argc, char** argv) {
       reg("fwd/" + s.name() + "/wgmma", Kind::kFwd, {0, 0, 0, kW});
       reg("bwd/" + s.name() + "/wgmma", Kind::kBwd, {0, 0, 0, kW});
       reg("fwdbwd/" + s.name() + "/wgmma", Kind::kFwdBwd, {0, 0, 0, kW});
+      // The forward with two warpgroups per block and warp-specialised (fwd_warps 8, 12).
+      reg("fwd/" + s.name() + "/wgmma_w8", Kind::kFwd, {8, 0, 0, kW});
+      reg("fwd/" + s.name() + "/wgmma_w12", Kind::kFwd, {12, 0, 0, kW});
       // The backward without warp specialisation (two warpgroups per block, dkdv_warps and
       // dq_warps 8), and with it in the dK/dV kernel only.
       reg("bwd/" + s.name() + "/wgmma_kv8q8", Kind::kBwd, {0, 8, 8, kW});
       reg("bwd/" + s.name() + "/wgmma_kv12q8", Kind::kBwd, {0, 12, 8, kW});
       if (!all) continue;
       reg("fwd/" + s.name() + "/mma_w8", Kind::kFwd, {8, 4, 4, kM});
-      for (int w : {4, 8})
-        reg("fwd/" + s.name() + "/wgmma_w" + std::to_string(w), Kind::kFwd, {w, 0, 0, kW});
+      reg("fwd/" + s.name() + "/wgmma_w4", Kind::kFwd, {4, 0, 0, kW});
       for (int wkv : {4, 8, 12})
         for (int wq : {4, 8, 12})
           if (!(wkv == 8 && wq == 8) && !(wkv == 12 && wq == 8))

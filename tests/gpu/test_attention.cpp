@@ -98,7 +98,7 @@ std::vector<PathConfig> path_configs() {
   if (attention_wgmma_available()) {
     v.push_back({"wgmma4", {4, 4, 4, AttentionPath::kWgmma}});  // 1 warpgroup per block
     v.push_back({"wgmma8", {8, 8, 8, AttentionPath::kWgmma}});  // 2 warpgroups per block
-    v.push_back({"wgmma ws", {8, 12, 12, AttentionPath::kWgmma}});  // warp-specialised dK/dV, dQ
+    v.push_back({"wgmma ws", {12, 12, 12, AttentionPath::kWgmma}});  // warp-specialised
   } else {
     static bool said = false;
     if (!said) std::printf("[attention] no sm_90a wgmma path here: testing the mma path only\n");

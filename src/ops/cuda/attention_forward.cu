@@ -238,9 +238,12 @@ void attention_forward(bf16* out, float* lse, const bf16* q, const bf16* k, cons
                        int Tn, int nh, int nkv, int hd, const AttentionConfig& cfg,
                        cudaStream_t stream, const std::int32_t* pos) {
   check_shapes("attention_forward", B, Tn, nh, nkv, hd);
-  if (cfg.fwd_warps != 0 && cfg.fwd_warps != 4 && cfg.fwd_warps != 8)
-    fail_library("attention", __FILE__, __LINE__, "fwd_warps", "fwd_warps must be 0, 4 or 8");
-  if (attention_use_wgmma(cfg)) {
+  const bool wgmma = attention_use_wgmma(cfg);
+  if (cfg.fwd_warps != 0 && cfg.fwd_warps != 4 && cfg.fwd_warps != 8 &&
+      !(wgmma && cfg.fwd_warps == 12))
+    fail_library("attention", __FILE__, __LINE__, "fwd_warps",
+                 "fwd_warps must be 0, 4 or 8 (or 12 on the wgmma path)");
+  if (wgmma) {
     attention_forward_sm90(out, lse, q, k, v, pos, B, Tn, nh, nkv, hd, cfg.fwd_warps, stream);
     return;
   }

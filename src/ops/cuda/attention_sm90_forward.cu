@@ -27,13 +27,14 @@
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/attention_wgmma.cuh"
+#include "ops/cuda/common.cuh"
 
 namespace qt::cuda {
 namespace {
 
 using namespace attn;
 
-constexpr int kFwdDefaultWarps = 8;  // 2 warpgroups per block (cfg.fwd_warps = 0)
+constexpr int kFwdDefaultWarps = 12;  // warp-specialised (cfg.fwd_warps = 0)
 
 template <int HD, int NWG>
 constexpr int fwd_smem_bytes() {
@@ -318,7 +319,11 @@ void attention_forward_sm90(bf16* out, float* lse, const bf16* q, const bf16* k,
                             const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
                             int warps, cudaStream_t stream) {
   check_shapes("attention_forward", B, T, nh, nkv, hd);
-  const int nwg = (warps ? warps : kFwdDefaultWarps) / 4;
+  const int nwg = (warps ? warps : kFwdDefaultWarps) / 4;  // 3: warp-specialised
+  if (nwg == 3 && is_aligned16(q) && is_aligned16(k) && is_aligned16(v)) {
+    attention_forward_ws_sm90(out, lse, q, k, v, pos, B, T, nh, nkv, hd, stream);
+    return;
+  }
   if (hd == 128) {
     if (nwg == 1)
       launch_forward_sm90<128, 1>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);

@@ -59,6 +59,10 @@ void attention_dkdv_ws_sm90(bf16* dk, bf16* dv, const bf16* dq_delta, const bf16
                             const bf16* q, const bf16* k, const bf16* v, const float* lse,
                             const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
                             cudaStream_t stream);
+// The forward, warp-specialised (attention_sm90_forward_ws.cu), as attention_forward_sm90.
+void attention_forward_ws_sm90(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
+                               const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
+                               cudaStream_t stream);
 void attention_dq_ws_sm90(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
                           const float* lse, const std::int32_t* pos, int B, int T, int nh, int nkv,
                           int hd, cudaStream_t stream);
