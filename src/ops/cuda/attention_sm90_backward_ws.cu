@@ -25,6 +25,7 @@
 #include "cuda/check.h"
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/attention_mma.cuh"
+#include "ops/cuda/attention_sm90_steps.cuh"
 #include "ops/cuda/attention_wgmma.cuh"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/tma.cuh"
@@ -63,9 +64,6 @@ __global__ void __launch_bounds__(384, 1)
 #if QT_ATTN_HAS_WGMMA
   using Lay = WsLayout<HD>;
   constexpr int BC = kWsBC, BRQ = kWsBRQ;
-  constexpr int KT = HD / 16;   // k-steps of S^T and dP^T
-  constexpr int QT = BRQ / 16;  // k-steps of dV and dK
-  constexpr int NS = BRQ / 2;   // S^T accumulators per thread
   constexpr int PANELS = HD / 64;
 
   const int kvt = blockIdx.z;  // kv tile 0 sees the most query rows: launched first
@@ -182,73 +180,9 @@ __global__ void __launch_bounds__(384, 1)
       const int last = min(BRQ, T - q_base) - 1;
       low_mask = q_base + last - Pb[last] > kv_wg0 + warp * 16;
     }
-    if (!skip) {
-      float st[NS], dpt[NS];
-      wgmma_fence();
-      wgmma_ss_kmajor<BRQ, BC, BRQ, KT>(st, aK, kv_srow, tQ);
-      wgmma_commit();
-      wgmma_ss_kmajor<BRQ, BC, BRQ, KT>(dpt, aV, kv_srow, tdO);
-      wgmma_commit();
-
-      wgmma_wait<1>();  // S^T
-      fence_acc(st);
-      // P^T = exp2(S^T scale log2e - lse log2e); zero where query < kv row or query >= T.
-      const bool need_mask = q_base < kv_wg0 + 63 || q_base + BRQ > T;
-#pragma unroll
-      for (int nb = 0; nb < NS / 4; ++nb) {
-        const int col = nb * 8 + 2 * (lane & 3);
-        const float2 l2 = *reinterpret_cast<const float2*>(Lb + col);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float pv = fast_exp2(fmaf(st[4 * nb + e], scale_log2, -(e & 1 ? l2.y : l2.x) * kLog2e));
-          if (need_mask) {
-            const int qi = q_base + col + (e & 1);
-            if (qi < kv_row0 + 8 * (e >> 1) || qi >= T) pv = 0.f;
-          }
-          st[4 * nb + e] = pv;
-        }
-      }
-      if constexpr (PACKED) {
-        // Zero where kv row < ds[query] (queries >= T read pos 0 and are masked above).
-        if (low_mask) {
-#pragma unroll
-          for (int nb = 0; nb < NS / 4; ++nb) {
-            const int col = nb * 8 + 2 * (lane & 3);
-            const int2 p2 = *reinterpret_cast<const int2*>(Pb + col);
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int ds = q_base + col + (e & 1) - (e & 1 ? p2.y : p2.x);
-              if (kv_row0 + 8 * (e >> 1) < ds) st[4 * nb + e] = 0.f;
-            }
-          }
-        }
-      }
-      uint32_t pa[QT][4];
-      acc_to_frags<QT>(pa, st);
-      wgmma_fence();
-      wgmma_rs_mnmajor<HD, BRQ, QT>(dv_acc, pa, tdO);
-      wgmma_commit();
-
-      wgmma_wait<1>();  // dP^T (dV may still run)
-      fence_acc(dpt);
-      // dS^T = P^T (dP^T - D)
-#pragma unroll
-      for (int nb = 0; nb < NS / 4; ++nb) {
-        const int col = nb * 8 + 2 * (lane & 3);
-        const float2 d2 = *reinterpret_cast<const float2*>(Db + col);
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          dpt[4 * nb + e] = st[4 * nb + e] * (dpt[4 * nb + e] - (e & 1 ? d2.y : d2.x));
-      }
-      uint32_t da[QT][4];
-      acc_to_frags<QT>(da, dpt);
-      wgmma_fence();
-      wgmma_rs_mnmajor<HD, BRQ, QT>(dk_acc, da, tQ);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_acc(dk_acc);
-      fence_acc(dv_acc);
-    }
+    if (!skip)
+      dkdv_step<HD, BC, BRQ, PACKED>(dk_acc, dv_acc, aK, aV, kv_srow, tQ, tdO, Lb, Db, Pb, q_base,
+                                     kv_wg0, kv_row0, low_mask, T, scale_log2, lane, [] {});
     __syncwarp();  // every lane's reads of the buffer are done
     if (lane == 0) tma::mbar_arrive(empty(stg));
   }
@@ -286,9 +220,6 @@ __global__ void __launch_bounds__(384, 1)
 #if QT_ATTN_HAS_WGMMA
   using Lay = WsDqLayout<HD>;
   constexpr int BR = kWsBR, BCK = kWsBCK;
-  constexpr int KT = HD / 16;   // k-steps of S and dP
-  constexpr int CT = BCK / 16;  // k-steps of dQ
-  constexpr int NS = BCK / 2;   // S accumulators per thread
   constexpr int PANELS = HD / 64;
 
   const int n_qtiles = (T + BR - 1) / BR;
@@ -371,16 +302,8 @@ __global__ void __launch_bounds__(384, 1)
     const int wrow0 = min(q_wg0, T - 1);
     ds_wg = wrow0 - pb[wrow0];
   }
-  // lse (log2 units) and D of rows g and g+8 of this warp, read before dq is overwritten (only
-  // this warp stores these rows, at the end).
   float lse2[2], Dr[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_q0 + 8 * r;
-    const bool ok = row < T;
-    lse2[r] = ok ? lse[(static_cast<long long>(b) * nh + h) * T + row] * kLog2e : 0.f;
-    Dr[r] = ok ? *delta_ptr(dq, b, row, h, T, nh, HD) : 0.f;
-  }
+  dq_row_stats(lse2, Dr, lse, dq, b, h, row_q0, T, nh, HD);
   float dq_acc[HD / 2];
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) dq_acc[i] = 0.f;
@@ -395,45 +318,9 @@ __global__ void __launch_bounds__(384, 1)
     if constexpr (PACKED) skip = skip || j * BCK + BCK - 1 < ds_wg;
     // Waited for even when skipped: a parity wait must never fall a phase behind.
     tma::mbar_wait(full(stg), (s / kStages) & 1);
-    if (!skip) {
-      float sc[NS], dp[NS];
-      wgmma_fence();
-      wgmma_ss_kmajor<BCK, BR, BCK, KT>(sc, aQ, q_srow, tK);
-      wgmma_commit();
-      wgmma_ss_kmajor<BCK, BR, BCK, KT>(dp, adO, q_srow, tV);
-      wgmma_commit();
-
-      wgmma_wait<1>();  // S
-      fence_acc(sc);
-      const bool diag = j * BCK + BCK - 1 > q_wg0;
-#pragma unroll
-      for (int i = 0; i < NS; ++i) {
-        const int r = (i >> 1) & 1;
-        float pv = fast_exp2(fmaf(sc[i], scale_log2, -lse2[r]));
-        if (diag) {
-          const int key = j * BCK + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
-          if (key > row_q0 + 8 * r) pv = 0.f;
-        }
-        if constexpr (PACKED) {
-          if (j * BCK < ds_warp) {  // some row of this warp starts its document inside the tile
-            const int key = j * BCK + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
-            if (key < ds_row[r]) pv = 0.f;
-          }
-        }
-        sc[i] = pv;
-      }
-      wgmma_wait<0>();  // dP
-      fence_acc(dp);
-#pragma unroll
-      for (int i = 0; i < NS; ++i) dp[i] = sc[i] * (dp[i] - Dr[(i >> 1) & 1]);
-      uint32_t da[CT][4];
-      acc_to_frags<CT>(da, dp);
-      wgmma_fence();
-      wgmma_rs_mnmajor<HD, BCK, CT>(dq_acc, da, tK);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_acc(dq_acc);
-    }
+    if (!skip)
+      dq_step<HD, BR, BCK, PACKED>(dq_acc, aQ, adO, q_srow, tK, tV, j * BCK, q_wg0, row_q0, lse2,
+                                   Dr, ds_row, ds_warp, lane, scale_log2, [] {});
     __syncwarp();
     if (lane == 0) tma::mbar_arrive(empty(stg));
   }

@@ -26,6 +26,7 @@
 #include "cuda/check.h"
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/attention_mma.cuh"
+#include "ops/cuda/attention_sm90_steps.cuh"
 #include "ops/cuda/attention_wgmma.cuh"
 #include "ops/cuda/common.cuh"
 
@@ -51,7 +52,6 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   constexpr int BR = 64 * NWG, BC = 64 * NWG, NT = 128 * NWG;
   constexpr int KT = HD / 16;  // k-steps of S = Q K^T
   constexpr int PT = BC / 16;  // k-steps of O += P V
-  constexpr int NS = BC / 2;   // S accumulators per thread
   constexpr int TILE = BC * HD * 2;
 
   const int n_qtiles = (T + BR - 1) / BR;
@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   float o[HD / 2];
 #pragma unroll
   for (int i = 0; i < HD / 2; ++i) o[i] = 0.f;
-  float s[NS];
+  float s[BC / 2];  // S_j, then P_j (fp32)
   uint32_t p[PT][4];
   float m_run[2] = {-INFINITY, -INFINITY};                    // rows g and g+8, log2 units (scaled)
   float l_run[2] = {0.f, 0.f};                                // this lane's part of the row sums
@@ -124,54 +124,10 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     load_tile_sw128<BC, HD, NT>(aV + (j & 1) * TILE, vb, j * BC, ldkv, T, tid);
     cp_async_commit();
   };
-  // Online softmax of S_j in place (s becomes P, fp32); returns the rescale factors of O.
+  // Masks and online softmax of S_j (attention_sm90_steps.cuh).
   auto softmax = [&](int j, float(&alpha)[2]) {
-    // Mask keys above the diagonal (keys >= T are above it for every real row; rows >= T are
-    // never stored). Tile 0 holds key 0 <= every query, so m is finite from the first tile on.
-    if (j * BC + BC - 1 > q0) {
-#pragma unroll
-      for (int i = 0; i < NS; ++i) {
-        const int key = j * BC + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
-        if (key > row_q0 + 8 * ((i >> 1) & 1)) s[i] = -INFINITY;
-      }
-    }
-    // Packed: keys below the row's document start, where some row of this warp starts inside
-    // the tile. A row whose document starts after this tile then has every key masked (m_new =
-    // -inf): it subtracts 0 instead, so its p and alpha are 0 (O and l stay 0) until its first
-    // real tile; its own key t is always in a later, processed tile.
-    if constexpr (PACKED) {
-      if (j * BC < ds_warp) {
-#pragma unroll
-        for (int i = 0; i < NS; ++i) {
-          const int key = j * BC + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
-          if (key < ds_row[(i >> 1) & 1]) s[i] = -INFINITY;
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nb = 0; nb < NS / 4; ++nb)
-        mx = fmaxf(mx, fmaxf(s[4 * nb + 2 * r], s[4 * nb + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx * scale_log2);
-      float m_use = m_new;
-      if constexpr (PACKED) m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = fast_exp2(m_run[r] - m_use);
-      m_run[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < NS / 4; ++nb) {
-        const float p0 = fast_exp2(fmaf(s[4 * nb + 2 * r], scale_log2, -m_use));
-        const float p1 = fast_exp2(fmaf(s[4 * nb + 2 * r + 1], scale_log2, -m_use));
-        s[4 * nb + 2 * r] = p0;
-        s[4 * nb + 2 * r + 1] = p1;
-        sum += p0 + p1;
-      }
-      l_run[r] = l_run[r] * alpha[r] + sum;
-    }
+    fwd_online_softmax<BC, PACKED>(s, m_run, l_run, alpha, j * BC, q0, row_q0, ds_row, ds_warp,
+                                   lane, scale_log2);
   };
 
   // Tile j0 (O is still zero: no P V to overlap with).
@@ -199,13 +155,7 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
     softmax(j, alpha);  // overlaps O += P_{j-1} V_{j-1}
     wgmma_wait<0>();
     fence_acc(o);
-#pragma unroll
-    for (int nb = 0; nb < HD / 8; ++nb) {
-      o[4 * nb] *= alpha[0];
-      o[4 * nb + 1] *= alpha[0];
-      o[4 * nb + 2] *= alpha[1];
-      o[4 * nb + 3] *= alpha[1];
-    }
+    rescale_rows<HD>(o, alpha);
     acc_to_frags<PT>(p, s);
   }
   // O += P V of the last tile.

@@ -21,6 +21,7 @@
 #include "cuda/check.h"
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/attention_mma.cuh"
+#include "ops/cuda/attention_sm90_steps.cuh"
 #include "ops/cuda/attention_wgmma.cuh"
 #include "ops/cuda/tma.cuh"
 
@@ -161,49 +162,10 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_rs_mnmajor<HD, BC, PT>(o, p, base + Lay::V + stage_of(j) * Lay::kKV);
     wgmma_commit();
   };
-  // Online softmax of S_j in place (s becomes P, fp32); returns the rescale factors of O. The
-  // masking and the packed rows' m_use are attention_forward_sm90_kernel's.
+  // Masks and online softmax of S_j (attention_sm90_steps.cuh).
   auto softmax = [&](int j, float(&alpha)[2]) {
-    if (j * BC + BC - 1 > q0) {
-#pragma unroll
-      for (int i = 0; i < NS; ++i) {
-        const int key = j * BC + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
-        if (key > row_q0 + 8 * ((i >> 1) & 1)) s[i] = -INFINITY;
-      }
-    }
-    if constexpr (PACKED) {
-      if (j * BC < ds_warp) {
-#pragma unroll
-        for (int i = 0; i < NS; ++i) {
-          const int key = j * BC + (i >> 2) * 8 + 2 * (lane & 3) + (i & 1);
-          if (key < ds_row[(i >> 1) & 1]) s[i] = -INFINITY;
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
-#pragma unroll
-      for (int nb = 0; nb < NS / 4; ++nb)
-        mx = fmaxf(mx, fmaxf(s[4 * nb + 2 * r], s[4 * nb + 2 * r + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_new = fmaxf(m_run[r], mx * scale_log2);
-      float m_use = m_new;
-      if constexpr (PACKED) m_use = m_new == -INFINITY ? 0.f : m_new;
-      alpha[r] = fast_exp2(m_run[r] - m_use);
-      m_run[r] = m_new;
-      float sum = 0.f;
-#pragma unroll
-      for (int nb = 0; nb < NS / 4; ++nb) {
-        const float p0 = fast_exp2(fmaf(s[4 * nb + 2 * r], scale_log2, -m_use));
-        const float p1 = fast_exp2(fmaf(s[4 * nb + 2 * r + 1], scale_log2, -m_use));
-        s[4 * nb + 2 * r] = p0;
-        s[4 * nb + 2 * r + 1] = p1;
-        sum += p0 + p1;
-      }
-      l_run[r] = l_run[r] * alpha[r] + sum;
-    }
+    fwd_online_softmax<BC, PACKED>(s, m_run, l_run, alpha, j * BC, q0, row_q0, ds_row, ds_warp,
+                                   lane, scale_log2);
   };
 
   tma::mbar_wait(q_full, 0);
@@ -232,13 +194,7 @@ __global__ void __launch_bounds__(384, 1)
     wgmma_wait<0>();
     fence_acc(o);
     release(1, j - 1);
-#pragma unroll
-    for (int nb = 0; nb < HD / 8; ++nb) {
-      o[4 * nb] *= alpha[0];
-      o[4 * nb + 1] *= alpha[0];
-      o[4 * nb + 2] *= alpha[1];
-      o[4 * nb + 3] *= alpha[1];
-    }
+    rescale_rows<HD>(o, alpha);
     acc_to_frags<PT>(p, s);
   }
   wait_full(1, n_kv - 1);  // O += P V of the last tile
