@@ -40,7 +40,8 @@ constexpr int kWsBC = 128;  // dK/dV: kv rows per block (64 per consumer warpgro
 constexpr int kWsBRQ = 64;  // dK/dV: query rows per step
 constexpr int kWsBR = 128;  // dQ: query rows per block
 constexpr int kWsBCK = 64;  // dQ: kv rows per step
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 65536
+// 128 x 24 + 256 x 240 <= 65536 (used only by the sm_90a bodies)
+[[maybe_unused]] constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 
 template <int HD>
 struct WsLayout {  // byte offsets from the 1024-aligned base

@@ -32,7 +32,8 @@ using namespace attn;
 
 constexpr int kFwdStages = 2;  // K buffers and V buffers (3 measured no faster)
 constexpr int kBR = 128, kBC = 128;
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;  // 128 x 24 + 256 x 240 <= 65536
+// 128 x 24 + 256 x 240 <= 65536 (used only by the sm_90a bodies)
+[[maybe_unused]] constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 
 template <int HD>
 struct FwdLayout {  // byte offsets from the 1024-aligned base
