@@ -1,9 +1,9 @@
-// Fused AdamW and the gradient sum of squares; see adamw.cuh. Every double operation of the CPU
-// optimizer is written as an explicitly rounded intrinsic (__dmul_rn, ...), which nvcc never
-// contracts into a fused multiply-add, so the results match the CPU's bit for bit.
+// Fused AdamW and the gradient sum of squares; see adamw.cuh. The element update, bit for bit the
+// CPU optimizer's, is in adamw_math.cuh.
 #include <cmath>
 
 #include "ops/cuda/adamw.cuh"
+#include "ops/cuda/adamw_math.cuh"
 #include "ops/cuda/common.cuh"
 
 namespace qt::cuda {
@@ -12,14 +12,6 @@ static constexpr int kThreads = 256;
 static constexpr int kNormThreads = 256;
 static constexpr int kNormMaxBlocks = kMaxPartials;
 static constexpr int kNormFinalThreads = 1024;  // >= kNormMaxBlocks
-
-namespace {
-// The per-step constants, computed on the host exactly as qt::AdamW does.
-struct AdamWConsts {
-  double lr, b1, b2, one_minus_b1, one_minus_b2, eps, clip, bc1, bc2;
-  float decay;  // float(lr * weight_decay)
-};
-}  // namespace
 
 // Index of the last segment with begin <= i, or -1.
 static __device__ __forceinline__ int find_segment(const AdamWSegment* seg, int ns,
@@ -33,24 +25,6 @@ static __device__ __forceinline__ int find_segment(const AdamWSegment* seg, int 
       hi = mid;
   }
   return lo - 1;
-}
-
-// One element; p, m, v updated in place. Same operations and order as AdamW::update_range.
-static __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float grad,
-                                                     bool decay, const AdamWConsts& k) {
-  const float g = __double2float_rn(__dmul_rn(static_cast<double>(grad), k.clip));
-  const double gd = g;
-  m = __double2float_rn(
-      __dadd_rn(__dmul_rn(k.b1, static_cast<double>(m)), __dmul_rn(k.one_minus_b1, gd)));
-  v = __double2float_rn(__dadd_rn(__dmul_rn(k.b2, static_cast<double>(v)),
-                                  __dmul_rn(__dmul_rn(k.one_minus_b2, gd), gd)));
-  const double mhat = __ddiv_rn(static_cast<double>(m), k.bc1);
-  const double vhat = __ddiv_rn(static_cast<double>(v), k.bc2);
-  float w = p;
-  w = __fsub_rn(w, __fmul_rn(decay ? k.decay : 0.0f, w));
-  w = __fsub_rn(
-      w, __double2float_rn(__ddiv_rn(__dmul_rn(k.lr, mhat), __dadd_rn(__dsqrt_rn(vhat), k.eps))));
-  p = w;
 }
 
 // Thread t updates elements [4t, 4t + 4): float4 / 4 x bf16 vectors when kVec and all 4 exist.

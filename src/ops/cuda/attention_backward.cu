@@ -99,12 +99,9 @@ __global__ void __launch_bounds__(WARPS * 32)
                  aL = smem_addr(sL), aD = smem_addr(sD), aP = smem_addr(sP);
 
   const int k0 = kvt * BC;
-  const int n_qt = (T + BRQ - 1) / BRQ;
-  const int i_first = k0 / BRQ;  // query tiles before it lie wholly above the diagonal
   const int* pb = PACKED ? pos + static_cast<long long>(b) * T : nullptr;
-  int i_end = n_qt;  // query tiles from i_end on read none of this tile's keys
-  if constexpr (PACKED) i_end = packed_query_tile_end(pb, i_first, n_qt, BRQ, k0 + BC - 1);
-  const int per_head = i_end - i_first;
+  const QueryTiles tiles = dkdv_query_tiles<PACKED>(pb, T, BRQ, k0, k0 + BC - 1);
+  const int i_first = tiles.first, per_head = tiles.count;
   const int steps = ratio * per_head;
 
   // Step s: query head kvh * ratio + s / per_head, query tile i_first + s % per_head.
@@ -452,9 +449,7 @@ template <int HD, int WARPS_KV, int WARPS_Q, bool PACKED>
 void launch_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q, const bf16* k,
                      const bf16* v, const bf16* out, const float* lse, const int* pos, int B, int T,
                      int nh, int nkv, cudaStream_t stream) {
-  const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
-  const float scale = static_cast<float>(scale_d);
-  const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
+  const auto [scale, scale_log2] = softmax_scale(HD);
 
   const long long rows = static_cast<long long>(B) * T * nh;
   attention_delta_kernel<HD>
@@ -519,21 +514,10 @@ void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf
                             cfg.dkdv_warps, cfg.dq_warps, stream);
     return;
   }
-  if (hd == 128) {
-    if (pos)
-      dispatch_backward<128, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh,
-                                   nkv, stream);
-    else
-      dispatch_backward<128, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh,
-                                    nkv, stream);
-  } else {
-    if (pos)
-      dispatch_backward<64, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh, nkv,
+  with_hd_packed(hd, pos, [&]<int HD, bool PACKED>() {
+    dispatch_backward<HD, PACKED>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh, nkv,
                                   stream);
-    else
-      dispatch_backward<64, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, Tn, nh,
-                                   nkv, stream);
-  }
+  });
 }
 
 void attention_backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,

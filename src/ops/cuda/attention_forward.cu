@@ -202,16 +202,8 @@ __global__ void __launch_bounds__(WARPS * 32)
 
   // Epilogue: full row sums, O / l through this warp's own rows of sQ (only this warp read them).
   float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[r] = 1.f / l;
-    const int row = row_q0 + 8 * r;
-    if ((lane & 3) == 0 && row < T)
-      lse[(static_cast<long long>(b) * nh + h) * T + row] = (m_run[r] + log2f(l)) * kLn2;
-  }
+  finish_forward_rows(inv, l_run, m_run, lse + (static_cast<long long>(b) * nh + h) * T, row_q0, T,
+                      lane);
   stage_acc<HD>(sQ, warp * 16, o, inv[0], inv[1], lane);
   __syncwarp();
   bf16* ob = out + static_cast<long long>(b) * T * ldq + h * HD;
@@ -227,7 +219,7 @@ void launch_forward(bf16* out, float* lse, const bf16* q, const bf16* k, const b
       pos ? attention_forward_kernel<HD, WARPS, true> : attention_forward_kernel<HD, WARPS, false>;
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid = tiles_last_grid((T + BR - 1) / BR, nh, B);
-  const float scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD))) * kLog2e;
+  const float scale_log2 = softmax_scale(HD).log2;
   kernel<<<grid, WARPS * 32, smem, stream>>>(out, lse, q, k, v, pos, T, nh, nkv, scale_log2);
   QT_CHECK_LAUNCH();
 }

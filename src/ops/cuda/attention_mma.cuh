@@ -13,6 +13,7 @@
 
 #include <cuda_bf16.h>
 
+#include <cmath>
 #include <cstdint>
 
 #include "cuda/check.h"
@@ -31,6 +32,32 @@ constexpr float kLn2 = 0.6931471805599453f;
 inline dim3 tiles_last_grid(int tiles, int heads, int B) {
   return dim3(static_cast<unsigned>(heads), static_cast<unsigned>(B),
               static_cast<unsigned>(tiles));
+}
+
+// The scores' scale 1 / sqrt(hd) and the same times log2 e (the kernels' exp2 units), as every
+// launcher passes them.
+struct SoftmaxScale {
+  float scale, log2;
+};
+inline SoftmaxScale softmax_scale(int hd) {
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd)));
+  return {scale, scale * kLog2e};
+}
+
+// f.template operator()<HD, PACKED>() for hd (64 or 128) and PACKED = (pos != nullptr): the
+// launchers' dispatch onto the kernels' template arguments.
+template <typename F>
+void with_hd_packed(int hd, const void* pos, F&& f) {
+  auto by_pos = [&]<int HD>() {
+    if (pos)
+      f.template operator()<HD, true>();
+    else
+      f.template operator()<HD, false>();
+  };
+  if (hd == 128)
+    by_pos.template operator()<128>();
+  else
+    by_pos.template operator()<64>();
 }
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -116,6 +143,40 @@ __device__ __forceinline__ int packed_query_tile_end(const int* pb, int i_first,
       lo = mid + 1;
   }
   return lo;
+}
+
+// The query tiles (of `rows` rows) that a dK/dV block of kv rows [k0, k_last] visits for each
+// query head of its group: [first, first + count). Tiles before k0 / rows lie wholly above the
+// diagonal; PACKED (pb = pos[b]): the tiles from packed_query_tile_end on read none of its keys.
+struct QueryTiles {
+  int first, count;
+};
+template <bool PACKED>
+__device__ __forceinline__ QueryTiles dkdv_query_tiles(const int* pb, int T, int rows, int k0,
+                                                       int k_last) {
+  const int n_qt = (T + rows - 1) / rows;
+  const int first = k0 / rows;
+  int end = n_qt;
+  if constexpr (PACKED) end = packed_query_tile_end(pb, first, n_qt, rows, k_last);
+  return {first, end - first};
+}
+
+// End of a forward row pair (rows row_q0 and row_q0 + 8 of this lane's quad, log2-unit running
+// max m_run, this lane's part of the row sums l_run): inv = 1 / the full row sum, and the quad's
+// first lane writes lse = (m + log2 l) ln 2 to lse_bh[row] (lse_bh: the (b, head) row of lse)
+// for rows below T.
+__device__ __forceinline__ void finish_forward_rows(float (&inv)[2], const float (&l_run)[2],
+                                                    const float (&m_run)[2], float* lse_bh,
+                                                    int row_q0, int T, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float l = l_run[r];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv[r] = 1.f / l;
+    const int row = row_q0 + 8 * r;
+    if ((lane & 3) == 0 && row < T) lse_bh[row] = (m_run[r] + log2f(l)) * kLn2;
+  }
 }
 
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {

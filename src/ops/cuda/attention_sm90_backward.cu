@@ -113,12 +113,9 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   const int* sP = reinterpret_cast<const int*>(sK + (aP - aK));
 
   const int k0 = kvt * BC;
-  const int n_qt = (T + BRQ - 1) / BRQ;
-  const int i_first = k0 / BRQ;  // query tiles before it lie wholly above the diagonal
   const int* pb = PACKED ? pos + static_cast<long long>(b) * T : nullptr;
-  int i_end = n_qt;  // query tiles from i_end on read none of this tile's keys
-  if constexpr (PACKED) i_end = packed_query_tile_end(pb, i_first, n_qt, BRQ, k0 + BC - 1);
-  const int per_head = i_end - i_first;
+  const QueryTiles tiles = dkdv_query_tiles<PACKED>(pb, T, BRQ, k0, k0 + BC - 1);
+  const int i_first = tiles.first, per_head = tiles.count;
   const int steps = ratio * per_head;
 
   // Step s reads query head kvh * ratio + hs and query tile i_first + is, where hs = s / per_head
@@ -348,9 +345,7 @@ template <int HD, bool PACKED>
 void backward_sm90(int wkv, int wq, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
                    const bf16* q, const bf16* k, const bf16* v, const bf16* out, const float* lse,
                    const int* pos, int B, int T, int nh, int nkv, cudaStream_t stream) {
-  const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
-  const float scale = static_cast<float>(scale_d);
-  const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
+  const auto [scale, scale_log2] = softmax_scale(HD);
 
   const long long rows = static_cast<long long>(B) * T * nh;
   attention_delta_sm90_kernel<HD>
@@ -388,21 +383,10 @@ void attention_backward_sm90(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, con
     wkv = wkv == 3 ? 2 : wkv;
     wq = wq == 3 ? 2 : wq;
   }
-  if (hd == 128) {
-    if (pos)
-      backward_sm90<128, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
-                               stream);
-    else
-      backward_sm90<128, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
-                                stream);
-  } else {
-    if (pos)
-      backward_sm90<64, true>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
+  with_hd_packed(hd, pos, [&]<int HD, bool PACKED>() {
+    backward_sm90<HD, PACKED>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
                               stream);
-    else
-      backward_sm90<64, false>(wkv, wq, dq, dk, dv, dout, q, k, v, out, lse, pos, B, T, nh, nkv,
-                               stream);
-  }
+  });
 }
 
 }  // namespace qt::cuda

@@ -78,27 +78,20 @@ __global__ void __launch_bounds__(384, 1)
   char* sbase = smem_raw + (base - raw);
   const uint32_t aK = base + Lay::K, aV = base + Lay::V;
   const uint32_t kv_full = base + Lay::bars;
-  auto full = [&](int st) { return kv_full + 8 * (1 + st); };
-  auto empty = [&](int st) { return kv_full + 8 * (1 + kStages + st); };
+  const tma::BufferRing<kStages> ring{kv_full + 8, kv_full + 8 * (1 + kStages)};  // Q, dO, ...
   float* sL = reinterpret_cast<float*>(sbase + Lay::L);
   float* sD = reinterpret_cast<float*>(sbase + Lay::D);
   int* sP = reinterpret_cast<int*>(sbase + Lay::P);
 
   const int k0 = kvt * BC;
-  const int n_qt = (T + BRQ - 1) / BRQ;
-  const int i_first = k0 / BRQ;  // query tiles before it lie wholly above the diagonal
   const int* pb = PACKED ? pos + static_cast<long long>(b) * T : nullptr;
-  int i_end = n_qt;  // query tiles from i_end on read none of this tile's keys
-  if constexpr (PACKED) i_end = packed_query_tile_end(pb, i_first, n_qt, BRQ, k0 + BC - 1);
-  const int per_head = i_end - i_first;
+  const QueryTiles tiles = dkdv_query_tiles<PACKED>(pb, T, BRQ, k0, k0 + BC - 1);
+  const int i_first = tiles.first, per_head = tiles.count;
   const int steps = ratio * per_head;
 
   if (tid == 0) {
     tma::mbar_init(kv_full, 1);
-    for (int st = 0; st < kStages; ++st) {
-      tma::mbar_init(full(st), 32);  // the producer warp's lanes (lane 0 also sets the bytes)
-      tma::mbar_init(empty(st), 8);  // one arrival per consumer warp
-    }
+    ring.init(32, 8);  // the producer warp's lanes (lane 0 also sets the bytes); consumer warps
     tma::fence_mbar_init();
   }
   __syncthreads();
@@ -120,16 +113,16 @@ __global__ void __launch_bounds__(384, 1)
     int hs = 0, is = 0;
     for (int s = 0; s < steps; ++s) {
       const int st = s % kStages;
-      tma::mbar_wait(empty(st), ((s / kStages) & 1) ^ 1);
+      ring.wait_empty(s);
       const int h = kvh * ratio + hs;
       const int qrow0 = (i_first + is) * BRQ;
       if (lane == 0) {
-        tma::mbar_expect_tx(full(st), 2 * Lay::kQ);
+        tma::mbar_expect_tx(ring.full(s), 2 * Lay::kQ);
         const uint32_t tQ = base + Lay::Q + st * Lay::kQ, tdO = base + Lay::dO + st * Lay::kQ;
 #pragma unroll
         for (int p = 0; p < PANELS; ++p) {
-          tma::load_4d(tQ + p * BRQ * 128, &tm_q, 64 * p, h, qrow0, b, full(st));
-          tma::load_4d(tdO + p * BRQ * 128, &tm_do, 64 * p, h, qrow0, b, full(st));
+          tma::load_4d(tQ + p * BRQ * 128, &tm_q, 64 * p, h, qrow0, b, ring.full(s));
+          tma::load_4d(tdO + p * BRQ * 128, &tm_do, 64 * p, h, qrow0, b, ring.full(s));
         }
       }
       __syncwarp();  // the bytes are expected before any lane's arrival can complete the phase
@@ -141,7 +134,7 @@ __global__ void __launch_bounds__(384, 1)
         sD[st * BRQ + r] = ok ? *delta_ptr(dq_delta, b, t, h, T, nh, HD) : 0.f;
         if constexpr (PACKED) sP[st * BRQ + r] = ok ? pb[t] : 0;
       }
-      tma::mbar_arrive(full(st));
+      tma::mbar_arrive(ring.full(s));
       if (++is == per_head) {
         is = 0;
         ++hs;
@@ -172,7 +165,7 @@ __global__ void __launch_bounds__(384, 1)
     const int* Pb = sP + stg * BRQ;  // pos of the tile's queries (PACKED)
     const int q_base = (i_first + is) * BRQ;
     if (++is == per_head) is = 0;
-    tma::mbar_wait(full(stg), (s / kStages) & 1);
+    ring.wait_full(s);
 
     bool skip = q_base + BRQ - 1 < kv_wg0;  // every query of the tile precedes these kv rows
     bool low_mask = false;                  // some query's document starts after a kv row
@@ -184,8 +177,7 @@ __global__ void __launch_bounds__(384, 1)
     if (!skip)
       dkdv_step<HD, BC, BRQ, PACKED>(dk_acc, dv_acc, aK, aV, kv_srow, tQ, tdO, Lb, Db, Pb, q_base,
                                      kv_wg0, kv_row0, low_mask, T, scale_log2, lane, [] {});
-    __syncwarp();  // every lane's reads of the buffer are done
-    if (lane == 0) tma::mbar_arrive(empty(stg));
+    ring.release(s, lane);
   }
 
   // Epilogue through this warpgroup's own rows of sK and sV (only its wgmmas read them; the
@@ -235,8 +227,7 @@ __global__ void __launch_bounds__(384, 1)
   char* sbase = smem_raw + (base - raw);
   const uint32_t aQ = base + Lay::Q, adO = base + Lay::dO;
   const uint32_t qdo_full = base + Lay::bars;
-  auto full = [&](int st) { return qdo_full + 8 * (1 + st); };
-  auto empty = [&](int st) { return qdo_full + 8 * (1 + kStages + st); };
+  const tma::BufferRing<kStages> ring{qdo_full + 8, qdo_full + 8 * (1 + kStages)};  // K, V
 
   const int q0 = qt * BR;
   const int q_end = min(q0 + BR, T);
@@ -247,10 +238,7 @@ __global__ void __launch_bounds__(384, 1)
 
   if (tid == 0) {
     tma::mbar_init(qdo_full, 1);
-    for (int st = 0; st < kStages; ++st) {
-      tma::mbar_init(full(st), 1);   // the producer's arrival with the bytes
-      tma::mbar_init(empty(st), 8);  // one arrival per consumer warp
-    }
+    ring.init(1, 8);  // the producer's arrival with the bytes; one arrival per consumer warp
     tma::fence_mbar_init();
   }
   __syncthreads();
@@ -269,13 +257,13 @@ __global__ void __launch_bounds__(384, 1)
     }
     for (int j = j0; j < n_kv; ++j) {
       const int s = j - j0, st = s % kStages;
-      tma::mbar_wait(empty(st), ((s / kStages) & 1) ^ 1);
-      tma::mbar_arrive_expect_tx(full(st), 2 * Lay::kKV);
+      ring.wait_empty(s);
+      tma::mbar_arrive_expect_tx(ring.full(s), 2 * Lay::kKV);
       const uint32_t tK = base + Lay::K + st * Lay::kKV, tV = base + Lay::V + st * Lay::kKV;
 #pragma unroll
       for (int p = 0; p < PANELS; ++p) {
-        tma::load_4d(tK + p * BCK * 128, &tm_k, 64 * p, kvh, j * BCK, b, full(st));
-        tma::load_4d(tV + p * BCK * 128, &tm_v, 64 * p, kvh, j * BCK, b, full(st));
+        tma::load_4d(tK + p * BCK * 128, &tm_k, 64 * p, kvh, j * BCK, b, ring.full(s));
+        tma::load_4d(tV + p * BCK * 128, &tm_v, 64 * p, kvh, j * BCK, b, ring.full(s));
       }
     }
     return;
@@ -318,12 +306,11 @@ __global__ void __launch_bounds__(384, 1)
     bool skip = j * BCK > q_wg0 + 63;
     if constexpr (PACKED) skip = skip || j * BCK + BCK - 1 < ds_wg;
     // Waited for even when skipped: a parity wait must never fall a phase behind.
-    tma::mbar_wait(full(stg), (s / kStages) & 1);
+    ring.wait_full(s);
     if (!skip)
       dq_step<HD, BR, BCK, PACKED>(dq_acc, aQ, adO, q_srow, tK, tV, j * BCK, q_wg0, row_q0, lse2,
                                    Dr, ds_row, ds_warp, lane, scale_log2, [] {});
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(empty(stg));
+    ring.release(s, lane);
   }
 
   // Epilogue through this warpgroup's own rows of sQ (only its wgmmas read them); overwrites the
@@ -342,9 +329,7 @@ template <int HD, bool PACKED>
 void launch_dq_ws(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
                   const float* lse, const int* pos, int B, int T, int nh, int nkv,
                   cudaStream_t stream) {
-  const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
-  const float scale = static_cast<float>(scale_d);
-  const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
+  const auto [scale, scale_log2] = softmax_scale(HD);
   const CUtensorMap tm_q = make_head_tile_map(q, B, T, nh, HD, kWsBR);
   const CUtensorMap tm_do = make_head_tile_map(dout, B, T, nh, HD, kWsBR);
   const CUtensorMap tm_k = make_head_tile_map(k, B, T, nkv, HD, kWsBCK);
@@ -362,9 +347,7 @@ template <int HD, bool PACKED>
 void launch_dkdv_ws(bf16* dk, bf16* dv, const bf16* dq_delta, const bf16* dout, const bf16* q,
                     const bf16* k, const bf16* v, const float* lse, const int* pos, int B, int T,
                     int nh, int nkv, cudaStream_t stream) {
-  const double scale_d = 1.0 / std::sqrt(static_cast<double>(HD));
-  const float scale = static_cast<float>(scale_d);
-  const float scale_log2 = static_cast<float>(scale_d) * kLog2e;
+  const auto [scale, scale_log2] = softmax_scale(HD);
   const CUtensorMap tm_q = make_head_tile_map(q, B, T, nh, HD, kWsBRQ);
   const CUtensorMap tm_do = make_head_tile_map(dout, B, T, nh, HD, kWsBRQ);
   const CUtensorMap tm_k = make_head_tile_map(k, B, T, nkv, HD, kWsBC);
@@ -423,33 +406,17 @@ void attention_dkdv_ws_sm90(bf16* dk, bf16* dv, const bf16* dq_delta, const bf16
                             const bf16* q, const bf16* k, const bf16* v, const float* lse,
                             const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
                             cudaStream_t stream) {
-  if (hd == 128) {
-    if (pos)
-      launch_dkdv_ws<128, true>(dk, dv, dq_delta, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
-    else
-      launch_dkdv_ws<128, false>(dk, dv, dq_delta, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
-  } else {
-    if (pos)
-      launch_dkdv_ws<64, true>(dk, dv, dq_delta, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
-    else
-      launch_dkdv_ws<64, false>(dk, dv, dq_delta, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
-  }
+  with_hd_packed(hd, pos, [&]<int HD, bool PACKED>() {
+    launch_dkdv_ws<HD, PACKED>(dk, dv, dq_delta, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+  });
 }
 
 void attention_dq_ws_sm90(bf16* dq, const bf16* dout, const bf16* q, const bf16* k, const bf16* v,
                           const float* lse, const std::int32_t* pos, int B, int T, int nh, int nkv,
                           int hd, cudaStream_t stream) {
-  if (hd == 128) {
-    if (pos)
-      launch_dq_ws<128, true>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
-    else
-      launch_dq_ws<128, false>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
-  } else {
-    if (pos)
-      launch_dq_ws<64, true>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
-    else
-      launch_dq_ws<64, false>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
-  }
+  with_hd_packed(hd, pos, [&]<int HD, bool PACKED>() {
+    launch_dq_ws<HD, PACKED>(dq, dout, q, k, v, lse, pos, B, T, nh, nkv, stream);
+  });
 }
 
 }  // namespace qt::cuda

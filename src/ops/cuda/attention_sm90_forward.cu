@@ -170,16 +170,8 @@ __global__ void __launch_bounds__(128 * NWG, 3 - NWG)
   // Epilogue: full row sums; O / l staged through this warp's own rows of sQ (only this
   // warpgroup's wgmmas read them, and they are complete).
   float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[r] = 1.f / l;
-    const int row = row_q0 + 8 * r;
-    if ((lane & 3) == 0 && row < T)
-      lse[(static_cast<long long>(b) * nh + h) * T + row] = (m_run[r] + log2f(l)) * kLn2;
-  }
+  finish_forward_rows(inv, l_run, m_run, lse + (static_cast<long long>(b) * nh + h) * T, row_q0, T,
+                      lane);
   const int wrow = q_row0 + warp * 16;
   stage_acc_sw128<BR, HD>(sQ, wrow, o, inv[0], inv[1], lane);
   __syncwarp();
@@ -199,7 +191,7 @@ void launch_forward_sm90(bf16* out, float* lse, const bf16* q, const bf16* k, co
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
   const dim3 grid = tiles_last_grid((T + 64 * NWG - 1) / (64 * NWG), nh, B);
-  const float scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD))) * kLog2e;
+  const float scale_log2 = softmax_scale(HD).log2;
   kernel<<<grid, 128 * NWG, smem, stream>>>(out, lse, q, k, v, pos, T, nh, nkv, scale_log2);
   QT_CHECK_LAUNCH();
 }

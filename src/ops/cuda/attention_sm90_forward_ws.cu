@@ -71,11 +71,10 @@ __global__ void __launch_bounds__(384, 1)
   char* sbase = smem_raw + (base - raw);
   const uint32_t aQ = base + Lay::Q;
   const uint32_t q_full = base + Lay::bars;
-  // Barriers of buffer st of K (kv = 0) or V (kv = 1).
-  auto full = [&](int kv, int st) { return q_full + 8 * (1 + 2 * kFwdStages * kv + st); };
-  auto empty = [&](int kv, int st) {
-    return q_full + 8 * (1 + 2 * kFwdStages * kv + kFwdStages + st);
-  };
+  // The K buffers and the V buffers; use u of each is key tile j0 + u.
+  const tma::BufferRing<kFwdStages> rings[2] = {
+      {q_full + 8, q_full + 8 * (1 + kFwdStages)},
+      {q_full + 8 * (1 + 2 * kFwdStages), q_full + 8 * (1 + 3 * kFwdStages)}};
 
   const int q0 = qt * BR;
   const int q_end = min(q0 + BR, T);
@@ -86,11 +85,8 @@ __global__ void __launch_bounds__(384, 1)
 
   if (tid == 0) {
     tma::mbar_init(q_full, 1);
-    for (int kv = 0; kv < 2; ++kv)
-      for (int st = 0; st < kFwdStages; ++st) {
-        tma::mbar_init(full(kv, st), 1);   // the producer's arrival with the bytes
-        tma::mbar_init(empty(kv, st), 8);  // one arrival per consumer warp
-      }
+    for (const auto& ring : rings)
+      ring.init(1, 8);  // the producer's arrival with the bytes; one arrival per consumer warp
     tma::fence_mbar_init();
   }
   __syncthreads();
@@ -106,13 +102,13 @@ __global__ void __launch_bounds__(384, 1)
     for (int j = j0; j < n_kv; ++j) {
       const int s = j - j0, st = s % kFwdStages;
       for (int kv = 0; kv < 2; ++kv) {
-        tma::mbar_wait(empty(kv, st), ((s / kFwdStages) & 1) ^ 1);
-        tma::mbar_arrive_expect_tx(full(kv, st), Lay::kKV);
+        rings[kv].wait_empty(s);
+        tma::mbar_arrive_expect_tx(rings[kv].full(s), Lay::kKV);
         const uint32_t tile = base + (kv ? Lay::V : Lay::K) + st * Lay::kKV;
 #pragma unroll
         for (int p = 0; p < PANELS; ++p)
           tma::load_4d(tile + p * BC * 128, kv ? &tm_v : &tm_k, 64 * p, kvh, j * BC, b,
-                       full(kv, st));
+                       rings[kv].full(s));
       }
     }
     return;
@@ -146,13 +142,8 @@ __global__ void __launch_bounds__(384, 1)
 
   // Buffer of tile j's K or V, waiting for it to land, and releasing it (kv: 0 K, 1 V).
   auto stage_of = [&](int j) { return (j - j0) % kFwdStages; };
-  auto wait_full = [&](int kv, int j) {
-    tma::mbar_wait(full(kv, stage_of(j)), ((j - j0) / kFwdStages) & 1);
-  };
-  auto release = [&](int kv, int j) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(empty(kv, stage_of(j)));
-  };
+  auto wait_full = [&](int kv, int j) { rings[kv].wait_full(j - j0); };
+  auto release = [&](int kv, int j) { rings[kv].release(j - j0, lane); };
   // S_j = Q K_j^T into s (one commit group).
   auto issue_s = [&](int j) {
     wgmma_ss_kmajor<BC, BR, BC, KT>(s, aQ, q_row0, base + Lay::K + stage_of(j) * Lay::kKV);
@@ -208,16 +199,8 @@ __global__ void __launch_bounds__(384, 1)
   // Epilogue: full row sums; O / l staged through this warp's own rows of sQ (only this
   // warpgroup's wgmmas read them, and they are complete).
   float inv[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float l = l_run[r];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv[r] = 1.f / l;
-    const int row = row_q0 + 8 * r;
-    if ((lane & 3) == 0 && row < T)
-      lse[(static_cast<long long>(b) * nh + h) * T + row] = (m_run[r] + log2f(l)) * kLn2;
-  }
+  finish_forward_rows(inv, l_run, m_run, lse + (static_cast<long long>(b) * nh + h) * T, row_q0, T,
+                      lane);
   warpgroup_barrier(wg);  // every warp of this warpgroup is past its last wgmma on sQ
   const int wrow = q_row0 + warp * 16;
   stage_acc_sw128<BR, HD>(sbase + Lay::Q, wrow, o, inv[0], inv[1], lane);
@@ -240,7 +223,7 @@ void launch_forward_ws(bf16* out, float* lse, const bf16* q, const bf16* k, cons
   auto kernel = attention_forward_ws_kernel<HD, PACKED>;
   QT_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid = tiles_last_grid((T + kBR - 1) / kBR, nh, B);
-  const float scale_log2 = static_cast<float>(1.0 / std::sqrt(static_cast<double>(HD))) * kLog2e;
+  const float scale_log2 = softmax_scale(HD).log2;
   kernel<<<grid, 384, smem, stream>>>(tm_q, tm_k, tm_v, out, lse, pos, T, nh, nkv, scale_log2);
   QT_CHECK_LAUNCH();
 }
@@ -250,17 +233,9 @@ void launch_forward_ws(bf16* out, float* lse, const bf16* q, const bf16* k, cons
 void attention_forward_ws_sm90(bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v,
                                const std::int32_t* pos, int B, int T, int nh, int nkv, int hd,
                                cudaStream_t stream) {
-  if (hd == 128) {
-    if (pos)
-      launch_forward_ws<128, true>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);
-    else
-      launch_forward_ws<128, false>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);
-  } else {
-    if (pos)
-      launch_forward_ws<64, true>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);
-    else
-      launch_forward_ws<64, false>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);
-  }
+  with_hd_packed(hd, pos, [&]<int HD, bool PACKED>() {
+    launch_forward_ws<HD, PACKED>(out, lse, q, k, v, pos, B, T, nh, nkv, stream);
+  });
 }
 
 }  // namespace qt::cuda

@@ -81,6 +81,33 @@ __device__ __forceinline__ void setmaxnreg_dec() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
 }
 
+// A ring of STAGES buffers, each with a "full" and an "empty" mbarrier (8 bytes each: full of
+// buffer i at full0 + 8 i, empty at empty0 + 8 i). Use u = 0, 1, ... of the ring is buffer
+// u % STAGES in phase (u / STAGES) & 1; the parity rule above lives here only.
+template <int STAGES>
+struct BufferRing {
+  uint32_t full0, empty0;
+  __device__ uint32_t full(int u) const { return full0 + 8 * (u % STAGES); }
+  __device__ uint32_t empty(int u) const { return empty0 + 8 * (u % STAGES); }
+  // One thread, before fence_mbar_init: arrivals that complete a phase of each barrier.
+  __device__ void init(int full_arrivals, int empty_arrivals) const {
+    for (int i = 0; i < STAGES; ++i) {
+      mbar_init(full0 + 8 * i, full_arrivals);
+      mbar_init(empty0 + 8 * i, empty_arrivals);
+    }
+  }
+  // Consumer: use u's tiles have landed.
+  __device__ void wait_full(int u) const { mbar_wait(full(u), (u / STAGES) & 1); }
+  // Producer: use u's buffer is free (the use before it released; a first use passes at once).
+  __device__ void wait_empty(int u) const { mbar_wait(empty(u), ((u / STAGES) & 1) ^ 1); }
+  // Consumer warp: done with use u's buffer, once every lane's reads of it are (one arrival per
+  // warp).
+  __device__ void release(int u, int lane) const {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty(u));
+  }
+};
+
 #endif
 
 }  // namespace tma

@@ -1,0 +1,36 @@
+// One AdamW element update on the GPU, the CPU optimizer's operations in its order and
+// precisions (src/optim/adamw.cpp): every double operation is an explicitly rounded intrinsic
+// (__dmul_rn, ...), which nvcc never contracts into a fused multiply-add, so the results match the
+// CPU's bit for bit. Used by adamw.cu and bench/bench_adamw_beside_gemm_cuda.cu; included by .cu
+// files only.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+namespace qt::cuda {
+
+// The per-step constants, computed on the host exactly as qt::AdamW does (adamw.cu).
+struct AdamWConsts {
+  double lr, b1, b2, one_minus_b1, one_minus_b2, eps, clip, bc1, bc2;
+  float decay;  // float(lr * weight_decay)
+};
+
+// One element; p, m, v updated in place. Same operations and order as AdamW::update_range.
+__device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float grad, bool decay,
+                                              const AdamWConsts& k) {
+  const float g = __double2float_rn(__dmul_rn(static_cast<double>(grad), k.clip));
+  const double gd = g;
+  m = __double2float_rn(
+      __dadd_rn(__dmul_rn(k.b1, static_cast<double>(m)), __dmul_rn(k.one_minus_b1, gd)));
+  v = __double2float_rn(__dadd_rn(__dmul_rn(k.b2, static_cast<double>(v)),
+                                  __dmul_rn(__dmul_rn(k.one_minus_b2, gd), gd)));
+  const double mhat = __ddiv_rn(static_cast<double>(m), k.bc1);
+  const double vhat = __ddiv_rn(static_cast<double>(v), k.bc2);
+  float w = p;
+  w = __fsub_rn(w, __fmul_rn(decay ? k.decay : 0.0f, w));
+  w = __fsub_rn(
+      w, __double2float_rn(__ddiv_rn(__dmul_rn(k.lr, mhat), __dadd_rn(__dsqrt_rn(vhat), k.eps))));
+  p = w;
+}
+
+}  // namespace qt::cuda
