@@ -30,7 +30,6 @@ namespace {
 
 using namespace attn;
 
-constexpr bool kPingPong = true;  // the consumers take turns to issue their products
 constexpr int kFwdStages = 2;  // K buffers and V buffers (3 measured no faster)
 constexpr int kBR = 128, kBC = 128;
 // 128 x 24 + 256 x 240 <= 65536 (used only by the sm_90a bodies)
@@ -161,28 +160,11 @@ __global__ void __launch_bounds__(384, 1)
                                    lane, scale_log2);
   };
 
-  // Ping-pong: the consumers take turns to issue their products (named barriers 4 + c: "c's
-  // turn"), so one's softmax runs while the other's products do. Consumer 0 goes first; each
-  // issue section ends by handing the turn over, except consumer 1's last (nobody waits for it).
-  const int sections = n_kv - j0 + 1;  // tile j0, tiles j0 + 1 .., the last P V
-  int section = 0;
-  auto my_turn = [&] {
-    if constexpr (kPingPong) asm volatile("bar.sync %0, 256;\n" ::"r"(4 + c) : "memory");
-  };
-  auto their_turn = [&] {
-    if constexpr (kPingPong)
-      if (c == 0 || ++section <= sections)  // consumer 1: its initial hand-over and K - 1 more
-        asm volatile("bar.arrive %0, 256;\n" ::"r"(5 - c) : "memory");
-  };
-  if (c == 1) their_turn();
-
   tma::mbar_wait(q_full, 0);
   {  // tile j0 (O is still zero: no P V to overlap with)
     wait_full(0, j0);
-    my_turn();
     wgmma_fence();
     issue_s(j0);
-    their_turn();
     wgmma_wait<0>();
     fence_acc(s);
     release(0, j0);
@@ -193,11 +175,9 @@ __global__ void __launch_bounds__(384, 1)
   for (int j = j0 + 1; j < n_kv; ++j) {
     wait_full(0, j);
     wait_full(1, j - 1);
-    my_turn();
     wgmma_fence();
     issue_s(j);
     issue_pv(j - 1);
-    their_turn();
     wgmma_wait<1>();  // S_j
     fence_acc(s);
     release(0, j);
@@ -210,10 +190,8 @@ __global__ void __launch_bounds__(384, 1)
     acc_to_frags<PT>(p, s);
   }
   wait_full(1, n_kv - 1);  // O += P V of the last tile
-  my_turn();
   wgmma_fence();
   issue_pv(n_kv - 1);
-  their_turn();
   wgmma_wait<0>();
   fence_acc(o);
   release(1, n_kv - 1);
