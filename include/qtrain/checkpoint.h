@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "qtrain/error.h"
 #include "qtrain/lora.h"
 #include "qtrain/mesh.h"
 #include "qtrain/model_config.h"
@@ -43,9 +44,27 @@ struct MomentShard {
   float* exp_avg_sq = nullptr; // [range.size()]
 };
 
+// A complete, valid checkpoint that does not fit the deck (another model shape, LoRA settings or
+// base, a checkpoint of the other kind, a newer format version). Resuming must stop on it: it is
+// someone's work, never to be skipped and then overwritten or pruned.
+class CheckpointMismatch : public UserError {
+ public:
+  using UserError::UserError;
+};
+
+// The state to be written holds a NaN or an infinity; nothing was written.
+class NonFiniteState : public UserError {
+ public:
+  using UserError::UserError;
+};
+
 // Collective over mesh.world(). `params` is the full flat buffer (identical on every rank).
 // The write partition is split_range(numel, world size, world rank); it must lie inside
-// moments.range. Writes `path`.tmp, then renames it to `path`. Errors abort (QT_CHECK_HDF5).
+// moments.range. Writes `path`.tmp, then renames it to `path`.
+// Throws, on every rank alike and before anything is written, NonFiniteState when a parameter or
+// moment is not finite, and UserError when the file system lacks the space; a failed write
+// (disk full, quota, I/O error) removes the partial file and throws UserError naming the OS
+// error and the path. An existing `path` is replaced only by a complete new file.
 // lora: a LoRA run's checkpoint; layout and params are then the adapters'.
 void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& layout,
                       const float* params, const MomentShard& moments, const TrainState& state,
@@ -54,8 +73,10 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
 
 // Collective. Validates the file (format, model shape compatibility, every tensor present with
 // the right shape, checksums) and fills `params` (full flat buffer) and the moments of
-// `moments.range`. Throws UserError on every rank alike when anything is wrong; never modifies
-// the file. lora: read a LoRA run's checkpoint (layout and params the adapters'), which must have
+// `moments.range`. Throws UserError on every rank alike when anything is wrong, as
+// CheckpointMismatch when the file is a readable qtrain checkpoint whose format version, model
+// or LoRA settings differ from the caller's (other errors mean the file is missing, incomplete
+// or corrupt); never modifies the file. lora: read a LoRA run's checkpoint (layout and params the adapters'), which must have
 // the same r, alpha, targets and base; null: a checkpoint of the whole model. A checkpoint of
 // the other kind is a UserError saying so.
 TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayout& layout,
@@ -69,8 +90,7 @@ std::vector<std::string> checkpoint_list(const std::string& dir, Comm& world);
 // File name for a step inside dir: dir/step_00000010.h5
 std::string checkpoint_path(const std::string& dir, std::int64_t step);
 
-// Removes all but the newest `keep` complete checkpoints and stale "*.tmp" files of this run.
-// Rank 0 only does the work; collective.
-void checkpoint_prune(const std::string& dir, int keep, Comm& world);
+// The step of a checkpoint file name ("step_00000010.h5" -> 10); -1 for any other name.
+std::int64_t checkpoint_step(const std::string& path);
 
 }  // namespace qt

@@ -27,6 +27,8 @@ struct ModelConfig {
   int kv_dim() const { return num_kv_heads * head_dim; }
   // Total parameter count, by the spec's formula (section 1.3).
   std::int64_t num_params() const;
+  // The same in double, which cannot overflow: for checks of sizes before they are allocated.
+  double num_params_f64() const;
 };
 
 // The named presets; nullopt for an unknown name.

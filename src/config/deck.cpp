@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <sstream>
@@ -22,6 +23,7 @@
 
 #include "config/deck_keys.h"
 #include "config/ini_lines.h"
+#include "config/suggest.h"
 #include "hf/config.h"
 #include "qtrain/error.h"
 
@@ -200,39 +202,6 @@ std::vector<std::string> all_keys() {
   return out;
 }
 
-std::size_t edit_distance(const std::string& a, const std::string& b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diag = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      std::size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1] ? 1u : 0u)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
-// " (did you mean X?)" for the closest of `known`, or "" when nothing is close.
-std::string suggestion(const std::string& word, const std::vector<std::string>& known) {
-  // The same key name in another section is the likeliest slip ([train] lr = ...).
-  if (std::size_t dot = word.find('.'); dot != std::string::npos) {
-    for (const std::string& k : known) {
-      if (k.substr(k.find('.') + 1) == word.substr(dot + 1)) return " (did you mean " + k + "?)";
-    }
-  }
-  std::string best;
-  std::size_t best_d = std::string::npos;
-  for (const std::string& k : known) {
-    std::size_t d = edit_distance(word, k);
-    if (d < best_d) best_d = d, best = k;
-  }
-  if (best_d <= std::max<std::size_t>(2, word.size() / 4)) return " (did you mean " + best + "?)";
-  return "";
-}
-
 std::string format_value(FieldRef f) {
   return std::visit(
       [](auto* p) -> std::string {
@@ -280,6 +249,16 @@ void assign(FieldRef f, const std::string& raw, const std::string& what) {
           auto [q, ec] = std::from_chars(b, e, v);
           if (ec != std::errc() || q != e || b == e) fail_user("{} is not a number", what);
           if (!std::isfinite(v)) fail_user("{} is not a finite number", what);
+          // Every such key ends up in fp32 arithmetic (weights, moments, norms): 1e39 would be
+          // infinite there, 1e-39 zero.
+          if (std::fabs(v) > std::numeric_limits<float>::max())
+            fail_user("{} is beyond the range of a 32-bit float (about 3.4e38), the precision "
+                      "it is used in",
+                      what);
+          if (v != 0 && std::fabs(v) < std::numeric_limits<float>::min())
+            fail_user("{} is below the smallest normal 32-bit float (about 1.2e-38), the "
+                      "precision it is used in",
+                      what);
           *p = v;
         } else if constexpr (std::is_same_v<V, bool>) {
           std::string s = raw;
@@ -448,6 +427,10 @@ void Builder::validate_model() {
   need(ival("model.head_dim") % 2 == 0, "model.head_dim", "must be even (RoPE rotates halves)");
   need(ival("model.num_heads") % ival("model.num_kv_heads") == 0, "model.num_heads",
        "is not a multiple of model.num_kv_heads = {}", ival("model.num_kv_heads"));
+  // Widths are ints in the engine: num_heads x head_dim must be one.
+  const std::int64_t q_dim = std::int64_t{ival("model.num_heads")} * ival("model.head_dim");
+  need(q_dim <= std::numeric_limits<int>::max(), "model.num_heads",
+       "x model.head_dim = {} is too large (at most {})", q_dim, std::numeric_limits<int>::max());
   for (const char* k : {"model.rope_theta", "model.rms_norm_eps", "model.initializer_range"}) {
     need(dval(k) > 0, k, "must be > 0");
   }
@@ -488,6 +471,14 @@ void Builder::validate_train_optim() {
        deck_.mesh.dp, per_step);
   need(t.seq_len <= deck_.model.max_position_embeddings, "train.seq_len",
        "exceeds model.max_position_embeddings = {}", deck_.model.max_position_embeddings);
+  const std::int64_t tokens = std::int64_t{t.micro_batch} * t.seq_len;  // rows of a micro-batch
+  need(tokens <= std::numeric_limits<int>::max(), "train.micro_batch",
+       "x train.seq_len = {} tokens is too many for one micro-batch (at most {})", tokens,
+       std::numeric_limits<int>::max());
+  // The CUDA kernels are compiled for these head widths (src/ops/cuda/attention_mma.cuh).
+  need(t.device != "cuda" || deck_.model.head_dim == 64 || deck_.model.head_dim == 128,
+       "model.head_dim", "is not supported by train.device = cuda, whose attention kernels "
+       "handle head_dim 64 and 128; use train.device = cpu or another model");
 
   OptimConfig& o = deck_.optim;
   need(o.lr > 0, "optim.lr", "must be > 0");
@@ -610,6 +601,9 @@ Deck parse_deck_text(const std::string& text, const std::string& path,
   const std::vector<std::string> keys = all_keys();
   const std::string file = path.empty() ? std::string("(deck)") : path;
   Builder b(path, world_size);
+  // A UTF-8 byte-order mark (Windows editors write one) is not part of the first line.
+  const std::string_view bom = "\xEF\xBB\xBF";
+  const std::string body = text.starts_with(bom) ? text.substr(bom.size()) : text;
 
   // Command line: "--section.key=value" (the leading "--" is optional here).
   std::map<std::string, std::string> cmdline;
@@ -638,7 +632,7 @@ Deck parse_deck_text(const std::string& text, const std::string& path,
   }
 
   // File: syntax, sections and keys checked here, with lines; the first bad line is reported.
-  ini::Scan scan = ini::scan(text, file);
+  ini::Scan scan = ini::scan(body, file);
   int bad_line = 0;
   std::string bad;
   for (const ini::Section& s : scan.sections) {

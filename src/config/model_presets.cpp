@@ -45,16 +45,25 @@ const std::vector<ModelConfig>& presets() {
 
 }  // namespace
 
-std::int64_t ModelConfig::num_params() const {
-  const std::int64_t H = hidden_size, I = intermediate_size, L = num_layers;
-  const std::int64_t nh = num_heads, nkv = num_kv_heads, hd = head_dim, V = vocab_size;
+namespace {
+
+// The spec's formula in the arithmetic of T (double never overflows, for absurd sizes).
+template <class T>
+T count_params(const ModelConfig& c) {
+  const T H = c.hidden_size, I = c.intermediate_size, L = c.num_layers;
+  const T nh = c.num_heads, nkv = c.num_kv_heads, hd = c.head_dim, V = c.vocab_size;
   // q, k, v, o projections + q_norm, k_norm weights
-  const std::int64_t attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H + 2 * hd;
+  const T attn = H * nh * hd + 2 * H * nkv * hd + nh * hd * H + 2 * hd;
   // attention + two RMSNorms + SwiGLU MLP (gate, up, down)
-  const std::int64_t layer = attn + 2 * H + 3 * H * I;
+  const T layer = attn + 2 * H + 3 * H * I;
   // layers + embedding + untied lm_head + final norm
-  return L * layer + V * H + (tie_word_embeddings ? 0 : V * H) + H;
+  return L * layer + V * H + (c.tie_word_embeddings ? 0 : V * H) + H;
 }
+
+}  // namespace
+
+std::int64_t ModelConfig::num_params() const { return count_params<std::int64_t>(*this); }
+double ModelConfig::num_params_f64() const { return count_params<double>(*this); }
 
 std::optional<ModelConfig> model_preset(const std::string& name) {
   for (const ModelConfig& m : presets()) {

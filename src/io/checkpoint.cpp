@@ -13,6 +13,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <regex>
@@ -20,6 +22,7 @@
 #include "io/hdf5_util.h"
 #include "io/redistribute.h"
 #include "qtrain/error.h"
+#include "runtime/memory.h"
 #include "runtime/rng.h"
 
 namespace qt {
@@ -86,8 +89,9 @@ std::vector<ModelField> model_fields(const ModelConfig& m) {
           {"tie_word_embeddings", true, m.tie_word_embeddings ? 1 : 0, 0}};
 }
 
-// Rank 0 creates the checkpoint's directory; every rank throws alike when it cannot.
-void prepare_directory(const std::string& path, Comm& world) {
+// Rank 0 creates the checkpoint's directory and checks that its file system has `bytes` free;
+// every rank throws alike when it cannot.
+void prepare_directory(const std::string& path, double bytes, Comm& world) {
   std::string err;
   if (world.rank() == 0) {
     fs::path dir = fs::path(path).parent_path();
@@ -98,6 +102,13 @@ void prepare_directory(const std::string& path, Comm& world) {
       err = fmt::format("cannot create checkpoint directory {}: {}", dir.string(), ec.message());
     } else if (::access(dir.c_str(), W_OK | X_OK) != 0) {
       err = fmt::format("checkpoint directory {} is not writable", dir.string());
+    } else if (const fs::space_info sp = fs::space(dir, ec);
+               !ec && static_cast<double>(sp.available) < bytes) {
+      err = fmt::format(
+          "cannot write checkpoint {}: the file system of {} is full ({} free, the checkpoint "
+          "needs about {}); nothing was written and the earlier checkpoints are kept: free space "
+          "or set checkpoint.dir elsewhere",
+          path, dir.string(), format_bytes(static_cast<double>(sp.available)), format_bytes(bytes));
     }
   }
   agree(world, err);
@@ -110,10 +121,54 @@ void fsync_path(const std::string& p, int flags) {
   ::close(fd);
 }
 
+// Allocates `bytes` of disk to file `path` (created if needed; fallocate, which a full disk, a
+// quota or a file size limit refuses at once). HDF5 cannot recover from a write that fails
+// half-way (its library state breaks, and MPI_Finalize crashes), so the space of a checkpoint is
+// reserved before HDF5 writes it. Returns errno, 0 on success or where the file system has no
+// fallocate (the free-space check of prepare_directory must do there).
+int reserve_space(const std::string& path, double bytes) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0) return errno;
+  const int rc = ::fallocate(fd, 0, 0, static_cast<off_t>(bytes));
+  const int err = rc == 0 ? 0 : errno;
+  ::close(fd);
+  return err == EOPNOTSUPP || err == ENOSYS ? 0 : err;
+}
+
+// The message of a failed write (`what`: the failing call and its error; `os`: its errno or 0),
+// saying whether the disk is full.
+std::string write_failure(const std::string& path, const std::string& what, int os, double bytes) {
+  fs::path dir = fs::path(path).parent_path();
+  if (dir.empty()) dir = ".";
+  std::error_code ec;
+  const fs::space_info sp = fs::space(dir, ec);
+  std::string why;
+  if (os == ENOSPC || (!ec && static_cast<double>(sp.available) < bytes))
+    why = fmt::format("; the file system of {} is full ({} free, a checkpoint needs about {})",
+                      dir.string(), ec ? std::string("?") : format_bytes(static_cast<double>(sp.available)),
+                      format_bytes(bytes));
+  else if (os == EDQUOT)
+    why = fmt::format("; the disk quota of {} is exhausted", dir.string());
+  else if (os == EFBIG)
+    why = "; the file size limit (ulimit -f) was reached";
+  return fmt::format(
+      "cannot write checkpoint {}: {}{}. The partial file was removed; the earlier checkpoints "
+      "are kept",
+      path, what, why);
+}
+
 }  // namespace
 
 std::string checkpoint_path(const std::string& dir, std::int64_t step) {
   return (fs::path(dir) / fmt::format("step_{:08d}.h5", step)).string();
+}
+
+std::int64_t checkpoint_step(const std::string& path) {
+  static const std::regex name_re(R"(step_([0-9]{8,18})\.h5)");
+  std::smatch m;
+  const std::string name = fs::path(path).filename().string();
+  if (!std::regex_match(name, m, name_re)) return -1;
+  return std::stoll(m[1].str());
 }
 
 void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& layout,
@@ -125,54 +180,97 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
   QT_CHECK(part.size() == 0 || (moments.range.begin <= part.begin && part.end <= moments.range.end),
            "write partition [{}, {}) is not inside the moment shard [{}, {})", part.begin, part.end,
            moments.range.begin, moments.range.end);
-  prepare_directory(path, world);
 
-  // Checksums of this rank's part of every tensor, then summed over ranks.
+  // Checksums and non-finite counts of this rank's part of every tensor, summed over ranks.
   const auto& ps = layout.params();
   const std::size_t nt = ps.size();
   const float* src[3] = {params, moments.exp_avg, moments.exp_avg_sq};
   const std::size_t src_base[3] = {0, moments.range.begin, moments.range.begin};
-  std::vector<std::uint64_t> sums(3 * nt, 0);
+  std::vector<std::uint64_t> counts(6 * nt, 0);  // [sums (3 nt), non-finite (3 nt)]
   for (int g = 0; g < 3; ++g) {
     for (std::size_t t = 0; t < nt; ++t) {
       const Range r = intersect(part, tensor_range(ps[t]));
       if (r.size() == 0) continue;
-      sums[g * nt + t] =
-          checksum_part(src[g] + (r.begin - src_base[g]), r.size(), r.begin - ps[t].offset);
+      const float* x = src[g] + (r.begin - src_base[g]);
+      counts[g * nt + t] = checksum_part(x, r.size(), r.begin - ps[t].offset);
+      std::uint64_t bad = 0;
+      for (std::size_t k = 0; k < r.size(); ++k) bad += !std::isfinite(x[k]);
+      counts[(3 + g) * nt + t] = bad;
     }
   }
-  world.all_reduce(sums.data(), sums.size(), DType::kU64, ReduceOp::kSum);
+  world.all_reduce(counts.data(), counts.size(), DType::kU64, ReduceOp::kSum);
+  const std::uint64_t* sums = counts.data();
+  for (int g = 0; g < 3; ++g)
+    for (std::size_t t = 0; t < nt; ++t)
+      if (const std::uint64_t bad = counts[(3 + g) * nt + t]; bad > 0)
+        throw NonFiniteState(fmt::format(
+            "not writing checkpoint {}: /{}/{} holds {} non-finite value(s) (NaN or infinity) "
+            "at step {}",
+            path, kGroups[g], ps[t].name, bad, state.step));
+
+  // The datasets' bytes, plus room for the attributes and the deck.
+  const double bytes = 3.0 * 4.0 * static_cast<double>(layout.numel()) + 64.0 * 1024 * nt +
+                       static_cast<double>(deck_text.size()) + 1024.0 * 1024;
+  prepare_directory(path, bytes, world);
 
   const std::string tmp = path + ".tmp";
+  // The space first, before HDF5 is involved: a full disk ends here, cleanly.
+  int os_err = world.rank() == 0 ? reserve_space(tmp, bytes) : 0;
+  world.broadcast(&os_err, 1, DType::kI32, 0);
+  if (os_err != 0) {
+    std::error_code ec;
+    if (world.rank() == 0) fs::remove(tmp, ec);
+    fail_user("{}", write_failure(path,
+                                  fmt::format("reserving {} for it: {}", format_bytes(bytes),
+                                              std::strerror(os_err)),
+                                  os_err, bytes));
+  }
+  h5::QuietErrors quiet;
+  h5::CollectiveStatus status(world);
   {
     using namespace h5;
     Handle fapl = QT_H5_OPEN(H5Pcreate(H5P_FILE_ACCESS), close_plist);
     QT_CHECK_HDF5(H5Pset_fapl_mpio(fapl, world.mpi(), MPI_INFO_NULL));
     QT_CHECK_HDF5(H5Pset_coll_metadata_write(fapl, true));
-    Handle file = QT_H5_OPEN(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), close_file);
+    Handle file;
+    status.run("creating " + tmp, [&] {
+      file = Handle(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), close_file);
+      return file.get();
+    });
+    // H5Fcreate truncated the file: reserve its space again, now for HDF5's writes.
+    status.run("reserving space for " + tmp, [&] {
+      errno = world.rank() == 0 ? reserve_space(tmp, bytes) : 0;
+      return errno == 0 ? 0 : -1;
+    });
 
-    write_attr_string(file, "format", kFormat);
-    write_attr_i64(file, "format_version", kFormatVersion);
-    write_attr_i64(file, "step", state.step);
-    write_attr_i64(file, "samples_consumed", state.samples_consumed);
-    write_attr_i64(file, "tokens_consumed", state.tokens_consumed);
-    write_attr_u64(file, "seed", state.seed);
-    write_attr_u64(file, "rng_counter", state.rng_counter);
-    write_attr_string(file, "deck", deck_text);
-    write_attr_string(file, "preset", model.preset);
-    for (const ModelField& f : model_fields(model)) {
-      if (f.integer)
-        write_attr_i64(file, f.name, f.i);
-      else
-        write_attr_f64(file, f.name, f.d);
-    }
-    if (lora) {
-      write_attr_i64(file, "lora_r", lora->config.r);
-      write_attr_f64(file, "lora_alpha", lora->config.alpha);
-      write_attr_f64(file, "lora_dropout", lora->config.dropout);
-      write_attr_string(file, "lora_targets", lora->config.targets);
-      write_attr_string(file, "lora_base_init", lora->base.init);
-      write_attr_u64(file, "lora_base_seed", lora->base.seed);
+    if (status.ok()) {
+      write_attr_string(file, "format", kFormat);
+      write_attr_i64(file, "format_version", kFormatVersion);
+      write_attr_i64(file, "step", state.step);
+      write_attr_i64(file, "samples_consumed", state.samples_consumed);
+      write_attr_i64(file, "tokens_consumed", state.tokens_consumed);
+      write_attr_u64(file, "seed", state.seed);
+      write_attr_u64(file, "rng_counter", state.rng_counter);
+      write_attr_string(file, "deck", deck_text);
+      write_attr_string(file, "preset", model.preset);
+      for (const ModelField& f : model_fields(model)) {
+        if (f.integer)
+          write_attr_i64(file, f.name, f.i);
+        else
+          write_attr_f64(file, f.name, f.d);
+      }
+      if (lora) {
+        write_attr_i64(file, "lora_r", lora->config.r);
+        write_attr_f64(file, "lora_alpha", lora->config.alpha);
+        write_attr_f64(file, "lora_dropout", lora->config.dropout);
+        write_attr_string(file, "lora_targets", lora->config.targets);
+        write_attr_string(file, "lora_base_init", lora->base.init);
+        write_attr_u64(file, "lora_base_seed", lora->base.seed);
+      }
+      for (const char* gname : {"params", "optim", "optim/exp_avg", "optim/exp_avg_sq"}) {
+        Handle grp =
+            QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), close_group);
+      }
     }
 
     // Contiguous datasets, space allocated at creation, never filled (every element is written).
@@ -183,20 +281,22 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
     QT_CHECK_HDF5(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE));
     const float dummy = 0.0f;  // a valid buffer for ranks that write nothing
 
-    for (const char* gname : {"params", "optim", "optim/exp_avg", "optim/exp_avg_sq"}) {
-      Handle grp =
-          QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), close_group);
-    }
-    for (int g = 0; g < 3; ++g) {
+    for (int g = 0; g < 3 && status.ok(); ++g) {
       Handle grp = QT_H5_OPEN(H5Gopen2(file, kGroups[g], H5P_DEFAULT), close_group);
-      for (std::size_t t = 0; t < nt; ++t) {
+      for (std::size_t t = 0; t < nt && status.ok(); ++t) {
         const ParamInfo& p = ps[t];
+        const std::string where = fmt::format("/{}/{}", kGroups[g], p.name);
         const std::vector<hsize_t> dims = dims_of(p);
         Handle fspace = QT_H5_OPEN(
             H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), close_space);
-        Handle ds = QT_H5_OPEN(
-            H5Dcreate2(grp, p.name.c_str(), H5T_IEEE_F32LE, fspace, H5P_DEFAULT, dcpl, H5P_DEFAULT),
-            close_dataset);
+        Handle ds;
+        if (!status.run("creating " + where, [&] {
+              ds = Handle(H5Dcreate2(grp, p.name.c_str(), H5T_IEEE_F32LE, fspace, H5P_DEFAULT,
+                                     dcpl, H5P_DEFAULT),
+                          close_dataset);
+              return ds.get();
+            }))
+          break;
         write_attr_u64(ds, "checksum", sums[g * nt + t]);
 
         const Range r = intersect(part, tensor_range(p));
@@ -210,31 +310,44 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
           QT_CHECK_HDF5(select_flat_range(fspace, dims, r.begin - p.offset, r.end - p.offset));
           buf = src[g] + (r.begin - src_base[g]);
         }
-        QT_CHECK_HDF5(H5Dwrite(ds, H5T_NATIVE_FLOAT, mspace, fspace, dxpl, buf));
-        QT_CHECK_HDF5(ds.close());
+        status.run("writing " + where,
+                   [&] { return H5Dwrite(ds, H5T_NATIVE_FLOAT, mspace, fspace, dxpl, buf); });
+        status.run("closing " + where, [&] { return ds.close(); });
       }
     }
-    QT_CHECK_HDF5(file.close());
+    // Collective even after a failure (every rank stopped at the same call); flushes metadata.
+    if (file.valid()) status.run("closing " + tmp, [&] { return file.close(); });
+  }
+  if (!status.ok()) {
+    std::error_code ec;
+    if (world.rank() == 0) fs::remove(tmp, ec);
+    world.barrier();
+    fail_user("{}", write_failure(path, status.error(), status.os_error(), bytes));
   }
   world.barrier();
+  std::string err;
   if (world.rank() == 0) {
     fsync_path(tmp, O_RDONLY);
     std::error_code ec;
     fs::rename(tmp, path, ec);  // atomic replace: readers see the old file or the complete new one
-    if (ec)
-      fatal_one(__FILE__, __LINE__,
-                fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
+    if (ec) {
+      err = fmt::format("cannot rename {} to {}: {}; the earlier checkpoints are kept", tmp, path,
+                        ec.message());
+      fs::remove(tmp, ec);
+    }
     fs::path dir = fs::path(path).parent_path();
     fsync_path(dir.empty() ? std::string(".") : dir.string(), O_RDONLY | O_DIRECTORY);
   }
-  world.barrier();
+  agree(world, err);
 }
 
 namespace {
 
 // A LoRA checkpoint must be read as one, with the same r, alpha, targets and base; returns an
-// error text or "".
-std::string check_lora(hid_t file, const std::string& path, const LoraCheckpointInfo* want) {
+// error text or "", and sets `mismatch` when the error is a difference from the deck (not damage).
+std::string check_lora(hid_t file, const std::string& path, const LoraCheckpointInfo* want,
+                       bool& mismatch) {
+  mismatch = true;
   const auto r = h5::try_read_attr_i64(file, "lora_r");
   if (!want && r)
     return fmt::format(
@@ -254,23 +367,26 @@ std::string check_lora(hid_t file, const std::string& path, const LoraCheckpoint
   const auto targets = h5::try_read_attr_string(file, "lora_targets");
   const auto init = h5::try_read_attr_string(file, "lora_base_init");
   const auto seed = h5::try_read_attr_u64(file, "lora_base_seed");
-  if (!alpha || !dropout || !targets || !init || !seed)
+  if (!alpha || !dropout || !targets || !init || !seed) {
+    mismatch = false;
     return fmt::format("checkpoint {}: a LoRA root attribute (lora_alpha, lora_dropout, "
                        "lora_targets, lora_base_init, lora_base_seed) is missing",
                        path);
+  }
   have.base = {*init, *seed};
-  const std::string mismatch = "checkpoint {} does not match the deck's [lora]: {} is {} in the "
+  const std::string differs = "checkpoint {} does not match the deck's [lora]: {} is {} in the "
                                "checkpoint but {} in the deck";
   if (have.config.r != want->config.r)
-    return fmt::format(fmt::runtime(mismatch), path, "lora.r", have.config.r, want->config.r);
+    return fmt::format(fmt::runtime(differs), path, "lora.r", have.config.r, want->config.r);
   if (*alpha != want->config.alpha)
-    return fmt::format(fmt::runtime(mismatch), path, "lora.alpha", *alpha, want->config.alpha);
+    return fmt::format(fmt::runtime(differs), path, "lora.alpha", *alpha, want->config.alpha);
   try {
     if (parse_lora_targets(*targets, "lora_targets") !=
         parse_lora_targets(want->config.targets, "lora.targets"))
-      return fmt::format(fmt::runtime(mismatch), path, "lora.targets", *targets,
+      return fmt::format(fmt::runtime(differs), path, "lora.targets", *targets,
                          want->config.targets);
   } catch (const UserError& e) {
+    mismatch = false;  // unreadable targets: damage
     return fmt::format("checkpoint {}: {}", path, e.what());
   }
   if (!have.base.same_as(want->base))
@@ -280,15 +396,18 @@ std::string check_lora(hid_t file, const std::string& path, const LoraCheckpoint
   return {};
 }
 
-// Reads and checks the root attributes; returns an error text or "" and fills `st`.
+// Reads and checks the root attributes; returns an error text or "" and fills `st`. Sets
+// `mismatch` when the error is a difference from the deck (format version, model), not damage.
 std::string read_root(hid_t file, const std::string& path, const ModelConfig& model,
-                      TrainState& st) {
+                      TrainState& st, bool& mismatch) {
+  mismatch = false;
   auto format = h5::try_read_attr_string(file, "format");
   if (!format || *format != kFormat)
     return fmt::format(
         "{} is not a qtrain checkpoint (root attribute format is {}, expected \"{}\")", path,
         format ? fmt::format("\"{}\"", *format) : std::string("missing"), kFormat);
   auto version = h5::try_read_attr_i64(file, "format_version");
+  mismatch = version && *version != kFormatVersion;
   if (!version || *version != kFormatVersion)
     return fmt::format("checkpoint {}: format_version is {}, this qtrain reads version {}", path,
                        version ? std::to_string(*version) : std::string("missing"), kFormatVersion);
@@ -308,6 +427,7 @@ std::string read_root(hid_t file, const std::string& path, const ModelConfig& mo
       have = fmt::format("{}", *v);
       want = fmt::format("{}", f.d);
     }
+    mismatch = true;
     return fmt::format(
         "checkpoint {} does not match the deck's model: model.{} is {} in the checkpoint but {} "
         "in the deck",
@@ -408,8 +528,19 @@ TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayou
   const std::size_t nt = ps.size();
   std::vector<h5::Handle> ds(3 * nt);
   std::vector<std::uint64_t> stored(3 * nt, 0);
-  err = read_root(file, path, model, st);
-  if (err.empty()) err = check_lora(file, path, lora);
+  bool mismatch = false;
+  err = read_root(file, path, model, st, mismatch);
+  if (err.empty()) err = check_lora(file, path, lora, mismatch);
+  // A difference from the deck is a CheckpointMismatch on every rank (all read the same file).
+  std::int64_t any_mismatch = !err.empty() && mismatch;
+  world.all_reduce(&any_mismatch, 1, DType::kI64, ReduceOp::kMax);
+  if (any_mismatch) {
+    try {
+      agree(world, err);
+    } catch (const UserError& e) {
+      throw CheckpointMismatch(e.what());
+    }
+  }
   for (int g = 0; g < 3 && err.empty(); ++g)
     for (std::size_t t = 0; t < nt && err.empty(); ++t)
       err = open_tensor(file, path, kGroups[g], ps[t], ds[g * nt + t], stored[g * nt + t]);
@@ -467,14 +598,12 @@ TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayou
 std::vector<std::string> checkpoint_list(const std::string& dir, Comm& world) {
   std::string joined;  // newline-separated paths, newest first
   if (world.rank() == 0) {
-    static const std::regex name_re(R"(step_([0-9]{8,})\.h5)");
     std::vector<std::pair<std::int64_t, std::string>> found;
     std::error_code ec;
     for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-      const std::string name = it->path().filename().string();
-      std::smatch m;
-      if (!std::regex_match(name, m, name_re) || !it->is_regular_file(ec)) continue;
-      found.emplace_back(std::stoll(m[1].str()), it->path().string());
+      const std::int64_t step = checkpoint_step(it->path().string());
+      if (step < 0 || !it->is_regular_file(ec)) continue;
+      found.emplace_back(step, it->path().string());
     }
     std::sort(found.begin(), found.end(),
               [](const auto& a, const auto& b) { return a.first > b.first; });
@@ -486,22 +615,6 @@ std::vector<std::string> checkpoint_list(const std::string& dir, Comm& world) {
        start = nl + 1)
     out.push_back(joined.substr(start, nl - start));
   return out;
-}
-
-void checkpoint_prune(const std::string& dir, int keep, Comm& world) {
-  const std::vector<std::string> all = checkpoint_list(dir, world);
-  if (world.rank() == 0) {
-    std::error_code ec;
-    // keep <= 0 keeps every complete checkpoint (never deletes the one just written).
-    for (std::size_t i = static_cast<std::size_t>(keep); keep > 0 && i < all.size(); ++i)
-      fs::remove(all[i], ec);
-    static const std::regex tmp_re(R"(step_[0-9]{8,}\.h5\.tmp)");
-    std::vector<fs::path> stale;
-    for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec))
-      if (std::regex_match(it->path().filename().string(), tmp_re)) stale.push_back(it->path());
-    for (const auto& p : stale) fs::remove(p, ec);
-  }
-  world.barrier();
 }
 
 }  // namespace qt

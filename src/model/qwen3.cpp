@@ -77,6 +77,19 @@ Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
   dh_.resize(N * I);
 }
 
+double Qwen3Model::buffer_bytes(const ModelConfig& c, int B, int T, bool recompute) {
+  // Floats of each buffer of the constructor and LayerActs::allocate, in their order.
+  const double N = static_cast<double>(B) * T, H = c.hidden_size, V = c.vocab_size;
+  const double Q = static_cast<double>(c.num_heads) * c.head_dim;
+  const double KV = static_cast<double>(c.num_kv_heads) * c.head_dim, I = c.intermediate_size;
+  const double layer = N * (3 * H + 3 * Q + 3 * KV + 3 * I + 2 + c.num_heads + c.num_kv_heads) +
+                       static_cast<double>(B) * c.num_heads * T;
+  const double floats = static_cast<double>(T) * c.head_dim + 3 * N +
+                        (c.num_layers + 1.0) * N * H + (recompute ? 1.0 : c.num_layers) * layer +
+                        N * H + N + N * V + 2 * N + 3 * N * H + 2 * N * Q + 2 * N * KV + 3 * N * I;
+  return 4 * floats;
+}
+
 void Qwen3Model::layer_forward(int l, const float* P, const float* x_in, float* x_out,
                                LayerActs& a) {
   const LayerOffsets& w = off_.layers[l];

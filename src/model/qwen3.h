@@ -27,6 +27,10 @@ class Qwen3Model {
   // and recompute the rest of the layer in backward.
   Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute);
 
+  // Bytes of the buffers that constructor allocates (activations, logits, their gradients), in
+  // double so that absurd shapes cannot overflow; the memory check runs it before allocating.
+  static double buffer_bytes(const ModelConfig& cfg, int B, int T, bool recompute);
+
   const ModelConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
   int batch() const { return B_; }

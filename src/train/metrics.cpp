@@ -3,17 +3,33 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "qtrain/error.h"
 
 namespace qt {
 
-MetricsLog::MetricsLog(const std::string& path, bool is_root, bool append) : root_(is_root) {
-  if (!root_ || path.empty()) return;
-  file_.open(path, append ? std::ios::app : std::ios::trunc);
-  if (!file_) fail_user("cannot open the metrics file '{}' ([log] metrics) for writing", path);
+MetricsLog::MetricsLog(const std::string& path, Comm& world, bool append)
+    : root_(world.rank() == 0) {
+  std::string err;
+  if (root_ && !path.empty()) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {
+      err = fmt::format("log.metrics = {} is a directory; name a file (or leave it empty for none)",
+                        path);
+    } else {
+      errno = 0;
+      file_.open(path, append ? std::ios::app : std::ios::trunc);
+      if (!file_)
+        err = fmt::format("log.metrics = {}: cannot open it for writing{}{}", path,
+                          errno != 0 ? ": " : "", errno != 0 ? std::strerror(errno) : "");
+    }
+  }
+  agree(world, err);
 }
 
 std::string format_duration(double s) {

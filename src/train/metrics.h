@@ -5,6 +5,8 @@
 #include <fstream>
 #include <string>
 
+#include "qtrain/comm.h"
+
 namespace qt {
 
 struct StepMetrics {
@@ -22,8 +24,9 @@ struct StepMetrics {
 
 class MetricsLog {
  public:
-  // Only rank 0 writes. append: keep an existing file (resumed runs).
-  MetricsLog(const std::string& path, bool is_root, bool append);
+  // Collective over `world`: rank 0 opens `path` (append: keep an existing file, for resumed
+  // runs); when it cannot, every rank throws the same UserError. Only rank 0 writes.
+  MetricsLog(const std::string& path, Comm& world, bool append);
   void write(const StepMetrics& m);
 
  private:

@@ -21,42 +21,30 @@
 #include "qtrain/checkpoint.h"
 #include "qtrain/data.h"
 #include "qtrain/error.h"
+#include "train/host_memory.h"
 #include "train/metrics.h"
+#include "train/run_checkpoints.h"
 
 namespace qt {
 
 namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
-extern "C" void on_stop_signal(int sig) { g_stop_signal = sig; }
+// SIGTERM, SIGUSR1 and SIGINT ask for a checkpoint at the end of the step, then a clean stop. A
+// second SIGINT (Ctrl-C twice) ends the process at once, as an interactive user expects; a
+// second SIGTERM does not (batch systems may send one to every process of a job).
+extern "C" void on_stop_signal(int sig) {
+  if (sig == SIGINT && g_stop_signal == SIGINT) {
+    std::signal(SIGINT, SIG_DFL);
+    std::raise(SIGINT);
+    return;
+  }
+  g_stop_signal = sig;
+}
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// Restores the newest usable checkpoint (resume = auto), a named one, or none.
-// Returns true when state/params/moments were loaded.
-bool try_resume(const Deck& deck, Mesh& mesh, const ParamLayout& layout, float* params,
-                const MomentShard& moments, TrainState& state, const LoraCheckpointInfo* lora) {
-  const bool root = mesh.world_rank() == 0;
-  const std::string& mode = deck.checkpoint.resume;
-  if (mode == "none") return false;
-  if (mode != "auto") {
-    state = checkpoint_read(mode, mesh, layout, params, moments, deck.model, lora);
-    if (root) std::printf("resumed from %s at step %lld\n", mode.c_str(), static_cast<long long>(state.step));
-    return true;
-  }
-  for (const std::string& path : checkpoint_list(deck.checkpoint.dir, mesh.world())) {
-    try {
-      state = checkpoint_read(path, mesh, layout, params, moments, deck.model, lora);
-      if (root) std::printf("resumed from %s at step %lld\n", path.c_str(), static_cast<long long>(state.step));
-      return true;
-    } catch (const UserError& e) {
-      if (root) std::fprintf(stderr, "qtrain: warning: skipping checkpoint: %s\n", e.what());
-    }
-  }
-  return false;
 }
 
 }  // namespace
@@ -72,6 +60,13 @@ int run_training(const Deck& deck, Mesh& mesh) {
            "global batch {} does not split into dp {} x micro_batch {}", tc.global_batch,
            dp.size(), B);
 
+  // Sizes that cannot be allocated stop here, with the numbers, on every rank.
+  check_host_memory(mesh.world(), training_host_memory(deck, dp.size()), "this run");
+  // A full checkpoint disk makes a write fail (and the run stop with exit 2) instead of killing
+  // the process with SIGXFSZ where a file size limit (ulimit -f) applies.
+  std::signal(SIGXFSZ, SIG_IGN);
+  // The checkpoint directory is locked for the run before anything in it is read.
+  RunCheckpoints checkpoints(deck, mesh);
   std::unique_ptr<TrainBackend> backend = make_backend(deck, mesh);
   const ParamLayout& layout = backend->layout();
   // What trains and what checkpoints hold: the model, or with [lora] its adapters alone (the
@@ -105,8 +100,8 @@ int run_training(const Deck& deck, Mesh& mesh) {
 
   TrainState state;
   state.seed = tc.seed;
-  const bool resumed = try_resume(deck, mesh, trained, backend->host_trained(),
-                                  backend->host_moments(), state, lora);
+  const bool resumed = checkpoints.resume(trained, backend->host_trained(),
+                                          backend->host_moments(), state, lora);
   // A checkpoint wins over model.init: the HF weights start a run only at step 0. A LoRA
   // checkpoint holds only the adapters, so the frozen base is loaded every time.
   const bool load_base = !resumed || lora;
@@ -143,16 +138,28 @@ int run_training(const Deck& deck, Mesh& mesh) {
     return 0;
   }
 
-  std::signal(SIGTERM, on_stop_signal);
-  std::signal(SIGUSR1, on_stop_signal);
-  MetricsLog log(deck.log.metrics, root, resumed);
-  auto save = [&](std::int64_t step) {
-    const std::string path = checkpoint_path(deck.checkpoint.dir, step);
+  for (int sig : {SIGTERM, SIGUSR1, SIGINT}) std::signal(sig, on_stop_signal);
+  MetricsLog log(deck.log.metrics, mesh.world(), resumed);
+  // Writes the checkpoint of the current step; false (and a message) when the state is not
+  // finite, in which case nothing was written or deleted.
+  auto save = [&]() {
     backend->pull_state();
-    checkpoint_write(path, mesh, trained, backend->host_trained(), backend->host_moments(), state,
-                     deck.model, deck.resolved, lora);
-    checkpoint_prune(deck.checkpoint.dir, deck.checkpoint.keep, mesh.world());
-    if (root) std::printf("checkpoint written: %s\n", path.c_str());
+    try {
+      const std::string path = checkpoints.save(trained, backend->host_trained(), backend->host_moments(),
+                                                state, deck.model, deck.resolved, lora);
+      if (root) std::printf("checkpoint written: %s\n", path.c_str());
+      return true;
+    } catch (const NonFiniteState& e) {
+      const std::string kept = checkpoints.newest().empty()
+                                   ? std::string("there is no earlier one")
+                                   : "the newest, " + checkpoints.newest() + ", is kept";
+      if (root)
+        std::fprintf(stderr,
+                     "qtrain: error: %s; stopping without a checkpoint (%s): lower optim.lr or "
+                     "check the data\n",
+                     e.what(), kept.c_str());
+      return false;
+    }
   };
 
   std::vector<std::int32_t> inputs(static_cast<std::size_t>(local_seqs) * T);
@@ -201,7 +208,8 @@ int run_training(const Deck& deck, Mesh& mesh) {
       return 3;
     }
     // 5. Log, checkpoint, stop on request.
-    if (state.step % deck.log.every == 0 || state.step == last) {
+    // Every log.every steps, the first step of the process (the loss at the start) and the last.
+    if (state.step % deck.log.every == 0 || state.step == first_step + 1 || state.step == last) {
       StepMetrics sm;
       sm.step = state.step;
       sm.steps = tc.steps;
@@ -221,7 +229,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
     stop_requested = mesh.world().max(stop_requested);
     const bool periodic = deck.checkpoint.every > 0 && state.step % deck.checkpoint.every == 0;
     const bool saving = deck.checkpoint.every >= 0;
-    if (saving && (periodic || state.step == last || stop_requested > 0)) save(state.step);
+    if (saving && (periodic || state.step == last || stop_requested > 0) && !save()) return 3;
     if (stop_requested > 0) {
       if (root) std::printf("stopping at step %lld on signal %d; resume with checkpoint.resume = auto\n",
                             static_cast<long long>(state.step), static_cast<int>(stop_requested));

@@ -293,6 +293,25 @@ TEST(DeckErrors, OutOfRange) {
   expect_error("[log]\nevery = 0\n", {"deck.ini:2:", "log.every = 0", ">= 1"});
 }
 
+// Issue 15, case 2: every real-valued key is used in fp32, so it must be a normal fp32 value
+// (1e39 was accepted and wrote infinite weights into a checkpoint).
+TEST(DeckErrors, RealValuesMustFitFp32) {
+  expect_error("[optim]\nlr = 1e39\n", {"deck.ini:2:", "optim.lr = 1e39", "32-bit float"});
+  expect_error("", {"--optim.weight_decay=-4e38"}, 2,
+               {"(command line)", "optim.weight_decay = -4e38", "32-bit float"});
+  expect_error("[optim]\neps = 1e-40\n", {"deck.ini:2:", "optim.eps = 1e-40", "smallest normal"});
+  expect_error("[model]\nrope_theta = 3.5e38\n", {"model.rope_theta", "32-bit float"});
+  EXPECT_EQ(parse("[optim]\nlr = 3e38\nmin_lr = 0\n").optim.lr, 3e38);
+}
+
+// Issue 15, case 8: the CUDA kernels' head widths are a deck error, not an internal abort.
+TEST(DeckErrors, CudaHeadDim) {
+  expect_error("[model]\nhead_dim = 32\n[train]\ndevice = cuda\n",
+               {"deck.ini:2:", "model.head_dim = 32", "train.device = cuda", "64 and 128"});
+  EXPECT_EQ(parse("[model]\nhead_dim = 128\n[train]\ndevice = cuda\n").model.head_dim, 128);
+  EXPECT_EQ(parse("[model]\nhead_dim = 32\n").model.head_dim, 32);  // the CPU takes any
+}
+
 TEST(DeckErrors, InconsistentValues) {
   expect_error("[train]\nmicro_batch = 4\nglobal_batch = 6\n",
                {"deck.ini:3:", "train.global_batch = 6", "multiple of train.micro_batch (4) x mesh.dp (2)"});
@@ -314,8 +333,8 @@ TEST(Deck, LoraSection) {
   EXPECT_EQ(parse_deck_text(d.resolved, "resolved.ini", {}, 2).lora.targets, "q_proj, v_proj");
   EXPECT_EQ(parse("", {"--lora.r=4", "--lora.targets=all-linear"}).lora.r, 4);
   // Both back ends train LoRA, with ZeRO-1 and (cuda) a bf16 gradient reduction.
-  Deck gpu = parse("[lora]\nr = 8\n[train]\ndevice = cuda\n[optim]\nzero_stage = 1\n"
-                   "grad_reduce = bf16\n");
+  Deck gpu = parse("[model]\nhead_dim = 64\n[lora]\nr = 8\n[train]\ndevice = cuda\n"
+                   "[optim]\nzero_stage = 1\ngrad_reduce = bf16\n");
   EXPECT_TRUE(gpu.lora.enabled());
   EXPECT_EQ(gpu.train.device, "cuda");
 }
@@ -424,6 +443,14 @@ TEST(DeckArgv, FileAndOverrides) {
   EXPECT_EQ(d.log.every, 3);
   std::string bad = s.write("b.ini", "[train]\n\nsteps = 0\n");
   expect_argv_error({bad}, {bad + ":3:", "train.steps = 0"});
+}
+
+// Issue 15, case 11: a UTF-8 byte-order mark (Windows editors) before the first line.
+TEST(DeckArgv, ByteOrderMarkIsIgnored) {
+  Scratch s;
+  std::string deck = s.write("bom.ini", "\xEF\xBB\xBF[train]\nsteps = 30\n");
+  EXPECT_EQ(parse_argv({deck}).train.steps, 30);
+  EXPECT_EQ(parse("\xEF\xBB\xBF# a comment\n[train]\nsteps = 31\n").train.steps, 31);
 }
 
 TEST(DeckArgv, PositionalArgumentsAndFiles) {

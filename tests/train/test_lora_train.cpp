@@ -119,7 +119,8 @@ TEST_F(LoraTraining, CudaDeviceGoesToTheCudaBackEnd) {
 #ifdef QTRAIN_HAVE_CUDA
   GTEST_SKIP() << "built with CUDA: tests/gpu/test_lora_cuda.cpp trains LoRA on the GPU";
 #else
-  Deck deck = parse_deck_text(deck_text(path("c")), "lora.ini", {"--train.device=cuda"}, 2);
+  Deck deck = parse_deck_text(deck_text(path("c")), "lora.ini",
+                              {"--train.device=cuda", "--model.head_dim=64"}, 2);
   Mesh mesh(deck.mesh, world_comm());
   try {
     make_backend(deck, mesh);

@@ -1,0 +1,54 @@
+#include "train/host_memory.h"
+
+#include <fmt/format.h>
+
+#include "model/qwen3.h"
+
+namespace qt {
+
+namespace {
+
+// LoRA adapter parameters: r x (in + out) per targeted projection and layer.
+double lora_params(const ModelConfig& c, const LoraConfig& l) {
+  const double H = c.hidden_size, I = c.intermediate_size;
+  const double Q = static_cast<double>(c.num_heads) * c.head_dim;
+  const double KV = static_cast<double>(c.num_kv_heads) * c.head_dim;
+  const double in_out[kNumLoraTargets] = {H + Q, H + KV, H + KV, Q + H, H + I, H + I, I + H};
+  double per_layer = 0;
+  for (int t : parse_lora_targets(l.targets, "lora.targets")) per_layer += l.r * in_out[t];
+  return per_layer * c.num_layers;
+}
+
+}  // namespace
+
+HostMemoryNeed training_host_memory(const Deck& deck, int dp) {
+  const ModelConfig& c = deck.model;
+  const double model = c.num_params_f64();
+  const double trained = deck.lora.enabled() ? lora_params(c, deck.lora) : model;
+  const bool zero1 = deck.optim.zero_stage == 1;
+  const double shard = zero1 ? trained / dp : trained;  // AdamW moments held by this rank
+  HostMemoryNeed need;
+  need.keys = "the model's size (model.preset, model.*)";
+  const std::string params = fmt::format("{:.3g}B parameters", model * 1e-9);
+  if (deck.train.device == "cuda") {
+    // Host copies of the trained fp32 state for init, checkpoints and resume.
+    need.bytes = 4 * (model + (deck.lora.enabled() ? trained : 0) + 2 * shard);
+    need.what = fmt::format("fp32 host copies of the {} and their AdamW moments", params);
+    need.keys += ", optim.zero_stage = 1 or fewer ranks per node";
+    return need;
+  }
+  const double acts = Qwen3Model::buffer_bytes(c, deck.train.micro_batch, deck.train.seq_len,
+                                               deck.train.recompute);
+  // Model, gradients (and adapters) of the trained part, moments (+ the ZeRO-1 reduction shard).
+  need.bytes = 4 * (model + trained * (deck.lora.enabled() ? 2 : 1) + 2 * shard +
+                    (zero1 ? shard : 0)) +
+               acts;
+  need.what = fmt::format(
+      "fp32 {}, gradients and AdamW moments, {} of activations for {} x {} tokens", params,
+      format_bytes(acts), deck.train.micro_batch, deck.train.seq_len);
+  need.keys += ", train.micro_batch, train.seq_len, train.recompute = true, optim.zero_stage = 1 "
+               "or fewer ranks per node";
+  return need;
+}
+
+}  // namespace qt
