@@ -15,9 +15,9 @@
 #   QTRAIN_DEMO_PROMPT="Your" bash scripts/demo.sh  another prompt for the sample
 #
 # Rerunning: the demo passes --checkpoint.resume=none, so each run trains the same steps from step 0.
-# It first deletes the step_*.h5 files of the deck's checkpoint directory, so that no checkpoint of
-# an earlier, longer demo run is left to look newer than this run's. qtrain starts the metrics
-# file afresh for a run from step 0 and appends to it on a resume.
+# qtrain refuses resume = none in a directory that holds checkpoints, so the demo first moves an
+# earlier run's checkpoint directory aside (checkpoints/demo-text.<date>); nothing is deleted.
+# qtrain starts the metrics file afresh for a run from step 0 and appends to it on a resume.
 # The synthetic-data demo of earlier versions is still there: mpirun -np 2 build/bin/qtrain inputs/tiny.ini
 set -euo pipefail
 # shellcheck source=scripts/common.sh
@@ -71,9 +71,12 @@ for arg in "$@"; do
   overrides+=("$arg")
 done
 
-if [ "$resume" = none ] && [ -d "$ckpt_dir" ]; then
-  qt_log "fresh run: deleting earlier checkpoints $ckpt_dir/step_*.h5"
-  find "$ckpt_dir" -maxdepth 1 \( -name 'step_*.h5' -o -name 'step_*.h5.tmp' \) -type f -delete
+# A fresh run needs an empty checkpoint directory (qtrain refuses resume = none over existing
+# checkpoints): an earlier demo's is moved aside, never deleted.
+if [ "$resume" = none ] && [ -n "$(find "$ckpt_dir" -maxdepth 1 -name 'step_*.h5' 2>/dev/null)" ]; then
+  aside="$ckpt_dir.$(date +%Y%m%d-%H%M%S)"
+  qt_log "fresh run: moving the earlier demo's checkpoints $ckpt_dir aside to $aside"
+  mv "$ckpt_dir" "$aside"
 fi
 
 cmd=(mpirun -np "$np" --oversubscribe build/bin/qtrain "$deck" "--checkpoint.resume=$resume"

@@ -189,8 +189,17 @@ class CudaBackend final : public TrainBackend {
 }  // namespace
 
 std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
-  if (deck.lora.enabled()) return make_cuda_lora_backend(deck, mesh);
-  return std::make_unique<CudaBackend>(deck, mesh);
+  // A model too large for the GPU is the user's to change, not an internal failure. Every rank
+  // of a uniform job throws alike; a rank that throws alone ends the job from main().
+  try {
+    if (deck.lora.enabled()) return make_cuda_lora_backend(deck, mesh);
+    return std::make_unique<CudaBackend>(deck, mesh);
+  } catch (const cuda::OutOfMemory& e) {
+    fail_user("the run does not fit the GPU: {}; make it smaller: train.micro_batch, "
+              "train.seq_len, train.recompute = true, optim.zero_stage = 1 with more ranks, "
+              "[lora], or a smaller model",
+              e.what());
+  }
 }
 
 }  // namespace qt
