@@ -137,7 +137,7 @@ struct Local {
   std::vector<std::uint8_t> mask;
   std::vector<std::int64_t> doc_len;
   std::array<std::int64_t, kSkipKinds> counts{};  // by Skip; kNone = documents
-  std::int64_t truncated = 0, trained = 0;
+  std::int64_t truncated = 0, trained = 0, repaired = 0;  // documents cut, tokens, UTF-8 fixed
   std::vector<std::int64_t> lines;  // lines owned, per file
   std::vector<Example> examples;
 };
@@ -200,6 +200,7 @@ void encode_range(const std::string& path, int file, std::int64_t lo, std::int64
     if (r.skip == Skip::kNone) {
       l.doc_len.push_back(static_cast<std::int64_t>(l.tokens.size() - before));
       l.truncated += r.truncated ? 1 : 0;
+      l.repaired += r.repaired ? 1 : 0;
       for (std::size_t k = before; k < l.mask.size(); ++k) l.trained += l.mask[k];
     } else if (r.skip != Skip::kEmpty && r.skip != Skip::kTooLong &&
                l.examples.size() < kExamplesPerRank) {
@@ -264,6 +265,7 @@ void encode_plain_range(const std::string& path, std::int64_t lo, std::int64_t h
       if (r.skip == Skip::kNone) {
         l.doc_len.push_back(static_cast<std::int64_t>(l.tokens.size() - before));
         l.truncated += r.truncated ? 1 : 0;
+        l.repaired += r.repaired ? 1 : 0;
         l.trained += static_cast<std::int64_t>(l.tokens.size() - before);
       }
       progress.tick(done, l);
@@ -452,11 +454,14 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
       encode_range(files[f], static_cast<int>(f), a - base[f], b - base[f], enc, l, progress, done);
   }
 
-  // Totals, and the line numbers of the first problems.
+  // Totals (records by Skip, then the counts below), and the line numbers of the first problems.
+  enum { kTruncated = kSkipKinds, kTrained, kTokens, kRepaired, kTotals };
   std::vector<std::int64_t> totals(l.counts.begin(), l.counts.end());
-  totals.push_back(l.truncated);
-  totals.push_back(l.trained);
-  totals.push_back(static_cast<std::int64_t>(l.tokens.size()));
+  totals.resize(kTotals);
+  totals[kTruncated] = l.truncated;
+  totals[kTrained] = l.trained;
+  totals[kTokens] = static_cast<std::int64_t>(l.tokens.size());
+  totals[kRepaired] = l.repaired;
   world.all_reduce(totals.data(), totals.size(), DType::kI64, ReduceOp::kSum);
   const std::size_t F = files.size();
   std::vector<std::int64_t> lines(F * P);
@@ -471,7 +476,7 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   }
   const std::vector<std::string> examples = gather_strings(mine, world);
 
-  const std::int64_t docs = totals[0], tokens = totals[kSkipKinds + 2];
+  const std::int64_t docs = totals[0], tokens = totals[kTokens];
   std::int64_t records = 0;
   for (int k = 0; k < kSkipKinds; ++k) records += totals[k];
   std::vector<std::string> shown;
@@ -484,16 +489,19 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
     std::printf(
         "qtrain prep: %zu file(s), %s, %s records -> %s documents, %s tokens (%s in the loss)\n",
         files.size(), human_bytes(S).c_str(), human(records).c_str(), human(docs).c_str(),
-        human(tokens).c_str(), human(totals[kSkipKinds + 1]).c_str());
+        human(tokens).c_str(), human(totals[kTrained]).c_str());
     if (!skipped.empty())
       std::printf("qtrain prep: skipped %lld record(s): %s%s\n",
                   static_cast<long long>(records - docs), skipped.c_str(),
                   totals[static_cast<int>(Skip::kTooLong)] > 0
                       ? fmt::format(" (more than {} tokens)", o.max_tokens).c_str()
                       : "");
-    if (totals[kSkipKinds] > 0)
+    if (totals[kTruncated] > 0)
       std::printf("qtrain prep: truncated %lld record(s) to %lld tokens\n",
-                  static_cast<long long>(totals[kSkipKinds]), static_cast<long long>(o.max_tokens));
+                  static_cast<long long>(totals[kTruncated]), static_cast<long long>(o.max_tokens));
+    if (totals[kRepaired] > 0)
+      std::printf("qtrain prep: replaced invalid UTF-8 by U+FFFD in %lld record(s)\n",
+                  static_cast<long long>(totals[kRepaired]));
     for (const std::string& s : examples) {
       for (std::size_t p = 0; p < s.size() && shown.size() < kExamplesShown;) {
         const std::size_t q = s.find('\n', p);
@@ -508,8 +516,9 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
     *stats = PrepStats{records,
                        docs,
                        tokens,
-                       totals[kSkipKinds + 1],
-                       totals[kSkipKinds],
+                       totals[kTrained],
+                       totals[kTruncated],
+                       totals[kRepaired],
                        std::vector<std::int64_t>(totals.begin(), totals.begin() + kSkipKinds),
                        shown};
     stats->skipped[0] = 0;
