@@ -7,12 +7,15 @@
 
 #include <glob.h>
 #include <mpi.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <boost/program_options.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -122,6 +125,48 @@ std::vector<std::string> expand_inputs(const std::vector<std::string>& args) {
     out.push_back(a);
   }
   return out;
+}
+
+// The files that reading the tokenizer `path` (a directory or a tokenizer.json) may open.
+std::vector<fs::path> tokenizer_files(const std::string& path) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec)) return {path};
+  return {fs::path(path) / "tokenizer.json", fs::path(path) / "tokenizer_config.json",
+          fs::path(path) / "chat_template.jinja"};
+}
+
+// Why `output` cannot be written, or "": checked before any work, so that a run never ends in a
+// failed write, and never replaces a file it reads. The file is written as output + ".tmp" and
+// renamed, so both names count; std::filesystem::equivalent sees through other spellings,
+// symbolic and hard links.
+std::string output_problem(const std::string& output, const std::vector<std::string>& inputs,
+                           const std::string& tokenizer) {
+  std::error_code ec;
+  const std::string tmp = output + ".tmp";
+  if (fs::is_directory(output, ec)) return fmt::format("output {}: is a directory", output);
+  if (fs::is_directory(tmp, ec))
+    return fmt::format("output {}: {} (where it is written first) is a directory", output, tmp);
+  const fs::path parent = fs::path(output).parent_path();
+  const fs::path dir = parent.empty() ? fs::path(".") : parent;
+  if (!fs::exists(dir, ec))
+    return fmt::format("output {}: directory {} does not exist", output, dir.string());
+  if (!fs::is_directory(dir, ec))
+    return fmt::format("output {}: {} is not a directory", output, dir.string());
+  if (access(dir.c_str(), W_OK | X_OK) != 0)
+    return fmt::format("output {}: cannot create files in directory {} ({})", output,
+                       dir.string(), std::strerror(errno));
+  for (const std::string& name : {output, tmp}) {
+    const std::string what =
+        name == output ? fmt::format("output {}", output)
+                       : fmt::format("output {}: {} (where it is written first)", output, tmp);
+    for (const std::string& in : inputs)
+      if (fs::equivalent(name, in, ec))
+        return fmt::format("{} is the input file {}; choose another output", what, in);
+    for (const fs::path& t : tokenizer_files(tokenizer))
+      if (fs::equivalent(name, t, ec))
+        return fmt::format("{} is the tokenizer file {}; choose another output", what, t.string());
+  }
+  return "";
 }
 
 struct Example {
@@ -417,10 +462,8 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   const Format format = parse_format(o.format);
   const bool plain = o.format == "plain";
   const std::vector<std::string> files = expand_inputs(o.inputs);
-  const fs::path out_dir = fs::path(o.output).parent_path();
+  agree(world, root ? output_problem(o.output, files, o.tokenizer) : "");
   std::error_code ec;
-  if (!out_dir.empty() && !fs::is_directory(out_dir, ec))
-    fail_user("output {}: directory {} does not exist", o.output, out_dir.string());
 
   const Tokenizer tok = Tokenizer::from_dir(o.tokenizer);
   if (root && format != Format::kText && !tok.chat_template().empty() &&
