@@ -1,21 +1,18 @@
 // `qtrain prep` (prep.h, docs/prep.md). The input files, concatenated, are cut into one byte
 // range per rank; a line belongs to the rank whose range holds its first byte (with --format
 // plain, a record: the lines between two separator lines, by the byte where it starts). Each rank
-// encodes its records in order and the token file is written with parallel HDF5, rank r's
-// documents after those of ranks < r, so the file does not depend on the number of ranks.
+// encodes its records in order and the token file is written by all ranks (prep/output.h), rank
+// r's documents after those of ranks < r, so the file does not depend on the number of ranks.
 #include "prep/prep.h"
 
 #include <glob.h>
 #include <mpi.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <boost/program_options.hpp>
-#include <cerrno>
 #include <chrono>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -23,8 +20,8 @@
 #include <string>
 #include <vector>
 
-#include "io/hdf5_util.h"
 #include "prep/chat.h"
+#include "prep/output.h"
 #include "prep/records.h"
 #include "qtrain/comm.h"
 #include "qtrain/error.h"
@@ -125,48 +122,6 @@ std::vector<std::string> expand_inputs(const std::vector<std::string>& args) {
     out.push_back(a);
   }
   return out;
-}
-
-// The files that reading the tokenizer `path` (a directory or a tokenizer.json) may open.
-std::vector<fs::path> tokenizer_files(const std::string& path) {
-  std::error_code ec;
-  if (!fs::is_directory(path, ec)) return {path};
-  return {fs::path(path) / "tokenizer.json", fs::path(path) / "tokenizer_config.json",
-          fs::path(path) / "chat_template.jinja"};
-}
-
-// Why `output` cannot be written, or "": checked before any work, so that a run never ends in a
-// failed write, and never replaces a file it reads. The file is written as output + ".tmp" and
-// renamed, so both names count; std::filesystem::equivalent sees through other spellings,
-// symbolic and hard links.
-std::string output_problem(const std::string& output, const std::vector<std::string>& inputs,
-                           const std::string& tokenizer) {
-  std::error_code ec;
-  const std::string tmp = output + ".tmp";
-  if (fs::is_directory(output, ec)) return fmt::format("output {}: is a directory", output);
-  if (fs::is_directory(tmp, ec))
-    return fmt::format("output {}: {} (where it is written first) is a directory", output, tmp);
-  const fs::path parent = fs::path(output).parent_path();
-  const fs::path dir = parent.empty() ? fs::path(".") : parent;
-  if (!fs::exists(dir, ec))
-    return fmt::format("output {}: directory {} does not exist", output, dir.string());
-  if (!fs::is_directory(dir, ec))
-    return fmt::format("output {}: {} is not a directory", output, dir.string());
-  if (access(dir.c_str(), W_OK | X_OK) != 0)
-    return fmt::format("output {}: cannot create files in directory {} ({})", output,
-                       dir.string(), std::strerror(errno));
-  for (const std::string& name : {output, tmp}) {
-    const std::string what =
-        name == output ? fmt::format("output {}", output)
-                       : fmt::format("output {}: {} (where it is written first)", output, tmp);
-    for (const std::string& in : inputs)
-      if (fs::equivalent(name, in, ec))
-        return fmt::format("{} is the input file {}; choose another output", what, in);
-    for (const fs::path& t : tokenizer_files(tokenizer))
-      if (fs::equivalent(name, t, ec))
-        return fmt::format("{} is the tokenizer file {}; choose another output", what, t.string());
-  }
-  return "";
 }
 
 struct Example {
@@ -356,94 +311,6 @@ std::vector<std::string> gather_strings(const std::string& mine, MpiComm& world)
   return out;
 }
 
-// Collective write of elements [offset, offset + count) of a 1-D dataset, in rounds of at most
-// 2^27 elements (MPI-IO's 2 GiB limit per call).
-void write_range(hid_t ds, hid_t mem_type, std::int64_t offset, std::int64_t count,
-                 const void* data, std::size_t elem_size, MpiComm& world) {
-  constexpr std::int64_t kRound = std::int64_t{1} << 27;
-  std::int64_t rounds = (count + kRound - 1) / kRound;
-  world.all_reduce(&rounds, 1, DType::kI64, ReduceOp::kMax);
-  h5::Handle dxpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_XFER), h5::close_plist);
-  QT_CHECK_HDF5(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE));
-  for (std::int64_t k = 0; k < rounds; ++k) {
-    const std::int64_t lo = std::min(count, k * kRound), n = std::min(count - lo, kRound);
-    h5::Handle fspace = QT_H5_OPEN(H5Dget_space(ds), h5::close_space);
-    const hsize_t n_mem = static_cast<hsize_t>(std::max<std::int64_t>(n, 1));
-    h5::Handle mspace = QT_H5_OPEN(H5Screate_simple(1, &n_mem, nullptr), h5::close_space);
-    static const std::int64_t dummy = 0;
-    const void* buf = &dummy;
-    if (n == 0) {
-      QT_CHECK_HDF5(H5Sselect_none(mspace));
-      QT_CHECK_HDF5(H5Sselect_none(fspace));
-    } else {
-      const hsize_t start = static_cast<hsize_t>(offset + lo), cnt = static_cast<hsize_t>(n);
-      QT_CHECK_HDF5(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &start, nullptr, &cnt, nullptr));
-      buf = static_cast<const char*>(data) + static_cast<std::size_t>(lo) * elem_size;
-    }
-    QT_CHECK_HDF5(H5Dwrite(ds, mem_type, mspace, fspace, dxpl, buf));
-  }
-}
-
-// Writes the token file (data.h) from every rank's documents, in rank order.
-void write_output(const std::string& path, const Local& l, std::int64_t vocab, MpiComm& world) {
-  const int P = world.size(), me = world.rank();
-  std::vector<std::int64_t> counts(2 * static_cast<std::size_t>(P));
-  counts[2 * me] = static_cast<std::int64_t>(l.tokens.size());
-  counts[2 * me + 1] = static_cast<std::int64_t>(l.doc_len.size());
-  world.all_gather(counts.data() + 2 * me, counts.data(), 2, DType::kI64);
-  std::int64_t tok_off = 0, doc_off = 0, N = 0, D = 0;
-  for (int r = 0; r < P; ++r) {
-    if (r < me) tok_off += counts[2 * r], doc_off += counts[2 * r + 1];
-    N += counts[2 * r];
-    D += counts[2 * r + 1];
-  }
-  // This rank's entries of doc_offsets: its documents' starts, and N on the last rank.
-  std::vector<std::int64_t> offsets;
-  offsets.reserve(l.doc_len.size() + 1);
-  std::int64_t at = tok_off;
-  for (std::int64_t len : l.doc_len) offsets.push_back(at), at += len;
-  if (me == P - 1) offsets.push_back(N);
-
-  const std::string tmp = path + ".tmp";
-  {
-    h5::QuietErrors quiet;
-    h5::Handle fapl = QT_H5_OPEN(H5Pcreate(H5P_FILE_ACCESS), h5::close_plist);
-    QT_CHECK_HDF5(H5Pset_fapl_mpio(fapl, world.mpi(), MPI_INFO_NULL));
-    h5::Handle file(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), h5::close_file);
-    if (!file.valid()) fail_user("output {}: cannot create {} ({})", path, tmp, h5::last_error());
-    h5::Handle dcpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_CREATE), h5::close_plist);
-    QT_CHECK_HDF5(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY));
-    QT_CHECK_HDF5(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
-    auto create = [&](const char* name, hid_t type, std::int64_t n) {
-      const hsize_t dim = static_cast<hsize_t>(n);
-      h5::Handle space = QT_H5_OPEN(H5Screate_simple(1, &dim, nullptr), h5::close_space);
-      return QT_H5_OPEN(H5Dcreate2(file, name, type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
-                        h5::close_dataset);
-    };
-    h5::Handle tokens = create("tokens", H5T_STD_I32LE, N);
-    h5::Handle doc_offsets = create("doc_offsets", H5T_STD_I64LE, D + 1);
-    h5::Handle mask = create("loss_mask", H5T_STD_U8LE, N);
-    h5::write_attr_i64(file, "vocab_size", vocab);
-    write_range(tokens, H5T_NATIVE_INT32, tok_off, counts[2 * me], l.tokens.data(), 4, world);
-    write_range(mask, H5T_NATIVE_UINT8, tok_off, counts[2 * me], l.mask.data(), 1, world);
-    write_range(doc_offsets, H5T_NATIVE_INT64, doc_off, static_cast<std::int64_t>(offsets.size()),
-                offsets.data(), 8, world);
-    QT_CHECK_HDF5(tokens.close());
-    QT_CHECK_HDF5(doc_offsets.close());
-    QT_CHECK_HDF5(mask.close());
-    QT_CHECK_HDF5(file.close());
-  }
-  world.barrier();
-  if (me == 0) {
-    std::error_code ec;
-    fs::rename(tmp, path, ec);
-    if (ec)
-      fatal_one(__FILE__, __LINE__,
-                fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
-  }
-  world.barrier();
-}
-
 // 1234567 -> "1.23M"; bytes -> "5.2 MB".
 std::string human(std::int64_t n) {
   if (n >= 1'000'000) return fmt::format("{:.2f}M", n / 1e6);
@@ -462,7 +329,7 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   const Format format = parse_format(o.format);
   const bool plain = o.format == "plain";
   const std::vector<std::string> files = expand_inputs(o.inputs);
-  agree(world, root ? output_problem(o.output, files, o.tokenizer) : "");
+  agree(world, root ? prep::output_problem(o.output, files, o.tokenizer) : "");
   std::error_code ec;
 
   const Tokenizer tok = Tokenizer::from_dir(o.tokenizer);
@@ -569,7 +436,7 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   if (docs == 0)
     fail_user("nothing usable: none of the {} record(s) in {} file(s) became a document", records,
               files.size());
-  write_output(o.output, l, tok.vocab_size(), world);
+  prep::write_token_file_parallel(o.output, {l.tokens, l.mask, l.doc_len}, tok.vocab_size(), world);
   if (root) {
     const double t = progress.seconds();
     std::printf(
