@@ -11,8 +11,10 @@
 #include <algorithm>
 #include <array>
 #include <boost/program_options.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -210,6 +212,7 @@ void encode_range(const std::string& path, int file, std::int64_t lo, std::int64
     done += pos - start;
     progress.tick(done, l);
   }
+  if (in.bad()) fail_user("input file {}: read error ({})", path, std::strerror(errno));
 }
 
 // Plain text: is the line that ends just before byte `at` (at > 0, byte at - 1 is '\n') the
@@ -289,6 +292,7 @@ void encode_plain_range(const std::string& path, std::int64_t lo, std::int64_t h
       text += line;
     }
   }
+  if (in.bad()) fail_user("input file {}: read error ({})", path, std::strerror(errno));
   finish();
 }
 
@@ -356,13 +360,23 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   l.lines.assign(files.size(), 0);
   Progress progress(root, o.progress_s, hi - lo, static_cast<int>(P));
   std::int64_t done = 0;
-  for (std::size_t f = 0; f < files.size(); ++f) {
-    const std::int64_t a = std::max(lo, base[f]), b = std::min(hi, base[f + 1]);
-    if (a < b && plain)
-      encode_plain_range(files[f], a - base[f], b - base[f], o.separator, enc, l, progress, done);
-    else if (a < b)
-      encode_range(files[f], static_cast<int>(f), a - base[f], b - base[f], enc, l, progress, done);
+  // A file that only some ranks read may fail on those alone (unreadable, an I/O error): every
+  // rank learns of it before the next collective.
+  std::string read_error;
+  try {
+    for (std::size_t f = 0; f < files.size(); ++f) {
+      const std::int64_t a = std::max(lo, base[f]), b = std::min(hi, base[f + 1]);
+      if (a < b && plain)
+        encode_plain_range(files[f], a - base[f], b - base[f], o.separator, enc, l, progress,
+                           done);
+      else if (a < b)
+        encode_range(files[f], static_cast<int>(f), a - base[f], b - base[f], enc, l, progress,
+                     done);
+    }
+  } catch (const UserError& e) {
+    read_error = e.what();
   }
+  agree(world, read_error);
 
   // Totals (records by Skip, then the counts below), and the line numbers of the first problems.
   enum { kTruncated = kSkipKinds, kTrained, kTokens, kRepaired, kTotals };

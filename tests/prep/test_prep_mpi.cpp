@@ -464,5 +464,27 @@ TEST_F(PrepMpi, OutputThatCannotOrMustNotBeWrittenIsRefusedFirst) {
   }
 }
 
+// An input that only the last rank reads and cannot open: every rank exits 2 (before, that rank
+// alone threw while the others waited in the next collective: a hang). Root may read anything:
+// run as another user only.
+TEST_F(PrepMpi, UnreadableInputOfOneRankStopsEveryRank) {
+  if (geteuid() == 0) GTEST_SKIP() << "root reads a file without read permission";
+  const std::string tokdir = test::qwen3_tokenizer_dir();
+  ASSERT_FALSE(tokdir.empty());
+  const std::string big = write("big.jsonl", std::vector<std::string>(200, R"({"text": "x"})"), true);
+  const std::string locked = write("locked.jsonl", {R"({"text": "y"})"}, true);
+  if (world_rank() == 0) fs::permissions(locked, fs::perms::none);
+  world_->barrier();
+  if (world_rank() == 0) ::testing::internal::CaptureStderr();
+  EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", dir_ + "/out.h5", big, locked}, *world_),
+            2);
+  if (world_rank() == 0) {
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find("input file " + locked + ": cannot open it for reading"), std::string::npos)
+        << err;
+    fs::permissions(locked, fs::perms::owner_all);
+  }
+}
+
 }  // namespace
 }  // namespace qt
