@@ -184,6 +184,12 @@ RecordResult RecordEncoder::add(std::string_view line, std::vector<std::int32_t>
     tokens.resize(first);
     mask.resize(first);
     return skip(Skip::kInvalid, short_json_error(e.what()));
+  } catch (const UserError&) {
+    throw;
+  } catch (const std::runtime_error& e) {  // the tokenizer's (a regex that hit its match limit)
+    tokens.resize(first);
+    mask.resize(first);
+    return skip(Skip::kInvalid, std::string("cannot tokenize: ") + e.what());
   }
 }
 
@@ -192,7 +198,13 @@ RecordResult RecordEncoder::add_text(std::string_view text, std::vector<std::int
   if (text.empty()) return skip(Skip::kEmpty, "empty text");
   const bool repaired = !tok::utf8_valid(text);  // encode_append replaces it by U+FFFD
   ids_.clear();
-  tok_.encode_append(text, ids_, nullptr);
+  try {
+    tok_.encode_append(text, ids_, nullptr);
+  } catch (const UserError&) {
+    throw;
+  } catch (const std::runtime_error& e) {  // the tokenizer's (a regex that hit its match limit)
+    return skip(Skip::kInvalid, std::string("cannot tokenize: ") + e.what());
+  }
   ids_.push_back(eos_id_);
   bool truncated = false;
   if (max_tokens_ > 0 && static_cast<std::int64_t>(ids_.size()) > max_tokens_) {

@@ -135,6 +135,12 @@ TEST_F(TinyTokenizer, BadFilesNameFileAndProblem) {
     expect_msg(e.what(), "has no tokenizer.json");
   }
   try {
+    Tokenizer::from_file(dir_);  // a directory where tokenizer.json was expected
+    ADD_FAILURE();
+  } catch (const UserError& e) {
+    expect_msg(e.what(), dir_ + ": is a directory");
+  }
+  try {
     Tokenizer::from_file(write("bad.json", "{\"model\": [1, 2"));
     ADD_FAILURE();
   } catch (const UserError& e) {
