@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <limits>
+#include <optional>
 #include <mutex>
 
 #include "io/hdf5_util.h"
@@ -35,13 +37,15 @@ const char* class_name(H5T_class_t c) {
   }
 }
 
-// An open 1-D integer dataset and its length.
+// An open 1-D integer dataset, its length and signedness.
 struct Column {
   h5::Handle ds;
   hsize_t n = 0;
+  bool is_unsigned = false;
 };
 
-// Opens /name as a 1-D integer dataset; throws UserError naming file and dataset otherwise.
+// Opens /name as a 1-D dataset of integers of up to 64 bits; throws UserError naming file and
+// dataset otherwise.
 Column open_column(hid_t file, const std::string& path, const char* name) {
   if (!h5::has_link(file, name)) fail_user("token file {}: dataset /{} is missing", path, name);
   Column c;
@@ -52,6 +56,10 @@ Column open_column(hid_t file, const std::string& path, const char* name) {
   if (cls != H5T_INTEGER)
     fail_user("token file {}: /{} must hold integers, it holds {} values", path, name,
               class_name(cls));
+  if (H5Tget_precision(type) > 64)
+    fail_user("token file {}: /{} must hold integers of at most 64 bits, it holds {}-bit ones",
+              path, name, H5Tget_precision(type));
+  c.is_unsigned = H5Tget_sign(type) == H5T_SGN_NONE;
   const auto dims = h5::dataset_dims(c.ds);
   if (!dims || dims->size() != 1)
     fail_user("token file {}: /{} must be 1-D, it is {}-D", path, name,
@@ -77,6 +85,37 @@ void read_or_fail(const Column& c, hid_t mem_type, hsize_t lo, hsize_t n, T* out
     fail_user("token file {}: cannot read /{} ({})", path, name, h5::last_error());
 }
 
+// Elements [lo, lo + n) as their exact values: HDF5 clips what does not fit the memory type
+// (3000000000 read as int32 is 2147483647), so every column is read as 64-bit integers of its
+// own signedness, and an unsigned value above INT64_MAX is an error naming it.
+void read_exact(const Column& c, hsize_t lo, hsize_t n, std::int64_t* out,
+                const std::string& path, const char* name) {
+  if (!c.is_unsigned) return read_or_fail(c, H5T_NATIVE_INT64, lo, n, out, path, name);
+  auto* u = reinterpret_cast<std::uint64_t*>(out);  // same size; signed/unsigned may alias
+  read_or_fail(c, H5T_NATIVE_UINT64, lo, n, u, path, name);
+  for (hsize_t k = 0; k < n; ++k)
+    if (u[k] > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      fail_user("token file {}: /{}[{}] = {} is out of range", path, name, lo + k, u[k]);
+}
+
+// The vocab_size attribute, if present, as written; throws UserError when it is not an integer
+// scalar or does not fit int64.
+std::optional<std::int64_t> read_vocab_attr(hid_t file, const std::string& path) {
+  if (H5Aexists(file, "vocab_size") <= 0) return std::nullopt;
+  h5::Handle attr(H5Aopen(file, "vocab_size", H5P_DEFAULT), h5::close_attr);
+  h5::Handle type(attr.valid() ? H5Aget_type(attr) : -1, h5::close_type);
+  const bool is_unsigned = type.valid() && H5Tget_class(type) == H5T_INTEGER &&
+                           H5Tget_sign(type) == H5T_SGN_NONE;
+  if (is_unsigned) {
+    const auto u = h5::try_read_attr_u64(file, "vocab_size");
+    if (u && *u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()))
+      fail_user("token file {}: attribute vocab_size = {} is out of range", path, *u);
+  }
+  const auto v = h5::try_read_attr_i64(file, "vocab_size");
+  if (!v) fail_user("token file {}: attribute vocab_size must be an integer scalar", path);
+  return v;
+}
+
 class TokenFileSource final : public DataSource {
  public:
   TokenFileSource(std::string path, int T, std::uint64_t seed, Packing packing)
@@ -100,19 +139,19 @@ class TokenFileSource final : public DataSource {
       if (mask_.n != N)
         fail_user("token file {}: /loss_mask has {} entries but /tokens has {}", path_, mask_.n, N);
     }
-    if (H5Aexists(file_, "vocab_size") > 0) {
-      auto v = h5::try_read_attr_i64(file_, "vocab_size");
-      if (!v) fail_user("token file {}: attribute vocab_size must be an integer scalar", path_);
-      if (*v > vocab)
-        fail_user("token file {}: attribute vocab_size = {} exceeds the model's vocab_size {}",
-                  path_, *v, vocab);
-    }
+    // Token ids lie below `limit`: the model's vocabulary, or the file's own when smaller.
+    std::int64_t limit = vocab;
+    const auto file_vocab = read_vocab_attr(file_, path_);
+    if (file_vocab && *file_vocab > vocab)
+      fail_user("token file {}: attribute vocab_size = {} exceeds the model's vocab_size {}",
+                path_, *file_vocab, vocab);
+    if (file_vocab) limit = *file_vocab;
 
     // Documents: offsets run from 0 to N and never decrease.
     if (offsets.n < 1)
       fail_user("token file {}: /doc_offsets is empty (needs D + 1 entries)", path_);
     std::vector<std::int64_t> off(offsets.n);
-    read_or_fail(offsets, H5T_NATIVE_INT64, 0, offsets.n, off.data(), path_, "doc_offsets");
+    read_exact(offsets, 0, offsets.n, off.data(), path_, "doc_offsets");
     if (off.front() != 0 || off.back() != static_cast<std::int64_t>(N))
       fail_user(
           "token file {}: /doc_offsets must run from 0 to the token count {}, it runs from "
@@ -145,29 +184,27 @@ class TokenFileSource final : public DataSource {
     }
     if (packing_ != Packing::kConcat) offsets_ = std::move(off);
 
-    // Token ids in [0, vocab); keep everything in memory when small enough.
+    // Token ids in [0, limit), mask values 0 or 1, checked on their exact values; kept in memory
+    // when small enough (as int32 and uint8, which then hold them exactly).
     resident_ = N * (sizeof(std::int32_t) + (has_mask_ ? 1 : 0)) <= max_resident_bytes;
-    std::vector<std::int32_t> chunk;
-    if (resident_) tokens_mem_.reserve(N);
+    if (resident_) tokens_mem_.resize(N);
+    if (resident_ && has_mask_) mask_mem_.resize(N);
+    std::vector<std::int64_t> chunk(std::min(kScanChunk, N));
     for (hsize_t lo = 0; lo < N; lo += kScanChunk) {
       const hsize_t n = std::min(kScanChunk, N - lo);
-      std::int32_t* ids = nullptr;
-      if (resident_) {
-        tokens_mem_.resize(lo + n);
-        ids = tokens_mem_.data() + lo;
-      } else {
-        chunk.resize(n);
-        ids = chunk.data();
-      }
-      read_or_fail(tokens_, H5T_NATIVE_INT32, lo, n, ids, path_, "tokens");
+      read_exact(tokens_, lo, n, chunk.data(), path_, "tokens");
       for (hsize_t k = 0; k < n; ++k)
-        if (ids[k] < 0 || ids[k] >= vocab)
-          fail_user("token file {}: /tokens[{}] = {} is outside the vocabulary [0, {})", path_,
-                    lo + k, ids[k], vocab);
-    }
-    if (resident_ && has_mask_) {
-      mask_mem_.resize(N);
-      read_or_fail(mask_, H5T_NATIVE_UINT8, 0, N, mask_mem_.data(), path_, "loss_mask");
+        if (chunk[k] < 0 || chunk[k] >= limit)
+          fail_user("token file {}: /tokens[{}] = {} is outside the vocabulary [0, {}){}", path_,
+                    lo + k, chunk[k], limit,
+                    limit < vocab ? " of the file's vocab_size attribute" : "");
+      if (resident_) std::copy_n(chunk.data(), n, tokens_mem_.data() + lo);
+      if (!has_mask_) continue;
+      read_exact(mask_, lo, n, chunk.data(), path_, "loss_mask");
+      for (hsize_t k = 0; k < n; ++k)
+        if (chunk[k] != 0 && chunk[k] != 1)
+          fail_user("token file {}: /loss_mask[{}] = {} must be 0 or 1", path_, lo + k, chunk[k]);
+      if (resident_) std::copy_n(chunk.data(), n, mask_mem_.data() + lo);
     }
     if (resident_) {  // nothing more to read from the file
       tokens_.ds.close();

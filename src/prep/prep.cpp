@@ -1,8 +1,8 @@
 // `qtrain prep` (prep.h, docs/prep.md). The input files, concatenated, are cut into one byte
 // range per rank; a line belongs to the rank whose range holds its first byte (with --format
 // plain, a record: the lines between two separator lines, by the byte where it starts). Each rank
-// encodes its records in order and the token file is written with parallel HDF5, rank r's
-// documents after those of ranks < r, so the file does not depend on the number of ranks.
+// encodes its records in order and the token file is written by all ranks (prep/output.h), rank
+// r's documents after those of ranks < r, so the file does not depend on the number of ranks.
 #include "prep/prep.h"
 
 #include <glob.h>
@@ -11,8 +11,10 @@
 #include <algorithm>
 #include <array>
 #include <boost/program_options.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -20,8 +22,8 @@
 #include <string>
 #include <vector>
 
-#include "io/hdf5_util.h"
 #include "prep/chat.h"
+#include "prep/output.h"
 #include "prep/records.h"
 #include "qtrain/comm.h"
 #include "qtrain/error.h"
@@ -137,7 +139,7 @@ struct Local {
   std::vector<std::uint8_t> mask;
   std::vector<std::int64_t> doc_len;
   std::array<std::int64_t, kSkipKinds> counts{};  // by Skip; kNone = documents
-  std::int64_t truncated = 0, trained = 0;
+  std::int64_t truncated = 0, trained = 0, repaired = 0;  // documents cut, tokens, UTF-8 fixed
   std::vector<std::int64_t> lines;  // lines owned, per file
   std::vector<Example> examples;
 };
@@ -200,6 +202,7 @@ void encode_range(const std::string& path, int file, std::int64_t lo, std::int64
     if (r.skip == Skip::kNone) {
       l.doc_len.push_back(static_cast<std::int64_t>(l.tokens.size() - before));
       l.truncated += r.truncated ? 1 : 0;
+      l.repaired += r.repaired ? 1 : 0;
       for (std::size_t k = before; k < l.mask.size(); ++k) l.trained += l.mask[k];
     } else if (r.skip != Skip::kEmpty && r.skip != Skip::kTooLong &&
                l.examples.size() < kExamplesPerRank) {
@@ -209,6 +212,7 @@ void encode_range(const std::string& path, int file, std::int64_t lo, std::int64
     done += pos - start;
     progress.tick(done, l);
   }
+  if (in.bad()) fail_user("input file {}: read error ({})", path, std::strerror(errno));
 }
 
 // Plain text: is the line that ends just before byte `at` (at > 0, byte at - 1 is '\n') the
@@ -264,6 +268,7 @@ void encode_plain_range(const std::string& path, std::int64_t lo, std::int64_t h
       if (r.skip == Skip::kNone) {
         l.doc_len.push_back(static_cast<std::int64_t>(l.tokens.size() - before));
         l.truncated += r.truncated ? 1 : 0;
+        l.repaired += r.repaired ? 1 : 0;
         l.trained += static_cast<std::int64_t>(l.tokens.size() - before);
       }
       progress.tick(done, l);
@@ -287,6 +292,7 @@ void encode_plain_range(const std::string& path, std::int64_t lo, std::int64_t h
       text += line;
     }
   }
+  if (in.bad()) fail_user("input file {}: read error ({})", path, std::strerror(errno));
   finish();
 }
 
@@ -309,94 +315,6 @@ std::vector<std::string> gather_strings(const std::string& mine, MpiComm& world)
   return out;
 }
 
-// Collective write of elements [offset, offset + count) of a 1-D dataset, in rounds of at most
-// 2^27 elements (MPI-IO's 2 GiB limit per call).
-void write_range(hid_t ds, hid_t mem_type, std::int64_t offset, std::int64_t count,
-                 const void* data, std::size_t elem_size, MpiComm& world) {
-  constexpr std::int64_t kRound = std::int64_t{1} << 27;
-  std::int64_t rounds = (count + kRound - 1) / kRound;
-  world.all_reduce(&rounds, 1, DType::kI64, ReduceOp::kMax);
-  h5::Handle dxpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_XFER), h5::close_plist);
-  QT_CHECK_HDF5(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE));
-  for (std::int64_t k = 0; k < rounds; ++k) {
-    const std::int64_t lo = std::min(count, k * kRound), n = std::min(count - lo, kRound);
-    h5::Handle fspace = QT_H5_OPEN(H5Dget_space(ds), h5::close_space);
-    const hsize_t n_mem = static_cast<hsize_t>(std::max<std::int64_t>(n, 1));
-    h5::Handle mspace = QT_H5_OPEN(H5Screate_simple(1, &n_mem, nullptr), h5::close_space);
-    static const std::int64_t dummy = 0;
-    const void* buf = &dummy;
-    if (n == 0) {
-      QT_CHECK_HDF5(H5Sselect_none(mspace));
-      QT_CHECK_HDF5(H5Sselect_none(fspace));
-    } else {
-      const hsize_t start = static_cast<hsize_t>(offset + lo), cnt = static_cast<hsize_t>(n);
-      QT_CHECK_HDF5(H5Sselect_hyperslab(fspace, H5S_SELECT_SET, &start, nullptr, &cnt, nullptr));
-      buf = static_cast<const char*>(data) + static_cast<std::size_t>(lo) * elem_size;
-    }
-    QT_CHECK_HDF5(H5Dwrite(ds, mem_type, mspace, fspace, dxpl, buf));
-  }
-}
-
-// Writes the token file (data.h) from every rank's documents, in rank order.
-void write_output(const std::string& path, const Local& l, std::int64_t vocab, MpiComm& world) {
-  const int P = world.size(), me = world.rank();
-  std::vector<std::int64_t> counts(2 * static_cast<std::size_t>(P));
-  counts[2 * me] = static_cast<std::int64_t>(l.tokens.size());
-  counts[2 * me + 1] = static_cast<std::int64_t>(l.doc_len.size());
-  world.all_gather(counts.data() + 2 * me, counts.data(), 2, DType::kI64);
-  std::int64_t tok_off = 0, doc_off = 0, N = 0, D = 0;
-  for (int r = 0; r < P; ++r) {
-    if (r < me) tok_off += counts[2 * r], doc_off += counts[2 * r + 1];
-    N += counts[2 * r];
-    D += counts[2 * r + 1];
-  }
-  // This rank's entries of doc_offsets: its documents' starts, and N on the last rank.
-  std::vector<std::int64_t> offsets;
-  offsets.reserve(l.doc_len.size() + 1);
-  std::int64_t at = tok_off;
-  for (std::int64_t len : l.doc_len) offsets.push_back(at), at += len;
-  if (me == P - 1) offsets.push_back(N);
-
-  const std::string tmp = path + ".tmp";
-  {
-    h5::QuietErrors quiet;
-    h5::Handle fapl = QT_H5_OPEN(H5Pcreate(H5P_FILE_ACCESS), h5::close_plist);
-    QT_CHECK_HDF5(H5Pset_fapl_mpio(fapl, world.mpi(), MPI_INFO_NULL));
-    h5::Handle file(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), h5::close_file);
-    if (!file.valid()) fail_user("output {}: cannot create {} ({})", path, tmp, h5::last_error());
-    h5::Handle dcpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_CREATE), h5::close_plist);
-    QT_CHECK_HDF5(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY));
-    QT_CHECK_HDF5(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
-    auto create = [&](const char* name, hid_t type, std::int64_t n) {
-      const hsize_t dim = static_cast<hsize_t>(n);
-      h5::Handle space = QT_H5_OPEN(H5Screate_simple(1, &dim, nullptr), h5::close_space);
-      return QT_H5_OPEN(H5Dcreate2(file, name, type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
-                        h5::close_dataset);
-    };
-    h5::Handle tokens = create("tokens", H5T_STD_I32LE, N);
-    h5::Handle doc_offsets = create("doc_offsets", H5T_STD_I64LE, D + 1);
-    h5::Handle mask = create("loss_mask", H5T_STD_U8LE, N);
-    h5::write_attr_i64(file, "vocab_size", vocab);
-    write_range(tokens, H5T_NATIVE_INT32, tok_off, counts[2 * me], l.tokens.data(), 4, world);
-    write_range(mask, H5T_NATIVE_UINT8, tok_off, counts[2 * me], l.mask.data(), 1, world);
-    write_range(doc_offsets, H5T_NATIVE_INT64, doc_off, static_cast<std::int64_t>(offsets.size()),
-                offsets.data(), 8, world);
-    QT_CHECK_HDF5(tokens.close());
-    QT_CHECK_HDF5(doc_offsets.close());
-    QT_CHECK_HDF5(mask.close());
-    QT_CHECK_HDF5(file.close());
-  }
-  world.barrier();
-  if (me == 0) {
-    std::error_code ec;
-    fs::rename(tmp, path, ec);
-    if (ec)
-      fatal_one(__FILE__, __LINE__,
-                fmt::format("cannot rename {} to {}: {}", tmp, path, ec.message()));
-  }
-  world.barrier();
-}
-
 // 1234567 -> "1.23M"; bytes -> "5.2 MB".
 std::string human(std::int64_t n) {
   if (n >= 1'000'000) return fmt::format("{:.2f}M", n / 1e6);
@@ -415,10 +333,8 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   const Format format = parse_format(o.format);
   const bool plain = o.format == "plain";
   const std::vector<std::string> files = expand_inputs(o.inputs);
-  const fs::path out_dir = fs::path(o.output).parent_path();
+  agree(world, root ? prep::output_problem(o.output, files, o.tokenizer) : "");
   std::error_code ec;
-  if (!out_dir.empty() && !fs::is_directory(out_dir, ec))
-    fail_user("output {}: directory {} does not exist", o.output, out_dir.string());
 
   const Tokenizer tok = Tokenizer::from_dir(o.tokenizer);
   if (root && format != Format::kText && !tok.chat_template().empty() &&
@@ -444,19 +360,32 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   l.lines.assign(files.size(), 0);
   Progress progress(root, o.progress_s, hi - lo, static_cast<int>(P));
   std::int64_t done = 0;
-  for (std::size_t f = 0; f < files.size(); ++f) {
-    const std::int64_t a = std::max(lo, base[f]), b = std::min(hi, base[f + 1]);
-    if (a < b && plain)
-      encode_plain_range(files[f], a - base[f], b - base[f], o.separator, enc, l, progress, done);
-    else if (a < b)
-      encode_range(files[f], static_cast<int>(f), a - base[f], b - base[f], enc, l, progress, done);
+  // A file that only some ranks read may fail on those alone (unreadable, an I/O error): every
+  // rank learns of it before the next collective.
+  std::string read_error;
+  try {
+    for (std::size_t f = 0; f < files.size(); ++f) {
+      const std::int64_t a = std::max(lo, base[f]), b = std::min(hi, base[f + 1]);
+      if (a < b && plain)
+        encode_plain_range(files[f], a - base[f], b - base[f], o.separator, enc, l, progress,
+                           done);
+      else if (a < b)
+        encode_range(files[f], static_cast<int>(f), a - base[f], b - base[f], enc, l, progress,
+                     done);
+    }
+  } catch (const UserError& e) {
+    read_error = e.what();
   }
+  agree(world, read_error);
 
-  // Totals, and the line numbers of the first problems.
+  // Totals (records by Skip, then the counts below), and the line numbers of the first problems.
+  enum { kTruncated = kSkipKinds, kTrained, kTokens, kRepaired, kTotals };
   std::vector<std::int64_t> totals(l.counts.begin(), l.counts.end());
-  totals.push_back(l.truncated);
-  totals.push_back(l.trained);
-  totals.push_back(static_cast<std::int64_t>(l.tokens.size()));
+  totals.resize(kTotals);
+  totals[kTruncated] = l.truncated;
+  totals[kTrained] = l.trained;
+  totals[kTokens] = static_cast<std::int64_t>(l.tokens.size());
+  totals[kRepaired] = l.repaired;
   world.all_reduce(totals.data(), totals.size(), DType::kI64, ReduceOp::kSum);
   const std::size_t F = files.size();
   std::vector<std::int64_t> lines(F * P);
@@ -471,7 +400,7 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   }
   const std::vector<std::string> examples = gather_strings(mine, world);
 
-  const std::int64_t docs = totals[0], tokens = totals[kSkipKinds + 2];
+  const std::int64_t docs = totals[0], tokens = totals[kTokens];
   std::int64_t records = 0;
   for (int k = 0; k < kSkipKinds; ++k) records += totals[k];
   std::vector<std::string> shown;
@@ -484,16 +413,19 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
     std::printf(
         "qtrain prep: %zu file(s), %s, %s records -> %s documents, %s tokens (%s in the loss)\n",
         files.size(), human_bytes(S).c_str(), human(records).c_str(), human(docs).c_str(),
-        human(tokens).c_str(), human(totals[kSkipKinds + 1]).c_str());
+        human(tokens).c_str(), human(totals[kTrained]).c_str());
     if (!skipped.empty())
       std::printf("qtrain prep: skipped %lld record(s): %s%s\n",
                   static_cast<long long>(records - docs), skipped.c_str(),
                   totals[static_cast<int>(Skip::kTooLong)] > 0
                       ? fmt::format(" (more than {} tokens)", o.max_tokens).c_str()
                       : "");
-    if (totals[kSkipKinds] > 0)
+    if (totals[kTruncated] > 0)
       std::printf("qtrain prep: truncated %lld record(s) to %lld tokens\n",
-                  static_cast<long long>(totals[kSkipKinds]), static_cast<long long>(o.max_tokens));
+                  static_cast<long long>(totals[kTruncated]), static_cast<long long>(o.max_tokens));
+    if (totals[kRepaired] > 0)
+      std::printf("qtrain prep: replaced invalid UTF-8 by U+FFFD in %lld record(s)\n",
+                  static_cast<long long>(totals[kRepaired]));
     for (const std::string& s : examples) {
       for (std::size_t p = 0; p < s.size() && shown.size() < kExamplesShown;) {
         const std::size_t q = s.find('\n', p);
@@ -508,8 +440,9 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
     *stats = PrepStats{records,
                        docs,
                        tokens,
-                       totals[kSkipKinds + 1],
-                       totals[kSkipKinds],
+                       totals[kTrained],
+                       totals[kTruncated],
+                       totals[kRepaired],
                        std::vector<std::int64_t>(totals.begin(), totals.begin() + kSkipKinds),
                        shown};
     stats->skipped[0] = 0;
@@ -517,7 +450,7 @@ int run(const Options& o, MpiComm& world, PrepStats* stats) {
   if (docs == 0)
     fail_user("nothing usable: none of the {} record(s) in {} file(s) became a document", records,
               files.size());
-  write_output(o.output, l, tok.vocab_size(), world);
+  prep::write_token_file_parallel(o.output, {l.tokens, l.mask, l.doc_len}, tok.vocab_size(), world);
   if (root) {
     const double t = progress.seconds();
     std::printf(

@@ -13,6 +13,7 @@ class MpiComm;
 // What a run did (for tests; the same numbers are printed by rank 0).
 struct PrepStats {
   std::int64_t records = 0, documents = 0, tokens = 0, trained = 0, truncated = 0;
+  std::int64_t repaired = 0;          // documents whose invalid UTF-8 became U+FFFD
   std::vector<std::int64_t> skipped;  // by prep::Skip (index 0 unused)
   std::vector<std::string> examples;  // "file:line: reason: detail" of the first problems (rank 0)
 };

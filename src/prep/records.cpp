@@ -10,6 +10,7 @@
 
 #include "prep/chat.h"
 #include "qtrain/error.h"
+#include "tokenizer/text.h"
 
 namespace qt::prep {
 
@@ -72,6 +73,12 @@ RecordResult RecordEncoder::add(std::string_view line, std::vector<std::int32_t>
                                 std::vector<std::uint8_t>& mask) {
   if (line.find_first_not_of(" \t\r\n") == std::string_view::npos)
     return skip(Skip::kEmpty, "blank line");
+  if (!tok::utf8_valid(line)) {  // JSON must be UTF-8; repair it rather than lose the record
+    const std::string repaired = tok::utf8_repair(line);
+    RecordResult r = add(repaired, tokens, mask);
+    r.repaired = true;
+    return r;
+  }
   json j;
   try {
     j = json::parse(line);
@@ -177,14 +184,27 @@ RecordResult RecordEncoder::add(std::string_view line, std::vector<std::int32_t>
     tokens.resize(first);
     mask.resize(first);
     return skip(Skip::kInvalid, short_json_error(e.what()));
+  } catch (const UserError&) {
+    throw;
+  } catch (const std::runtime_error& e) {  // the tokenizer's (a regex that hit its match limit)
+    tokens.resize(first);
+    mask.resize(first);
+    return skip(Skip::kInvalid, std::string("cannot tokenize: ") + e.what());
   }
 }
 
 RecordResult RecordEncoder::add_text(std::string_view text, std::vector<std::int32_t>& tokens,
                                      std::vector<std::uint8_t>& mask) {
   if (text.empty()) return skip(Skip::kEmpty, "empty text");
+  const bool repaired = !tok::utf8_valid(text);  // encode_append replaces it by U+FFFD
   ids_.clear();
-  tok_.encode_append(text, ids_, nullptr);
+  try {
+    tok_.encode_append(text, ids_, nullptr);
+  } catch (const UserError&) {
+    throw;
+  } catch (const std::runtime_error& e) {  // the tokenizer's (a regex that hit its match limit)
+    return skip(Skip::kInvalid, std::string("cannot tokenize: ") + e.what());
+  }
   ids_.push_back(eos_id_);
   bool truncated = false;
   if (max_tokens_ > 0 && static_cast<std::int64_t>(ids_.size()) > max_tokens_) {
@@ -194,7 +214,7 @@ RecordResult RecordEncoder::add_text(std::string_view text, std::vector<std::int
   }
   tokens.insert(tokens.end(), ids_.begin(), ids_.end());
   mask.insert(mask.end(), ids_.size(), 1);
-  return {Skip::kNone, {}, truncated};
+  return {Skip::kNone, {}, truncated, repaired};
 }
 
 }  // namespace qt::prep

@@ -22,6 +22,7 @@ struct RecordResult {
   Skip skip = Skip::kNone;
   std::string detail;  // for kMalformed / kInvalid / kUnknownFormat: what is wrong
   bool truncated = false;
+  bool repaired = false;  // the record held invalid UTF-8, replaced by U+FFFD
 };
 
 class RecordEncoder {
@@ -30,12 +31,14 @@ class RecordEncoder {
   RecordEncoder(Tokenizer tok, Format format, std::int64_t max_tokens, bool truncate,
                 const std::string& eos_token);
 
-  // Appends the document of `line` to tokens/mask, or nothing (and says why).
+  // Appends the document of `line` to tokens/mask, or nothing (and says why). Invalid UTF-8 in
+  // the line is replaced by U+FFFD first (as the tokenizer would do to the text).
   RecordResult add(std::string_view line, std::vector<std::int32_t>& tokens,
                    std::vector<std::uint8_t>& mask);
 
   // A text record given as its text (a {"text"} record's string, or a record of a plain-text
-  // file): its tokens, then the eos token, every token in the loss; empty text is kEmpty.
+  // file): its tokens, then the eos token, every token in the loss; empty text is kEmpty;
+  // invalid UTF-8 is replaced by U+FFFD.
   RecordResult add_text(std::string_view text, std::vector<std::int32_t>& tokens,
                         std::vector<std::uint8_t>& mask);
 

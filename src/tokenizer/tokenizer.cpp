@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 #include <unordered_map>
@@ -57,9 +58,27 @@ std::size_t prev_char(std::string_view s, std::size_t end) {
   return i;
 }
 
+// Token ids are below this (4 Mi; real vocabularies have up to a few hundred thousand): the id
+// tables are sized by the largest id, so a file must not be able to ask for gigabytes.
+constexpr std::int64_t kMaxTokenId = std::int64_t{1} << 22;
+
+// The id that `v` holds when it is an integer in [0, kMaxTokenId); nullopt otherwise (also for
+// 3e9 or 2^64 - 1, which a 32-bit or signed read would wrap).
+std::optional<std::int32_t> token_id_of(const json& v) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<std::uint64_t>();
+    if (u < static_cast<std::uint64_t>(kMaxTokenId)) return static_cast<std::int32_t>(u);
+  } else if (v.is_number_integer()) {
+    const auto i = v.get<std::int64_t>();
+    if (i >= 0 && i < kMaxTokenId) return static_cast<std::int32_t>(i);
+  }
+  return std::nullopt;
+}
+
 std::string read_file(const std::string& path, const char* what) {
   std::error_code ec;
   if (!fs::exists(path, ec)) fail_user("{} {}: no such file", what, path);
+  if (fs::is_directory(path, ec)) fail_user("{} {}: is a directory", what, path);
   std::ifstream in(path, std::ios::binary);
   if (!in) fail_user("{} {}: cannot open it for reading", what, path);
   std::ostringstream ss;
@@ -73,6 +92,38 @@ json parse_json(const std::string& text, const std::string& path, const char* wh
   } catch (const json::parse_error& e) {
     fail_user("{} {}: not valid JSON ({})", what, path, e.what());
   }
+}
+
+// chat_template and eos_token of a tokenizer_config.json (null or absent: left empty).
+void read_config(const json& c, const std::string& path, std::string& chat_template,
+                 std::string& eos_token) {
+  auto bad = [&](const char* key, const char* what) -> void {
+    fail_user("tokenizer config {}: {}{}{}", path, key, *key ? ": " : "", what);
+  };
+  if (!c.is_object()) bad("", "expected a JSON object");
+  const json null;
+  const json& ct = c.contains("chat_template") ? c["chat_template"] : null;
+  if (ct.is_string()) {
+    chat_template = ct.get<std::string>();
+  } else if (ct.is_array()) {  // [{"name": ..., "template": ...}]: the one named "default"
+    for (std::size_t k = 0; k < ct.size(); ++k) {
+      const json& e = ct[k];
+      if (!e.is_object() || !e.contains("name") || !e["name"].is_string() ||
+          !e.contains("template") || !e["template"].is_string())
+        bad(fmt::format("chat_template[{}]", k).c_str(),
+            "expected {\"name\": string, \"template\": string}");
+      if (e["name"] == "default") chat_template = e["template"].get<std::string>();
+    }
+  } else if (!ct.is_null()) {
+    bad("chat_template", "expected a string or a list of {\"name\", \"template\"}");
+  }
+  const json& e = c.contains("eos_token") ? c["eos_token"] : null;
+  if (e.is_string())
+    eos_token = e.get<std::string>();
+  else if (e.is_object() && e.contains("content") && e["content"].is_string())
+    eos_token = e["content"].get<std::string>();
+  else if (!e.is_null())
+    bad("eos_token", "expected a string or {\"content\": string}");
 }
 
 }  // namespace
@@ -115,15 +166,15 @@ void Tokenizer::Impl::load(const json& j, const std::string& path) {
 
   if (!m.contains("vocab") || !m["vocab"].is_object())
     bad("model.vocab", "missing or not an object");
-  std::int64_t max_id = -1;
+  std::vector<std::pair<std::string, std::int32_t>> entries;  // in the file's (sorted) key order
   for (const auto& [tok, idj] : m["vocab"].items()) {
-    if (!idj.is_number_integer() || idj.get<std::int64_t>() < 0 ||
-        idj.get<std::int64_t>() > (1 << 30))
-      bad("model.vocab", fmt::format("id of '{}' is not a non-negative integer", tok));
-    vocab.emplace(tok, idj.get<std::int32_t>());
-    max_id = std::max<std::int64_t>(max_id, idj.get<std::int64_t>());
+    const auto id = token_id_of(idj);
+    if (!id)
+      bad("model.vocab", fmt::format("id of '{}' must be an integer in [0, {}), got {}", tok,
+                                     kMaxTokenId, idj.dump()));
+    entries.emplace_back(tok, *id);
   }
-  if (vocab.empty()) bad("model.vocab", "is empty");
+  if (entries.empty()) bad("model.vocab", "is empty");
 
   // Added tokens (may lie outside the model's vocabulary).
   if (j.contains("added_tokens") && !j["added_tokens"].is_null()) {
@@ -131,38 +182,61 @@ void Tokenizer::Impl::load(const json& j, const std::string& path) {
     std::size_t k = 0;
     for (const json& a : j["added_tokens"]) {
       const std::string key = fmt::format("added_tokens[{}]", k++);
-      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() ||
-          !a.contains("content") || !a["content"].is_string() || a["id"].get<std::int64_t>() < 0)
+      if (!a.is_object() || !a.contains("id") || !a.contains("content") ||
+          !a["content"].is_string())
         bad(key, "needs an integer id >= 0 and a string content");
+      const auto id = token_id_of(a["id"]);
+      if (!id)
+        bad(key, fmt::format("id must be an integer in [0, {}), got {}", kMaxTokenId,
+                             a["id"].dump()));
       if (a.value("single_word", false)) bad(key, "single_word = true is not supported");
-      AddedToken t{a["content"].get<std::string>(), a["id"].get<std::int32_t>(),
-                   a.value("special", false), a.value("lstrip", false), a.value("rstrip", false)};
+      AddedToken t{a["content"].get<std::string>(), *id, a.value("special", false),
+                   a.value("lstrip", false), a.value("rstrip", false)};
       if (t.content.empty()) bad(key, "content is empty");
-      max_id = std::max<std::int64_t>(max_id, t.id);
       added.push_back(std::move(t));
     }
+  }
+
+  // id -> bytes. Every id names one token; an added token may repeat the vocabulary entry of
+  // its id (GPT-2's <|endoftext|> is both).
+  std::int32_t max_id = 0;
+  for (const auto& e : entries) max_id = std::max(max_id, e.second);
+  for (const AddedToken& t : added) max_id = std::max(max_id, t.id);
+  id_bytes.assign(static_cast<std::size_t>(max_id) + 1, std::string());
+  id_known.assign(id_bytes.size(), 0);
+  id_special.assign(id_bytes.size(), 0);
+  std::vector<const std::string*> spelling(id_bytes.size(), nullptr);  // model.vocab key of id
+  for (const auto& [tok, id] : entries) {
+    if (spelling[id] != nullptr)
+      bad("model.vocab", fmt::format("'{}' and '{}' have the same id {}", *spelling[id], tok, id));
+    spelling[id] = &tok;
+    std::string bytes;
+    if (!tok::byte_level_decode(tok, bytes))
+      bad("model.vocab", fmt::format("'{}' is not spelled in the byte-level alphabet", tok));
+    vocab.emplace(tok, id);
+    id_bytes[id] = std::move(bytes);
+    id_known[id] = 1;
+  }
+  std::vector<int> added_at(id_bytes.size(), -1);  // index into `added` of id
+  for (std::size_t k = 0; k < added.size(); ++k) {
+    const AddedToken& t = added[k];
+    const std::string key = fmt::format("added_tokens[{}]", k);
+    if (added_at[t.id] >= 0)
+      bad(key, fmt::format("id {} is also the id of added_tokens[{}] ('{}')", t.id,
+                           added_at[t.id], added[added_at[t.id]].content));
+    if (spelling[t.id] != nullptr && id_bytes[t.id] != t.content)
+      bad(key, fmt::format("id {} ('{}') is already the id of model.vocab entry '{}'", t.id,
+                           t.content, *spelling[t.id]));
+    added_at[t.id] = static_cast<int>(k);
+    id_bytes[t.id] = t.content;
+    id_known[t.id] = 1;
+    id_special[t.id] = t.special ? 1 : 0;
   }
   std::stable_sort(added.begin(), added.end(), [](const AddedToken& a, const AddedToken& b) {
     return a.content.size() > b.content.size();
   });
   for (std::size_t i = 0; i < added.size(); ++i)
     added_by_byte[static_cast<unsigned char>(added[i].content[0])].push_back(static_cast<int>(i));
-
-  id_bytes.assign(static_cast<std::size_t>(max_id + 1), std::string());
-  id_known.assign(id_bytes.size(), 0);
-  id_special.assign(id_bytes.size(), 0);
-  for (const auto& [tok, id] : vocab) {
-    std::string bytes;
-    if (!tok::byte_level_decode(tok, bytes))
-      bad("model.vocab", fmt::format("'{}' is not spelled in the byte-level alphabet", tok));
-    id_bytes[id] = std::move(bytes);
-    id_known[id] = 1;
-  }
-  for (const AddedToken& t : added) {
-    id_bytes[t.id] = t.content;
-    id_known[t.id] = 1;
-    id_special[t.id] = t.special ? 1 : 0;
-  }
   for (int b = 0; b < 256; ++b) {
     std::string s;
     tok::append_utf8(s, tok::byte_char(static_cast<std::uint8_t>(b)));
@@ -326,23 +400,7 @@ Tokenizer Tokenizer::from_dir(const std::string& path) {
   const std::string cj = (fs::path(path) / "tokenizer_config.json").string();
   if (fs::exists(cj, ec)) {
     const json c = parse_json(read_file(cj, "tokenizer config"), cj, "tokenizer config");
-    if (c.is_object() && c.contains("chat_template")) {
-      const json& ct = c["chat_template"];
-      if (ct.is_string()) {
-        t.impl_->chat_template = ct.get<std::string>();
-      } else if (ct.is_array()) {  // [{"name": ..., "template": ...}]: the one named "default"
-        for (const json& e : ct)
-          if (e.is_object() && e.value("name", std::string()) == "default" &&
-              e.contains("template") && e["template"].is_string())
-            t.impl_->chat_template = e["template"].get<std::string>();
-      }
-    }
-    if (c.is_object() && c.contains("eos_token")) {
-      const json& e = c["eos_token"];
-      if (e.is_string()) t.impl_->eos_token = e.get<std::string>();
-      if (e.is_object() && e.contains("content") && e["content"].is_string())
-        t.impl_->eos_token = e["content"].get<std::string>();
-    }
+    read_config(c, cj, t.impl_->chat_template, t.impl_->eos_token);
   }
   const std::string jinja = (fs::path(path) / "chat_template.jinja").string();
   if (t.impl_->chat_template.empty() && fs::exists(jinja, ec))

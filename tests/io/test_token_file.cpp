@@ -11,6 +11,7 @@
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -159,16 +160,21 @@ TEST_F(TokenFile, ExactlyOneWindowIsEnough) {
 }
 
 // Writes a file with hand-made datasets: tokens/doc_offsets/loss_mask and the attribute, each
-// customisable, for the bad-file cases.
+// customisable, for the bad-file cases. Values are given as int64; a column of an unsigned type
+// receives their bit patterns as uint64 (so -1 writes 2^64 - 1 into a uint64 column).
 struct RawFile {
-  hid_t tokens_type = H5T_STD_I32LE;
+  hid_t tokens_type = H5T_STD_I32LE, offsets_type = H5T_STD_I64LE, mask_type = H5T_STD_U8LE;
   std::vector<hsize_t> tokens_dims = {33};
   std::vector<std::int64_t> tokens;  // values (converted to tokens_type)
   bool with_tokens = true, with_offsets = true;
   std::vector<std::int64_t> offsets = {0, 10, 33};
   std::vector<std::int64_t> mask;  // written when non-empty
-  std::int64_t vocab_attr = -1;    // written when >= 0
+  std::optional<std::int64_t> vocab_attr;  // written when set
+  hid_t vocab_attr_type = H5T_STD_I64LE;
 
+  static hid_t mem_type(hid_t file_type) {
+    return H5Tget_sign(file_type) == H5T_SGN_NONE ? H5T_NATIVE_UINT64 : H5T_NATIVE_INT64;
+  }
   void write(const std::string& path) const {
     hid_t f = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
     ASSERT_GE(f, 0);
@@ -179,17 +185,17 @@ struct RawFile {
       values.resize(n, 1);
       hid_t sp = H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr);
       hid_t ds = H5Dcreate2(f, name, type, sp, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT);
-      H5Dwrite(ds, H5T_NATIVE_INT64, H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data());
+      H5Dwrite(ds, mem_type(type), H5S_ALL, H5S_ALL, H5P_DEFAULT, values.data());
       H5Dclose(ds);
       H5Sclose(sp);
     };
     if (with_tokens) put("tokens", tokens_type, tokens_dims, tokens);
-    if (with_offsets) put("doc_offsets", H5T_STD_I64LE, {offsets.size()}, offsets);
-    if (!mask.empty()) put("loss_mask", H5T_STD_U8LE, {mask.size()}, mask);
-    if (vocab_attr >= 0) {
+    if (with_offsets) put("doc_offsets", offsets_type, {offsets.size()}, offsets);
+    if (!mask.empty()) put("loss_mask", mask_type, {mask.size()}, mask);
+    if (vocab_attr) {
       hid_t sp = H5Screate(H5S_SCALAR);
-      hid_t a = H5Acreate2(f, "vocab_size", H5T_STD_I64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
-      H5Awrite(a, H5T_NATIVE_INT64, &vocab_attr);
+      hid_t a = H5Acreate2(f, "vocab_size", vocab_attr_type, sp, H5P_DEFAULT, H5P_DEFAULT);
+      H5Awrite(a, mem_type(vocab_attr_type), &*vocab_attr);
       H5Aclose(a);
       H5Sclose(sp);
     }
@@ -243,6 +249,78 @@ TEST_F(TokenFile, EveryBadFileIsAUserErrorNamingFileAndDataset) {
       {"vocab_size attribute too large",
        [](RawFile& r) { r.vocab_attr = vocab + 1; },
        {"vocab_size", "17"}},
+      // Values that a 32-bit or signed read would clip: the message gives them as written
+      // (issue 15, case 12: 3000000000 was reported as 2147483647).
+      {"int64 id beyond int32",
+       [](RawFile& r) {
+         r.tokens_type = H5T_STD_I64LE;
+         r.tokens[5] = 3000000000LL;
+       },
+       {"/tokens[5] = 3000000000 is outside the vocabulary [0, 16)"}},
+      {"int64 id below int32",
+       [](RawFile& r) {
+         r.tokens_type = H5T_STD_I64LE;
+         r.tokens[6] = -3000000000LL;
+       },
+       {"/tokens[6] = -3000000000"}},
+      {"uint32 id beyond int32",
+       [](RawFile& r) {
+         r.tokens_type = H5T_STD_U32LE;
+         r.tokens[7] = 4000000000LL;
+       },
+       {"/tokens[7] = 4000000000"}},
+      {"uint64 id 2^64 - 1",
+       [](RawFile& r) {
+         r.tokens_type = H5T_STD_U64LE;
+         r.tokens[8] = -1;
+       },
+       {"/tokens[8] = 18446744073709551615"}},
+      {"uint64 offsets end at 2^64 - 1",
+       [](RawFile& r) {
+         r.offsets_type = H5T_STD_U64LE;
+         r.offsets = {0, 10, -1};
+       },
+       {"/doc_offsets[2] = 18446744073709551615"}},
+      {"wider than 64 bits",
+       [](RawFile& r) {
+         r.tokens_type = H5Tcopy(H5T_STD_I64LE);
+         H5Tset_precision(r.tokens_type, 96);
+       },
+       {"/tokens", "at most 64 bits"}},
+      {"id below the vocab_size attribute only",
+       [](RawFile& r) {
+         r.vocab_attr = 8;
+         for (auto& t : r.tokens) t %= 8;
+         r.tokens[9] = 12;
+       },
+       {"/tokens[9] = 12 is outside the vocabulary [0, 8) of the file's vocab_size attribute"}},
+      {"uint64 vocab_size attribute 2^64 - 1",
+       [](RawFile& r) {
+         r.vocab_attr_type = H5T_STD_U64LE;
+         r.vocab_attr = -1;
+       },
+       {"vocab_size = 18446744073709551615"}},
+      {"loss_mask -1",
+       [](RawFile& r) {
+         r.mask_type = H5T_STD_I8LE;
+         r.mask.assign(33, 1);
+         r.mask[4] = -1;
+       },
+       {"/loss_mask[4] = -1 must be 0 or 1"}},
+      {"loss_mask 300",
+       [](RawFile& r) {
+         r.mask_type = H5T_STD_U16LE;
+         r.mask.assign(33, 0);
+         r.mask[30] = 300;
+       },
+       {"/loss_mask[30] = 300 must be 0 or 1"}},
+      {"int8 loss_mask of 0 and 1 is fine",
+       [](RawFile& r) {
+         r.mask_type = H5T_STD_I8LE;
+         r.mask.assign(33, 1);
+         r.mask[3] = 0;
+       },
+       {}},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.what);
@@ -253,18 +331,20 @@ TEST_F(TokenFile, EveryBadFileIsAUserErrorNamingFileAndDataset) {
     c.edit(raw);
     const std::string path = dir_ + "/bad.h5";
     raw.write(path);
-    if (c.expect.empty()) {
-      EXPECT_NO_THROW(open_token_file(path, vocab, T, 1));
-      continue;
-    }
-    try {
-      open_token_file(path, vocab, T, 1);
-      ADD_FAILURE() << "no UserError";
-    } catch (const UserError& e) {
-      const std::string msg = e.what();
-      EXPECT_NE(msg.find(path), std::string::npos) << msg;
-      for (const auto& s : c.expect)
-        EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
+    for (std::size_t resident : {kTokenFileResidentBytes, std::size_t{0}}) {  // both readers
+      if (c.expect.empty()) {
+        EXPECT_NO_THROW(open_token_file_limited(path, vocab, T, 1, resident));
+        continue;
+      }
+      try {
+        open_token_file_limited(path, vocab, T, 1, resident);
+        ADD_FAILURE() << "no UserError";
+      } catch (const UserError& e) {
+        const std::string msg = e.what();
+        EXPECT_NE(msg.find(path), std::string::npos) << msg;
+        for (const auto& s : c.expect)
+          EXPECT_NE(msg.find(s), std::string::npos) << "'" << s << "' not in: " << msg;
+      }
     }
   }
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <hdf5.h>
 #include <mpi.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -381,6 +382,108 @@ TEST_F(PrepMpi, BadInputExitsTwoOnEveryRank) {
   EXPECT_EQ(run_prep({"--help"}, *world_), 0);
   world_->barrier();
   if (world_rank() == 0) EXPECT_FALSE(fs::exists(out));
+}
+
+// An --output that would replace an input or a tokenizer file (under any spelling, through a
+// symbolic or a hard link, or as its .tmp), that is a directory, or whose directory is missing or
+// not writable: exit 2 on every rank before any work (the stats stay untouched), the message
+// names the problem, and nothing is written (issue 15, case 4: the input was replaced, and a
+// directory cost all the work, then an internal error and a leftover .tmp).
+TEST_F(PrepMpi, OutputThatCannotOrMustNotBeWrittenIsRefusedFirst) {
+  const std::string tokdir = test::qwen3_tokenizer_dir();
+  ASSERT_FALSE(tokdir.empty());
+  const std::string in = write("in.jsonl", {R"({"text": "hello"})"}, true);
+  const std::string in_tmp = write("x.h5.tmp", {R"({"text": "bye"})"}, true);
+  const std::string tok = dir_ + "/tok";  // a copy: the fixture's files must stay intact
+  if (world_rank() == 0) {
+    fs::create_directories(tok);
+    fs::copy_file(tokdir + "/tokenizer.json", tok + "/tokenizer.json");
+    fs::create_directories(dir_ + "/sub");
+    fs::create_directories(dir_ + "/y.h5.tmp");
+    fs::create_symlink(in, dir_ + "/link.jsonl");
+    fs::create_hard_link(in, dir_ + "/hard.jsonl");
+  }
+  world_->barrier();
+  const auto tok_size = fs::file_size(tok + "/tokenizer.json");
+  struct Case {
+    std::string output, expect;
+    std::vector<std::string> inputs;
+  };
+  const std::vector<Case> cases = {
+      {in, "output " + in + " is the input file " + in + "; choose another output", {in}},
+      {dir_ + "/./in.jsonl", "is the input file " + in, {in}},
+      {dir_ + "/sub/../in.jsonl", "is the input file " + in, {in}},
+      {dir_ + "/link.jsonl", "is the input file " + in, {in}},
+      {dir_ + "/hard.jsonl", "is the input file " + in, {in}},
+      {in, "is the input file " + dir_ + "/link.jsonl", {dir_ + "/link.jsonl"}},
+      {dir_ + "/x.h5", "output " + dir_ + "/x.h5: " + in_tmp + " (where it is written first) is the input file", {in, in_tmp}},
+      {tok + "/tokenizer.json", "is the tokenizer file " + tok + "/tokenizer.json", {in}},
+      {dir_ + "/sub", "output " + dir_ + "/sub: is a directory", {in}},
+      {dir_ + "/y.h5", "y.h5.tmp (where it is written first) is a directory", {in}},
+      {dir_ + "/in.jsonl/out.h5", "in.jsonl is not a directory", {in}},
+      {dir_ + "/none/out.h5", "directory " + dir_ + "/none does not exist", {in}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.output);
+    std::vector<std::string> args = {"--tokenizer", tok, "--output", c.output, "--progress", "0"};
+    args.insert(args.end(), c.inputs.begin(), c.inputs.end());
+    PrepStats stats;
+    stats.records = -1;
+    if (world_rank() == 0) ::testing::internal::CaptureStderr();
+    EXPECT_EQ(run_prep(args, *world_, &stats), 2);  // on every rank
+    EXPECT_EQ(stats.records, -1) << "the records were read before the output was checked";
+    if (world_rank() == 0) {
+      const std::string err = ::testing::internal::GetCapturedStderr();
+      EXPECT_EQ(err.rfind("qtrain prep: error: output ", 0), 0u) << err;
+      EXPECT_NE(err.find(c.expect), std::string::npos) << err;
+    }
+    world_->barrier();
+  }
+  if (world_rank() == 0) {  // nothing was written
+    std::ifstream f(in);
+    std::string line;
+    std::getline(f, line);
+    EXPECT_EQ(line, R"({"text": "hello"})");
+    EXPECT_EQ(fs::file_size(tok + "/tokenizer.json"), tok_size);
+    for (const auto& e : fs::directory_iterator(dir_))
+      EXPECT_TRUE(e.path().extension() != ".tmp" || e.path() == in_tmp ||
+                  e.path().filename() == "y.h5.tmp")
+          << "left behind: " << e.path();
+    EXPECT_FALSE(fs::exists(dir_ + "/x.h5"));
+  }
+  // A directory without write permission (root may write anywhere: checked as another user only).
+  if (geteuid() != 0) {
+    if (world_rank() == 0) fs::permissions(dir_ + "/sub", fs::perms::owner_write, fs::perm_options::remove);
+    world_->barrier();
+    PrepStats stats;
+    stats.records = -1;
+    EXPECT_EQ(run_prep({"--tokenizer", tok, "--output", dir_ + "/sub/out.h5", in}, *world_, &stats), 2);
+    EXPECT_EQ(stats.records, -1);
+    world_->barrier();
+    if (world_rank() == 0) fs::permissions(dir_ + "/sub", fs::perms::owner_write, fs::perm_options::add);
+  }
+}
+
+// An input that only the last rank reads and cannot open: every rank exits 2 (before, that rank
+// alone threw while the others waited in the next collective: a hang). Root may read anything:
+// run as another user only.
+TEST_F(PrepMpi, UnreadableInputOfOneRankStopsEveryRank) {
+  if (geteuid() == 0) GTEST_SKIP() << "root reads a file without read permission";
+  const std::string tokdir = test::qwen3_tokenizer_dir();
+  ASSERT_FALSE(tokdir.empty());
+  const std::string big = write("big.jsonl", std::vector<std::string>(200, R"({"text": "x"})"), true);
+  const std::string locked = write("locked.jsonl", {R"({"text": "y"})"}, true);
+  if (world_rank() == 0) fs::permissions(locked, fs::perms::none);
+  world_->barrier();
+  if (world_rank() == 0) ::testing::internal::CaptureStderr();
+  EXPECT_EQ(run_prep({"--tokenizer", tokdir, "--output", dir_ + "/out.h5", big, locked}, *world_),
+            2);
+  if (world_rank() == 0) {
+    const std::string err = ::testing::internal::GetCapturedStderr();
+    EXPECT_NE(err.find("input file " + locked + ": cannot open it for reading"), std::string::npos)
+        << err;
+    fs::permissions(locked, fs::perms::owner_all);
+  }
 }
 
 }  // namespace

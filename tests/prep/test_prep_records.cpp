@@ -197,5 +197,44 @@ TEST(PrepRecords, SkipReasons) {
   EXPECT_TRUE(ids.empty());
 }
 
+// Invalid UTF-8 in a JSONL line is replaced by U+FFFD, as the tokenizer and plain-text files do,
+// and the record is used (issue 15, case 18: it was skipped as malformed JSON).
+TEST(PrepRecords, InvalidUtf8IsReplacedByFffd) {
+  QT_REQUIRE_QWEN3();
+  const Tokenizer& tok = test::qwen3_tokenizer();
+  prep::RecordEncoder enc(tok, prep::Format::kAuto, 0, false, "<|endoftext|>");
+  const std::int32_t eos = *tok.token_id("<|endoftext|>");
+  const std::string fffd = "\xEF\xBF\xBD";
+  std::vector<std::int32_t> ids;
+  std::vector<std::uint8_t> mask;
+  prep::RecordResult r = enc.add("{\"text\": \"caf\xe9 au lait\"}", ids, mask);
+  EXPECT_EQ(r.skip, Skip::kNone) << prep::skip_name(r.skip) << ": " << r.detail;
+  EXPECT_TRUE(r.repaired);
+  std::vector<std::int32_t> want = tok.encode("caf" + fffd + " au lait");
+  want.push_back(eos);
+  EXPECT_EQ(ids, want);
+
+  ids.clear();
+  mask.clear();
+  r = enc.add("{\"messages\": [{\"role\": \"user\", \"content\": \"a\xc3\"}, "
+              "{\"role\": \"assistant\", \"content\": \"b\xff\xfe\"}]}",
+              ids, mask);
+  EXPECT_EQ(r.skip, Skip::kNone) << prep::skip_name(r.skip) << ": " << r.detail;
+  EXPECT_TRUE(r.repaired);
+  const std::string text = tok.decode(ids);
+  EXPECT_NE(text.find("user\na" + fffd + "<|im_end|>"), std::string::npos) << text;
+  EXPECT_NE(text.find("b" + fffd + fffd + "<|im_end|>"), std::string::npos) << text;
+
+  ids.clear();
+  mask.clear();
+  r = enc.add_text("plain \x80 text", ids, mask);  // a record of a plain-text file
+  EXPECT_EQ(r.skip, Skip::kNone);
+  EXPECT_TRUE(r.repaired);
+  EXPECT_EQ(tok.decode(ids), "plain " + fffd + " text<|endoftext|>");
+
+  EXPECT_FALSE(enc.add(R"({"text": "café"})", ids, mask).repaired);
+  EXPECT_FALSE(enc.add_text("café", ids, mask).repaired);
+}
+
 }  // namespace
 }  // namespace qt

@@ -6,6 +6,8 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string>
@@ -133,6 +135,12 @@ TEST_F(TinyTokenizer, BadFilesNameFileAndProblem) {
     expect_msg(e.what(), "has no tokenizer.json");
   }
   try {
+    Tokenizer::from_file(dir_);  // a directory where tokenizer.json was expected
+    ADD_FAILURE();
+  } catch (const UserError& e) {
+    expect_msg(e.what(), dir_ + ": is a directory");
+  }
+  try {
     Tokenizer::from_file(write("bad.json", "{\"model\": [1, 2"));
     ADD_FAILURE();
   } catch (const UserError& e) {
@@ -176,7 +184,101 @@ TEST_F(TinyTokenizer, BadFilesNameFileAndProblem) {
   expect_msg(load_error(j), "added_tokens[0]: needs an integer id");
   j = tiny_tokenizer(false);
   j["model"]["vocab"]["ab"] = "x";
-  expect_msg(load_error(j), "model.vocab: id of 'ab' is not a non-negative integer");
+  expect_msg(load_error(j), "model.vocab: id of 'ab' must be an integer in [0, 4194304), got \"x\"");
+}
+
+// Ids out of range, of the wrong type or given twice: a UserError naming the file, the key and
+// the id as written, never a crash or a huge allocation (issue 15, case 7).
+TEST_F(TinyTokenizer, BadIdsAreUserErrorsNotCrashes) {
+  struct Case {
+    const char* what;
+    std::function<void(json&)> edit;
+    std::string expect;  // part of the message (the path is checked by load_error)
+  };
+  const std::vector<Case> cases = {
+      {"added id beyond int32", [](json& j) { j["added_tokens"][0]["id"] = 3000000000LL; },
+       "added_tokens[0]: id must be an integer in [0, 4194304), got 3000000000"},
+      {"added id INT32_MAX", [](json& j) { j["added_tokens"][1]["id"] = 2147483647; },
+       "added_tokens[1]: id must be an integer in [0, 4194304), got 2147483647"},
+      {"added id UINT64_MAX",
+       [](json& j) { j["added_tokens"][0]["id"] = std::numeric_limits<std::uint64_t>::max(); },
+       "got 18446744073709551615"},
+      {"added id negative", [](json& j) { j["added_tokens"][0]["id"] = -5; }, "got -5"},
+      {"added id 2^31 + 5 (negative as int32)",
+       [](json& j) { j["added_tokens"][0]["id"] = 2147483653LL; }, "got 2147483653"},
+      {"added id fractional", [](json& j) { j["added_tokens"][0]["id"] = 259.5; },
+       "added_tokens[0]: id must be an integer"},
+      {"added id a string", [](json& j) { j["added_tokens"][0]["id"] = "259"; },
+       "added_tokens[0]: id must be an integer"},
+      {"added ids twice", [](json& j) { j["added_tokens"][1]["id"] = 259; },
+       "added_tokens[1]: id 259 is also the id of added_tokens[0] ('<s>')"},
+      {"added id of another vocabulary entry", [](json& j) { j["added_tokens"][0]["id"] = 256; },
+       "added_tokens[0]: id 256 ('<s>') is already the id of model.vocab entry 'ab'"},
+      {"vocab id beyond int32", [](json& j) { j["model"]["vocab"]["ab"] = 3000000000LL; },
+       "model.vocab: id of 'ab' must be an integer in [0, 4194304), got 3000000000"},
+      {"vocab id 2^30 (a 32 GB table before)",
+       [](json& j) { j["model"]["vocab"]["ab"] = 1 << 30; }, "got 1073741824"},
+      {"vocab id negative", [](json& j) { j["model"]["vocab"]["ab"] = -1; }, "got -1"},
+      {"vocab id fractional", [](json& j) { j["model"]["vocab"]["ab"] = 1.0; }, "got 1.0"},
+      {"vocab ids twice", [](json& j) { j["model"]["vocab"]["ab"] = 97; },
+       "model.vocab: 'a' and 'ab' have the same id 97"},
+      {"vocab not an object", [](json& j) { j["model"]["vocab"] = json::array({1}); },
+       "model.vocab: missing or not an object"},
+      {"added token not an object", [](json& j) { j["added_tokens"][0] = 5; },
+       "added_tokens[0]: needs an integer id"},
+      {"special flag a string", [](json& j) { j["added_tokens"][0]["special"] = "yes"; },
+       "unexpected structure"},
+      {"pre-tokenizer steps not objects",
+       [](json& j) {
+         j["pre_tokenizer"] = {{"type", "Sequence"}, {"pretokenizers", json::array({5})}};
+       },
+       "unexpected structure"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    json j = tiny_tokenizer(false);
+    c.edit(j);
+    const std::string msg = load_error(j);
+    EXPECT_NE(msg.find(c.expect), std::string::npos) << "message: " << msg
+                                                     << "\nexpected: " << c.expect;
+  }
+  // An added token may repeat a vocabulary entry under its id (GPT-2's <|endoftext|>).
+  json j = tiny_tokenizer(false);
+  j["added_tokens"].push_back({{"id", 256}, {"content", "ab"}, {"special", true}});
+  const Tokenizer tok = Tokenizer::from_file(write("same.json", j.dump()));
+  EXPECT_EQ(tok.vocab_size(), 261);
+  EXPECT_EQ(tok.encode("ab"), (std::vector<std::int32_t>{256}));
+}
+
+// tokenizer_config.json values of the wrong type: a UserError naming that file and the key, never
+// an exception that escapes (a crash); null stands for absent.
+TEST_F(TinyTokenizer, BadConfigTypesAreUserErrors) {
+  write("tokenizer.json", tiny_tokenizer(false).dump());
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"chat_template": [{"name": 5, "template": "x"}]})",
+       "chat_template[0]: expected {\"name\": string, \"template\": string}"},
+      {R"({"chat_template": [{"name": "default", "template": 7}]})", "chat_template[0]: expected"},
+      {R"({"chat_template": [3]})", "chat_template[0]: expected"},
+      {R"({"chat_template": 3})", "chat_template: expected a string or a list"},
+      {R"({"eos_token": 3})", "eos_token: expected a string or {\"content\": string}"},
+      {R"({"eos_token": {"content": 3}})", "eos_token: expected"},
+      {R"([1, 2])", "expected a JSON object"},
+  };
+  for (const auto& [config, expect] : cases) {
+    SCOPED_TRACE(config);
+    const std::string path = write("tokenizer_config.json", config);
+    try {
+      Tokenizer::from_dir(dir_);
+      ADD_FAILURE() << "loaded without error";
+    } catch (const UserError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("tokenizer config " + path + ": " + expect), std::string::npos) << msg;
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << "not a UserError: " << e.what();
+    }
+  }
+  write("tokenizer_config.json", R"({"chat_template": null, "eos_token": null})");
+  EXPECT_EQ(Tokenizer::from_dir(dir_).eos_token(), "");
 }
 
 // The heap merge (long words) and the scan merge (short words) agree on random merge tables.
