@@ -20,6 +20,7 @@
 #include <regex>
 
 #include "io/hdf5_util.h"
+#include "io/parallel_file.h"
 #include "io/redistribute.h"
 #include "qtrain/error.h"
 #include "runtime/memory.h"
@@ -121,40 +122,81 @@ void fsync_path(const std::string& p, int flags) {
   ::close(fd);
 }
 
-// Allocates `bytes` of disk to file `path` (created if needed; fallocate, which a full disk, a
-// quota or a file size limit refuses at once). HDF5 cannot recover from a write that fails
-// half-way (its library state breaks, and MPI_Finalize crashes), so the space of a checkpoint is
-// reserved before HDF5 writes it. Returns errno, 0 on success or where the file system has no
-// fallocate (the free-space check of prepare_directory must do there).
-int reserve_space(const std::string& path, double bytes) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
-  if (fd < 0) return errno;
-  const int rc = ::fallocate(fd, 0, 0, static_cast<off_t>(bytes));
-  const int err = rc == 0 ? 0 : errno;
-  ::close(fd);
-  return err == EOPNOTSUPP || err == ENOSYS ? 0 : err;
-}
-
-// The message of a failed write (`what`: the failing call and its error; `os`: its errno or 0),
-// saying whether the disk is full.
+// The message of a failed write (`what`: what failed and why, from h5::write_pieces; `os`: its
+// errno or 0), with the free space where the disk is full.
 std::string write_failure(const std::string& path, const std::string& what, int os, double bytes) {
   fs::path dir = fs::path(path).parent_path();
   if (dir.empty()) dir = ".";
   std::error_code ec;
   const fs::space_info sp = fs::space(dir, ec);
   std::string why;
-  if (os == ENOSPC || (!ec && static_cast<double>(sp.available) < bytes))
-    why = fmt::format("; the file system of {} is full ({} free, a checkpoint needs about {})",
-                      dir.string(), ec ? std::string("?") : format_bytes(static_cast<double>(sp.available)),
+  if (os == ENOSPC && !ec)
+    why = fmt::format("; {} free on the file system of {}, a checkpoint needs about {}",
+                      format_bytes(static_cast<double>(sp.available)), dir.string(),
                       format_bytes(bytes));
-  else if (os == EDQUOT)
-    why = fmt::format("; the disk quota of {} is exhausted", dir.string());
   else if (os == EFBIG)
     why = "; the file size limit (ulimit -f) was reached";
   return fmt::format(
       "cannot write checkpoint {}: {}{}. The partial file was removed; the earlier checkpoints "
       "are kept",
       path, what, why);
+}
+
+// Writes the checkpoint's metadata (root attributes, groups, every dataset with its checksum) into
+// the in-memory `file` of h5::metadata_image; offsets[g * nt + t] gets where the values of tensor
+// t of group g go. Returns the smallest offset.
+std::uint64_t write_metadata(hid_t file, const ParamLayout& layout, const TrainState& state,
+                             const ModelConfig& model, const std::string& deck_text,
+                             const LoraCheckpointInfo* lora, const std::uint64_t* sums,
+                             std::vector<std::uint64_t>& offsets) {
+  using namespace h5;
+  // Attributes first: their strings go to a heap placed like data, before the datasets.
+  write_attr_string(file, "format", kFormat);
+  write_attr_i64(file, "format_version", kFormatVersion);
+  write_attr_i64(file, "step", state.step);
+  write_attr_i64(file, "samples_consumed", state.samples_consumed);
+  write_attr_i64(file, "tokens_consumed", state.tokens_consumed);
+  write_attr_u64(file, "seed", state.seed);
+  write_attr_u64(file, "rng_counter", state.rng_counter);
+  write_attr_string(file, "deck", deck_text);
+  write_attr_string(file, "preset", model.preset);
+  for (const ModelField& f : model_fields(model)) {
+    if (f.integer)
+      write_attr_i64(file, f.name, f.i);
+    else
+      write_attr_f64(file, f.name, f.d);
+  }
+  if (lora) {
+    write_attr_i64(file, "lora_r", lora->config.r);
+    write_attr_f64(file, "lora_alpha", lora->config.alpha);
+    write_attr_f64(file, "lora_dropout", lora->config.dropout);
+    write_attr_string(file, "lora_targets", lora->config.targets);
+    write_attr_string(file, "lora_base_init", lora->base.init);
+    write_attr_u64(file, "lora_base_seed", lora->base.seed);
+  }
+  for (const char* gname : {"params", "optim", "optim/exp_avg", "optim/exp_avg_sq"}) {
+    Handle grp =
+        QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), close_group);
+  }
+  const auto& ps = layout.params();
+  const std::size_t nt = ps.size();
+  Handle dcpl = early_contiguous_dcpl();
+  std::uint64_t first = UINT64_MAX;
+  for (int g = 0; g < 3; ++g) {
+    Handle grp = QT_H5_OPEN(H5Gopen2(file, kGroups[g], H5P_DEFAULT), close_group);
+    for (std::size_t t = 0; t < nt; ++t) {
+      const std::vector<hsize_t> dims = dims_of(ps[t]);
+      Handle space = QT_H5_OPEN(
+          H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), close_space);
+      Handle ds = QT_H5_OPEN(H5Dcreate2(grp, ps[t].name.c_str(), H5T_IEEE_F32LE, space,
+                                        H5P_DEFAULT, dcpl, H5P_DEFAULT),
+                             close_dataset);
+      write_attr_u64(ds, "checksum", sums[g * nt + t]);
+      offsets[g * nt + t] = dataset_offset(ds);
+      first = std::min(first, offsets[g * nt + t]);
+    }
+  }
+  return first;
 }
 
 }  // namespace
@@ -199,7 +241,6 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
     }
   }
   world.all_reduce(counts.data(), counts.size(), DType::kU64, ReduceOp::kSum);
-  const std::uint64_t* sums = counts.data();
   for (int g = 0; g < 3; ++g)
     for (std::size_t t = 0; t < nt; ++t)
       if (const std::uint64_t bad = counts[(3 + g) * nt + t]; bad > 0)
@@ -208,127 +249,51 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
             "at step {}",
             path, kGroups[g], ps[t].name, bad, state.step));
 
-  // The datasets' bytes, plus room for the attributes and the deck.
-  const double bytes = 3.0 * 4.0 * static_cast<double>(layout.numel()) + 64.0 * 1024 * nt +
+  // The datasets' bytes, plus room for the metadata and the deck.
+  const double bytes = 3.0 * 4.0 * static_cast<double>(layout.numel()) + 4096.0 * 3 * nt +
                        static_cast<double>(deck_text.size()) + 1024.0 * 1024;
   prepare_directory(path, bytes, world);
 
+  // Rank 0 builds the metadata in memory; every rank learns where each tensor's values go and
+  // writes its part of them (one piece per tensor part, merged where adjacent in the file).
+  std::string image;
+  std::vector<std::uint64_t> offsets(3 * nt, 0);
+  if (world.rank() == 0)
+    image = h5::metadata_image([&](hid_t file) {
+      return write_metadata(file, layout, state, model, deck_text, lora, counts.data(), offsets);
+    });
+  world.broadcast(offsets.data(), offsets.size(), DType::kU64, 0);
+  std::vector<h5::Piece> pieces;
+  if (!image.empty()) pieces.push_back({0, image.data(), image.size()});
+  for (int g = 0; g < 3; ++g) {
+    for (std::size_t t = 0; t < nt; ++t) {
+      const Range r = intersect(part, tensor_range(ps[t]));
+      if (r.size() == 0) continue;
+      const h5::Piece p{offsets[g * nt + t] + 4 * (r.begin - ps[t].offset),
+                        src[g] + (r.begin - src_base[g]), 4 * r.size()};
+      h5::Piece* last = pieces.empty() ? nullptr : &pieces.back();
+      if (last && last->at + last->bytes == p.at &&
+          static_cast<const char*>(last->data) + last->bytes == p.data)
+        last->bytes += p.bytes;
+      else
+        pieces.push_back(p);
+    }
+  }
+
+  // A .tmp of an interrupted write is replaced (the writes do not truncate).
   const std::string tmp = path + ".tmp";
-  // The space first, before HDF5 is involved: a full disk ends here, cleanly.
-  int os_err = world.rank() == 0 ? reserve_space(tmp, bytes) : 0;
-  world.broadcast(&os_err, 1, DType::kI32, 0);
-  if (os_err != 0) {
-    std::error_code ec;
-    if (world.rank() == 0) fs::remove(tmp, ec);
-    fail_user("{}", write_failure(path,
-                                  fmt::format("reserving {} for it: {}", format_bytes(bytes),
-                                              std::strerror(os_err)),
-                                  os_err, bytes));
-  }
-  h5::QuietErrors quiet;
-  h5::CollectiveStatus status(world);
-  {
-    using namespace h5;
-    Handle fapl = QT_H5_OPEN(H5Pcreate(H5P_FILE_ACCESS), close_plist);
-    QT_CHECK_HDF5(H5Pset_fapl_mpio(fapl, world.mpi(), MPI_INFO_NULL));
-    QT_CHECK_HDF5(H5Pset_coll_metadata_write(fapl, true));
-    Handle file;
-    status.run("creating " + tmp, [&] {
-      file = Handle(H5Fcreate(tmp.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl), close_file);
-      return file.get();
-    });
-    // H5Fcreate truncated the file: reserve its space again, now for HDF5's writes.
-    status.run("reserving space for " + tmp, [&] {
-      errno = world.rank() == 0 ? reserve_space(tmp, bytes) : 0;
-      return errno == 0 ? 0 : -1;
-    });
-
-    if (status.ok()) {
-      write_attr_string(file, "format", kFormat);
-      write_attr_i64(file, "format_version", kFormatVersion);
-      write_attr_i64(file, "step", state.step);
-      write_attr_i64(file, "samples_consumed", state.samples_consumed);
-      write_attr_i64(file, "tokens_consumed", state.tokens_consumed);
-      write_attr_u64(file, "seed", state.seed);
-      write_attr_u64(file, "rng_counter", state.rng_counter);
-      write_attr_string(file, "deck", deck_text);
-      write_attr_string(file, "preset", model.preset);
-      for (const ModelField& f : model_fields(model)) {
-        if (f.integer)
-          write_attr_i64(file, f.name, f.i);
-        else
-          write_attr_f64(file, f.name, f.d);
-      }
-      if (lora) {
-        write_attr_i64(file, "lora_r", lora->config.r);
-        write_attr_f64(file, "lora_alpha", lora->config.alpha);
-        write_attr_f64(file, "lora_dropout", lora->config.dropout);
-        write_attr_string(file, "lora_targets", lora->config.targets);
-        write_attr_string(file, "lora_base_init", lora->base.init);
-        write_attr_u64(file, "lora_base_seed", lora->base.seed);
-      }
-      for (const char* gname : {"params", "optim", "optim/exp_avg", "optim/exp_avg_sq"}) {
-        Handle grp =
-            QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), close_group);
-      }
-    }
-
-    // Contiguous datasets, space allocated at creation, never filled (every element is written).
-    Handle dcpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_CREATE), close_plist);
-    QT_CHECK_HDF5(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY));
-    QT_CHECK_HDF5(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
-    Handle dxpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_XFER), close_plist);
-    QT_CHECK_HDF5(H5Pset_dxpl_mpio(dxpl, H5FD_MPIO_COLLECTIVE));
-    const float dummy = 0.0f;  // a valid buffer for ranks that write nothing
-
-    for (int g = 0; g < 3 && status.ok(); ++g) {
-      Handle grp = QT_H5_OPEN(H5Gopen2(file, kGroups[g], H5P_DEFAULT), close_group);
-      for (std::size_t t = 0; t < nt && status.ok(); ++t) {
-        const ParamInfo& p = ps[t];
-        const std::string where = fmt::format("/{}/{}", kGroups[g], p.name);
-        const std::vector<hsize_t> dims = dims_of(p);
-        Handle fspace = QT_H5_OPEN(
-            H5Screate_simple(static_cast<int>(dims.size()), dims.data(), nullptr), close_space);
-        Handle ds;
-        if (!status.run("creating " + where, [&] {
-              ds = Handle(H5Dcreate2(grp, p.name.c_str(), H5T_IEEE_F32LE, fspace, H5P_DEFAULT,
-                                     dcpl, H5P_DEFAULT),
-                          close_dataset);
-              return ds.get();
-            }))
-          break;
-        write_attr_u64(ds, "checksum", sums[g * nt + t]);
-
-        const Range r = intersect(part, tensor_range(p));
-        const hsize_t n_mem = std::max<hsize_t>(r.size(), 1);
-        Handle mspace = QT_H5_OPEN(H5Screate_simple(1, &n_mem, nullptr), close_space);
-        const float* buf = &dummy;
-        if (r.size() == 0) {
-          QT_CHECK_HDF5(H5Sselect_none(mspace));
-          QT_CHECK_HDF5(H5Sselect_none(fspace));
-        } else {
-          QT_CHECK_HDF5(select_flat_range(fspace, dims, r.begin - p.offset, r.end - p.offset));
-          buf = src[g] + (r.begin - src_base[g]);
-        }
-        status.run("writing " + where,
-                   [&] { return H5Dwrite(ds, H5T_NATIVE_FLOAT, mspace, fspace, dxpl, buf); });
-        status.run("closing " + where, [&] { return ds.close(); });
-      }
-    }
-    // Collective even after a failure (every rank stopped at the same call); flushes metadata.
-    if (file.valid()) status.run("closing " + tmp, [&] { return file.close(); });
-  }
-  if (!status.ok()) {
-    std::error_code ec;
+  std::error_code ec;
+  if (world.rank() == 0) fs::remove(tmp, ec);
+  world.barrier();
+  const h5::WriteResult w = h5::write_pieces(tmp, pieces, world);
+  if (!w.ok()) {
     if (world.rank() == 0) fs::remove(tmp, ec);
     world.barrier();
-    fail_user("{}", write_failure(path, status.error(), status.os_error(), bytes));
+    fail_user("{}", write_failure(path, w.error, w.os_error, bytes));
   }
-  world.barrier();
   std::string err;
   if (world.rank() == 0) {
     fsync_path(tmp, O_RDONLY);
-    std::error_code ec;
     fs::rename(tmp, path, ec);  // atomic replace: readers see the old file or the complete new one
     if (ec) {
       err = fmt::format("cannot rename {} to {}: {}; the earlier checkpoints are kept", tmp, path,

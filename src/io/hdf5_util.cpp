@@ -4,8 +4,6 @@
 #include <algorithm>
 #include <cstring>
 
-#include <fmt/format.h>
-
 namespace qt::h5 {
 
 QuietErrors::QuietErrors() {
@@ -69,26 +67,6 @@ std::string last_error() {
   H5Ewalk2(H5E_DEFAULT, H5E_WALK_UPWARD, first_error, &s);
   H5Eclear2(H5E_DEFAULT);
   return s.empty() ? std::string("unknown HDF5 error") : s;
-}
-
-bool CollectiveStatus::agree_on(bool ok_here, const std::string& what, int os_error) {
-  std::string mine;
-  if (!ok_here) {
-    const std::string hdf5 = last_error();
-    mine = os_error != 0 ? fmt::format("{}: {} (HDF5: {})", what, std::strerror(os_error), hdf5)
-                         : fmt::format("{}: {}", what, hdf5);
-  }
-  // Each rank's OS error, and the failing rank's message.
-  std::int64_t err = ok_here ? 0 : os_error;
-  comm_.all_reduce(&err, 1, DType::kI64, ReduceOp::kMax);
-  try {
-    agree(comm_, mine);
-  } catch (const UserError& e) {
-    error_ = e.what();
-    os_error_ = static_cast<int>(err);
-    return false;
-  }
-  return true;
 }
 
 bool has_link(hid_t loc, const std::string& name) {

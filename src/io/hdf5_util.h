@@ -7,14 +7,12 @@
 
 #include <hdf5.h>
 
-#include <cerrno>
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "qtrain/comm.h"
 #include "qtrain/error.h"
 
 namespace qt::h5 {
@@ -87,38 +85,6 @@ class QuietErrors {
 // The most specific message on the current thread's error stack (e.g. "truncated file: eof =
 // 1024, ..."), then clears the stack. "unknown HDF5 error" when the stack is empty.
 std::string last_error();
-
-// The first failure in a sequence of collective calls on a parallel file (dataset writes, the
-// closing flush), agreed on after every call, so that all ranks stop at the same call and none
-// is left waiting in a collective that the others abandoned. Once any rank has failed, ok() is
-// false and error() the same text on every rank. Callers stop issuing calls when run() is false.
-class CollectiveStatus {
- public:
-  explicit CollectiveStatus(Comm& comm) : comm_(comm) {}
-
-  // Runs `call` (returning herr_t or hid_t; negative = failure) unless an earlier call failed,
-  // then agrees on the outcome. `what` names the call for the message ("writing /params/x").
-  // Collective. Returns ok().
-  template <class Call>
-  bool run(const std::string& what, Call&& call) {
-    if (!ok()) return false;
-    errno = 0;
-    const bool ok_here = call() >= 0;
-    return agree_on(ok_here, what, errno);
-  }
-
-  bool ok() const { return error_.empty(); }
-  const std::string& error() const { return error_; }
-  // The OS error the failing call left in errno on the failing rank (0 if none): ENOSPC, EFBIG...
-  int os_error() const { return os_error_; }
-
- private:
-  bool agree_on(bool ok_here, const std::string& what, int os_error);
-
-  Comm& comm_;
-  std::string error_;
-  int os_error_ = 0;
-};
 
 // True when `name` is a link directly inside `loc` (never an error when it is not).
 bool has_link(hid_t loc, const std::string& name);

@@ -46,14 +46,16 @@ herr_t image_free(void* ptr, H5FD_file_image_op_t op, void* ud) {
 void* image_udata_copy(void* ud) { return ud; }  // the capture outlives every copy of the fapl
 herr_t image_udata_free(void*) { return 0; }
 
+constexpr std::size_t kStep = 4096;  // growth of the in-memory file, bytes
+
 // The image of one attempt with `reserve` bytes kept for the metadata; "" when it outgrew them.
 std::string try_image(std::size_t reserve, const std::function<std::uint64_t(hid_t)>& populate) {
   ImageCapture capture;
   std::uint64_t first = 0;
   {
     Handle fapl = QT_H5_OPEN(H5Pcreate(H5P_FILE_ACCESS), close_plist);
-    // The memory grows in steps of 1 MiB; nothing is ever written to a backing file.
-    QT_CHECK_HDF5(H5Pset_fapl_core(fapl, std::size_t{1} << 20, /*backing_store=*/0));
+    // The memory grows in steps of kStep; nothing is ever written to a backing file.
+    QT_CHECK_HDF5(H5Pset_fapl_core(fapl, kStep, /*backing_store=*/0));
     QT_CHECK_HDF5(H5Pset_meta_block_size(fapl, reserve));
     // No aggregation of small datasets: each is placed at the end of the file, in order.
     QT_CHECK_HDF5(H5Pset_small_data_block_size(fapl, 0));
@@ -65,9 +67,11 @@ std::string try_image(std::size_t reserve, const std::function<std::uint64_t(hid
     first = populate(file);
     QT_CHECK_HDF5(file.close());
   }
-  // Without a backing store the core driver never extends the image over unwritten values, so
-  // metadata placed after a dataset (an outgrown block) shows as an image beyond `first`.
-  if (capture.kept.empty() || capture.kept.size() > first) return "";
+  // The image grows only where something was written: the values are not, so metadata placed
+  // after a dataset (an outgrown block) makes it end beyond the step that holds `first`. The
+  // block, and the heap of string attributes behind it, end at or before `first`.
+  if (capture.kept.empty() || capture.kept.size() > (first + kStep - 1) / kStep * kStep) return "";
+  capture.kept.resize(std::min<std::uint64_t>(capture.kept.size(), first));
   return std::move(capture.kept);
 }
 
