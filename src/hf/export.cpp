@@ -31,7 +31,8 @@ namespace hf {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: qtrain export <checkpoint.h5> <dir> [--tokenizer DIR] [--max-shard-size SIZE] [--force]\n"
+    "usage: qtrain export <checkpoint.h5> <dir> [--merge] [--tokenizer DIR] [--max-shard-size SIZE]\n"
+    "                     [--force]\n"
     "  Writes <dir> as a Hugging Face model directory (config.json, generation_config.json,\n"
     "  bf16 safetensors shards with model.safetensors.index.json, tokenizer files).\n"
     "  --tokenizer DIR        copy tokenizer.json, tokenizer_config.json, vocab.json, merges.txt\n"
