@@ -3,6 +3,7 @@
 #include "generate/generate.h"
 
 #include <boost/program_options.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -23,12 +24,14 @@
 #include "hf/export.h"
 #include "hf/lora_export.h"
 #include "hf/weights.h"
+#include "model/lora.h"
 #include "prep/chat.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/comm.h"
 #include "qtrain/error.h"
 #include "qtrain/mesh.h"
 #include "qtrain/tokenizer.h"
+#include "runtime/memory.h"
 
 namespace qt {
 
@@ -215,6 +218,45 @@ std::vector<float> load_weights(const ModelSource& s, const ParamLayout& layout,
   return params;
 }
 
+// Parameters of `c` by the layout's shapes, in double: absurd sizes must not wrap.
+double param_count(const ModelConfig& c) {
+  const double H = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, Q = c.q_dim(),
+               KV = c.kv_dim(), hd = c.head_dim;
+  const double layer = 2 * H + 2 * hd + Q * H * 2 + KV * H * 2 + 3 * I * H;
+  return V * H * (c.tie_word_embeddings ? 1 : 2) + H + c.num_layers * layer;
+}
+
+// What generate holds in host memory before it allocates any of it: the fp32 weights (with a
+// LoRA checkpoint's adapters), and on the CPU the key/value cache of `cap` positions, the RoPE
+// tables, the scratch of a prefill of `prompt` tokens and a row of logits. On the GPU, the host
+// keeps the weights until they are copied and a row of logits.
+HostMemoryNeed host_need(const ModelSource& s, bool cuda, std::size_t prompt, int cap) {
+  const ModelConfig& c = s.cfg;
+  const double P = param_count(c);
+  double adapters = 0;
+  if (s.ckpt.lora)
+    for (int t : parse_lora_targets(s.ckpt.lora->config.targets, "lora_targets")) {
+      const auto [in, out] = lora_target_dims(c, t);
+      adapters += double(c.num_layers) * s.ckpt.lora->config.r * (double(in) + out);
+    }
+  double floats = P + adapters + c.vocab_size;
+  if (!cuda) {
+    const double n = prompt, H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim();
+    floats += 2.0 * c.num_layers * cap * KV + double(cap) * c.head_dim +
+              n * (3 * H + 3 * Q + KV + 3.0 * c.intermediate_size +
+                   std::max(c.num_heads, c.num_kv_heads));
+  }
+  HostMemoryNeed need;
+  need.bytes = 4 * floats;
+  need.what = fmt::format("fp32 weights of {:.3g} parameters{}{}", P,
+                          adapters > 0 ? " and their LoRA adapters" : "",
+                          cuda ? " before the copy to the GPU"
+                               : fmt::format(", a key/value cache of {} positions", cap));
+  need.keys = "--max-new-tokens (the cache holds the prompt and the new tokens), or use a smaller "
+              "model";
+  return need;
+}
+
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -227,6 +269,9 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
         world->size());
   const auto t_load = Clock::now();
   const ModelSource src = resolve_model(o.model, *world);
+#ifdef QTRAIN_HAVE_CUDA
+  if (o.device == "cuda") gen::KvDecoderCuda::check_supported(src.cfg);  // before any GPU work
+#endif
 
   // The tokenizer, the prompt and the stop tokens, before the (possibly large) weights.
   std::string tok_dir = o.tokenizer;
@@ -274,12 +319,12 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
     if (id >= 0 && id < tok.vocab_size())
       stop_text += (stop_text.empty() ? "" : " ") + tok.decode(std::span(&id, 1));
 
-  // The weights, the cache.
+  // The weights, the cache: room for the prompt and the new tokens, at most the model's positions.
+  const std::int64_t room = cfg.max_position_embeddings - static_cast<std::int64_t>(prompt.size());
+  const int cap = static_cast<int>(prompt.size() + std::min(room, o.max_new_tokens));
+  check_host_memory_local(host_need(src, o.device == "cuda", prompt.size(), cap), "the model");
   const ParamLayout layout(cfg);
   std::vector<float> params = load_weights(src, layout, world);
-  const std::int64_t cap64 =
-      std::min<std::int64_t>(cfg.max_position_embeddings, prompt.size() + o.max_new_tokens);
-  const int cap = static_cast<int>(cap64);
   std::unique_ptr<gen::Decoder> dec_ptr;
   std::string where = "on the CPU, fp32";
 #ifdef QTRAIN_HAVE_CUDA

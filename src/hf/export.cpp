@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -73,8 +75,11 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
   auto i64 = [&](const char* name) {
     auto v = h5::try_read_attr_i64(file, name);
     if (!v) fail_user("checkpoint {}: root attribute {} is missing", path, name);
-    if (std::strcmp(name, "step") != 0 && (*v < 0 || *v > (std::int64_t{1} << 31)))
-      fail_user("checkpoint {}: root attribute {} = {} is out of range", path, name, *v);
+    // Sizes become ints: 1 .. 2^31 - 1 (tie_word_embeddings 0 or 1).
+    const std::int64_t lo = std::strcmp(name, "tie_word_embeddings") == 0 ? 0 : 1;
+    if (std::strcmp(name, "step") != 0 && (*v < lo || *v > std::numeric_limits<int>::max()))
+      fail_user("checkpoint {}: root attribute {} = {} is out of range (corrupt checkpoint?)", path,
+                name, *v);
     return *v;
   };
   auto f64 = [&](const char* name) {
@@ -95,17 +100,17 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
   c.rope_theta = f64("rope_theta");
   c.rms_norm_eps = f64("rms_norm_eps");
   m.step = i64("step");
-  if (auto r = h5::try_read_attr_i64(file, "lora_r")) {  // a LoRA run's checkpoint
+  validate_model(c, fmt::format("checkpoint {}", path));
+  if (h5::try_read_attr_i64(file, "lora_r")) {  // a LoRA run's checkpoint
     LoraCheckpointInfo l;
-    l.config.r = static_cast<int>(*r);
+    l.config.r = static_cast<int>(i64("lora_r"));
     l.config.alpha = f64("lora_alpha");
     l.config.dropout = f64("lora_dropout");
     l.config.targets = h5::try_read_attr_string(file, "lora_targets").value_or("");
     l.base.init = h5::try_read_attr_string(file, "lora_base_init").value_or("");
     l.base.seed = h5::try_read_attr_u64(file, "lora_base_seed").value_or(0);
-    if (l.config.r < 1 || !(l.config.alpha > 0))
-      fail_user("checkpoint {}: lora_r = {}, lora_alpha = {} are out of range", path, l.config.r,
-                l.config.alpha);
+    if (!(l.config.alpha > 0) || !std::isfinite(l.config.alpha))
+      fail_user("checkpoint {}: lora_alpha = {} is out of range", path, l.config.alpha);
     parse_lora_targets(l.config.targets, fmt::format("checkpoint {}: lora_targets", path));
     m.lora = l;
   }
