@@ -29,7 +29,7 @@ constexpr const char* kSubcommands =
     "checkpoints (`qtrain SUBCOMMAND --help` lists a subcommand's options):\n"
     "  qtrain prep --tokenizer DIR --output FILE.h5 [options] FILE...\n"
     "      JSONL records or plain text -> a token file for data.path (docs/prep.md)\n"
-    "  qtrain export <checkpoint.h5> <dir> [--merge] [options]\n"
+    "  qtrain export <checkpoint.h5> <dir> [--merge] [--base DIR] [options]\n"
     "      a checkpoint -> a Hugging Face model directory, or a LoRA run's -> PEFT adapters\n"
     "      (docs/finetune.md)\n"
     "  qtrain generate <checkpoint.h5 | checkpoint dir | HF dir> --prompt TEXT [options]\n"

@@ -24,7 +24,6 @@
 #include "hf/export.h"
 #include "hf/lora_export.h"
 #include "hf/weights.h"
-#include "model/lora.h"
 #include "prep/chat.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/comm.h"
@@ -42,7 +41,7 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 struct Options {
-  std::string model, prompt, system, tokenizer, device = "cpu";
+  std::string model, prompt, system, tokenizer, base, device = "cpu";
   bool chat = false, no_think = false, help = false;
   std::int64_t max_new_tokens = 128;
   double temperature = 0, top_p = 1;
@@ -69,6 +68,9 @@ po::options_description option_table(Options& o) {
   add("tokenizer,t", po::value(&o.tokenizer),
       "tokenizer directory (default: MODEL when it is an HF directory with tokenizer.json, or a "
       "checkpoint's model.init directory)");
+  add("base", po::value(&o.base),
+      "a checkpoint's model.init directory (a LoRA run's base, the default tokenizer) where it is "
+      "now, if it moved (default: its absolute path, then the path as given)");
   add("max-new-tokens,n", po::value(&o.max_new_tokens)->default_value(128),
       "stop after this many new tokens");
   add("temperature", po::value(&o.temperature)->default_value(0.0),
@@ -138,7 +140,8 @@ struct ModelSource {
   std::string describe;
 };
 
-ModelSource resolve_model(const std::string& model, Comm& world) {
+// base: --base, a checkpoint's model.init directory where it is now.
+ModelSource resolve_model(const std::string& model, const std::string& base, Comm& world) {
   std::error_code ec;
   ModelSource s;
   if (!fs::exists(model, ec))
@@ -147,6 +150,10 @@ ModelSource resolve_model(const std::string& model, Comm& world) {
         "directory or a Hugging Face model directory)",
         model);
   if (fs::is_directory(model, ec) && has_file(fs::path(model) / "config.json")) {
+    if (!base.empty())
+      fail_user("--base {}: {} is a Hugging Face directory, which has no base; --base is for "
+                "checkpoints",
+                base, model);
     s.hf = true;
     s.path = model;
     s.cfg = hf::read_config(model, &s.extras);
@@ -165,9 +172,9 @@ ModelSource resolve_model(const std::string& model, Comm& world) {
     s.path = found.front();
   }
   s.ckpt = hf::read_checkpoint_model(s.path);
+  s.ckpt.init_found = hf::find_init_dir(s.ckpt, base);
   s.cfg = s.ckpt.cfg;
-  if (!s.ckpt.init_dir.empty() && fs::is_directory(s.ckpt.init_dir, ec))
-    s.side_dir = s.ckpt.init_dir;
+  s.side_dir = s.ckpt.init_found.dir;
   s.describe = fmt::format("checkpoint {} (step {}{})", s.path, s.ckpt.step,
                            s.ckpt.lora ? ", LoRA adapters merged into their base" : "");
   return s;
@@ -218,40 +225,25 @@ std::vector<float> load_weights(const ModelSource& s, const ParamLayout& layout,
   return params;
 }
 
-// Parameters of `c` by the layout's shapes, in double: absurd sizes must not wrap.
-double param_count(const ModelConfig& c) {
-  const double H = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, Q = c.q_dim(),
-               KV = c.kv_dim(), hd = c.head_dim;
-  const double layer = 2 * H + 2 * hd + Q * H * 2 + KV * H * 2 + 3 * I * H;
-  return V * H * (c.tie_word_embeddings ? 1 : 2) + H + c.num_layers * layer;
-}
-
-// What generate holds in host memory before it allocates any of it: the fp32 weights (with a
-// LoRA checkpoint's adapters), and on the CPU the key/value cache of `cap` positions, the RoPE
-// tables, the scratch of a prefill of `prompt` tokens and a row of logits. On the GPU, the host
-// keeps the weights until they are copied and a row of logits.
+// What generate holds in host memory, before it allocates any of it: the fp32 weights (with a
+// LoRA checkpoint's adapters) and a row of logits; on the CPU also the key/value cache of `cap`
+// positions, the RoPE tables and the scratch of a prefill of `prompt` tokens. On the GPU the
+// host keeps the weights until they are copied.
 HostMemoryNeed host_need(const ModelSource& s, bool cuda, std::size_t prompt, int cap) {
+  hf::CheckpointModel m = s.ckpt;
+  m.cfg = s.cfg;  // an HF directory's, where there is no checkpoint
+  HostMemoryNeed need = hf::weights_memory_need(m);
   const ModelConfig& c = s.cfg;
-  const double P = param_count(c);
-  double adapters = 0;
-  if (s.ckpt.lora)
-    for (int t : parse_lora_targets(s.ckpt.lora->config.targets, "lora_targets")) {
-      const auto [in, out] = lora_target_dims(c, t);
-      adapters += double(c.num_layers) * s.ckpt.lora->config.r * (double(in) + out);
-    }
-  double floats = P + adapters + c.vocab_size;
+  double floats = c.vocab_size;
   if (!cuda) {
     const double n = prompt, H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim();
     floats += 2.0 * c.num_layers * cap * KV + double(cap) * c.head_dim +
               n * (3 * H + 3 * Q + KV + 3.0 * c.intermediate_size +
                    std::max(c.num_heads, c.num_kv_heads));
   }
-  HostMemoryNeed need;
-  need.bytes = 4 * floats;
-  need.what = fmt::format("fp32 weights of {:.3g} parameters{}{}", P,
-                          adapters > 0 ? " and their LoRA adapters" : "",
-                          cuda ? " before the copy to the GPU"
-                               : fmt::format(", a key/value cache of {} positions", cap));
+  need.bytes += 4 * floats;
+  need.what += cuda ? " before the copy to the GPU"
+                    : fmt::format(", a key/value cache of {} positions", cap);
   need.keys = "--max-new-tokens (the cache holds the prompt and the new tokens), or use a smaller "
               "model";
   return need;
@@ -268,7 +260,7 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
         "started on {} MPI ranks: run it without mpirun, or with mpirun -np 1",
         world->size());
   const auto t_load = Clock::now();
-  const ModelSource src = resolve_model(o.model, *world);
+  const ModelSource src = resolve_model(o.model, o.base, *world);
 #ifdef QTRAIN_HAVE_CUDA
   if (o.device == "cuda") gen::KvDecoderCuda::check_supported(src.cfg);  // before any GPU work
 #endif
@@ -276,15 +268,22 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
   // The tokenizer, the prompt and the stop tokens, before the (possibly large) weights.
   std::string tok_dir = o.tokenizer;
   if (tok_dir.empty()) {
-    if (src.side_dir.empty() || !has_file(fs::path(src.side_dir) / "tokenizer.json"))
-      fail_user(
-          "no tokenizer for {}: {}; pass --tokenizer DIR (scripts/get-tokenizer.sh fetches "
-          "Qwen3's)",
-          o.model,
+    const hf::InitDirSearch& init = src.ckpt.init_found;
+    if (src.side_dir.empty() || !has_file(fs::path(src.side_dir) / "tokenizer.json")) {
+      const std::string why =
           src.hf ? fmt::format("{} has no tokenizer.json", src.path)
+          : !init.tried.empty()
+              ? fmt::format("its model.init directory is not found (tried {}); pass --base DIR "
+                            "where it is now, or --tokenizer DIR",
+                            hf::tried_text(init))
           : src.side_dir.empty()
               ? std::string("the checkpoint's run had no model.init directory")
-              : fmt::format("its model.init directory {} has no tokenizer.json", src.side_dir));
+              : fmt::format("its model.init directory {} has no tokenizer.json", src.side_dir);
+      fail_user("no tokenizer for {}: {}{}", o.model, why,
+                init.tried.empty() ? "; pass --tokenizer DIR (scripts/get-tokenizer.sh fetches "
+                                     "Qwen3's)"
+                                   : "");
+    }
     tok_dir = src.side_dir;
   }
   const Tokenizer tok = Tokenizer::from_dir(tok_dir);
