@@ -503,7 +503,10 @@ TEST(HfExportCli, ArgumentsAndExitCodes) {
   EXPECT_EQ(run({"export", "only-one"}), 2);
   EXPECT_EQ(run({"export", "a.h5", "out", "--bogus=1"}), 2);
   EXPECT_EQ(run({"export", "a.h5", "out", "--max-shard-size", "5XB"}), 2);
-  EXPECT_EQ(run({"export", "no/such/checkpoint.h5", shared_temp_dir("hf-cli") + "/out"}), 2);
+  const std::string dir = shared_temp_dir("hf-cli");
+  EXPECT_EQ(run({"export", "no/such/checkpoint.h5", dir + "/out"}), 2);
+  barrier();
+  if (world_rank() == 0) fs::remove_all(dir);  // nothing may be left in it
   EXPECT_EQ(parse_size("5GB"), 5'000'000'000u);
   EXPECT_EQ(parse_size("2GiB"), 2147483648u);
   EXPECT_EQ(parse_size("500 mb"), 500'000'000u);
