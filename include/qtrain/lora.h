@@ -35,10 +35,18 @@ std::vector<int> parse_lora_targets(const std::string& list, const std::string& 
 // The frozen base a LoRA run adapts, stored in its checkpoints: the model.init directory, or
 // (when that is empty) the model initialised from train.seed.
 struct LoraBase {
-  std::string init;                       // [model] init as written; "" = initialised from `seed`
-  std::uint64_t seed = 0;                 // train.seed (used only when init is "")
-  std::string describe() const;           // "model.init = DIR" or "train.seed = N"
-  bool same_as(const LoraBase& o) const;  // same directory (lexically normalised) or same seed
+  std::string init;        // [model] init as written; "" = initialised from `seed`
+  std::uint64_t seed = 0;  // train.seed (used only when init is "")
+  // init made absolute (lexically normal) in the run's working directory; "" when init is, and
+  // in checkpoints written before it was stored (then init is resolved from the reader's).
+  std::string init_abs;
+  // The base of a run started in this working directory: init_abs filled from init.
+  static LoraBase of(const std::string& init, std::uint64_t seed);
+  std::string describe() const;  // "model.init = DIR (/abs/DIR)" or "train.seed = N"
+  // Same seed, or the same directory: the absolute paths, lexically normalised (an init_abs not
+  // stored is made absolute from this working directory), so that a run resumed from another
+  // working directory, with a path relative to that one, still matches its base.
+  bool same_as(const LoraBase& o) const;
 };
 
 // What a LoRA run's checkpoint holds beside its adapters (root attributes lora_*).

@@ -6,7 +6,10 @@
 
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <filesystem>
 #include <memory>
+#include <new>
 
 #include "generate/generate.h"
 #include "hf/export.h"
@@ -15,14 +18,64 @@
 #include "qtrain/deck.h"
 #include "qtrain/error.h"
 #include "qtrain/mesh.h"
+#include "runtime/process.h"
 #include "train/trainer.h"
 
 namespace {
+
+// What `qtrain --help` shows before the deck keys.
+constexpr const char* kSubcommands =
+    "qtrain trains Qwen3 models from an INI deck; its subcommands prepare data and use the\n"
+    "checkpoints (`qtrain SUBCOMMAND --help` lists a subcommand's options):\n"
+    "  qtrain prep --tokenizer DIR --output FILE.h5 [options] FILE...\n"
+    "      JSONL records or plain text -> a token file for data.path (docs/prep.md)\n"
+    "  qtrain export <checkpoint.h5> <dir> [--merge] [--base DIR] [options]\n"
+    "      a checkpoint -> a Hugging Face model directory, or a LoRA run's -> PEFT adapters\n"
+    "      (docs/finetune.md)\n"
+    "  qtrain generate <checkpoint.h5 | checkpoint dir | HF dir> --prompt TEXT [options]\n"
+    "      text from a model, on the CPU or one GPU (docs/generate.md)\n"
+    "\n"
+    "Training:\n";
 
 bool has_flag(int argc, char** argv, const char* flag) {
   for (int i = 1; i < argc; ++i)
     if (std::strcmp(argv[i], flag) == 0) return true;
   return false;
+}
+
+// A first argument that is neither an option, a subcommand nor an existing file, and has no
+// '.' or '/' (no deck path looks like that): a mistyped subcommand rather than a missing deck.
+bool looks_like_subcommand(int argc, char** argv) {
+  if (argc < 2 || argv[1][0] == '-' || std::strpbrk(argv[1], "./") != nullptr) return false;
+  std::error_code ec;
+  return !std::filesystem::exists(argv[1], ec);
+}
+
+// The last resort around a subcommand. A UserError is thrown by every rank alike: rank 0 prints
+// it and every rank returns 2 (the subcommands catch their own, with their own prefix). Any other
+// exception was seen by this rank alone while the others may wait in a collective: it is
+// reported with rank and host, and MPI_Abort ends the whole job with code 2 instead of a hang.
+template <class F>
+int guarded(bool root, F&& f) {
+  const char* what = nullptr;
+  std::string text;
+  try {
+    return f();
+  } catch (const qt::UserError& e) {
+    if (root) std::fprintf(stderr, "qtrain: error: %s\n", e.what());
+    return qt::kExitBadInput;
+  } catch (const std::bad_alloc& e) {
+    what = "out of memory";
+    text = fmt::format("{}; the model or batch needs more host memory than this node has", e.what());
+  } catch (const std::exception& e) {
+    what = "unexpected error";
+    text = e.what();
+  }
+  std::fprintf(stderr, "qtrain: error on rank %d (%s): %s (%s)\n", qt::world_rank_or_zero(),
+               qt::host_name().c_str(), what, text.c_str());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, qt::kExitBadInput);
+  return qt::kExitBadInput;  // not reached
 }
 
 }  // namespace
@@ -33,27 +86,28 @@ int main(int argc, char** argv) {
   {
     auto world = std::make_shared<qt::MpiComm>(MPI_COMM_WORLD, "world", false);
     const bool root = world->rank() == 0;
-    if (argc >= 2 && std::strcmp(argv[1], "export") == 0) {
-      rc = qt::export_main(argc - 1, argv + 1, world);
-    } else if (argc >= 2 && std::strcmp(argv[1], "prep") == 0) {
-      rc = qt::prep_main(argc - 1, argv + 1, *world);
-    } else if (argc >= 2 && std::strcmp(argv[1], "generate") == 0) {
-      rc = qt::generate_main(argc - 1, argv + 1, world);
-    } else if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
-      if (root) std::printf("%s", qt::deck_help().c_str());
-    } else if (has_flag(argc, argv, "--version")) {
-      if (root) std::printf("qtrain %s\n", QTRAIN_VERSION);
-    } else {
-      try {
-        qt::Deck deck = qt::parse_deck(argc, argv, world->size());
-        if (root) std::printf("qtrain %s: deck %s\n%s\n", QTRAIN_VERSION, deck.path.c_str(), deck.resolved.c_str());
-        qt::Mesh mesh(deck.mesh, world);
-        rc = qt::run_training(deck, mesh);
-      } catch (const qt::UserError& e) {
-        if (root) std::fprintf(stderr, "qtrain: error: %s\n", e.what());
-        rc = qt::kExitBadInput;
+    const std::string sub = argc >= 2 ? argv[1] : "";
+    rc = guarded(root, [&]() -> int {
+      if (sub == "export") return qt::export_main(argc - 1, argv + 1, world);
+      if (sub == "prep") return qt::prep_main(argc - 1, argv + 1, *world);
+      if (sub == "generate") return qt::generate_main(argc - 1, argv + 1, world);
+      if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
+        if (root) std::printf("%s%s", kSubcommands, qt::deck_help().c_str());
+        return 0;
       }
-    }
+      if (has_flag(argc, argv, "--version")) {
+        if (root) std::printf("qtrain %s\n", QTRAIN_VERSION);
+        return 0;
+      }
+      if (looks_like_subcommand(argc, argv))
+        qt::fail_user("(command line): {} is neither a subcommand (prep, export, generate) nor a deck "
+                      "file; `qtrain --help` lists both",
+                      sub);
+      qt::Deck deck = qt::parse_deck(argc, argv, world->size());
+      if (root) std::printf("qtrain %s: deck %s\n%s\n", QTRAIN_VERSION, deck.path.c_str(), deck.resolved.c_str());
+      qt::Mesh mesh(deck.mesh, world);
+      return qt::run_training(deck, mesh);
+    });
   }
   MPI_Finalize();
   return rc;

@@ -579,7 +579,16 @@ std::string resolved_text(Deck& d, int world) {
       out += fmt::format("{}[{}]\n", section.empty() ? "" : "\n", sec);
       section = sec;
     }
-    out += fmt::format("{} = {}\n", s.key.substr(sec.size() + 1), format_value(s.field(d)));
+    std::string value = format_value(s.field(d));
+    // model.init absolute, so that the record (and a checkpoint's base) is found from any working
+    // directory; the path as given follows as a comment (unless the working directory's name
+    // holds what would break the line).
+    if (s.key == "model.init" && !value.empty()) {
+      const std::string abs = LoraBase::of(value, 0).init_abs;
+      if (abs != value && abs.find_first_of("#\n\r") == std::string::npos)
+        value = abs + "  # given as " + value;
+    }
+    out += fmt::format("{} = {}\n", s.key.substr(sec.size() + 1), value);
   }
   return out;
 }

@@ -3,6 +3,7 @@
 #include "generate/generate.h"
 
 #include <boost/program_options.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -29,6 +30,7 @@
 #include "qtrain/error.h"
 #include "qtrain/mesh.h"
 #include "qtrain/tokenizer.h"
+#include "runtime/memory.h"
 
 namespace qt {
 
@@ -39,7 +41,7 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 struct Options {
-  std::string model, prompt, system, tokenizer, device = "cpu";
+  std::string model, prompt, system, tokenizer, base, device = "cpu";
   bool chat = false, no_think = false, help = false;
   std::int64_t max_new_tokens = 128;
   double temperature = 0, top_p = 1;
@@ -66,6 +68,9 @@ po::options_description option_table(Options& o) {
   add("tokenizer,t", po::value(&o.tokenizer),
       "tokenizer directory (default: MODEL when it is an HF directory with tokenizer.json, or a "
       "checkpoint's model.init directory)");
+  add("base", po::value(&o.base),
+      "a checkpoint's model.init directory (a LoRA run's base, the default tokenizer) where it is "
+      "now, if it moved (default: its absolute path, then the path as given)");
   add("max-new-tokens,n", po::value(&o.max_new_tokens)->default_value(128),
       "stop after this many new tokens");
   add("temperature", po::value(&o.temperature)->default_value(0.0),
@@ -135,7 +140,8 @@ struct ModelSource {
   std::string describe;
 };
 
-ModelSource resolve_model(const std::string& model, Comm& world) {
+// base: --base, a checkpoint's model.init directory where it is now.
+ModelSource resolve_model(const std::string& model, const std::string& base, Comm& world) {
   std::error_code ec;
   ModelSource s;
   if (!fs::exists(model, ec))
@@ -144,6 +150,10 @@ ModelSource resolve_model(const std::string& model, Comm& world) {
         "directory or a Hugging Face model directory)",
         model);
   if (fs::is_directory(model, ec) && has_file(fs::path(model) / "config.json")) {
+    if (!base.empty())
+      fail_user("--base {}: {} is a Hugging Face directory, which has no base; --base is for "
+                "checkpoints",
+                base, model);
     s.hf = true;
     s.path = model;
     s.cfg = hf::read_config(model, &s.extras);
@@ -162,9 +172,9 @@ ModelSource resolve_model(const std::string& model, Comm& world) {
     s.path = found.front();
   }
   s.ckpt = hf::read_checkpoint_model(s.path);
+  s.ckpt.init_found = hf::find_init_dir(s.ckpt, base);
   s.cfg = s.ckpt.cfg;
-  if (!s.ckpt.init_dir.empty() && fs::is_directory(s.ckpt.init_dir, ec))
-    s.side_dir = s.ckpt.init_dir;
+  s.side_dir = s.ckpt.init_found.dir;
   s.describe = fmt::format("checkpoint {} (step {}{})", s.path, s.ckpt.step,
                            s.ckpt.lora ? ", LoRA adapters merged into their base" : "");
   return s;
@@ -215,6 +225,30 @@ std::vector<float> load_weights(const ModelSource& s, const ParamLayout& layout,
   return params;
 }
 
+// What generate holds in host memory, before it allocates any of it: the fp32 weights (with a
+// LoRA checkpoint's adapters) and a row of logits; on the CPU also the key/value cache of `cap`
+// positions, the RoPE tables and the scratch of a prefill of `prompt` tokens. On the GPU the
+// host keeps the weights until they are copied.
+HostMemoryNeed host_need(const ModelSource& s, bool cuda, std::size_t prompt, int cap) {
+  hf::CheckpointModel m = s.ckpt;
+  m.cfg = s.cfg;  // an HF directory's, where there is no checkpoint
+  HostMemoryNeed need = hf::weights_memory_need(m);
+  const ModelConfig& c = s.cfg;
+  double floats = c.vocab_size;
+  if (!cuda) {
+    const double n = prompt, H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim();
+    floats += 2.0 * c.num_layers * cap * KV + double(cap) * c.head_dim +
+              n * (3 * H + 3 * Q + KV + 3.0 * c.intermediate_size +
+                   std::max(c.num_heads, c.num_kv_heads));
+  }
+  need.bytes += 4 * floats;
+  need.what += cuda ? " before the copy to the GPU"
+                    : fmt::format(", a key/value cache of {} positions", cap);
+  need.keys = "--max-new-tokens (the cache holds the prompt and the new tokens), or use a smaller "
+              "model";
+  return need;
+}
+
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
@@ -226,20 +260,30 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
         "started on {} MPI ranks: run it without mpirun, or with mpirun -np 1",
         world->size());
   const auto t_load = Clock::now();
-  const ModelSource src = resolve_model(o.model, *world);
+  const ModelSource src = resolve_model(o.model, o.base, *world);
+#ifdef QTRAIN_HAVE_CUDA
+  if (o.device == "cuda") gen::KvDecoderCuda::check_supported(src.cfg);  // before any GPU work
+#endif
 
   // The tokenizer, the prompt and the stop tokens, before the (possibly large) weights.
   std::string tok_dir = o.tokenizer;
   if (tok_dir.empty()) {
-    if (src.side_dir.empty() || !has_file(fs::path(src.side_dir) / "tokenizer.json"))
-      fail_user(
-          "no tokenizer for {}: {}; pass --tokenizer DIR (scripts/get-tokenizer.sh fetches "
-          "Qwen3's)",
-          o.model,
+    const hf::InitDirSearch& init = src.ckpt.init_found;
+    if (src.side_dir.empty() || !has_file(fs::path(src.side_dir) / "tokenizer.json")) {
+      const std::string why =
           src.hf ? fmt::format("{} has no tokenizer.json", src.path)
+          : !init.tried.empty()
+              ? fmt::format("its model.init directory is not found (tried {}); pass --base DIR "
+                            "where it is now, or --tokenizer DIR",
+                            hf::tried_text(init))
           : src.side_dir.empty()
               ? std::string("the checkpoint's run had no model.init directory")
-              : fmt::format("its model.init directory {} has no tokenizer.json", src.side_dir));
+              : fmt::format("its model.init directory {} has no tokenizer.json", src.side_dir);
+      fail_user("no tokenizer for {}: {}{}", o.model, why,
+                init.tried.empty() ? "; pass --tokenizer DIR (scripts/get-tokenizer.sh fetches "
+                                     "Qwen3's)"
+                                   : "");
+    }
     tok_dir = src.side_dir;
   }
   const Tokenizer tok = Tokenizer::from_dir(tok_dir);
@@ -274,12 +318,12 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
     if (id >= 0 && id < tok.vocab_size())
       stop_text += (stop_text.empty() ? "" : " ") + tok.decode(std::span(&id, 1));
 
-  // The weights, the cache.
+  // The weights, the cache: room for the prompt and the new tokens, at most the model's positions.
+  const std::int64_t room = cfg.max_position_embeddings - static_cast<std::int64_t>(prompt.size());
+  const int cap = static_cast<int>(prompt.size() + std::min(room, o.max_new_tokens));
+  check_host_memory_local(host_need(src, o.device == "cuda", prompt.size(), cap), "the model");
   const ParamLayout layout(cfg);
   std::vector<float> params = load_weights(src, layout, world);
-  const std::int64_t cap64 =
-      std::min<std::int64_t>(cfg.max_position_embeddings, prompt.size() + o.max_new_tokens);
-  const int cap = static_cast<int>(cap64);
   std::unique_ptr<gen::Decoder> dec_ptr;
   std::string where = "on the CPU, fp32";
 #ifdef QTRAIN_HAVE_CUDA

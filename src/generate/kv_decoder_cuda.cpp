@@ -114,10 +114,13 @@ Scratch carve(Carver& c, const ModelConfig& m, int n, int rows, int len) {
   return s;
 }
 
+}  // namespace
+
 // A model the CUDA ops cannot run is the user's to hear about, not an assertion.
-void check_supported(const ModelConfig& c) {
+void KvDecoderCuda::check_supported(const ModelConfig& c) {
   if (c.head_dim != 64 && c.head_dim != 128)
-    fail_user("--device cuda supports head_dim 64 and 128 (the CUDA attention); this model has {}",
+    fail_user("--device cuda supports head_dim 64 and 128 (the CUDA attention); this model has {} "
+              "(--device cpu runs it)",
               c.head_dim);
   if (c.num_kv_heads < 1 || c.num_heads % c.num_kv_heads != 0 ||
       c.num_heads / c.num_kv_heads > 16)
@@ -129,8 +132,6 @@ void check_supported(const ModelConfig& c) {
               "CUDA RMSNorm); this model has {}",
               c.hidden_size);
 }
-
-}  // namespace
 
 struct KvDecoderCuda::Impl {
   Impl(const ModelConfig& c, const float* params, int capacity);

@@ -30,6 +30,8 @@ class KvDecoderCuda final : public Decoder {
   // (head_dim other than 64 and 128, more than 16 query heads per kv head, hidden size not a
   // multiple of 8 or above 8192) and when the GPU has too little free memory.
   KvDecoderCuda(const ModelConfig& cfg, const float* params, int capacity);
+  // The model checks of the constructor without touching a GPU, for refusing early: UserError.
+  static void check_supported(const ModelConfig& cfg);
   ~KvDecoderCuda() override;
   KvDecoderCuda(const KvDecoderCuda&) = delete;
   KvDecoderCuda& operator=(const KvDecoderCuda&) = delete;

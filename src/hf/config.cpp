@@ -1,8 +1,10 @@
 // config.json of a Hugging Face Qwen3 model <-> ModelConfig (see config.h, docs/finetune.md).
 #include "hf/config.h"
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "qtrain/error.h"
@@ -156,15 +158,37 @@ ModelConfig parse_config(const std::string& text, const std::string& where, Conf
   }
   c.rope_theta = theta.value_or(kDefaultRopeTheta);
 
-  if (c.num_heads % c.num_kv_heads != 0)
-    fail_user("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", where,
-              c.num_heads, c.num_kv_heads);
+  validate_model(c, where);
   if (extras) {
     extras->bos_token_id = j.value("bos_token_id", json());
     extras->eos_token_id = j.value("eos_token_id", json());
     extras->pad_token_id = j.value("pad_token_id", json());
   }
   return c;
+}
+
+void validate_model(const ModelConfig& c, const std::string& where) {
+  const std::pair<const char*, int> sizes[] = {
+      {"vocab_size", c.vocab_size},         {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size}, {"num_hidden_layers", c.num_layers},
+      {"num_attention_heads", c.num_heads}, {"num_key_value_heads", c.num_kv_heads},
+      {"head_dim", c.head_dim},             {"max_position_embeddings", c.max_position_embeddings}};
+  for (const auto& [name, v] : sizes)
+    if (v < 1) fail_user("{}: {} is {}, expected a positive integer", where, name, v);
+  if (c.head_dim % 2 != 0)
+    fail_user("{}: head_dim is {}; it must be even (RoPE rotates halves)", where, c.head_dim);
+  if (c.num_heads % c.num_kv_heads != 0)
+    fail_user("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", where,
+              c.num_heads, c.num_kv_heads);
+  // q_dim() and kv_dim() are ints: their products must not overflow (kv_dim <= q_dim).
+  const std::int64_t q = std::int64_t{c.num_heads} * c.head_dim;
+  if (q > std::numeric_limits<int>::max())
+    fail_user("{}: num_attention_heads x head_dim = {} x {} = {} is beyond {} (absurd sizes)",
+              where, c.num_heads, c.head_dim, q, std::numeric_limits<int>::max());
+  for (const auto& [name, v] :
+       {std::pair{"rope_theta", c.rope_theta}, std::pair{"rms_norm_eps", c.rms_norm_eps}})
+    if (!(v > 0) || !std::isfinite(v))
+      fail_user("{}: {} is {}, expected a positive number", where, name, v);
 }
 
 ModelConfig read_config(const std::string& dir, ConfigExtras* extras) {

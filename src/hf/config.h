@@ -34,6 +34,12 @@ ModelConfig read_config(const std::string& dir, ConfigExtras* extras = nullptr);
 ModelConfig parse_config(const std::string& text, const std::string& where,
                          ConfigExtras* extras = nullptr);
 
+// Refuses, as UserError "<where>: ...", sizes the engine cannot hold: a size below 1, an odd
+// head_dim, query heads not a multiple of the kv heads, num_heads x head_dim beyond an int, a
+// rope_theta or rms_norm_eps that is not a positive finite number. Memory is checked later,
+// against the machine (runtime/memory.h).
+void validate_model(const ModelConfig& c, const std::string& where);
+
 // config.json for transformers (4.51+ and 5.x) and other Qwen3 loaders: bf16 weights, the
 // architecture of `cfg`, and the token ids of `extras` (omitted when null).
 nlohmann::ordered_json make_config_json(const ModelConfig& cfg, const ConfigExtras& extras);

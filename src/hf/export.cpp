@@ -6,18 +6,22 @@
 #include <algorithm>
 #include <cctype>
 #include <charconv>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "config/ini_lines.h"
+#include "hf/export_dir.h"
 #include "hf/lora_export.h"
 #include "hf/safetensors.h"
 #include "hf/weights.h"
 #include "io/hdf5_util.h"
+#include "model/lora.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/error.h"
 #include "qtrain/mesh.h"
@@ -31,13 +35,18 @@ namespace hf {
 namespace {
 
 constexpr const char* kUsage =
-    "usage: qtrain export <checkpoint.h5> <dir> [--tokenizer DIR] [--max-shard-size SIZE] [--force]\n"
+    "usage: qtrain export <checkpoint.h5> <dir> [--merge] [--base DIR] [--tokenizer DIR]\n"
+    "                     [--max-shard-size SIZE] [--force]\n"
     "  Writes <dir> as a Hugging Face model directory (config.json, generation_config.json,\n"
     "  bf16 safetensors shards with model.safetensors.index.json, tokenizer files).\n"
     "  --tokenizer DIR        copy tokenizer.json, tokenizer_config.json, vocab.json, merges.txt\n"
     "                         ... from DIR (default: the checkpoint's model.init directory)\n"
+    "  --base DIR             where the run's model.init directory (a LoRA run's base) is now,\n"
+    "                         if it moved (default: its absolute path, then the path as given)\n"
     "  --max-shard-size SIZE  largest safetensors shard, e.g. 5GB (default), 500MB, 2GiB\n"
-    "  --force                replace <dir> when it exists and is not empty\n"
+    "  --force                replace <dir> when it exists and is not empty (never a directory\n"
+    "                         that holds the checkpoint, model.init, the tokenizer, an HDF5 file,\n"
+    "                         the working or home directory)\n"
     "  A LoRA run's checkpoint exports as PEFT's adapter_model.safetensors + adapter_config.json;\n"
     "  --merge                instead, the base model with the adapters merged (W + scale * B A)\n";
 
@@ -72,8 +81,11 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
   auto i64 = [&](const char* name) {
     auto v = h5::try_read_attr_i64(file, name);
     if (!v) fail_user("checkpoint {}: root attribute {} is missing", path, name);
-    if (std::strcmp(name, "step") != 0 && (*v < 0 || *v > (std::int64_t{1} << 31)))
-      fail_user("checkpoint {}: root attribute {} = {} is out of range", path, name, *v);
+    // Sizes become ints: 1 .. 2^31 - 1 (tie_word_embeddings 0 or 1).
+    const std::int64_t lo = std::strcmp(name, "tie_word_embeddings") == 0 ? 0 : 1;
+    if (std::strcmp(name, "step") != 0 && (*v < lo || *v > std::numeric_limits<int>::max()))
+      fail_user("checkpoint {}: root attribute {} = {} is out of range (corrupt checkpoint?)", path,
+                name, *v);
     return *v;
   };
   auto f64 = [&](const char* name) {
@@ -94,17 +106,18 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
   c.rope_theta = f64("rope_theta");
   c.rms_norm_eps = f64("rms_norm_eps");
   m.step = i64("step");
-  if (auto r = h5::try_read_attr_i64(file, "lora_r")) {  // a LoRA run's checkpoint
+  validate_model(c, fmt::format("checkpoint {}", path));
+  if (h5::try_read_attr_i64(file, "lora_r")) {  // a LoRA run's checkpoint
     LoraCheckpointInfo l;
-    l.config.r = static_cast<int>(*r);
+    l.config.r = static_cast<int>(i64("lora_r"));
     l.config.alpha = f64("lora_alpha");
     l.config.dropout = f64("lora_dropout");
     l.config.targets = h5::try_read_attr_string(file, "lora_targets").value_or("");
     l.base.init = h5::try_read_attr_string(file, "lora_base_init").value_or("");
     l.base.seed = h5::try_read_attr_u64(file, "lora_base_seed").value_or(0);
-    if (l.config.r < 1 || !(l.config.alpha > 0))
-      fail_user("checkpoint {}: lora_r = {}, lora_alpha = {} are out of range", path, l.config.r,
-                l.config.alpha);
+    l.base.init_abs = h5::try_read_attr_string(file, "lora_base_init_abs").value_or("");
+    if (!(l.config.alpha > 0) || !std::isfinite(l.config.alpha))
+      fail_user("checkpoint {}: lora_alpha = {} is out of range", path, l.config.alpha);
     parse_lora_targets(l.config.targets, fmt::format("checkpoint {}: lora_targets", path));
     m.lora = l;
   }
@@ -139,12 +152,73 @@ bool has_tokenizer(const fs::path& dir) {
          (fs::is_regular_file(dir / "vocab.json", ec) && fs::is_regular_file(dir / "merges.txt", ec));
 }
 
-bool dir_is_empty(const fs::path& p) {
+}  // namespace
+
+InitDirSearch find_init_dir(const CheckpointModel& cm, const std::string& base) {
+  const LoraBase* lb = cm.lora ? &cm.lora->base : nullptr;
+  const bool had_init = lb ? !lb->init.empty() : !cm.init_dir.empty();
   std::error_code ec;
-  return fs::is_empty(p, ec) && !ec;
+  auto why_not = [&](const std::string& d) -> std::string {
+    if (!fs::exists(d, ec)) return "no such directory";
+    if (!fs::is_regular_file(fs::path(d) / "config.json", ec)) return "no config.json";
+    return "";
+  };
+  if (!base.empty()) {
+    if (!had_init)
+      fail_user("--base {}: the checkpoint's run had no model.init directory ({}), so there is no "
+                "base directory to replace{}",
+                base, lb ? lb->describe() : "its model came from its seed or preset",
+                lb ? "" : "; --tokenizer DIR names the tokenizer");
+    if (const std::string why = why_not(base); !why.empty())
+      fail_user("--base {}: {} (a Hugging Face model directory, where the run's model.init is now)",
+                base, why);
+    return {base, {}};
+  }
+  InitDirSearch s;
+  if (!had_init) return s;
+  std::vector<std::string> candidates;  // the absolute path first, then the path as given
+  if (lb) candidates.push_back(lb->init_abs);
+  candidates.push_back(cm.init_dir);
+  if (lb) candidates.push_back(lb->init);
+  std::vector<std::string> seen;
+  for (const std::string& c : candidates) {
+    if (c.empty() || std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
+    seen.push_back(c);
+    const std::string why = why_not(c);
+    if (why.empty()) {
+      s.dir = c;
+      return s;
+    }
+    s.tried.push_back(fmt::format("{} ({})", c, why));
+  }
+  return s;
 }
 
-}  // namespace
+std::string tried_text(const InitDirSearch& s) { return fmt::format("{}", fmt::join(s.tried, ", ")); }
+
+double param_count(const ModelConfig& c) {
+  const double H = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, Q = c.q_dim(),
+               KV = c.kv_dim(), hd = c.head_dim;
+  const double layer = 2 * H + 2 * hd + 2 * Q * H + 2 * KV * H + 3 * I * H;  // as ParamLayout
+  return V * H * (c.tie_word_embeddings ? 1 : 2) + H + c.num_layers * layer;
+}
+
+HostMemoryNeed weights_memory_need(const CheckpointModel& cm, bool model) {
+  const double P = model ? param_count(cm.cfg) : 0;
+  double adapters = 0;
+  if (cm.lora)
+    for (int t : parse_lora_targets(cm.lora->config.targets, "lora_targets")) {
+      const auto [in, out] = lora_target_dims(cm.cfg, t);
+      adapters += double(cm.cfg.num_layers) * cm.lora->config.r * (double(in) + out);
+    }
+  HostMemoryNeed need;
+  need.bytes = 4 * (P + adapters);
+  need.what = model ? fmt::format("fp32 weights of {:.3g} parameters{}", P,
+                                  adapters > 0 ? " and their LoRA adapters" : "")
+                     : fmt::format("fp32 LoRA adapters of {:.3g} parameters", adapters);
+  need.keys = "the ranks per node (each holds the whole model; export needs one)";
+  return need;
+}
 
 const std::vector<std::string>& tokenizer_file_names() {
   static const std::vector<std::string> names = {
@@ -229,28 +303,24 @@ std::vector<std::string> write_model_dir(const std::string& dir, const ModelConf
   return files;
 }
 
+namespace {
+
+// What an export must never delete or write into: the checkpoint, the tokenizer and base
+// directories named, and every place the run's model.init may be (export_target_problem).
+std::vector<std::string> export_keep_paths(const ExportOptions& o, const CheckpointModel& cm) {
+  std::vector<std::string> keep = {o.checkpoint, o.tokenizer_dir, o.base_dir, cm.init_dir,
+                                   cm.init_found.dir};
+  if (cm.lora) keep.insert(keep.end(), {cm.lora->base.init, cm.lora->base.init_abs});
+  return keep;
+}
+
+}  // namespace
+
 std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> world) {
   const bool root = world->rank() == 0;
-  const fs::path out(o.out_dir);
-  const fs::path tmp = out.parent_path() / ("." + out.filename().string() + ".qtrain-export-tmp");
-  // 1. Refuse early what would fail only after reading the checkpoint.
+  // 1. The checkpoint's model, where its model.init directory is now, and whether the target
+  //    may be written: all refused before a weight is read or a file written.
   std::string err;
-  if (root) {
-    std::error_code ec;
-    if (out.filename().empty() || out.filename() == "." || out.filename() == "..")
-      err = fmt::format("export directory {}: give a directory name", o.out_dir);
-    else if (fs::exists(out, ec) && !fs::is_directory(out, ec))
-      err = fmt::format("export directory {} exists and is not a directory", o.out_dir);
-    else if (fs::is_directory(out, ec) && !dir_is_empty(out) && !o.force)
-      err = fmt::format("export directory {} exists and is not empty; pass --force to replace it",
-                        o.out_dir);
-    else if (!o.tokenizer_dir.empty() && !has_tokenizer(o.tokenizer_dir))
-      err = fmt::format("--tokenizer {}: no tokenizer.json (or vocab.json and merges.txt) there",
-                        o.tokenizer_dir);
-  }
-  agree(*world, err);
-
-  // 2. The model, then the weights (validated, checksummed) on every rank.
   CheckpointModel cm;
   try {
     cm = read_checkpoint_model(o.checkpoint);
@@ -258,11 +328,27 @@ std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> w
     err = e.what();
   }
   agree(*world, err);
-  if (cm.lora && !o.merge) return export_lora_adapters(o, cm, world);  // hf/lora_export.cpp
+  if (root) {
+    try {
+      cm.init_found = find_init_dir(cm, o.base_dir);
+      err = export_target_problem(o.out_dir, o.force, export_keep_paths(o, cm));
+      if (err.empty() && !o.tokenizer_dir.empty() && !has_tokenizer(o.tokenizer_dir))
+        err = fmt::format("--tokenizer {}: no tokenizer.json (or vocab.json and merges.txt) there",
+                          o.tokenizer_dir);
+    } catch (const UserError& e) {
+      err = e.what();
+    }
+  }
+  agree(*world, err);
+  broadcast_string(*world, cm.init_found.dir, 0);
   if (!cm.lora && o.merge)
     fail_user("--merge: checkpoint {} is not a LoRA run's (it holds the whole model); export it "
               "without --merge",
               o.checkpoint);
+  check_host_memory(*world, weights_memory_need(cm, !cm.lora || o.merge), "qtrain export");
+
+  // 2. The weights (validated, checksummed) on every rank.
+  if (cm.lora && !o.merge) return export_lora_adapters(o, cm, world);  // hf/lora_export.cpp
   ParamLayout layout(cm.cfg);
   std::vector<float> params(layout.numel());
   if (cm.lora) {
@@ -278,6 +364,7 @@ std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> w
 
   // 3. Rank 0 writes the directory under a temporary name, then renames it.
   std::string summary;
+  const fs::path tmp = export_staging_dir(o.out_dir);
   if (root) {
     try {
       std::error_code ec;
@@ -285,18 +372,23 @@ std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> w
       fs::create_directories(tmp, ec);
       if (ec) fail_user("cannot create {}: {}", tmp.string(), ec.message());
       // Where the token ids, generation config and tokenizer come from: the model.init
-      // directory the run started from (if it is still there) and --tokenizer.
-      const fs::path init = cm.init_dir;
-      const bool init_ok = !cm.init_dir.empty() && fs::is_regular_file(init / "config.json", ec);
+      // directory the run started from (where it is now) and --tokenizer.
+      const fs::path init = cm.init_found.dir;
       ConfigExtras extras = default_extras(cm.cfg);
-      if (init_ok) {
+      if (!cm.init_found.tried.empty() && init.empty())
+        std::fprintf(stderr,
+                     "qtrain export: warning: the run's model.init directory was not found (tried "
+                     "%s; --base DIR says where it is now): token ids, generation_config.json and "
+                     "tokenizer files not taken from it\n",
+                     tried_text(cm.init_found).c_str());
+      if (!init.empty()) {
         try {
           ConfigExtras from_init;
-          read_config(cm.init_dir, &from_init);
+          read_config(init.string(), &from_init);
           extras = from_init;
         } catch (const UserError& e) {
           std::fprintf(stderr, "qtrain export: warning: token ids not taken from %s: %s\n",
-                       cm.init_dir.c_str(), e.what());
+                       init.c_str(), e.what());
         }
       }
       std::string gen;
@@ -327,18 +419,7 @@ std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> w
         std::fprintf(stderr, "qtrain export: warning: no tokenizer files written (pass --tokenizer "
                              "DIR, or train with model.init = an HF directory that has them)\n");
       }
-      // Replace: an empty existing directory is replaced by rename(2) itself; a non-empty one
-      // (with --force) is moved aside first and deleted after.
-      const fs::path old = out.parent_path() / ("." + out.filename().string() + ".qtrain-export-old");
-      const bool replace = fs::is_directory(out, ec) && !dir_is_empty(out);
-      if (replace) {
-        fs::remove_all(old, ec);
-        fs::rename(out, old, ec);
-        if (ec) fail_user("cannot move {} aside: {}", o.out_dir, ec.message());
-      }
-      fs::rename(tmp, out, ec);
-      if (ec) fail_user("cannot rename {} to {}: {}", tmp.string(), o.out_dir, ec.message());
-      if (replace) fs::remove_all(old, ec);
+      install_export_dir(tmp, o.out_dir);
       summary = fmt::format(
           "exported {} (step {}{}) to {}: {} weight file{} (bf16), tokenizer files: {}",
           o.checkpoint, cm.step, cm.lora ? ", LoRA adapters merged into the base" : "", o.out_dir,
@@ -390,6 +471,8 @@ int export_main(int argc, char** argv, std::shared_ptr<MpiComm> world) {
       }
       if (key == "--tokenizer")
         o.tokenizer_dir = value;
+      else if (key == "--base")
+        o.base_dir = value;
       else if (key == "--max-shard-size")
         o.max_shard_bytes = hf::parse_size(value);
       else

@@ -20,12 +20,14 @@
 #include "qtrain/lora.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
+#include "runtime/memory.h"
 
 namespace qt {
 
 // The sub-command. argv[0] is "export"; then <checkpoint.h5> <dir> [--tokenizer DIR]
-// [--max-shard-size SIZE] [--force] [--merge] [--help], options also as --key=value. Collective over
-// `world`. Returns the exit code: 0, or 2 after a UserError (printed once by rank 0).
+// [--base DIR] [--max-shard-size SIZE] [--force] [--merge] [--help], options also as
+// --key=value. Collective over `world`. Returns the exit code: 0, or 2 after a UserError (printed
+// once by rank 0).
 int export_main(int argc, char** argv, std::shared_ptr<MpiComm> world);
 
 namespace hf {
@@ -34,6 +36,7 @@ struct ExportOptions {
   std::string checkpoint;     // a qtrain checkpoint file
   std::string out_dir;        // the model directory to write
   std::string tokenizer_dir;  // tokenizer files to copy; empty = the checkpoint's model.init
+  std::string base_dir;       // --base: where the checkpoint's model.init directory is now
   std::uint64_t max_shard_bytes = 5'000'000'000;  // like transformers' default "5GB"
   bool force = false;         // replace a non-empty out_dir
   bool merge = false;         // LoRA checkpoint: the base with the adapters merged, not adapters
@@ -51,17 +54,41 @@ std::vector<std::string> write_model_dir(const std::string& dir, const ModelConf
                                          std::uint64_t max_shard_bytes, const ConfigExtras& extras,
                                          const std::string& generation_config);
 
+// Where a checkpoint's model.init directory (a LoRA run's base, the default tokenizer) is now.
+struct InitDirSearch {
+  std::string dir;                 // the first candidate with config.json; "" = none found
+  std::vector<std::string> tried;  // every candidate passed over, "<path> (<why>)"
+};
+
 // What a checkpoint says about its model: the root attributes and the [model] keys of its deck.
 struct CheckpointModel {
   ModelConfig cfg;
   std::int64_t step = 0;
-  std::string init_dir;  // [model] init of the run's deck, "" when none
+  // [model] init of the run's deck, "" when none: absolute in the resolved deck of runs since
+  // the absolute path is stored, as given (relative to the run's working directory) before.
+  std::string init_dir;
   std::optional<LoraCheckpointInfo> lora;  // a LoRA run's checkpoint: adapters, not the model
+  InitDirSearch init_found;                // find_init_dir's answer, set by the reader's caller
 };
 
 // Serial (any one rank): the model of checkpoint `path`, without reading its tensors. UserError
-// when it is missing or not a qtrain checkpoint.
+// when it is missing, not a qtrain checkpoint, or its sizes are out of range (validate_model).
 CheckpointModel read_checkpoint_model(const std::string& path);
+
+// Serial: where the checkpoint's model.init directory is now. Candidates in order: `base`
+// (--base; UserError when it has no config.json, or the run had no model.init), the absolute
+// path stored at training time, then the path as given, relative to this working directory
+// (all that older checkpoints hold). dir "" and tried empty when the run had no model.init.
+InitDirSearch find_init_dir(const CheckpointModel& cm, const std::string& base);
+
+// "a (no such directory), b (no config.json)", for messages.
+std::string tried_text(const InitDirSearch& s);
+
+// Parameters of `cfg` (ParamLayout's count) in double, so that absurd sizes cannot wrap.
+double param_count(const ModelConfig& cfg);
+// The host memory of the checkpoint's model as fp32 weights (`model` false: without them) and a
+// LoRA checkpoint's adapters, for runtime/memory.h's checks.
+HostMemoryNeed weights_memory_need(const CheckpointModel& cm, bool model = true);
 
 // "5GB" (10^9), "500MB", "2GiB" (2^30), "1024" (bytes), ...; UserError when malformed.
 std::uint64_t parse_size(const std::string& text);

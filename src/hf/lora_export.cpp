@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "hf/export_dir.h"
 #include "hf/safetensors.h"
 #include "hf/weights.h"
 #include "model/lora.h"
@@ -40,14 +41,27 @@ void load_lora_base(const std::string& path, const CheckpointModel& cm, const Pa
     init_params(cm.cfg, layout, base.seed, params);
     return;
   }
+  const std::string& dir = cm.init_found.dir;  // the same on every rank
+  if (dir.empty())
+    fail_user("checkpoint {}: its LoRA base, {}, is not found (tried {}); pass --base DIR where "
+              "that Hugging Face directory is now (the adapters only make sense on the base they "
+              "were trained on)",
+              path, base.describe(), tried_text(cm.init_found));
   try {
-    load_params(base.init, layout, all_rows(layout, params), cm.cfg.tie_word_embeddings, world);
+    load_params(dir, layout, all_rows(layout, params), cm.cfg.tie_word_embeddings, world);
   } catch (const UserError& e) {  // thrown on every rank alike
     throw UserError(fmt::format(
-        "checkpoint {}: its LoRA base, model.init = {}, cannot be loaded (the adapters only make "
-        "sense on the base they were trained on): {}",
-        path, base.init, e.what()));
+        "checkpoint {}: its LoRA base, {}, cannot be loaded from {} (the adapters only make sense "
+        "on the base they were trained on): {}",
+        path, base.describe(), dir, e.what()));
   }
+}
+
+std::string lora_base_path(const CheckpointModel& cm) {
+  const LoraBase& b = cm.lora->base;
+  if (b.init.empty()) return "";
+  if (!cm.init_found.dir.empty()) return LoraBase::of(cm.init_found.dir, b.seed).init_abs;
+  return b.init_abs.empty() ? b.init : b.init_abs;
 }
 
 void lora_merged_params(const std::string& path, const CheckpointModel& cm,
@@ -57,7 +71,7 @@ void lora_merged_params(const std::string& path, const CheckpointModel& cm,
   lora_merge(cm.cfg, cm.lora->config, adapters.data(), layout, params);
 }
 
-nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora) {
+nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora, const std::string& base_path) {
   const LoraConfig& c = lora.config;
   nlohmann::json j;  // keys sorted, as peft's save_pretrained writes them
   std::vector<std::string> targets;
@@ -65,7 +79,7 @@ nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora) {
   j["alpha_pattern"] = nlohmann::json::object();
   j["auto_mapping"] = nullptr;
   j["base_model_name_or_path"] =
-      lora.base.init.empty() ? nlohmann::json(nullptr) : nlohmann::json(lora.base.init);
+      base_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(base_path);
   j["bias"] = "none";
   j["fan_in_fan_out"] = false;
   j["inference_mode"] = true;
@@ -95,8 +109,7 @@ std::string export_lora_adapters(const ExportOptions& o, const CheckpointModel& 
   const ParamLayout layout = lora_layout(cm.cfg, cm.lora->config);
   std::string err, summary;
   if (world->rank() == 0) {
-    const fs::path out(o.out_dir);
-    const fs::path tmp = out.parent_path() / ("." + out.filename().string() + ".qtrain-export-tmp");
+    const fs::path tmp = export_staging_dir(o.out_dir);
     try {
       std::error_code ec;
       fs::remove_all(tmp, ec);  // a stale one from an interrupted export
@@ -108,23 +121,11 @@ std::string export_lora_adapters(const ExportOptions& o, const CheckpointModel& 
       write_safetensors((tmp / "adapter_model.safetensors").string(), tensors, {{"format", "pt"}});
       {
         std::ofstream f(tmp / "adapter_config.json", std::ios::binary | std::ios::trunc);
-        f << adapter_config_json(*cm.lora).dump(2) << "\n";
+        f << adapter_config_json(*cm.lora, lora_base_path(cm)).dump(2) << "\n";
         f.close();
         if (!f) fail_user("cannot write {}", (tmp / "adapter_config.json").string());
       }
-      // Replace as export_checkpoint does: a non-empty directory (--force, checked before) is
-      // moved aside and deleted only after the rename.
-      const fs::path old =
-          out.parent_path() / ("." + out.filename().string() + ".qtrain-export-old");
-      const bool replace = fs::is_directory(out, ec) && !fs::is_empty(out, ec);
-      if (replace) {
-        fs::remove_all(old, ec);
-        fs::rename(out, old, ec);
-        if (ec) fail_user("cannot move {} aside: {}", o.out_dir, ec.message());
-      }
-      fs::rename(tmp, out, ec);
-      if (ec) fail_user("cannot rename {} to {}: {}", tmp.string(), o.out_dir, ec.message());
-      if (replace) fs::remove_all(old, ec);
+      install_export_dir(tmp, o.out_dir);
       summary = fmt::format(
           "exported {} (step {}) to {}: LoRA adapters for peft (adapter_model.safetensors, {} fp32 "
           "tensors; adapter_config.json: r {}, lora_alpha {}, targets {}); base {}",

@@ -3,7 +3,8 @@
 //                                         DIR/adapter_config.json, what peft's
 //                                         PeftModel.from_pretrained(base, DIR) loads;
 //   qtrain export ckpt.h5 DIR --merge  -> a model directory with W + scale * B A (export.h).
-// The base is the one the checkpoint names: its run's model.init directory, or the model that
+// The base is the one the checkpoint names: its run's model.init directory (where
+// find_init_dir finds it now: --base, the absolute path, the path as given), or the model that
 // init_params builds from its seed.
 #pragma once
 
@@ -23,8 +24,9 @@ namespace qt::hf {
 std::vector<float> read_lora_adapters(const std::string& path, const CheckpointModel& cm,
                                       std::shared_ptr<MpiComm> world);
 
-// Collective: the frozen base of the LoRA checkpoint into `params` (ParamLayout(cm.cfg)).
-// UserError when its model.init directory is gone or does not fit.
+// Collective: the frozen base of the LoRA checkpoint into `params` (ParamLayout(cm.cfg)): the
+// model of its seed, or the weights in cm.init_found.dir. UserError when that directory was not
+// found (naming the paths tried) or does not fit.
 void load_lora_base(const std::string& path, const CheckpointModel& cm, const ParamLayout& layout,
                     float* params, Comm& world);
 
@@ -32,8 +34,13 @@ void load_lora_base(const std::string& path, const CheckpointModel& cm, const Pa
 void lora_merged_params(const std::string& path, const CheckpointModel& cm,
                         const ParamLayout& layout, float* params, std::shared_ptr<MpiComm> world);
 
-// adapter_config.json as peft writes it for a LoraConfig with these settings.
-nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora);
+// The base as adapter_config.json names it: the absolute path of its directory (where it was
+// found, else where the run had it), "" for a base initialised from a seed.
+std::string lora_base_path(const CheckpointModel& cm);
+
+// adapter_config.json as peft writes it for a LoraConfig with these settings, base_model_name_or_path
+// `base_path` (null when "").
+nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora, const std::string& base_path);
 
 // The adapter directory (rank 0 writes it atomically, as export_checkpoint does). Returns the
 // summary line.

@@ -172,6 +172,7 @@ std::uint64_t write_metadata(hid_t file, const ParamLayout& layout, const TrainS
     write_attr_f64(file, "lora_dropout", lora->config.dropout);
     write_attr_string(file, "lora_targets", lora->config.targets);
     write_attr_string(file, "lora_base_init", lora->base.init);
+    write_attr_string(file, "lora_base_init_abs", lora->base.init_abs);
     write_attr_u64(file, "lora_base_seed", lora->base.seed);
   }
   for (const char* gname : {"params", "optim", "optim/exp_avg", "optim/exp_avg_sq"}) {
@@ -338,7 +339,7 @@ std::string check_lora(hid_t file, const std::string& path, const LoraCheckpoint
                        "lora_targets, lora_base_init, lora_base_seed) is missing",
                        path);
   }
-  have.base = {*init, *seed};
+  have.base = {*init, *seed, h5::try_read_attr_string(file, "lora_base_init_abs").value_or("")};
   const std::string differs = "checkpoint {} does not match the deck's [lora]: {} is {} in the "
                                "checkpoint but {} in the deck";
   if (have.config.r != want->config.r)

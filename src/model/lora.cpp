@@ -62,13 +62,24 @@ std::vector<int> parse_lora_targets(const std::string& list, const std::string& 
   return out;
 }
 
+LoraBase LoraBase::of(const std::string& init, std::uint64_t seed) {
+  LoraBase b{init, seed, ""};
+  if (!init.empty()) b.init_abs = normal_dir(std::filesystem::absolute(init).string());
+  return b;
+}
+
 std::string LoraBase::describe() const {
-  return init.empty() ? fmt::format("train.seed = {}", seed) : fmt::format("model.init = {}", init);
+  if (init.empty()) return fmt::format("train.seed = {}", seed);
+  if (init_abs.empty() || init_abs == normal_dir(init)) return fmt::format("model.init = {}", init);
+  return fmt::format("model.init = {} ({})", init, init_abs);
 }
 
 bool LoraBase::same_as(const LoraBase& o) const {
   if (init.empty() || o.init.empty()) return init.empty() && o.init.empty() && seed == o.seed;
-  return normal_dir(init) == normal_dir(o.init);
+  auto abs = [](const LoraBase& b) {
+    return b.init_abs.empty() ? of(b.init, b.seed).init_abs : b.init_abs;
+  };
+  return normal_dir(abs(*this)) == normal_dir(abs(o));
 }
 
 std::string lora_param_name(int layer, int target, char which) {

@@ -72,7 +72,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
   // What trains and what checkpoints hold: the model, or with [lora] its adapters alone (the
   // checkpoint then names the frozen base: model.init, or the model of train.seed).
   const ParamLayout& trained = backend->trained_layout();
-  const LoraCheckpointInfo lora_info{deck.lora, {deck.model_init, tc.seed}};
+  const LoraCheckpointInfo lora_info{deck.lora, LoraBase::of(deck.model_init, tc.seed)};
   const LoraCheckpointInfo* lora = deck.lora.enabled() ? &lora_info : nullptr;
   std::unique_ptr<DataSource> data = make_data_source(deck);
 

@@ -4,9 +4,11 @@
 // prints equals the decoding of KvDecoder + Sampler on the same weights, greedy and sampled,
 // plain and with the chat template. Also the generation-prompt form of the chat renderer.
 #include <gtest/gtest.h>
+#include <hdf5.h>
 #include <mpi.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <random>
 #include <set>
@@ -17,6 +19,7 @@
 #include "generate/kv_decoder.h"
 #include "generate/sampler.h"
 #include "hf/config.h"
+#include "io/hdf5_util.h"
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "prep/chat.h"
@@ -159,6 +162,63 @@ TEST_F(GenerateCli, FromLoraCheckpointMergesTheAdapters) {
       {(dir_ / "lora.h5").string(), "--prompt", prompt, "--tokenizer", tok_dir_, "-n", "8"});
   EXPECT_EQ(r.rc, 0) << r.err;
   EXPECT_EQ(r.out, expected_output(cfg_, merged, prompt, 0.0, 1.0, 0, 8));
+}
+
+TEST_F(GenerateCli, MaxNewTokensBeyondAnyCacheStopsAtTheModelsPositions) {
+  // A cache of 12 positions whatever --max-new-tokens says (prompt + n used to wrap around).
+  cfg_.max_position_embeddings = 12;
+  const std::string d = write_hf_dir();
+  const CliRun r = run_generate({d, "--prompt", "a", "-n", "9223372036854775807"});
+  EXPECT_EQ(r.rc, 0) << r.err;
+  EXPECT_EQ(r.out, expected_output(cfg_, params_, "a", 0.0, 1.0, 0, 12));
+  if (r.out.size() > 1) {  // no stop token drawn: the cache's end stopped it
+    EXPECT_NE(r.err.find("stopped at the model's 12 positions"), std::string::npos) << r.err;
+  }
+}
+
+// A root attribute of `path` replaced by `value` (a damaged or hand-edited checkpoint).
+template <class T>
+void set_root_attr(const fs::path& path, const char* name, T value) {
+  const hid_t f = H5Fopen(path.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+  ASSERT_GE(f, 0) << path;
+  ASSERT_GE(H5Adelete(f, name), 0) << name;
+  if constexpr (std::is_floating_point_v<T>)
+    h5::write_attr_f64(f, name, value);
+  else
+    h5::write_attr_i64(f, name, value);
+  H5Fclose(f);
+}
+
+TEST_F(GenerateCli, CorruptCheckpointAttributesAreRefusedWithExit2) {
+  struct Case {
+    const char* attr;
+    double value;
+    const char* says;  // in the error message
+  };
+  const Case cases[] = {
+      {"num_kv_heads", 0, "num_kv_heads = 0 is out of range"},
+      {"hidden_size", 2147483648.0, "hidden_size = 2147483648 is out of range"},
+      {"vocab_size", -5, "vocab_size = -5 is out of range"},
+      {"num_heads", 3, "num_attention_heads 3 is not a multiple of num_key_value_heads 2"},
+      {"head_dim", 15, "head_dim is 15"},
+      {"num_layers", 2000000000, "needs about"},
+      {"rms_norm_eps", std::nan(""), "rms_norm_eps is nan"},
+      {"rope_theta", -1, "rope_theta is -1"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.attr);
+    const fs::path ckpt_dir = dir_ / (std::string("bad_") + c.attr);
+    test::write_model_checkpoint(ckpt_dir, cfg_, params_, 5);
+    const fs::path ckpt = checkpoint_path(ckpt_dir.string(), 5);
+    if (std::string(c.attr) == "rms_norm_eps" || std::string(c.attr) == "rope_theta")
+      set_root_attr(ckpt, c.attr, c.value);
+    else
+      set_root_attr(ckpt, c.attr, static_cast<std::int64_t>(c.value));
+    const CliRun r = run_generate({ckpt.string(), "--prompt", "a", "--tokenizer", tok_dir_});
+    EXPECT_EQ(r.rc, 2) << r.err;
+    EXPECT_EQ(r.out, "");
+    EXPECT_NE(r.err.find(c.says), std::string::npos) << r.err;
+  }
 }
 
 TEST(ChatGenerationPrompt, AsTheTemplateRendersIt) {

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -27,21 +26,29 @@ namespace fs = std::filesystem;
 
 // QTRAIN_FIXTURE_DIR, else the source tree this was built from, else the working directory's
 // tests/reference/fixtures (the GPU machine runs from a copy of the repository root).
-std::string fixture_dir() {
-  if (const char* env = std::getenv("QTRAIN_FIXTURE_DIR")) return env;
-  if (fs::is_directory(QT_FIXTURE_DIR)) return QT_FIXTURE_DIR;
-  return "tests/reference/fixtures";
+const test::FixtureSearch& fixtures() {
+  static const test::FixtureSearch s = test::find_fixtures(QT_FIXTURE_DIR);
+  return s;
 }
 
+// The fixtures with the head sizes of the CUDA attention (64 and 128).
 std::vector<std::string> cuda_fixtures() {
   std::vector<std::string> out;
-  if (!fs::is_directory(fixture_dir())) return out;
-  for (const std::string& f : test::fixture_files(fixture_dir())) {
+  for (const std::string& f : fixtures().files) {
     test::Fixture fx(f);
     const int hd = fx.config().head_dim;
-    if (hd == 64 || hd == 128) out.push_back(f);  // the head sizes of the CUDA attention
+    if (hd == 64 || hd == 128) out.push_back(f);
   }
   return out;
+}
+
+// A program that finds no fixture checks nothing: that is a failure naming where it looked. It
+// needs no GPU.
+TEST(TransformersFixtureCudaFiles, AreFound) {
+  ASSERT_FALSE(fixtures().files.empty()) << fixtures().missing();
+  EXPECT_FALSE(cuda_fixtures().empty())
+      << "no fixture with head_dim 64 or 128 among " << fixtures().files.size() << " in "
+      << fs::path(fixtures().files.front()).parent_path().string();
 }
 
 class TransformersFixtureCuda : public ::testing::TestWithParam<std::string> {};
@@ -124,7 +131,7 @@ TEST_P(TransformersFixtureCuda, LossAndGradientsMatch) {
 
 INSTANTIATE_TEST_SUITE_P(Golden, TransformersFixtureCuda, ::testing::ValuesIn(cuda_fixtures()),
                          [](const auto& info) { return fs::path(info.param).stem().string(); });
-GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(TransformersFixtureCuda);
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(TransformersFixtureCuda);  // AreFound fails instead
 
 }  // namespace
 }  // namespace qt

@@ -137,8 +137,8 @@ TEST(HfConfig, RoundTripsThroughConfigJson) {
 
 TEST(HfConfigErrors, OtherModelsAndFeatures) {
   const std::string base = kQwen3_06B;
-  auto with = [&](const std::string& from, const std::string& to) {
-    std::string s = base;
+  auto with = [&](const std::string& from, const std::string& to, std::string s = "") {
+    if (s.empty()) s = base;
     const auto at = s.find(from);
     EXPECT_NE(at, std::string::npos) << from;
     return s.replace(at, from.size(), to);
@@ -160,6 +160,13 @@ TEST(HfConfigErrors, OtherModelsAndFeatures) {
   bad(with(R"("vocab_size": 151936)", R"("quantization_config": {})"), {"quantization_config"});
   bad(with(R"("num_key_value_heads": 8)", R"("num_key_value_heads": 3)"), {"not a multiple"});
   bad(with(R"("tie_word_embeddings": true)", R"("tie_word_embeddings": 1)"), {"tie_word_embeddings"});
+  // Absurd sizes whose products would overflow the engine's ints; parities RoPE needs.
+  bad(with(R"("head_dim": 128)", R"("head_dim": 4096)",
+           with(R"("num_attention_heads": 16)", R"("num_attention_heads": 1048576)")),
+      {"num_attention_heads x head_dim = 1048576 x 4096 = 4294967296 is beyond 2147483647"});
+  bad(with(R"("head_dim": 128)", R"("head_dim": 127)"), {"head_dim is 127", "even"});
+  bad(with(R"("hidden_size": 1024)", R"("hidden_size": 2147483648)"),
+      {"hidden_size", "positive integer"});
   bad(base.substr(0, 40), {"m/config.json", "not valid JSON"});
   std::string no_vocab = with(R"("vocab_size": 151936)", R"("other": 1)");
   bad(no_vocab, {"\"vocab_size\" is missing"});
@@ -224,12 +231,12 @@ TEST_F(HfDeck, MissingDirectoryOrAnotherModel) {
   std::ofstream(model_ + "/config.json") << R"({"model_type": "llama", "vocab_size": 10})";
   expect_user_error([&] { parse("[model]\ninit = " + model_ + "\n"); },
                     {"deck.ini:2:", "model.init", "model_type is \"llama\""});
-  // config.json values go through the deck's own validation.
+  // Sizes the engine cannot hold are refused as config.json's (hf::validate_model).
   std::ofstream(model_ + "/config.json") << R"({"model_type": "qwen3", "vocab_size": 10,
       "hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
       "num_attention_heads": 2, "head_dim": 3})";
   expect_user_error([&] { parse("[model]\ninit = " + model_ + "\n"); },
-                    {"model.head_dim = 3", "config.json", "even"});
+                    {"deck.ini:2:", "model.init", "config.json: head_dim is 3", "even"});
 }
 
 }  // namespace

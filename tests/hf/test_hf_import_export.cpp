@@ -3,9 +3,11 @@
 // trains exactly like one resumed from the same (rounded) weights, and every bad tensor is a
 // UserError naming it on every rank.
 #include <gtest/gtest.h>
+#include <hdf5.h>
 #include <mpi.h>
 
 #include <bit>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +20,7 @@
 #include "hf/export.h"
 #include "hf/safetensors.h"
 #include "hf/weights.h"
+#include "io/hdf5_util.h"
 #include "model/qwen3.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/deck.h"
@@ -391,6 +394,104 @@ TEST_F(HfImportErrors, DirectoriesAndIndexes) {
   expect_error_everywhere([&] { load(d); }, {"\"x\"", "two files"});
 }
 
+// A checkpoint of the tiny preset with random weights at `path` (its directory created).
+void write_tiny_checkpoint(const std::string& path, std::shared_ptr<MpiComm> world) {
+  const Deck deck = parse_deck_text("[model]\npreset = tiny\n[train]\nseq_len = 16\n", "deck.ini",
+                                    {}, world->size());
+  const ParamLayout layout(deck.model);
+  if (world_rank() == 0) fs::create_directories(fs::path(path).parent_path());
+  barrier();
+  write_checkpoint(path, deck, layout, random_params(layout, shared_seed()), world);
+}
+
+// What --force must never replace (issue 15, case 3): every target below is refused on every
+// rank before anything is written, and what it holds survives.
+TEST(HfExport, ForceNeverReplacesCheckpointsOrUserDirectories) {
+  auto world = world_comm();
+  const std::string dir = shared_temp_dir("hf-force");
+  const std::string ck_dir = dir + "/ck", ckpt = ck_dir + "/step_00000007.h5";
+  write_tiny_checkpoint(ckpt, world);
+  const std::string tok = dir + "/tok", work = dir + "/work", home = dir + "/home";
+  if (world_rank() == 0) {
+    for (const std::string& d : {tok, work, home, dir + "/other", dir + "/data", dir + "/renamed"})
+      fs::create_directories(d);
+    std::ofstream(tok + "/tokenizer.json") << "{}";
+    std::ofstream(tok + "/notes.txt") << "mine";
+    std::ofstream(work + "/notes.txt") << "mine";
+    std::ofstream(home + "/notes.txt") << "mine";
+    fs::copy_file(ckpt, dir + "/other/step_00000003.h5");  // another run's checkpoint
+    fs::copy_file(ckpt, dir + "/renamed/final.h5");        // a checkpoint by another name
+    std::ofstream(dir + "/data/tokens.bin") << "x";
+  }
+  barrier();
+  // An HDF5 token file (not a checkpoint): nothing an export writes either.
+  if (world_rank() == 0) {
+    hid_t f = H5Fcreate((dir + "/data/tokens.h5").c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+    H5Fclose(f);
+  }
+  barrier();
+  const std::string cwd = fs::current_path().string();
+  const char* old_home = std::getenv("HOME");
+  const std::string saved_home = old_home ? old_home : "";
+  fs::current_path(work);
+  setenv("HOME", home.c_str(), 1);
+  struct Case {
+    std::string out;
+    std::string tokenizer;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {ck_dir, "", {"export directory " + ck_dir + " contains " + ckpt}},
+      {dir, "", {"contains " + ckpt}},
+      {ckpt, "", {"is " + ckpt}},
+      {tok, tok, {"export directory " + tok + " is " + tok}},
+      {dir + "/other", "", {"holds " + dir + "/other/step_00000003.h5 (a qtrain checkpoint)"}},
+      {dir + "/renamed", "", {"holds " + dir + "/renamed/final.h5 (an HDF5 file"}},
+      {dir + "/data", "", {"holds " + dir + "/data/tokens.h5 (an HDF5 file"}},
+      {work, "", {"is " + work + " (the working directory)"}},
+      {home, "", {"is " + home + " (the home directory)"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.out);
+    ExportOptions o;
+    o.checkpoint = ckpt;
+    o.out_dir = c.out;
+    o.tokenizer_dir = c.tokenizer;
+    o.force = true;
+    expect_error_everywhere([&] { export_checkpoint(o, world); }, c.says);
+  }
+  fs::current_path(cwd);
+  setenv("HOME", saved_home.c_str(), 1);
+  for (const std::string& f : {ckpt, dir + "/other/step_00000003.h5", dir + "/renamed/final.h5",
+                               dir + "/data/tokens.h5", tok + "/notes.txt", work + "/notes.txt",
+                               home + "/notes.txt"})
+    EXPECT_TRUE(fs::exists(f)) << f;
+  barrier();
+  if (world_rank() == 0) fs::remove_all(dir);
+}
+
+TEST(HfExport, ModelTooLargeForTheMachineIsRefusedBeforeAllocating) {
+  auto world = world_comm();
+  const std::string dir = shared_temp_dir("hf-huge");
+  const std::string ckpt = dir + "/step_00000001.h5";
+  write_tiny_checkpoint(ckpt, world);
+  if (world_rank() == 0) {  // a damaged or hand-edited size: 2e9 layers
+    hid_t f = H5Fopen(ckpt.c_str(), H5F_ACC_RDWR, H5P_DEFAULT);
+    ASSERT_GE(H5Adelete(f, "num_layers"), 0);
+    h5::write_attr_i64(f, "num_layers", 2'000'000'000);
+    H5Fclose(f);
+  }
+  barrier();
+  ExportOptions o;
+  o.checkpoint = ckpt;
+  o.out_dir = dir + "/hf";
+  expect_error_everywhere([&] { export_checkpoint(o, world); },
+                          {"qtrain export needs about", "of host memory", "fp32 weights of 9.86e+13 parameters"});
+  EXPECT_FALSE(fs::exists(o.out_dir));
+  barrier();
+  if (world_rank() == 0) fs::remove_all(dir);
+}
+
 TEST(HfExportCli, ArgumentsAndExitCodes) {
   auto world = world_comm();
   auto run = [&](std::vector<std::string> args) {
@@ -402,7 +503,10 @@ TEST(HfExportCli, ArgumentsAndExitCodes) {
   EXPECT_EQ(run({"export", "only-one"}), 2);
   EXPECT_EQ(run({"export", "a.h5", "out", "--bogus=1"}), 2);
   EXPECT_EQ(run({"export", "a.h5", "out", "--max-shard-size", "5XB"}), 2);
-  EXPECT_EQ(run({"export", "no/such/checkpoint.h5", shared_temp_dir("hf-cli") + "/out"}), 2);
+  const std::string dir = shared_temp_dir("hf-cli");
+  EXPECT_EQ(run({"export", "no/such/checkpoint.h5", dir + "/out"}), 2);
+  barrier();
+  if (world_rank() == 0) fs::remove_all(dir);  // nothing may be left in it
   EXPECT_EQ(parse_size("5GB"), 5'000'000'000u);
   EXPECT_EQ(parse_size("2GiB"), 2147483648u);
   EXPECT_EQ(parse_size("500 mb"), 500'000'000u);

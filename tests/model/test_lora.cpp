@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <random>
 
@@ -414,6 +415,29 @@ TEST(LoraTargets, ParseAndRefuse) {
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("unknown target mlp"), std::string::npos) << e.what();
   }
+}
+
+TEST(LoraBase, SameDirectoryFromAnyWorkingDirectory) {
+  namespace fs = std::filesystem;
+  const fs::path cwd = fs::current_path();
+  const LoraBase given = LoraBase::of("models/base/", 7);  // as a run in `cwd` stores it
+  EXPECT_EQ(given.init, "models/base/");
+  EXPECT_EQ(given.init_abs, (cwd / "models/base").string());
+  EXPECT_EQ(given.describe(), "model.init = models/base/ (" + given.init_abs + ")");
+  // The same directory written another way, or relative to another working directory.
+  EXPECT_TRUE(given.same_as(LoraBase::of("./models//base", 1)));
+  LoraBase elsewhere{"../base", 7, (cwd / "models/x/../base").string()};
+  EXPECT_TRUE(given.same_as(elsewhere));
+  EXPECT_FALSE(given.same_as(LoraBase::of("models/base2", 7)));
+  // A checkpoint without init_abs (written before it was stored): its init is resolved here.
+  EXPECT_TRUE(given.same_as(LoraBase{"models/base", 7, ""}));
+  EXPECT_FALSE(given.same_as(LoraBase{"base", 7, ""}));
+  // Seeds: equal only to the same seed, never to a directory.
+  EXPECT_TRUE(LoraBase::of("", 3).same_as(LoraBase{"", 3, ""}));
+  EXPECT_FALSE(LoraBase::of("", 3).same_as(LoraBase::of("", 4)));
+  EXPECT_FALSE(LoraBase::of("", 3).same_as(given));
+  EXPECT_EQ(LoraBase::of("", 3).describe(), "train.seed = 3");
+  EXPECT_EQ(LoraBase::of("/abs/base", 0).describe(), "model.init = /abs/base");
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -100,13 +101,49 @@ struct Fixture {
   }
 };
 
-// The committed fixture files, sorted.
+// The fixture files (*.h5) of `dir`, sorted; none when it is missing.
 inline std::vector<std::string> fixture_files(const std::string& dir) {
   std::vector<std::string> out;
-  for (const auto& e : std::filesystem::directory_iterator(dir))
-    if (e.path().extension() == ".h5") out.push_back(e.path().string());
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator(dir, ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec))
+    if (it->path().extension() == ".h5") out.push_back(it->path().string());
   std::sort(out.begin(), out.end());
   return out;
+}
+
+// Where the fixture tests find the fixtures: $QTRAIN_FIXTURE_DIR alone when it is set, else
+// `compiled_in` (the source tree's absolute tests/reference/fixtures), else
+// tests/reference/fixtures below the working directory (a copy of the repository root, as on
+// the GPU machine). Finding none is a failure of the test program (FixtureSearch::missing), never
+// a pass with nothing checked.
+struct FixtureSearch {
+  std::vector<std::string> files;     // of the first directory with any; empty when none has
+  std::vector<std::string> searched;  // the directories looked in, absolute, in order
+  // The failure message when files is empty.
+  std::string missing() const {
+    std::string dirs;
+    for (const std::string& d : searched) dirs += (dirs.empty() ? "" : ", ") + d;
+    return "no golden fixture (*.h5) found: searched " + dirs +
+           "; set QTRAIN_FIXTURE_DIR to the repository's tests/reference/fixtures";
+  }
+};
+
+inline FixtureSearch find_fixtures(const std::string& compiled_in) {
+  namespace fs = std::filesystem;
+  std::vector<std::string> dirs;
+  if (const char* env = std::getenv("QTRAIN_FIXTURE_DIR"))
+    dirs = {env};
+  else
+    dirs = {compiled_in, "tests/reference/fixtures"};
+  FixtureSearch s;
+  for (const std::string& d : dirs) {
+    std::error_code ec;
+    s.searched.push_back(fs::absolute(d, ec).lexically_normal().string());
+    s.files = fixture_files(d);
+    if (!s.files.empty()) break;
+  }
+  return s;
 }
 
 }  // namespace qt::test

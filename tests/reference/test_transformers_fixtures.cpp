@@ -62,9 +62,19 @@ TEST_P(TransformersFixture, LogitsLossAndGradientsMatch) {
               loss, ref_loss[0], logits_err, worst);
 }
 
-INSTANTIATE_TEST_SUITE_P(Golden, TransformersFixture,
-                         ::testing::ValuesIn(test::fixture_files(QT_FIXTURE_DIR)),
+const test::FixtureSearch& fixtures() {
+  static const test::FixtureSearch s = test::find_fixtures(QT_FIXTURE_DIR);
+  return s;
+}
+
+// A program that finds no fixture checks nothing: that is a failure naming where it looked.
+TEST(TransformersFixtureFiles, AreFound) {
+  ASSERT_FALSE(fixtures().files.empty()) << fixtures().missing();
+}
+
+INSTANTIATE_TEST_SUITE_P(Golden, TransformersFixture, ::testing::ValuesIn(fixtures().files),
                          [](const auto& info) { return fs::path(info.param).stem().string(); });
+GTEST_ALLOW_UNINSTANTIATED_PARAMETERIZED_TEST(TransformersFixture);  // AreFound fails instead
 
 }  // namespace
 }  // namespace qt
