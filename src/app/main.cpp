@@ -4,12 +4,15 @@
 //         `qtrain generate <checkpoint.h5 | HF dir> --prompt TEXT [options]`  (docs/generate.md)
 #include <mpi.h>
 
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <filesystem>
 #include <memory>
 #include <new>
+#include <thread>
 
 #include "generate/generate.h"
 #include "hf/export.h"
@@ -51,18 +54,19 @@ bool looks_like_subcommand(int argc, char** argv) {
   return !std::filesystem::exists(argv[1], ec);
 }
 
-// The last resort around a subcommand. A UserError is thrown by every rank alike: rank 0 prints
-// it and every rank returns 2 (the subcommands catch their own, with their own prefix). Any other
-// exception was seen by this rank alone while the others may wait in a collective: it is
-// reported with rank and host, and MPI_Abort ends the whole job with code 2 instead of a hang.
+// The last resort around a subcommand. A UserError is thrown by every rank alike (agree()): its
+// message is kept in `error` for end_together() and the rank returns 2 (the subcommands catch
+// their own, print them with their own prefix and return 2). Any other exception was seen by this
+// rank alone while the others may wait in a collective: it is reported with rank and host, and
+// MPI_Abort ends the whole job with code 2 instead of a hang.
 template <class F>
-int guarded(bool root, F&& f) {
+int guarded(std::string& error, F&& f) {
   const char* what = nullptr;
   std::string text;
   try {
     return f();
   } catch (const qt::UserError& e) {
-    if (root) std::fprintf(stderr, "qtrain: error: %s\n", e.what());
+    error = e.what();
     return qt::kExitBadInput;
   } catch (const std::bad_alloc& e) {
     what = "out of memory";
@@ -78,6 +82,45 @@ int guarded(bool root, F&& f) {
   return qt::kExitBadInput;  // not reached
 }
 
+// Seconds a failed rank waits for the others to fail too (QTRAIN_FAILURE_GRACE_S, default 30).
+double failure_grace_s() {
+  const char* env = std::getenv("QTRAIN_FAILURE_GRACE_S");
+  const double s = env ? std::atof(env) : 0.0;
+  return s > 0 ? s : 30.0;
+}
+
+// A rank that stops with an error checks that every rank stops with it: they meet in a barrier
+// on `meet`, a communicator of its own, so that it cannot match a collective the others wait in.
+// When they all arrive (errors are agreed on, so they do), rank 0 prints `error`. When they do
+// not within the grace time, a rank failed alone and the others wait for it for ever: this rank
+// prints its error with its rank and host, and MPI_Abort ends the job with code `rc`.
+void end_together(MPI_Comm meet, int rc, const std::string& error) {
+  int size = 1, rank = 0;
+  MPI_Comm_size(meet, &size);
+  MPI_Comm_rank(meet, &rank);
+  MPI_Request req = MPI_REQUEST_NULL;
+  int done = size == 1;
+  if (!done) MPI_Ibarrier(meet, &req);
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto grace = std::chrono::duration<double>(failure_grace_s());
+  while (!done && std::chrono::steady_clock::now() - t0 < grace) {
+    MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (done) {
+    if (rank == 0 && !error.empty()) std::fprintf(stderr, "qtrain: error: %s\n", error.c_str());
+    return;
+  }
+  std::fprintf(stderr,
+               "qtrain: error on rank %d (%s): %s; the other ranks did not stop within %g s, so "
+               "the job is aborted\n",
+               rank, qt::host_name().c_str(),
+               error.empty() ? "this rank stopped with an error" : error.c_str(),
+               failure_grace_s());
+  std::fflush(stderr);
+  MPI_Abort(MPI_COMM_WORLD, rc);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -85,9 +128,12 @@ int main(int argc, char** argv) {
   int rc = 0;
   {
     auto world = std::make_shared<qt::MpiComm>(MPI_COMM_WORLD, "world", false);
+    MPI_Comm meet;  // for end_together() only
+    MPI_Comm_dup(MPI_COMM_WORLD, &meet);
     const bool root = world->rank() == 0;
     const std::string sub = argc >= 2 ? argv[1] : "";
-    rc = guarded(root, [&]() -> int {
+    std::string error;
+    rc = guarded(error, [&]() -> int {
       if (sub == "export") return qt::export_main(argc - 1, argv + 1, world);
       if (sub == "prep") return qt::prep_main(argc - 1, argv + 1, *world);
       if (sub == "generate") return qt::generate_main(argc - 1, argv + 1, world);
@@ -108,6 +154,8 @@ int main(int argc, char** argv) {
       qt::Mesh mesh(deck.mesh, world);
       return qt::run_training(deck, mesh);
     });
+    if (rc != 0) end_together(meet, rc, error);
+    MPI_Comm_free(&meet);
   }
   MPI_Finalize();
   return rc;
