@@ -9,9 +9,11 @@
 //   tokens_consumed, seed, rng_counter, deck (resolved INI text), model config fields.
 // A LoRA run's checkpoint holds the adapters instead of the model (/params/<PEFT name>, their
 // moments under /optim) and names its frozen base in root attributes lora_r, lora_alpha,
-// lora_dropout, lora_targets, lora_base_init and lora_base_seed.
+// lora_dropout, lora_targets, lora_base_init (as given), lora_base_init_abs (absolute) and
+// lora_base_seed.
 //
-// Written under "<name>.tmp" and renamed when complete and closed. The checksum of a tensor is
+// Written under "<name>.tmp" (the metadata built in memory, the values with MPI-IO:
+// io/parallel_file.h) and renamed when complete. The checksum of a tensor is
 // sum over its elements of mix(flat index, bit pattern) mod 2^64: additive over any partition of
 // the elements, so each rank sums its own part and one all-reduce gives the total.
 #pragma once
