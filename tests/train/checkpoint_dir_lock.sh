@@ -5,6 +5,7 @@
 # usage: checkpoint_dir_lock.sh <mpiexec> <qtrain> <deck>
 set -euo pipefail
 mpiexec=$1 qtrain=$2 deck=$3
+# shellcheck source=tests/train/run_lib.sh
 . "$(dirname "$0")/run_lib.sh"
 work=$(mktemp -d)
 pid=
@@ -22,7 +23,7 @@ echo "lock: $holder"
 rc=0
 timeout 50 "$mpiexec" -n 2 --oversubscribe "$qtrain" "$deck" --log.metrics="$work/b.jsonl" \
   "${common[@]}" >"$work/b.out" 2>&1 || rc=$?
-cat "$work/b.out" | grep -v '^[a-z_]* = \|^\[\|^$\|^#' | tail -4
+grep -v '^[a-z_]* = \|^\[\|^$\|^#' "$work/b.out" | tail -4
 [[ $rc -eq 2 ]] || fail "second run: exit code $rc, expected 2"
 n=$(count_lines "^qtrain: error: checkpoint.dir = .* is in use by another qtrain run \(host .*, pid [0-9]+, started " "$work/b.out")
 [[ $n -eq 1 ]] || fail "second run: $n lines name the holder, expected 1"
@@ -30,6 +31,7 @@ n=$(count_lines "^qtrain: error: checkpoint.dir = .* is in use by another qtrain
 kill -0 $pid || fail "the first run died"
 
 # 2. SIGKILL every rank of the first run: its lock file stays, but nobody holds it.
+# shellcheck disable=SC2046  # one pid per word
 kill -9 $(ranks_of $pid)
 wait $pid || true
 pid=

@@ -5,6 +5,7 @@
 # usage: checkpoint_disk_full.sh <mpiexec> <qtrain> <deck>
 set -euo pipefail
 mpiexec=$1 qtrain=$2 deck=$3
+# shellcheck source=tests/train/run_lib.sh
 . "$(dirname "$0")/run_lib.sh"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
@@ -26,7 +27,7 @@ grep -v '^[a-z_]* = \|^\[\|^$\|^#' "$work/b.out" | tail -5
 n=$(count_lines "^qtrain: error: cannot write checkpoint .*/step_00000003\.h5: .*File too large.*The partial file was removed; the earlier checkpoints are kept" "$work/b.out")
 [[ $n -eq 1 ]] || fail "$n lines report the failed write, expected 1"
 [[ $(count_lines "internal error|HDF5-DIAG" "$work/b.out") -eq 0 ]] || fail "internal error or HDF5 stack printed"
-ls "$work/ckpt" | grep -q '\.tmp$' && fail "a partial .tmp file was left"
+for f in "$work/ckpt"/*.tmp; do [[ -e "$f" ]] && fail "a partial .tmp file was left: $f"; done
 [[ ! -e "$work/ckpt/step_00000003.h5" ]] || fail "a step 3 checkpoint exists"
 after=$(cd "$work/ckpt" && md5sum step_*.h5)
 [[ "$before" == "$after" ]] || fail "the earlier checkpoints changed: $after"

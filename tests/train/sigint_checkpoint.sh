@@ -4,6 +4,7 @@
 # usage: sigint_checkpoint.sh <mpiexec> <qtrain> <deck>
 set -euo pipefail
 mpiexec=$1 qtrain=$2 deck=$3
+# shellcheck source=tests/train/run_lib.sh
 . "$(dirname "$0")/run_lib.sh"
 work=$(mktemp -d)
 pid=
@@ -15,6 +16,7 @@ common=(--checkpoint.every=0 --log.every=1 --train.steps=100000 --optim.warmup_s
   --log.metrics="$work/a.jsonl" "${common[@]}" >"$work/a.out" 2>&1 &
 pid=$!
 wait_lines "$work/a.jsonl" 3
+# shellcheck disable=SC2046  # one pid per word
 kill -INT $(ranks_of $pid)
 rc=0; wait $pid || rc=$?; pid=
 tail -3 "$work/a.out"
