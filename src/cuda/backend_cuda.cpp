@@ -195,8 +195,8 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
     if (deck.lora.enabled()) return make_cuda_lora_backend(deck, mesh);
     return std::make_unique<CudaBackend>(deck, mesh);
   } catch (const cuda::OutOfMemory& e) {
-    fail_user("the run does not fit the GPU: {}; make it smaller: train.micro_batch, "
-              "train.seq_len, train.recompute = true, optim.zero_stage = 1 with more ranks, "
+    fail_user("the run does not fit the GPU ({}): make it smaller with train.micro_batch, "
+              "train.seq_len, train.recompute = true, optim.zero_stage = 1 over more GPUs, "
               "[lora], or a smaller model",
               e.what());
   }

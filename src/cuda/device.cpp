@@ -107,7 +107,7 @@ void* DeviceArena::allocate(std::size_t bytes) {
   if (bytes > available() || round_up(bytes, kAlignment) > available()) {
     throw OutOfMemory(fmt::format(
         "device arena '{}' is out of memory: asked for {} ({} bytes) with {} of {} in use "
-        "({} free, peak {}); raise the arena size",
+        "({} free, peak {})",
         name_, format_bytes(bytes), bytes, format_bytes(used_), format_bytes(capacity()),
         format_bytes(available()), format_bytes(peak_)));
   }
