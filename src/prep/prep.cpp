@@ -51,7 +51,9 @@ struct Options {
 };
 
 po::options_description option_table(Options& o) {
-  po::options_description d("qtrain prep [options] FILE.jsonl...");
+  po::options_description d(
+      "usage: qtrain prep --tokenizer DIR --output FILE.h5 [options] FILE... (JSONL, or plain text "
+      "with --format plain)");
   d.add_options()("help,h", po::bool_switch(&o.help), "print this help")(
       "tokenizer,t", po::value(&o.tokenizer),
       "tokenizer directory (tokenizer.json [+ tokenizer_config.json]) or tokenizer.json")(
