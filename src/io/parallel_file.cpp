@@ -70,7 +70,9 @@ std::string try_image(std::size_t reserve, const std::function<std::uint64_t(hid
   // The image grows only where something was written: the values are not, so metadata placed
   // after a dataset (an outgrown block) makes it end beyond the step that holds `first`. The
   // block, and the heap of string attributes behind it, end at or before `first`.
-  if (capture.kept.empty() || capture.kept.size() > (first + kStep - 1) / kStep * kStep) return "";
+  const std::uint64_t limit =
+      first == UINT64_MAX ? first : (first + kStep - 1) / kStep * kStep;  // no dataset: no limit
+  if (capture.kept.empty() || capture.kept.size() > limit) return "";
   capture.kept.resize(std::min<std::uint64_t>(capture.kept.size(), first));
   return std::move(capture.kept);
 }
@@ -188,14 +190,15 @@ WriteResult write_pieces(const std::string& path, const std::vector<Piece>& piec
     if (close_rc != MPI_SUCCESS && mine.empty())
       mine = fmt::format("closing {} failed: {}", path, mpi_error_text(close_rc));
   }
-  std::int64_t os = mine.empty() ? 0 : mine_os;
-  world.all_reduce(&os, 1, DType::kI64, ReduceOp::kMax);
-  try {
-    agree(world, mine);
-  } catch (const UserError& e) {
-    res.error = e.what();
-    res.os_error = static_cast<int>(os);
-  }
+  // The message and the OS error of the lowest failing rank, on every rank.
+  std::int64_t first = mine.empty() ? world.size() : world.rank();
+  world.all_reduce(&first, 1, DType::kI64, ReduceOp::kMin);
+  if (first == world.size()) return res;
+  std::int64_t os = mine_os;
+  world.broadcast(&os, 1, DType::kI64, static_cast<int>(first));
+  broadcast_string(world, mine, static_cast<int>(first));
+  res.error = mine;
+  res.os_error = static_cast<int>(os);
   return res;
 }
 

@@ -30,7 +30,7 @@ std::uint64_t dataset_offset(hid_t dataset);
 // The metadata of a file, built in memory on one rank: `populate` creates groups, attributes and
 // datasets (early_contiguous_dcpl) in the in-memory file it is given and returns the smallest
 // byte offset of a dataset's values (UINT64_MAX when it made none). The datasets are allocated in
-// the order created, without gaps, behind a block kept for the metadata; string attributes must
+// the order created, behind a block kept for the metadata; string attributes must
 // be written before the first dataset (their heap is allocated like data). Returns the bytes of
 // the file before the first dataset's values: its metadata. The block grows until it holds all
 // the metadata (populate may run more than once).

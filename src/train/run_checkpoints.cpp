@@ -114,19 +114,18 @@ std::string RunCheckpoints::save(const ParamLayout& layout, const float* params,
   const std::string path = checkpoint_path(deck_.checkpoint.dir, state.step);
   move_aside_foreign(path);
   checkpoint_write(path, mesh_, layout, params, moments, state, model, deck_text, lora);
-  written_.push_back(path);
   prunable_.push_back(path);
   newest_ = path;
   prune();
   return path;
 }
 
-// A file where this run's next checkpoint goes that the run did not write is one that resume
-// skipped as unreadable: rank 0 renames it to "<name>.unreadable[.N]" instead of overwriting it.
+// A run writes each step once, after the step it resumed from, and resume refused every valid
+// checkpoint in that range: a file where its next checkpoint goes is one that resume skipped as
+// unreadable. Rank 0 renames it to "<name>.unreadable[.N]" instead of overwriting it.
 void RunCheckpoints::move_aside_foreign(const std::string& path) {
   std::string err;
-  if (mesh_.world_rank() == 0 &&
-      std::find(written_.begin(), written_.end(), path) == written_.end()) {
+  if (mesh_.world_rank() == 0) {
     std::error_code ec;
     if (fs::exists(path, ec)) {
       std::string aside = path + ".unreadable";

@@ -52,7 +52,6 @@ class RunCheckpoints {
   bool saving_;
   std::unique_ptr<DirLock> lock_;          // held while saving_
   std::vector<std::string> prunable_;      // files this run may delete (rank 0's view)
-  std::vector<std::string> written_;       // files this run wrote
   std::string newest_;
 };
 
