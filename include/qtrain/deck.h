@@ -35,7 +35,13 @@ struct OptimConfig {
   double eps = 1e-8;
   double weight_decay = 0.1;
   double grad_clip = 1.0;   // max global gradient L2 norm; 0 disables clipping
-  int zero_stage = 0;       // 0: replicated optimizer state; 1: sharded over dp
+  // ZeRO over dp: 0 everything replicated; 1 AdamW moments (and master weights) sharded;
+  // 2 also the gradients (reduce-scattered per unit during the backward); 3 also the parameters
+  // (each unit all-gathered before use, freed after).
+  int zero_stage = 0;
+  // Where the rank's master weights and AdamW moments live: "none" (the back end's memory) or
+  // "cpu" (host memory, AdamW on the host; on the cpu back end the state is there already).
+  std::string offload = "none";
   // Data-parallel gradient reduction (cuda back end): the dtype on the wire ("fp32" | "bf16";
   // gradients are accumulated and stored in fp32 either way) and the bucket size.
   std::string grad_reduce = "fp32";

@@ -149,7 +149,10 @@ const std::vector<KeySpec>& key_table() {
         spec("optim", "grad_clip", &D::optim, &O::grad_clip, "",
              "Clip the global gradient L2 norm to this; 0 disables clipping"),
         spec("optim", "zero_stage", &D::optim, &O::zero_stage, "",
-             "0: optimizer state replicated; 1: sharded over dp (ZeRO-1)"),
+             "ZeRO over dp: 0 replicated; 1 optimizer state sharded; 2 + gradients; 3 + "
+             "parameters (gathered per layer)"),
+        spec("optim", "offload", &D::optim, &O::offload, "",
+             "Master weights and AdamW moments in host memory, AdamW on the host: none | cpu"),
         spec("optim", "grad_reduce", &D::optim, &O::grad_reduce, "",
              "dtype of the dp gradient reduction: fp32 | bf16 (bf16: cuda only, half the traffic)"),
         spec("optim", "reduce_bucket_mb", &D::optim, &O::reduce_bucket_mb, "MiB",
@@ -491,7 +494,19 @@ void Builder::validate_train_optim() {
   need(o.eps > 0, "optim.eps", "must be > 0");
   need(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0");
   need(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)");
-  need(o.zero_stage == 0 || o.zero_stage == 1, "optim.zero_stage", "must be 0 or 1");
+  need(o.zero_stage >= 0 && o.zero_stage <= 3, "optim.zero_stage", "must be 0, 1, 2 or 3");
+  need(o.offload == "none" || o.offload == "cpu", "optim.offload", "must be none or cpu");
+  // Not built yet: the CUDA back end's ZeRO-2/3 and offload (issue 16 goes on), and sharding a
+  // LoRA run's frozen base.
+  need(o.zero_stage <= 1 || deck_.train.device != "cuda", "optim.zero_stage",
+       "{} is not available on train.device = cuda yet (0 and 1 are); use train.device = cpu",
+       o.zero_stage);
+  need(o.offload == "none" || deck_.train.device != "cuda", "optim.offload",
+       "cpu is not available on train.device = cuda yet; use none");
+  need(o.zero_stage <= 1 || deck_.lora.r == 0, "optim.zero_stage",
+       "{} shards the whole model's training state; a LoRA run trains only its adapters: use 0 "
+       "or 1 with [lora]",
+       o.zero_stage);
   need(o.grad_reduce == "fp32" || o.grad_reduce == "bf16", "optim.grad_reduce",
        "must be fp32 or bf16");
   need(o.grad_reduce == "fp32" || deck_.train.device == "cuda", "optim.grad_reduce",

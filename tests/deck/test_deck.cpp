@@ -281,7 +281,12 @@ TEST(DeckErrors, OutOfRange) {
   expect_error("[optim]\neps = 0\n", {"deck.ini:2:", "optim.eps = 0"});
   expect_error("[optim]\nweight_decay = -1\n", {"deck.ini:2:", "optim.weight_decay = -1"});
   expect_error("[optim]\ngrad_clip = -1\n", {"deck.ini:2:", "optim.grad_clip = -1"});
-  expect_error("[optim]\nzero_stage = 2\n", {"deck.ini:2:", "optim.zero_stage = 2", "0 or 1"});
+  expect_error("[optim]\nzero_stage = 4\n", {"deck.ini:2:", "optim.zero_stage = 4", "0, 1, 2 or 3"});
+  expect_error("[optim]\noffload = gpu\n", {"deck.ini:2:", "optim.offload = gpu", "none or cpu"});
+  expect_error("[model]\nhead_dim = 64\n[train]\ndevice = cuda\n[optim]\nzero_stage = 3\n",
+               {"optim.zero_stage = 3", "not available on train.device = cuda yet"});
+  expect_error("[lora]\nr = 4\n[optim]\nzero_stage = 2\n",
+               {"optim.zero_stage = 2", "a LoRA run trains only its adapters"});
   expect_error("[optim]\ngrad_reduce = fp16\n", {"deck.ini:2:", "optim.grad_reduce = fp16", "fp32 or bf16"});
   expect_error("[optim]\ngrad_reduce = bf16\n", {"deck.ini:2:", "optim.grad_reduce = bf16", "cuda"});
   expect_error("[optim]\nreduce_bucket_mb = 0\n", {"deck.ini:2:", "optim.reduce_bucket_mb = 0", "> 0"});
