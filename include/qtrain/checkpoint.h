@@ -60,6 +60,45 @@ class NonFiniteState : public UserError {
   using UserError::UserError;
 };
 
+// One flat range of the trained state that this rank writes: the parameters and both AdamW
+// moments of `range`, each [range.size()].
+struct StatePiece {
+  Range range;
+  const float* params = nullptr;
+  const float* exp_avg = nullptr;
+  const float* exp_avg_sq = nullptr;
+};
+
+// The flat ranges of the trained state this rank holds, which checkpoint_read fills: any ranges
+// (several ranks may hold the same), in any order, for the parameters and each moment alike.
+struct StateTargets {
+  std::vector<FlatPiece> params, exp_avg, exp_avg_sq;
+};
+
+// The old contract as pieces: the write partition split_range(numel, world size, world rank) of a
+// full flat `params` buffer and the moments of `moments.range` (which must contain it).
+std::vector<StatePiece> flat_state_pieces(std::size_t numel, const Comm& world,
+                                          const float* params, const MomentShard& moments);
+// Targets of a full flat `params` buffer and the moments of `moments.range`.
+StateTargets flat_state_targets(std::size_t numel, float* params, const MomentShard& moments);
+
+// Collective over mesh.world(). Each rank writes its `pieces`; over all ranks they must cover
+// [0, layout.numel()) exactly once (a gap or an overlap is a QT_CHECK failure on every rank,
+// before anything is written): a tensor replicated over ranks is written by one of them. Writes
+// `path`.tmp, then renames it to `path`. Checksums, non-finite checks and errors as below.
+void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& layout,
+                      const std::vector<StatePiece>& pieces, const TrainState& state,
+                      const ModelConfig& model, const std::string& deck_text,
+                      const LoraCheckpointInfo* lora = nullptr);
+
+// Collective. Validates the file as the flat-buffer overload below does, then fills every
+// target of this rank (each element of the file is read once over all ranks and checksummed,
+// then moved to the ranks that hold it), so a checkpoint written at any mesh and ZeRO stage loads
+// at any other.
+TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayout& layout,
+                           const StateTargets& targets, const ModelConfig& model,
+                           const LoraCheckpointInfo* lora = nullptr);
+
 // Collective over mesh.world(). `params` is the full flat buffer (identical on every rank).
 // The write partition is split_range(numel, world size, world rank); it must lie inside
 // moments.range. Writes `path`.tmp, then renames it to `path`.

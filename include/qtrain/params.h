@@ -66,4 +66,15 @@ struct Range {
 };
 Range split_range(std::size_t n, int parts, int i);
 
+// A flat range of a layout held in memory: elements [range.begin, range.end) of the layout's
+// flat order at data[0 .. range.size()). A rank holding a sharded state holds several.
+struct FlatPiece {
+  Range range;
+  float* data = nullptr;
+};
+struct ConstFlatPiece {
+  Range range;
+  const float* data = nullptr;
+};
+
 }  // namespace qt

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include "qtrain/comm.h"
 #include "qtrain/params.h"
@@ -17,5 +18,12 @@ inline constexpr std::size_t kRedistributeStage = std::size_t{1} << 26;
 // per round, so MPI's int counts and displacements never overflow.
 void redistribute_flat(Comm& comm, std::size_t n, const float* mine, Range want, float* out,
                        std::size_t stage = kRedistributeStage);
+
+// Collective. The ranks hold a flat fp32 buffer of n elements as the pieces `have` (over all
+// ranks a partition of [0, n): each element held by exactly one rank) and receive the pieces
+// `want` (any ranges; ranks may want the same elements). Moves at most about `stage` elements per
+// rank per round.
+void redistribute_pieces(Comm& comm, std::size_t n, const std::vector<ConstFlatPiece>& have,
+                         const std::vector<FlatPiece>& want, std::size_t stage = kRedistributeStage);
 
 }  // namespace qt

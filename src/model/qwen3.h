@@ -17,6 +17,10 @@ class LoraAdapters;
 // name, element index), never on the mesh.
 void init_params(const ModelConfig& cfg, const ParamLayout& layout, std::uint64_t seed,
                  float* params);
+// The same values, for the flat ranges `pieces` of `layout` only (a sharded state initialises
+// just what the rank holds).
+void init_params(const ModelConfig& cfg, const ParamLayout& layout, std::uint64_t seed,
+                 const std::vector<FlatPiece>& pieces);
 // The host threads init_params uses for `layout`: up to 16, no more than the CPUs this process
 // may run on (its affinity mask).
 unsigned init_params_threads(const ParamLayout& layout);
