@@ -43,7 +43,14 @@ void Qwen3Model::LayerActs::allocate(const ModelConfig& c, int B, int T) {
 }
 
 Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
-    : cfg_(cfg), layout_(cfg), B_(B), T_(T), N_(B * T), recompute_(recompute) {
+    : cfg_(cfg),
+      layout_(cfg),
+      plan_(plan_qwen3(cfg, layout_, MeshShape{}, 0)),
+      unit_{cfg.num_layers},
+      B_(B),
+      T_(T),
+      N_(B * T),
+      recompute_(recompute) {
   QT_CHECK(cfg.num_heads % cfg.num_kv_heads == 0, "heads {} not divisible by kv heads {}",
            cfg.num_heads, cfg.num_kv_heads);
   QT_CHECK(cfg.head_dim % 2 == 0, "head_dim {} must be even for RoPE", cfg.head_dim);
@@ -90,92 +97,99 @@ double Qwen3Model::buffer_bytes(const ModelConfig& c, int B, int T, bool recompu
   return 4 * floats;
 }
 
-void Qwen3Model::layer_forward(int l, const float* P, const float* x_in, float* x_out,
-                               LayerActs& a) {
-  const LayerOffsets& w = off_.layers[l];
+template <class T>
+Qwen3Model::LayerTensors<T> Qwen3Model::layer_tensors(int l, T* unit) const {
+  const LayerOffsets& o = off_.layers[l];
+  const std::size_t base = plan_.units[unit_.layer(l)].range.begin;
+  auto at = [&](std::size_t off) { return unit ? unit + (off - base) : nullptr; };
+  return {at(o.ln1),    at(o.wq),  at(o.wk),     at(o.wv),   at(o.wo),    at(o.q_norm),
+          at(o.k_norm), at(o.ln2), at(o.w_gate), at(o.w_up), at(o.w_down)};
+}
+
+void Qwen3Model::layer_forward(int l, const LayerTensors<const float>& w, const float* x_in,
+                               float* x_out, LayerActs& a) {
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
   const double eps = cfg_.rms_norm_eps;
   // attention block: x_mid = x_in + o_proj(attn(rmsnorm(x_in)))
-  cpu::rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x_in, P + w.ln1, N, H, eps);
-  cpu::linear_forward(a.q_raw.data(), a.ln1.data(), P + w.wq, N, H, Q);
-  cpu::linear_forward(a.k_raw.data(), a.ln1.data(), P + w.wk, N, H, KV);
-  cpu::linear_forward(a.v.data(), a.ln1.data(), P + w.wv, N, H, KV);
+  cpu::rmsnorm_forward(a.ln1.data(), a.rstd1.data(), x_in, w.ln1, N, H, eps);
+  cpu::linear_forward(a.q_raw.data(), a.ln1.data(), w.wq, N, H, Q);
+  cpu::linear_forward(a.k_raw.data(), a.ln1.data(), w.wk, N, H, KV);
+  cpu::linear_forward(a.v.data(), a.ln1.data(), w.wv, N, H, KV);
   if (lora_) {  // q, k, v += scale * drop(ln1) A^T B^T
     lora_->forward(l, kLoraQ, a.ln1.data(), a.q_raw.data());
     lora_->forward(l, kLoraK, a.ln1.data(), a.k_raw.data());
     lora_->forward(l, kLoraV, a.ln1.data(), a.v.data());
   }
-  cpu::rmsnorm_forward(a.q.data(), a.q_rstd.data(), a.q_raw.data(), P + w.q_norm, N * nh, hd, eps);
-  cpu::rmsnorm_forward(a.k.data(), a.k_rstd.data(), a.k_raw.data(), P + w.k_norm, N * nkv, hd, eps);
+  cpu::rmsnorm_forward(a.q.data(), a.q_rstd.data(), a.q_raw.data(), w.q_norm, N * nh, hd, eps);
+  cpu::rmsnorm_forward(a.k.data(), a.k_rstd.data(), a.k_raw.data(), w.k_norm, N * nkv, hd, eps);
   cpu::rope_forward(a.q.data(), rope_cos_.data(), rope_sin_.data(), pos_ptr_, B_, T_, nh, hd);
   cpu::rope_forward(a.k.data(), rope_cos_.data(), rope_sin_.data(), pos_ptr_, B_, T_, nkv, hd);
   cpu::attention_forward(a.att.data(), a.lse.data(), a.q.data(), a.k.data(), a.v.data(), B_, T_,
                          nh, nkv, hd, pos_ptr_);
-  cpu::linear_forward(a.x_mid.data(), a.att.data(), P + w.wo, N, Q, H);
+  cpu::linear_forward(a.x_mid.data(), a.att.data(), w.wo, N, Q, H);
   if (lora_) lora_->forward(l, kLoraO, a.att.data(), a.x_mid.data());
   add_into(a.x_mid.data(), x_in, a.x_mid.size());
   // MLP block: x_out = x_mid + down(silu(gate(ln2)) * up(ln2))
-  cpu::rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.x_mid.data(), P + w.ln2, N, H, eps);
-  cpu::linear_forward(a.gate.data(), a.ln2.data(), P + w.w_gate, N, H, I);
-  cpu::linear_forward(a.up.data(), a.ln2.data(), P + w.w_up, N, H, I);
+  cpu::rmsnorm_forward(a.ln2.data(), a.rstd2.data(), a.x_mid.data(), w.ln2, N, H, eps);
+  cpu::linear_forward(a.gate.data(), a.ln2.data(), w.w_gate, N, H, I);
+  cpu::linear_forward(a.up.data(), a.ln2.data(), w.w_up, N, H, I);
   if (lora_) {
     lora_->forward(l, kLoraGate, a.ln2.data(), a.gate.data());
     lora_->forward(l, kLoraUp, a.ln2.data(), a.up.data());
   }
   cpu::swiglu_forward(a.h.data(), a.gate.data(), a.up.data(), N, I);
-  cpu::linear_forward(x_out, a.h.data(), P + w.w_down, N, I, H);
+  cpu::linear_forward(x_out, a.h.data(), w.w_down, N, I, H);
   if (lora_) lora_->forward(l, kLoraDown, a.h.data(), x_out);
   add_into(x_out, a.x_mid.data(), a.x_mid.size());
 }
 
-void Qwen3Model::layer_backward(int l, const float* P, float* G, const float* x_in, float* dx,
+void Qwen3Model::layer_backward(int l, const LayerTensors<const float>& w,
+                                const LayerTensors<float>& g, const float* x_in, float* dx,
                                 LayerActs& a) {
-  const LayerOffsets& w = off_.layers[l];
   const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
   const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
   const int hd = cfg_.head_dim;
   const std::size_t NH = static_cast<std::size_t>(N) * H;
-  auto g = [G](std::size_t off) { return G ? G + off : nullptr; };  // null: frozen (LoRA)
   // MLP block; dx holds d x_out, becomes d x_mid.
-  cpu::linear_backward(dh_.data(), g(w.w_down), dx, a.h.data(), P + w.w_down, N, I, H);
+  cpu::linear_backward(dh_.data(), g.w_down, dx, a.h.data(), w.w_down, N, I, H);
   if (lora_) lora_->backward(l, kLoraDown, a.h.data(), dx, dh_.data());
   cpu::swiglu_backward(dgate_.data(), dup_.data(), dh_.data(), a.gate.data(), a.up.data(), N, I);
-  cpu::linear_backward(dln_.data(), g(w.w_gate), dgate_.data(), a.ln2.data(), P + w.w_gate, N, H, I);
-  cpu::linear_backward(dtmp_.data(), g(w.w_up), dup_.data(), a.ln2.data(), P + w.w_up, N, H, I);
+  cpu::linear_backward(dln_.data(), g.w_gate, dgate_.data(), a.ln2.data(), w.w_gate, N, H, I);
+  cpu::linear_backward(dtmp_.data(), g.w_up, dup_.data(), a.ln2.data(), w.w_up, N, H, I);
   if (lora_) {
     lora_->backward(l, kLoraGate, a.ln2.data(), dgate_.data(), dln_.data());
     lora_->backward(l, kLoraUp, a.ln2.data(), dup_.data(), dtmp_.data());
   }
   add_into(dln_.data(), dtmp_.data(), NH);
-  cpu::rmsnorm_backward(dtmp_.data(), g(w.ln2), dln_.data(), a.x_mid.data(), P + w.ln2,
+  cpu::rmsnorm_backward(dtmp_.data(), g.ln2, dln_.data(), a.x_mid.data(), w.ln2,
                         a.rstd2.data(), N, H);
   add_into(dx, dtmp_.data(), NH);
   // attention block; dx holds d x_mid, becomes d x_in.
-  cpu::linear_backward(datt_.data(), g(w.wo), dx, a.att.data(), P + w.wo, N, Q, H);
+  cpu::linear_backward(datt_.data(), g.wo, dx, a.att.data(), w.wo, N, Q, H);
   if (lora_) lora_->backward(l, kLoraO, a.att.data(), dx, datt_.data());
   cpu::attention_backward(dq_.data(), dk_.data(), dv_.data(), datt_.data(), a.q.data(), a.k.data(),
                           a.v.data(), a.att.data(), a.lse.data(), B_, T_, nh, nkv, hd, pos_ptr_);
   cpu::rope_backward(dq_.data(), rope_cos_.data(), rope_sin_.data(), pos_ptr_, B_, T_, nh, hd);
   cpu::rope_backward(dk_.data(), rope_cos_.data(), rope_sin_.data(), pos_ptr_, B_, T_, nkv, hd);
-  cpu::rmsnorm_backward(dq_.data(), g(w.q_norm), dq_.data(), a.q_raw.data(), P + w.q_norm,
+  cpu::rmsnorm_backward(dq_.data(), g.q_norm, dq_.data(), a.q_raw.data(), w.q_norm,
                         a.q_rstd.data(), N * nh, hd);
-  cpu::rmsnorm_backward(dk_.data(), g(w.k_norm), dk_.data(), a.k_raw.data(), P + w.k_norm,
+  cpu::rmsnorm_backward(dk_.data(), g.k_norm, dk_.data(), a.k_raw.data(), w.k_norm,
                         a.k_rstd.data(), N * nkv, hd);
-  cpu::linear_backward(dln_.data(), g(w.wq), dq_.data(), a.ln1.data(), P + w.wq, N, H, Q);
+  cpu::linear_backward(dln_.data(), g.wq, dq_.data(), a.ln1.data(), w.wq, N, H, Q);
   if (lora_) lora_->backward(l, kLoraQ, a.ln1.data(), dq_.data(), dln_.data());
-  cpu::linear_backward(dtmp_.data(), g(w.wk), dk_.data(), a.ln1.data(), P + w.wk, N, H, KV);
+  cpu::linear_backward(dtmp_.data(), g.wk, dk_.data(), a.ln1.data(), w.wk, N, H, KV);
   if (lora_) lora_->backward(l, kLoraK, a.ln1.data(), dk_.data(), dtmp_.data());
   add_into(dln_.data(), dtmp_.data(), NH);
-  cpu::linear_backward(dtmp_.data(), g(w.wv), dv_.data(), a.ln1.data(), P + w.wv, N, H, KV);
+  cpu::linear_backward(dtmp_.data(), g.wv, dv_.data(), a.ln1.data(), w.wv, N, H, KV);
   if (lora_) lora_->backward(l, kLoraV, a.ln1.data(), dv_.data(), dtmp_.data());
   add_into(dln_.data(), dtmp_.data(), NH);
-  cpu::rmsnorm_backward(dtmp_.data(), g(w.ln1), dln_.data(), x_in, P + w.ln1, a.rstd1.data(), N, H);
+  cpu::rmsnorm_backward(dtmp_.data(), g.ln1, dln_.data(), x_in, w.ln1, a.rstd1.data(), N, H);
   add_into(dx, dtmp_.data(), NH);
 }
 
-double Qwen3Model::forward(const float* P, const std::int32_t* inputs,
+double Qwen3Model::forward(ModelParams& mp, const std::int32_t* inputs,
                            const std::int32_t* targets, const std::int32_t* positions) {
   const int N = N_, H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers;
   for (int i = 0; i < N; ++i) {
@@ -191,33 +205,76 @@ double Qwen3Model::forward(const float* P, const std::int32_t* inputs,
     }
   }
   pos_ptr_ = positions ? pos_.data() : nullptr;
-  cpu::embedding_forward(x_[0].data(), inputs_.data(), P + off_.embed, N, H);
-  for (int l = 0; l < L; ++l)
-    layer_forward(l, P, x_[l].data(), x_[l + 1].data(), acts_[recompute_ ? 0 : l]);
-  cpu::rmsnorm_forward(xf_.data(), rstdf_.data(), x_[L].data(), P + off_.norm, N, H,
+  const int E = unit_.embed(), Hd = unit_.head();
+  const bool tied = cfg_.tie_word_embeddings;
+  mp.acquire(E);
+  cpu::embedding_forward(x_[0].data(), inputs_.data(), mp.params(E), N, H);
+  if (!tied) mp.release(E);  // tied: the lm head needs it again
+  for (int l = 0; l < L; ++l) {
+    mp.acquire(unit_.layer(l));
+    layer_forward(l, layer_tensors(l, mp.params(unit_.layer(l))), x_[l].data(), x_[l + 1].data(),
+                  acts_[recompute_ ? 0 : l]);
+    mp.release(unit_.layer(l));
+  }
+  // The head (and a tied embedding) stays acquired until backward() releases it.
+  mp.acquire(Hd);
+  const float* head = mp.params(Hd);
+  const std::size_t hb = plan_.units[Hd].range.begin;
+  const float* lm_head = tied ? mp.params(E) : head + (off_.lm_head - hb);
+  cpu::rmsnorm_forward(xf_.data(), rstdf_.data(), x_[L].data(), head + (off_.norm - hb), N, H,
                        cfg_.rms_norm_eps);
-  cpu::linear_forward(logits_.data(), xf_.data(), P + off_.lm_head, N, H, V);
+  cpu::linear_forward(logits_.data(), xf_.data(), lm_head, N, H, V);
   return cpu::cross_entropy_forward(losses_.data(), lse_.data(), logits_.data(), targets_.data(),
                                     N, V);
 }
 
-void Qwen3Model::backward(const float* P, float* G, float loss_scale) {
+double Qwen3Model::forward(const float* P, const std::int32_t* inputs, const std::int32_t* targets,
+                           const std::int32_t* positions) {
+  FlatParams flat(plan_, P, nullptr);
+  return forward(flat, inputs, targets, positions);
+}
+
+void Qwen3Model::backward(ModelParams& mp, float loss_scale) {
   const int N = N_, H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers;
+  const int E = unit_.embed(), Hd = unit_.head();
+  const bool tied = cfg_.tie_word_embeddings;
   // logits_ becomes d logits in place.
   cpu::cross_entropy_backward(logits_.data(), logits_.data(), lse_.data(), targets_.data(),
                               loss_scale, N, V);
-  auto g = [G](std::size_t off) { return G ? G + off : nullptr; };  // null: frozen (LoRA)
-  cpu::linear_backward(dtmp_.data(), g(off_.lm_head), logits_.data(), xf_.data(),
-                       P + off_.lm_head, N, H, V);
-  cpu::rmsnorm_backward(dx_.data(), g(off_.norm), dtmp_.data(), x_[L].data(), P + off_.norm,
-                        rstdf_.data(), N, H);
+  mp.acquire(Hd);
+  if (tied) mp.acquire(E);
+  const std::size_t hb = plan_.units[Hd].range.begin;
+  const float* head = mp.params(Hd);
+  float* g_head = mp.grads(Hd);
+  auto g_at = [&](float* unit, std::size_t off) { return unit ? unit + (off - hb) : nullptr; };
+  const float* lm_head = tied ? mp.params(E) : head + (off_.lm_head - hb);
+  float* g_lm_head = tied ? mp.grads(E) : g_at(g_head, off_.lm_head);
+  cpu::linear_backward(dtmp_.data(), g_lm_head, logits_.data(), xf_.data(), lm_head, N, H, V);
+  cpu::rmsnorm_backward(dx_.data(), g_at(g_head, off_.norm), dtmp_.data(), x_[L].data(),
+                        head + (off_.norm - hb), rstdf_.data(), N, H);
+  mp.grads_done(Hd);
+  mp.release(Hd);
   for (int l = L - 1; l >= 0; --l) {
+    const int u = unit_.layer(l);
     LayerActs& a = acts_[recompute_ ? 0 : l];
+    mp.acquire(u);
+    const LayerTensors<const float> w = layer_tensors(l, mp.params(u));
     // Recomputing writes x_[l + 1] again with the same values it had.
-    if (recompute_) layer_forward(l, P, x_[l].data(), x_[l + 1].data(), a);
-    layer_backward(l, P, G, x_[l].data(), dx_.data(), a);
+    if (recompute_) layer_forward(l, w, x_[l].data(), x_[l + 1].data(), a);
+    layer_backward(l, w, layer_tensors(l, mp.grads(u)), x_[l].data(), dx_.data(), a);
+    mp.grads_done(u);
+    mp.release(u);
   }
-  if (G) cpu::embedding_backward(G + off_.embed, dx_.data(), inputs_.data(), N, H);
+  mp.acquire(E);
+  if (float* g_embed = mp.grads(E))
+    cpu::embedding_backward(g_embed, dx_.data(), inputs_.data(), N, H);
+  mp.grads_done(E);
+  mp.release(E);
+}
+
+void Qwen3Model::backward(const float* P, float* G, float loss_scale) {
+  FlatParams flat(plan_, P, G);
+  backward(flat, loss_scale);
 }
 
 }  // namespace qt

@@ -5,8 +5,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "model/model_params.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
+#include "qtrain/shard_plan.h"
 
 namespace qt {
 
@@ -45,12 +47,22 @@ class Qwen3Model {
   // row: pos[0] = 0, pos[t] = pos[t-1] + 1 or 0), or null: positions 0..T-1, plain causal.
   // Returns the sum of the cross-entropy over counted targets (nats) and keeps what backward
   // needs.
+  // The parameters come unit by unit from `params` (model/model_params.h; the units of
+  // units()); the head's units stay acquired from the forward to the backward.
+  double forward(ModelParams& params, const std::int32_t* inputs, const std::int32_t* targets,
+                 const std::int32_t* positions = nullptr);
+  // The same over the whole flat buffer of layout().
   double forward(const float* params, const std::int32_t* inputs, const std::int32_t* targets,
                  const std::int32_t* positions = nullptr);
 
-  // grads += loss_scale * d(summed loss)/d(params), for the last forward. grads may be null:
-  // the base is frozen (LoRA), only the adapters' gradients accumulate.
+  // grads += loss_scale * d(summed loss)/d(params), for the last forward, unit by unit in reverse
+  // (the head, layers L-1 .. 0, the embedding). Null grads: the base is frozen (LoRA), only the
+  // adapters' gradients accumulate.
+  void backward(ModelParams& params, float loss_scale);
   void backward(const float* params, float* grads, float loss_scale);
+
+  // The units the model asks ModelParams for (a plan for dp 1: unit ranges do not depend on dp).
+  const ShardPlan& units() const { return plan_; }
 
   // LoRA adapters applied beside the projections they target in every forward and backward
   // (src/model/lora.h; their weights and gradients are bound there), or null: none.
@@ -72,14 +84,25 @@ class Qwen3Model {
     void allocate(const ModelConfig& c, int B, int T);
   };
 
-  void layer_forward(int l, const float* params, const float* x_in, float* x_out, LayerActs& a);
+  // One layer's tensors (or their gradients: all null when frozen).
+  template <class T>
+  struct LayerTensors {
+    T *ln1, *wq, *wk, *wv, *wo, *q_norm, *k_norm, *ln2, *w_gate, *w_up, *w_down;
+  };
+  template <class T>
+  LayerTensors<T> layer_tensors(int l, T* unit) const;
+
+  void layer_forward(int l, const LayerTensors<const float>& w, const float* x_in, float* x_out,
+                     LayerActs& a);
   // dx: [N, H] gradient of the layer output in, gradient of the layer input out.
-  void layer_backward(int l, const float* params, float* grads, const float* x_in, float* dx,
-                      LayerActs& a);
+  void layer_backward(int l, const LayerTensors<const float>& w, const LayerTensors<float>& g,
+                      const float* x_in, float* dx, LayerActs& a);
 
   ModelConfig cfg_;
   ParamLayout layout_;
   ModelOffsets off_ = layout_.model_offsets();
+  ShardPlan plan_;
+  Qwen3Units unit_;
   int B_, T_, N_;
   bool recompute_;
   LoraAdapters* lora_ = nullptr;

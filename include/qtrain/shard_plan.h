@@ -1,0 +1,82 @@
+// The sharding plan: where every trained parameter lives on the mesh. Decided in one place
+// (plan_qwen3), read by the optimizer driver, the checkpoints and the memory plan; the model code
+// never sees a mesh.
+//
+// Two things are planned:
+//   - ShardSpec, per parameter: its global shape, which mesh dimension shards it along which
+//     axis (none yet: tensor and expert parallelism fill this in), and over which dimensions its
+//     copies are replicated (so that the gradient norm counts it once).
+//   - Units: groups of parameters gathered, freed and reduced together (the embedding, each
+//     decoder layer, the head). Each unit is a contiguous flat range of the layout; ZeRO splits
+//     every unit evenly over dp, so gathering one layer touches each dp rank once:
+//
+//       unit u = [begin, end), chunk = ceil((end - begin) / dp)
+//       dp rank r owns [begin + r * chunk, min(end, begin + (r + 1) * chunk))
+//
+// Every element of the layout is owned by exactly one dp rank at every ZeRO stage: the owner
+// updates it (ZeRO >= 1), counts it in the gradient norm and writes it to checkpoints.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "qtrain/mesh.h"
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+
+namespace qt {
+
+enum class MeshDim { kDp, kTp, kPp, kEp };
+const char* mesh_dim_name(MeshDim d);
+
+struct ShardSpec {
+  std::vector<std::int64_t> global_shape;
+  std::optional<MeshDim> sharded_by;      // none: every rank holding it holds all of it
+  int axis = -1;                          // the sharded axis, when sharded_by is set
+  std::vector<MeshDim> replicated_over;   // dimensions whose ranks hold identical copies
+};
+
+struct ParamUnit {
+  std::string name;                 // "embed", "layers.3", "head", "adapters"
+  Range range;                      // flat range of the layout
+  int dp = 1;                       // ranks the unit's ZeRO shards spread over
+  std::size_t chunk = 0;            // ZeRO shard length: ceil(range.size() / dp); >= 1
+  std::vector<std::size_t> params;  // indices into layout.params(), in flat order
+
+  std::size_t padded() const { return chunk * dp; }  // range.size() rounded up to dp shards
+  Range shard(int dp_rank) const;                      // the flat range dp rank r owns
+};
+
+struct ShardPlan {
+  int dp = 1;
+  int zero_stage = 0;
+  std::vector<ShardSpec> specs;  // [layout.params().size()]
+  std::vector<ParamUnit> units;  // in flat order; together they cover the layout exactly
+
+  // The flat ranges dp rank r owns: one per unit (some may be empty).
+  std::vector<Range> owned(int dp_rank) const;
+  // One line per unit kind, for the start-up banner.
+  std::string describe() const;
+};
+
+// The units of a Qwen3 model's plan, by role: unit 0 the embedding, 1 + l decoder layer l,
+// L + 1 the head (final norm, and lm_head unless tied to the embedding).
+struct Qwen3Units {
+  int num_layers = 0;
+  int embed() const { return 0; }
+  int layer(int l) const { return 1 + l; }
+  int head() const { return num_layers + 1; }
+};
+
+// Collective-free and deterministic: every rank computes the same plan. Checks that the layout is
+// the model's (embedding, layers, norm, lm head in flat order).
+ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const MeshShape& mesh,
+                     int zero_stage);
+// Every tensor of `layout` in one unit named `name` (e.g. LoRA adapters), replicated over dp.
+ShardPlan plan_one_unit(const ParamLayout& layout, const std::string& name, const MeshShape& mesh,
+                        int zero_stage);
+
+}  // namespace qt

@@ -1,0 +1,111 @@
+// The sharding plan (include/qtrain/shard_plan.h).
+#include "qtrain/shard_plan.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "qtrain/error.h"
+
+namespace qt {
+
+const char* mesh_dim_name(MeshDim d) {
+  switch (d) {
+    case MeshDim::kDp: return "dp";
+    case MeshDim::kTp: return "tp";
+    case MeshDim::kPp: return "pp";
+    case MeshDim::kEp: return "ep";
+  }
+  return "?";
+}
+
+Range ParamUnit::shard(int dp_rank) const {
+  QT_CHECK(dp_rank >= 0 && dp_rank < dp, "dp rank {} of {}", dp_rank, dp);
+  const std::size_t lo = std::min(range.size(), chunk * static_cast<std::size_t>(dp_rank));
+  const std::size_t hi = std::min(range.size(), chunk * static_cast<std::size_t>(dp_rank + 1));
+  return Range{range.begin + lo, range.begin + hi};
+}
+
+std::vector<Range> ShardPlan::owned(int dp_rank) const {
+  std::vector<Range> out;
+  out.reserve(units.size());
+  for (const ParamUnit& u : units) out.push_back(u.shard(dp_rank));
+  return out;
+}
+
+std::string ShardPlan::describe() const {
+  const char* what[4] = {"everything replicated", "AdamW state sharded",
+                         "AdamW state and gradients sharded",
+                         "AdamW state, gradients and parameters sharded"};
+  std::size_t largest = 0;
+  for (const ParamUnit& u : units) largest = std::max(largest, u.range.size());
+  return fmt::format("ZeRO-{} over dp {} ({}), {} units, the largest {} parameters", zero_stage,
+                     dp, what[std::clamp(zero_stage, 0, 3)], units.size(), largest);
+}
+
+namespace {
+
+// A unit of the layout's tensors [first, last), contiguous in flat order.
+ParamUnit make_unit(const ParamLayout& layout, std::string name, std::size_t first,
+                    std::size_t last, int dp) {
+  const auto& ps = layout.params();
+  QT_CHECK(first < last && last <= ps.size(), "unit {}: tensors [{}, {})", name, first, last);
+  ParamUnit u;
+  u.name = std::move(name);
+  u.range = Range{ps[first].offset, ps[first].offset};
+  for (std::size_t i = first; i < last; ++i) {
+    QT_CHECK(ps[i].offset == u.range.end, "unit {}: {} is not contiguous", u.name, ps[i].name);
+    u.range.end += ps[i].numel;
+    u.params.push_back(i);
+  }
+  u.dp = dp;
+  u.chunk = std::max<std::size_t>(1, (u.range.size() + dp - 1) / dp);
+  return u;
+}
+
+ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_stage) {
+  QT_CHECK(zero_stage >= 0 && zero_stage <= 3, "ZeRO stage {}", zero_stage);
+  QT_CHECK(mesh.tp == 1 && mesh.pp == 1 && mesh.ep == 1,
+           "the sharding plan knows only dp so far (tp {}, pp {}, ep {})", mesh.tp, mesh.pp,
+           mesh.ep);
+  ShardPlan plan;
+  plan.dp = mesh.dp;
+  plan.zero_stage = zero_stage;
+  for (const ParamInfo& p : layout.params()) {
+    ShardSpec s;
+    s.global_shape = p.shape;
+    s.replicated_over = {MeshDim::kDp};  // ZeRO shards storage, not the tensor's meaning
+    plan.specs.push_back(std::move(s));
+  }
+  return plan;
+}
+
+}  // namespace
+
+ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const MeshShape& mesh,
+                     int zero_stage) {
+  ShardPlan plan = plan_base(layout, mesh, zero_stage);
+  const auto& ps = layout.params();
+  const std::size_t per_layer = 11;  // ln1, q, k, v, o, q_norm, k_norm, ln2, gate, up, down
+  const std::size_t L = static_cast<std::size_t>(cfg.num_layers);
+  const std::size_t head = cfg.tie_word_embeddings ? 1 : 2;  // norm [, lm_head]
+  QT_CHECK(ps.size() == 1 + per_layer * L + head && ps.front().name == "model.embed_tokens.weight",
+           "plan_qwen3: the layout is not the model's ({} tensors)", ps.size());
+  plan.units.push_back(make_unit(layout, "embed", 0, 1, mesh.dp));
+  for (std::size_t l = 0; l < L; ++l)
+    plan.units.push_back(make_unit(layout, fmt::format("layers.{}", l), 1 + per_layer * l,
+                                   1 + per_layer * (l + 1), mesh.dp));
+  plan.units.push_back(make_unit(layout, "head", 1 + per_layer * L, ps.size(), mesh.dp));
+  QT_CHECK(ps[1 + per_layer * L].name == "model.norm.weight", "plan_qwen3: {} where the final "
+           "norm belongs", ps[1 + per_layer * L].name);
+  return plan;
+}
+
+ShardPlan plan_one_unit(const ParamLayout& layout, const std::string& name, const MeshShape& mesh,
+                        int zero_stage) {
+  ShardPlan plan = plan_base(layout, mesh, zero_stage);
+  plan.units.push_back(make_unit(layout, name, 0, layout.params().size(), mesh.dp));
+  return plan;
+}
+
+}  // namespace qt
