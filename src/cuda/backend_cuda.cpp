@@ -67,8 +67,16 @@ class CudaBackend final : public TrainBackend {
                        device_, d.name, d.sm_count, cuda::format_bytes(arena_.capacity()),
                        cuda::format_bytes(arena_.used()));
   }
-  float* host_params() override { return state_.host_params(); }
-  MomentShard host_moments() override { return state_.host_moments(); }
+  std::vector<FlatPiece> model_pieces() override {
+    return {{Range{0, layout_.numel()}, state_.host_params()}};
+  }
+  std::vector<StatePiece> checkpoint_pieces() override {
+    return flat_state_pieces(layout_.numel(), mesh_.world(), state_.host_params(),
+                             state_.host_moments());
+  }
+  StateTargets checkpoint_targets() override {
+    return flat_state_targets(layout_.numel(), state_.host_params(), state_.host_moments());
+  }
   void push_state() override { state_.push(stream_.get()); }
   void pull_state() override { state_.pull(stream_.get()); }
 

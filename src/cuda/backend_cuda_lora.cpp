@@ -68,9 +68,20 @@ class CudaLoraBackend final : public TrainBackend {
         lora_->layout().numel(), cuda::format_bytes(arena_.capacity()),
         cuda::format_bytes(arena_.used()));
   }
-  float* host_params() override { return host_params_.data(); }
-  float* host_trained() override { return state_.host_params(); }
-  MomentShard host_moments() override { return state_.host_moments(); }
+  std::vector<FlatPiece> model_pieces() override {
+    return {{Range{0, layout_.numel()}, host_params_.data()}};
+  }
+  std::vector<FlatPiece> trained_pieces() override {
+    return {{Range{0, lora_->layout().numel()}, state_.host_params()}};
+  }
+  std::vector<StatePiece> checkpoint_pieces() override {
+    return flat_state_pieces(lora_->layout().numel(), mesh_.world(), state_.host_params(),
+                             state_.host_moments());
+  }
+  StateTargets checkpoint_targets() override {
+    return flat_state_targets(lora_->layout().numel(), state_.host_params(),
+                              state_.host_moments());
+  }
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
 
   void push_state() override {

@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "optim/adamw_math.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 #include "qtrain/error.h"
@@ -22,25 +23,13 @@ MomentShard AdamW::moments() { return {range_, m_.data(), v_.data()}; }
 
 void AdamW::update_range(float* params, const float* grads, Range r, double lr, double clip,
                          std::int64_t t) {
-  const double b1 = cfg_.beta1, b2 = cfg_.beta2;
-  const double bc1 = 1.0 - std::pow(b1, static_cast<double>(t));
-  const double bc2 = 1.0 - std::pow(b2, static_cast<double>(t));
+  const AdamWStep s = adamw_step(cfg_, lr, clip, t);
   // Walk the parameters that overlap r, so weight decay follows each tensor's flag.
   for (const ParamInfo& p : layout_.params()) {
     const std::size_t lo = std::max(r.begin, p.offset), hi = std::min(r.end, p.offset + p.numel);
     if (lo >= hi) continue;
-    const float decay = p.weight_decay ? static_cast<float>(lr * cfg_.weight_decay) : 0.0f;
-    for (std::size_t i = lo; i < hi; ++i) {
-      const std::size_t j = i - range_.begin;  // index into the moments
-      const float g = static_cast<float>(grads[i - r.begin] * clip);
-      m_[j] = static_cast<float>(b1 * m_[j] + (1.0 - b1) * g);
-      v_[j] = static_cast<float>(b2 * v_[j] + (1.0 - b2) * static_cast<double>(g) * g);
-      const double mhat = m_[j] / bc1, vhat = v_[j] / bc2;
-      float w = params[i];
-      w -= decay * w;  // decoupled weight decay
-      w -= static_cast<float>(lr * mhat / (std::sqrt(vhat) + cfg_.eps));
-      params[i] = w;
-    }
+    adamw_update(params + lo, grads + (lo - r.begin), m_.data() + (lo - range_.begin),
+                 v_.data() + (lo - range_.begin), hi - lo, s, p.weight_decay);
   }
 }
 

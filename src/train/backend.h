@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "optim/optimizer.h"
 #include "qtrain/checkpoint.h"
@@ -24,17 +25,22 @@ class TrainBackend {
   // One line for the start-up banner, e.g. "cpu: fp32, OpenBLAS".
   virtual std::string describe() const = 0;
 
-  // Host copies of the state: the full flat fp32 master weights (the layout's numel, padded) and
-  // this rank's AdamW moments. Fill them, then push_state(); pull_state() before reading them.
-  virtual float* host_params() = 0;
-  virtual MomentShard host_moments() = 0;
+  // Host copies of the state, in flat pieces of the layouts (include/qtrain/params.h): whole
+  // buffers, or a sharded state's parts. Fill the model's and the trained pieces, then
+  // push_state(); pull_state() before reading them.
+  //   model_pieces(): the model's parameters this rank holds, to initialise or load;
+  //   trained_pieces(): with [lora] the adapters' (else the model's);
+  //   checkpoint_pieces(): the trained state this rank writes to a checkpoint (over all ranks
+  //     each element once); checkpoint_targets(): what a checkpoint read fills on this rank.
+  virtual std::vector<FlatPiece> model_pieces() = 0;
+  virtual std::vector<FlatPiece> trained_pieces() { return model_pieces(); }
+  virtual std::vector<StatePiece> checkpoint_pieces() = 0;
+  virtual StateTargets checkpoint_targets() = 0;
   virtual void push_state() = 0;  // host -> back end (after initialisation or a checkpoint read)
   virtual void pull_state() = 0;  // back end -> host (before a checkpoint write)
-  // What trains, and what checkpoints and host_moments() hold: the whole model (layout(),
-  // host_params()), or with [lora] only the adapters, in their own layout and host buffer (the
-  // base in host_params() is then frozen: no gradients, no moments).
+  // What trains, and what checkpoints hold: the whole model (layout()), or with [lora] only the
+  // adapters, in their own layout (the base is then frozen: no gradients, no moments).
   virtual const ParamLayout& trained_layout() const { return layout(); }
-  virtual float* host_trained() { return host_params(); }
   // The index in the data order of the first sequence of the next micro_step (keys LoRA's
   // dropout masks, so that they do not depend on the mesh).
   virtual void set_first_sample(std::int64_t /*first*/) {}

@@ -1,13 +1,14 @@
-// The CPU reference back end: Qwen3Model (fp32, BLAS) and AdamW over MPI. With [lora] the fp32
-// base is frozen (no gradients, no moments) and AdamW trains the adapters' own flat buffer.
+// The CPU reference back end: Qwen3Model (fp32, BLAS) over the optimizer driver ShardedState
+// (ZeRO 0-3 over MPI; optim/sharded_state.h). With [lora] the fp32 base is a frozen flat buffer
+// (no gradients, no moments) and the driver trains the adapters, one unit.
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <memory>
 #include <vector>
 
 #include "model/lora.h"
 #include "model/qwen3.h"
+#include "optim/sharded_state.h"
 #include "qtrain/error.h"
 #include "train/backend.h"
 
@@ -23,52 +24,62 @@ class CpuBackend final : public TrainBackend {
                                                                    deck.train.micro_batch,
                                                                    deck.train.seq_len)
                                   : nullptr),
-        optim_(deck.optim, lora_ ? lora_->layout() : model_.layout(), mesh.dp(), deck.train.steps),
-        params_(lora_ ? model_.layout().numel() : optim_.padded_numel(), 0.0f),
-        grads_(optim_.padded_numel(), 0.0f),
-        adapters_(lora_ ? optim_.padded_numel() : 0, 0.0f),
+        state_(lora_ ? plan_one_unit(lora_->layout(), "adapters", mesh.shape(),
+                                     deck.optim.zero_stage)
+                     : plan_qwen3(deck.model, model_.layout(), mesh.shape(),
+                                  deck.optim.zero_stage),
+               lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps),
+        base_(lora_ ? model_.layout().numel() : 0, 0.0f),
+        offload_(deck.optim.offload == "cpu"),
         seed_(deck.train.seed) {
     if (lora_) model_.set_lora(lora_.get());
   }
 
   const ParamLayout& layout() const override { return model_.layout(); }
   std::string describe() const override {
-    if (!lora_) return "cpu: fp32 reference (OpenBLAS)";
-    return fmt::format("cpu: fp32 reference (OpenBLAS); LoRA: fp32 base frozen (no gradients or "
-                       "moments), {} adapter parameters trained",
+    std::string d = "cpu: fp32 reference (OpenBLAS); " + state_.plan().describe();
+    if (offload_) d += "; optim.offload = cpu: the state is in host memory already";
+    if (lora_)
+      d += fmt::format("; LoRA: fp32 base frozen (no gradients or moments), {} adapter "
+                       "parameters trained",
                        lora_->layout().numel());
+    return d;
   }
-  float* host_params() override { return params_.data(); }
   const ParamLayout& trained_layout() const override {
     return lora_ ? lora_->layout() : model_.layout();
   }
-  float* host_trained() override { return lora_ ? adapters_.data() : params_.data(); }
+  std::vector<FlatPiece> model_pieces() override {
+    if (lora_) return {{Range{0, base_.size()}, base_.data()}};
+    return state_.param_pieces();
+  }
+  std::vector<FlatPiece> trained_pieces() override { return state_.param_pieces(); }
+  std::vector<StatePiece> checkpoint_pieces() override { return state_.checkpoint_pieces(); }
+  StateTargets checkpoint_targets() override { return state_.checkpoint_targets(); }
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
-  MomentShard host_moments() override { return optim_.moments(); }
   void push_state() override {}  // the host buffers are the live state
   void pull_state() override {}
-  void zero_grads() override { std::fill(grads_.begin(), grads_.end(), 0.0f); }
+  void zero_grads() override { state_.zero_grads(); }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
-    if (lora_) {
-      lora_->bind(adapters_.data(), grads_.data());
+    if (lora_) {  // one unit, whole at ZeRO 0 and 1: bound for the whole micro-batch
+      lora_->bind(state_.params(0), state_.grads(0));
       lora_->set_dropout_key(seed_, first_sample_);
+      const double loss = model_.forward(base_.data(), inputs, targets, positions);
+      model_.backward(base_.data(), nullptr, loss_scale);
+      return loss;
     }
-    const double loss = model_.forward(params_.data(), inputs, targets, positions);
-    model_.backward(params_.data(), lora_ ? nullptr : grads_.data(), loss_scale);
+    const double loss = model_.forward(state_, inputs, targets, positions);
+    model_.backward(state_, loss_scale);
     return loss;
   }
-  OptimStepStats optimizer_step(std::int64_t step) override {
-    return optim_.step(host_trained(), grads_.data(), step);
-  }
+  OptimStepStats optimizer_step(std::int64_t step) override { return state_.step(step); }
 
  private:
   Qwen3Model model_;
   std::unique_ptr<LoraAdapters> lora_;  // null without [lora]
-  AdamW optim_;                         // over trained_layout()
-  std::vector<float> params_;           // the model: [padded numel], or [numel] when frozen
-  std::vector<float> grads_;            // of the trained parameters: [padded trained numel]
-  std::vector<float> adapters_;         // LoRA adapters: [padded trained numel], else empty
+  ShardedState state_;                  // the trained parameters: the model, or the adapters
+  std::vector<float> base_;             // with [lora]: the frozen model [numel], else empty
+  bool offload_;
   std::uint64_t seed_;
   std::int64_t first_sample_ = 0;
 };

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 #include "model/qwen3.h"
 
 namespace qt {
@@ -17,6 +19,15 @@ double lora_params(const ModelConfig& c, const LoraConfig& l) {
   double per_layer = 0;
   for (int t : parse_lora_targets(l.targets, "lora.targets")) per_layer += l.r * in_out[t];
   return per_layer * c.num_layers;
+}
+
+// Parameters of the largest unit of the sharding plan: the embedding (or lm head) or one layer.
+double largest_unit(const ModelConfig& c) {
+  const double H = c.hidden_size, I = c.intermediate_size;
+  const double Q = static_cast<double>(c.num_heads) * c.head_dim;
+  const double KV = static_cast<double>(c.num_kv_heads) * c.head_dim;
+  const double layer = 2 * H + H * (Q + 2 * KV) + Q * H + 2.0 * c.head_dim + 3 * H * I;
+  return std::max(static_cast<double>(c.vocab_size) * H, layer);
 }
 
 }  // namespace
@@ -39,15 +50,20 @@ HostMemoryNeed training_host_memory(const Deck& deck, int dp) {
   }
   const double acts = Qwen3Model::buffer_bytes(c, deck.train.micro_batch, deck.train.seq_len,
                                                deck.train.recompute);
-  // Model, gradients (and adapters) of the trained part, moments (+ the ZeRO-1 reduction shard).
-  need.bytes = 4 * (model + trained * (deck.lora.enabled() ? 2 : 1) + 2 * shard +
-                    (zero1 ? shard : 0)) +
-               acts;
+  // The optimizer driver's buffers (optim/sharded_state.h) at each ZeRO stage; at 2 and 3 the
+  // whole units alive at once are at most two (a layer, or the head with a tied embedding).
+  const int zero = deck.optim.zero_stage;
+  const double units = 2 * largest_unit(c);
+  const double own = zero >= 1 ? trained / dp : trained;  // moments, and the reduced gradients
+  const double params = zero == 3 ? trained / dp + units : trained;
+  const double grads = zero <= 1 ? trained + (zero == 1 ? own : 0) : own + units;
+  // With [lora] the frozen base is whole beside the adapters.
+  need.bytes = 4 * ((deck.lora.enabled() ? model : 0) + params + grads + 2 * own) + acts;
   need.what = fmt::format(
       "fp32 {}, gradients and AdamW moments, {} of activations for {} x {} tokens", params,
       format_bytes(acts), deck.train.micro_batch, deck.train.seq_len);
-  need.keys += ", train.micro_batch, train.seq_len, train.recompute = true, optim.zero_stage = 1 "
-               "or fewer ranks per node";
+  need.keys += ", train.micro_batch, train.seq_len, train.recompute = true, a higher "
+               "optim.zero_stage or fewer ranks per node";
   return need;
 }
 

@@ -41,7 +41,7 @@ RunCheckpoints::RunCheckpoints(const Deck& deck, Mesh& mesh)
   if (saving_) lock_ = std::make_unique<DirLock>(deck.checkpoint.dir, "checkpoint.dir", mesh.world());
 }
 
-bool RunCheckpoints::resume(const ParamLayout& layout, float* params, const MomentShard& moments,
+bool RunCheckpoints::resume(const ParamLayout& layout, const StateTargets& targets,
                             TrainState& state, const LoraCheckpointInfo* lora) {
   const bool root = mesh_.world_rank() == 0;
   const std::string& dir = deck_.checkpoint.dir;
@@ -61,7 +61,7 @@ bool RunCheckpoints::resume(const ParamLayout& layout, float* params, const Mome
 
   std::string from;
   if (mode != "auto") {
-    state = checkpoint_read(mode, mesh_, layout, params, moments, deck_.model, lora);
+    state = checkpoint_read(mode, mesh_, layout, targets, deck_.model, lora);
     from = mode;
     std::vector<std::string> newer;
     for (const std::string& p : existing)
@@ -75,7 +75,7 @@ bool RunCheckpoints::resume(const ParamLayout& layout, float* params, const Mome
   } else {
     for (const std::string& path : existing) {
       try {
-        state = checkpoint_read(path, mesh_, layout, params, moments, deck_.model, lora);
+        state = checkpoint_read(path, mesh_, layout, targets, deck_.model, lora);
         from = path;
         break;
       } catch (const CheckpointMismatch& e) {
@@ -106,14 +106,14 @@ bool RunCheckpoints::resume(const ParamLayout& layout, float* params, const Mome
   return true;
 }
 
-std::string RunCheckpoints::save(const ParamLayout& layout, const float* params,
-                                 const MomentShard& moments, const TrainState& state,
+std::string RunCheckpoints::save(const ParamLayout& layout, const std::vector<StatePiece>& pieces,
+                                 const TrainState& state,
                                  const ModelConfig& model, const std::string& deck_text,
                                  const LoraCheckpointInfo* lora) {
   QT_CHECK(saving_, "save() of a run without checkpoints (checkpoint.every = -1)");
   const std::string path = checkpoint_path(deck_.checkpoint.dir, state.step);
   move_aside_foreign(path);
-  checkpoint_write(path, mesh_, layout, params, moments, state, model, deck_text, lora);
+  checkpoint_write(path, mesh_, layout, pieces, state, model, deck_text, lora);
   prunable_.push_back(path);
   newest_ = path;
   prune();

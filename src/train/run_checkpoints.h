@@ -31,12 +31,12 @@ class RunCheckpoints {
   // Collective. Restores state, parameters and moments from the checkpoint that
   // checkpoint.resume names; returns false when the run starts afresh. Throws UserError (on
   // every rank) when resuming would put a user's checkpoint at risk (see above).
-  bool resume(const ParamLayout& layout, float* params, const MomentShard& moments,
-              TrainState& state, const LoraCheckpointInfo* lora);
+  bool resume(const ParamLayout& layout, const StateTargets& targets, TrainState& state,
+              const LoraCheckpointInfo* lora);
 
   // Collective. Writes the checkpoint of state.step, then prunes. Throws NonFiniteState (nothing
   // written, nothing pruned) when the state holds NaN or infinity, UserError on a failed write.
-  std::string save(const ParamLayout& layout, const float* params, const MomentShard& moments,
+  std::string save(const ParamLayout& layout, const std::vector<StatePiece>& pieces,
                    const TrainState& state, const ModelConfig& model, const std::string& deck_text,
                    const LoraCheckpointInfo* lora);
 

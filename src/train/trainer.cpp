@@ -100,14 +100,13 @@ int run_training(const Deck& deck, Mesh& mesh) {
 
   TrainState state;
   state.seed = tc.seed;
-  const bool resumed = checkpoints.resume(trained, backend->host_trained(),
-                                          backend->host_moments(), state, lora);
+  const bool resumed = checkpoints.resume(trained, backend->checkpoint_targets(), state, lora);
   // A checkpoint wins over model.init: the HF weights start a run only at step 0. A LoRA
   // checkpoint holds only the adapters, so the frozen base is loaded every time.
   const bool load_base = !resumed || lora;
   if (load_base && !deck.model_init.empty()) {
     const std::string from = hf::load_params(deck.model_init, layout,
-                                             hf::all_rows(layout, backend->host_params()),
+                                             backend->model_pieces(),
                                              deck.model.tie_word_embeddings, mesh.world());
     if (root) std::printf("initialised parameters from %s\n", from.c_str());
   } else if (load_base) {
@@ -121,14 +120,17 @@ int run_training(const Deck& deck, Mesh& mesh) {
                                 "by default; --bind-to none or --map-by slot:PE=<cores> gives it more)");
       std::fflush(stdout);
     }
-    init_params(deck.model, layout, tc.seed, backend->host_params());
+    init_params(deck.model, layout, tc.seed, backend->model_pieces());
     if (root) std::printf("initialised parameters from seed %llu\n", static_cast<unsigned long long>(tc.seed));
   } else if (root && !deck.model_init.empty()) {
     std::printf("model.init %s not loaded: the checkpoint's weights continue the run\n",
                 deck.model_init.c_str());
   }
   if (lora && !resumed) {
-    lora_init(trained, tc.seed, backend->host_trained());
+    const std::vector<FlatPiece> adapters = backend->trained_pieces();
+    QT_CHECK(adapters.size() == 1 && adapters[0].range.size() == trained.numel(),
+             "LoRA adapters held in {} pieces: lora_init needs the whole buffer", adapters.size());
+    lora_init(trained, tc.seed, adapters[0].data);
     if (root) std::printf("initialised LoRA adapters as PEFT does (B = 0: the base model's output)\n");
   }
   backend->push_state();
@@ -145,8 +147,8 @@ int run_training(const Deck& deck, Mesh& mesh) {
   auto save = [&]() {
     backend->pull_state();
     try {
-      const std::string path = checkpoints.save(trained, backend->host_trained(), backend->host_moments(),
-                                                state, deck.model, deck.resolved, lora);
+      const std::string path = checkpoints.save(trained, backend->checkpoint_pieces(), state,
+                                                deck.model, deck.resolved, lora);
       if (root) std::printf("checkpoint written: %s\n", path.c_str());
       return true;
     } catch (const NonFiniteState& e) {

@@ -66,12 +66,18 @@ TEST_F(LoraTraining, OnlyAdaptersTrainTheBaseStaysBitForBit) {
   const ParamLayout& base_layout = be->layout();
   const ParamLayout& ad_layout = be->trained_layout();
   EXPECT_EQ(ad_layout.numel(), lora_layout(deck.model, deck.lora).numel());
-  EXPECT_EQ(be->host_moments().range.size(), ad_layout.numel());  // 2 x adapters, nothing else
-  init_params(deck.model, base_layout, 42, be->host_params());
-  lora_init(ad_layout, 42, be->host_trained());
+  const StateTargets held = be->checkpoint_targets();  // 2 x adapters, nothing else
+  ASSERT_EQ(held.exp_avg.size(), 1u);
+  EXPECT_EQ(held.exp_avg[0].range.size(), ad_layout.numel());
+  ASSERT_EQ(be->model_pieces().size(), 1u);
+  ASSERT_EQ(be->trained_pieces().size(), 1u);
+  float* host_base = be->model_pieces()[0].data;     // [base numel]
+  float* host_adapters = be->trained_pieces()[0].data;  // [adapter numel]
+  init_params(deck.model, base_layout, 42, host_base);
+  lora_init(ad_layout, 42, host_adapters);
   be->push_state();
-  const std::vector<float> base0(be->host_params(), be->host_params() + base_layout.numel());
-  const std::vector<float> ad0(be->host_trained(), be->host_trained() + ad_layout.numel());
+  const std::vector<float> base0(host_base, host_base + base_layout.numel());
+  const std::vector<float> ad0(host_adapters, host_adapters + ad_layout.numel());
 
   auto data = make_data_source(deck);
   const int T = deck.train.seq_len, B = deck.train.micro_batch, local = 4;
@@ -95,10 +101,10 @@ TEST_F(LoraTraining, OnlyAdaptersTrainTheBaseStaysBitForBit) {
     losses.push_back(world->sum(loss) / counted);
   }
   be->pull_state();
-  const float* base = be->host_params();
+  const float* base = host_base;
   for (std::size_t i = 0; i < base0.size(); ++i)
     ASSERT_EQ(std::bit_cast<std::uint32_t>(base[i]), std::bit_cast<std::uint32_t>(base0[i])) << i;
-  const std::vector<float> ad(be->host_trained(), be->host_trained() + ad_layout.numel());
+  const std::vector<float> ad(host_adapters, host_adapters + ad_layout.numel());
   EXPECT_NE(ad, ad0);
   for (const ParamInfo& p : ad_layout.params()) {  // every B left zero, every A moved
     double moved = 0;

@@ -1,0 +1,210 @@
+// The optimizer driver over ZeRO stages 0-3 (see sharded_state.h).
+#include "optim/sharded_state.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "optim/adamw_math.h"
+#include "optim/schedule.h"
+#include "qtrain/error.h"
+
+namespace qt {
+
+namespace {
+void free_vector(std::vector<float>& x) { std::vector<float>().swap(x); }
+double bytes_of(const std::vector<float>& x) { return 4.0 * static_cast<double>(x.size()); }
+}  // namespace
+
+ShardedState::ShardedState(const ShardPlan& plan, const ParamLayout& layout,
+                           const OptimConfig& cfg, Comm& dp, int total_steps)
+    : plan_(plan),
+      layout_(layout),
+      cfg_(cfg),
+      dp_(dp),
+      total_steps_(total_steps),
+      zero_(plan.zero_stage),
+      rank_(dp.rank()) {
+  QT_CHECK(plan.dp == dp.size(), "plan for dp {} on a dp communicator of {}", plan.dp, dp.size());
+  units_.resize(plan_.units.size());
+  for (std::size_t i = 0; i < units_.size(); ++i) {
+    const ParamUnit& pu = plan_.units[i];
+    Unit& u = units_[i];
+    const std::size_t own = pu.shard(rank_).size();
+    u.params.assign(zero_ == 3 ? pu.chunk : pu.padded(), 0.0f);
+    if (zero_ <= 1) u.grads.assign(pu.padded(), 0.0f);
+    if (zero_ >= 1) u.grad_shard.assign(pu.chunk, 0.0f);
+    u.m.assign(zero_ == 0 ? pu.range.size() : own, 0.0f);
+    u.v.assign(u.m.size(), 0.0f);
+  }
+  note_peak();
+}
+
+const float* ShardedState::params(int u) {
+  if (zero_ < 3) return units_[u].params.data();
+  QT_CHECK(!units_[u].gathered.empty(), "unit {} used before acquire()", plan_.units[u].name);
+  return units_[u].gathered.data();
+}
+
+float* ShardedState::grads(int u) {
+  Unit& x = units_[u];
+  if (zero_ >= 2 && x.grads.empty()) {  // this micro-batch's scratch for the unit
+    x.grads.assign(plan_.units[u].padded(), 0.0f);
+    note_peak();
+  }
+  return x.grads.data();
+}
+
+void ShardedState::acquire(int u) {
+  Unit& x = units_[u];
+  if (zero_ < 3 || !x.gathered.empty()) return;  // held already (the head, a tied embedding)
+  const ParamUnit& pu = plan_.units[u];
+  x.gathered.resize(pu.padded());
+  dp_.all_gather(x.params.data(), x.gathered.data(), pu.chunk, DType::kF32);
+  note_peak();
+}
+
+void ShardedState::release(int u) {
+  if (zero_ == 3) free_vector(units_[u].gathered);
+}
+
+void ShardedState::grads_done(int u) {
+  if (zero_ < 2) return;
+  Unit& x = units_[u];
+  QT_CHECK(!x.grads.empty(), "grads_done() of unit {} without gradients", plan_.units[u].name);
+  // This micro-batch's gradients of the unit, summed over dp, added to the own shard's.
+  std::vector<float> reduced(plan_.units[u].chunk);
+  dp_.reduce_scatter(x.grads.data(), reduced.data(), reduced.size(), DType::kF32, ReduceOp::kSum);
+  for (std::size_t i = 0; i < reduced.size(); ++i) x.grad_shard[i] += reduced[i];
+  free_vector(x.grads);
+}
+
+void ShardedState::zero_grads() {
+  for (Unit& x : units_) {
+    std::fill(x.grads.begin(), x.grads.end(), 0.0f);
+    std::fill(x.grad_shard.begin(), x.grad_shard.end(), 0.0f);
+  }
+}
+
+Range ShardedState::updated(int u) const {
+  return zero_ == 0 ? plan_.units[u].range : plan_.units[u].shard(rank_);
+}
+
+float* ShardedState::updated_params(int u) {
+  const ParamUnit& pu = plan_.units[u];
+  if (zero_ == 3) return units_[u].params.data();
+  return units_[u].params.data() + (updated(u).begin - pu.range.begin);
+}
+
+const float* ShardedState::updated_grads(int u) {
+  return zero_ == 0 ? units_[u].grads.data() : units_[u].grad_shard.data();
+}
+
+void ShardedState::update(int u, const AdamWStep& s) {
+  const Range r = updated(u);
+  float* w = updated_params(u);
+  const float* g = updated_grads(u);
+  Unit& x = units_[u];
+  const auto& ps = layout_.params();
+  // Each tensor overlapping r, so that weight decay follows the tensor's flag.
+  for (std::size_t t : plan_.units[u].params) {
+    const ParamInfo& p = ps[t];
+    const std::size_t lo = std::max(r.begin, p.offset), hi = std::min(r.end, p.offset + p.numel);
+    if (lo >= hi) continue;
+    const std::size_t j = lo - r.begin;
+    adamw_update(w + j, g + j, x.m.data() + j, x.v.data() + j, hi - lo, s, p.weight_decay);
+  }
+}
+
+OptimStepStats ShardedState::step(std::int64_t step) {
+  OptimStepStats st;
+  st.lr = lr_at(cfg_, total_steps_, step);
+  const bool many = dp_.size() > 1;
+  // 1. Reduce: every rank ends with the summed gradients of what it updates.
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    Unit& x = units_[u];
+    if (zero_ == 0 && many)
+      dp_.all_reduce(x.grads.data(), plan_.units[u].range.size(), DType::kF32, ReduceOp::kSum);
+    if (zero_ == 1)
+      dp_.reduce_scatter(x.grads.data(), x.grad_shard.data(), x.grad_shard.size(), DType::kF32,
+                         ReduceOp::kSum);
+  }
+  // 2. The global norm: each element once, summed by its owner.
+  double sumsq = 0;
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const ParamUnit& pu = plan_.units[u];
+    const Range own = pu.shard(rank_);
+    const float* g = zero_ == 0 ? units_[u].grads.data() + (own.begin - pu.range.begin)
+                                : units_[u].grad_shard.data();
+    for (std::size_t i = 0; i < own.size(); ++i) sumsq += static_cast<double>(g[i]) * g[i];
+  }
+  st.grad_norm = std::sqrt(dp_.sum(sumsq));
+  if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
+    st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
+  // 3. Update the owned elements, then share them where the parameters are whole.
+  const AdamWStep s = adamw_step(cfg_, st.lr, st.clip_scale, step + 1);
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    update(static_cast<int>(u), s);
+    if ((zero_ == 1 || zero_ == 2) && many) {
+      const ParamUnit& pu = plan_.units[u];
+      float* whole = units_[u].params.data();  // rank r's shard already sits at r * chunk
+      dp_.all_gather(whole + pu.chunk * rank_, whole, pu.chunk, DType::kF32);
+    }
+  }
+  return st;
+}
+
+std::vector<FlatPiece> ShardedState::param_pieces() {
+  std::vector<FlatPiece> out;
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const ParamUnit& pu = plan_.units[u];
+    const Range r = zero_ == 3 ? pu.shard(rank_) : pu.range;
+    if (r.size() > 0) out.push_back({r, units_[u].params.data()});
+  }
+  return out;
+}
+
+std::vector<StatePiece> ShardedState::checkpoint_pieces() {
+  std::vector<StatePiece> out;
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const ParamUnit& pu = plan_.units[u];
+    const Range own = pu.shard(rank_);
+    if (own.size() == 0) continue;
+    const std::size_t in_unit = own.begin - pu.range.begin;
+    const Unit& x = units_[u];
+    const std::size_t in_moments = zero_ == 0 ? in_unit : 0;
+    out.push_back({own, x.params.data() + (zero_ == 3 ? 0 : in_unit), x.m.data() + in_moments,
+                   x.v.data() + in_moments});
+  }
+  return out;
+}
+
+StateTargets ShardedState::checkpoint_targets() {
+  StateTargets t;
+  t.params = param_pieces();
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const Range r = updated(static_cast<int>(u));
+    if (r.size() == 0) continue;
+    t.exp_avg.push_back({r, units_[u].m.data()});
+    t.exp_avg_sq.push_back({r, units_[u].v.data()});
+  }
+  return t;
+}
+
+StateBytes ShardedState::bytes() const {
+  StateBytes b;
+  for (const Unit& x : units_) {
+    b.params += bytes_of(x.params) + bytes_of(x.gathered);
+    b.grads += bytes_of(x.grads) + bytes_of(x.grad_shard);
+    b.optimizer += bytes_of(x.m) + bytes_of(x.v);
+  }
+  return b;
+}
+
+void ShardedState::note_peak() {
+  const StateBytes b = bytes();
+  peak_.params = std::max(peak_.params, b.params);
+  peak_.grads = std::max(peak_.grads, b.grads);
+  peak_.optimizer = std::max(peak_.optimizer, b.optimizer);
+}
+
+}  // namespace qt

@@ -1,0 +1,98 @@
+// The optimizer driver: one trained layout's parameters, gradients and AdamW state over the units
+// of a ShardPlan (include/qtrain/shard_plan.h), at ZeRO stage 0 to 3, in host memory, reduced
+// over the dp communicator. The model reaches it through ModelParams (model/model_params.h).
+//
+//           parameters (fp32)         gradients                        AdamW m, v
+//   ZeRO-0  every unit, whole         whole; all-reduced at the step    whole
+//   ZeRO-1  every unit, whole         whole; reduce-scattered at the    own shard
+//                                     step
+//   ZeRO-2  every unit, whole         own shard: each micro-batch's     own shard
+//                                     unit gradient is reduce-scattered
+//                                     as soon as its backward is done
+//   ZeRO-3  own shard; acquire()      as ZeRO-2                         own shard
+//           gathers the unit,
+//           release() frees it
+//
+// The step: gradient norm over every element once (each owner sums its own shard), clipping,
+// then each owner updates its shard with adamw_update (optim/adamw_math.h), the same element
+// math at every stage; ZeRO-1 and 2 all-gather each updated unit, ZeRO-0 updates everything on
+// every rank. Buffers of whole units are padded to dp shards (unit.padded()); padding stays zero.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/model_params.h"
+#include "optim/optimizer.h"
+#include "qtrain/checkpoint.h"
+#include "qtrain/comm.h"
+#include "qtrain/deck.h"
+#include "qtrain/shard_plan.h"
+
+namespace qt {
+
+struct AdamWStep;  // optim/adamw_math.h
+
+// Bytes a ShardedState holds, by kind.
+struct StateBytes {
+  double params = 0, grads = 0, optimizer = 0;
+};
+
+class ShardedState final : public ModelParams {
+ public:
+  // plan.dp must be dp.size(). The parameters start at zero: fill param_pieces() before use.
+  ShardedState(const ShardPlan& plan, const ParamLayout& layout, const OptimConfig& cfg, Comm& dp,
+               int total_steps);
+
+  // ModelParams.
+  const float* params(int unit) override;
+  float* grads(int unit) override;
+  void acquire(int unit) override;
+  void release(int unit) override;
+  void grads_done(int unit) override;
+
+  // Gradients to zero before the first micro-batch of a step.
+  void zero_grads();
+  // Reduces, clips and applies this step's gradients (already scaled so that their sum over dp
+  // is the mean gradient). `step`: 0-based index of this optimizer step.
+  OptimStepStats step(std::int64_t step);
+
+  // The parameters this rank holds (whole units, or its shards at ZeRO-3): fill them to
+  // initialise or load a model.
+  std::vector<FlatPiece> param_pieces();
+  // The pieces this rank writes to a checkpoint (its own shard of every unit) and the pieces a
+  // checkpoint read fills (everything it holds).
+  std::vector<StatePiece> checkpoint_pieces();
+  StateTargets checkpoint_targets();
+
+  const ShardPlan& plan() const { return plan_; }
+  StateBytes bytes() const;  // held now
+  StateBytes peak_bytes() const { return peak_; }
+
+ private:
+  struct Unit {
+    std::vector<float> params;      // ZeRO 0-2: whole unit [padded]; ZeRO-3: own shard [chunk]
+    std::vector<float> gathered;    // ZeRO-3: the whole unit [padded] while acquired
+    std::vector<float> grads;       // ZeRO 0/1: [padded]; ZeRO 2/3: [padded] during its backward
+    std::vector<float> grad_shard;  // ZeRO >= 1: reduced gradients of the own shard [chunk]
+    std::vector<float> m, v;        // ZeRO-0: [unit size]; else [own shard size]
+  };
+  // Flat range this rank updates in unit u, and where its parameters, gradients and moments sit.
+  Range updated(int u) const;
+  float* updated_params(int u);
+  const float* updated_grads(int u);
+  void update(int u, const AdamWStep& s);
+  void note_peak();
+
+  ShardPlan plan_;
+  const ParamLayout& layout_;
+  OptimConfig cfg_;
+  Comm& dp_;
+  int total_steps_;
+  int zero_;
+  int rank_;
+  std::vector<Unit> units_;
+  StateBytes peak_;
+};
+
+}  // namespace qt

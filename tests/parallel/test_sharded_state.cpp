@@ -1,0 +1,179 @@
+// The sharding plan and the optimizer driver (issue 16), under mpiexec -n 1 and -n 3: the plan
+// covers every parameter once, the gradient norm counts every element once at every ZeRO stage,
+// the first AdamW step matches its closed form, and ZeRO-3 holds a shard of the parameters.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "model/qwen3.h"
+#include "optim/sharded_state.h"
+#include "qtrain/comm.h"
+#include "qtrain/shard_plan.h"
+
+namespace qt {
+namespace {
+
+std::shared_ptr<MpiComm> world() {
+  return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
+}
+
+ModelConfig tiny(bool tied) {
+  ModelConfig m = *model_preset("tiny");
+  m.tie_word_embeddings = tied;
+  return m;
+}
+
+TEST(ShardPlan, UnitsAndShardsCoverEveryParameterOnce) {
+  std::vector<ModelConfig> models = {tiny(true), tiny(false), *model_preset("qwen3-8b")};
+  for (const ModelConfig& m : models) {
+    const ParamLayout layout(m);
+    for (int dp : {1, 2, 3, 4, 7}) {
+      SCOPED_TRACE(m.preset + " dp " + std::to_string(dp) + (m.tie_word_embeddings ? " tied" : ""));
+      MeshShape mesh;
+      mesh.dp = dp;
+      const ShardPlan plan = plan_qwen3(m, layout, mesh, 3);
+      ASSERT_EQ(plan.units.size(), static_cast<std::size_t>(m.num_layers + 2));
+      ASSERT_EQ(plan.specs.size(), layout.params().size());
+      EXPECT_EQ(plan.units.front().name, "embed");
+      EXPECT_EQ(plan.units[Qwen3Units{m.num_layers}.layer(1)].name, "layers.1");
+      EXPECT_EQ(plan.units.back().name, "head");
+      std::size_t next = 0, tensors = 0;
+      for (const ParamUnit& u : plan.units) {
+        EXPECT_EQ(u.range.begin, next) << u.name;  // contiguous, in flat order
+        next = u.range.end;
+        tensors += u.params.size();
+        std::size_t at = u.range.begin;
+        for (int r = 0; r < dp; ++r) {  // the shards partition the unit in rank order
+          const Range s = u.shard(r);
+          EXPECT_EQ(s.begin, std::min(at, u.range.end)) << u.name << " rank " << r;
+          EXPECT_LE(s.size(), u.chunk);
+          at = s.end;
+        }
+        EXPECT_EQ(at, u.range.end) << u.name;
+        EXPECT_GE(u.padded(), u.range.size());
+        EXPECT_LT(u.padded() - u.range.size(), static_cast<std::size_t>(dp));
+      }
+      EXPECT_EQ(next, layout.numel());
+      EXPECT_EQ(tensors, layout.params().size());
+      std::size_t owned = 0;
+      for (int r = 0; r < dp; ++r)
+        for (const Range& x : plan.owned(r)) owned += x.size();
+      EXPECT_EQ(owned, layout.numel());
+      for (const ShardSpec& s : plan.specs) {
+        EXPECT_FALSE(s.sharded_by.has_value());  // dp only: ZeRO shards storage, not tensors
+        ASSERT_EQ(s.replicated_over.size(), 1u);
+        EXPECT_EQ(s.replicated_over[0], MeshDim::kDp);
+      }
+    }
+  }
+}
+
+// Gradient element i of the model summed over ranks: f(i); rank r contributes f(i) w_r.
+float grad_value(std::size_t i) { return 1e-3f * static_cast<float>((i * 7919) % 1013) - 0.5f; }
+float param_value(std::size_t i) { return 0.01f * static_cast<float>((i * 104729) % 211) - 1.0f; }
+
+TEST(ShardedState, NormAndFirstStepAtEveryStage) {
+  auto comm = world();
+  const int P = comm->size(), r = comm->rank();
+  const ModelConfig m = tiny(true);
+  const ParamLayout layout(m);
+  MeshShape mesh;
+  mesh.dp = P;
+  OptimConfig oc;
+  oc.lr = 1e-2;
+  oc.min_lr = 1e-2;
+  oc.warmup_steps = 0;
+  oc.schedule = Schedule::kConstant;
+  oc.grad_clip = 0;  // no clipping: the closed form below
+  oc.weight_decay = 0.1;
+  // Rank weights w_r = (r + 1) / sum(r + 1): their sum is 1 up to rounding.
+  const double wsum = P * (P + 1) / 2.0;
+  const float w_r = static_cast<float>((r + 1) / wsum);
+  double want_sq = 0;  // independently: over every element once, in double
+  for (std::size_t i = 0; i < layout.numel(); ++i) {
+    double g = 0;
+    for (int q = 0; q < P; ++q) g += static_cast<double>(grad_value(i) * static_cast<float>((q + 1) / wsum));
+    want_sq += g * g;
+  }
+  for (int zero = 0; zero <= 3; ++zero) {
+    SCOPED_TRACE("ZeRO-" + std::to_string(zero) + " over " + std::to_string(P) + " ranks");
+    oc.zero_stage = zero;
+    const ShardPlan plan = plan_qwen3(m, layout, mesh, zero);
+    ShardedState st(plan, layout, oc, *comm, 10);
+    for (const FlatPiece& p : st.param_pieces())
+      for (std::size_t k = 0; k < p.range.size(); ++k) p.data[k] = param_value(p.range.begin + k);
+    st.zero_grads();
+    for (std::size_t u = 0; u < plan.units.size(); ++u) {
+      const int ui = static_cast<int>(u);
+      float* g = st.grads(ui);
+      for (std::size_t k = 0; k < plan.units[u].range.size(); ++k)
+        g[k] = grad_value(plan.units[u].range.begin + k) * w_r;
+      st.grads_done(ui);
+    }
+    const OptimStepStats s = st.step(0);
+    std::printf("ZeRO-%d: grad norm %.9g, want %.9g\n", zero, s.grad_norm, std::sqrt(want_sq));
+    EXPECT_NEAR(s.grad_norm, std::sqrt(want_sq), 1e-6 * std::sqrt(want_sq));
+    EXPECT_EQ(s.clip_scale, 1.0);
+    // First step, bias-corrected: w' = w - lr wd w - lr g / (|g| + eps) (no decay on norms).
+    double worst = 0;
+    for (const FlatPiece& p : st.param_pieces()) {
+      for (std::size_t k = 0; k < p.range.size(); ++k) {
+        const std::size_t i = p.range.begin + k;
+        double g = 0;
+        for (int q = 0; q < P; ++q) g += static_cast<double>(grad_value(i) * static_cast<float>((q + 1) / wsum));
+        const ParamInfo* info = nullptr;
+        for (const ParamInfo& pi : layout.params())
+          if (i >= pi.offset && i < pi.offset + pi.numel) info = &pi;
+        const double w = param_value(i);
+        const double want = w - (info->weight_decay ? oc.lr * oc.weight_decay * w : 0.0) -
+                            oc.lr * g / (std::abs(g) + oc.eps);
+        worst = std::max(worst, std::abs(p.data[k] - want));
+      }
+    }
+    EXPECT_LT(worst, 2e-6) << "largest difference from the closed-form first step";
+  }
+}
+
+TEST(ShardedState, Zero3HoldsAShardAndGathersOneUnitAtATime) {
+  auto comm = world();
+  const int P = comm->size();
+  const ModelConfig m = tiny(false);
+  const int B = 2, T = 8;
+  Qwen3Model model(m, B, T, false);
+  const ParamLayout& layout = model.layout();
+  MeshShape mesh;
+  mesh.dp = P;
+  OptimConfig oc;
+  oc.zero_stage = 3;
+  const ShardPlan plan = plan_qwen3(m, layout, mesh, 3);
+  ShardedState st(plan, layout, oc, *comm, 10);
+  std::size_t shard = 0, largest = 0;
+  for (const ParamUnit& u : plan.units) {
+    shard += u.chunk;
+    largest = std::max(largest, u.padded());
+  }
+  EXPECT_EQ(st.bytes().params, 4.0 * static_cast<double>(shard));
+  EXPECT_EQ(st.bytes().grads, 4.0 * static_cast<double>(shard));  // the reduced shard only
+  init_params(m, layout, 1, st.param_pieces());
+  std::vector<std::int32_t> in(B * T), tg(B * T);
+  for (int i = 0; i < B * T; ++i) {
+    in[i] = (i * 37) % m.vocab_size;
+    tg[i] = (i * 53 + 1) % m.vocab_size;
+  }
+  st.zero_grads();
+  const double loss = model.forward(st, in.data(), tg.data());
+  model.backward(st, 1.0f / (B * T));
+  EXPECT_TRUE(std::isfinite(loss));
+  // Afterwards nothing stays gathered; at the peak, the shards plus at most two whole units
+  // (the head with its layer-less neighbour, or a layer and nothing else).
+  EXPECT_EQ(st.bytes().params, 4.0 * static_cast<double>(shard));
+  EXPECT_LE(st.peak_bytes().params, 4.0 * static_cast<double>(shard + 2 * largest));
+  EXPECT_LE(st.peak_bytes().grads, 4.0 * static_cast<double>(shard + 2 * largest));
+  if (P > 1) EXPECT_LT(st.peak_bytes().params, 4.0 * static_cast<double>(layout.numel()));
+}
+
+}  // namespace
+}  // namespace qt
