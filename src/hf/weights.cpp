@@ -193,4 +193,65 @@ std::string load_params(const std::string& dir, const ParamLayout& layout,
   return line;
 }
 
+std::string load_params(const std::string& dir, const ParamLayout& layout,
+                        const std::vector<FlatPiece>& pieces, bool tied_embeddings, Comm& world) {
+  // Whole rows inside a piece are read straight into it; a row that a piece cuts (at most two
+  // per piece and tensor) is read whole into a staging row, and its wanted part copied out.
+  struct Cut {
+    const ParamInfo* param;
+    std::size_t row;            // the row staged
+    std::size_t skip, len;      // the wanted part: its elements [skip, skip + len)
+    float* dst;                 // [len]
+    std::vector<float> staged;  // [row elements]
+  };
+  std::vector<RowSlice> slices;
+  std::vector<Cut> cuts;
+  const auto& ps = layout.params();  // in flat order, contiguous from 0
+  for (const FlatPiece& f : pieces) {
+    QT_CHECK(f.range.begin <= f.range.end && f.range.end <= layout.numel(),
+             "{}: piece [{}, {}) outside the {} parameters", dir, f.range.begin, f.range.end,
+             layout.numel());
+    QT_CHECK(f.range.size() == 0 || f.data != nullptr, "{}: piece [{}, {}) has no buffer", dir,
+             f.range.begin, f.range.end);
+    if (f.range.size() == 0) continue;
+    // The tensors the piece meets: from the last one starting at or before its first element.
+    auto it = std::upper_bound(ps.begin(), ps.end(), f.range.begin,
+                               [](std::size_t x, const ParamInfo& p) { return x < p.offset; });
+    for (--it; it != ps.end() && it->offset < f.range.end; ++it) {
+      const ParamInfo& p = *it;
+      // Tensor-relative elements [lo, hi), rows of w elements.
+      const std::size_t lo = std::max(f.range.begin, p.offset) - p.offset;
+      const std::size_t hi = std::min(f.range.end, p.offset + p.numel) - p.offset;
+      if (lo >= hi) continue;
+      const std::size_t rows = p.shape.empty() ? 1 : static_cast<std::size_t>(p.shape[0]);
+      const std::size_t w = p.numel / rows;
+      float* at_lo = f.data + (p.offset + lo - f.range.begin);  // where element lo goes
+      // Stages elements [a, b) of row `row`.
+      auto cut = [&](std::size_t row, std::size_t a, std::size_t b) {
+        cuts.push_back({&p, row, a, b - a, at_lo + (row * w + a - lo), {}});
+      };
+      // Whole rows [first, end); first > end when [lo, hi) lies inside one row.
+      const std::size_t first = (lo + w - 1) / w, end = hi / w;
+      if (first > end) {
+        cut(lo / w, lo % w, hi % w);
+        continue;
+      }
+      if (lo % w != 0) cut(lo / w, lo % w, w);
+      if (first < end)
+        slices.push_back({&p, static_cast<std::int64_t>(first), static_cast<std::int64_t>(end),
+                          at_lo + (first * w - lo)});
+      if (hi % w != 0) cut(end, 0, hi % w);
+    }
+  }
+  for (Cut& c : cuts) {
+    c.staged.resize(c.param->numel /
+                    (c.param->shape.empty() ? 1 : static_cast<std::size_t>(c.param->shape[0])));
+    slices.push_back({c.param, static_cast<std::int64_t>(c.row),
+                      static_cast<std::int64_t>(c.row + 1), c.staged.data()});
+  }
+  const std::string line = load_params(dir, layout, slices, tied_embeddings, world);
+  for (const Cut& c : cuts) std::copy_n(c.staged.data() + c.skip, c.len, c.dst);
+  return line;
+}
+
 }  // namespace qt::hf

@@ -60,7 +60,8 @@ std::vector<RowSlice> all_rows(const ParamLayout& layout, float* params);
 std::string load_params(const std::string& dir, const ParamLayout& layout,
                         const std::vector<RowSlice>& slices, bool tied_embeddings, Comm& world);
 // The same for the flat ranges `pieces` of `layout` (a sharded state's; a piece may start and
-// end inside a row), read through slices of whole rows staged in host memory.
+// end inside a row), read through slices of whole rows: the rows inside a piece straight into
+// it, a row that a piece cuts (at most two per piece and tensor) staged in host memory.
 std::string load_params(const std::string& dir, const ParamLayout& layout,
                         const std::vector<FlatPiece>& pieces, bool tied_embeddings, Comm& world);
 

@@ -1,8 +1,8 @@
 // Checkpoints in one parallel-HDF5 file (layout and rules: include/qtrain/checkpoint.h,
 // docs/checkpoints.md).
 //
-// Write: every rank writes its write partition P_r = split_range(numel, world, rank) of the flat
-// params and moments, collectively. Read: every rank reads P_r of every tensor (independent
+// Write: every rank writes its pieces of the flat params and moments (over all ranks a partition
+// of [0, numel)), collectively. Read: every rank reads P_r of every tensor (independent
 // transfers, so that one rank's read error cannot hang the others), checksums it, and after the
 // checksums agree the parts are redistributed over MPI to what each rank needs. Every error of
 // the read path is agreed on by all ranks before it is thrown (agree()).
@@ -214,33 +214,91 @@ std::int64_t checkpoint_step(const std::string& path) {
   return std::stoll(m[1].str());
 }
 
+std::vector<StatePiece> flat_state_pieces(std::size_t numel, const Comm& world, const float* params,
+                                          const MomentShard& moments) {
+  const Range part = split_range(numel, world.size(), world.rank());
+  if (part.size() == 0) return {};
+  QT_CHECK(moments.range.begin <= part.begin && part.end <= moments.range.end,
+           "write partition [{}, {}) is not inside the moment shard [{}, {})", part.begin, part.end,
+           moments.range.begin, moments.range.end);
+  const std::size_t m = part.begin - moments.range.begin;
+  return {StatePiece{part, params + part.begin, moments.exp_avg + m, moments.exp_avg_sq + m}};
+}
+
+StateTargets flat_state_targets(std::size_t numel, float* params, const MomentShard& moments) {
+  QT_CHECK(moments.range.begin <= moments.range.end && moments.range.end <= numel,
+           "moment range [{}, {}) outside the {} parameters", moments.range.begin,
+           moments.range.end, numel);
+  return {{FlatPiece{Range{0, numel}, params}},
+          {FlatPiece{moments.range, moments.exp_avg}},
+          {FlatPiece{moments.range, moments.exp_avg_sq}}};
+}
+
 void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& layout,
                       const float* params, const MomentShard& moments, const TrainState& state,
                       const ModelConfig& model, const std::string& deck_text,
                       const LoraCheckpointInfo* lora) {
-  MpiComm& world = mesh.world();
-  const Range part = split_range(layout.numel(), world.size(), world.rank());
-  QT_CHECK(part.size() == 0 || (moments.range.begin <= part.begin && part.end <= moments.range.end),
-           "write partition [{}, {}) is not inside the moment shard [{}, {})", part.begin, part.end,
-           moments.range.begin, moments.range.end);
+  checkpoint_write(path, mesh, layout,
+                   flat_state_pieces(layout.numel(), mesh.world(), params, moments), state, model,
+                   deck_text, lora);
+}
 
-  // Checksums and non-finite counts of this rank's part of every tensor, summed over ranks.
+void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& layout,
+                      const std::vector<StatePiece>& pieces, const TrainState& state,
+                      const ModelConfig& model, const std::string& deck_text,
+                      const LoraCheckpointInfo* lora) {
+  MpiComm& world = mesh.world();
+  const std::size_t numel = layout.numel();
+  std::vector<Range> ranges;
+  for (const StatePiece& p : pieces) {
+    QT_CHECK(p.range.begin <= p.range.end && p.range.end <= numel,
+             "checkpoint {}: piece [{}, {}) outside the {} elements of the state", path,
+             p.range.begin, p.range.end, numel);
+    QT_CHECK(p.range.size() == 0 || (p.params && p.exp_avg && p.exp_avg_sq),
+             "checkpoint {}: piece [{}, {}) lacks its params or a moment", path, p.range.begin,
+             p.range.end);
+    ranges.push_back(p.range);
+  }
+  // The same verdict on every rank (all see every rank's ranges), before anything is written.
+  const std::string cover = partition_error(all_gather_ranges(world, ranges), numel);
+  QT_CHECK(cover.empty(),
+           "checkpoint {}: the pieces of all ranks must cover the {} elements of the state exactly "
+           "once: {}; nothing was written",
+           path, numel, cover);
+  // This rank's pieces in flat order (the order of the file's values within a group).
+  std::vector<const StatePiece*> mine;
+  for (const StatePiece& p : pieces)
+    if (p.range.size() > 0) mine.push_back(&p);
+  std::sort(mine.begin(), mine.end(), [](const StatePiece* a, const StatePiece* b) {
+    return a->range.begin < b->range.begin;
+  });
   const auto& ps = layout.params();
   const std::size_t nt = ps.size();
-  const float* src[3] = {params, moments.exp_avg, moments.exp_avg_sq};
-  const std::size_t src_base[3] = {0, moments.range.begin, moments.range.begin};
+  // Calls f(g, t, r, x) for every group g, piece and tensor t it meets: r = piece ∩ tensor t,
+  // x = the values of r in group g.
+  auto for_each_part = [&](auto&& f) {
+    for (int g = 0; g < 3; ++g)
+      for (const StatePiece* p : mine) {
+        const float* src = g == 0 ? p->params : g == 1 ? p->exp_avg : p->exp_avg_sq;
+        std::size_t t =
+            std::upper_bound(ps.begin(), ps.end(), p->range.begin,
+                             [](std::size_t x, const ParamInfo& q) { return x < q.offset; }) -
+            ps.begin() - 1;
+        for (; t < nt && ps[t].offset < p->range.end; ++t) {
+          const Range r = intersect(p->range, tensor_range(ps[t]));
+          if (r.size() > 0) f(g, t, r, src + (r.begin - p->range.begin));
+        }
+      }
+  };
+
+  // Checksums and non-finite counts of this rank's parts of every tensor, summed over ranks.
   std::vector<std::uint64_t> counts(6 * nt, 0);  // [sums (3 nt), non-finite (3 nt)]
-  for (int g = 0; g < 3; ++g) {
-    for (std::size_t t = 0; t < nt; ++t) {
-      const Range r = intersect(part, tensor_range(ps[t]));
-      if (r.size() == 0) continue;
-      const float* x = src[g] + (r.begin - src_base[g]);
-      counts[g * nt + t] = checksum_part(x, r.size(), r.begin - ps[t].offset);
-      std::uint64_t bad = 0;
-      for (std::size_t k = 0; k < r.size(); ++k) bad += !std::isfinite(x[k]);
-      counts[(3 + g) * nt + t] = bad;
-    }
-  }
+  for_each_part([&](int g, std::size_t t, Range r, const float* x) {
+    counts[g * nt + t] += checksum_part(x, r.size(), r.begin - ps[t].offset);
+    std::uint64_t bad = 0;
+    for (std::size_t k = 0; k < r.size(); ++k) bad += !std::isfinite(x[k]);
+    counts[(3 + g) * nt + t] += bad;
+  });
   world.all_reduce(counts.data(), counts.size(), DType::kU64, ReduceOp::kSum);
   for (int g = 0; g < 3; ++g)
     for (std::size_t t = 0; t < nt; ++t)
@@ -264,29 +322,24 @@ void checkpoint_write(const std::string& path, Mesh& mesh, const ParamLayout& la
       return write_metadata(file, layout, state, model, deck_text, lora, counts.data(), offsets);
     });
   world.broadcast(offsets.data(), offsets.size(), DType::kU64, 0);
-  std::vector<h5::Piece> pieces;
-  if (!image.empty()) pieces.push_back({0, image.data(), image.size()});
-  for (int g = 0; g < 3; ++g) {
-    for (std::size_t t = 0; t < nt; ++t) {
-      const Range r = intersect(part, tensor_range(ps[t]));
-      if (r.size() == 0) continue;
-      const h5::Piece p{offsets[g * nt + t] + 4 * (r.begin - ps[t].offset),
-                        src[g] + (r.begin - src_base[g]), 4 * r.size()};
-      h5::Piece* last = pieces.empty() ? nullptr : &pieces.back();
-      if (last && last->at + last->bytes == p.at &&
-          static_cast<const char*>(last->data) + last->bytes == p.data)
-        last->bytes += p.bytes;
-      else
-        pieces.push_back(p);
-    }
-  }
+  std::vector<h5::Piece> writes;
+  if (!image.empty()) writes.push_back({0, image.data(), image.size()});
+  for_each_part([&](int g, std::size_t t, Range r, const float* x) {
+    const h5::Piece p{offsets[g * nt + t] + 4 * (r.begin - ps[t].offset), x, 4 * r.size()};
+    h5::Piece* last = writes.empty() ? nullptr : &writes.back();
+    if (last && last->at + last->bytes == p.at &&
+        static_cast<const char*>(last->data) + last->bytes == p.data)
+      last->bytes += p.bytes;
+    else
+      writes.push_back(p);
+  });
 
   // A .tmp of an interrupted write is replaced (the writes do not truncate).
   const std::string tmp = path + ".tmp";
   std::error_code ec;
   if (world.rank() == 0) fs::remove(tmp, ec);
   world.barrier();
-  const h5::WriteResult w = h5::write_pieces(tmp, pieces, world);
+  const h5::WriteResult w = h5::write_pieces(tmp, writes, world);
   if (!w.ok()) {
     if (world.rank() == 0) fs::remove(tmp, ec);
     world.barrier();
@@ -461,11 +514,22 @@ std::string open_tensor(hid_t file, const std::string& path, const char* group, 
 TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayout& layout,
                            float* params, const MomentShard& moments, const ModelConfig& model,
                            const LoraCheckpointInfo* lora) {
+  return checkpoint_read(path, mesh, layout, flat_state_targets(layout.numel(), params, moments),
+                         model, lora);
+}
+
+TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayout& layout,
+                           const StateTargets& targets, const ModelConfig& model,
+                           const LoraCheckpointInfo* lora) {
   MpiComm& world = mesh.world();
   const std::size_t numel = layout.numel();
-  QT_CHECK(moments.range.begin <= moments.range.end && moments.range.end <= numel,
-           "moment range [{}, {}) outside the {} parameters", moments.range.begin,
-           moments.range.end, numel);
+  for (const auto* group : {&targets.params, &targets.exp_avg, &targets.exp_avg_sq})
+    for (const FlatPiece& t : *group)
+      QT_CHECK(t.range.begin <= t.range.end && t.range.end <= numel &&
+                   (t.range.size() == 0 || t.data != nullptr),
+               "checkpoint {}: target [{}, {}) is outside the {} elements of the state or has no "
+               "buffer",
+               path, t.range.begin, t.range.end, numel);
   h5::QuietErrors quiet;
 
   std::string err;
@@ -555,9 +619,11 @@ TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayou
     }
   }
 
-  redistribute_flat(world, numel, local[0].data(), Range{0, numel}, params);
-  redistribute_flat(world, numel, local[1].data(), moments.range, moments.exp_avg);
-  redistribute_flat(world, numel, local[2].data(), moments.range, moments.exp_avg_sq);
+  const std::vector<FlatPiece>* to[3] = {&targets.params, &targets.exp_avg, &targets.exp_avg_sq};
+  for (int g = 0; g < 3; ++g) {
+    redistribute_pieces(world, numel, {ConstFlatPiece{part, local[g].data()}}, *to[g]);
+    std::vector<float>().swap(local[g]);  // [part] no longer needed
+  }
   return st;
 }
 

@@ -6,6 +6,7 @@
 #include <hdf5.h>
 #include <mpi.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdlib>
 #include <cstring>
@@ -148,6 +149,66 @@ TEST(HfExport, ShardedDirectoryWithIndexLoadsBack) {
       const std::size_t first = static_cast<std::size_t>(p.shape[0] / 2) * (p.numel / p.shape[0]);
       for (std::size_t i = 0; i < p.numel; ++i)
         ASSERT_EQ(part[p.offset + i], i < first ? -7.0f : round_bf16(src[p.offset + i])) << p.name << " " << i;
+    }
+    barrier();
+    if (world_rank() == 0) fs::remove_all(dir);
+  }
+}
+
+// Loading flat pieces (a sharded state's) gives the full load's bits: pieces that start and end
+// mid-row and span tensors, whole tensors, single elements, overlapping pieces; nothing is
+// written outside a piece.
+TEST(HfImport, PiecesEqualTheFullLoad) {
+  auto world = world_comm();
+  for (bool tied : {true, false}) {
+    const ModelConfig cfg = small_model(tied);
+    const ParamLayout layout(cfg);
+    const std::size_t n = layout.numel();
+    const std::uint64_t seed = shared_seed();
+    const auto src = random_params(layout, seed);
+    const std::string dir = shared_temp_dir("hf-pieces");
+    if (world_rank() == 0)
+      write_model_dir(dir, cfg, layout, src.data(), n * 2 / 3, default_extras(cfg), "{}\n");
+    barrier();
+    std::vector<float> full(n, -1.0f);
+    load_params(dir, layout, all_rows(layout, full.data()), tied, *world);
+    expect_bf16_of(layout, full, src);
+    for (int trial = 0; trial < 4; ++trial) {
+      std::mt19937_64 rng(seed + trial + world_rank());  // other pieces on every rank
+      std::vector<Range> ranges;
+      std::vector<std::size_t> cut{0, n};
+      for (int i = 0; i < 20; ++i) cut.push_back(rng() % (n + 1));
+      std::sort(cut.begin(), cut.end());
+      for (std::size_t i = 0; i + 1 < cut.size(); ++i) ranges.push_back({cut[i], cut[i + 1]});
+      for (int i = 0; i < 12; ++i) {  // single elements, short and long ranges
+        const std::size_t a = rng() % n, kind = rng() % 3;
+        const std::size_t len = kind == 0 ? 1 : kind == 1 ? 1 + rng() % 40 : rng() % (n - a + 1);
+        ranges.push_back({a, std::min(n, a + len)});
+      }
+      const ParamInfo& q = layout.find("model.layers.1.self_attn.q_proj.weight");
+      const std::size_t row = q.numel / q.shape[0];
+      ranges.push_back({q.offset, q.offset + q.numel});                    // a whole tensor
+      ranges.push_back({q.offset + row, q.offset + 3 * row});              // whole rows
+      ranges.push_back({q.offset + row + 1, q.offset + 2 * row - 1});      // inside one row
+      ranges.push_back({q.offset + row + 3, q.offset + row + 4});          // one element
+      ranges.push_back({q.offset + q.numel - 1, q.offset + q.numel + 1});  // across tensors
+      std::vector<std::vector<float>> bufs;  // each [size + 2]: a guard on either side
+      for (const Range& r : ranges) bufs.emplace_back(r.size() + 2, -9.0f);
+      std::vector<FlatPiece> pieces;
+      for (std::size_t i = 0; i < ranges.size(); ++i)
+        pieces.push_back({ranges[i], bufs[i].data() + 1});
+      load_params(dir, layout, pieces, tied, *world);
+      for (std::size_t i = 0; i < ranges.size(); ++i) {
+        const Range r = ranges[i];
+        EXPECT_EQ(0,
+                  std::memcmp(bufs[i].data() + 1, full.data() + r.begin, r.size() * sizeof(float)))
+            << "piece [" << r.begin << ", " << r.end << ") of " << n << " on rank " << world_rank()
+            << ", tied " << tied << ", seed " << seed << " trial " << trial;
+        EXPECT_EQ(bufs[i].front(), -9.0f)
+            << "written before piece [" << r.begin << ", " << r.end << ")";
+        EXPECT_EQ(bufs[i].back(), -9.0f)
+            << "written after piece [" << r.begin << ", " << r.end << ")";
+      }
     }
     barrier();
     if (world_rank() == 0) fs::remove_all(dir);

@@ -3,7 +3,9 @@
 // of the fp64 loss.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <random>
 
 #include "model/qwen3.h"
@@ -186,6 +188,65 @@ TEST(Init, ThreadedFillMatchesElementFormula) {
     }
   }
   EXPECT_EQ(bad, 0u) << "of " << layout.numel() << " elements";
+}
+
+// init_params over flat pieces (a sharded state's) gives the full init's bits: pieces that
+// start and end mid-tensor and span several tensors, empty, single and overlapping ones; the
+// large model's partition is enough work for several threads.
+TEST(Init, PiecesMatchTheFullInit) {
+  ModelConfig small;
+  small.vocab_size = 40;
+  small.hidden_size = 16;
+  small.intermediate_size = 24;
+  small.num_layers = 2;
+  small.num_heads = 2;
+  small.num_kv_heads = 1;
+  small.head_dim = 8;
+  ModelConfig large = small;  // about 10M parameters: more than 8 slices of 1M elements
+  large.vocab_size = 8192;
+  large.hidden_size = 512;
+  large.intermediate_size = 1024;
+  large.num_layers = 1;
+  large.tie_word_embeddings = false;
+  for (const ModelConfig* cp : {&small, &large}) {
+    const ModelConfig& c = *cp;
+    const ParamLayout layout(c);
+    const std::size_t n = layout.numel();
+    std::vector<float> full(n);
+    init_params(c, layout, 5, full.data());
+    const int trials = cp == &small ? 12 : 1;
+    for (int trial = 0; trial < trials; ++trial) {
+      const std::uint64_t seed = test::test_seed() + trial;
+      std::mt19937_64 rng(seed);
+      // A partition of [0, n) at random cuts, then random extra ranges (overlapping the rest).
+      std::vector<std::size_t> cut{0, n};
+      for (int i = 0; i < 24; ++i) cut.push_back(rng() % (n + 1));
+      std::sort(cut.begin(), cut.end());
+      std::vector<Range> ranges;
+      for (std::size_t i = 0; i + 1 < cut.size(); ++i) ranges.push_back({cut[i], cut[i + 1]});
+      for (int i = 0; i < 6; ++i) {
+        const std::size_t a = rng() % n, len = rng() % 3 == 0 ? 1 : rng() % (n - a + 1);
+        ranges.push_back({a, a + len});
+      }
+      std::shuffle(ranges.begin(), ranges.end(), rng);
+      std::vector<std::vector<float>> bufs;  // each [size + 2]: a guard on either side
+      for (const Range& r : ranges) bufs.emplace_back(r.size() + 2, -3.0f);
+      std::vector<FlatPiece> pieces;
+      for (std::size_t i = 0; i < ranges.size(); ++i)
+        pieces.push_back({ranges[i], bufs[i].data() + 1});
+      init_params(c, layout, 5, pieces);
+      for (std::size_t i = 0; i < ranges.size(); ++i) {
+        const Range r = ranges[i];
+        EXPECT_EQ(0,
+                  std::memcmp(bufs[i].data() + 1, full.data() + r.begin, r.size() * sizeof(float)))
+            << "piece [" << r.begin << ", " << r.end << ") of " << n << ", seed " << seed;
+        EXPECT_EQ(bufs[i].front(), -3.0f)
+            << "written before piece [" << r.begin << ", " << r.end << ")";
+        EXPECT_EQ(bufs[i].back(), -3.0f)
+            << "written after piece [" << r.begin << ", " << r.end << ")";
+      }
+    }
+  }
 }
 
 TEST(Layout, TransformersNamesAndShapes) {
