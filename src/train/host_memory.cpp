@@ -55,10 +55,10 @@ HostMemoryNeed training_host_memory(const Deck& deck, int dp) {
   const int zero = deck.optim.zero_stage;
   const double units = 2 * largest_unit(c);
   const double own = zero >= 1 ? trained / dp : trained;  // moments, and the reduced gradients
-  const double params = zero == 3 ? trained / dp + units : trained;
+  const double held = zero == 3 ? trained / dp + units : trained;
   const double grads = zero <= 1 ? trained + (zero == 1 ? own : 0) : own + units;
   // With [lora] the frozen base is whole beside the adapters.
-  need.bytes = 4 * ((deck.lora.enabled() ? model : 0) + params + grads + 2 * own) + acts;
+  need.bytes = 4 * ((deck.lora.enabled() ? model : 0) + held + grads + 2 * own) + acts;
   need.what = fmt::format(
       "fp32 {}, gradients and AdamW moments, {} of activations for {} x {} tokens", params,
       format_bytes(acts), deck.train.micro_batch, deck.train.seq_len);
