@@ -16,12 +16,32 @@
 #include "cuda/device.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
+#include "qtrain/shard_plan.h"
 
 namespace qt::cuda {
 
 using bf16 = __nv_bfloat16;
 
 class LoraCuda;
+
+// Where Qwen3Cuda finds each unit's weights and gradients: the units of the sharding plan
+// (include/qtrain/shard_plan.h; Qwen3Units: 0 the embedding, 1 + l layer l, L + 1 the head).
+// The model calls these on the host while it enqueues work on stream `s`; a pointer returned is
+// valid for work enqueued on `s` after the call, until release(unit) (weights) or grads_done(unit)
+// (gradients). A flat buffer (FlatUnits) just returns pointers into it; a sharded state gathers a
+// unit's weights ahead of use and reduces its gradients when they are done.
+class UnitSource {
+ public:
+  virtual ~UnitSource() = default;
+  // The unit's bf16 weights [unit size], each tensor at its flat offset minus the unit's begin.
+  virtual const bf16* weights(int unit, cudaStream_t s) = 0;
+  // The unit's fp32 gradient buffer (same layout), or null: frozen (LoRA's base).
+  virtual float* grads(int unit, cudaStream_t s) = 0;
+  // The model has enqueued its last use of the unit's weights (until it asks again).
+  virtual void release(int /*unit*/, cudaStream_t /*s*/) {}
+  // The model has enqueued every write of this micro-batch to the unit's gradients.
+  virtual void grads_done(int /*unit*/, cudaStream_t /*s*/) {}
+};
 
 class Qwen3Cuda {
  public:
@@ -61,6 +81,17 @@ class Qwen3Cuda {
                           const std::int32_t* targets, float loss_scale, cudaStream_t stream,
                           const GradsReady& ready = {}, const std::int32_t* positions = nullptr,
                           GradWrite grad_write = GradWrite::kAccumulate);
+  // The same with the weights and gradients from `units`, unit by unit: the forward asks for
+  // layer l + 1 (or the head) while it enqueues layer l (whose last op, the fused residual and
+  // norm, reads the next unit's input norm); the backward asks for the head, layers L-1 .. 0 and
+  // the embedding, and reports each unit's gradients done in that order.
+  double forward_backward(UnitSource& units, const std::int32_t* inputs,
+                          const std::int32_t* targets, float loss_scale, cudaStream_t stream,
+                          const std::int32_t* positions = nullptr,
+                          GradWrite grad_write = GradWrite::kAccumulate);
+
+  // The flat-layout units of this model (a plan for dp 1: unit ranges do not depend on dp).
+  const ShardPlan& units() const { return plan_; }
 
  private:
   // q/k/v_proj and gate/up_proj are adjacent in the flat layout, so each pair runs as one GEMM
@@ -77,18 +108,32 @@ class Qwen3Cuda {
     bf16* h;                         // [N, I]
   };
 
-  void layer_forward(int l, const bf16* W, cudaStream_t s);
-  void layer_backward(int l, const bf16* W, float* G, cudaStream_t s);
+  // Layer l's tensors inside its unit's buffer (weights or gradients; null stays null).
+  template <class T>
+  struct LayerTensors {
+    T *ln1, *wq, *wo, *q_norm, *k_norm, *ln2, *w_gate, *w_down;
+  };
+  template <class T>
+  LayerTensors<T> layer_tensors(int l, T* unit) const;
+
+  // next_norm: the input norm weight of layer l + 1, or the final norm's after the last layer.
+  void layer_forward(int l, const LayerTensors<const bf16>& w, const bf16* next_norm,
+                     cudaStream_t s);
+  void layer_backward(int l, const LayerTensors<const bf16>& w, const LayerTensors<float>& g,
+                      cudaStream_t s);
   // How far down layer l's backward goes: through its projections in backward order, then to
   // its input (kBelow), unless the base is frozen and nothing below needs a gradient.
   enum Depth { kDown, kGateUp, kO, kQKV, kBelow };
-  Depth backward_depth(int l, const float* G) const;
-  void lm_head_loss(const bf16* W, float* G, const std::int32_t* targets, float loss_scale,
-                    cudaStream_t s);
+  Depth backward_depth(int l, bool frozen) const;
+  // lm_head: [V, H] bf16; g_lm_head: its gradient or null.
+  void lm_head_loss(const bf16* lm_head, float* g_lm_head, const std::int32_t* targets,
+                    float loss_scale, cudaStream_t s);
 
   ModelConfig cfg_;
   ParamLayout layout_;
   ModelOffsets off_ = layout_.model_offsets();
+  ShardPlan plan_;
+  Qwen3Units unit_;
   int B_, T_, N_;
   float *cos_, *sin_;                // [T, hd/2] fp32 tables
   std::vector<bf16*> x_;             // [L+1] residual stream [N, H]; x_[l] is layer l's input
