@@ -496,13 +496,15 @@ void Builder::validate_train_optim() {
   need(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)");
   need(o.zero_stage >= 0 && o.zero_stage <= 3, "optim.zero_stage", "must be 0, 1, 2 or 3");
   need(o.offload == "none" || o.offload == "cpu", "optim.offload", "must be none or cpu");
-  // Not built yet: the CUDA back end's ZeRO-2/3 and offload (issue 16 goes on), and sharding a
-  // LoRA run's frozen base.
-  need(o.zero_stage <= 1 || deck_.train.device != "cuda", "optim.zero_stage",
-       "{} is not available on train.device = cuda yet (0 and 1 are); use train.device = cpu",
-       o.zero_stage);
-  need(o.offload == "none" || deck_.train.device != "cuda", "optim.offload",
-       "cpu is not available on train.device = cuda yet; use none");
+  // Not built yet: sharding a LoRA run's frozen base; offload beside a whole optimizer state.
+  need(o.offload == "none" || deck_.train.device != "cuda" || o.zero_stage >= 2, "optim.offload",
+       "= cpu on train.device = cuda needs optim.zero_stage = 2 or 3 (on one GPU they are the "
+       "same)");
+  need(o.grad_reduce == "fp32" || o.zero_stage <= 1, "optim.grad_reduce",
+       "= bf16 is not available with optim.zero_stage = 2 or 3 yet (their reduce-scatters are "
+       "fp32)");
+  need(o.offload == "none" || deck_.lora.r == 0, "optim.offload",
+       "= cpu is not available with [lora] (its adapters' state is small)");
   need(o.zero_stage <= 1 || deck_.lora.r == 0, "optim.zero_stage",
        "{} shards the whole model's training state; a LoRA run trains only its adapters: use 0 "
        "or 1 with [lora]",

@@ -201,10 +201,12 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
   // of a uniform job throws alike; a rank that throws alone ends the job from main().
   try {
     if (deck.lora.enabled()) return make_cuda_lora_backend(deck, mesh);
+    if (deck.optim.zero_stage >= 2) return make_cuda_sharded_backend(deck, mesh);
     return std::make_unique<CudaBackend>(deck, mesh);
   } catch (const cuda::OutOfMemory& e) {
     fail_user("the run does not fit the GPU ({}): make it smaller with train.micro_batch, "
-              "train.seq_len, train.recompute = true, optim.zero_stage = 1 over more GPUs, "
+              "train.seq_len, train.recompute = true, a higher optim.zero_stage over more GPUs, "
+              "optim.offload = cpu, "
               "[lora], or a smaller model",
               e.what());
   }

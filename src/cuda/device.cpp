@@ -139,6 +139,30 @@ void DeviceArena::overflow(std::size_t count, std::size_t elem) const {
 
 // ---- Stream and Event ----------------------------------------------------------------------------
 
+PinnedBuffer::PinnedBuffer(std::size_t bytes) : bytes_(bytes) {
+  if (bytes > 0) QT_CHECK_CUDA(cudaHostAlloc(&ptr_, bytes, cudaHostAllocDefault));
+}
+
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_ != nullptr) cudaFreeHost(ptr_);
+}
+
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
+  o.ptr_ = nullptr;
+  o.bytes_ = 0;
+}
+
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_ != nullptr) cudaFreeHost(ptr_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
 void upload(void* dst, const void* src, std::size_t bytes) {
   QT_CHECK_CUDA(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
   QT_CHECK_CUDA(cudaDeviceSynchronize());

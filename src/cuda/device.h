@@ -141,6 +141,25 @@ constexpr std::size_t kUploadStageFloats = std::size_t{16} << 20;
 void upload_as_bf16(__nv_bfloat16* dst, const float* src, std::size_t n, DeviceArena& arena,
                     cudaStream_t stream);
 
+// Page-locked host memory (cudaHostAlloc), for copies that overlap with other work.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(std::size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& o) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  template <typename T>
+  T* as() const { return static_cast<T*>(ptr_); }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
 // A CUDA stream, created non-blocking with respect to the legacy default stream.
 class Stream {
  public:

@@ -41,6 +41,15 @@ HostMemoryNeed training_host_memory(const Deck& deck, int dp) {
   HostMemoryNeed need;
   need.keys = "the model's size (model.preset, model.*)";
   const std::string params = fmt::format("{:.3g}B parameters", model * 1e-9);
+  if (deck.train.device == "cuda" && deck.optim.zero_stage >= 2) {
+    // The sharded back end's host copies (with offload, the live state): master weights and both
+    // moments of the rank's own shard of every unit.
+    need.bytes = 12 * model / dp;
+    need.what = fmt::format("fp32 master weights and AdamW moments of this rank's 1/{} of the {}",
+                            dp, params);
+    need.keys += ", more GPUs (mesh.dp) or fewer ranks per node";
+    return need;
+  }
   if (deck.train.device == "cuda") {
     // Host copies of the trained fp32 state for init, checkpoints and resume.
     need.bytes = 4 * (model + (deck.lora.enabled() ? trained : 0) + 2 * shard);

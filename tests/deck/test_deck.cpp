@@ -283,8 +283,11 @@ TEST(DeckErrors, OutOfRange) {
   expect_error("[optim]\ngrad_clip = -1\n", {"deck.ini:2:", "optim.grad_clip = -1"});
   expect_error("[optim]\nzero_stage = 4\n", {"deck.ini:2:", "optim.zero_stage = 4", "0, 1, 2 or 3"});
   expect_error("[optim]\noffload = gpu\n", {"deck.ini:2:", "optim.offload = gpu", "none or cpu"});
-  expect_error("[model]\nhead_dim = 64\n[train]\ndevice = cuda\n[optim]\nzero_stage = 3\n",
-               {"optim.zero_stage = 3", "not available on train.device = cuda yet"});
+  expect_error("[model]\nhead_dim = 64\n[train]\ndevice = cuda\n[optim]\noffload = cpu\n",
+               {"optim.offload = cpu", "needs optim.zero_stage = 2 or 3"});
+  expect_error("[model]\nhead_dim = 64\n[train]\ndevice = cuda\n[optim]\nzero_stage = 2\n"
+               "grad_reduce = bf16\n",
+               {"optim.grad_reduce = bf16", "not available with optim.zero_stage = 2 or 3"});
   expect_error("[lora]\nr = 4\n[optim]\nzero_stage = 2\n",
                {"optim.zero_stage = 2", "a LoRA run trains only its adapters"});
   expect_error("[optim]\ngrad_reduce = fp16\n", {"deck.ini:2:", "optim.grad_reduce = fp16", "fp32 or bf16"});

@@ -35,6 +35,22 @@ static __global__ void convert_bf16_to_f32_kernel(float* __restrict__ dst,
   for (std::size_t i = e; i < e + 8 && i < n; ++i) dst[i] = __bfloat162float(src[i]);
 }
 
+template <bool kVec>
+static __global__ void add_f32_kernel(float* __restrict__ dst, const float* __restrict__ src,
+                                      std::size_t n) {
+  const std::size_t e = (static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  if (e >= n) return;
+  if (kVec && e + 8 <= n) {
+    float a[8], b[8];
+    load_f32x8(dst + e, a);
+    load_f32x8(src + e, b);
+    for (int i = 0; i < 8; ++i) a[i] += b[i];
+    store_f32x8(dst + e, a);
+    return;
+  }
+  for (std::size_t i = e; i < e + 8 && i < n; ++i) dst[i] += src[i];
+}
+
 static unsigned int grid_for(std::size_t n) {
   return static_cast<unsigned int>(ceil_div<std::size_t>(ceil_div<std::size_t>(n, 8), kThreads));
 }
@@ -54,6 +70,15 @@ void convert_bf16_to_f32(float* dst, const bf16* src, std::size_t n, cudaStream_
     convert_bf16_to_f32_kernel<true><<<grid_for(n), kThreads, 0, stream>>>(dst, src, n);
   else
     convert_bf16_to_f32_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(dst, src, n);
+  QT_CHECK_LAUNCH();
+}
+
+void add_f32(float* dst, const float* src, std::size_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  if (is_aligned16(dst) && is_aligned16(src))
+    add_f32_kernel<true><<<grid_for(n), kThreads, 0, stream>>>(dst, src, n);
+  else
+    add_f32_kernel<false><<<grid_for(n), kThreads, 0, stream>>>(dst, src, n);
   QT_CHECK_LAUNCH();
 }
 

@@ -18,4 +18,7 @@ void convert_f32_to_bf16(bf16* dst, const float* src, std::size_t n, cudaStream_
 // dst[k] = float(src[k]), k < n. dst [n] fp32, src [n] bf16, not overlapping.
 void convert_bf16_to_f32(float* dst, const bf16* src, std::size_t n, cudaStream_t stream);
 
+// dst[k] += src[k], k < n (fp32; accumulates reduced gradient shards over micro-batches).
+void add_f32(float* dst, const float* src, std::size_t n, cudaStream_t stream);
+
 }  // namespace qt::cuda

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Qwen3-8B (all 36 layers) full fine-tuning at seq 4096 with the sharded state (issue 16), next to
+# PyTorch FSDP2 (bench/baselines/fsdp2_train.py) in the same call on the same GPUs:
+#   zero3:   N GPUs, optim.zero_stage = 3, one sequence a GPU per step, no recompute
+#   offload: 1 GPU, optim.zero_stage = 3 + optim.offload = cpu, a global batch of 16 x 4096
+#            tokens (16 accumulation steps), no recompute; FSDP2 with CPUOffloadPolicy, 8 steps
+# Synthetic tokens, no checkpoints. Prints tokens/s per GPU, model TFLOP/s and MFU
+# (bench/summarize_throughput.py's FLOP count, against PEAK TFLOP/s, default 989: H100/H200 bf16
+# dense), and the arena's peak.
+#   usage: bench/sharded_8b.sh BUILD_DIR OUT_DIR zero3|offload [N] [extra qtrain options...]
+#   BASELINE=0: qtrain only; STEPS: qtrain steps (default 30 for zero3, 6 for offload)
+# Run it on the GPU machine from the repository root with the runtime kit in .kit (docs/cuda.md).
+set -uo pipefail
+build=${1:?build dir}; out=${2:?output dir}; mode=${3:?zero3 or offload}; n=${4:-2}
+shift $(( $# < 4 ? $# : 4 ))
+[[ $mode == offload ]] && n=1
+mkdir -p "$out"
+if [[ $mode == zero3 ]]; then
+  steps=${STEPS:-30}; micro=1; global=$n; extra=(--optim.zero_stage=3)
+else
+  steps=${STEPS:-6}; micro=1; global=16; extra=(--optim.zero_stage=3 --optim.offload=cpu)
+fi
+tag=qwen3-8b-$mode-np$n
+( source .kit/kit-env.sh
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  mpirun -np "$n" --bind-to none "$build/bin/qtrain" inputs/qwen3-0.6b.ini --model.preset=qwen3-8b \
+    --train.device=cuda --train.seq_len=4096 --train.micro_batch=$micro --train.global_batch=$global \
+    --train.steps="$steps" --train.recompute=false --data.source=synthetic --checkpoint.every=-1 \
+    --checkpoint.resume=none --log.every=1 --log.metrics="$out/$tag.jsonl" --optim.warmup_steps=2 \
+    "${extra[@]}" "$@" ) >"$out/$tag.log" 2>&1 || echo "qtrain $tag failed: see $out/$tag.log"
+grep -E "^step|error|back end" "$out/$tag.log" | tail -4
+if [[ ${BASELINE:-1} != 0 ]]; then
+  if [[ $mode == zero3 ]]; then
+    torchrun --nproc-per-node "$n" bench/baselines/fsdp2_train.py --model qwen3-8b --seq-len 4096 \
+      --batch 1 --steps 20 --warmup 3 >"$out/fsdp2-$tag.json" 2>"$out/fsdp2-$tag.err"
+  else
+    torchrun --nproc-per-node 1 bench/baselines/fsdp2_train.py --model qwen3-8b --seq-len 4096 \
+      --batch 1 --accum 8 --offload --steps 2 --warmup 1 >"$out/fsdp2-$tag.json" 2>"$out/fsdp2-$tag.err"
+  fi
+  cat "$out/fsdp2-$tag.json" || true
+  tail -3 "$out/fsdp2-$tag.err"
+fi
+PYTHONPATH=bench python3 - "$out" "$tag" "$n" "${PEAK:-989}" <<'PY'
+import json, os, sys
+from summarize_throughput import arena_peak_gib, flops_per_token
+out, tag, n, peak = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+fpt = flops_per_token("qwen3-8b", 4096)
+steps = [json.loads(l) for l in open(f"{out}/{tag}.jsonl")]
+late = [s["tokens_per_s"] for s in steps[2:]] or [steps[-1]["tokens_per_s"]]
+tps = sum(late) / len(late) / n
+print(f"qtrain {tag}: {tps:.0f} tokens/s per GPU, {tps * fpt / 1e12:.0f} TFLOP/s, "
+      f"MFU {100 * tps * fpt / 1e12 / peak:.1f}%, arena peak {arena_peak_gib(steps):.1f} GiB")
+path = f"{out}/fsdp2-{tag}.json"
+if os.path.exists(path) and os.path.getsize(path) > 0:
+    b = json.load(open(path))
+    t = b["tokens_per_s_per_gpu"]
+    print(f"FSDP2 {tag}: {t:.0f} tokens/s per GPU, MFU {100 * t * fpt / 1e12 / peak:.1f}%, "
+          f"peak {b['peak_mem_gib']:.1f} GiB; qtrain / FSDP2 = {tps / t:.2f}x")
+PY

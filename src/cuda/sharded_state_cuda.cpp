@@ -1,0 +1,350 @@
+// The CUDA sharded state: ZeRO-2/3 and offload (see sharded_state_cuda.h).
+#include "cuda/sharded_state_cuda.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <thread>
+
+#include "cuda/check.h"
+#include "ops/cuda/convert.cuh"
+#include "optim/schedule.h"
+#include "qtrain/error.h"
+
+namespace qt::cuda {
+
+namespace {
+constexpr int kWeightSlots = 3;  // the unit in use, the next one, one prefetched
+constexpr int kGradSlots = 2;    // the unit in its backward, the previous one being reduced
+constexpr std::size_t kHostSlice = std::size_t{1} << 20;  // elements per host AdamW task
+
+unsigned host_threads() {
+  return std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
+}
+}  // namespace
+
+ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout,
+                                   const OptimConfig& cfg, bool offload, MpiComm& dp,
+                                   NcclComm* nccl, DeviceArena& arena)
+    : plan_(plan),
+      layout_(layout),
+      cfg_(cfg),
+      offload_(offload),
+      zero_(plan.zero_stage),
+      rank_(dp.rank()),
+      dp_(dp),
+      nccl_(nccl) {
+  QT_CHECK(zero_ == 2 || zero_ == 3, "the CUDA sharded state is ZeRO-2 or 3, not {}", zero_);
+  QT_CHECK(plan.dp == dp.size() && (nccl != nullptr) == (dp.size() > 1),
+           "plan for dp {} on {} ranks (NCCL {})", plan.dp, dp.size(), nccl != nullptr);
+  std::vector<AdamWSegment> segs;
+  for (const ParamInfo& p : layout.params())
+    segs.push_back({p.offset, p.offset + p.numel, p.weight_decay ? 1 : 0});
+  segments_ = arena.allocate<AdamWSegment>(segs.size());
+  num_segments_ = static_cast<int>(segs.size());
+  upload(segments_, segs.data(), segs.size() * sizeof(segs[0]));
+  norm_ws_ = arena.allocate(grad_norm_workspace_bytes());
+
+  std::size_t max_chunk = 1, max_padded = 1;  // over the units after the embedding
+  units_.resize(plan_.units.size());
+  for (std::size_t i = 0; i < units_.size(); ++i) {
+    const ParamUnit& pu = plan_.units[i];
+    Unit& u = units_[i];
+    u.own = pu.shard(rank_);
+    const std::size_t nw = gathers() ? pu.chunk : pu.padded();
+    u.weights = arena.allocate<bf16>(nw);
+    QT_CHECK_CUDA(cudaMemset(u.weights, 0, nw * sizeof(bf16)));  // padding stays zero
+    if (!offload_) {
+      u.master = arena.allocate<float>(pu.chunk);
+      u.m = arena.allocate<float>(u.own.size());
+      u.v = arena.allocate<float>(u.own.size());
+      QT_CHECK_CUDA(cudaMemset(u.master, 0, pu.chunk * sizeof(float)));
+      QT_CHECK_CUDA(cudaMemset(u.m, 0, u.own.size() * sizeof(float)));
+      QT_CHECK_CUDA(cudaMemset(u.v, 0, u.own.size() * sizeof(float)));
+    }
+    u.grad = arena.allocate<float>(pu.chunk);
+    QT_CHECK_CUDA(cudaMemset(u.grad, 0, pu.chunk * sizeof(float)));
+    u.host_master.assign(u.own.size(), 0.0f);
+    u.host_m.assign(u.own.size(), 0.0f);
+    u.host_v.assign(u.own.size(), 0.0f);
+    if (i > 0) {
+      max_chunk = std::max(max_chunk, pu.chunk);
+      max_padded = std::max(max_padded, pu.padded());
+    }
+  }
+  const ParamUnit& embed = plan_.units[0];
+  weight_at_.assign(units_.size(), nullptr);
+  grad_at_.assign(units_.size(), nullptr);
+  if (gathers()) {
+    for (int k = 0; k < kWeightSlots; ++k) {
+      weight_ring_.push_back(std::make_unique<Slot>());
+      weight_ring_.back()->data = arena.allocate<bf16>(max_padded);
+    }
+    embed_weights_.data = arena.allocate<bf16>(embed.padded());
+  }
+  if (scatters()) {
+    for (int k = 0; k < kGradSlots; ++k) {
+      grad_ring_.push_back(std::make_unique<Slot>());
+      grad_ring_.back()->data = arena.allocate<float>(max_padded);
+      grad_ring_.back()->reduced = arena.allocate<float>(max_chunk);
+    }
+    embed_grads_.data = arena.allocate<float>(embed.padded());
+    embed_grads_.reduced = arena.allocate<float>(embed.chunk);
+  }
+  if (offload_) {
+    const std::size_t n = std::max(max_chunk, embed.chunk);
+    stage_grads_ = PinnedBuffer(n * sizeof(float));
+    stage_weights_ = PinnedBuffer(n * sizeof(bf16));
+  }
+  QT_CHECK_CUDA(cudaDeviceSynchronize());
+}
+
+std::string ShardedCudaState::describe() const {
+  std::string d = fmt::format("ZeRO-{} over dp {}: bf16 weights {}, fp32 gradients, master "
+                              "weights and AdamW moments of the own shard of each of {} units",
+                              zero_, plan_.dp, gathers() ? "sharded (each unit gathered ahead of use)"
+                                                         : "whole",
+                              plan_.units.size());
+  if (offload_)
+    d += fmt::format("; offload: master weights and moments in host memory, AdamW on {} host "
+                     "threads",
+                     host_threads());
+  return d;
+}
+
+ShardedCudaState::Slot* ShardedCudaState::free_slot(std::vector<std::unique_ptr<Slot>>& ring) {
+  for (auto& s : ring)
+    if (s->unit < 0) return s.get();
+  return nullptr;
+}
+
+void ShardedCudaState::gather(int u, Slot& slot) {
+  slot.unit = u;
+  weight_at_[u] = &slot;
+  nccl_->wait_event(slot.free.get());  // the slot's previous unit has been used for the last time
+  nccl_->all_gather_async(units_[u].weights, slot.data, plan_.units[u].chunk, DType::kBF16);
+  slot.ready.record(nccl_->stream());
+}
+
+void ShardedCudaState::prefetch_after(int u) {
+  const int next = u + direction_;
+  if (next < 1 || next >= static_cast<int>(units_.size()) || weight_at_[next] != nullptr) return;
+  if (Slot* slot = free_slot(weight_ring_)) gather(next, *slot);
+}
+
+const bf16* ShardedCudaState::weights(int u, cudaStream_t s) {
+  if (!gathers()) return units_[u].weights;
+  Slot* slot = weight_at_[u];
+  if (slot == nullptr) {
+    slot = u == 0 ? &embed_weights_ : free_slot(weight_ring_);
+    QT_CHECK(slot != nullptr, "no free gather slot for unit {}", plan_.units[u].name);
+    gather(u, *slot);
+  }
+  QT_CHECK_CUDA(cudaStreamWaitEvent(s, slot->ready.get(), 0));
+  prefetch_after(u);
+  return static_cast<const bf16*>(slot->data);
+}
+
+void ShardedCudaState::release(int u, cudaStream_t s) {
+  if (!gathers() || weight_at_[u] == nullptr) return;
+  Slot& slot = *weight_at_[u];
+  slot.free.record(s);
+  slot.unit = -1;
+  weight_at_[u] = nullptr;
+}
+
+float* ShardedCudaState::grads(int u, cudaStream_t s) {
+  if (direction_ > 0) {  // the backward has begun: prefetch downwards from the head
+    direction_ = -1;
+    if (gathers()) prefetch_after(u);
+  }
+  if (!scatters()) return units_[u].grad;
+  Slot* slot = grad_at_[u];
+  if (slot == nullptr) {
+    slot = u == 0 ? &embed_grads_ : free_slot(grad_ring_);
+    QT_CHECK(slot != nullptr, "no free gradient slot for unit {}", plan_.units[u].name);
+    QT_CHECK_CUDA(cudaStreamWaitEvent(s, slot->free.get(), 0));  // its last reduction is done
+    slot->unit = u;
+    grad_at_[u] = slot;
+  }
+  return static_cast<float*>(slot->data);
+}
+
+void ShardedCudaState::grads_done(int u, cudaStream_t s) {
+  if (!scatters()) return;
+  Slot* slot = grad_at_[u];
+  QT_CHECK(slot != nullptr, "grads_done() of unit {} without gradients", plan_.units[u].name);
+  const std::size_t chunk = plan_.units[u].chunk;
+  compute_done_.record(s);
+  nccl_->wait_event(compute_done_.get());
+  nccl_->reduce_scatter_async(slot->data, slot->reduced, chunk, DType::kF32, ReduceOp::kSum);
+  add_f32(units_[u].grad, slot->reduced, chunk, nccl_->stream());
+  slot->free.record(nccl_->stream());
+  slot->unit = -1;
+  grad_at_[u] = nullptr;
+}
+
+Qwen3Cuda::GradWrite ShardedCudaState::begin_micro_batch(bool first_of_step) {
+  direction_ = +1;
+  return scatters() || first_of_step ? Qwen3Cuda::GradWrite::kOverwrite
+                                     : Qwen3Cuda::GradWrite::kAccumulate;
+}
+
+void ShardedCudaState::zero_grads(cudaStream_t s) {
+  if (!scatters()) return;  // dp 1: the first micro-batch overwrites
+  for (std::size_t u = 0; u < units_.size(); ++u)
+    QT_CHECK_CUDA(cudaMemsetAsync(units_[u].grad, 0, plan_.units[u].chunk * sizeof(float), s));
+}
+
+bf16* ShardedCudaState::updated_weights(int u) {
+  const Unit& x = units_[u];
+  return gathers() ? x.weights : x.weights + (x.own.begin - plan_.units[u].range.begin);
+}
+
+void ShardedCudaState::host_adamw(int u, const AdamWStep& st, const float* grads, bf16* out) {
+  Unit& x = units_[u];
+  struct Task {
+    std::size_t lo, hi;  // within the own shard
+    bool decay;
+  };
+  std::vector<Task> tasks;
+  for (std::size_t t : plan_.units[u].params) {
+    const ParamInfo& p = layout_.params()[t];
+    const std::size_t lo = std::max(x.own.begin, p.offset);
+    const std::size_t hi = std::min(x.own.end, p.offset + p.numel);
+    for (std::size_t a = lo; a < hi; a += kHostSlice)
+      tasks.push_back({a - x.own.begin, std::min(hi, a + kHostSlice) - x.own.begin, p.weight_decay});
+  }
+  const unsigned threads = std::min<unsigned>(host_threads(), std::max<std::size_t>(1, tasks.size()));
+  auto run = [&](unsigned k) {
+    for (std::size_t i = k; i < tasks.size(); i += threads) {
+      const Task& t = tasks[i];
+      adamw_update(x.host_master.data() + t.lo, grads + t.lo, x.host_m.data() + t.lo,
+                   x.host_v.data() + t.lo, t.hi - t.lo, st, t.decay);
+      for (std::size_t j = t.lo; j < t.hi; ++j) out[j] = __float2bfloat16_rn(x.host_master[j]);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (unsigned k = 1; k < threads; ++k) pool.emplace_back(run, k);
+  run(0);
+  for (std::thread& t : pool) t.join();
+}
+
+OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_steps,
+                                      cudaStream_t s) {
+  if (nccl_) nccl_->synchronize();  // every reduce-scatter and add has landed
+  OptimStepStats st;
+  st.lr = lr_at(cfg_, static_cast<int>(total_steps), step);
+  double sumsq = 0;
+  for (const Unit& x : units_) sumsq += grad_norm_squared_sync(x.grad, x.own.size(), norm_ws_, s);
+  st.grad_norm = std::sqrt(dp_.sum(sumsq));
+  if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
+    st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
+  if (!offload_) {
+    AdamWStepArgs args;
+    args.lr = st.lr;
+    args.beta1 = cfg_.beta1;
+    args.beta2 = cfg_.beta2;
+    args.eps = cfg_.eps;
+    args.weight_decay = cfg_.weight_decay;
+    args.clip_scale = st.clip_scale;
+    args.step = step + 1;
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      Unit& x = units_[u];
+      adamw_step(x.master, updated_weights(static_cast<int>(u)), x.m, x.v, x.grad, x.own.size(),
+                 x.own.begin, segments_, num_segments_, args, s);
+    }
+  } else {
+    const AdamWStep hs = qt::adamw_step(cfg_, st.lr, st.clip_scale, step + 1);
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      Unit& x = units_[u];
+      const std::size_t n = x.own.size();
+      QT_CHECK_CUDA(cudaMemcpyAsync(stage_grads_.as<float>(), x.grad, n * sizeof(float),
+                                    cudaMemcpyDeviceToHost, s));
+      QT_CHECK_CUDA(cudaStreamSynchronize(s));
+      host_adamw(static_cast<int>(u), hs, stage_grads_.as<float>(), stage_weights_.as<bf16>());
+      QT_CHECK_CUDA(cudaMemcpyAsync(updated_weights(static_cast<int>(u)), stage_weights_.as<bf16>(),
+                                    n * sizeof(bf16), cudaMemcpyHostToDevice, s));
+    }
+  }
+  if (zero_ == 2 && nccl_) {  // every rank's updated bf16 shard to every rank, in place
+    compute_done_.record(s);
+    nccl_->wait_event(compute_done_.get());
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      const std::size_t chunk = plan_.units[u].chunk;
+      nccl_->all_gather_async(units_[u].weights + chunk * rank_, units_[u].weights, chunk,
+                              DType::kBF16);
+    }
+    nccl_->synchronize();
+  }
+  QT_CHECK_CUDA(cudaStreamSynchronize(s));
+  return st;
+}
+
+std::vector<FlatPiece> ShardedCudaState::param_pieces() {
+  std::vector<FlatPiece> out;
+  for (Unit& x : units_)
+    if (x.own.size() > 0) out.push_back({x.own, x.host_master.data()});
+  return out;
+}
+
+std::vector<StatePiece> ShardedCudaState::checkpoint_pieces() {
+  std::vector<StatePiece> out;
+  for (Unit& x : units_)
+    if (x.own.size() > 0)
+      out.push_back({x.own, x.host_master.data(), x.host_m.data(), x.host_v.data()});
+  return out;
+}
+
+StateTargets ShardedCudaState::checkpoint_targets() {
+  StateTargets t;
+  for (Unit& x : units_) {
+    if (x.own.size() == 0) continue;
+    t.params.push_back({x.own, x.host_master.data()});
+    t.exp_avg.push_back({x.own, x.host_m.data()});
+    t.exp_avg_sq.push_back({x.own, x.host_v.data()});
+  }
+  return t;
+}
+
+void ShardedCudaState::push(cudaStream_t s) {
+  QT_CHECK_CUDA(cudaStreamSynchronize(s));
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    Unit& x = units_[u];
+    const std::size_t n = x.own.size();
+    bf16* w = updated_weights(static_cast<int>(u));
+    if (!offload_) {
+      upload(x.master, x.host_master.data(), n * sizeof(float));
+      upload(x.m, x.host_m.data(), n * sizeof(float));
+      upload(x.v, x.host_v.data(), n * sizeof(float));
+      convert_f32_to_bf16(w, x.master, n, s);
+    } else {
+      bf16* stage = stage_weights_.as<bf16>();
+      for (std::size_t j = 0; j < n; ++j) stage[j] = __float2bfloat16_rn(x.host_master[j]);
+      QT_CHECK_CUDA(cudaMemcpyAsync(w, stage, n * sizeof(bf16), cudaMemcpyHostToDevice, s));
+    }
+    QT_CHECK_CUDA(cudaStreamSynchronize(s));
+  }
+  if (zero_ == 2 && nccl_) {
+    for (std::size_t u = 0; u < units_.size(); ++u) {
+      const std::size_t chunk = plan_.units[u].chunk;
+      nccl_->all_gather_async(units_[u].weights + chunk * rank_, units_[u].weights, chunk,
+                              DType::kBF16);
+    }
+    nccl_->synchronize();
+  }
+}
+
+void ShardedCudaState::pull(cudaStream_t s) {
+  QT_CHECK_CUDA(cudaStreamSynchronize(s));
+  if (offload_) return;  // the host copies are the live state
+  for (Unit& x : units_) {
+    const std::size_t b = x.own.size() * sizeof(float);
+    QT_CHECK_CUDA(cudaMemcpy(x.host_master.data(), x.master, b, cudaMemcpyDeviceToHost));
+    QT_CHECK_CUDA(cudaMemcpy(x.host_m.data(), x.m, b, cudaMemcpyDeviceToHost));
+    QT_CHECK_CUDA(cudaMemcpy(x.host_v.data(), x.v, b, cudaMemcpyDeviceToHost));
+  }
+}
+
+}  // namespace qt::cuda

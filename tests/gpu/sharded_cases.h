@@ -1,0 +1,46 @@
+// Shared by the ZeRO-2/3 and offload GPU tests (test_train_sharded_cuda_np1/np2): a small model
+// with the CUDA attention's head_dim, 20 steps, and the comparison with a reference run.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "train/training_harness.h"
+
+namespace qt::test {
+
+inline std::string sharded_deck(const std::string& dir) {
+  return "[model]\npreset = tiny\nvocab_size = 256\nhidden_size = 128\nintermediate_size = 256\n"
+         "num_heads = 4\nnum_kv_heads = 2\nhead_dim = 64\n"
+         "[train]\nseq_len = 128\nmicro_batch = 2\nglobal_batch = 8\nsteps = 20\nseed = 5\n"
+         "device = cuda\n"
+         "[optim]\nlr = 3e-3\nmin_lr = 3e-4\nwarmup_steps = 5\n"
+         "[data]\nsource = synthetic\n"
+         "[checkpoint]\ndir = " + dir + "\nevery = 10\nkeep = 4\nresume = none\n"
+         "[log]\nevery = 1\n";
+}
+
+// The largest relative loss difference over the steps both runs logged (infinity when none is
+// shared or a loss is not finite); prints it under `name`.
+inline double worst_loss_diff(const char* name, const RunResult& got, const RunResult& ref,
+                              long from = 1) {
+  double worst = -1;
+  for (const auto& x : got.steps)
+    for (const auto& y : ref.steps) {
+      if (x.step != y.step || x.step < from) continue;
+      if (!std::isfinite(x.loss)) return INFINITY;
+      worst = std::max(worst, std::abs(x.loss - y.loss) / y.loss);
+    }
+  if (worst < 0) worst = INFINITY;
+  if (world_rank() == 0) std::printf("%s: worst relative loss difference %.3e\n", name, worst);
+  return worst;
+}
+
+// bf16 compute: the sums of another mesh or stage differ in their last bits (as dp 2 vs 1 GPU).
+constexpr double kShardedTol = 5e-3;
+
+}  // namespace qt::test
