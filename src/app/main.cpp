@@ -2,6 +2,7 @@
 //         `qtrain export <checkpoint.h5> <dir> [options]`   (HF safetensors; docs/finetune.md)
 //         `qtrain prep --tokenizer <dir> --output <file.h5> <in.jsonl>...`   (docs/prep.md)
 //         `qtrain generate <checkpoint.h5 | HF dir> --prompt TEXT [options]`  (docs/generate.md)
+//         `qtrain plan deck.ini --gpus N --gpu-mem GB`   (GPU memory per ZeRO stage; docs/plan.md)
 #include <mpi.h>
 
 #include <chrono>
@@ -16,6 +17,7 @@
 
 #include "generate/generate.h"
 #include "hf/export.h"
+#include "plan/plan_cmd.h"
 #include "prep/prep.h"
 #include "qtrain/comm.h"
 #include "qtrain/deck.h"
@@ -28,8 +30,8 @@ namespace {
 
 // What `qtrain --help` shows before the deck keys.
 constexpr const char* kSubcommands =
-    "qtrain trains Qwen3 models from an INI deck; its subcommands prepare data and use the\n"
-    "checkpoints (`qtrain SUBCOMMAND --help` lists a subcommand's options):\n"
+    "qtrain trains Qwen3 models from an INI deck; its subcommands prepare data, use the\n"
+    "checkpoints and plan GPU memory (`qtrain SUBCOMMAND --help` lists a subcommand's options):\n"
     "  qtrain prep --tokenizer DIR --output FILE.h5 [options] FILE...\n"
     "      JSONL records or plain text -> a token file for data.path (docs/prep.md)\n"
     "  qtrain export <checkpoint.h5> <dir> [--merge] [--base DIR] [options]\n"
@@ -37,6 +39,9 @@ constexpr const char* kSubcommands =
     "      (docs/finetune.md)\n"
     "  qtrain generate <checkpoint.h5 | checkpoint dir | HF dir> --prompt TEXT [options]\n"
     "      text from a model, on the CPU or one GPU (docs/generate.md)\n"
+    "  qtrain plan DECK --gpus N --gpu-mem GB [--section.key=value ...]\n"
+    "      the GPU memory of the deck's model for each ZeRO stage and offload, and what\n"
+    "      fits (docs/plan.md)\n"
     "\n"
     "Training:\n";
 
@@ -137,6 +142,7 @@ int main(int argc, char** argv) {
       if (sub == "export") return qt::export_main(argc - 1, argv + 1, world);
       if (sub == "prep") return qt::prep_main(argc - 1, argv + 1, *world);
       if (sub == "generate") return qt::generate_main(argc - 1, argv + 1, world);
+      if (sub == "plan") return qt::plan_main(argc - 1, argv + 1, *world);
       if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
         if (root) std::printf("%s%s", kSubcommands, qt::deck_help().c_str());
         return 0;
@@ -146,8 +152,8 @@ int main(int argc, char** argv) {
         return 0;
       }
       if (looks_like_subcommand(argc, argv))
-        qt::fail_user("(command line): {} is neither a subcommand (prep, export, generate) nor a deck "
-                      "file; `qtrain --help` lists both",
+        qt::fail_user("(command line): {} is neither a subcommand (prep, export, generate, plan) "
+                      "nor a deck file; `qtrain --help` lists both",
                       sub);
       qt::Deck deck = qt::parse_deck(argc, argv, world->size());
       if (root) std::printf("qtrain %s: deck %s\n%s\n", QTRAIN_VERSION, deck.path.c_str(), deck.resolved.c_str());
