@@ -2,8 +2,11 @@
 // the sharding plan (cuda/sharded_state_cuda.h gathers and reduces them on the NCCL stream while
 // the model computes). One DeviceArena per rank, as in backend_cuda.cpp.
 #include <fmt/format.h>
+#include <sched.h>
 
+#include <algorithm>
 #include <memory>
+#include <thread>
 
 #include "cuda/check.h"
 #include "cuda/device.h"
@@ -20,6 +23,17 @@ namespace qt {
 
 namespace {
 
+// Host threads for offload's AdamW: the CPUs this rank may run on; ranks left unbound (mpirun
+// --bind-to none) each see the whole node and share it.
+unsigned offload_threads(const Mesh& mesh) {
+  const unsigned all = std::max(1u, std::thread::hardware_concurrency());
+  unsigned cpus = all;
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = static_cast<unsigned>(CPU_COUNT(&set));
+  if (cpus >= all && mesh.local_size() > 1) cpus /= static_cast<unsigned>(mesh.local_size());
+  return std::clamp(cpus, 1u, 64u);
+}
+
 class CudaShardedBackend final : public TrainBackend {
  public:
   CudaShardedBackend(const Deck& deck, Mesh& mesh)
@@ -32,7 +46,7 @@ class CudaShardedBackend final : public TrainBackend {
         nccl_dp_(mesh.dp().size() > 1 ? std::make_unique<cuda::NcclComm>(mesh.dp(), "dp")
                                       : nullptr),
         state_(plan_, layout_, deck.optim, deck.optim.offload == "cpu", mesh.dp(), nccl_dp_.get(),
-               arena_),
+               arena_, offload_threads(mesh)),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,

@@ -19,14 +19,11 @@ constexpr int kWeightSlots = 3;  // the unit in use, the next one, one prefetche
 constexpr int kGradSlots = 2;    // the unit in its backward, the previous one being reduced
 constexpr std::size_t kHostSlice = std::size_t{1} << 20;  // elements per host AdamW task
 
-unsigned host_threads() {
-  return std::clamp(std::thread::hardware_concurrency(), 1u, 16u);
-}
 }  // namespace
 
 ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout,
                                    const OptimConfig& cfg, bool offload, MpiComm& dp,
-                                   NcclComm* nccl, DeviceArena& arena)
+                                   NcclComm* nccl, DeviceArena& arena, unsigned host_threads)
     : plan_(plan),
       layout_(layout),
       cfg_(cfg),
@@ -34,7 +31,8 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
       zero_(plan.zero_stage),
       rank_(dp.rank()),
       dp_(dp),
-      nccl_(nccl) {
+      nccl_(nccl),
+      host_threads_(std::max(1u, host_threads)) {
   QT_CHECK(zero_ == 2 || zero_ == 3, "the CUDA sharded state is ZeRO-2 or 3, not {}", zero_);
   QT_CHECK(plan.dp == dp.size() && (nccl != nullptr) == (dp.size() > 1),
            "plan for dp {} on {} ranks (NCCL {})", plan.dp, dp.size(), nccl != nullptr);
@@ -94,8 +92,10 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   }
   if (offload_) {
     const std::size_t n = std::max(max_chunk, embed.chunk);
-    stage_grads_ = PinnedBuffer(n * sizeof(float));
-    stage_weights_ = PinnedBuffer(n * sizeof(bf16));
+    for (int k = 0; k < 2; ++k) {
+      stage_grads_[k] = PinnedBuffer(n * sizeof(float));
+      stage_weights_[k] = PinnedBuffer(n * sizeof(bf16));
+    }
   }
   QT_CHECK_CUDA(cudaDeviceSynchronize());
 }
@@ -109,7 +109,7 @@ std::string ShardedCudaState::describe() const {
   if (offload_)
     d += fmt::format("; offload: master weights and moments in host memory, AdamW on {} host "
                      "threads",
-                     host_threads());
+                     host_threads_);
   return d;
 }
 
@@ -216,7 +216,7 @@ void ShardedCudaState::host_adamw(int u, const AdamWStep& st, const float* grads
     for (std::size_t a = lo; a < hi; a += kHostSlice)
       tasks.push_back({a - x.own.begin, std::min(hi, a + kHostSlice) - x.own.begin, p.weight_decay});
   }
-  const unsigned threads = std::min<unsigned>(host_threads(), std::max<std::size_t>(1, tasks.size()));
+  const unsigned threads = std::min<unsigned>(host_threads_, std::max<std::size_t>(1, tasks.size()));
   auto run = [&](unsigned k) {
     for (std::size_t i = k; i < tasks.size(); i += threads) {
       const Task& t = tasks[i];
@@ -256,17 +256,32 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
                  x.own.begin, segments_, num_segments_, args, s);
     }
   } else {
+    // Unit u: its gradients came to host buffer u % 2 while unit u - 1 was updated; unit u + 1's
+    // go to the other buffer now; u's bf16 weights go back while u + 1 is updated.
     const AdamWStep hs = qt::adamw_step(cfg_, st.lr, st.clip_scale, step + 1);
+    QT_CHECK_CUDA(cudaStreamSynchronize(s));  // the gradients are final
+    auto fetch = [&](std::size_t u) {
+      const int k = static_cast<int>(u % 2);
+      QT_CHECK_CUDA(cudaMemcpyAsync(stage_grads_[k].as<float>(), units_[u].grad,
+                                    units_[u].own.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                    to_host_.get()));
+      grads_landed_[k].record(to_host_.get());
+    };
+    if (!units_.empty()) fetch(0);
     for (std::size_t u = 0; u < units_.size(); ++u) {
-      Unit& x = units_[u];
-      const std::size_t n = x.own.size();
-      QT_CHECK_CUDA(cudaMemcpyAsync(stage_grads_.as<float>(), x.grad, n * sizeof(float),
-                                    cudaMemcpyDeviceToHost, s));
-      QT_CHECK_CUDA(cudaStreamSynchronize(s));
-      host_adamw(static_cast<int>(u), hs, stage_grads_.as<float>(), stage_weights_.as<bf16>());
-      QT_CHECK_CUDA(cudaMemcpyAsync(updated_weights(static_cast<int>(u)), stage_weights_.as<bf16>(),
-                                    n * sizeof(bf16), cudaMemcpyHostToDevice, s));
+      const int k = static_cast<int>(u % 2);
+      grads_landed_[k].synchronize();
+      if (u + 1 < units_.size()) fetch(u + 1);
+      weights_sent_[k].synchronize();  // unit u - 2's weights have left this buffer
+      host_adamw(static_cast<int>(u), hs, stage_grads_[k].as<float>(),
+                 stage_weights_[k].as<bf16>());
+      QT_CHECK_CUDA(cudaMemcpyAsync(updated_weights(static_cast<int>(u)),
+                                    stage_weights_[k].as<bf16>(),
+                                    units_[u].own.size() * sizeof(bf16), cudaMemcpyHostToDevice,
+                                    to_device_.get()));
+      weights_sent_[k].record(to_device_.get());
     }
+    to_device_.synchronize();
   }
   if (zero_ == 2 && nccl_) {  // every rank's updated bf16 shard to every rank, in place
     compute_done_.record(s);
@@ -320,7 +335,7 @@ void ShardedCudaState::push(cudaStream_t s) {
       upload(x.v, x.host_v.data(), n * sizeof(float));
       convert_f32_to_bf16(w, x.master, n, s);
     } else {
-      bf16* stage = stage_weights_.as<bf16>();
+      bf16* stage = stage_weights_[0].as<bf16>();
       for (std::size_t j = 0; j < n; ++j) stage[j] = __float2bfloat16_rn(x.host_master[j]);
       QT_CHECK_CUDA(cudaMemcpyAsync(w, stage, n * sizeof(bf16), cudaMemcpyHostToDevice, s));
     }

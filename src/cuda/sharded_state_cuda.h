@@ -37,8 +37,10 @@ namespace qt::cuda {
 class ShardedCudaState final : public UnitSource {
  public:
   // Collective over dp when nccl is given (dp > 1). plan.zero_stage must be 2 or 3.
+  // host_threads: the threads of offload's AdamW (the cores this rank may use).
   ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout, const OptimConfig& cfg,
-                   bool offload, MpiComm& dp, NcclComm* nccl, DeviceArena& arena);
+                   bool offload, MpiComm& dp, NcclComm* nccl, DeviceArena& arena,
+                   unsigned host_threads = 1);
 
   // UnitSource.
   const bf16* weights(int unit, cudaStream_t s) override;
@@ -108,7 +110,13 @@ class ShardedCudaState final : public UnitSource {
   AdamWSegment* segments_ = nullptr;
   int num_segments_ = 0;
   void* norm_ws_ = nullptr;
-  PinnedBuffer stage_grads_, stage_weights_;  // offload: [max chunk] fp32 in, bf16 out
+  // Offload: double-buffered pinned staging, [max chunk] fp32 gradients in and bf16 weights out,
+  // on copy streams of their own, so that unit u's host AdamW overlaps the copies of its
+  // neighbours; the copy events say when a buffer may be read or written again.
+  PinnedBuffer stage_grads_[2], stage_weights_[2];
+  Stream to_host_, to_device_;
+  Event grads_landed_[2], weights_sent_[2];
+  unsigned host_threads_ = 1;
 };
 
 }  // namespace qt::cuda
