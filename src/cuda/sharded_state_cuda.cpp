@@ -220,7 +220,7 @@ void ShardedCudaState::host_adamw(int u, const AdamWStep& st, const float* grads
   auto run = [&](unsigned k) {
     for (std::size_t i = k; i < tasks.size(); i += threads) {
       const Task& t = tasks[i];
-      adamw_update(x.host_master.data() + t.lo, grads + t.lo, x.host_m.data() + t.lo,
+      adamw_update_host(x.host_master.data() + t.lo, grads + t.lo, x.host_m.data() + t.lo,
                    x.host_v.data() + t.lo, t.hi - t.lo, st, t.decay);
       for (std::size_t j = t.lo; j < t.hi; ++j) out[j] = __float2bfloat16_rn(x.host_master[j]);
     }

@@ -35,19 +35,33 @@ inline AdamWStep adamw_step(const OptimConfig& cfg, double lr, double clip, std:
 
 // w, m, v [n] updated in place from the gradients g [n]; `decays`: the tensor takes weight decay
 // (not the norm weights).
-inline void adamw_update(float* w, const float* g, float* m, float* v, std::size_t n,
-                         const AdamWStep& s, bool decays) {
+inline void adamw_update(float* __restrict w, const float* __restrict g, float* __restrict m,
+                         float* __restrict v, std::size_t n, const AdamWStep& s, bool decays) {
+  // Locals: no store through w, m or v can change them (lets the loop vectorise).
+  const double b1 = s.b1, b2 = s.b2, bc1 = s.bc1, bc2 = s.bc2, lr = s.lr, eps = s.eps, clip = s.clip;
   const float decay = decays ? s.decay : 0.0f;
   for (std::size_t j = 0; j < n; ++j) {
-    const float gj = static_cast<float>(g[j] * s.clip);
-    m[j] = static_cast<float>(s.b1 * m[j] + (1.0 - s.b1) * gj);
-    v[j] = static_cast<float>(s.b2 * v[j] + (1.0 - s.b2) * static_cast<double>(gj) * gj);
-    const double mhat = m[j] / s.bc1, vhat = v[j] / s.bc2;
+    const float gj = static_cast<float>(g[j] * clip);
+    const float mj = static_cast<float>(b1 * m[j] + (1.0 - b1) * gj);
+    const float vj = static_cast<float>(b2 * v[j] + (1.0 - b2) * static_cast<double>(gj) * gj);
+    m[j] = mj;
+    v[j] = vj;
+    const double mhat = mj / bc1, vhat = vj / bc2;
     float x = w[j];
     x -= decay * x;  // decoupled weight decay
-    x -= static_cast<float>(s.lr * mhat / (std::sqrt(vhat) + s.eps));
+    x -= static_cast<float>(lr * mhat / (std::sqrt(vhat) + eps));
     w[j] = x;
   }
 }
+
+}  // namespace qt
+
+namespace qt {
+
+// adamw_update compiled also for AVX2 (picked at run time where the CPU has it) and vectorised:
+// the same IEEE operations per element (no fused multiply-add), so the same bits, faster. For the
+// large host updates of optim.offload.
+void adamw_update_host(float* w, const float* g, float* m, float* v, std::size_t n,
+                       const AdamWStep& s, bool decays);
 
 }  // namespace qt
