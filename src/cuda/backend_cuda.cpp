@@ -47,8 +47,10 @@ class CudaBackend final : public TrainBackend {
     const int dp = mesh.dp().size();
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
     micro_steps_per_step_ = deck.train.global_batch / (dp * deck.train.micro_batch);
+    const std::size_t before_model = arena_.used();
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,
                                                deck.train.seq_len, arena_, deck.train.recompute);
+    activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     if (dp > 1) nccl_dp_ = std::make_unique<cuda::NcclComm>(mesh.dp(), "dp");
     bucket_elems_ = std::max<std::size_t>(
         1, static_cast<std::size_t>(deck.optim.reduce_bucket_mb * (1 << 20) / sizeof(float)));
@@ -120,6 +122,13 @@ class CudaBackend final : public TrainBackend {
   }
 
   std::string memory_report() override { return cuda::memory_report(arena_); }
+  MemorySplit memory_split() override {
+    MemorySplit m = state_.bytes();
+    if (reduce_stage_ != nullptr) m.grads += 2.0 * static_cast<double>(state_.padded());
+    m.activations = activations_;
+    m.workspace = std::max(0.0, static_cast<double>(arena_.peak()) - m.total());
+    return m;
+  }
 
  private:
   // The model reports gradients at offsets >= begin final: reduce them once a bucket is full.
@@ -182,6 +191,7 @@ class CudaBackend final : public TrainBackend {
   std::size_t reduced_from_ = 0;  // gradients [reduced_from_, numel) have their reduction enqueued
   std::vector<Range> owners_;     // ZeRO-1: the flat range each dp rank updates
   std::size_t bucket_elems_ = 0;
+  double activations_ = 0;  // bytes of Qwen3Cuda's buffers and the micro-batch's
   cuda::bf16* reduce_stage_ = nullptr;  // bf16 copy of the gradients (optim.grad_reduce = bf16)
   ParamLayout layout_;
   cuda::DeviceArena arena_;

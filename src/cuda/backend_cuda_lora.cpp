@@ -46,7 +46,9 @@ class CudaLoraBackend final : public TrainBackend {
     const int B = deck.train.micro_batch, T = deck.train.seq_len;
     const int dp = mesh.dp().size();
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
+    const std::size_t before_model = arena_.used();
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, B, T, arena_, deck.train.recompute);
+    activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     model_->set_lora(lora_.get());
     lora_->bind(state_.weights(), state_.grads());
     if (dp > 1) nccl_dp_ = std::make_unique<cuda::NcclComm>(mesh.dp(), "dp");
@@ -109,6 +111,16 @@ class CudaLoraBackend final : public TrainBackend {
   }
 
   std::string memory_report() override { return cuda::memory_report(arena_); }
+  // The frozen bf16 base counts as parameters; the adapters' own activations (LoraCuda's
+  // buffers) as workspace.
+  MemorySplit memory_split() override {
+    MemorySplit m = state_.bytes();
+    m.params += 2.0 * static_cast<double>(layout_.numel());
+    if (reduce_stage_ != nullptr) m.grads += 2.0 * static_cast<double>(state_.padded());
+    m.activations = activations_;
+    m.workspace = std::max(0.0, static_cast<double>(arena_.peak()) - m.total());
+    return m;
+  }
 
  private:
   // Sums the adapter gradients [0, n) over dp, in place on every rank (blocking).
@@ -143,6 +155,7 @@ class CudaLoraBackend final : public TrainBackend {
   std::unique_ptr<cuda::NcclComm> nccl_dp_;
   std::int64_t first_sample_ = 0;
   std::vector<float> host_params_;  // [numel] the fp32 base as loaded (host only)
+  double activations_ = 0;          // bytes of Qwen3Cuda's buffers and the micro-batch's
 };
 
 }  // namespace

@@ -49,8 +49,10 @@ class CudaShardedBackend final : public TrainBackend {
                arena_, offload_threads(mesh)),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
+    const std::size_t before_model = arena_.used();
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,
                                                deck.train.seq_len, arena_, deck.train.recompute);
+    activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     QT_CHECK_CUDA(cudaDeviceSynchronize());
   }
 
@@ -84,6 +86,12 @@ class CudaShardedBackend final : public TrainBackend {
     return state_.step(step, deck_.train.steps, stream_.get());
   }
   std::string memory_report() override { return cuda::memory_report(arena_); }
+  MemorySplit memory_split() override {
+    MemorySplit m = state_.bytes();
+    m.activations = activations_;
+    m.workspace = std::max(0.0, static_cast<double>(arena_.peak()) - m.total());
+    return m;
+  }
 
  private:
   // First member: the rank's device is current before any CUDA object below is made.
@@ -99,6 +107,7 @@ class CudaShardedBackend final : public TrainBackend {
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;
   bool first_micro_batch_ = true;
+  double activations_ = 0;  // bytes of Qwen3Cuda's buffers and the micro-batch's
 };
 
 }  // namespace

@@ -39,6 +39,7 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   std::vector<AdamWSegment> segs;
   for (const ParamInfo& p : layout.params())
     segs.push_back({p.offset, p.offset + p.numel, p.weight_decay ? 1 : 0});
+  const std::size_t start = arena.used();
   segments_ = arena.allocate<AdamWSegment>(segs.size());
   num_segments_ = static_cast<int>(segs.size());
   upload(segments_, segs.data(), segs.size() * sizeof(segs[0]));
@@ -51,7 +52,10 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
     Unit& u = units_[i];
     u.own = pu.shard(rank_);
     const std::size_t nw = gathers() ? pu.chunk : pu.padded();
+    std::size_t mark = arena.used();
     u.weights = arena.allocate<bf16>(nw);
+    bytes_.params += static_cast<double>(arena.used() - mark);
+    mark = arena.used();
     QT_CHECK_CUDA(cudaMemset(u.weights, 0, nw * sizeof(bf16)));  // padding stays zero
     if (!offload_) {
       u.master = arena.allocate<float>(pu.chunk);
@@ -61,7 +65,10 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
       QT_CHECK_CUDA(cudaMemset(u.m, 0, u.own.size() * sizeof(float)));
       QT_CHECK_CUDA(cudaMemset(u.v, 0, u.own.size() * sizeof(float)));
     }
+    bytes_.optimizer += static_cast<double>(arena.used() - mark);
+    mark = arena.used();
     u.grad = arena.allocate<float>(pu.chunk);
+    bytes_.grads += static_cast<double>(arena.used() - mark);
     QT_CHECK_CUDA(cudaMemset(u.grad, 0, pu.chunk * sizeof(float)));
     u.host_master.assign(u.own.size(), 0.0f);
     u.host_m.assign(u.own.size(), 0.0f);
@@ -74,6 +81,7 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   const ParamUnit& embed = plan_.units[0];
   weight_at_.assign(units_.size(), nullptr);
   grad_at_.assign(units_.size(), nullptr);
+  std::size_t mark = arena.used();
   if (gathers()) {
     for (int k = 0; k < kWeightSlots; ++k) {
       weight_ring_.push_back(std::make_unique<Slot>());
@@ -81,6 +89,8 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
     }
     embed_weights_.data = arena.allocate<bf16>(embed.padded());
   }
+  bytes_.params += static_cast<double>(arena.used() - mark);
+  mark = arena.used();
   if (scatters()) {
     for (int k = 0; k < kGradSlots; ++k) {
       grad_ring_.push_back(std::make_unique<Slot>());
@@ -90,6 +100,9 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
     embed_grads_.data = arena.allocate<float>(embed.padded());
     embed_grads_.reduced = arena.allocate<float>(embed.chunk);
   }
+  bytes_.grads += static_cast<double>(arena.used() - mark);
+  // The segment table and the norm's workspace: the optimizer's.
+  bytes_.optimizer += static_cast<double>(arena.used() - start) - bytes_.total();
   if (offload_) {
     const std::size_t n = std::max(max_chunk, embed.chunk);
     for (int k = 0; k < 2; ++k) {

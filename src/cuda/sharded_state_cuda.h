@@ -31,6 +31,7 @@
 #include "qtrain/comm.h"
 #include "qtrain/deck.h"
 #include "qtrain/shard_plan.h"
+#include "runtime/memory.h"
 
 namespace qt::cuda {
 
@@ -63,6 +64,8 @@ class ShardedCudaState final : public UnitSource {
   void pull(cudaStream_t s);
 
   std::string describe() const;
+  // Its device buffers by kind (activations and workspace left at 0).
+  const MemorySplit& bytes() const { return bytes_; }
 
  private:
   struct Unit {
@@ -117,6 +120,7 @@ class ShardedCudaState final : public UnitSource {
   Stream to_host_, to_device_;
   Event grads_landed_[2], weights_sent_[2];
   unsigned host_threads_ = 1;
+  MemorySplit bytes_;
 };
 
 }  // namespace qt::cuda

@@ -54,6 +54,16 @@ void TrainedState::pull(cudaStream_t s) {
   QT_CHECK_CUDA(cudaMemcpy(host_v_.data(), v_, range_.size() * 4, cudaMemcpyDeviceToHost));
 }
 
+MemorySplit TrainedState::bytes() const {
+  MemorySplit b;
+  b.params = 2.0 * static_cast<double>(padded_);
+  b.grads = 4.0 * static_cast<double>(padded_);
+  b.optimizer = 4.0 * static_cast<double>(padded_) + 8.0 * static_cast<double>(range_.size()) +
+                static_cast<double>(grad_norm_workspace_bytes()) +
+                static_cast<double>(num_segments_ * sizeof(AdamWSegment));
+  return b;
+}
+
 void TrainedState::zero_grads(cudaStream_t s) {
   QT_CHECK_CUDA(cudaMemsetAsync(grads_, 0, padded_ * sizeof(float), s));
 }

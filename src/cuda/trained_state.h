@@ -18,6 +18,7 @@
 #include "qtrain/comm.h"
 #include "qtrain/deck.h"
 #include "qtrain/params.h"
+#include "runtime/memory.h"
 
 namespace qt::cuda {
 
@@ -41,6 +42,8 @@ class TrainedState {
   // Device -> host (after synchronising `s`).
   void pull(cudaStream_t s);
   void zero_grads(cudaStream_t s);
+  // Its device buffers by kind (activations and workspace left at 0).
+  MemorySplit bytes() const;
 
   // The optimizer step on gradients already reduced over dp (grads()[range()] final): the
   // global norm (summed over dp with ZeRO-1), clipping at o.grad_clip, the fused AdamW of
@@ -67,6 +70,7 @@ class BatchBuffers {
   BatchBuffers(int B, int T, DeviceArena& arena);
   const std::int32_t* inputs() const { return inputs_; }
   const std::int32_t* targets() const { return targets_; }
+  double bytes() const { return 3.0 * static_cast<double>(bytes_); }  // inputs, targets, positions
   // Enqueues the host -> device copies on `s`; returns the device positions, or null when
   // `positions` is null (plain causal).
   const std::int32_t* upload(const std::int32_t* inputs, const std::int32_t* targets,

@@ -128,4 +128,10 @@ void check_host_memory_local(const HostMemoryNeed& need, const std::string& cont
     throw UserError(shortfall(need.bytes, avail, need, context, "this machine", 1));
 }
 
+std::string MemorySplit::describe() const {
+  return fmt::format("params {}, grads {}, optimizer {}, activations {}, workspace {}",
+                     format_bytes(params), format_bytes(grads), format_bytes(optimizer),
+                     format_bytes(activations), format_bytes(workspace));
+}
+
 }  // namespace qt

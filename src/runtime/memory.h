@@ -19,6 +19,19 @@ std::optional<std::uint64_t> available_host_bytes();
 // "1.5 GiB", "312 MiB", "4.0 KiB", "17 B".
 std::string format_bytes(double bytes);
 
+// The peak memory of one rank of a training back end (GPU memory on cuda, host memory on cpu),
+// by kind: the step log and metrics report it, `qtrain plan` predicts it.
+struct MemorySplit {
+  double params = 0;       // weights the model computes with (bf16 on cuda, fp32 on cpu)
+  double grads = 0;        // gradients: accumulation buffers, reduced shards, scratch
+  double optimizer = 0;    // master weights (where separate) and AdamW moments
+  double activations = 0;  // the model's activations and the micro-batch's tokens
+  double workspace = 0;    // everything else: GEMM and op workspaces, staging
+  double total() const { return params + grads + optimizer + activations + workspace; }
+  // "params 8.2 GiB, grads 16.4 GiB, optimizer 49.2 GiB, activations 20.6 GiB, workspace 1 GiB"
+  std::string describe() const;
+};
+
 // What one rank is about to allocate on the host, for the message: bytes and what they are
 // ("parameters, gradients and AdamW moments of 8.19B parameters + activations of 1 x 4096
 // tokens"), and the deck keys that change it.

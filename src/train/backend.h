@@ -14,6 +14,7 @@
 #include "qtrain/error.h"
 #include "qtrain/mesh.h"
 #include "qtrain/params.h"
+#include "runtime/memory.h"
 
 namespace qt {
 
@@ -58,6 +59,8 @@ class TrainBackend {
 
   // Extra fields for the step log (e.g. GPU memory), empty when none.
   virtual std::string memory_report() { return {}; }
+  // This rank's peak memory by kind since the start (GPU memory on cuda, host on cpu).
+  virtual MemorySplit memory_split() = 0;
 };
 
 std::unique_ptr<TrainBackend> make_cpu_backend(const Deck& deck, Mesh& mesh);

@@ -31,6 +31,8 @@ class CpuBackend final : public TrainBackend {
                lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps),
         base_(lora_ ? model_.layout().numel() : 0, 0.0f),
         offload_(deck.optim.offload == "cpu"),
+        activations_(Qwen3Model::buffer_bytes(deck.model, deck.train.micro_batch,
+                                              deck.train.seq_len, deck.train.recompute)),
         seed_(deck.train.seed) {
     if (lora_) model_.set_lora(lora_.get());
   }
@@ -73,6 +75,15 @@ class CpuBackend final : public TrainBackend {
     return loss;
   }
   OptimStepStats optimizer_step(std::int64_t step) override { return state_.step(step); }
+  MemorySplit memory_split() override {
+    const StateBytes b = state_.peak_bytes();
+    MemorySplit m;
+    m.params = b.params + 4.0 * static_cast<double>(base_.size());
+    m.grads = b.grads;
+    m.optimizer = b.optimizer;
+    m.activations = activations_;
+    return m;
+  }
 
  private:
   Qwen3Model model_;
@@ -80,6 +91,7 @@ class CpuBackend final : public TrainBackend {
   ShardedState state_;                  // the trained parameters: the model, or the adapters
   std::vector<float> base_;             // with [lora]: the frozen model [numel], else empty
   bool offload_;
+  double activations_;  // bytes of the model's buffers
   std::uint64_t seed_;
   std::int64_t first_sample_ = 0;
 };

@@ -46,6 +46,11 @@ void MetricsLog::write(const StepMetrics& m) {
               static_cast<long long>(m.step), static_cast<long long>(m.steps), m.loss, m.lr,
               m.grad_norm, m.tokens_per_s, format_duration(m.elapsed_s).c_str(),
               format_duration(m.eta_s).c_str(), m.memory.empty() ? "" : " | ", m.memory.c_str());
+  if (!memory_line_written_) {
+    std::printf("peak memory per rank: %s (%s in all)\n", m.peak.describe().c_str(),
+                format_bytes(m.peak.total()).c_str());
+    memory_line_written_ = true;
+  }
   std::fflush(stdout);
   if (!file_.is_open()) return;
   nlohmann::json j = {{"step", m.step},           {"loss", m.loss},
@@ -53,6 +58,11 @@ void MetricsLog::write(const StepMetrics& m) {
                       {"tokens_per_s", m.tokens_per_s}, {"elapsed_s", m.elapsed_s},
                       {"eta_s", m.eta_s},         {"tokens", m.tokens}};
   if (!m.memory.empty()) j["memory"] = m.memory;
+  j["mem_params"] = m.peak.params;
+  j["mem_grads"] = m.peak.grads;
+  j["mem_optimizer"] = m.peak.optimizer;
+  j["mem_activations"] = m.peak.activations;
+  j["mem_workspace"] = m.peak.workspace;
   file_ << j.dump() << '\n';
   file_.flush();
 }

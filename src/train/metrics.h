@@ -6,6 +6,7 @@
 #include <string>
 
 #include "qtrain/comm.h"
+#include "runtime/memory.h"
 
 namespace qt {
 
@@ -20,6 +21,7 @@ struct StepMetrics {
   double eta_s = 0;
   std::int64_t tokens = 0;     // counted tokens consumed by the run so far
   std::string memory;          // back end's memory report (e.g. GPU current/peak), may be empty
+  MemorySplit peak;            // the largest rank's peak memory by kind (bytes)
 };
 
 class MetricsLog {
@@ -27,10 +29,14 @@ class MetricsLog {
   // Collective over `world`: rank 0 opens `path` (append: keep an existing file, for resumed
   // runs); when it cannot, every rank throws the same UserError. Only rank 0 writes.
   MetricsLog(const std::string& path, Comm& world, bool append);
+  // The step line (and, on the run's first logged step, a line with the peak memory by kind) on
+  // stdout, and the JSON line with every field (mem_params, mem_grads, mem_optimizer,
+  // mem_activations, mem_workspace in bytes).
   void write(const StepMetrics& m);
 
  private:
   bool root_;
+  bool memory_line_written_ = false;
   std::ofstream file_;
 };
 

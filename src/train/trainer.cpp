@@ -223,6 +223,10 @@ int run_training(const Deck& deck, Mesh& mesh) {
       sm.eta_s = sm.elapsed_s / static_cast<double>(state.step - first_step) * static_cast<double>(last - state.step);
       sm.tokens = state.tokens_consumed;
       sm.memory = backend->memory_report();
+      const MemorySplit mine = backend->memory_split();
+      double peak[5] = {mine.params, mine.grads, mine.optimizer, mine.activations, mine.workspace};
+      mesh.world().all_reduce(peak, 5, DType::kF64, ReduceOp::kMax);  // the largest rank's
+      sm.peak = {peak[0], peak[1], peak[2], peak[3], peak[4]};
       log.write(sm);
       t_log = Clock::now();
       tokens_since_log = 0;

@@ -11,8 +11,11 @@
 #include <iterator>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "qtrain/checkpoint.h"
 #include "qtrain/params.h"
+#include "runtime/memory.h"
 #include "support/random.h"
 #include "training_harness.h"
 
@@ -190,6 +193,35 @@ TEST_F(ZeroStages, CheckpointOfZero3ResumesAtOtherMeshesAndStages) {
     EXPECT_EQ(r->steps.front().step, 6);
     expect_serial(r->steps, serial.steps, 6);
   }
+}
+
+// The peak memory by kind of the last metrics line of `path` (mem_* fields, bytes).
+MemorySplit memory_of(const std::string& path) {
+  std::ifstream f(path);
+  std::string line, last;
+  while (std::getline(f, line)) last = line;
+  const auto j = nlohmann::json::parse(last);
+  return {j.at("mem_params").get<double>(), j.at("mem_grads").get<double>(),
+          j.at("mem_optimizer").get<double>(), j.at("mem_activations").get<double>(),
+          j.at("mem_workspace").get<double>()};
+}
+
+// The step log's memory report: ZeRO-3 over 4 ranks holds about a quarter of the serial run's
+// optimizer state, and much less of its parameters and gradients (a shard plus the units in
+// use: with 8 layers about 0.4 of the whole); the activations do not change.
+TEST_F(ZeroStages, MemoryReportShowsTheShards) {
+  // Eight layers: a shard plus one whole layer and the embedding is well under the whole model.
+  train("serial", 1, {"--model.num_layers=8"});
+  train("dp4_z3", 4, {"--model.num_layers=8", "--optim.zero_stage=3"});
+  const MemorySplit one = memory_of(path("serial.jsonl")), four = memory_of(path("dp4_z3.jsonl"));
+  if (test::world_rank() == 0)
+    std::printf("serial: %s\nZeRO-3 dp 4: %s\n", one.describe().c_str(), four.describe().c_str());
+  EXPECT_GT(one.params, 0);
+  EXPECT_GT(one.activations, 0);
+  EXPECT_NEAR(four.optimizer, one.optimizer / 4, 0.05 * one.optimizer);
+  EXPECT_LT(four.params, 0.6 * one.params);
+  EXPECT_LT(four.grads, 0.6 * one.grads);
+  EXPECT_EQ(four.activations, one.activations);
 }
 
 // tests/train/fixtures/checkpoint_v1: a checkpoint written before the sharded state, and the
