@@ -15,6 +15,11 @@
 
 namespace qt {
 
+// The dimensions of the mesh, for the parts of the code that pick one (the sharding plan, the
+// device communicators).
+enum class MeshDim { kDp, kTp, kPp, kEp };
+const char* mesh_dim_name(MeshDim d);
+
 struct MeshShape {
   int dp = 1;
   int tp = 1;
@@ -53,6 +58,13 @@ class Mesh {
   MpiComm& edp() { return *edp_; }
   // Raw MPI handle of the world communicator (for parallel HDF5).
   MPI_Comm world_mpi() const { return world_->mpi(); }
+  MpiComm& mpi(MeshDim d);
+
+  // The device communicator (NCCL) of dimension d: made on first use, collectively over that
+  // dimension's ranks, on the GPU current then (a back end selects its device first); owned by
+  // the mesh, so every user of a dimension shares one. Back ends never build their own. CUDA
+  // builds only: elsewhere a UserError.
+  Comm& device(MeshDim d);
 
   // One line per rank: "rank r host h local l: pp.. dp.. tp.. ep..". Collective; result on rank 0.
   std::string describe();
@@ -62,8 +74,13 @@ class Mesh {
   MeshCoord coord_;
   std::shared_ptr<MpiComm> world_;
   std::unique_ptr<MpiComm> dp_, tp_, pp_, ep_, edp_;
+  std::unique_ptr<Comm> device_[4];  // by MeshDim, made on first use
   int local_rank_ = 0, local_size_ = 1;
   std::string host_;
 };
+
+// Makes the device communicator of `mpi`'s ranks (collective over them). Defined by the CUDA build
+// (src/cuda/nccl_comm.cpp, an NcclComm); without it, throws UserError.
+std::unique_ptr<Comm> make_device_comm(const MpiComm& mpi, const std::string& name);
 
 }  // namespace qt

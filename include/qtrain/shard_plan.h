@@ -29,9 +29,6 @@
 
 namespace qt {
 
-enum class MeshDim { kDp, kTp, kPp, kEp };
-const char* mesh_dim_name(MeshDim d);
-
 struct ShardSpec {
   std::vector<std::int64_t> global_shape;
   std::optional<MeshDim> sharded_by;      // none: every rank holding it holds all of it

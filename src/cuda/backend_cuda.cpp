@@ -51,7 +51,7 @@ class CudaBackend final : public TrainBackend {
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,
                                                deck.train.seq_len, arena_, deck.train.recompute);
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
-    if (dp > 1) nccl_dp_ = std::make_unique<cuda::NcclComm>(mesh.dp(), "dp");
+    if (dp > 1) nccl_dp_ = &cuda::nccl(mesh, MeshDim::kDp);  // the mesh's, made here on first use
     bucket_elems_ = std::max<std::size_t>(
         1, static_cast<std::size_t>(deck.optim.reduce_bucket_mb * (1 << 20) / sizeof(float)));
     if (dp > 1 && deck.optim.grad_reduce == "bf16")
@@ -113,7 +113,7 @@ class CudaBackend final : public TrainBackend {
       nccl_dp_->synchronize();  // every reduction done before the optimizer reads gradients
     }
     const OptimStepStats s = state_.step(deck_.optim, deck_.train.steps, step, mesh_.dp(),
-                                         nccl_dp_.get(), stream_.get());
+                                         nccl_dp_, stream_.get());
     if (++steps_done_ == profile_end_) {
       stream_.synchronize();
       QT_CHECK_CUDA(cudaProfilerStop());
@@ -201,7 +201,7 @@ class CudaBackend final : public TrainBackend {
   cuda::TrainedState state_;  // the model's master weights, gradients, bf16 copy and moments
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;
-  std::unique_ptr<cuda::NcclComm> nccl_dp_;
+  cuda::NcclComm* nccl_dp_ = nullptr;  // the mesh's dp communicator; null at dp 1
 };
 
 }  // namespace

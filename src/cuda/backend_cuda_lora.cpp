@@ -51,7 +51,7 @@ class CudaLoraBackend final : public TrainBackend {
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     model_->set_lora(lora_.get());
     lora_->bind(state_.weights(), state_.grads());
-    if (dp > 1) nccl_dp_ = std::make_unique<cuda::NcclComm>(mesh.dp(), "dp");
+    if (dp > 1) nccl_dp_ = &cuda::nccl(mesh, MeshDim::kDp);  // the mesh's, made here on first use
     if (dp > 1 && deck.optim.grad_reduce == "bf16")
       reduce_stage_ = arena_.allocate<cuda::bf16>(state_.padded());
     host_params_.assign(layout_.numel(), 0.0f);
@@ -106,7 +106,7 @@ class CudaLoraBackend final : public TrainBackend {
   OptimStepStats optimizer_step(std::int64_t step) override {
     // Every rank then holds the whole reduced gradient; with ZeRO-1 it updates its shard.
     if (nccl_dp_) reduce_gradients(lora_->layout().numel());
-    return state_.step(deck_.optim, deck_.train.steps, step, mesh_.dp(), nccl_dp_.get(),
+    return state_.step(deck_.optim, deck_.train.steps, step, mesh_.dp(), nccl_dp_,
                        stream_.get());
   }
 
@@ -152,7 +152,7 @@ class CudaLoraBackend final : public TrainBackend {
   cuda::BatchBuffers batch_;
   cuda::bf16* reduce_stage_ = nullptr;  // bf16 gradients (optim.grad_reduce = bf16)
   std::unique_ptr<cuda::Qwen3Cuda> model_;
-  std::unique_ptr<cuda::NcclComm> nccl_dp_;
+  cuda::NcclComm* nccl_dp_ = nullptr;  // the mesh's dp communicator; null at dp 1
   std::int64_t first_sample_ = 0;
   std::vector<float> host_params_;  // [numel] the fp32 base as loaded (host only)
   double activations_ = 0;          // bytes of Qwen3Cuda's buffers and the micro-batch's

@@ -43,9 +43,8 @@ class CudaShardedBackend final : public TrainBackend {
         plan_(plan_qwen3(deck.model, layout_, mesh.shape(), deck.optim.zero_stage)),
         arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
-        nccl_dp_(mesh.dp().size() > 1 ? std::make_unique<cuda::NcclComm>(mesh.dp(), "dp")
-                                      : nullptr),
-        state_(plan_, layout_, deck.optim, deck.optim.offload == "cpu", mesh.dp(), nccl_dp_.get(),
+        nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
+        state_(plan_, layout_, deck.optim, deck.optim.offload == "cpu", mesh.dp(), nccl_dp_,
                arena_, offload_threads(mesh)),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
@@ -102,7 +101,7 @@ class CudaShardedBackend final : public TrainBackend {
   cuda::DeviceArena arena_;
   cuda::Stream stream_;
   void* gemm_ws_;
-  std::unique_ptr<cuda::NcclComm> nccl_dp_;  // null at dp 1
+  cuda::NcclComm* nccl_dp_;  // the mesh's dp communicator; null at dp 1
   cuda::ShardedCudaState state_;
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;

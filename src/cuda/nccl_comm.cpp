@@ -434,6 +434,32 @@ void NcclComm::point_to_point(bool is_send, void* buf, std::size_t count, DType 
   wait_idle(what);
 }
 
+void NcclComm::send_async(const void* buf, std::size_t count, DType t, int dest) {
+  const Pending what{"send", count, t, dest};
+  check_usable(what.op);
+  if (dest < 0 || dest >= size_)
+    throw std::invalid_argument(fmt::format("NcclComm::send_async on '{}': dest {} not in [0, {})",
+                                            name_, dest, size_));
+  require_buffer(buf, count, what.op, "buf");
+  if (count == 0) return;
+  require_device(buf, what.op, "buf");
+  enqueued(ncclSend(buf, count, nccl_type(t), dest, comm_, stream_), what, "ncclSend");
+  last_async_ = what;
+}
+
+void NcclComm::recv_async(void* buf, std::size_t count, DType t, int src) {
+  const Pending what{"recv", count, t, src};
+  check_usable(what.op);
+  if (src < 0 || src >= size_)
+    throw std::invalid_argument(fmt::format("NcclComm::recv_async on '{}': src {} not in [0, {})",
+                                            name_, src, size_));
+  require_buffer(buf, count, what.op, "buf");
+  if (count == 0) return;
+  require_device(buf, what.op, "buf");
+  enqueued(ncclRecv(buf, count, nccl_type(t), src, comm_, stream_), what, "ncclRecv");
+  last_async_ = what;
+}
+
 // NCCL has no tags: messages between a pair arrive in the order they were sent.
 void NcclComm::send(const void* buf, std::size_t count, DType t, int dest, int /*tag*/) {
   point_to_point(true, const_cast<void*>(buf), count, t, dest);  // ncclSend only reads buf
@@ -471,4 +497,18 @@ void NcclComm::barrier() {
   wait_idle(what);
 }
 
+NcclComm& nccl(Mesh& mesh, MeshDim d) {
+  auto* c = dynamic_cast<NcclComm*>(&mesh.device(d));
+  QT_CHECK(c != nullptr, "the mesh's device communicator {} is not an NcclComm", mesh_dim_name(d));
+  return *c;
+}
+
 }  // namespace qt::cuda
+
+namespace qt {
+
+std::unique_ptr<Comm> make_device_comm(const MpiComm& mpi, const std::string& name) {
+  return std::make_unique<cuda::NcclComm>(mpi, name);
+}
+
+}  // namespace qt

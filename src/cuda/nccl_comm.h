@@ -25,6 +25,7 @@
 
 #include "cuda/device.h"
 #include "qtrain/comm.h"
+#include "qtrain/mesh.h"
 
 namespace qt::cuda {
 
@@ -73,6 +74,11 @@ class NcclComm final : public Comm {
   void all_gather_async(const void* send, void* recv, std::size_t count, DType t);
   // In place: root's buf[count] <- op over ranks of buf[count]; other ranks' buf is unchanged.
   void reduce_async(void* buf, std::size_t count, DType t, ReduceOp op, int root);
+  // Point to point, asynchronous: enqueue on stream() and return. Inside group_start/group_end
+  // any number of sends and receives (to several peers, in both directions at once: a pipeline
+  // stage's exchange) run as one batch without deadlock; outside a group each is its own launch.
+  void send_async(const void* buf, std::size_t count, DType t, int dest);
+  void recv_async(void* buf, std::size_t count, DType t, int src);
   // Brackets several async calls into one NCCL group (one fused launch); calls between them
   // return at once and the whole group is enqueued by group_end().
   void group_start();
@@ -118,5 +124,8 @@ class NcclComm final : public Comm {
   Pending last_async_;    // the latest async operation, for synchronize()'s report
   bool aborted_ = false;
 };
+
+// The mesh's device communicator of dimension d (Mesh::device), as the NcclComm it is.
+NcclComm& nccl(Mesh& mesh, MeshDim d);
 
 }  // namespace qt::cuda

@@ -10,6 +10,16 @@
 
 namespace qt {
 
+const char* mesh_dim_name(MeshDim d) {
+  switch (d) {
+    case MeshDim::kDp: return "dp";
+    case MeshDim::kTp: return "tp";
+    case MeshDim::kPp: return "pp";
+    case MeshDim::kEp: return "ep";
+  }
+  return "?";
+}
+
 MeshCoord mesh_coord_of(const MeshShape& s, int r) {
   MeshCoord c;
   c.tp = r % s.tp;
@@ -59,6 +69,31 @@ Mesh::Mesh(const MeshShape& shape, std::shared_ptr<MpiComm> world)
   QT_CHECK_MPI(MPI_Comm_free(&node));
   host_ = host_name();
 }
+
+MpiComm& Mesh::mpi(MeshDim d) {
+  switch (d) {
+    case MeshDim::kDp: return *dp_;
+    case MeshDim::kTp: return *tp_;
+    case MeshDim::kPp: return *pp_;
+    case MeshDim::kEp: return *ep_;
+  }
+  QT_CHECK(false, "no mesh dimension {}", static_cast<int>(d));
+  return *dp_;  // not reached
+}
+
+Comm& Mesh::device(MeshDim d) {
+  std::unique_ptr<Comm>& c = device_[static_cast<int>(d)];
+  if (!c) c = make_device_comm(mpi(d), mesh_dim_name(d));
+  return *c;
+}
+
+#ifndef QTRAIN_HAVE_CUDA
+std::unique_ptr<Comm> make_device_comm(const MpiComm&, const std::string& name) {
+  fail_user("the device communicator of mesh dimension {} needs the CUDA back end; this qtrain "
+            "was built without it (cmake --preset cuda)",
+            name);
+}
+#endif
 
 std::string Mesh::describe() {
   constexpr int kLen = 160;  // fixed width per rank's line, padded with spaces

@@ -9,16 +9,6 @@
 
 namespace qt {
 
-const char* mesh_dim_name(MeshDim d) {
-  switch (d) {
-    case MeshDim::kDp: return "dp";
-    case MeshDim::kTp: return "tp";
-    case MeshDim::kPp: return "pp";
-    case MeshDim::kEp: return "ep";
-  }
-  return "?";
-}
-
 Range ParamUnit::shard(int dp_rank) const {
   QT_CHECK(dp_rank >= 0 && dp_rank < dp, "dp rank {} of {}", dp_rank, dp);
   const std::size_t lo = std::min(range.size(), chunk * static_cast<std::size_t>(dp_rank));

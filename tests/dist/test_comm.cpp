@@ -7,6 +7,7 @@
 #include <set>
 
 #include "qtrain/comm.h"
+#include "qtrain/error.h"
 #include "qtrain/mesh.h"
 
 namespace qt {
@@ -118,6 +119,20 @@ TEST(Mesh, CommunicatorsGroupTheRightRanks) {
     EXPECT_NE(text.find("dp 2"), std::string::npos) << text;
     EXPECT_NE(text.find("rank    3"), std::string::npos) << text;
   }
+  // Each dimension by name: the same communicators as the accessors.
+  EXPECT_EQ(&mesh.mpi(MeshDim::kDp), &mesh.dp());
+  EXPECT_EQ(&mesh.mpi(MeshDim::kTp), &mesh.tp());
+  EXPECT_EQ(&mesh.mpi(MeshDim::kPp), &mesh.pp());
+  EXPECT_EQ(&mesh.mpi(MeshDim::kEp), &mesh.ep());
+#ifndef QTRAIN_HAVE_CUDA
+  // Device communicators need the CUDA build: a clear error, not a crash.
+  try {
+    mesh.device(MeshDim::kDp);
+    ADD_FAILURE() << "expected a UserError";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("needs the CUDA back end"), std::string::npos) << e.what();
+  }
+#endif
 }
 
 }  // namespace

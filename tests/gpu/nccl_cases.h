@@ -324,6 +324,43 @@ TEST(Nccl, SendRecvPairs) {
   EXPECT_TRUE(theirs.guard_intact());
 }
 
+// A pipeline stage's exchange: in one group every rank sends to both neighbours and receives from
+// both at once, which blocking rendezvous sends would deadlock.
+TEST(Nccl, BatchedSendRecvBothWaysInOneGroup) {
+  QT_REQUIRE_NCCL();
+  const int size = comm().size(), rank = comm().rank();
+  const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
+  const std::size_t n = 65537;
+  test::GuardedBuffer<float> mine(inputs<float>(rank, 700, n)), from_prev(n), from_next(n);
+  comm().group_start();
+  comm().send_async(mine.get(), n, DType::kF32, next);
+  comm().send_async(mine.get(), n, DType::kF32, prev);
+  comm().recv_async(from_prev.get(), n, DType::kF32, prev);
+  comm().recv_async(from_next.get(), n, DType::kF32, next);
+  comm().group_end();
+  comm().synchronize();
+  std::vector<long> want_prev(n), want_next(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    want_prev[i] = value_of<float>(prev, 700, i);
+    want_next[i] = value_of<float>(next, 700, i);
+  }
+  EXPECT_TRUE(equal(from_prev.download(), want_prev));
+  EXPECT_TRUE(equal(from_next.download(), want_next));
+  EXPECT_TRUE(from_prev.guard_intact() && from_next.guard_intact());
+  EXPECT_THROW(comm().send_async(mine.get(), n, DType::kF32, size), std::invalid_argument);
+}
+
+// The mesh owns one device communicator per dimension: asked twice, the same one, and usable.
+TEST(Nccl, MeshOwnsItsDeviceCommunicators) {
+  QT_REQUIRE_NCCL();
+  Mesh& mesh = *g_env->mesh;
+  NcclComm& a = nccl(mesh, MeshDim::kDp);
+  EXPECT_EQ(&a, &nccl(mesh, MeshDim::kDp));
+  EXPECT_EQ(a.size(), mesh.dp().size());
+  EXPECT_EQ(a.rank(), mesh.dp().rank());
+  EXPECT_EQ(a.sum(1.0), static_cast<double>(a.size()));
+}
+
 TEST(Nccl, HostBuffersAreStagedForScalars) {
   QT_REQUIRE_NCCL();
   const int size = comm().size(), rank = comm().rank();
