@@ -1,6 +1,5 @@
-// The memory model of `qtrain plan` (memory_plan.h). Every term names the allocation it mirrors;
-// "design" marks a term of issue 16's ZeRO-2/3 or offload, which the CUDA back end does not have
-// yet. Arithmetic in 128 bits, checked once at the end, so that absurd deck sizes cannot wrap.
+// The memory model of `qtrain plan` (memory_plan.h). Every term names the allocation it mirrors.
+// Arithmetic in 128 bits, checked once at the end, so that absurd deck sizes cannot wrap.
 #include "plan/memory_plan.h"
 
 #include <algorithm>
@@ -100,6 +99,12 @@ void validate(const MemoryPlanInput& in) {
   if (s.dp < 1) fail_user("the data-parallel size must be >= 1, got {}", s.dp);
   if (in.zero_stage < 0 || in.zero_stage > 3)
     fail_user("the ZeRO stage must be 0, 1, 2 or 3, got {}", in.zero_stage);
+  if (in.offload == Offload::kCpu && in.zero_stage < 2)
+    fail_user("optim.offload = cpu needs optim.zero_stage = 2 or 3 on the CUDA back end, got {}",
+              in.zero_stage);
+  if (in.grad_reduce_bf16 && in.zero_stage >= 2)
+    fail_user("optim.grad_reduce = bf16 needs optim.zero_stage = 0 or 1 (ZeRO-{} reduces in fp32)",
+              in.zero_stage);
   if (in.micro_batch < 1 || in.seq_len < 1)
     fail_user("micro_batch ({}) and seq_len ({}) must be >= 1", in.micro_batch, in.seq_len);
   const ModelConfig& m = in.model;
@@ -116,12 +121,20 @@ std::uint64_t ParamUnits::largest() const {
   return std::max({embed, layers > 0 ? layer : 0, last});
 }
 
+std::uint64_t ParamUnits::largest_after_embed() const {
+  return std::max(layers > 0 ? layer : 0, last);
+}
+
+std::uint64_t ParamUnits::chunk(std::uint64_t unit, int dp) {
+  return std::max<std::uint64_t>(1, (unit + dp - 1) / dp);
+}
+
 std::uint64_t ParamUnits::padded(std::uint64_t unit, int dp) {
-  return (unit + dp - 1) / dp * static_cast<std::uint64_t>(dp);
+  return chunk(unit, dp) * static_cast<std::uint64_t>(dp);
 }
 
 std::uint64_t ParamUnits::shard(int dp) const {
-  return (padded(embed, dp) + layers * padded(layer, dp) + padded(last, dp)) / dp;
+  return chunk(embed, dp) + layers * chunk(layer, dp) + chunk(last, dp);
 }
 
 // The parameter count of ParamLayout(m) (src/model/params.cpp), unit by unit.
@@ -144,55 +157,62 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
   const int stage = in.zero_stage;
   const bool offload = in.offload == Offload::kCpu;
   const ParamUnits units = param_units(m);
-  const u128 n = units.total();
-  const u128 chunk = cdiv(n, dp), padded = chunk * dp;  // TrainedState::chunk_, padded_
-  // Design (stages 2, 3): every unit padded to a multiple of dp; the rank owns 1/dp of each.
-  const u128 shard = units.shard(dp);
-  const u128 unit = ParamUnits::padded(units.largest(), dp);  // the largest unit, gathered
-  const bool wire_bf16 = dp > 1 && in.grad_reduce_bf16;
   // One AdamWSegment per tensor of the layout: embedding, 11 per layer, final norm, lm head.
   const u128 tensors = 2 + u128{11} * m.num_layers + (m.tie_word_embeddings ? 0 : 1);
 
   MemoryPlan p;
-  p.built = stage <= 1 && !offload;
-  u128 params, grads, optimizer = 0, host, owned;
+  u128 params = 0, grads = 0, optimizer = blk(kAdamWSegmentBytes * tensors),  // segments_
+      host = 0, pinned = 0;
   if (stage <= 1) {
-    params = blk(2 * padded);                     // TrainedState::weights_ [padded] bf16
-    grads = blk(4 * padded)                       // TrainedState::grads_ [padded] fp32
-            + (wire_bf16 ? blk(2 * padded) : 0);  // CudaBackend::reduce_stage_ [padded] bf16
+    // TrainedState (src/cuda/trained_state.cpp) and CudaBackend (backend_cuda.cpp): one flat
+    // buffer of `padded` elements for each of weights, gradients and master weights.
+    const u128 n = units.total();
+    const u128 chunk = cdiv(n, dp), padded = chunk * dp;  // TrainedState::chunk_, padded_
     // TrainedState::range_: everything, or split_range(numel, dp, 0) with ZeRO-1 (rank 0's range
-    // is the largest). Design: offload shards the master with the moments from stage 1 on.
-    owned = stage == 1 ? chunk : n;
+    // is the largest).
+    const u128 owned = stage == 1 ? chunk : n;
+    params = blk(2 * padded);  // TrainedState::weights_ [padded] bf16
+    grads = blk(4 * padded)    // TrainedState::grads_ [padded] fp32
+            + (dp > 1 && in.grad_reduce_bf16 ? blk(2 * padded) : 0);  // reduce_stage_ bf16
+    // TrainedState::master_ [padded] fp32 (ZeRO-1 keeps it whole and all-gathers it after each
+    // step) and the AdamW moments m_, v_ [range] fp32.
+    optimizer += blk(4 * padded) + 2 * blk(4 * owned);
+    host = 4 * padded + 8 * owned;  // host_params_ [padded], host_m_, host_v_ [range] (pageable)
   } else {
-    // Design, ZeRO-2: fp32 gradients of the rank's shard of every unit, plus two whole units of
-    // scratch (the unit being reduce-scattered and the next one being written); with a bf16 wire,
-    // a bf16 copy of each scratch unit.
-    grads = blk(4 * shard) + 2 * blk(4 * unit) + (wire_bf16 ? 2 * blk(2 * unit) : 0);
-    // ZeRO-2: the whole bf16 model; ZeRO-3: its shard plus two gathered units (the one in use and
-    // the prefetched next; the largest unit is the embedding or the lm head).
-    params = stage == 2 ? blk(2 * shard * dp) : blk(2 * shard) + 2 * blk(2 * unit);
-    owned = shard;
+    // ShardedCudaState (src/cuda/sharded_state_cuda.cpp) over the units of plan_qwen3: per unit,
+    // chunk = ceil(unit / dp), padded = chunk x dp, rank 0 owning min(unit, chunk) elements. At
+    // dp = 1 there is no NCCL communicator: nothing is gathered and no gradient is scattered, so
+    // ZeRO-2 and 3 allocate the same.
+    const bool gathers = stage == 3 && dp > 1;  // ShardedCudaState::gathers()
+    const bool scatters = dp > 1;               // ShardedCudaState::scatters()
+    u128 owned = 0;
+    auto add = [&](u128 count, u128 unit) {
+      const u128 c = ParamUnits::chunk(unit, dp), padded = c * dp, own = std::min(unit, c);
+      params += count * blk(2 * (gathers ? c : padded));  // Unit::weights bf16
+      // Unit::master [chunk], m, v [own] fp32 (on the host with offload)
+      if (!offload) optimizer += count * (blk(4 * c) + 2 * blk(4 * own));
+      grads += count * blk(4 * c);  // Unit::grad [chunk] fp32, the reduced own shard
+      owned += count * own;
+    };
+    add(1, units.embed);
+    add(units.layers, units.layer);
+    add(1, units.last);
+    // The slots: max_chunk and max_padded over the units after the embedding, which has its own.
+    const u128 rest = units.largest_after_embed();
+    const u128 max_chunk = ParamUnits::chunk(rest, dp), max_padded = max_chunk * dp;
+    const u128 embed_chunk = ParamUnits::chunk(units.embed, dp), embed_padded = embed_chunk * dp;
+    if (gathers)  // weight_ring_: 3 gathered units; embed_weights_ (a tied embedding stays)
+      params += 3 * blk(2 * max_padded) + blk(2 * embed_padded);
+    if (scatters)  // grad_ring_: 2 x (a whole unit, its reduce-scatter output); embed_grads_
+      grads += 2 * (blk(4 * max_padded) + blk(4 * max_chunk)) + blk(4 * embed_padded) +
+               blk(4 * embed_chunk);
+    host = 12 * owned;  // Unit::host_master, host_m, host_v [own]: with offload the live state
+    // Offload: stage_grads_ and stage_weights_, two of each, [max chunk] fp32 and bf16 pinned.
+    if (offload) pinned = 2 * (4 + 2) * std::max(max_chunk, embed_chunk);
   }
-  u128 workspace =
-      blk(kGemmWorkspaceBytes)       // CudaBackend::gemm_ws_ (cuBLASLt)
-      + blk((kMaxPartials + 2) * 8)  // TrainedState::norm_ws_ (grad_norm_workspace_bytes)
-      + blk(op_workspace_bytes(m, in.micro_batch, in.seq_len));  // Qwen3Cuda::ws_
-  if (!offload) {
-    // fp32 master weights: TrainedState::master_ [padded] (ZeRO 0 and 1 keep them whole; ZeRO-1
-    // all-gathers them after each step); design: the shard from stage 2 on.
-    optimizer = (stage <= 1 ? blk(4 * padded) : blk(4 * owned)) +
-                2 * blk(4 * owned)                    // AdamW moments m_, v_ [range] fp32
-                + blk(kAdamWSegmentBytes * tensors);  // TrainedState::segments_
-    // Host: TrainedState::host_params_ [padded] and host_m_, host_v_ [range] (init, checkpoints);
-    // design: the shard's master weights and moments only (checkpoints by StatePiece).
-    host = stage <= 1 ? 4 * padded + 8 * owned : 12 * owned;
-  } else {
-    // Design, offload: master weights and moments of the owned elements in pinned host memory,
-    // AdamW on the host; the GPU keeps the bf16 weights and fp32 gradients of its stage.
-    host = 12 * owned + kOffloadStageBytes;  // + the host side of the staging
-    workspace += blk(kOffloadStageBytes);    // GPU side: fp32 master in, gradients out
-    p.host_pinned = true;
-  }
+  // gemm_ws_ (cuBLASLt), norm_ws_ (grad_norm_workspace_bytes), Qwen3Cuda::ws_.
+  const u128 workspace = blk(kGemmWorkspaceBytes) + blk((kMaxPartials + 2) * 8) +
+                         blk(op_workspace_bytes(m, in.micro_batch, in.seq_len));
   p.params = checked(params, "bf16 parameters");
   p.grads = checked(grads, "gradients");
   p.optimizer = checked(optimizer, "optimizer state");
@@ -200,6 +220,7 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
       checked(activation_bytes(m, in.micro_batch, in.seq_len, in.recompute), "activations");
   p.workspace = checked(workspace, "workspace");
   p.host = checked(host, "host state");
+  p.host_pinned = checked(pinned, "pinned host staging");
   checked(u128{p.params} + p.grads + p.optimizer + p.activations + p.workspace, "GPU total");
   return p;
 }

@@ -1,12 +1,13 @@
 // The memory of one rank of the CUDA back end, predicted from the model, the micro-batch and the
 // parallel settings before anything is allocated (`qtrain plan`, docs/plan.md).
 //
-// ZeRO 0 and 1 without offload mirror, buffer by buffer, what the CUDA back end allocates today
-// from its DeviceArena (src/cuda/backend_cuda.cpp, trained_state.cpp, qwen3_cuda.cpp), each block
-// rounded up to the arena's 256 bytes: the prediction is the arena's used bytes after set-up,
-// which is also its peak (nothing in the step loop allocates). ZeRO 2, 3 and offload are not built
-// on CUDA yet: their numbers follow the design of issue 16 (../shared/docs/sharded-core.md), each
-// term documented where it is computed (memory_plan.cpp).
+// Every setting mirrors, buffer by buffer, what the CUDA back end allocates from its DeviceArena,
+// each block rounded up to the arena's 256 bytes: the prediction is the arena's used bytes after
+// set-up, which is also its peak (nothing in the step loop allocates). ZeRO 0 and 1:
+// src/cuda/backend_cuda.cpp and trained_state.cpp; ZeRO 2 and 3, with or without offload:
+// backend_cuda_sharded.cpp and sharded_state_cuda.cpp over the units of plan_qwen3
+// (include/qtrain/shard_plan.h); Qwen3Cuda's buffers (qwen3_cuda.cpp) in both. Each term names
+// the allocation it mirrors in memory_plan.cpp.
 //
 // Parallelism enters through MeshShape: dp today; tp and pp are refused until they are modelled
 // (a tp shard would divide each unit's matrices, a pp stage would hold a range of layers: both
@@ -27,37 +28,41 @@ const char* offload_name(Offload o);  // "none" | "cpu", as in the deck
 
 struct MemoryPlanInput {
   ModelConfig model;
-  int micro_batch = 1;     // B: sequences per micro-batch (train.micro_batch)
-  int seq_len = 1;         // T: tokens per sequence (train.seq_len)
-  bool recompute = false;  // train.recompute
-  MeshShape mesh;          // mesh.dp ranks; tp, pp, ep must be 1 (not modelled yet)
-  int zero_stage = 0;      // optim.zero_stage, 0-3
-  Offload offload = Offload::kNone;
-  bool grad_reduce_bf16 =
-      false;  // optim.grad_reduce = bf16: a bf16 copy of the gradients on the wire
+  int micro_batch = 1;               // B: sequences per micro-batch (train.micro_batch)
+  int seq_len = 1;                   // T: tokens per sequence (train.seq_len)
+  bool recompute = false;            // train.recompute
+  MeshShape mesh;                    // mesh.dp ranks; tp, pp, ep must be 1 (not modelled yet)
+  int zero_stage = 0;                // optim.zero_stage, 0-3
+  Offload offload = Offload::kNone;  // kCpu needs zero_stage 2 or 3 (as the deck does on cuda)
+  // optim.grad_reduce = bf16: a bf16 copy of the gradients on the wire; ZeRO 0 and 1 only (the
+  // reduce-scatters of ZeRO 2 and 3 are fp32, and the deck refuses bf16 there).
+  bool grad_reduce_bf16 = false;
 };
 
 // Bytes of one rank: dp rank 0, the one with the largest shard. GPU terms are sums of arena
 // blocks, each rounded up to 256 bytes as DeviceArena::allocate does.
 struct MemoryPlan {
-  std::uint64_t params = 0;       // bf16 compute weights (ZeRO-3: shard + gathered units)
-  std::uint64_t grads = 0;        // fp32 gradients (ZeRO-2/3: shard + unit scratch), bf16 wire copy
+  std::uint64_t params = 0;       // bf16 compute weights (ZeRO-3: shard + gather slots)
+  std::uint64_t grads = 0;        // fp32 gradients (ZeRO-2/3: shard + scratch slots), bf16 wire
   std::uint64_t optimizer = 0;    // fp32 master weights, AdamW moments, AdamW segment table
   std::uint64_t activations = 0;  // Qwen3Cuda's buffers and the micro-batch's tokens
-  std::uint64_t workspace = 0;    // cuBLASLt, op and grad-norm workspaces, offload staging
-  std::uint64_t host = 0;         // host bytes of the trained state (copies, or offloaded state)
-  bool host_pinned = false;       // host is page-locked (offload)
-  bool built = false;             // true: today's CUDA allocations; false: issue 16's design
+  std::uint64_t workspace = 0;    // cuBLASLt, op and grad-norm workspaces
+  std::uint64_t host = 0;         // pageable host bytes of the trained state (copies for init and
+                                  // checkpoints; with offload the live master weights and moments)
+  std::uint64_t host_pinned = 0;  // page-locked host bytes: offload's staging
+  bool built = true;              // what the CUDA back end allocates today (every setting that
+                                  // memory_plan accepts; false is for a setting modelled before
+                                  // it is built)
   std::uint64_t gpu() const { return params + grads + optimizer + activations + workspace; }
 };
 
-// Throws UserError for what cannot be planned: tp, pp or ep > 1, a stage outside 0-3, sizes below
-// 1, or a total beyond 2^63 bytes.
+// Throws UserError for what cannot be planned: tp, pp or ep > 1, a stage outside 0-3, offload
+// below ZeRO-2, a bf16 gradient wire above ZeRO-1, sizes below 1, or a total beyond 2^63 bytes.
 MemoryPlan memory_plan(const MemoryPlanInput& in);
 
-// The units of ZeRO-2/3 (sharded, reduced and gathered one at a time), in flat-layout order: the
-// embedding, each decoder layer (all alike), the final norm with the lm head when it is untied
-// (tied: the lm head is the embedding). Elements.
+// The units of plan_qwen3 (ZeRO-2/3 shards, reduces and gathers them one at a time), in
+// flat-layout order: the embedding, each decoder layer (all alike), the final norm with the lm
+// head when it is untied (tied: the lm head is the embedding). Elements.
 struct ParamUnits {
   std::uint64_t embed = 0;   // V x H
   std::uint64_t layer = 0;   // one decoder layer
@@ -65,9 +70,14 @@ struct ParamUnits {
   std::uint64_t layers = 0;  // L
   std::uint64_t total() const { return embed + layers * layer + last; }
   std::uint64_t largest() const;
-  // Elements of a rank's shard when every unit is padded to a multiple of dp and split evenly.
+  // The largest unit but the embedding: the size of ZeRO-2/3's shared gather and gradient slots
+  // (the embedding has slots of its own).
+  std::uint64_t largest_after_embed() const;
+  // Elements of dp rank 0's shard: the sum of every unit's chunk.
   std::uint64_t shard(int dp) const;
-  // A unit's elements padded to a multiple of dp (a gathered unit or its gradient scratch).
+  // ParamUnit::chunk: a unit's shard, ceil(unit / dp) and at least 1; rank 0 owns that many.
+  static std::uint64_t chunk(std::uint64_t unit, int dp);
+  // ParamUnit::padded: chunk x dp (a gathered unit or its gradient scratch).
   static std::uint64_t padded(std::uint64_t unit, int dp);
 };
 ParamUnits param_units(const ModelConfig& m);
@@ -77,10 +87,5 @@ ParamUnits param_units(const ModelConfig& m);
 // 1.5 GiB of a card before the run starts (an "80 GB" H100 shows 78.7 GiB free: a 75.7 GiB arena,
 // docs/performance.md). A setting fits when gpu() <= card - kGpuMarginBytes.
 inline constexpr std::uint64_t kGpuMarginBytes = (std::uint64_t{9} << 30) / 2;  // 4.5 GiB
-
-// Offload's staging (design): the updated fp32 master goes host -> GPU and the fp32 gradients GPU
-// -> host through two blocks of kUploadStageFloats (64 MiB, as upload_as_bf16 stages), double
-// buffered on each side.
-inline constexpr std::uint64_t kOffloadStageBytes = std::uint64_t{2} * (64 << 20);
 
 }  // namespace qt::plan

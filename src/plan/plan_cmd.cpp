@@ -29,8 +29,9 @@ constexpr const char* kUsage =
     "Predicts the peak GPU memory of one rank of the CUDA back end for the deck's model\n"
     "(model.preset, [model] keys or model.init's config.json), train.micro_batch,\n"
     "train.seq_len and train.recompute, split into parameters, gradients, optimizer state,\n"
-    "activations and workspace, for every optim.zero_stage (0-3) and optim.offload (none, cpu)\n"
-    "on N data-parallel GPUs; says whether each fits and which is the cheapest that does.\n"
+    "activations and workspace, for every optim.zero_stage (0-3) and optim.offload (none, cpu;\n"
+    "cpu needs ZeRO-2 or 3) on N data-parallel GPUs; says whether each fits and which is the\n"
+    "cheapest that does.\n"
     "\n"
     "  --gpus N         data-parallel GPUs (mesh.dp = N; one rank each)\n"
     "  --gpu-mem GB     memory of one GPU in GiB (2^30 bytes), as the card is sold: 80 for an\n"
@@ -39,10 +40,10 @@ constexpr const char* kUsage =
     "  --section.key=value   overrides a deck key, as for training (e.g. --train.micro_batch=2)\n"
     "  --help           this text\n"
     "\n"
-    "ZeRO 0 and 1 without offload are what the CUDA back end allocates today; ZeRO 2, 3 and\n"
-    "offload follow the design of issue 16 (not built on CUDA yet). Only the model, micro-batch,\n"
-    "recompute and optim.grad_reduce keys matter; data and checkpoint keys are not checked.\n"
-    "docs/plan.md explains every term.\n";
+    "Every number mirrors the CUDA back end's allocations, buffer by buffer. Only the model,\n"
+    "micro-batch, recompute and optim.grad_reduce keys matter (bf16 applies to ZeRO 0 and 1;\n"
+    "ZeRO 2 and 3 reduce in fp32); data and checkpoint keys are not checked. docs/plan.md\n"
+    "explains every term.\n";
 
 struct Options {
   std::string deck;
@@ -175,22 +176,25 @@ std::string grouped(std::uint64_t v) {
   return s;
 }
 
+// A setting the CUDA back end can run: offload needs ZeRO-2 or 3 (the deck refuses it below).
+bool available(int stage, Offload off) { return off == Offload::kNone || stage >= 2; }
+
 struct Row {
   int stage;
   Offload offload;
-  MemoryPlan plan;
+  MemoryPlan plan;  // when available(stage, offload)
   bool fits;
 };
 
 // The order in which settings are preferred when several fit: no offload before offload (it
 // moves gradients and weights over PCIe and runs AdamW on the host each step), then the lower
-// ZeRO stage (less communication); with offload on several GPUs, stage 1 before 0: the same GPU
-// memory, and each rank's host updates 1/dp of the model instead of all of it.
-std::vector<std::pair<int, Offload>> preference(int dp) {
+// ZeRO stage (less communication; on one GPU ZeRO-2 and 3 are the same, and 0 needs as much as
+// they do but for the 256-byte rounding of each unit).
+std::vector<std::pair<int, Offload>> preference() {
   std::vector<std::pair<int, Offload>> order;
-  for (int s = 0; s <= 3; ++s) order.push_back({s, Offload::kNone});
-  for (int s : {1, 2, 3}) order.push_back({s, Offload::kCpu});
-  order.insert(dp == 1 ? order.begin() + 4 : order.end(), {0, Offload::kCpu});
+  for (Offload off : {Offload::kNone, Offload::kCpu})
+    for (int s = 0; s <= 3; ++s)
+      if (available(s, off)) order.push_back({s, off});
   return order;
 }
 
@@ -234,9 +238,14 @@ std::string report(const Options& o, const Deck& d) {
       "{:.1f} GiB margin for the CUDA context, NCCL and cuBLASLt)\n\n",
       o.gpus, o.gpus, o.gpu_mem_gib, gib(usable), gib(plan::kGpuMarginBytes));
 
+  const bool wire_bf16 = d.optim.grad_reduce == "bf16";
   std::vector<Row> rows;
   for (Offload off : {Offload::kNone, Offload::kCpu})
     for (int stage = 0; stage <= 3; ++stage) {
+      if (!available(stage, off)) {
+        rows.push_back({stage, off, MemoryPlan{}, false});
+        continue;
+      }
       plan::MemoryPlanInput in;
       in.model = m;
       in.micro_batch = d.train.micro_batch;
@@ -245,14 +254,15 @@ std::string report(const Options& o, const Deck& d) {
       in.mesh.dp = o.gpus;
       in.zero_stage = stage;
       in.offload = off;
-      in.grad_reduce_bf16 = d.optim.grad_reduce == "bf16";
+      in.grad_reduce_bf16 = wire_bf16 && stage <= 1;  // ZeRO 2 and 3 reduce in fp32
       const MemoryPlan p = plan::memory_plan(in);
       rows.push_back({stage, off, p, p.gpu() <= usable});
     }
 
   // GiB, or MiB when every setting needs less than 1 GiB (small test models).
   std::uint64_t largest = 0;
-  for (const Row& r : rows) largest = std::max({largest, r.plan.gpu(), r.plan.host});
+  for (const Row& r : rows)
+    largest = std::max({largest, r.plan.gpu(), r.plan.host, r.plan.host_pinned});
   const bool mib = largest < (std::uint64_t{1} << 30);
   const char* unit = mib ? "MiB" : "GiB";
   auto in_unit = [mib](std::uint64_t b) {
@@ -263,35 +273,43 @@ std::string report(const Options& o, const Deck& d) {
       unit);
   out +=
       " zero offload   params    grads optimizer activations workspace    total fits      host  "
-      "source\n";
+      " pinned\n";
   for (const Row& r : rows) {
     const bool mine =
         r.stage == d.optim.zero_stage && plan::offload_name(r.offload) == d.optim.offload;
+    const std::string head =
+        fmt::format("{:>4}{} {:<7}", r.stage, mine ? '*' : ' ', plan::offload_name(r.offload));
+    if (!available(r.stage, r.offload)) {
+      out += head + " not available: the CUDA back end offloads at ZeRO-2 and 3 only\n";
+      continue;
+    }
     const MemoryPlan& p = r.plan;
-    out += fmt::format(
-        "{:>4}{} {:<7} {:>8.2f} {:>8.2f} {:>9.2f} {:>11.2f} {:>9.2f} {:>8.2f} {:<4} "
-        "{:>9.2f}{} {}\n",
-        r.stage, mine ? '*' : ' ', plan::offload_name(r.offload), in_unit(p.params),
-        in_unit(p.grads), in_unit(p.optimizer), in_unit(p.activations), in_unit(p.workspace),
-        in_unit(p.gpu()), r.fits ? "yes" : "no", in_unit(p.host), p.host_pinned ? "p" : " ",
-        p.built ? "today" : "design");
+    out += head + fmt::format(
+                      " {:>8.2f} {:>8.2f} {:>9.2f} {:>11.2f} {:>9.2f} {:>8.2f} {:<4} {:>9.2f} "
+                      "{:>8.2f}\n",
+                      in_unit(p.params), in_unit(p.grads), in_unit(p.optimizer),
+                      in_unit(p.activations), in_unit(p.workspace), in_unit(p.gpu()),
+                      r.fits ? "yes" : "no", in_unit(p.host), in_unit(p.host_pinned));
   }
   out += fmt::format(
-      "\n*: the deck's setting (optim.zero_stage = {}, optim.offload = {}). today: what the CUDA "
-      "back end allocates now;\ndesign: issue 16's ZeRO-2/3 and offload, not built on CUDA yet. "
-      "host p: pinned (offload), else pageable copies.\n",
-      d.optim.zero_stage, d.optim.offload);
+      "\n*: the deck's setting (optim.zero_stage = {}, optim.offload = {}). host: master weights "
+      "and moments in pageable\nmemory (copies for start-up and checkpoints; with offload the "
+      "live state, updated on the host); pinned:\noffload's staging.{}\n",
+      d.optim.zero_stage, d.optim.offload,
+      wire_bf16 ? " ZeRO 2 and 3 reduce gradients in fp32 (optim.grad_reduce = bf16 is for ZeRO 0 "
+                  "and 1)."
+                : "");
 
   const Row* best = nullptr;
-  for (const auto& [stage, off] : preference(o.gpus))
+  for (const auto& [stage, off] : preference())
     for (const Row& r : rows)
       if (!best && r.fits && r.stage == stage && r.offload == off) best = &r;
   if (best)
     out += fmt::format(
-        "cheapest that fits: optim.zero_stage = {}, optim.offload = {} ({:.2f} of "
-        "{:.2f} {}{})\n",
-        best->stage, plan::offload_name(best->offload), in_unit(best->plan.gpu()), in_unit(usable),
-        unit, best->plan.built ? "" : "; not built on CUDA yet");
+        "cheapest that fits: optim.zero_stage = {}, optim.offload = {}{} ({:.2f} of {:.2f} {})\n",
+        best->stage, plan::offload_name(best->offload),
+        wire_bf16 && best->stage >= 2 ? ", optim.grad_reduce = fp32" : "",
+        in_unit(best->plan.gpu()), in_unit(usable), unit);
   else
     out += fmt::format(
         "nothing fits {} GPU{} of {:.2f} GiB: lower train.micro_batch or "

@@ -1,8 +1,11 @@
 // The memory model of `qtrain plan` (src/plan/memory_plan.h): a tiny model's bytes worked out by
-// hand from its shapes, buffer by buffer as the CUDA back end allocates them; the measured arena
-// peaks of docs/performance.md; and the relations that must hold between ZeRO stages and offload.
+// hand from its shapes, buffer by buffer as the CUDA back end allocates them (TrainedState at
+// ZeRO 0 and 1, ShardedCudaState at ZeRO 2 and 3); the measured arena peaks of
+// docs/performance.md and docs/plan.md; and the relations that must hold between ZeRO stages and
+// offload.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -60,10 +63,15 @@ TEST(MemoryPlan, TinyUnitsAndParameterCount) {
   EXPECT_EQ(u.total(), kTinyParams);
   EXPECT_EQ(u.total(), static_cast<u64>(tiny().num_params()));  // the spec's formula
   EXPECT_EQ(u.largest(), kTinyLayer);
+  EXPECT_EQ(u.largest_after_embed(), kTinyLayer);
   // dp = 2: 8192 + 2 * 24656 + 32
   EXPECT_EQ(u.shard(2), 57536u);
-  // dp = 3: 5462 + 2 * 16438 + 22 (each unit padded to a multiple of 3)
+  // dp = 3: 5462 + 2 * 16438 + 22 (each unit's chunk rounded up)
   EXPECT_EQ(u.shard(3), 5462u + 2 * 16438u + 22u);
+  EXPECT_EQ(qt::plan::ParamUnits::chunk(64, 3), 22u);
+  EXPECT_EQ(qt::plan::ParamUnits::padded(64, 3), 66u);
+  EXPECT_EQ(qt::plan::ParamUnits::chunk(2, 3), 1u);  // ParamUnit::chunk is at least 1
+  EXPECT_EQ(u.shard(1), kTinyParams);
 }
 
 // Activations of tiny at B = 2, T = 8, every buffer of Qwen3Cuda and BatchBuffers by hand:
@@ -110,7 +118,7 @@ TEST(MemoryPlan, TinyZero0OneGpuByHand) {
   EXPECT_EQ(p.optimizer, 1381632u);
   EXPECT_EQ(p.workspace, kTinyWorkspace);
   EXPECT_EQ(p.host, 12 * kTinyParams);
-  EXPECT_FALSE(p.host_pinned);
+  EXPECT_EQ(p.host_pinned, 0u);
   EXPECT_EQ(p.gpu(), p.params + p.grads + p.optimizer + p.activations + p.workspace);
 }
 
@@ -139,37 +147,72 @@ TEST(MemoryPlan, TinyZero1PadsToDp) {
   EXPECT_EQ(p.optimizer, r(115074 * 4) + 2 * r(38358 * 4) + r(24 * 24));
 }
 
+// ZeRO-2/3 on two GPUs, ShardedCudaState's blocks by hand. Units (chunk, padded): embedding
+// 16384 (8192, 16384), two layers of 49312 (24656, 49312), final norm 64 (32, 64). Rank 0 owns a
+// whole chunk of each. The shared slots are sized by the largest unit after the embedding, a
+// layer: 49312 padded, 24656 a chunk.
 TEST(MemoryPlan, TinyZero2And3TwoGpusByHand) {
-  const u64 shard = 57536;      // 8192 + 2 * 24656 + 32
-  const u64 unit = kTinyLayer;  // the largest unit, even already
+  const u64 segments = r(24 * 24);  // 24 AdamW segments: embedding, 11 per layer, norm
+  // Per unit: fp32 grad [chunk] of the own shard; master [chunk], m, v [own] fp32.
+  const u64 grad_shard = r(8192 * 4) + 2 * r(24656 * 4) + r(32 * 4);
+  // Two gradient slots, each a layer [padded] and its reduce-scatter output [chunk]; the
+  // embedding's slot [16384] and its output [8192].
+  const u64 grad_slots = 2 * (r(49312 * 4) + r(24656 * 4)) + r(16384 * 4) + r(8192 * 4);
+  const u64 optimizer = 3 * r(8192 * 4) + 2 * 3 * r(24656 * 4) + 3 * r(32 * 4) + segments;
+
   const MemoryPlan z2 = memory_plan(input(tiny(), 2, 8, 2, 2));
-  EXPECT_FALSE(z2.built);
-  EXPECT_EQ(z2.params, r(2 * shard * 2));               // the whole bf16 model
-  EXPECT_EQ(z2.grads, r(shard * 4) + 2 * r(unit * 4));  // shard + two units of scratch
-  EXPECT_EQ(z2.grads, 230144u + 2 * 197376u);
-  EXPECT_EQ(z2.optimizer, 3 * r(shard * 4) + r(24 * 24));  // master, m, v of the shard
-  EXPECT_EQ(z2.host, 12 * shard);
+  EXPECT_TRUE(z2.built);
+  EXPECT_EQ(z2.params, r(16384 * 2) + 2 * r(49312 * 2) + r(64 * 2));  // every unit whole, bf16
+  EXPECT_EQ(z2.params, 32768u + 2 * 98816u + 256u);
+  EXPECT_EQ(z2.grads, grad_shard + grad_slots);
+  EXPECT_EQ(z2.grads, 230656u + 2 * 197376u + 2 * 98816u + 65536u + 32768u);
+  EXPECT_EQ(z2.optimizer, optimizer);
+  EXPECT_EQ(z2.activations, tiny_activations(false));
+  EXPECT_EQ(z2.workspace, kTinyWorkspace);
+  EXPECT_EQ(z2.host, 12 * 57536u);  // host master, m, v of the own shard
+  EXPECT_EQ(z2.host_pinned, 0u);
+
   const MemoryPlan z3 = memory_plan(input(tiny(), 2, 8, 2, 3));
-  EXPECT_EQ(z3.params, r(shard * 2) + 2 * r(unit * 2));  // shard + two gathered units
-  EXPECT_EQ(z3.params, 115200u + 2 * 98816u);
+  EXPECT_TRUE(z3.built);
+  // The own bf16 shard of every unit, three gather slots of a layer, the embedding's slot.
+  EXPECT_EQ(z3.params,
+            r(8192 * 2) + 2 * r(24656 * 2) + r(32 * 2) + 3 * r(49312 * 2) + r(16384 * 2));
+  EXPECT_EQ(z3.params, 16384u + 2 * 49408u + 256u + 3 * 98816u + 32768u);
   EXPECT_EQ(z3.grads, z2.grads);
   EXPECT_EQ(z3.optimizer, z2.optimizer);
-  EXPECT_EQ(z3.activations, tiny_activations(false));
-  EXPECT_EQ(z3.workspace, kTinyWorkspace);
+  EXPECT_EQ(z3.activations, z2.activations);
+  EXPECT_EQ(z3.workspace, z2.workspace);
+  EXPECT_EQ(z3.host, z2.host);
+}
+
+// On one GPU there is no communicator: the shard is the whole unit, nothing is gathered, no
+// scratch; ZeRO-2 and 3 are the same.
+TEST(MemoryPlan, TinyZero2And3OneGpuByHand) {
+  for (int stage : {2, 3}) {
+    const MemoryPlan p = memory_plan(input(tiny(), 2, 8, 1, stage));
+    EXPECT_EQ(p.params, r(16384 * 2) + 2 * r(49312 * 2) + r(64 * 2)) << stage;
+    EXPECT_EQ(p.grads, r(16384 * 4) + 2 * r(49312 * 4) + r(64 * 4));
+    EXPECT_EQ(p.optimizer, 3 * (r(16384 * 4) + 2 * r(49312 * 4) + r(64 * 4)) + r(24 * 24));
+    EXPECT_EQ(p.host, 12 * kTinyParams);
+  }
 }
 
 TEST(MemoryPlan, TinyOffloadByHand) {
-  const u64 shard = 57536, stage = 128 * kMiB;
+  const MemoryPlan none = memory_plan(input(tiny(), 2, 8, 2, 2));
   const MemoryPlan p = memory_plan(input(tiny(), 2, 8, 2, 2, Offload::kCpu));
-  EXPECT_FALSE(p.built);
-  EXPECT_EQ(p.optimizer, 0u);
-  EXPECT_EQ(p.workspace, kTinyWorkspace + stage);
-  EXPECT_EQ(p.host, 12 * shard + stage);
-  EXPECT_TRUE(p.host_pinned);
-  // Stage 0 offloads everything: every rank updates the whole model on its host.
-  EXPECT_EQ(memory_plan(input(tiny(), 2, 8, 2, 0, Offload::kCpu)).host, 12 * kTinyParams + stage);
-  EXPECT_EQ(memory_plan(input(tiny(), 2, 8, 2, 1, Offload::kCpu)).host,
-            12 * (kTinyParams / 2) + stage);
+  EXPECT_TRUE(p.built);
+  EXPECT_EQ(p.optimizer, r(24 * 24));  // the AdamW segment table stays on the GPU
+  EXPECT_EQ(p.params, none.params);
+  EXPECT_EQ(p.grads, none.grads);
+  EXPECT_EQ(p.workspace, kTinyWorkspace);  // the staging is host memory
+  EXPECT_EQ(p.host, 12 * 57536u);          // master, m, v of the own shard, pageable
+  // Pinned: two fp32 gradient and two bf16 weight buffers of the largest chunk (a layer's 24656,
+  // above the embedding's 8192).
+  EXPECT_EQ(p.host_pinned, 2 * (24656 * 4 + 24656 * 2));
+  // One GPU: the chunk is the whole unit.
+  EXPECT_EQ(memory_plan(input(tiny(), 2, 8, 1, 3, Offload::kCpu)).host_pinned,
+            2 * (49312 * 4 + 49312 * 2));
+  EXPECT_EQ(memory_plan(input(tiny(), 2, 8, 1, 3, Offload::kCpu)).host, 12 * kTinyParams);
 }
 
 // The arena peaks measured on an H100 (docs/performance.md, 2026-11-26: micro_batch 2 x 4096
@@ -189,6 +232,14 @@ TEST(MemoryPlan, MeasuredArenaPeaks) {
   }
 }
 
+// The sharded back end's arena after set-up, measured on H200s (docs/plan.md): Qwen3-8B,
+// micro_batch 1 x 4096 tokens, no recompute, as printed to 0.01 GiB.
+TEST(MemoryPlan, MeasuredShardedArena) {
+  const ModelConfig m = *qt::model_preset("qwen3-8b");
+  EXPECT_NEAR(memory_plan(input(m, 1, 4096, 2, 3)).gpu() / kGiB, 104.33, 0.01);  // 2 GPUs
+  EXPECT_NEAR(memory_plan(input(m, 1, 4096, 1, 3, Offload::kCpu)).gpu() / kGiB, 66.38, 0.01);
+}
+
 std::vector<ModelConfig> qwen3_presets() {
   std::vector<ModelConfig> out;
   for (const char* name :
@@ -197,15 +248,16 @@ std::vector<ModelConfig> qwen3_presets() {
   return out;
 }
 
-// At dp > 1 each stage needs no more GPU memory than the one below, as long as the largest unit
-// is at most (dp - 1) / (2 dp) of the model (a quarter at dp = 2): ZeRO-3 shards 2 bytes of each
-// parameter and adds two gathered units of 2 bytes each; ZeRO-2 (with offload, where no master
-// weights are sharded) shards 4 bytes of gradient and adds two units of 4 bytes of scratch.
-// Every Qwen3 preset at every dp meets it but Qwen3-0.6B at dp = 2, whose tied embedding is 26% of
-// the model (checked below).
+// At dp > 1 each stage needs no more GPU memory than the one below as long as the units after
+// the embedding are small against the model. ZeRO-1 shards the moments. ZeRO-2 shards 8 bytes of
+// each parameter (fp32 gradients and master weights) and adds 4 bytes a parameter of two whole
+// units with their reduced chunks and the embedding's slot: less when
+// 2 n (dp - 1) >= (dp + 1) (2 largest + embed). ZeRO-3 shards the 2 bytes of bf16 weights and adds
+// three gather slots and the embedding's: less when n (dp - 1) >= dp (3 largest + embed).
 bool small_units(const ModelConfig& m, int dp) {
   const qt::plan::ParamUnits u = qt::plan::param_units(m);
-  return 2.0 * dp * u.largest() <= double(u.total()) * (dp - 1);
+  const double n = double(u.total()), big = double(u.largest_after_embed()), e = double(u.embed);
+  return 2 * n * (dp - 1) >= (dp + 1) * (2 * big + e) && n * (dp - 1) >= dp * (3 * big + e);
 }
 
 TEST(MemoryPlan, HigherStagesNeedNoMoreAtDpAboveOne) {
@@ -214,83 +266,92 @@ TEST(MemoryPlan, HigherStagesNeedNoMoreAtDpAboveOne) {
     for (int dp : {2, 3, 4, 8, 64}) {
       if (!small_units(m, dp)) continue;
       ++checked;
-      for (bool recompute : {false, true})
-        for (Offload off : {Offload::kNone, Offload::kCpu})
-          for (bool bf16 : {false, true})
-            for (int s = 0; s < 3; ++s) {
-              MemoryPlanInput lo = input(m, 1, 4096, dp, s, off, recompute), hi = lo;
-              lo.grad_reduce_bf16 = hi.grad_reduce_bf16 = bf16;
-              hi.zero_stage = s + 1;
-              EXPECT_LE(memory_plan(hi).gpu(), memory_plan(lo).gpu())
-                  << m.preset << " dp " << dp << " stage " << s + 1 << " vs " << s;
-            }
+      for (bool recompute : {false, true}) {
+        auto gpu = [&](int stage, Offload off = Offload::kNone, bool bf16 = false) {
+          MemoryPlanInput in = input(m, 1, 4096, dp, stage, off, recompute);
+          in.grad_reduce_bf16 = bf16;
+          return memory_plan(in).gpu();
+        };
+        const std::string at = m.preset + " dp " + std::to_string(dp);
+        EXPECT_LE(gpu(1), gpu(0)) << at;
+        EXPECT_LE(gpu(1, Offload::kNone, true), gpu(0, Offload::kNone, true)) << at;
+        EXPECT_LE(gpu(2), gpu(1)) << at;
+        EXPECT_LE(gpu(3), gpu(2)) << at;
+        EXPECT_LE(gpu(3, Offload::kCpu), gpu(2, Offload::kCpu)) << at;
+      }
     }
-  EXPECT_EQ(checked, 6 * 5 - 1);  // all but Qwen3-0.6B at dp = 2
+  EXPECT_EQ(checked, 6 * 5);  // every Qwen3 preset at every dp
 }
 
-// Not a law, then: where one unit is a large part of the model, ZeRO-3's two gathered units
-// outweigh the parameters it shards at small dp (tiny: a layer is 43% of the model; Qwen3-0.6B:
-// the embedding is 26%). The plan shows it rather than hiding it.
-TEST(MemoryPlan, Zero3CanCostMoreOnAFewLargeUnits) {
+// Not a law, then: where one unit is a large part of the model, ZeRO-2's scratch and ZeRO-3's
+// gather slots outweigh what they shard at small dp (tiny: a layer is 43% of the model). The plan
+// shows it rather than hiding it.
+TEST(MemoryPlan, HigherStagesCanCostMoreOnAFewLargeUnits) {
+  EXPECT_FALSE(small_units(tiny(), 2));
   EXPECT_GT(memory_plan(input(tiny(), 2, 8, 2, 3)).gpu(),
             memory_plan(input(tiny(), 2, 8, 2, 2)).gpu());
-  const ModelConfig m06 = *qt::model_preset("qwen3-0.6b");
-  EXPECT_FALSE(small_units(m06, 2));
-  EXPECT_TRUE(small_units(m06, 3));
-  EXPECT_GT(memory_plan(input(m06, 1, 4096, 2, 3)).gpu(),
-            memory_plan(input(m06, 1, 4096, 2, 2)).gpu());
-  // Without offload ZeRO-2 also shards the master weights, which is enough.
-  EXPECT_LT(memory_plan(input(m06, 1, 4096, 2, 2)).gpu(),
-            memory_plan(input(m06, 1, 4096, 2, 1)).gpu());
+  EXPECT_GT(memory_plan(input(tiny(), 2, 8, 2, 2)).gpu(),
+            memory_plan(input(tiny(), 2, 8, 2, 1)).gpu());
 }
 
-// Offload takes the master weights and moments off the GPU and adds only the staging blocks.
+// Offload takes the master weights and moments off the GPU (the segment table stays) and puts
+// their 12 bytes an own element in host memory, beside 12 pinned bytes an element of the largest
+// chunk (two fp32 and two bf16 staging buffers).
 TEST(MemoryPlan, OffloadRemovesOptimizerStateFromGpu) {
   std::vector<ModelConfig> models = qwen3_presets();
   models.push_back(tiny());
-  for (const ModelConfig& m : models)
+  for (const ModelConfig& m : models) {
+    const qt::plan::ParamUnits u = qt::plan::param_units(m);
+    const u64 segments = r(24 * (2 + 11 * u64(m.num_layers) + (m.tie_word_embeddings ? 0 : 1)));
     for (int dp : {1, 2, 8})
-      for (int s = 0; s <= 3; ++s) {
+      for (int s : {2, 3}) {
         const MemoryPlan none = memory_plan(input(m, 1, 2048, dp, s));
         const MemoryPlan cpu = memory_plan(input(m, 1, 2048, dp, s, Offload::kCpu));
-        EXPECT_GT(none.optimizer, 0u);
-        EXPECT_EQ(cpu.optimizer, 0u) << m.preset << " stage " << s;
+        EXPECT_GT(none.optimizer, segments);
+        EXPECT_EQ(cpu.optimizer, segments) << m.preset << " stage " << s;
         EXPECT_EQ(cpu.params, none.params);
         EXPECT_EQ(cpu.grads, none.grads);
         EXPECT_EQ(cpu.activations, none.activations);
-        EXPECT_EQ(cpu.workspace, none.workspace + 128 * kMiB);
-        EXPECT_EQ(cpu.gpu(), none.gpu() - none.optimizer + 128 * kMiB);
+        EXPECT_EQ(cpu.workspace, none.workspace);
+        EXPECT_EQ(cpu.host, none.host);
+        EXPECT_EQ(cpu.host, 12 * u.shard(dp));
+        EXPECT_EQ(none.host_pinned, 0u);
+        const u64 largest_chunk = (std::max(u.largest_after_embed(), u.embed) + dp - 1) / dp;
+        EXPECT_EQ(cpu.host_pinned, 12 * largest_chunk);
         if (m.num_params() > 100'000'000) {
           EXPECT_LT(cpu.gpu(), none.gpu());
         }
       }
+    // The CUDA back end offloads at ZeRO-2 and 3 only (the deck refuses 0 and 1).
+    for (int s : {0, 1})
+      EXPECT_THROW(memory_plan(input(m, 1, 2048, 2, s, Offload::kCpu)), qt::UserError);
+  }
 }
 
-// With one GPU there is nothing to shard: every stage needs the same, except ZeRO-2's two units
-// of gradient scratch and ZeRO-3's two gathered units.
-TEST(MemoryPlan, OneGpuStagesDifferOnlyByScratch) {
+// With one GPU there is nothing to shard: ZeRO-1 needs what ZeRO-0 does, ZeRO-2 and 3 the same as
+// each other, and they differ from ZeRO-0 only by rounding each unit's blocks to 256 bytes
+// instead of each flat buffer (weights, gradients, master, m, v: five blocks a unit).
+TEST(MemoryPlan, OneGpuStagesDifferOnlyByRounding) {
   std::vector<ModelConfig> models = qwen3_presets();
   models.push_back(tiny());
-  for (const ModelConfig& m : models)
-    for (Offload off : {Offload::kNone, Offload::kCpu}) {
-      const u64 unit = qt::plan::param_units(m).largest();
-      const MemoryPlan z0 = memory_plan(input(m, 1, 1024, 1, 0, off));
-      const MemoryPlan z1 = memory_plan(input(m, 1, 1024, 1, 1, off));
-      const MemoryPlan z2 = memory_plan(input(m, 1, 1024, 1, 2, off));
-      const MemoryPlan z3 = memory_plan(input(m, 1, 1024, 1, 3, off));
-      for (const MemoryPlan* z : {&z1, &z2, &z3}) {
-        EXPECT_EQ(z->optimizer, z0.optimizer) << m.preset;
-        EXPECT_EQ(z->activations, z0.activations);
-        EXPECT_EQ(z->workspace, z0.workspace);
-        EXPECT_EQ(z->host, z0.host);
-      }
-      EXPECT_EQ(z1.params, z0.params);
-      EXPECT_EQ(z1.grads, z0.grads);
-      EXPECT_EQ(z2.params, z0.params);
-      EXPECT_EQ(z2.grads, z0.grads + 2 * r(unit * 4));
-      EXPECT_EQ(z3.params, z0.params + 2 * r(unit * 2));
-      EXPECT_EQ(z3.grads, z2.grads);
+  for (const ModelConfig& m : models) {
+    const MemoryPlan z0 = memory_plan(input(m, 1, 1024, 1, 0));
+    const MemoryPlan z1 = memory_plan(input(m, 1, 1024, 1, 1));
+    const MemoryPlan z2 = memory_plan(input(m, 1, 1024, 1, 2));
+    const MemoryPlan z3 = memory_plan(input(m, 1, 1024, 1, 3));
+    EXPECT_EQ(z1.gpu(), z0.gpu()) << m.preset;
+    EXPECT_EQ(z1.host, z0.host);
+    for (const MemoryPlan* z : {&z2, &z3}) {
+      EXPECT_EQ(z->activations, z0.activations);
+      EXPECT_EQ(z->workspace, z0.workspace);
+      EXPECT_EQ(z->host, z0.host);
+      EXPECT_GE(z->gpu(), z0.gpu());
+      EXPECT_LE(z->gpu() - z0.gpu(), 5 * 256 * u64(m.num_layers + 2));
     }
+    EXPECT_EQ(z3.params, z2.params);
+    EXPECT_EQ(z3.grads, z2.grads);
+    EXPECT_EQ(z3.optimizer, z2.optimizer);
+  }
 }
 
 // The largest unit: the embedding of Qwen3 (tied or not; untied, the lm head unit is one norm
@@ -312,6 +373,11 @@ TEST(MemoryPlan, RefusesWhatItCannotPlan) {
   EXPECT_THROW(memory_plan(in), qt::UserError);
   in = input(tiny(), 2, 8, 2, 4);
   EXPECT_THROW(memory_plan(in), qt::UserError);
+  in = input(tiny(), 2, 8, 2, 1, Offload::kCpu);
+  EXPECT_THROW(memory_plan(in), qt::UserError);  // offload needs ZeRO-2 or 3
+  in = input(tiny(), 2, 8, 2, 2);
+  in.grad_reduce_bf16 = true;
+  EXPECT_THROW(memory_plan(in), qt::UserError);  // ZeRO-2 and 3 reduce in fp32
   in = input(tiny(), 0, 8, 2, 0);
   EXPECT_THROW(memory_plan(in), qt::UserError);
   in = input(tiny(), 2, 8, 2, 0);
