@@ -1,6 +1,6 @@
 // CUDA cross-entropy against the CPU op in double (Qwen3's V = 151936, V not a multiple of 8,
 // misaligned logits, ignored rows, large logits, the aliased backward), and the fused AdamW and
-// gradient norm against qt::AdamW itself: the same parameters and moments bit for bit.
+// gradient norm against the CPU optimizer driver (ShardedState): the same parameters and moments bit for bit.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -12,7 +12,7 @@
 #include "ops/cross_entropy.h"
 #include "ops/cuda/adamw.cuh"
 #include "ops/cuda/cross_entropy.cuh"
-#include "optim/optimizer.h"
+#include "optim/sharded_state.h"
 
 namespace qt::test {
 namespace {
@@ -162,9 +162,8 @@ TEST(CudaAdamW, MatchesCpuAdamWBitForBit) {
   o.grad_clip = 1.0;
   const int steps = 5;
   MpiComm self(MPI_COMM_SELF, "self", false);
-  AdamW opt(o, layout, self, steps);
+  ShardedState opt(plan_one_unit(layout, "model", MeshShape{}, 0), layout, o, self, steps);
   const std::size_t n = layout.numel();
-  ASSERT_EQ(opt.padded_numel(), n);
 
   std::vector<cuda::AdamWSegment> segs;
   for (const ParamInfo& p : layout.params())
@@ -176,6 +175,9 @@ TEST(CudaAdamW, MatchesCpuAdamWBitForBit) {
 
   auto rng = test_rng();
   std::vector<float> params = cast<float>(random_f32_exact(n, rng, 0.5));
+  ASSERT_EQ(opt.param_pieces().size(), 1u);
+  float* cpu_params = opt.param_pieces()[0].data;  // the driver's whole unit [n]
+  std::copy(params.begin(), params.end(), cpu_params);
   // Two GPU copies: one updated by a single call, one by two calls split at an odd element (a
   // ZeRO-like range with an offset; the second part misaligned, so the scalar path runs).
   GuardedBuffer<float> p1(params), m1(n), v1(n), p2(params), m2(n), v2(n), dg(n);
@@ -188,8 +190,11 @@ TEST(CudaAdamW, MatchesCpuAdamWBitForBit) {
     std::vector<float> g = cast<float>(random_f32_exact(n, rng, t == 0 ? 1.0 : 1e-3));
     dg.upload(g);
     cuda::grad_norm_squared(dnorm.get(), dg.get(), n, ws.get(), nullptr);
-    std::vector<float> g_cpu = g;  // step() clobbers it
-    const OptimStepStats s = opt.step(params.data(), g_cpu.data(), t);
+    opt.zero_grads();
+    std::copy(g.begin(), g.end(), opt.grads(0));
+    opt.grads_done(0);
+    const OptimStepStats s = opt.step(t);
+    params.assign(cpu_params, cpu_params + n);
     EXPECT_NEAR(std::sqrt(dnorm.download()[0]), s.grad_norm, 1e-10 * s.grad_norm);
     if (t == 0) EXPECT_LT(s.clip_scale, 1.0);
     cuda::AdamWStepArgs a;
@@ -207,9 +212,10 @@ TEST(CudaAdamW, MatchesCpuAdamWBitForBit) {
     cuda::adamw_step(p2.get() + split, b2.get() + split, m2.get() + split, v2.get() + split,
                      dg.get() + split, n - split, split, seg_ptr, static_cast<int>(segs.size()), a,
                      nullptr);
-    const MomentShard ms = opt.moments();
-    const std::vector<float> m_cpu(ms.exp_avg, ms.exp_avg + n),
-        v_cpu(ms.exp_avg_sq, ms.exp_avg_sq + n);
+    const StateTargets held = opt.checkpoint_targets();
+    const float* m_held = held.exp_avg[0].data;
+    const float* v_held = held.exp_avg_sq[0].data;
+    const std::vector<float> m_cpu(m_held, m_held + n), v_cpu(v_held, v_held + n);
     const std::vector<float> got = p1.download();
     EXPECT_TRUE(bitwise_equal(got, params)) << "step " << t << ": rel err " << rel_err(got, params);
     EXPECT_TRUE(bitwise_equal(m1.download(), m_cpu)) << "step " << t;

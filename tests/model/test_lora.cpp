@@ -13,7 +13,7 @@
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "model/reference_model.h"
-#include "optim/optimizer.h"
+#include "optim/sharded_state.h"
 #include "qtrain/comm.h"
 #include "qtrain/error.h"
 #include "runtime/rng.h"
@@ -366,17 +366,16 @@ TEST(LoraLayout, PeftNamesShapesAndCount) {
             "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight");
 }
 
-// AdamW over the adapter layout holds exactly two moments per adapter parameter (ZeRO-0), and
-// nothing for the base.
+// The optimizer driver over the adapter layout holds exactly two moments per adapter parameter
+// (ZeRO-0), and nothing for the base.
 TEST(LoraLayout, OptimizerStateIsTwiceTheAdapters) {
   const ModelConfig c = small_config(false);
   const LoraConfig l = lora_with("all-linear");
   const ParamLayout lay = lora_layout(c, l);
   MpiComm self(MPI_COMM_SELF, "self", false);
-  AdamW opt(OptimConfig{}, lay, self, 10);
-  const MomentShard m = opt.moments();
-  EXPECT_EQ(m.range.size(), lay.numel());  // exp_avg and exp_avg_sq: 2 x numel floats
-  EXPECT_EQ(opt.padded_numel(), lay.numel());
+  ShardedState opt(plan_one_unit(lay, "adapters", MeshShape{}, 0), lay, OptimConfig{}, self, 10);
+  EXPECT_EQ(opt.bytes().optimizer, 8.0 * static_cast<double>(lay.numel()));  // exp_avg, exp_avg_sq
+  EXPECT_EQ(opt.bytes().params, 4.0 * static_cast<double>(lay.numel()));
   EXPECT_LT(lay.numel(), ParamLayout(c).numel());
 }
 

@@ -1,6 +1,6 @@
 // Fused AdamW over a range of the flat fp32 master weights, and the deterministic sum of squares
-// behind the global gradient norm. The math is qt::AdamW's (src/optim/adamw.cpp) operation for
-// operation, in the same precisions (double for the moment updates and the step, float for the
+// behind the global gradient norm. The math is qt::adamw_update's (src/optim/adamw_math.h),
+// operation for operation, in the same precisions (double for the moment updates and the step, float for the
 // stored values and the decay), without fused multiply-adds, so that the GPU reproduces the CPU
 // optimizer bit for bit on the same inputs.
 #pragma once
@@ -18,7 +18,7 @@ using bf16 = __nv_bfloat16;
 // Weight-decay flags as segments of global element indices: elements in [begin, end) take weight
 // decay when decay != 0. Segments are sorted by begin and disjoint; elements outside every
 // segment take none. One segment per parameter tensor (qt::ParamInfo offset, numel,
-// weight_decay) gives qt::AdamW's behaviour. Kept in device memory (built once at set-up).
+// weight_decay) gives the CPU driver's behaviour. Kept in device memory (built once at set-up).
 struct AdamWSegment {
   std::uint64_t begin = 0, end = 0;
   std::int32_t decay = 0;

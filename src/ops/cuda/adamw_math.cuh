@@ -1,5 +1,5 @@
 // One AdamW element update on the GPU, the CPU optimizer's operations in its order and
-// precisions (src/optim/adamw.cpp): every double operation is an explicitly rounded intrinsic
+// precisions (adamw_update in src/optim/adamw_math.h): every double operation is an explicitly rounded intrinsic
 // (__dmul_rn, ...), which nvcc never contracts into a fused multiply-add, so the results match the
 // CPU's bit for bit. Used by adamw.cu and bench/bench_adamw_beside_gemm_cuda.cu; included by .cu
 // files only.
@@ -9,13 +9,13 @@
 
 namespace qt::cuda {
 
-// The per-step constants, computed on the host exactly as qt::AdamW does (adamw.cu).
+// The per-step constants, computed on the host exactly as qt::adamw_step does (adamw.cu).
 struct AdamWConsts {
   double lr, b1, b2, one_minus_b1, one_minus_b2, eps, clip, bc1, bc2;
   float decay;  // float(lr * weight_decay)
 };
 
-// One element; p, m, v updated in place. Same operations and order as AdamW::update_range.
+// One element; p, m, v updated in place. Same operations and order as qt::adamw_update.
 __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, float grad, bool decay,
                                               const AdamWConsts& k) {
   const float g = __double2float_rn(__dmul_rn(static_cast<double>(grad), k.clip));
