@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "model/qwen3.h"
+#include "plan/memory_plan.h"
 
 namespace qt {
 
@@ -41,13 +42,24 @@ HostMemoryNeed training_host_memory(const Deck& deck, int dp) {
   HostMemoryNeed need;
   need.keys = "the model's size (model.preset, model.*)";
   const std::string params = fmt::format("{:.3g}B parameters", model * 1e-9);
-  if (deck.train.device == "cuda" && deck.optim.zero_stage >= 2) {
-    // The sharded back end's host copies (with offload, the live state): master weights and both
-    // moments of the rank's own shard of every unit.
-    need.bytes = 12 * model / dp;
-    need.what = fmt::format("fp32 master weights and AdamW moments of this rank's 1/{} of the {}",
-                            dp, params);
-    need.keys += ", more GPUs (mesh.dp) or fewer ranks per node";
+  if (deck.train.device == "cuda" && !deck.lora.enabled()) {
+    // The CUDA back ends' host state as `qtrain plan` models it (src/plan/memory_plan.h): the
+    // fp32 copies for initialisation and checkpoints, or with offload the live master weights and
+    // moments of the rank's shard, and the pinned staging.
+    plan::MemoryPlanInput in;
+    in.model = c;
+    in.micro_batch = deck.train.micro_batch;
+    in.seq_len = deck.train.seq_len;
+    in.recompute = deck.train.recompute;
+    in.mesh = deck.mesh;
+    in.zero_stage = deck.optim.zero_stage;
+    in.offload = deck.optim.offload == "cpu" ? plan::Offload::kCpu : plan::Offload::kNone;
+    in.grad_reduce_bf16 = deck.optim.grad_reduce == "bf16";
+    const plan::MemoryPlan mp = plan::memory_plan(in);
+    need.bytes = static_cast<double>(mp.host) + static_cast<double>(mp.host_pinned);
+    need.what = fmt::format("fp32 master weights (or their host copies) and AdamW moments of this "
+                            "rank's part of the {}", params);
+    need.keys += ", a higher optim.zero_stage over more GPUs (mesh.dp), or fewer ranks per node";
     return need;
   }
   if (deck.train.device == "cuda") {
