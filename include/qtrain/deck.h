@@ -35,7 +35,7 @@ struct OptimConfig {
   double eps = 1e-8;
   double weight_decay = 0.1;
   double grad_clip = 1.0;   // max global gradient L2 norm; 0 disables clipping
-  // ZeRO over dp: 0 everything replicated; 1 AdamW moments (and master weights) sharded;
+  // ZeRO over dp: 0 everything replicated; 1 AdamW moments sharded;
   // 2 also the gradients (reduce-scattered per unit during the backward); 3 also the parameters
   // (each unit all-gathered before use, freed after).
   int zero_stage = 0;

@@ -143,6 +143,8 @@ TEST_F(ZeroStages, EveryStageAndDpSizeReproducesTheSerialRun) {
       {"dp4_z3", 4, {"--optim.zero_stage=3"}},
       {"dp4_z2", 4, {"--optim.zero_stage=2"}},
       {"dp2_z3_offload", 2, {"--optim.zero_stage=3", "--optim.offload=cpu"}},
+      {"dp2_z3_recompute", 2, {"--optim.zero_stage=3", "--train.recompute=true"}},
+      {"dp4_z3_micro1", 4, {"--optim.zero_stage=3", "--train.micro_batch=1"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
