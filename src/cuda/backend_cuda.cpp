@@ -25,6 +25,7 @@
 #include "cuda/trained_state.h"
 #include "ops/cuda/convert.cuh"
 #include "ops/cuda/gemm.cuh"
+#include "plan/memory_plan.h"
 #include "qtrain/error.h"
 #include "train/backend.h"
 
@@ -206,6 +207,34 @@ class CudaBackend final : public TrainBackend {
 
 }  // namespace
 
+namespace {
+
+// What the memory plan (src/plan/memory_plan.h) says would fit this GPU, for the message of a run
+// that does not: the cheapest setting that fits, or "" when none does or the deck is not plannable.
+std::string fitting_setting(const Deck& deck) {
+  if (deck.lora.enabled()) return {};
+  try {
+    plan::MemoryPlanInput in;
+    in.model = deck.model;
+    in.micro_batch = deck.train.micro_batch;
+    in.seq_len = deck.train.seq_len;
+    in.recompute = deck.train.recompute;
+    in.mesh = deck.mesh;
+    in.grad_reduce_bf16 = deck.optim.grad_reduce == "bf16";
+    const std::size_t usable = cuda::training_arena_bytes();  // the arena this GPU gives a run
+    const auto best = plan::cheapest_fitting(in, usable);
+    if (!best) return {};
+    return fmt::format("; on this GPU optim.zero_stage = {} with optim.offload = {} fits ({} of "
+                       "{}; `qtrain plan` shows every setting)",
+                       best->zero_stage, plan::offload_name(best->offload),
+                       cuda::format_bytes(best->plan.gpu()), cuda::format_bytes(usable));
+  } catch (const UserError&) {
+    return {};
+  }
+}
+
+}  // namespace
+
 std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
   // A model too large for the GPU is the user's to change, not an internal failure. Every rank
   // of a uniform job throws alike; a rank that throws alone ends the job from main().
@@ -216,9 +245,8 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
   } catch (const cuda::OutOfMemory& e) {
     fail_user("the run does not fit the GPU ({}): make it smaller with train.micro_batch, "
               "train.seq_len, train.recompute = true, a higher optim.zero_stage over more GPUs, "
-              "optim.offload = cpu, "
-              "[lora], or a smaller model",
-              e.what());
+              "optim.offload = cpu, [lora], or a smaller model{}",
+              e.what(), fitting_setting(deck));
   }
 }
 

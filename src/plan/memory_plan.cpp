@@ -225,4 +225,24 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
   return p;
 }
 
+std::vector<Setting> settings_by_preference(const MemoryPlanInput& in) {
+  std::vector<Setting> out;
+  for (Offload off : {Offload::kNone, Offload::kCpu})
+    for (int stage = 0; stage <= 3; ++stage) {
+      if (off == Offload::kCpu && stage < 2) continue;
+      MemoryPlanInput x = in;
+      x.zero_stage = stage;
+      x.offload = off;
+      x.grad_reduce_bf16 = in.grad_reduce_bf16 && stage <= 1;
+      out.push_back({stage, off, memory_plan(x)});
+    }
+  return out;
+}
+
+std::optional<Setting> cheapest_fitting(const MemoryPlanInput& in, std::uint64_t usable) {
+  for (const Setting& s : settings_by_preference(in))
+    if (s.plan.gpu() <= usable) return s;
+  return std::nullopt;
+}
+
 }  // namespace qt::plan

@@ -15,7 +15,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "qtrain/mesh.h"
 #include "qtrain/model_config.h"
@@ -59,6 +61,22 @@ struct MemoryPlan {
 // Throws UserError for what cannot be planned: tp, pp or ep > 1, a stage outside 0-3, offload
 // below ZeRO-2, a bf16 gradient wire above ZeRO-1, sizes below 1, or a total beyond 2^63 bytes.
 MemoryPlan memory_plan(const MemoryPlanInput& in);
+
+// A ZeRO stage and offload setting the CUDA back end can run, with its plan.
+struct Setting {
+  int zero_stage = 0;
+  Offload offload = Offload::kNone;
+  MemoryPlan plan;
+};
+
+// Every setting the CUDA back end runs, in the order they are preferred when several fit: no
+// offload before offload (it moves gradients and weights over PCIe and runs AdamW on the host
+// each step), then the lower ZeRO stage (less communication). Offload needs ZeRO-2 or 3, and
+// ZeRO-2 and 3 reduce gradients in fp32 (in.grad_reduce_bf16 applies to stages 0 and 1 only).
+std::vector<Setting> settings_by_preference(const MemoryPlanInput& in);
+
+// The first setting of settings_by_preference whose GPU bytes are at most `usable`, or none.
+std::optional<Setting> cheapest_fitting(const MemoryPlanInput& in, std::uint64_t usable);
 
 // The units of plan_qwen3 (ZeRO-2/3 shards, reduces and gathers them one at a time), in
 // flat-layout order: the embedding, each decoder layer (all alike), the final norm with the lm

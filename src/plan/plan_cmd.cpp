@@ -186,18 +186,6 @@ struct Row {
   bool fits;
 };
 
-// The order in which settings are preferred when several fit: no offload before offload (it
-// moves gradients and weights over PCIe and runs AdamW on the host each step), then the lower
-// ZeRO stage (less communication; on one GPU ZeRO-2 and 3 are the same, and 0 needs as much as
-// they do but for the 256-byte rounding of each unit).
-std::vector<std::pair<int, Offload>> preference() {
-  std::vector<std::pair<int, Offload>> order;
-  for (Offload off : {Offload::kNone, Offload::kCpu})
-    for (int s = 0; s <= 3; ++s)
-      if (available(s, off)) order.push_back({s, off});
-  return order;
-}
-
 // What the CUDA back end cannot run at all, whatever the memory (checked in its kernels).
 std::vector<std::string> cuda_limits(const ModelConfig& m) {
   std::vector<std::string> out;
@@ -300,10 +288,18 @@ std::string report(const Options& o, const Deck& d) {
                   "and 1)."
                 : "");
 
+  // The first setting, in plan::settings_by_preference's order, that fits.
   const Row* best = nullptr;
-  for (const auto& [stage, off] : preference())
+  plan::MemoryPlanInput base;
+  base.model = m;
+  base.micro_batch = d.train.micro_batch;
+  base.seq_len = d.train.seq_len;
+  base.recompute = d.train.recompute;
+  base.mesh.dp = o.gpus;
+  base.grad_reduce_bf16 = wire_bf16;
+  for (const plan::Setting& st : plan::settings_by_preference(base))
     for (const Row& r : rows)
-      if (!best && r.fits && r.stage == stage && r.offload == off) best = &r;
+      if (!best && r.fits && r.stage == st.zero_stage && r.offload == st.offload) best = &r;
   if (best)
     out += fmt::format(
         "cheapest that fits: optim.zero_stage = {}, optim.offload = {}{} ({:.2f} of {:.2f} {})\n",

@@ -391,3 +391,42 @@ TEST(MemoryPlan, RefusesWhatItCannotPlan) {
 }
 
 }  // namespace
+
+namespace {
+
+// The order the back end's out-of-memory message and `qtrain plan` prefer settings in, and the
+// cheapest that fits: every earlier setting in that order does not fit, the one returned does.
+TEST(MemoryPlan, CheapestFittingFollowsThePreferenceOrder) {
+  MemoryPlanInput in;
+  in.model = *qt::model_preset("qwen3-8b");
+  in.micro_batch = 1;
+  in.seq_len = 4096;
+  in.mesh.dp = 2;
+  const auto all = qt::plan::settings_by_preference(in);
+  ASSERT_EQ(all.size(), 6u);
+  const std::vector<std::pair<int, Offload>> want = {
+      {0, Offload::kNone}, {1, Offload::kNone}, {2, Offload::kNone},
+      {3, Offload::kNone}, {2, Offload::kCpu},  {3, Offload::kCpu}};
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    EXPECT_EQ(all[i].zero_stage, want[i].first) << i;
+    EXPECT_EQ(all[i].offload, want[i].second) << i;
+  }
+  EXPECT_FALSE(qt::plan::cheapest_fitting(in, 1 << 20).has_value());  // nothing fits 1 MiB
+  const auto roomy = qt::plan::cheapest_fitting(in, u64{1} << 50);
+  ASSERT_TRUE(roomy.has_value());
+  EXPECT_EQ(roomy->zero_stage, 0);
+  EXPECT_EQ(roomy->offload, Offload::kNone);
+  for (const double gib : {60.0, 75.5, 100.0, 136.5}) {
+    const u64 usable = static_cast<u64>(gib * (1 << 30));
+    const auto best = qt::plan::cheapest_fitting(in, usable);
+    ASSERT_TRUE(best.has_value()) << gib << " GiB";
+    EXPECT_LE(best->plan.gpu(), usable) << gib << " GiB";
+    for (const auto& s : all) {
+      if (s.zero_stage == best->zero_stage && s.offload == best->offload) break;
+      EXPECT_GT(s.plan.gpu(), usable) << "ZeRO-" << s.zero_stage << " fits " << gib
+                                      << " GiB but was passed over";
+    }
+  }
+}
+
+}  // namespace
