@@ -9,8 +9,6 @@
 #include <boost/program_options.hpp>
 
 #include <algorithm>
-#include <charconv>
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -18,10 +16,10 @@
 #include <map>
 #include <memory>
 #include <sstream>
-#include <type_traits>
 #include <variant>
 
 #include "config/deck_keys.h"
+#include "config/field_text.h"
 #include "config/ini_lines.h"
 #include "config/suggest.h"
 #include "hf/config.h"
@@ -38,11 +36,6 @@ const std::vector<std::string> kSections = {"model", "mesh", "train",      "opti
 const std::vector<std::string> kDataSources = {"synthetic", "file"};
 const std::vector<std::string> kPackings = {"concat", "packed", "padded"};
 const std::vector<std::string> kDevices = {"cpu", "cuda"};
-const std::vector<Schedule> kSchedules = {Schedule::kCosine, Schedule::kLinear,
-                                          Schedule::kConstant};
-
-// Where in a Deck one key's value lives.
-using FieldRef = std::variant<int*, std::uint64_t*, double*, bool*, std::string*, Schedule*>;
 
 struct KeySpec {
   std::string key;      // "section.key"
@@ -56,18 +49,6 @@ KeySpec spec(const char* section, const char* name, Part Deck::*part, T Part::*m
              std::string unit, std::string meaning) {
   return {std::string(section) + "." + name, std::move(unit), std::move(meaning),
           [part, member](Deck& d) -> FieldRef { return &((d.*part).*member); }};
-}
-
-std::string join(const std::vector<std::string>& v, const char* sep) {
-  std::string out;
-  for (std::size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
-  return out;
-}
-
-std::vector<std::string> schedule_names() {
-  std::vector<std::string> out;
-  for (Schedule s : kSchedules) out.push_back(schedule_name(s));
-  return out;
 }
 
 // The one table of keys, in section order. model.preset comes first: it is applied before the
@@ -203,93 +184,6 @@ std::vector<std::string> all_keys() {
   std::vector<std::string> out;
   for (const KeySpec& s : key_table()) out.push_back(s.key);
   return out;
-}
-
-std::string format_value(FieldRef f) {
-  return std::visit(
-      [](auto* p) -> std::string {
-        using V = std::remove_pointer_t<decltype(p)>;
-        if constexpr (std::is_same_v<V, bool>) {
-          return *p ? "true" : "false";
-        } else if constexpr (std::is_same_v<V, Schedule>) {
-          return schedule_name(*p);
-        } else if constexpr (std::is_same_v<V, std::string>) {
-          return *p;
-        } else {
-          return fmt::format("{}", *p);  // doubles: shortest text that reads back exactly
-        }
-      },
-      f);
-}
-
-template <class I>
-void parse_integer(const std::string& raw, I* out, const std::string& what) {
-  const char* b = raw.data();
-  const char* e = b + raw.size();
-  if (b != e && *b == '+') ++b;
-  I v{};
-  auto [p, ec] = std::from_chars(b, e, v);
-  if (ec == std::errc::result_out_of_range) fail_user("{} is out of range", what);
-  if (ec != std::errc() || p != e || b == e) {
-    fail_user("{} is not {}", what,
-              std::is_signed_v<I> ? "an integer" : "a non-negative integer");
-  }
-  *out = v;
-}
-
-// Sets the field from its text; `what` ("where key = raw") starts every error message.
-void assign(FieldRef f, const std::string& raw, const std::string& what) {
-  std::visit(
-      [&](auto* p) {
-        using V = std::remove_pointer_t<decltype(p)>;
-        if constexpr (std::is_same_v<V, int> || std::is_same_v<V, std::uint64_t>) {
-          parse_integer(raw, p, what);
-        } else if constexpr (std::is_same_v<V, double>) {
-          const char* b = raw.data();
-          const char* e = b + raw.size();
-          if (b != e && *b == '+') ++b;
-          double v = 0;
-          auto [q, ec] = std::from_chars(b, e, v);
-          if (ec != std::errc() || q != e || b == e) fail_user("{} is not a number", what);
-          if (!std::isfinite(v)) fail_user("{} is not a finite number", what);
-          // Every such key ends up in fp32 arithmetic (weights, moments, norms): 1e39 would be
-          // infinite there, 1e-39 zero.
-          if (std::fabs(v) > std::numeric_limits<float>::max())
-            fail_user("{} is beyond the range of a 32-bit float (about 3.4e38), the precision "
-                      "it is used in",
-                      what);
-          if (v != 0 && std::fabs(v) < std::numeric_limits<float>::min())
-            fail_user("{} is below the smallest normal 32-bit float (about 1.2e-38), the "
-                      "precision it is used in",
-                      what);
-          *p = v;
-        } else if constexpr (std::is_same_v<V, bool>) {
-          std::string s = raw;
-          std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
-          if (s == "true" || s == "yes" || s == "on" || s == "1") {
-            *p = true;
-          } else if (s == "false" || s == "no" || s == "off" || s == "0") {
-            *p = false;
-          } else {
-            fail_user("{} is not a boolean (true | false)", what);
-          }
-        } else if constexpr (std::is_same_v<V, Schedule>) {
-          for (Schedule s : kSchedules) {
-            if (raw == schedule_name(s)) {
-              *p = s;
-              return;
-            }
-          }
-          fail_user("{} is not a schedule: {}", what, join(schedule_names(), " | "));
-        } else {
-          // A '#' would start a comment in the resolved deck; a line break would split it.
-          if (raw.find_first_of("#\n\r") != std::string::npos) {
-            fail_user("{}: a value cannot contain '#' or a line break", what);
-          }
-          *p = raw;
-        }
-      },
-      f);
 }
 
 // The deck before any key is read: the struct defaults, except mesh.dp = 0 (auto).
@@ -732,7 +626,7 @@ Deck parse_deck_text(const std::string& text, const std::string& path,
   for (const KeySpec& s : key_table()) {
     if (s.key == "model.preset" || !vm.count(s.key)) continue;
     const std::string raw = vm[s.key].as<std::string>();
-    assign(s.field(d), raw, b.at(s.key) + s.key + " = " + raw);
+    assign_value(s.field(d), raw, b.at(s.key) + s.key + " = " + raw);
   }
 
   b.resolve_init(preset_given);
