@@ -14,14 +14,13 @@ over the timed steps, peak GPU memory.
 import argparse
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from transformers import Qwen3ForCausalLM
 
-from hf_train import add_common_args, qwen3_config
+from hf_train import add_common_args, qwen3_config, time_training
 
 
 def main():
@@ -55,34 +54,14 @@ def main():
                 p.normal_(0.0, 0.02)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, foreach=True)
-    n_params = sum(p.numel() for p in model.parameters()) * world  # sharded: local numel x world
-    ids = torch.randint(0, cfg.vocab_size, (a.batch, a.seq_len), device="cuda")
-
-    def step():
-        for _ in range(a.accum):
-            loss = model(input_ids=ids, labels=ids).loss / a.accum
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    for _ in range(a.warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    tokens_per_gpu = a.batch * a.seq_len * a.accum * a.steps / dt
+    n_params = sum(p.numel() for p in model.parameters())  # DTensor numel: the global size
+    tokens_per_gpu, peak, loss = time_training(model, opt, a, accum=a.accum)
     if rank == 0:
         print(json.dumps({"baseline": "pytorch-fsdp2" + ("-offload" if a.offload else ""),
                           "model": a.model, "layers": layers, "params": n_params,
                           "gpus": world, "seq_len": a.seq_len, "batch": a.batch, "accum": a.accum,
-                          "tokens_per_s_per_gpu": tokens_per_gpu,
-                          "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
-                          "final_loss": float(loss) * a.accum, "gpu": torch.cuda.get_device_name()}))
+                          "tokens_per_s_per_gpu": tokens_per_gpu, "peak_mem_gib": peak,
+                          "final_loss": loss, "gpu": torch.cuda.get_device_name()}))
     dist.destroy_process_group()
 
 

@@ -44,14 +44,16 @@ def qwen3_config(a):
     return cfg, layers
 
 
-def time_training(model_fn, opt, a):
-    """Trains --warmup untimed then --steps timed steps of --batch x --seq-len random tokens
-    (labels = inputs). Returns (tokens/s, peak GPU GiB of the timed steps, last loss)."""
+def time_training(model_fn, opt, a, accum=1):
+    """Trains --warmup untimed then --steps timed steps of `accum` micro-batches of --batch x
+    --seq-len random tokens (labels = inputs; the loss of each divided by `accum`). Returns
+    (tokens/s of this process, peak GPU GiB of the timed steps, last micro-batch's loss)."""
     ids = torch.randint(0, 151936, (a.batch, a.seq_len), device="cuda")
 
     def step():
-        loss = model_fn(input_ids=ids, labels=ids).loss
-        loss.backward()
+        for _ in range(accum):
+            loss = model_fn(input_ids=ids, labels=ids).loss
+            (loss / accum).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
@@ -65,7 +67,8 @@ def time_training(model_fn, opt, a):
         loss = step()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
-    return a.batch * a.seq_len * a.steps / dt, torch.cuda.max_memory_allocated() / 2**30, float(loss)
+    return (a.batch * a.seq_len * accum * a.steps / dt, torch.cuda.max_memory_allocated() / 2**30,
+            float(loss))
 
 
 def main():

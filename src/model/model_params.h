@@ -4,12 +4,12 @@
 // reduces a unit's gradients as soon as its backward is complete.
 //
 // Call order within one micro-batch, for every unit u the model touches:
-//   acquire(u) ... params(u), grads(u) ... release(u)      (possibly several times: forward and
-//                                                            backward each acquire)
-//   grads_done(u) once, after the last write of u's gradients in the backward, before release.
+//   acquire(u) ... params(u) ... release(u)    (possibly several times: forward and backward
+//                                               each acquire the weights they read)
+//   grads(u) ... grads_done(u)                 once in the backward, whether or not u's weights
+//                                              are acquired (the embedding's backward needs none)
 #pragma once
 
-#include <vector>
 
 #include "qtrain/params.h"
 #include "qtrain/shard_plan.h"

@@ -265,11 +265,11 @@ void Qwen3Model::backward(ModelParams& mp, float loss_scale) {
     mp.grads_done(u);
     mp.release(u);
   }
-  mp.acquire(E);
+  // The embedding's backward needs only its gradients, not its weights: nothing to gather.
   if (float* g_embed = mp.grads(E))
     cpu::embedding_backward(g_embed, dx_.data(), inputs_.data(), N, H);
   mp.grads_done(E);
-  mp.release(E);
+  if (tied) mp.release(E);  // held since the forward for the lm head
 }
 
 void Qwen3Model::backward(const float* P, float* G, float loss_scale) {

@@ -72,9 +72,10 @@ void ShardedState::grads_done(int u) {
   Unit& x = units_[u];
   QT_CHECK(!x.grads.empty(), "grads_done() of unit {} without gradients", plan_.units[u].name);
   // This micro-batch's gradients of the unit, summed over dp, added to the own shard's.
-  std::vector<float> reduced(plan_.units[u].chunk);
-  dp_.reduce_scatter(x.grads.data(), reduced.data(), reduced.size(), DType::kF32, ReduceOp::kSum);
-  for (std::size_t i = 0; i < reduced.size(); ++i) x.grad_shard[i] += reduced[i];
+  const std::size_t chunk = plan_.units[u].chunk;
+  reduced_.resize(std::max(reduced_.size(), chunk));
+  dp_.reduce_scatter(x.grads.data(), reduced_.data(), chunk, DType::kF32, ReduceOp::kSum);
+  for (std::size_t i = 0; i < chunk; ++i) x.grad_shard[i] += reduced_[i];
   free_vector(x.grads);
 }
 

@@ -92,6 +92,7 @@ class ShardedState final : public ModelParams {
   int zero_;
   int rank_;
   std::vector<Unit> units_;
+  std::vector<float> reduced_;  // ZeRO 2/3: one unit's reduce-scatter result [largest chunk]
   StateBytes peak_;
 };
 

@@ -227,6 +227,13 @@ std::string report(const Options& o, const Deck& d) {
       o.gpus, o.gpus, o.gpu_mem_gib, gib(usable), gib(plan::kGpuMarginBytes));
 
   const bool wire_bf16 = d.optim.grad_reduce == "bf16";
+  plan::MemoryPlanInput base;  // the deck's model and batch on o.gpus data-parallel GPUs
+  base.model = m;
+  base.micro_batch = d.train.micro_batch;
+  base.seq_len = d.train.seq_len;
+  base.recompute = d.train.recompute;
+  base.mesh.dp = o.gpus;
+  base.grad_reduce_bf16 = wire_bf16;
   std::vector<Row> rows;
   for (Offload off : {Offload::kNone, Offload::kCpu})
     for (int stage = 0; stage <= 3; ++stage) {
@@ -234,12 +241,7 @@ std::string report(const Options& o, const Deck& d) {
         rows.push_back({stage, off, MemoryPlan{}, false});
         continue;
       }
-      plan::MemoryPlanInput in;
-      in.model = m;
-      in.micro_batch = d.train.micro_batch;
-      in.seq_len = d.train.seq_len;
-      in.recompute = d.train.recompute;
-      in.mesh.dp = o.gpus;
+      plan::MemoryPlanInput in = base;
       in.zero_stage = stage;
       in.offload = off;
       in.grad_reduce_bf16 = wire_bf16 && stage <= 1;  // ZeRO 2 and 3 reduce in fp32
@@ -290,13 +292,6 @@ std::string report(const Options& o, const Deck& d) {
 
   // The first setting, in plan::settings_by_preference's order, that fits.
   const Row* best = nullptr;
-  plan::MemoryPlanInput base;
-  base.model = m;
-  base.micro_batch = d.train.micro_batch;
-  base.seq_len = d.train.seq_len;
-  base.recompute = d.train.recompute;
-  base.mesh.dp = o.gpus;
-  base.grad_reduce_bf16 = wire_bf16;
   for (const plan::Setting& st : plan::settings_by_preference(base))
     for (const Row& r : rows)
       if (!best && r.fits && r.stage == st.zero_stage && r.offload == st.offload) best = &r;

@@ -11,11 +11,9 @@ fi
 code=$1
 regex=$2
 shift 2
-out=$(mktemp)
-trap 'rm -f "$out"' EXIT
-timeout -k 5 50 "$@" >"$out" 2>&1
-rc=$?
-cat "$out"
+# shellcheck source=SCRIPTDIR/../support/capture.sh
+. "$(dirname "$0")/../support/capture.sh"
+capture "$@"
 echo "---- exit code $rc (expected $code)"
 if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
   echo "FAIL: timed out (hang?)"

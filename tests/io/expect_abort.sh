@@ -15,11 +15,9 @@ regex=$2
 shift 2
 dir=$(dirname "$file")
 rm -rf "$dir"
-out=$(mktemp)
-trap 'rm -f "$out"' EXIT
-timeout -k 5 50 "$@" >"$out" 2>&1
-rc=$?
-cat "$out"
+# shellcheck source=SCRIPTDIR/../support/capture.sh
+. "$(dirname "$0")/../support/capture.sh"
+capture "$@"
 echo "---- exit code $rc"
 if [ "$rc" -eq 0 ] || [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
   echo "FAIL: exit code $rc, expected a failure (not 0, not a timeout)"

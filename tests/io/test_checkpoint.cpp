@@ -20,6 +20,8 @@
 #include "io/redistribute.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/error.h"
+#include "io/checkpoint_cases.h"
+#include "support/mpi_world.h"
 #include "support/random.h"
 
 namespace fs = std::filesystem;
@@ -27,89 +29,27 @@ namespace fs = std::filesystem;
 namespace qt {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
+using test::barrier;
+using test::bcast_string;
+using test::make_mesh;
+using test::same_bits;
+using test::world_rank;
+using test::world_size;
+using test::odd_model;
+using test::some_state;
+using Tensors = test::StateTensors;
 
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
-void barrier() { MPI_Barrier(MPI_COMM_WORLD); }
-
-std::string bcast_string(std::string s) {
-  int n = static_cast<int>(s.size());
-  MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  s.resize(n);
-  MPI_Bcast(s.data(), n, MPI_CHAR, 0, MPI_COMM_WORLD);
-  return s;
-}
+// Random params and moments identical on every rank (rank 0's seed).
+Tensors random_state_shared(std::size_t n) { return test::random_state(n, test::shared_seed()); }
 
 std::string read_bytes(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), {});
 }
 
-// A model whose tensor sizes are not multiples of anything, so partitions cut rows mid-way.
-ModelConfig odd_model() {
-  ModelConfig m;
-  m.preset = "custom";
-  m.vocab_size = 37;
-  m.hidden_size = 12;
-  m.intermediate_size = 20;
-  m.num_layers = 2;
-  m.num_heads = 2;
-  m.num_kv_heads = 1;
-  m.head_dim = 6;
-  m.tie_word_embeddings = false;
-  m.rope_theta = 12345.5;
-  return m;
-}
-
-// Random params and moments identical on every rank (seed broadcast from rank 0).
-struct Tensors {
-  std::vector<float> params, exp_avg, exp_avg_sq;
-};
-
-Tensors random_tensors(std::size_t n) {
-  std::uint64_t seed = world_rank() == 0 ? test::test_seed() : 0;  // rank 0's seed, printed once
-  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  std::mt19937_64 rng(seed);
-  Tensors t;
-  t.params = test::random_vector<float>(n, rng, 0.5);
-  t.exp_avg = test::random_vector<float>(n, rng, 1e-3);
-  t.exp_avg_sq = test::random_vector<float>(n, rng, 1e-6);
-  for (auto& x : t.exp_avg_sq) x = x * x;
-  return t;
-}
-
-TrainState some_state() {
-  TrainState s;
-  s.step = 17;
-  s.samples_consumed = 1088;
-  s.tokens_consumed = 69632;
-  s.seed = 0xFEDCBA9876543210ull;
-  s.rng_counter = 4242;
-  return s;
-}
-
 const char* kDeck = "[model]\npreset = custom\n[train]\nseq_len = 8   # with a comment\n";
 
 // A world-sized mesh, or one over the first k ranks of the world (nullptr on the others).
-std::unique_ptr<Mesh> make_mesh(int k) {
-  const int r = world_rank();
-  MPI_Comm sub = MPI_COMM_NULL;
-  MPI_Comm_split(MPI_COMM_WORLD, r < k ? 0 : MPI_UNDEFINED, r, &sub);
-  if (sub == MPI_COMM_NULL) return nullptr;
-  MeshShape shape;
-  shape.dp = k;
-  return std::make_unique<Mesh>(shape, std::make_shared<MpiComm>(sub, "world", true));
-}
-
 // Writes `t` with moments held as `shard` (a range of rank r of `mesh`): each rank passes the
 // moments of its own shard only.
 void write(const std::string& path, Mesh& mesh, const ModelConfig& m, const Tensors& t,
@@ -121,10 +61,6 @@ void write(const std::string& path, Mesh& mesh, const ModelConfig& m, const Tens
 }
 
 // Bit-for-bit equality of two float arrays (NaN payloads and -0 included).
-bool same_bits(const float* a, const float* b, std::size_t n) {
-  return n == 0 || std::memcmp(a, b, n * sizeof(float)) == 0;
-}
-
 // Reads into fresh buffers with moments for `range`; checks everything bit for bit against `t`.
 void read_and_compare(const std::string& path, Mesh& mesh, const ModelConfig& m, const Tensors& t,
                       Range range) {
@@ -196,7 +132,7 @@ class Checkpoint : public ::testing::Test {
   void make_damaged_copy(const std::string& copy,
                          const std::function<void(const std::string&)>& damage) {
     const ModelConfig m = odd_model();
-    const Tensors t = random_tensors(ParamLayout(m).numel());
+    const Tensors t = random_state_shared(ParamLayout(m).numel());
     const std::string path = checkpoint_path(dir_, 1);
     if (!fs::exists(path)) write(path, *mesh_, m, t, Range{0, t.params.size()});
     barrier();
@@ -215,7 +151,7 @@ class Checkpoint : public ::testing::Test {
 TEST_F(Checkpoint, RoundTripIsBitExactForEveryMomentRange) {
   const ModelConfig m = odd_model();
   const std::size_t n = ParamLayout(m).numel();
-  const Tensors t = random_tensors(n);
+  const Tensors t = random_state_shared(n);
   const int P = world_size(), r = world_rank();
   const std::string path = checkpoint_path(dir_, 17);
   EXPECT_EQ(path, dir_ + "/step_00000017.h5");
@@ -256,7 +192,7 @@ std::uint64_t documented_checksum(const std::vector<float>& x) {
 TEST_F(Checkpoint, FileHasTheDocumentedLayout) {
   const ModelConfig m = odd_model();
   const ParamLayout layout(m);
-  const Tensors t = random_tensors(layout.numel());
+  const Tensors t = random_state_shared(layout.numel());
   const std::string path = checkpoint_path(dir_, 5);
   write(path, *mesh_, m, t, Range{0, layout.numel()});
   if (world_rank() != 0) return;
@@ -299,7 +235,7 @@ TEST_F(Checkpoint, FileHasTheDocumentedLayout) {
 TEST_F(Checkpoint, LoadsAcrossWorldSizes) {
   const ModelConfig m = odd_model();
   const std::size_t n = ParamLayout(m).numel();
-  const Tensors t = random_tensors(n);
+  const Tensors t = random_state_shared(n);
   const int P = world_size(), r = world_rank();
   for (int k : {1, 2, 3}) {
     if (k > P || (k == P && P > 1)) continue;  // k == P is the plain round trip
@@ -326,7 +262,7 @@ TEST_F(Checkpoint, LoadsAcrossWorldSizes) {
 TEST_F(Checkpoint, NewCheckpointLeavesOldOnesUntouched) {
   const ModelConfig m = odd_model();
   const std::size_t n = ParamLayout(m).numel();
-  const Tensors t = random_tensors(n);
+  const Tensors t = random_state_shared(n);
   write(checkpoint_path(dir_, 1), *mesh_, m, t, Range{0, n});
   const std::string before = world_rank() == 0 ? read_bytes(checkpoint_path(dir_, 1)) : "";
   Tensors t2 = t;
@@ -343,7 +279,7 @@ TEST_F(Checkpoint, NewCheckpointLeavesOldOnesUntouched) {
 TEST_F(Checkpoint, CreatesMissingDirectories) {
   const ModelConfig m = odd_model();
   const std::size_t n = ParamLayout(m).numel();
-  const Tensors t = random_tensors(n);
+  const Tensors t = random_state_shared(n);
   const std::string path = checkpoint_path(dir_ + "/a/b", 3);
   write(path, *mesh_, m, t, Range{0, n});
   read_and_compare(path, *mesh_, m, t, Range{0, n});

@@ -20,6 +20,8 @@
 #include "io/redistribute.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/error.h"
+#include "io/checkpoint_cases.h"
+#include "support/mpi_world.h"
 #include "support/random.h"
 
 namespace fs = std::filesystem;
@@ -27,38 +29,17 @@ namespace fs = std::filesystem;
 namespace qt {
 namespace {
 
-int world_rank() {
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
-int world_size() {
-  int n = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
-
-void barrier() { MPI_Barrier(MPI_COMM_WORLD); }
-
-std::string bcast_string(std::string s) {
-  int n = static_cast<int>(s.size());
-  MPI_Bcast(&n, 1, MPI_INT, 0, MPI_COMM_WORLD);
-  s.resize(n);
-  MPI_Bcast(s.data(), n, MPI_CHAR, 0, MPI_COMM_WORLD);
-  return s;
-}
-
-// Rank 0's test seed (printed once), on every rank.
-std::uint64_t shared_seed() {
-  std::uint64_t seed = world_rank() == 0 ? test::test_seed() : 0;
-  MPI_Bcast(&seed, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  return seed;
-}
-
-bool same_bits(const float* a, const float* b, std::size_t n) {
-  return n == 0 || std::memcmp(a, b, n * sizeof(float)) == 0;
-}
+using test::barrier;
+using test::bcast_string;
+using test::make_mesh;
+using test::same_bits;
+using test::world_rank;
+using test::world_size;
+using test::odd_model;
+using test::random_state;
+using test::shared_seed;
+using test::some_state;
+using State = test::StateTensors;
 
 // A buffer of n floats between guard floats, to catch writes outside a piece.
 constexpr std::size_t kGuard = 4;
@@ -172,50 +153,7 @@ TEST(RedistributePieces, PartitionErrorNamesTheFault) {
 
 // ---- checkpoints from pieces ------------------------------------------------------------------
 
-// A model whose tensor sizes are not multiples of anything, so partitions cut rows mid-way.
-ModelConfig odd_model() {
-  ModelConfig m;
-  m.preset = "custom";
-  m.vocab_size = 37;
-  m.hidden_size = 12;
-  m.intermediate_size = 20;
-  m.num_layers = 2;
-  m.num_heads = 2;
-  m.num_kv_heads = 1;
-  m.head_dim = 6;
-  m.tie_word_embeddings = false;
-  return m;
-}
-
-TrainState some_state() {
-  TrainState s;
-  s.step = 23;
-  s.samples_consumed = 368;
-  s.tokens_consumed = 2944;
-  s.seed = 0x0123456789ABCDEFull;
-  s.rng_counter = 99;
-  return s;
-}
-
 const char* kDeck = "[model]\npreset = custom\n";
-
-// The whole state, identical on every rank.
-struct State {
-  std::vector<float> params, exp_avg, exp_avg_sq;
-  const std::vector<float>& group(int g) const {
-    return g == 0 ? params : g == 1 ? exp_avg : exp_avg_sq;
-  }
-};
-
-State random_state(std::size_t n, std::uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  State s;
-  s.params = test::random_vector<float>(n, rng, 0.5);
-  s.exp_avg = test::random_vector<float>(n, rng, 1e-3);
-  s.exp_avg_sq = test::random_vector<float>(n, rng, 1e-6);
-  for (auto& x : s.exp_avg_sq) x = x * x;
-  return s;
-}
 
 // The pieces rank r of P holds in a ZeRO-3 style state: every unit (here each tensor, or each
 // decoder layer's tensors together) split evenly over the ranks, rank (r + shift) % P taking
@@ -308,16 +246,6 @@ void read_flat_and_compare(const std::string& path, Mesh& mesh, const ModelConfi
 }
 
 // A mesh over the first k ranks of the world (nullptr on the others).
-std::unique_ptr<Mesh> make_mesh(int k) {
-  const int r = world_rank();
-  MPI_Comm sub = MPI_COMM_NULL;
-  MPI_Comm_split(MPI_COMM_WORLD, r < k ? 0 : MPI_UNDEFINED, r, &sub);
-  if (sub == MPI_COMM_NULL) return nullptr;
-  MeshShape shape;
-  shape.dp = k;
-  return std::make_unique<Mesh>(shape, std::make_shared<MpiComm>(sub, "world", true));
-}
-
 class CheckpointPieces : public ::testing::Test {
  protected:
   void SetUp() override {

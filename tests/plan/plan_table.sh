@@ -14,11 +14,9 @@ fi
 cheapest=$1
 fits=$2
 shift 2
-out=$(mktemp)
-trap 'rm -f "$out"' EXIT
-timeout -k 5 50 "$@" >"$out" 2>&1
-rc=$?
-cat "$out"
+# shellcheck source=SCRIPTDIR/../support/capture.sh
+. "$(dirname "$0")/../support/capture.sh"
+capture "$@"
 echo "----"
 fail() { echo "FAIL: $*"; exit 1; }
 [ "$rc" -eq 0 ] || fail "exit code $rc, expected 0"

@@ -18,6 +18,7 @@
 #include "qtrain/deck.h"
 #include "qtrain/error.h"
 #include "qtrain/mesh.h"
+#include "support/mpi_world.h"
 #include "train/trainer.h"
 
 namespace qt::test {
@@ -26,17 +27,6 @@ struct StepRecord {
   long step;
   double loss, grad_norm;
 };
-
-inline int world_rank() {
-  int r;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-inline int world_size() {
-  int s;
-  MPI_Comm_size(MPI_COMM_WORLD, &s);
-  return s;
-}
 
 // A fresh directory, the same name on every rank.
 inline std::string shared_temp_dir(const std::string& tag) {
