@@ -127,9 +127,15 @@ std::string ShardedCudaState::describe() const {
 }
 
 ShardedCudaState::Slot* ShardedCudaState::free_slot(std::vector<std::unique_ptr<Slot>>& ring) {
+  Slot* best = nullptr;
   for (auto& s : ring)
-    if (s->unit < 0) return s.get();
-  return nullptr;
+    if (s->unit < 0 && (best == nullptr || s->freed < best->freed)) best = s.get();
+  return best;
+}
+
+void ShardedCudaState::give_up(Slot& slot) {
+  slot.unit = -1;
+  slot.freed = ++releases_;
 }
 
 void ShardedCudaState::gather(int u, Slot& slot) {
@@ -163,7 +169,7 @@ void ShardedCudaState::release(int u, cudaStream_t s) {
   if (!gathers() || weight_at_[u] == nullptr) return;
   Slot& slot = *weight_at_[u];
   slot.free.record(s);
-  slot.unit = -1;
+  give_up(slot);
   weight_at_[u] = nullptr;
 }
 
@@ -194,7 +200,7 @@ void ShardedCudaState::grads_done(int u, cudaStream_t s) {
   nccl_->reduce_scatter_async(slot->data, slot->reduced, chunk, DType::kF32, ReduceOp::kSum);
   add_f32(units_[u].grad, slot->reduced, chunk, nccl_->stream());
   slot->free.record(nccl_->stream());
-  slot->unit = -1;
+  give_up(*slot);
   grad_at_[u] = nullptr;
 }
 

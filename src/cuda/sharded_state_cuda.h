@@ -81,13 +81,16 @@ class ShardedCudaState final : public UnitSource {
     void* data = nullptr;
     float* reduced = nullptr;  // gradient slots: [max chunk] reduce-scatter output
     int unit = -1;             // the unit it holds now, or -1
+    std::uint64_t freed = 0;   // when it was last given up (a count of releases): 0 = never
     Event ready, free;         // gather landed (NCCL stream); last reader done
   };
 
   bool gathers() const { return zero_ == 3 && nccl_ != nullptr; }
   bool scatters() const { return nccl_ != nullptr; }
-  // A ring slot that holds no unit, or null.
+  // The ring slot given up longest ago among those that hold no unit, or null: its last reader
+  // (or reduction) has had the most time to finish, so waiting for it costs least.
   static Slot* free_slot(std::vector<std::unique_ptr<Slot>>& ring);
+  void give_up(Slot& slot);  // marks it free, now
   void gather(int unit, Slot& slot);
   void prefetch_after(int unit);
   bf16* updated_weights(int u);  // where AdamW writes the own shard's bf16 copy
@@ -107,6 +110,7 @@ class ShardedCudaState final : public UnitSource {
   std::vector<std::unique_ptr<Slot>> weight_ring_, grad_ring_;
   Slot embed_weights_, embed_grads_;         // the embedding's own slots (a tied embedding
                                              // stays in use from the forward to the end)
+  std::uint64_t releases_ = 0;                // the clock of Slot::freed
   int direction_ = +1;                        // forward (+1) or backward (-1): prefetch order
   bool first_of_step_ = true;
   Event compute_done_;
