@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <thread>
@@ -418,55 +419,92 @@ void NcclComm::all_to_all_v(const void* send, const std::vector<std::size_t>& se
   wait_idle(what);
 }
 
-void NcclComm::point_to_point(bool is_send, void* buf, std::size_t count, DType t, int peer) {
+void NcclComm::point_to_point(bool is_send, const void* buf, std::size_t count, DType t, int peer,
+                              bool blocking) {
   const Pending what{is_send ? "send" : "recv", count, t, peer};
   check_usable(what.op);
   if (peer < 0 || peer >= size_)
-    throw std::invalid_argument(fmt::format("NcclComm::{} on '{}': {} {} not in [0, {})", what.op,
-                                            name_, is_send ? "dest" : "src", peer, size_));
+    throw std::invalid_argument(fmt::format("NcclComm::{}{} on '{}': {} {} not in [0, {})", what.op,
+                                            blocking ? "" : "_async", name_,
+                                            is_send ? "dest" : "src", peer, size_));
   require_buffer(buf, count, what.op, "buf");
   if (count == 0) return;
   require_device(buf, what.op, "buf");
   if (is_send)
     enqueued(ncclSend(buf, count, nccl_type(t), peer, comm_, stream_), what, "ncclSend");
+  else  // ncclRecv writes buf: it came in as the non-const pointer of recv/recv_async
+    enqueued(ncclRecv(const_cast<void*>(buf), count, nccl_type(t), peer, comm_, stream_), what,
+             "ncclRecv");
+  if (blocking)
+    wait_idle(what);
   else
-    enqueued(ncclRecv(buf, count, nccl_type(t), peer, comm_, stream_), what, "ncclRecv");
-  wait_idle(what);
+    last_async_ = what;
 }
 
 void NcclComm::send_async(const void* buf, std::size_t count, DType t, int dest) {
-  const Pending what{"send", count, t, dest};
-  check_usable(what.op);
-  if (dest < 0 || dest >= size_)
-    throw std::invalid_argument(fmt::format("NcclComm::send_async on '{}': dest {} not in [0, {})",
-                                            name_, dest, size_));
-  require_buffer(buf, count, what.op, "buf");
-  if (count == 0) return;
-  require_device(buf, what.op, "buf");
-  enqueued(ncclSend(buf, count, nccl_type(t), dest, comm_, stream_), what, "ncclSend");
-  last_async_ = what;
+  point_to_point(true, buf, count, t, dest, /*blocking=*/false);
 }
 
 void NcclComm::recv_async(void* buf, std::size_t count, DType t, int src) {
-  const Pending what{"recv", count, t, src};
+  point_to_point(false, buf, count, t, src, /*blocking=*/false);
+}
+
+void NcclComm::all_to_all_device_async(const void* send, const std::int64_t* d_send_counts,
+                                       void* recv, std::int64_t* d_recv_counts,
+                                       std::size_t capacity, DType t) {
+  const Pending what{"all_to_all_device (block per peer)", capacity, t, -1};
   check_usable(what.op);
-  if (src < 0 || src >= size_)
-    throw std::invalid_argument(fmt::format("NcclComm::recv_async on '{}': src {} not in [0, {})",
-                                            name_, src, size_));
-  require_buffer(buf, count, what.op, "buf");
-  if (count == 0) return;
-  require_device(buf, what.op, "buf");
-  enqueued(ncclRecv(buf, count, nccl_type(t), src, comm_, stream_), what, "ncclRecv");
+  const char* api = "all_to_all_device_async";
+  const auto n = static_cast<std::size_t>(size_);
+  require_buffer(d_send_counts, n, api, "d_send_counts");
+  require_buffer(d_recv_counts, n, api, "d_recv_counts");
+  require_device(d_send_counts, api, "d_send_counts");
+  require_device(d_recv_counts, api, "d_recv_counts");
+  require_buffer(send, n * capacity, api, "send");
+  require_buffer(recv, n * capacity, api, "recv");
+  if (capacity > 0) {
+    require_device(send, api, "send");
+    require_device(recv, api, "recv");
+  }
+  const std::size_t block = capacity * dtype_size(t);
+  const auto* s = static_cast<const char*>(send);
+  auto* r = static_cast<char*>(recv);
+  const auto s_at = reinterpret_cast<std::uintptr_t>(s), r_at = reinterpret_cast<std::uintptr_t>(r);
+  if (block > 0 && s_at < r_at + n * block && r_at < s_at + n * block)
+    throw std::invalid_argument(fmt::format(
+        "NcclComm::{} on '{}': recv overlaps send (not in place)", api, name_));
+  // The rank's own count and block: device copies on the same stream.
+  QT_CHECK_CUDA(cudaMemcpyAsync(d_recv_counts + rank_, d_send_counts + rank_, sizeof(std::int64_t),
+                                cudaMemcpyDeviceToDevice, stream_));
+  if (block > 0) {
+    QT_CHECK_CUDA(cudaMemcpyAsync(r + rank_ * block, s + rank_ * block, block,
+                                  cudaMemcpyDeviceToDevice, stream_));
+  }
+  // One group, one launch: calls to the same peer run in order, so each peer's count and block
+  // pair up with the matching receives whatever the other peers do.
+  QT_CHECK_NCCL(ncclGroupStart());
+  for (int p = 0; p < size_; ++p) {
+    if (p == rank_) continue;
+    enqueued(ncclSend(d_send_counts + p, 1, ncclInt64, p, comm_, stream_), what, "ncclSend");
+    enqueued(ncclRecv(d_recv_counts + p, 1, ncclInt64, p, comm_, stream_), what, "ncclRecv");
+    if (capacity > 0) {
+      enqueued(ncclSend(s + p * block, capacity, nccl_type(t), p, comm_, stream_), what,
+               "ncclSend");
+      enqueued(ncclRecv(r + p * block, capacity, nccl_type(t), p, comm_, stream_), what,
+               "ncclRecv");
+    }
+  }
+  enqueued(ncclGroupEnd(), what, "ncclGroupEnd");
   last_async_ = what;
 }
 
 // NCCL has no tags: messages between a pair arrive in the order they were sent.
 void NcclComm::send(const void* buf, std::size_t count, DType t, int dest, int /*tag*/) {
-  point_to_point(true, const_cast<void*>(buf), count, t, dest);  // ncclSend only reads buf
+  point_to_point(true, buf, count, t, dest, /*blocking=*/true);
 }
 
 void NcclComm::recv(void* buf, std::size_t count, DType t, int src, int /*tag*/) {
-  point_to_point(false, buf, count, t, src);
+  point_to_point(false, buf, count, t, src, /*blocking=*/true);
 }
 
 void NcclComm::broadcast(void* buf, std::size_t count, DType t, int root) {

@@ -19,6 +19,7 @@
 #include <nccl.h>
 
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -79,6 +80,21 @@ class NcclComm final : public Comm {
   // stage's exchange) run as one batch without deadlock; outside a group each is its own launch.
   void send_async(const void* buf, std::size_t count, DType t, int dest);
   void recv_async(void* buf, std::size_t count, DType t, int src);
+  // All-to-all whose counts live in device memory (expert dispatch: the router computes them on
+  // the GPU), asynchronous: enqueued on stream() and never waited for, so no host sync per layer.
+  //   send[size() * capacity]: block p (elements [p * capacity, (p + 1) * capacity)) goes to rank
+  //     p, of which the first d_send_counts[p] are valid; d_send_counts: int64 [size()].
+  //   recv[size() * capacity]: block p comes from rank p, of which the first d_recv_counts[p]
+  //     are valid (rank p's d_send_counts[rank()]); d_recv_counts: int64 [size()].
+  // NCCL takes its counts from the host, so whole blocks of `capacity` travel, padding included:
+  // one NCCL group sends the counts (one int64 per peer) and the blocks, in that order per peer;
+  // the rank's own count and block are device copies. The counts are carried, never read here:
+  // counts outside [0, capacity] are the caller's bug (the transfer stays inside the buffers;
+  // a consumer that trusts such a count does not). Collective: every rank passes the same
+  // capacity and t. All four buffers are device memory, written or read by work ordered with
+  // stream() (wait_event, an event recorded on it), and recv must not overlap send.
+  void all_to_all_device_async(const void* send, const std::int64_t* d_send_counts, void* recv,
+                               std::int64_t* d_recv_counts, std::size_t capacity, DType t);
   // Brackets several async calls into one NCCL group (one fused launch); calls between them
   // return at once and the whole group is enqueued by group_end().
   void group_start();
@@ -105,8 +121,10 @@ class NcclComm final : public Comm {
   };
 
   void check_usable(const char* op) const;
-  // send (is_send) or recv of a device buffer with `peer`, blocking: the body of both.
-  void point_to_point(bool is_send, void* buf, std::size_t count, DType t, int peer);
+  // send (is_send) or recv of a device buffer with `peer`: the body of send, recv, send_async and
+  // recv_async. `blocking` waits for it; otherwise it is recorded for synchronize().
+  void point_to_point(bool is_send, const void* buf, std::size_t count, DType t, int peer,
+                      bool blocking);
   void enqueued(ncclResult_t rc, const Pending& what, const char* call);
   void wait_idle(const Pending& what);
   [[noreturn]] void timed_out(const Pending& what, double waited_s);

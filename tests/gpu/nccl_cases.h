@@ -9,11 +9,14 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -296,6 +299,158 @@ TEST(Nccl, AllToAllVUnevenBlocks) {
     check_all_to_all_v<bf16>(salt);
     check_all_to_all_v<std::int64_t>(salt);
   }
+}
+
+// ---- all-to-all with counts in device memory (expert dispatch) -----------------------------------
+
+constexpr std::size_t kA2aCapacity = 37;  // elements per peer block
+
+// Valid elements in rank s's block for rank d in case `salt`: none, the full capacity or some in
+// between, by (s, d, salt), so that salts 0..2 give every pair of ranks each kind (with one rank,
+// its own block).
+inline std::int64_t a2a_count(int s, int d, int salt) {
+  switch ((s * comm().size() + d + salt) % 3) {
+    case 0: return 0;
+    case 1: return static_cast<std::int64_t>(kA2aCapacity);
+    default: return 1 + (7 * s + 3 * d + salt) % static_cast<int>(kA2aCapacity - 1);
+  }
+}
+
+// This rank's send blocks: element j of the block for rank p is the seeded input element
+// p * capacity + j while j < a2a_count(rank, p); 99 (outside the inputs' [-8, 16]) after it.
+template <typename T>
+std::vector<T> a2a_send_blocks(int salt) {
+  const int size = comm().size(), rank = comm().rank();
+  std::vector<T> v(size * kA2aCapacity, from_int<T>(99));
+  for (int p = 0; p < size; ++p)
+    for (std::int64_t j = 0; j < a2a_count(rank, p, salt); ++j)
+      v[p * kA2aCapacity + j] = from_int<T>(value_of<T>(rank, salt, p * kA2aCapacity + j));
+  return v;
+}
+
+inline std::vector<std::int64_t> a2a_send_counts(int salt) {
+  std::vector<std::int64_t> c(comm().size());
+  for (int p = 0; p < comm().size(); ++p) c[p] = a2a_count(comm().rank(), p, salt);
+  return c;
+}
+
+// Every received count, every valid received element and the guard bytes after both buffers.
+template <typename T>
+::testing::AssertionResult a2a_received(const test::GuardedBuffer<T>& recv,
+                                        const test::GuardedBuffer<std::int64_t>& recv_counts,
+                                        int salt) {
+  const int size = comm().size(), rank = comm().rank();
+  const std::vector<std::int64_t> counts = recv_counts.download();
+  const std::vector<T> got = recv.download();
+  for (int p = 0; p < size; ++p) {
+    const std::int64_t want = a2a_count(p, rank, salt);
+    if (counts[p] != want)
+      return ::testing::AssertionFailure() << "count from rank " << p << ": got " << counts[p]
+                                           << ", want " << want;
+    for (std::int64_t j = 0; j < want; ++j) {
+      const long v = value_of<T>(p, salt, rank * kA2aCapacity + j);
+      if (to_double(got[p * kA2aCapacity + j]) != static_cast<double>(v))
+        return ::testing::AssertionFailure() << "block from rank " << p << ", element " << j
+                                             << ": got " << to_double(got[p * kA2aCapacity + j])
+                                             << ", want " << v;
+    }
+  }
+  if (!recv.guard_intact() || !recv_counts.guard_intact())
+    return ::testing::AssertionFailure() << "guard bytes after recv or its counts overwritten";
+  return ::testing::AssertionSuccess();
+}
+
+template <typename T>
+void check_all_to_all_device(int salt) {
+  const int size = comm().size();
+  test::GuardedBuffer<T> send(a2a_send_blocks<T>(salt));
+  test::GuardedBuffer<T> recv(std::vector<T>(size * kA2aCapacity, from_int<T>(77)));
+  test::GuardedBuffer<std::int64_t> send_counts(a2a_send_counts(salt));
+  test::GuardedBuffer<std::int64_t> recv_counts(std::vector<std::int64_t>(size, -7));
+  comm().all_to_all_device_async(send.get(), send_counts.get(), recv.get(), recv_counts.get(),
+                                 kA2aCapacity, dtype_of<T>());
+  comm().synchronize();
+  EXPECT_TRUE(a2a_received(recv, recv_counts, salt)) << dtype_name(dtype_of<T>()) << " salt "
+                                                     << salt;
+}
+
+TEST(Nccl, AllToAllDeviceCounts) {
+  QT_REQUIRE_NCCL();
+  for (int salt = 0; salt < 3; ++salt) {
+    check_all_to_all_device<float>(salt);
+    check_all_to_all_device<bf16>(salt);
+    check_all_to_all_device<std::int64_t>(salt);
+  }
+  // Capacity 0: only the counts travel; the data buffers may be null.
+  const int size = comm().size();
+  test::GuardedBuffer<std::int64_t> zeros(std::vector<std::int64_t>(size, 0));
+  test::GuardedBuffer<std::int64_t> got(std::vector<std::int64_t>(size, -7));
+  comm().all_to_all_device_async(nullptr, zeros.get(), nullptr, got.get(), 0, DType::kF32);
+  comm().synchronize();
+  EXPECT_EQ(got.download(), std::vector<std::int64_t>(size, 0));
+  // The counts must be device memory; recv must not overlap send.
+  std::vector<std::int64_t> host_counts(size, 0);
+  test::GuardedBuffer<float> buf(size * kA2aCapacity);
+  EXPECT_THROW(comm().all_to_all_device_async(buf.get(), host_counts.data(), buf.get(), got.get(),
+                                              kA2aCapacity, DType::kF32),
+               std::invalid_argument);
+  EXPECT_THROW(comm().all_to_all_device_async(buf.get(), zeros.get(), buf.get(), nullptr,
+                                              kA2aCapacity, DType::kF32),
+               std::invalid_argument);
+  EXPECT_THROW(comm().all_to_all_device_async(buf.get(), zeros.get(), buf.get(), got.get(),
+                                              kA2aCapacity, DType::kF32),
+               std::invalid_argument);  // in place
+}
+
+// Holds a stream in a host function until the host opens the gate (or 30 s pass, gave_up): work
+// queued behind it cannot have run before the gate opens.
+struct StreamGate {
+  std::atomic<bool> open{false};
+  std::atomic<bool> gave_up{false};
+  static void CUDART_CB hold(void* self) {
+    auto* g = static_cast<StreamGate*>(self);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (!g->open.load()) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        g->gave_up = true;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  }
+};
+
+// The router's counts and tokens are written on the communicator's stream behind a held gate, and
+// the all-to-all is queued after them: it must return while the stream is still held (no host
+// wait), and deliver what the stream wrote (stream order), not what the buffers held before.
+TEST(Nccl, AllToAllDeviceCountsQueueWithoutWaiting) {
+  QT_REQUIRE_NCCL();
+  using T = float;
+  const int salt = 1, size = comm().size();
+  check_all_to_all_device<T>(salt);  // connections to the peers are set up outside the gate
+  const std::vector<T> blocks = a2a_send_blocks<T>(salt);
+  const std::vector<std::int64_t> counts = a2a_send_counts(salt);
+  test::GuardedBuffer<T> routed(blocks), send(std::vector<T>(blocks.size(), from_int<T>(55)));
+  test::GuardedBuffer<std::int64_t> counted(counts);
+  test::GuardedBuffer<std::int64_t> send_counts(std::vector<std::int64_t>(size, -9));
+  test::GuardedBuffer<T> recv(std::vector<T>(size * kA2aCapacity, from_int<T>(77)));
+  test::GuardedBuffer<std::int64_t> recv_counts(std::vector<std::int64_t>(size, -7));
+  StreamGate gate;
+  const cudaStream_t s = comm().stream();
+  QT_CHECK_CUDA(cudaLaunchHostFunc(s, StreamGate::hold, &gate));
+  QT_CHECK_CUDA(cudaMemcpyAsync(send_counts.get(), counted.get(), send_counts.bytes(),
+                                cudaMemcpyDeviceToDevice, s));
+  QT_CHECK_CUDA(
+      cudaMemcpyAsync(send.get(), routed.get(), send.bytes(), cudaMemcpyDeviceToDevice, s));
+  comm().all_to_all_device_async(send.get(), send_counts.get(), recv.get(), recv_counts.get(),
+                                 kA2aCapacity, DType::kF32);
+  const cudaError_t held = cudaStreamQuery(s);
+  gate.open = true;
+  comm().synchronize();
+  EXPECT_FALSE(gate.gave_up.load())
+      << "all_to_all_device_async waited on the host for its held stream (the gate gave up)";
+  EXPECT_EQ(held, cudaErrorNotReady);
+  EXPECT_TRUE(a2a_received(recv, recv_counts, salt));
 }
 
 TEST(Nccl, SendRecvPairs) {
