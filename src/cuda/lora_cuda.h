@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "cuda/device.h"
+#include "model/layer_program.h"
 #include "ops/cuda/lora_dropout.cuh"
 #include "qtrain/lora.h"
 #include "qtrain/model_config.h"
@@ -31,7 +32,7 @@ namespace qt::cuda {
 
 using bf16 = __nv_bfloat16;
 
-enum class LoraSite { kQKV, kO, kGateUp, kDown };  // in the order of the forward
+using qt::LoraSite;  // model/layer_program.h: kQKV, kO, kGateUp, kDown, in forward order
 
 class LoraCuda {
  public:

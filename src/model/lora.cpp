@@ -211,7 +211,7 @@ const float* LoraAdapters::dropped(int layer, int target, const float* x, int in
   return xd_.data();
 }
 
-void LoraAdapters::forward(int layer, int target, const float* x, float* y) {
+void LoraAdapters::forward(int layer, int target, const float* x, float* y, int ldy) {
   Slot& s = slots_[static_cast<std::size_t>(layer) * kNumLoraTargets + target];
   if (!s.on) return;
   QT_CHECK(params_ != nullptr, "LoRA forward without adapter weights (bind() first)");
@@ -222,10 +222,11 @@ void LoraAdapters::forward(int layer, int target, const float* x, float* y) {
                    r);
   // y[N, out] += scale * xa[N, r] B[out, r]^T
   cpu::gemm<float>(false, true, N_, s.out, r, static_cast<float>(scale_), s.xa.data(), r,
-                   params_ + s.b, r, 1.0f, y, s.out);
+                   params_ + s.b, r, 1.0f, y, ldy > 0 ? ldy : s.out);
 }
 
-void LoraAdapters::backward(int layer, int target, const float* x, const float* dy, float* dx) {
+void LoraAdapters::backward(int layer, int target, const float* x, const float* dy, float* dx,
+                            int lddy) {
   Slot& s = slots_[static_cast<std::size_t>(layer) * kNumLoraTargets + target];
   if (!s.on) return;
   QT_CHECK(params_ != nullptr && grads_ != nullptr,
@@ -235,11 +236,12 @@ void LoraAdapters::backward(int layer, int target, const float* x, const float* 
   const float* xd = dropped(layer, target, x, s.in);  // the forward's mask again
   const float* A = params_ + s.a;                     // [r, in]
   const float* B = params_ + s.b;                     // [out, r]
+  const int ld = lddy > 0 ? lddy : s.out;
   // dB[out, r] += scale * dy[N, out]^T xa[N, r]
-  cpu::gemm<float>(true, false, s.out, r, N, scale, dy, s.out, s.xa.data(), r, 1.0f, grads_ + s.b,
+  cpu::gemm<float>(true, false, s.out, r, N, scale, dy, ld, s.xa.data(), r, 1.0f, grads_ + s.b,
                    r);
   // g[N, r] = dy[N, out] B[out, r]
-  cpu::gemm<float>(false, false, N, r, s.out, 1.0f, dy, s.out, B, r, 0.0f, g_.data(), r);
+  cpu::gemm<float>(false, false, N, r, s.out, 1.0f, dy, ld, B, r, 0.0f, g_.data(), r);
   // dA[r, in] += scale * g[N, r]^T xd[N, in]
   cpu::gemm<float>(true, false, r, s.in, N, scale, g_.data(), r, xd, s.in, 1.0f, grads_ + s.a,
                    s.in);

@@ -59,13 +59,17 @@ class LoraAdapters {
     seed_ = seed, first_sample_ = first_sample;
   }
 
+  // True when projection `target` has adapters (in every layer: all layers adapt the same).
+  bool adapts(int target) const { return slots_[target].on; }
   // y[N, out] += scale * drop(x) A^T B^T for x [N, in]; keeps drop(x) A^T [N, r] for backward.
+  // y's rows have stride ldy (0: out; a fused projection's output holds the target's columns).
   // No-op for a projection that is not a target.
-  void forward(int layer, int target, const float* x, float* y);
-  // After forward(layer, target, x, .): with dy [N, out] the gradient of y,
+  void forward(int layer, int target, const float* x, float* y, int ldy = 0);
+  // After forward(layer, target, x, .): with dy [N, out] (row stride lddy, 0: out) the gradient
+  // of y,
   //   dB [out, r] += scale * dy^T (drop(x) A^T),   dA [r, in] += scale * (dy B)^T drop(x),
   //   dx [N, in]  += scale * drop'((dy B) A)       (skipped when dx is null).
-  void backward(int layer, int target, const float* x, const float* dy, float* dx);
+  void backward(int layer, int target, const float* x, const float* dy, float* dx, int lddy = 0);
 
  private:
   struct Slot {  // one adapted projection of one layer

@@ -1,10 +1,12 @@
-// Qwen3 dense model on the CPU: hand-written forward and backward over the fp32 flat parameter
-// buffer (include/qtrain/params.h), exactly the math of ../shared/docs/qwen3-spec.md section 2.
+// Qwen3 dense model on the CPU: the layer program (model/layer_program.h) over CpuOps in fp32,
+// exactly the math of ../shared/docs/qwen3-spec.md section 2.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
+#include "model/cpu_ops.h"
+#include "model/layer_program.h"
 #include "model/model_params.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
@@ -30,15 +32,15 @@ unsigned init_params_threads(const ParamLayout& layout);
 class Qwen3Model {
  public:
   // Buffers for micro-batches of B sequences of T tokens. recompute: keep only each layer's input
-  // and recompute the rest of the layer in backward.
+  // (and its norm) and recompute the rest of the layer in backward.
   Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute);
 
-  // Bytes of the buffers that constructor allocates (activations, logits, their gradients), in
-  // double so that absurd shapes cannot overflow; the memory check runs it before allocating.
+  // Bytes of the buffers that constructor allocates (activations, logits, their gradients); the
+  // memory check runs it before allocating.
   static double buffer_bytes(const ModelConfig& cfg, int B, int T, bool recompute);
 
   const ModelConfig& config() const { return cfg_; }
-  const ParamLayout& layout() const { return layout_; }
+  const ParamLayout& layout() const { return program_.layout(); }
   int batch() const { return B_; }
   int seq_len() const { return T_; }
 
@@ -62,60 +64,22 @@ class Qwen3Model {
   void backward(const float* params, float* grads, float loss_scale);
 
   // The units the model asks ModelParams for (a plan for dp 1: unit ranges do not depend on dp).
-  const ShardPlan& units() const { return plan_; }
+  const ShardPlan& units() const { return program_.units(); }
 
   // LoRA adapters applied beside the projections they target in every forward and backward
   // (src/model/lora.h; their weights and gradients are bound there), or null: none.
-  void set_lora(LoraAdapters* lora) { lora_ = lora; }
+  void set_lora(LoraAdapters* lora) { ops_.set_lora(lora); }
 
   // [B*T, V] logits of the last forward (valid until backward).
-  const float* logits() const { return logits_.data(); }
+  const float* logits() const { return ops_.logits(); }
 
  private:
-  struct LayerActs {    // saved activations of one layer, N = B*T rows
-    std::vector<float> ln1, rstd1;          // [N, H], [N]
-    std::vector<float> q_raw, k_raw;        // [N, Q], [N, KV] before q/k norm
-    std::vector<float> q_rstd, k_rstd;      // [N*nh], [N*nkv]
-    std::vector<float> q, k, v;             // [N, Q], [N, KV], [N, KV] after norm and rope
-    std::vector<float> att, lse;            // [N, Q], [B, nh, T]
-    std::vector<float> x_mid;               // [N, H] residual after attention
-    std::vector<float> ln2, rstd2;          // [N, H], [N]
-    std::vector<float> gate, up, h;         // [N, I]
-    void allocate(const ModelConfig& c, int B, int T);
-  };
-
-  // One layer's tensors (or their gradients: all null when frozen).
-  template <class T>
-  struct LayerTensors {
-    T *ln1, *wq, *wk, *wv, *wo, *q_norm, *k_norm, *ln2, *w_gate, *w_up, *w_down;
-  };
-  template <class T>
-  LayerTensors<T> layer_tensors(int l, T* unit) const;
-
-  void layer_forward(int l, const LayerTensors<const float>& w, const float* x_in, float* x_out,
-                     LayerActs& a);
-  // dx: [N, H] gradient of the layer output in, gradient of the layer input out.
-  void layer_backward(int l, const LayerTensors<const float>& w, const LayerTensors<float>& g,
-                      const float* x_in, float* dx, LayerActs& a);
-
   ModelConfig cfg_;
-  ParamLayout layout_;
-  ModelOffsets off_ = layout_.model_offsets();
-  ShardPlan plan_;
-  Qwen3Units unit_;
-  int B_, T_, N_;
-  bool recompute_;
-  LoraAdapters* lora_ = nullptr;
-  std::vector<float> rope_cos_, rope_sin_;   // [T, hd/2]
-
-  std::vector<std::int32_t> inputs_, targets_, pos_;
-  const std::int32_t* pos_ptr_ = nullptr;    // pos_.data() when the last forward had positions
-  std::vector<std::vector<float>> x_;        // x_[l]: [N, H] input of layer l; x_[L]: final
-  std::vector<LayerActs> acts_;              // one per layer, or one scratch with recompute
-  std::vector<float> xf_, rstdf_;            // final norm output [N, H], [N]
-  std::vector<float> logits_, losses_, lse_; // [N, V], [N], [N]
-  // backward scratch
-  std::vector<float> dx_, dtmp_, dln_, dq_, dk_, dv_, datt_, dgate_, dup_, dh_;
+  int B_, T_;
+  HostArena arena_;                 // every buffer below
+  CpuOps ops_;
+  Qwen3Program<CpuOps> program_;    // the layer program (model/layer_program.h)
+  std::vector<std::int32_t> inputs_, targets_, pos_;  // [B, T] copies of the last forward's
 };
 
 }  // namespace qt

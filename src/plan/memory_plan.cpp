@@ -47,8 +47,8 @@ u128 qk_norm_rope_backward_ws(u128 N, u128 heads, u128 hd) {
 // bins, look-back and counters. At the shapes trained here rmsnorm's workspace is the larger.
 u128 embedding_backward_ws(u128 N) { return 4 * blk(4 * N) + blk(8 * N) + (u128{64} << 10); }
 
-// Qwen3Cuda's constructor (src/cuda/qwen3_cuda.cpp) and BatchBuffers (trained_state.cpp), in
-// their order. N = B x T rows; widths H, Q = nh x hd, KV = nkv x hd, I, V.
+// Qwen3Cuda's buffers (CudaOps' constructor, src/cuda/cuda_ops.cpp, and allocate_acts,
+// src/model/layer_program.h) and BatchBuffers (trained_state.cpp). N = B x T rows; widths H, Q = nh x hd, KV = nkv x hd, I, V.
 u128 activation_bytes(const ModelConfig& m, u128 B, u128 T, bool recompute) {
   const u128 N = B * T, H = m.hidden_size, Q = m.q_dim(), KV = m.kv_dim();
   const u128 I = m.intermediate_size, V = m.vocab_size, L = m.num_layers;
@@ -65,8 +65,8 @@ u128 activation_bytes(const ModelConfig& m, u128 B, u128 T, bool recompute) {
       + 2 * blk(2 * N * H) + blk(4 * N)       // x_mid, ln2, rstd2
       + blk(2 * N * 2 * I) + blk(2 * N * I);  // gu [N, 2I], h [N, I]
   b += (recompute ? 1 : L) * layer;
-  // The backward's scratch: tmp_, dx_, dtmp_, dln_ [N, H]; dh_ [N, I]; datt_, dq_ [N, Q];
-  // dk_, dv_ [N, KV]; dqkv_ [N, Q + 2 KV]; all bf16.
+  // The backward's scratch: tmp, dx, dtmp, dln [N, H]; dh [N, I]; datt, dq [N, Q];
+  // dk, dv [N, KV]; dqkv [N, Q + 2 KV]; all bf16.
   b += 4 * blk(2 * N * H) + blk(2 * N * I) + 2 * blk(2 * N * Q) + 2 * blk(2 * N * KV) +
        blk(2 * N * (Q + 2 * KV));
   // The lm head: bf16 logits_ [chunk, V] of 1 GiB at most (chunk rows, at most N), fp32 losses_
@@ -76,7 +76,7 @@ u128 activation_bytes(const ModelConfig& m, u128 B, u128 T, bool recompute) {
   return b;
 }
 
-// Qwen3Cuda::ws_ (the largest workspace of the backward's norms and embedding).
+// CudaOps::ws_ (the largest workspace of the backward's norms and embedding).
 u128 op_workspace_bytes(const ModelConfig& m, u128 B, u128 T) {
   const u128 N = B * T;
   return std::max(
@@ -210,7 +210,7 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
     // Offload: stage_grads_ and stage_weights_, two of each, [max chunk] fp32 and bf16 pinned.
     if (offload) pinned = 2 * (4 + 2) * std::max(max_chunk, embed_chunk);
   }
-  // gemm_ws_ (cuBLASLt), norm_ws_ (grad_norm_workspace_bytes), Qwen3Cuda::ws_.
+  // gemm_ws_ (cuBLASLt), norm_ws_ (grad_norm_workspace_bytes), CudaOps::ws_.
   const u128 workspace = blk(kGemmWorkspaceBytes) + blk((kMaxPartials + 2) * 8) +
                          blk(op_workspace_bytes(m, in.micro_batch, in.seq_len));
   p.params = checked(params, "bf16 parameters");

@@ -1,0 +1,173 @@
+// CudaOps: the layer program's ops as the kernels of src/ops/cuda. Shapes as in
+// layer_program.h: N = B*T rows, H hidden, hd head_dim, V vocabulary.
+#include "cuda/cuda_ops.h"
+
+#include <algorithm>
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/lora_cuda.h"
+#include "ops/cuda/attention.cuh"
+#include "ops/cuda/cross_entropy.cuh"
+#include "ops/cuda/embedding.cuh"
+#include "ops/cuda/gemm.cuh"
+#include "ops/cuda/qk_norm_rope.cuh"
+#include "ops/cuda/rmsnorm.cuh"
+#include "ops/cuda/swiglu.cuh"
+#include "ops/rope.h"
+
+namespace qt::cuda {
+
+namespace {
+// bf16 logits per lm-head chunk. Each chunk's weight-gradient GEMM reads and writes the whole fp32
+// lm-head gradient (1.2 GB for Qwen3-1.7B), so fewer, larger chunks move less: 1 GiB (3533 rows
+// of Qwen3's vocabulary) ran 1.9% (1.7B) and 3.5% (8B-shaped layers) faster than 256 MiB on an
+// H100; all 8192 rows (2.5 GB) gained only 0.1% more (docs/performance.md).
+constexpr std::size_t kLogitsChunkBytes = std::size_t{1} << 30;
+}  // namespace
+
+CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
+    : cfg_(cfg), B_(B), T_(T), N_(B * T) {
+  QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
+           "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
+  const int hd = cfg.head_dim, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
+  const std::size_t V = cfg.vocab_size;
+  std::vector<float> cos(static_cast<std::size_t>(T) * hd / 2), sin(cos.size());
+  cpu::rope_table(cos.data(), sin.data(), T, hd, cfg.rope_theta);
+  cos_ = arena.allocate<float>(cos.size());
+  sin_ = arena.allocate<float>(sin.size());
+  upload(cos_, cos.data(), cos.size() * 4);
+  upload(sin_, sin.data(), sin.size() * 4);
+  chunk_ = static_cast<int>(
+      std::clamp<std::size_t>(kLogitsChunkBytes / (V * 2), 1, static_cast<std::size_t>(N_)));
+  logits_ = arena.allocate<bf16>(static_cast<std::size_t>(chunk_) * V);
+  losses_ = arena.allocate<float>(chunk_);
+  chunk_lse_ = arena.allocate<float>(chunk_);
+  loss_sum_ = arena.allocate<double>(1);
+  ws_bytes_ = std::max({rmsnorm_backward_workspace_bytes(N_, cfg.hidden_size),
+                        qk_norm_rope_backward_workspace_bytes(B, T, nh, hd),
+                        qk_norm_rope_backward_workspace_bytes(B, T, nkv, hd),
+                        embedding_backward_workspace_bytes(N_)});
+  ws_ = arena.allocate(ws_bytes_);
+}
+
+void CudaOps::begin(cudaStream_t s, const std::int32_t* pos) {
+  s_ = s;
+  pos_ = pos;
+  QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s_));
+}
+
+double CudaOps::take_loss() {
+  double loss = 0;
+  QT_CHECK_CUDA(cudaMemcpyAsync(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, s_));
+  QT_CHECK_CUDA(cudaStreamSynchronize(s_));
+  return loss;
+}
+
+void CudaOps::linear(bf16* y, const bf16* x, const bf16* w, int N, int in, int out) {
+  linear_forward(y, x, w, N, in, out, s_);
+}
+
+void CudaOps::linear_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
+                              int N, int in, int out, bool acc) {
+  cuda::linear_backward(dx, dw, dy, x, w, N, in, out, s_, acc);
+}
+
+void CudaOps::qk_norm_rope(bf16* out, float* rstd, const bf16* x, int ld, const bf16* w,
+                           int heads) {
+  qk_norm_rope_forward_strided(out, rstd, x, ld, w, cos_, sin_, pos_, B_, T_, heads,
+                               cfg_.head_dim, cfg_.rms_norm_eps, s_);
+}
+
+void CudaOps::qk_norm_rope_backward(bf16* dx, int dx_ld, float* dw, const bf16* dout,
+                                    const bf16* x, int ld, const bf16* w, const float* rstd,
+                                    int heads, bool acc) {
+  qk_norm_rope_backward_strided(dx, dx_ld, dw, dout, x, ld, w, rstd, cos_, sin_, pos_, B_, T_,
+                                heads, cfg_.head_dim, ws_, s_, acc);
+}
+
+void CudaOps::copy_columns(bf16* dst, int dst_ld, const bf16* src, int src_ld, int rows,
+                           int cols) {
+  const std::size_t e = sizeof(bf16);
+  QT_CHECK_CUDA(cudaMemcpy2DAsync(dst, dst_ld * e, src, src_ld * e, cols * e, rows,
+                                  cudaMemcpyDeviceToDevice, s_));
+}
+
+void CudaOps::attention(int, bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v) {
+  attention_forward(out, lse, q, k, v, B_, T_, cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim,
+                    s_, pos_);
+}
+
+void CudaOps::attention_backward(int, bf16* dq, bf16* dk, bf16* dv, const bf16* dout,
+                                 const bf16* q, const bf16* k, const bf16* v, const bf16* out,
+                                 const float* lse) {
+  cuda::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B_, T_, cfg_.num_heads,
+                           cfg_.num_kv_heads, cfg_.head_dim, s_, pos_);
+}
+
+void CudaOps::rmsnorm(bf16* y, float* rstd, const bf16* x, const bf16* w, int N) {
+  rmsnorm_forward(y, rstd, x, w, N, cfg_.hidden_size, cfg_.rms_norm_eps, s_);
+}
+
+void CudaOps::rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
+                               const float* rstd, int N, bool acc) {
+  cuda::rmsnorm_backward(dx, dw, dy, x, w, rstd, N, cfg_.hidden_size, ws_, s_, acc);
+}
+
+void CudaOps::residual_rmsnorm(bf16* res_out, bf16* y, float* rstd, const bf16* res_in,
+                               const bf16* x, const bf16* w, int N) {
+  residual_rmsnorm_forward(res_out, y, rstd, res_in, x, w, N, cfg_.hidden_size,
+                           cfg_.rms_norm_eps, s_);
+}
+
+void CudaOps::residual_rmsnorm_backward(bf16* dres, float* dw, const bf16* dy, const bf16* x,
+                                        const bf16* w, const float* rstd, int N, bool acc) {
+  cuda::residual_rmsnorm_backward(dres, dw, dy, x, w, rstd, N, cfg_.hidden_size, ws_, s_, acc);
+}
+
+void CudaOps::swiglu(bf16* h, const bf16* gu, int N, int I) {
+  swiglu_forward_strided(h, gu, gu + I, 2 * I, N, I, s_);
+}
+
+void CudaOps::swiglu_backward(bf16* dgu, const bf16* dh, const bf16* gu, int N, int I) {
+  swiglu_backward_strided(dgu, dgu + I, dh, gu, gu + I, 2 * I, N, I, s_);
+}
+
+void CudaOps::embedding(bf16* x, const std::int32_t* ids, const bf16* wte, int N) {
+  embedding_forward(x, ids, wte, N, cfg_.hidden_size, s_);
+}
+
+void CudaOps::embedding_backward(float* dwte, const bf16* dx, const std::int32_t* ids, int N,
+                                 bool overwrite) {
+  if (overwrite)
+    QT_CHECK_CUDA(cudaMemsetAsync(
+        dwte, 0, sizeof(float) * cfg_.vocab_size * cfg_.hidden_size, s_));
+  cuda::embedding_backward(dwte, dx, ids, N, cfg_.hidden_size, ws_, ws_bytes_, s_);
+}
+
+bool CudaOps::lora_adapts(LoraSite site) const { return lora_ && lora_->adapts(site); }
+
+void CudaOps::lora(int l, LoraSite site, const bf16* x, bf16* y) {
+  if (lora_) lora_->forward(l, site, x, y, s_);
+}
+
+void CudaOps::lora_backward(int l, LoraSite site, const bf16* x, const bf16* dy, bf16* dx) {
+  if (lora_) lora_->backward(l, site, x, dy, dx, s_);
+}
+
+// Logits, loss and their backward, chunk by chunk; dxf [N, H] written.
+void CudaOps::lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head,
+                           const std::int32_t* targets, float scale, bf16* dxf, bool acc) {
+  const int H = cfg_.hidden_size, V = cfg_.vocab_size;
+  for (int c0 = 0; c0 < N_; c0 += chunk_) {
+    const int rows = std::min(chunk_, N_ - c0);
+    const std::size_t r0 = static_cast<std::size_t>(c0);
+    linear_forward(logits_, xf + r0 * H, lm_head, rows, H, V, s_);
+    cross_entropy_forward_backward(losses_, chunk_lse_, logits_, targets + r0, scale, rows, V,
+                                   loss_sum_, s_);
+    cuda::linear_backward(dxf + r0 * H, g_lm_head, logits_, xf + r0 * H, lm_head, rows, H, V, s_,
+                          acc || c0 > 0);
+  }
+}
+
+}  // namespace qt::cuda

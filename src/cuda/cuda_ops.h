@@ -1,0 +1,85 @@
+// The op contract of the layer program (model/layer_program.h) on one GPU: bf16 activations and
+// weights, fp32 weight gradients, the kernels of src/ops/cuda, every op enqueued on the stream of
+// the current micro-batch (begin()). The bf16 rounding points are transformers'
+// (qwen3-spec.md 7.2); the CPU ops are the oracle.
+//
+// The lm head and the cross-entropy run chunked over tokens, each chunk's backward right after
+// its forward, so the full [tokens, vocabulary] logits never exist: lm_head_loss is the only form
+// of the head here (no separate forward and backward).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "cuda/device.h"
+#include "model/layer_program.h"
+#include "qtrain/model_config.h"
+
+namespace qt::cuda {
+
+using bf16 = __nv_bfloat16;
+
+class LoraCuda;
+
+class CudaOps : public NoCollectives {
+ public:
+  using Act = bf16;
+  using Weight = bf16;
+
+  // Buffers for micro-batches of B x T tokens from `arena` (which must outlive this).
+  CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena);
+
+  void set_lora(LoraCuda* lora) { lora_ = lora; }
+  // Starts a micro-batch: its ops go on `s`; pos: device [B, T] RoPE positions (packing) or
+  // null: 0..T-1, plain causal. Zeroes the loss sum.
+  void begin(cudaStream_t s, const std::int32_t* pos);
+  // The summed loss of the micro-batch; waits for the stream.
+  double take_loss();
+
+  void linear(bf16* y, const bf16* x, const bf16* w, int N, int in, int out);
+  void linear_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w, int N,
+                       int in, int out, bool acc);
+  void qk_norm_rope(bf16* out, float* rstd, const bf16* x, int ld, const bf16* w, int heads);
+  void qk_norm_rope_backward(bf16* dx, int dx_ld, float* dw, const bf16* dout, const bf16* x,
+                             int ld, const bf16* w, const float* rstd, int heads, bool acc);
+  void copy_columns(bf16* dst, int dst_ld, const bf16* src, int src_ld, int rows, int cols);
+  void attention(int l, bf16* out, float* lse, const bf16* q, const bf16* k, const bf16* v);
+  void attention_backward(int l, bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
+                          const bf16* k, const bf16* v, const bf16* out, const float* lse);
+  void rmsnorm(bf16* y, float* rstd, const bf16* x, const bf16* w, int N);
+  void rmsnorm_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
+                        const float* rstd, int N, bool acc);
+  void residual_rmsnorm(bf16* res_out, bf16* y, float* rstd, const bf16* res_in, const bf16* x,
+                        const bf16* w, int N);
+  void residual_rmsnorm_backward(bf16* dres, float* dw, const bf16* dy, const bf16* x,
+                                 const bf16* w, const float* rstd, int N, bool acc);
+  void swiglu(bf16* h, const bf16* gu, int N, int I);
+  void swiglu_backward(bf16* dgu, const bf16* dh, const bf16* gu, int N, int I);
+  void embedding(bf16* x, const std::int32_t* ids, const bf16* wte, int N);
+  void embedding_backward(float* dwte, const bf16* dx, const std::int32_t* ids, int N,
+                          bool overwrite);
+  bool lora_on() const { return lora_ != nullptr; }
+  bool lora_adapts(LoraSite site) const;
+  void lora(int l, LoraSite site, const bf16* x, bf16* y);
+  void lora_backward(int l, LoraSite site, const bf16* x, const bf16* dy, bf16* dx);
+  void lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head,
+                    const std::int32_t* targets, float scale, bf16* dxf, bool acc);
+
+ private:
+  ModelConfig cfg_;
+  int B_, T_, N_;
+  cudaStream_t s_ = nullptr;
+  const std::int32_t* pos_ = nullptr;  // device [B, T] positions of this micro-batch, or null
+  LoraCuda* lora_ = nullptr;
+  float *cos_, *sin_;                  // [T, hd/2] fp32 tables
+  int chunk_;                          // lm-head rows per chunk
+  bf16* logits_;                       // [chunk, V]
+  float *losses_, *chunk_lse_;         // [chunk]
+  double* loss_sum_;                   // device scalar
+  void* ws_;                           // norm / embedding backward workspace
+  std::size_t ws_bytes_;
+};
+
+}  // namespace qt::cuda

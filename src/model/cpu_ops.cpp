@@ -1,0 +1,195 @@
+// CpuOps: the layer program's fused ops composed from the fp32 reference ops. Shapes as in
+// layer_program.h: N = B*T rows, H hidden, hd head_dim, V vocabulary.
+#include "model/cpu_ops.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "model/lora.h"
+#include "ops/attention.h"
+#include "ops/cross_entropy.h"
+#include "ops/embedding.h"
+#include "ops/linear.h"
+#include "ops/rmsnorm.h"
+#include "ops/rope.h"
+#include "ops/swiglu.h"
+
+namespace qt {
+
+namespace {
+void zero(float* p, std::size_t n) {
+  if (p) std::fill(p, p + n, 0.0f);
+}
+}  // namespace
+
+CpuOps::CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena)
+    : cfg_(cfg), B_(B), T_(T), N_(B * T) {
+  const std::size_t N = N_, H = cfg.hidden_size, V = cfg.vocab_size, hd = cfg.head_dim;
+  const std::size_t QK = std::max(cfg.q_dim(), cfg.kv_dim());
+  cos_ = arena.allocate<float>(T * hd / 2);
+  sin_ = arena.allocate<float>(T * hd / 2);
+  if (cos_) cpu::rope_table(cos_, sin_, T, cfg.head_dim, cfg.rope_theta);
+  xs_ = arena.allocate<float>(N * QK);
+  ys_ = arena.allocate<float>(N * QK);
+  norm_dx_ = arena.allocate<float>(N * H);
+  logits_ = arena.allocate<float>(N * V);
+  losses_ = arena.allocate<float>(N);
+  lse_ = arena.allocate<float>(N);
+}
+
+void CpuOps::linear(float* y, const float* x, const float* w, int N, int in, int out) {
+  cpu::linear_forward(y, x, w, N, in, out);
+}
+
+void CpuOps::linear_backward(float* dx, float* dw, const float* dy, const float* x,
+                             const float* w, int N, int in, int out, bool acc) {
+  if (!acc) zero(dw, static_cast<std::size_t>(out) * in);
+  cpu::linear_backward(dx, dw, dy, x, w, N, in, out);
+}
+
+void CpuOps::copy_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows,
+                          int cols) {
+  for (int r = 0; r < rows; ++r)
+    std::memcpy(dst + static_cast<std::size_t>(r) * dst_ld,
+                src + static_cast<std::size_t>(r) * src_ld, sizeof(float) * cols);
+}
+
+void CpuOps::qk_norm_rope(float* out, float* rstd, const float* x, int ld, const float* w,
+                          int heads) {
+  const int hd = cfg_.head_dim, C = heads * hd;
+  copy_columns(xs_, C, x, ld, N_, C);
+  cpu::rmsnorm_forward(out, rstd, xs_, w, N_ * heads, hd, cfg_.rms_norm_eps);
+  cpu::rope_forward(out, cos_, sin_, pos_, B_, T_, heads, hd);
+}
+
+void CpuOps::qk_norm_rope_backward(float* dx, int dx_ld, float* dw, const float* dout,
+                                   const float* x, int ld, const float* w, const float* rstd,
+                                   int heads, bool acc) {
+  const int hd = cfg_.head_dim, C = heads * hd;
+  if (!acc) zero(dw, hd);
+  std::memcpy(ys_, dout, sizeof(float) * N_ * C);
+  cpu::rope_backward(ys_, cos_, sin_, pos_, B_, T_, heads, hd);
+  copy_columns(xs_, C, x, ld, N_, C);
+  cpu::rmsnorm_backward(ys_, dw, ys_, xs_, w, rstd, N_ * heads, hd);
+  copy_columns(dx, dx_ld, ys_, C, N_, C);
+}
+
+void CpuOps::attention(int, float* out, float* lse, const float* q, const float* k,
+                       const float* v) {
+  cpu::attention_forward(out, lse, q, k, v, B_, T_, cfg_.num_heads, cfg_.num_kv_heads,
+                         cfg_.head_dim, pos_);
+}
+
+void CpuOps::attention_backward(int, float* dq, float* dk, float* dv, const float* dout,
+                                const float* q, const float* k, const float* v, const float* out,
+                                const float* lse) {
+  cpu::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B_, T_, cfg_.num_heads,
+                          cfg_.num_kv_heads, cfg_.head_dim, pos_);
+}
+
+void CpuOps::rmsnorm(float* y, float* rstd, const float* x, const float* w, int N) {
+  cpu::rmsnorm_forward(y, rstd, x, w, N, cfg_.hidden_size, cfg_.rms_norm_eps);
+}
+
+void CpuOps::rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x,
+                              const float* w, const float* rstd, int N, bool acc) {
+  if (!acc) zero(dw, cfg_.hidden_size);
+  cpu::rmsnorm_backward(dx, dw, dy, x, w, rstd, N, cfg_.hidden_size);
+}
+
+void CpuOps::residual_rmsnorm(float* res_out, float* y, float* rstd, const float* res_in,
+                              const float* x, const float* w, int N) {
+  const std::size_t n = static_cast<std::size_t>(N) * cfg_.hidden_size;
+  for (std::size_t i = 0; i < n; ++i) res_out[i] = res_in[i] + x[i];
+  rmsnorm(y, rstd, res_out, w, N);
+}
+
+void CpuOps::residual_rmsnorm_backward(float* dres, float* dw, const float* dy, const float* x,
+                                       const float* w, const float* rstd, int N, bool acc) {
+  rmsnorm_backward(norm_dx_, dw, dy, x, w, rstd, N, acc);
+  const std::size_t n = static_cast<std::size_t>(N) * cfg_.hidden_size;
+  for (std::size_t i = 0; i < n; ++i) dres[i] += norm_dx_[i];
+}
+
+void CpuOps::swiglu(float* h, const float* gu, int N, int I) {
+  for (std::size_t r = 0; r < static_cast<std::size_t>(N); ++r)
+    cpu::swiglu_forward(h + r * I, gu + r * 2 * I, gu + r * 2 * I + I, 1, I);
+}
+
+void CpuOps::swiglu_backward(float* dgu, const float* dh, const float* gu, int N, int I) {
+  // Element by element, each reads its gate and up before writing them: dgu may alias gu.
+  for (std::size_t r = 0; r < static_cast<std::size_t>(N); ++r)
+    cpu::swiglu_backward(dgu + r * 2 * I, dgu + r * 2 * I + I, dh + r * I, gu + r * 2 * I,
+                         gu + r * 2 * I + I, 1, I);
+}
+
+void CpuOps::embedding(float* x, const std::int32_t* ids, const float* wte, int N) {
+  cpu::embedding_forward(x, ids, wte, N, cfg_.hidden_size);
+}
+
+void CpuOps::embedding_backward(float* dwte, const float* dx, const std::int32_t* ids, int N,
+                                bool overwrite) {
+  if (overwrite) zero(dwte, static_cast<std::size_t>(cfg_.vocab_size) * cfg_.hidden_size);
+  cpu::embedding_backward(dwte, dx, ids, N, cfg_.hidden_size);
+}
+
+std::vector<CpuOps::SiteTarget> CpuOps::site_targets(LoraSite site) const {
+  const int Q = cfg_.q_dim(), KV = cfg_.kv_dim(), I = cfg_.intermediate_size;
+  switch (site) {
+    case LoraSite::kQKV: return {{kLoraQ, 0}, {kLoraK, Q}, {kLoraV, Q + KV}};
+    case LoraSite::kO: return {{kLoraO, 0}};
+    case LoraSite::kGateUp: return {{kLoraGate, 0}, {kLoraUp, I}};
+    case LoraSite::kDown: return {{kLoraDown, 0}};
+  }
+  return {};
+}
+
+int CpuOps::site_width(LoraSite site) const {
+  switch (site) {
+    case LoraSite::kQKV: return cfg_.q_dim() + 2 * cfg_.kv_dim();
+    case LoraSite::kGateUp: return 2 * cfg_.intermediate_size;
+    default: return cfg_.hidden_size;
+  }
+}
+
+bool CpuOps::lora_adapts(LoraSite site) const {
+  if (!lora_) return false;
+  for (const SiteTarget& t : site_targets(site))
+    if (lora_->adapts(t.target)) return true;
+  return false;
+}
+
+void CpuOps::lora(int l, LoraSite site, const float* x, float* y) {
+  if (!lora_) return;
+  for (const SiteTarget& t : site_targets(site))
+    lora_->forward(l, t.target, x, y + t.col, site_width(site));
+}
+
+void CpuOps::lora_backward(int l, LoraSite site, const float* x, const float* dy, float* dx) {
+  if (!lora_) return;
+  for (const SiteTarget& t : site_targets(site))
+    lora_->backward(l, t.target, x, dy + t.col, dx, site_width(site));
+}
+
+void CpuOps::lm_head_loss_forward(const float* xf, const float* lm_head,
+                                  const std::int32_t* targets) {
+  cpu::linear_forward(logits_, xf, lm_head, N_, cfg_.hidden_size, cfg_.vocab_size);
+  loss_ = cpu::cross_entropy_forward(losses_, lse_, logits_, targets, N_, cfg_.vocab_size);
+}
+
+void CpuOps::lm_head_loss_backward(const float* xf, const float* lm_head, float* g_lm_head,
+                                   const std::int32_t* targets, float scale, float* dxf) {
+  // logits_ becomes d logits in place.
+  cpu::cross_entropy_backward(logits_, logits_, lse_, targets, scale, N_, cfg_.vocab_size);
+  cpu::linear_backward(dxf, g_lm_head, logits_, xf, lm_head, N_, cfg_.hidden_size,
+                       cfg_.vocab_size);
+}
+
+void CpuOps::lm_head_loss(const float* xf, const float* lm_head, float* g_lm_head,
+                          const std::int32_t* targets, float scale, float* dxf, bool acc) {
+  if (!acc) zero(g_lm_head, static_cast<std::size_t>(cfg_.vocab_size) * cfg_.hidden_size);
+  lm_head_loss_forward(xf, lm_head, targets);
+  lm_head_loss_backward(xf, lm_head, g_lm_head, targets, scale, dxf);
+}
+
+}  // namespace qt

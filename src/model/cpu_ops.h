@@ -1,0 +1,106 @@
+// The op contract of the layer program (model/layer_program.h) on the CPU, in fp32: each fused
+// op composed from the reference ops of src/ops (BLAS GEMMs, loops), so the CPU stays the oracle
+// the CUDA ops are checked against. Buffers of micro-batches of B x T tokens.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "model/layer_program.h"
+#include "qtrain/model_config.h"
+
+namespace qt {
+
+class LoraAdapters;
+
+// Zero-filled host buffers with stable addresses (the program's activations on the CPU); with
+// counting_only, counts the bytes and hands out nothing (for the memory check before allocating).
+class HostArena {
+ public:
+  explicit HostArena(bool counting_only = false) : counting_(counting_only) {}
+  template <class T>
+  T* allocate(std::size_t n) {
+    bytes_ += n * sizeof(T);
+    if (counting_) return nullptr;
+    blocks_.push_back(std::make_unique<float[]>((n * sizeof(T) + 3) / 4));  // zeroed
+    return reinterpret_cast<T*>(blocks_.back().get());
+  }
+  double bytes() const { return static_cast<double>(bytes_); }
+
+ private:
+  bool counting_;
+  std::size_t bytes_ = 0;
+  std::vector<std::unique_ptr<float[]>> blocks_;
+};
+
+class CpuOps : public NoCollectives {
+ public:
+  using Act = float;
+  using Weight = float;
+
+  // Buffers from `arena` (which must outlive this).
+  CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena);
+
+  // The RoPE positions of the next micro-batch ([B, T], layer_program.h's packing rule), or
+  // null: 0..T-1, plain causal.
+  void set_positions(const std::int32_t* pos) { pos_ = pos; }
+  void set_lora(LoraAdapters* lora) { lora_ = lora; }
+  // [N, V] logits of the last lm_head_loss_forward (valid until its backward).
+  const float* logits() const { return logits_; }
+
+  void linear(float* y, const float* x, const float* w, int N, int in, int out);
+  void linear_backward(float* dx, float* dw, const float* dy, const float* x, const float* w,
+                       int N, int in, int out, bool acc);
+  void qk_norm_rope(float* out, float* rstd, const float* x, int ld, const float* w, int heads);
+  void qk_norm_rope_backward(float* dx, int dx_ld, float* dw, const float* dout, const float* x,
+                             int ld, const float* w, const float* rstd, int heads, bool acc);
+  void copy_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows, int cols);
+  void attention(int l, float* out, float* lse, const float* q, const float* k, const float* v);
+  void attention_backward(int l, float* dq, float* dk, float* dv, const float* dout,
+                          const float* q, const float* k, const float* v, const float* out,
+                          const float* lse);
+  void rmsnorm(float* y, float* rstd, const float* x, const float* w, int N);
+  void rmsnorm_backward(float* dx, float* dw, const float* dy, const float* x, const float* w,
+                        const float* rstd, int N, bool acc);
+  void residual_rmsnorm(float* res_out, float* y, float* rstd, const float* res_in,
+                        const float* x, const float* w, int N);
+  void residual_rmsnorm_backward(float* dres, float* dw, const float* dy, const float* x,
+                                 const float* w, const float* rstd, int N, bool acc);
+  void swiglu(float* h, const float* gu, int N, int I);
+  void swiglu_backward(float* dgu, const float* dh, const float* gu, int N, int I);
+  void embedding(float* x, const std::int32_t* ids, const float* wte, int N);
+  void embedding_backward(float* dwte, const float* dx, const std::int32_t* ids, int N,
+                          bool overwrite);
+  bool lora_on() const { return lora_ != nullptr; }
+  bool lora_adapts(LoraSite site) const;
+  void lora(int l, LoraSite site, const float* x, float* y);
+  void lora_backward(int l, LoraSite site, const float* x, const float* dy, float* dx);
+  void lm_head_loss(const float* xf, const float* lm_head, float* g_lm_head,
+                    const std::int32_t* targets, float scale, float* dxf, bool acc);
+  void lm_head_loss_forward(const float* xf, const float* lm_head, const std::int32_t* targets);
+  void lm_head_loss_backward(const float* xf, const float* lm_head, float* g_lm_head,
+                             const std::int32_t* targets, float scale, float* dxf);
+  double take_loss() const { return loss_; }
+
+ private:
+  // The projections of a LoRA site, each with its first column in the site's fused output.
+  struct SiteTarget {
+    int target, col;
+  };
+  std::vector<SiteTarget> site_targets(LoraSite site) const;
+  int site_width(LoraSite site) const;  // columns of the site's fused output
+
+  ModelConfig cfg_;
+  int B_, T_, N_;
+  const std::int32_t* pos_ = nullptr;
+  LoraAdapters* lora_ = nullptr;
+  float *cos_, *sin_;      // [T, hd/2]
+  float *xs_, *ys_;        // [N, max(Q, KV)] contiguous copies of strided q/k columns
+  float* norm_dx_;         // [N, H] a norm's input gradient before it is added
+  float* logits_;          // [N, V]
+  float *losses_, *lse_;   // [N]
+  double loss_ = 0;
+};
+
+}  // namespace qt

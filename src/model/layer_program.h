@@ -1,0 +1,391 @@
+// The Qwen3 decoder layer and model, written once: forward, backward, recompute and the LoRA
+// sites, as a sequence of ops that each back end executes (the CPU reference in fp32, CpuOps in
+// src/model/cpu_ops.h; CUDA in bf16, CudaOps in src/cuda/cuda_ops.h). The math is
+// ../shared/docs/qwen3-spec.md section 2; tests/model/reference_model.h stays an independent fp64
+// oracle.
+//
+// The program is shaped like the fast path: q/k/v_proj run as one GEMM into [q | k | v] rows and
+// gate/up_proj as one into [gate | up] (their weights are adjacent in the parameter layout), q/k
+// norm and RoPE are one op reading the fused rows, every residual add is fused with the RMSNorm
+// that follows it (so layer l's last op produces layer l + 1's input norm, or the final norm),
+// and the lm head with the cross-entropy is one op (chunked on CUDA, so the [tokens, vocabulary]
+// logits never exist there). The CPU composes the fused ops from its reference ops.
+//
+// Parallel dimensions enter through the Ops' collective hooks, called at the points where they
+// act and no-ops today (NoCollectives): tensor/sequence parallelism gathers a block's normed
+// input before its column-parallel GEMM and reduces the row-parallel output after it (issue 17);
+// context parallelism is the attention op itself; expert parallelism replaces the MLP block's
+// ops (issue 18). Parameters come unit by unit (the units of the sharding plan) from a Units
+// object: weights(u), grads(u), release(u), grads_done(u) (model/model_params.h: CpuUnits;
+// cuda/qwen3_cuda.h: UnitSource).
+//
+// Shapes: N = B*T rows, H hidden, Q = nh*hd, KV = nkv*hd, QKV = Q + 2 KV, I intermediate,
+// V vocabulary.
+//
+// The op contract. Ops::Act is the activation element type, Ops::Weight the weights'; weight
+// gradients are fp32; rstd and lse are fp32. `acc`: add into the weight gradient (else write it).
+//   linear(y, x, w, N, in, out)                         y[N, out] = x[N, in] w[out, in]^T
+//   linear_backward(dx, dw, dy, x, w, N, in, out, acc)   dx = dy w (skipped when null), dw += dy^T x
+//   qk_norm_rope(out, rstd, x, ld, w, heads)            out[N, heads*hd] = rope(rmsnorm_hd(x))
+//                                                       x rows of stride ld
+//   qk_norm_rope_backward(dx, dx_ld, dw, dout, x, ld, w, rstd, heads, acc)   dx written
+//   copy_columns(dst, dst_ld, src, src_ld, rows, cols)
+//   attention(l, out, lse, q, k, v)  /  attention_backward(l, dq, dk, dv, dout, q, k, v, out, lse)
+//   rmsnorm(y, rstd, x, w, N)                           C = H
+//   rmsnorm_backward(dx, dw, dy, x, w, rstd, N, acc)    dx written
+//   residual_rmsnorm(res_out, y, rstd, res_in, x, w, N) res_out = res_in + x; y = rmsnorm(res_out)
+//   residual_rmsnorm_backward(dres, dw, dy, x, w, rstd, N, acc)   dres += d rmsnorm(x) / dx * dy
+//   swiglu(h, gu, N, I)                                 h[N, I] = silu(gate) * up, gu [N, 2I]
+//   swiglu_backward(dgu, dh, gu, N, I)                  dgu may alias gu
+//   embedding(x, ids, wte, N) / embedding_backward(dwte, dx, ids, N, overwrite)
+//   lora(l, site, x, y) / lora_backward(l, site, x, dy, dx) / lora_adapts(site) / lora_on()
+//   lm_head_loss(xf, lm_head, g_lm_head, targets, scale, dxf, acc)   forward and backward of the
+//       logits and the summed cross-entropy; dxf [N, H] written
+//   lm_head_loss_forward(xf, lm_head, targets) / lm_head_loss_backward(xf, lm_head, g_lm_head,
+//       targets, scale, dxf): the same in two calls (the CPU keeps the logits between them)
+//   take_loss()                                         the summed loss of this micro-batch
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "qtrain/error.h"
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+#include "qtrain/shard_plan.h"
+
+namespace qt {
+
+// The places LoRA adapters attach, in forward order: each is one fused projection's output.
+//   kQKV: x = rmsnorm 1 [N, H], y = [q | k | v]     kO: x = attention [N, Q], y = [N, H]
+//   kGateUp: x = rmsnorm 2 [N, H], y = [gate | up]  kDown: x = swiglu [N, I], y = [N, H]
+enum class LoraSite { kQKV, kO, kGateUp, kDown };
+
+// The collective hooks of the program, no-ops until their dimension exists. `x` is [rows, cols]
+// of the back end's activation type.
+struct NoCollectives {
+  // Before a block's column-parallel GEMMs (q/k/v, gate/up): sequence parallelism all-gathers
+  // the normed input over tp; its backward reduce-scatters the input gradient.
+  template <class A>
+  void tp_block_input(A* /*x*/, int /*rows*/, int /*cols*/) {}
+  template <class A>
+  void tp_block_input_backward(A* /*dx*/, int /*rows*/, int /*cols*/) {}
+  // After a block's row-parallel GEMM (o, down): tensor parallelism all-reduces (sequence
+  // parallelism reduce-scatters) the partial output; its backward gathers the gradient.
+  template <class A>
+  void tp_block_output(A* /*y*/, int /*rows*/, int /*cols*/) {}
+  template <class A>
+  void tp_block_output_backward(A* /*dy*/, int /*rows*/, int /*cols*/) {}
+};
+
+// What one layer keeps from its forward for its backward (one shared set with recompute).
+template <class A>
+struct LayerActs {
+  A* qkv_raw;              // [N, QKV] before q/k norm
+  float *q_rstd, *k_rstd;  // [N*nh], [N*nkv]
+  A *q, *k, *v;            // [N, Q], [N, KV], [N, KV] after norm and rope
+  A* att;                  // [N, Q]
+  float* lse;              // [B, nh, T]
+  A *x_mid, *ln2;          // [N, H]
+  float* rstd2;            // [N]
+  A* gu;                   // [N, 2I]
+  A* h;                    // [N, I]
+};
+
+// Every activation buffer of the program for micro-batches of B x T tokens.
+template <class A>
+struct Qwen3Acts {
+  std::vector<A*> x;            // [L+1] residual stream [N, H]; x[l] is layer l's input
+  std::vector<A*> ln;           // [L+1] rmsnorm(x[l]) [N, H]; ln[L] is the final norm
+  std::vector<float*> rstd;     // [L+1] [N]
+  std::vector<LayerActs<A>> layer;  // [L], or [1] shared by every layer with recompute
+  A *tmp, *dx, *dtmp, *dln;     // [N, H] scratch
+  A *dh, *datt, *dq, *dk, *dv;  // [N, I], [N, Q], [N, Q], [N, KV], [N, KV]
+  A* dqkv;                      // [N, QKV]
+};
+
+// Allocates Qwen3Acts from `alloc` (alloc.template allocate<T>(count)), in a fixed order.
+template <class A, class Alloc>
+Qwen3Acts<A> allocate_acts(const ModelConfig& c, int B, int T, bool recompute, Alloc& alloc) {
+  const std::size_t N = static_cast<std::size_t>(B) * T, H = c.hidden_size, Q = c.q_dim();
+  const std::size_t KV = c.kv_dim(), I = c.intermediate_size, L = c.num_layers;
+  Qwen3Acts<A> a;
+  for (std::size_t l = 0; l <= L; ++l) {
+    a.x.push_back(alloc.template allocate<A>(N * H));
+    a.ln.push_back(alloc.template allocate<A>(N * H));
+    a.rstd.push_back(alloc.template allocate<float>(N));
+  }
+  a.layer.resize(recompute ? 1 : L);
+  for (LayerActs<A>& la : a.layer) {
+    la.qkv_raw = alloc.template allocate<A>(N * (Q + 2 * KV));
+    la.q_rstd = alloc.template allocate<float>(N * c.num_heads);
+    la.k_rstd = alloc.template allocate<float>(N * c.num_kv_heads);
+    la.q = alloc.template allocate<A>(N * Q);
+    la.k = alloc.template allocate<A>(N * KV);
+    la.v = alloc.template allocate<A>(N * KV);
+    la.att = alloc.template allocate<A>(N * Q);
+    la.lse = alloc.template allocate<float>(static_cast<std::size_t>(B) * c.num_heads * T);
+    la.x_mid = alloc.template allocate<A>(N * H);
+    la.ln2 = alloc.template allocate<A>(N * H);
+    la.rstd2 = alloc.template allocate<float>(N);
+    la.gu = alloc.template allocate<A>(N * 2 * I);
+    la.h = alloc.template allocate<A>(N * I);
+  }
+  a.tmp = alloc.template allocate<A>(N * H);
+  a.dx = alloc.template allocate<A>(N * H);
+  a.dtmp = alloc.template allocate<A>(N * H);
+  a.dln = alloc.template allocate<A>(N * H);
+  a.dh = alloc.template allocate<A>(N * I);
+  a.datt = alloc.template allocate<A>(N * Q);
+  a.dq = alloc.template allocate<A>(N * Q);
+  a.dk = alloc.template allocate<A>(N * KV);
+  a.dv = alloc.template allocate<A>(N * KV);
+  a.dqkv = alloc.template allocate<A>(N * (Q + 2 * KV));
+  return a;
+}
+
+// Layer l's tensors inside its unit's buffer (weights or gradients; a null unit gives nulls).
+// wq is [QKV, H] (wq, wk, wv adjacent), w_gate [2I, H] (w_gate, w_up adjacent).
+template <class T>
+struct LayerTensors {
+  T *ln1, *wq, *wo, *q_norm, *k_norm, *ln2, *w_gate, *w_down;
+};
+
+// The Qwen3 model over Ops (the contract above) for micro-batches of B x T tokens.
+template <class Ops>
+class Qwen3Program {
+ public:
+  using A = typename Ops::Act;
+  using W = typename Ops::Weight;
+
+  Qwen3Program(const ModelConfig& cfg, int B, int T, bool recompute, Qwen3Acts<A> acts)
+      : cfg_(cfg),
+        layout_(cfg),
+        plan_(plan_qwen3(cfg, layout_, MeshShape{}, 0)),
+        unit_{cfg.num_layers},
+        B_(B),
+        T_(T),
+        N_(B * T),
+        recompute_(recompute),
+        a_(std::move(acts)) {
+    const std::size_t Q = cfg.q_dim(), KV = cfg.kv_dim(), H = cfg.hidden_size;
+    for (const LayerOffsets& o : off_.layers)  // the fused q/k/v and gate/up GEMMs rely on it
+      QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H &&
+                   o.w_up == o.w_gate + static_cast<std::size_t>(cfg.intermediate_size) * H,
+               "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
+  }
+
+  const ModelConfig& config() const { return cfg_; }
+  const ParamLayout& layout() const { return layout_; }
+  // The units the program asks for (a plan for dp 1: unit ranges do not depend on dp).
+  const ShardPlan& units() const { return plan_; }
+  const Qwen3Acts<A>& acts() const { return a_; }
+
+  // Embedding, layers, final norm: leaves rmsnorm(x[L]) in acts().ln[L]. Asks for layer l + 1
+  // (or the head) while it runs layer l, whose last op reads the next unit's input norm. Keeps
+  // the head (and a tied embedding) acquired for the head and the backward.
+  template <class Units>
+  void forward(Ops& ops, Units& units, const std::int32_t* inputs) {
+    const int N = N_, L = cfg_.num_layers;
+    const int E = unit_.embed(), Hd = unit_.head();
+    ops.embedding(a_.x[0], inputs, units.weights(E), N);
+    if (!cfg_.tie_word_embeddings) units.release(E);  // tied: the lm head needs it again
+    const int first = L > 0 ? unit_.layer(0) : Hd;
+    ops.rmsnorm(a_.ln[0], a_.rstd[0], a_.x[0], norm_of(units, first), N);
+    for (int l = 0; l < L; ++l) {
+      const int u = unit_.layer(l);
+      const W* next_norm = norm_of(units, next(l));
+      layer_forward(ops, l, tensors(l, units.weights(u)), next_norm);
+      units.release(u);
+    }
+  }
+
+  // The lm head and the loss, forward and backward in one (leaves d ln[L] in acts().dtmp).
+  template <class Units>
+  void head_forward_backward(Ops& ops, Units& units, const std::int32_t* targets,
+                             float loss_scale, bool accumulate) {
+    const HeadTensors h = head(units, true);
+    ops.lm_head_loss(a_.ln[cfg_.num_layers], h.lm_head, h.g_lm_head, targets, loss_scale,
+                     a_.dtmp, accumulate);
+  }
+  // The same in two calls (the forward alone serves evaluation).
+  template <class Units>
+  void head_forward(Ops& ops, Units& units, const std::int32_t* targets) {
+    ops.lm_head_loss_forward(a_.ln[cfg_.num_layers], head(units, false).lm_head, targets);
+  }
+  template <class Units>
+  void head_backward(Ops& ops, Units& units, const std::int32_t* targets, float loss_scale) {
+    const HeadTensors h = head(units, true);
+    ops.lm_head_loss_backward(a_.ln[cfg_.num_layers], h.lm_head, h.g_lm_head, targets, loss_scale,
+                              a_.dtmp);
+  }
+
+  // From d ln[L] (acts().dtmp) down: the final norm, layers L-1 .. 0, the embedding. Reports
+  // each unit's gradients done in that order. accumulate: add into the gradients (else write
+  // them: the first micro-batch of a step). Null gradients: the base is frozen (LoRA).
+  template <class Units>
+  void backward(Ops& ops, Units& units, const std::int32_t* inputs, bool accumulate) {
+    const int N = N_, L = cfg_.num_layers;
+    const int E = unit_.embed(), Hd = unit_.head();
+    const bool tied = cfg_.tie_word_embeddings;
+    acc_ = accumulate;
+    const W* head_w = units.weights(Hd);
+    float* g_head = units.grads(Hd);
+    QT_CHECK(g_head != nullptr || ops.lora_on(), "a frozen base (no gradients) without LoRA");
+    ops.rmsnorm_backward(a_.dx, at(Hd, g_head, off_.norm), a_.dtmp, a_.x[L],
+                         at(Hd, head_w, off_.norm), a_.rstd[L], N, acc_);
+    units.grads_done(Hd);
+    for (int l = L - 1; l >= 0; --l) {
+      const int u = unit_.layer(l), n = next(l);
+      const LayerTensors<const W> w = tensors(l, units.weights(u));
+      // Recomputing rewrites x[l + 1], ln[l + 1] and rstd[l + 1] with the same values; layer
+      // l + 1's backward, their last reader, came before it. It reads the next unit's norm.
+      if (recompute_) layer_forward(ops, l, w, norm_of(units, n));
+      units.release(n);
+      layer_backward(ops, l, w, tensors(l, units.grads(u)));
+      units.grads_done(u);
+    }
+    if (L > 0) units.release(unit_.layer(0));
+    if (float* g_embed = units.grads(E))
+      // The embedding backward adds rows: written from zero unless the tied lm head (the same
+      // table) has already written them.
+      ops.embedding_backward(g_embed, a_.dx, inputs, N, !acc_ && !tied);
+    units.grads_done(E);
+    if (tied) units.release(E);
+    if (L == 0) units.release(Hd);
+  }
+
+ private:
+  struct HeadTensors {
+    const W* lm_head;
+    float* g_lm_head;
+  };
+  template <class Units>
+  HeadTensors head(Units& units, bool with_grads) {
+    // The head's gradients first: a sharded store takes the first grads() as the start of the
+    // backward and prefetches from the head down.
+    const int E = unit_.embed(), Hd = unit_.head();
+    const W* w = units.weights(Hd);
+    float* g = with_grads ? units.grads(Hd) : nullptr;
+    if (cfg_.tie_word_embeddings)
+      return {units.weights(E), with_grads ? units.grads(E) : nullptr};
+    return {at(Hd, w, off_.lm_head), at(Hd, g, off_.lm_head)};
+  }
+
+  // The unit after layer l's (layer l + 1, or the head).
+  int next(int l) const { return l + 1 < cfg_.num_layers ? unit_.layer(l + 1) : unit_.head(); }
+  // A unit's tensor at flat offset `off` (null stays null).
+  template <class T>
+  T* at(int u, T* base, std::size_t off) const {
+    return base ? base + (off - plan_.units[u].range.begin) : nullptr;
+  }
+  // The input norm weight of unit u: layer l's ln1, or the head's final norm.
+  template <class Units>
+  const W* norm_of(Units& units, int u) {
+    const std::size_t off =
+        u == unit_.head() ? off_.norm : off_.layers[static_cast<std::size_t>(u - 1)].ln1;
+    return at(u, units.weights(u), off);
+  }
+  template <class T>
+  LayerTensors<T> tensors(int l, T* unit) const {
+    const LayerOffsets& o = off_.layers[l];
+    const int u = unit_.layer(l);
+    return {at(u, unit, o.ln1),    at(u, unit, o.wq),  at(u, unit, o.wo),
+            at(u, unit, o.q_norm), at(u, unit, o.k_norm), at(u, unit, o.ln2),
+            at(u, unit, o.w_gate), at(u, unit, o.w_down)};
+  }
+  LayerActs<A>& acts(int l) { return a_.layer[recompute_ ? 0 : l]; }
+
+  // next_norm: the input norm weight of layer l + 1, or the final norm's after the last layer.
+  void layer_forward(Ops& ops, int l, const LayerTensors<const W>& w, const W* next_norm) {
+    LayerActs<A>& a = acts(l);
+    const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
+    const int I = cfg_.intermediate_size, QKV = Q + 2 * KV;
+    A* ln1 = a_.ln[l];
+    // attention block: x_mid = x + o_proj(attention(rope(norm(q, k)), v)) of rmsnorm(x)
+    ops.tp_block_input(ln1, N, H);
+    ops.linear(a.qkv_raw, ln1, w.wq, N, H, QKV);  // wq, wk, wv: one [QKV, H] matrix
+    ops.lora(l, LoraSite::kQKV, ln1, a.qkv_raw);
+    ops.qk_norm_rope(a.q, a.q_rstd, a.qkv_raw, QKV, w.q_norm, cfg_.num_heads);
+    ops.qk_norm_rope(a.k, a.k_rstd, a.qkv_raw + Q, QKV, w.k_norm, cfg_.num_kv_heads);
+    ops.copy_columns(a.v, KV, a.qkv_raw + Q + KV, QKV, N, KV);
+    ops.attention(l, a.att, a.lse, a.q, a.k, a.v);
+    ops.linear(a_.tmp, a.att, w.wo, N, Q, H);
+    ops.lora(l, LoraSite::kO, a.att, a_.tmp);
+    ops.tp_block_output(a_.tmp, N, H);
+    ops.residual_rmsnorm(a.x_mid, a.ln2, a.rstd2, a_.x[l], a_.tmp, w.ln2, N);
+    // MLP block: x_out = x_mid + down(silu(gate(ln2)) * up(ln2)), then the next norm
+    ops.tp_block_input(a.ln2, N, H);
+    ops.linear(a.gu, a.ln2, w.w_gate, N, H, 2 * I);  // w_gate, w_up: one [2I, H]
+    ops.lora(l, LoraSite::kGateUp, a.ln2, a.gu);
+    ops.swiglu(a.h, a.gu, N, I);
+    ops.linear(a_.tmp, a.h, w.w_down, N, I, H);
+    ops.lora(l, LoraSite::kDown, a.h, a_.tmp);
+    ops.tp_block_output(a_.tmp, N, H);
+    ops.residual_rmsnorm(a_.x[l + 1], a_.ln[l + 1], a_.rstd[l + 1], a.x_mid, a_.tmp, next_norm,
+                         N);
+  }
+
+  // How far down layer l's backward goes: through its projections in backward order, then to
+  // its input (kBelow), unless the base is frozen and nothing below needs a gradient.
+  enum Depth { kDown, kGateUp, kO, kQKV, kBelow };
+  Depth backward_depth(const Ops& ops, int l, bool frozen) const {
+    if (!frozen || l > 0) return kBelow;
+    // Frozen base, layer 0: down to the adapter nearest the input (every layer has the same).
+    if (ops.lora_adapts(LoraSite::kQKV)) return kQKV;
+    if (ops.lora_adapts(LoraSite::kO)) return kO;
+    if (ops.lora_adapts(LoraSite::kGateUp)) return kGateUp;
+    return kDown;
+  }
+
+  // a_.dx holds d x_out on entry and d x_in on return.
+  void layer_backward(Ops& ops, int l, const LayerTensors<const W>& w, const LayerTensors<float>& g) {
+    LayerActs<A>& a = acts(l);
+    const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
+    const int I = cfg_.intermediate_size, QKV = Q + 2 * KV;
+    const bool acc = acc_;  // each weight gradient is made once per micro-batch
+    // An activation gradient past the depth has no reader: not computed (null dx).
+    const Depth depth = backward_depth(ops, l, g.wq == nullptr);
+    auto past = [depth](Depth d, A* dx) { return depth > d ? dx : nullptr; };
+    // MLP block; dx holds d x_out and becomes d x_mid. gu is overwritten by its gradient.
+    ops.tp_block_output_backward(a_.dx, N, H);
+    ops.linear_backward(past(kDown, a_.dh), g.w_down, a_.dx, a.h, w.w_down, N, I, H, acc);
+    ops.lora_backward(l, LoraSite::kDown, a.h, a_.dx, past(kDown, a_.dh));
+    if (depth == kDown) return;
+    ops.swiglu_backward(a.gu, a_.dh, a.gu, N, I);
+    ops.linear_backward(past(kGateUp, a_.dln), g.w_gate, a.gu, a.ln2, w.w_gate, N, H, 2 * I, acc);
+    ops.lora_backward(l, LoraSite::kGateUp, a.ln2, a.gu, past(kGateUp, a_.dln));
+    if (depth == kGateUp) return;
+    ops.tp_block_input_backward(a_.dln, N, H);
+    ops.residual_rmsnorm_backward(a_.dx, g.ln2, a_.dln, a.x_mid, w.ln2, a.rstd2, N, acc);
+    // attention block; dx holds d x_mid and becomes d x_in.
+    ops.tp_block_output_backward(a_.dx, N, H);
+    ops.linear_backward(past(kO, a_.datt), g.wo, a_.dx, a.att, w.wo, N, Q, H, acc);
+    ops.lora_backward(l, LoraSite::kO, a.att, a_.dx, past(kO, a_.datt));
+    if (depth == kO) return;
+    ops.attention_backward(l, a_.dq, a_.dk, a_.dv, a_.datt, a.q, a.k, a.v, a.att, a.lse);
+    // d q, d k, d v into dqkv rows [dq | dk | dv] for one GEMM against [wq; wk; wv].
+    ops.qk_norm_rope_backward(a_.dqkv, QKV, g.q_norm, a_.dq, a.qkv_raw, QKV, w.q_norm, a.q_rstd,
+                              cfg_.num_heads, acc);
+    ops.qk_norm_rope_backward(a_.dqkv + Q, QKV, g.k_norm, a_.dk, a.qkv_raw + Q, QKV, w.k_norm,
+                              a.k_rstd, cfg_.num_kv_heads, acc);
+    ops.copy_columns(a_.dqkv + Q + KV, QKV, a_.dv, KV, N, KV);
+    ops.linear_backward(past(kQKV, a_.dln), g.wq, a_.dqkv, a_.ln[l], w.wq, N, H, QKV, acc);
+    ops.lora_backward(l, LoraSite::kQKV, a_.ln[l], a_.dqkv, past(kQKV, a_.dln));
+    if (depth == kQKV) return;
+    ops.tp_block_input_backward(a_.dln, N, H);
+    ops.residual_rmsnorm_backward(a_.dx, g.ln1, a_.dln, a_.x[l], w.ln1, a_.rstd[l], N, acc);
+  }
+
+  ModelConfig cfg_;
+  ParamLayout layout_;
+  ModelOffsets off_ = layout_.model_offsets();
+  ShardPlan plan_;
+  Qwen3Units unit_;
+  int B_, T_, N_;
+  bool recompute_;
+  bool acc_ = true;
+  Qwen3Acts<A> a_;
+};
+
+}  // namespace qt
