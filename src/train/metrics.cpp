@@ -63,6 +63,9 @@ void MetricsLog::write(const StepMetrics& m) {
   j["mem_optimizer"] = m.peak.optimizer;
   j["mem_activations"] = m.peak.activations;
   j["mem_workspace"] = m.peak.workspace;
+  j["time_data_s"] = m.time.data;
+  j["time_compute_s"] = m.time.compute;
+  j["time_optimizer_s"] = m.time.optimizer;
   file_ << j.dump() << '\n';
   file_.flush();
 }

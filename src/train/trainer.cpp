@@ -173,10 +173,20 @@ int run_training(const Deck& deck, Mesh& mesh) {
   const auto t_start = Clock::now();
   auto t_log = t_start;
   std::int64_t tokens_since_log = 0;
+  // Host seconds of each phase of the steps since the last log line (rank 0's): the batch (data,
+  // counted tokens), the forward and backward of the micro-batches, the optimizer step.
+  double data_s = 0, compute_s = 0, optimizer_s = 0;
+  std::int64_t steps_since_log = 0;
   const std::int64_t first_step = state.step;
 
   while (state.step < last) {
     const std::int64_t step = state.step;
+    auto phase = Clock::now();
+    auto end_phase = [&phase](double& total) {
+      const auto now = Clock::now();
+      total += std::chrono::duration<double>(now - phase).count();
+      phase = now;
+    };
     // 1. This rank's sequences of the global batch.
     const std::int64_t base = state.samples_consumed + static_cast<std::int64_t>(dp.rank()) * local_seqs;
     for (int s = 0; s < local_seqs; ++s) {
@@ -187,6 +197,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
     std::int64_t counted = 0;
     for (auto t : targets) counted += t != -100;
     counted = dp.sum(counted);
+    end_phase(data_s);
     // 3. Forward and backward, gradients of sum(loss) / counted.
     backend->zero_grads();
     double loss_sum = 0;
@@ -197,8 +208,11 @@ int run_training(const Deck& deck, Mesh& mesh) {
       loss_sum += backend->micro_step(&inputs[off], &targets[off],
                                       packing ? &positions[off] : nullptr, scale);
     }
+    end_phase(compute_s);
     // 4. Optimizer.
     const OptimStepStats os = backend->optimizer_step(step);
+    end_phase(optimizer_s);
+    ++steps_since_log;
     const double loss = counted > 0 ? dp.sum(loss_sum) / static_cast<double>(counted) : 0.0;
     state.step = step + 1;
     state.samples_consumed += tc.global_batch;
@@ -227,9 +241,13 @@ int run_training(const Deck& deck, Mesh& mesh) {
       double peak[5] = {mine.params, mine.grads, mine.optimizer, mine.activations, mine.workspace};
       mesh.world().all_reduce(peak, 5, DType::kF64, ReduceOp::kMax);  // the largest rank's
       sm.peak = {peak[0], peak[1], peak[2], peak[3], peak[4]};
+      const double n = static_cast<double>(steps_since_log);
+      sm.time = {data_s / n, compute_s / n, optimizer_s / n};
       log.write(sm);
       t_log = Clock::now();
       tokens_since_log = 0;
+      data_s = compute_s = optimizer_s = 0;
+      steps_since_log = 0;
     }
     double stop_requested = g_stop_signal;
     stop_requested = mesh.world().max(stop_requested);

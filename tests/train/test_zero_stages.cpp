@@ -226,6 +226,25 @@ TEST_F(ZeroStages, MemoryReportShowsTheShards) {
   EXPECT_EQ(four.activations, one.activations);
 }
 
+// The metrics say where each step's time went: the batch, the forward and backward, the
+// optimizer; on the first logged step (an interval of one step) together no more than the
+// seconds since training began.
+TEST_F(ZeroStages, MetricsSplitTheStepTime) {
+  train("timed", 2, {"--optim.zero_stage=2"});
+  std::ifstream f(path("timed.jsonl"));
+  std::string first;
+  ASSERT_TRUE(std::getline(f, first));
+  const auto j = nlohmann::json::parse(first);
+  ASSERT_EQ(j.at("step").get<int>(), 1);
+  const double data = j.at("time_data_s").get<double>();
+  const double compute = j.at("time_compute_s").get<double>();
+  const double optimizer = j.at("time_optimizer_s").get<double>();
+  EXPECT_GE(data, 0);
+  EXPECT_GT(compute, 0);
+  EXPECT_GT(optimizer, 0);
+  EXPECT_LE(data + compute + optimizer, j.at("elapsed_s").get<double>());
+}
+
 // tests/train/fixtures/checkpoint_v1: a checkpoint written before the sharded state, and the
 // losses of the run that wrote it. Resumed at any (dp, ZeRO), it continues that run.
 TEST_F(ZeroStages, CheckpointWrittenBeforeTheShardedStateStillLoads) {
