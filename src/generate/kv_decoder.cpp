@@ -43,16 +43,16 @@ void cached_attention(float* out, const float* q, const float* k, const float* v
   }
 }
 
-// The program's CPU ops with attention over the cache: the program's k and v of the new rows are
-// the cache rows [len, len + n) of layer l (qk_norm_rope and copy_columns write them there), and
-// query row i attends to positions [0, len + i]. The rest is CpuOps unchanged (fp32 reference
-// ops, RoPE at the positions set_positions gives).
 namespace {
 struct OwnArena {  // a base before CpuOps: the arena exists before CpuOps takes its buffers
   HostArena arena;
 };
 }  // namespace
 
+// The program's CPU ops with attention over the cache: the program's k and v of the new rows are
+// the cache rows [len, len + n) of layer l (qk_norm_rope and copy_columns write them there), and
+// query row i attends to positions [0, len + i]. The rest is CpuOps unchanged (fp32 reference
+// ops, RoPE at the positions set_positions gives).
 class KvCpuOps : private OwnArena, public CpuOps {
  public:
   KvCpuOps(const ModelConfig& cfg, int capacity)
