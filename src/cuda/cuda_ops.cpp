@@ -26,8 +26,31 @@ namespace {
 constexpr std::size_t kLogitsChunkBytes = std::size_t{1} << 30;
 }  // namespace
 
+CudaOps::CudaOps(const ModelConfig& cfg, ForwardOnly f, DeviceArena& arena)
+    : cfg_(cfg), B_(1), T_(1), N_(1), forward_only_(true), rope_len_(f.rope_len) {
+  QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
+           "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
+  std::vector<float> cos(static_cast<std::size_t>(f.rope_len) * cfg.head_dim / 2), sin(cos.size());
+  cpu::rope_table(cos.data(), sin.data(), f.rope_len, cfg.head_dim, cfg.rope_theta);
+  cos_ = arena.allocate<float>(cos.size());
+  sin_ = arena.allocate<float>(sin.size());
+  upload(cos_, cos.data(), cos.size() * 4);
+  upload(sin_, sin.data(), sin.size() * 4);
+}
+
+void CudaOps::set_rows(int B, int T, int first_position) {
+  QT_CHECK(forward_only_, "set_rows is for forward-only CudaOps");
+  QT_CHECK(B >= 1 && T >= 1 && first_position >= 0 && first_position + T <= rope_len_,
+           "{} x {} rows from position {} past the RoPE tables' {}", B, T, first_position,
+           rope_len_);
+  B_ = B;
+  T_ = T;
+  N_ = B * T;
+  rope_first_ = first_position;
+}
+
 CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
-    : cfg_(cfg), B_(B), T_(T), N_(B * T) {
+    : cfg_(cfg), B_(B), T_(T), N_(B * T), rope_len_(T) {
   QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
            "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
   const int hd = cfg.head_dim, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
@@ -54,7 +77,7 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
 void CudaOps::begin(cudaStream_t s, const std::int32_t* pos) {
   s_ = s;
   pos_ = pos;
-  QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s_));
+  if (loss_sum_) QT_CHECK_CUDA(cudaMemsetAsync(loss_sum_, 0, sizeof(double), s_));
 }
 
 double CudaOps::take_loss() {
@@ -75,8 +98,10 @@ void CudaOps::linear_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x
 
 void CudaOps::qk_norm_rope(bf16* out, float* rstd, const bf16* x, int ld, const bf16* w,
                            int heads) {
-  qk_norm_rope_forward_strided(out, rstd, x, ld, w, cos_, sin_, pos_, B_, T_, heads,
-                               cfg_.head_dim, cfg_.rms_norm_eps, s_);
+  // From position rope_first_ on (0 in training): the kernel's row t is position first + t.
+  const std::size_t first = static_cast<std::size_t>(rope_first_) * cfg_.head_dim / 2;
+  qk_norm_rope_forward_strided(out, rstd, x, ld, w, cos_ + first, sin_ + first, pos_, B_, T_,
+                               heads, cfg_.head_dim, cfg_.rms_norm_eps, s_);
 }
 
 void CudaOps::qk_norm_rope_backward(bf16* dx, int dx_ld, float* dw, const bf16* dout,

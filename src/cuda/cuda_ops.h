@@ -30,6 +30,15 @@ class CudaOps : public NoCollectives {
 
   // Buffers for micro-batches of B x T tokens from `arena` (which must outlive this).
   CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena);
+  // Forward only, for the KV-cache decoder (generate/kv_decoder_cuda.cpp): the layer ops over
+  // any number of rows (set_rows), RoPE tables for positions [0, rope_len), and none of the
+  // buffers of the backward, the lm head or the loss (the decoder runs its own head).
+  struct ForwardOnly {
+    int rope_len;
+  };
+  CudaOps(const ModelConfig& cfg, ForwardOnly f, DeviceArena& arena);
+  // Forward only: the next calls run B x T rows whose RoPE positions are first + t (pos null).
+  void set_rows(int B, int T, int first_position);
 
   void set_lora(LoraCuda* lora) { lora_ = lora; }
   // Starts a micro-batch: its ops go on `s`; pos: device [B, T] RoPE positions (packing) or
@@ -70,16 +79,20 @@ class CudaOps : public NoCollectives {
  private:
   ModelConfig cfg_;
   int B_, T_, N_;
+  bool forward_only_ = false;
+  int rope_len_;                       // positions in the tables
+  int rope_first_ = 0;                 // the position of row t is rope_first_ + t (pos_ null)
   cudaStream_t s_ = nullptr;
   const std::int32_t* pos_ = nullptr;  // device [B, T] positions of this micro-batch, or null
   LoraCuda* lora_ = nullptr;
-  float *cos_, *sin_;                  // [T, hd/2] fp32 tables
-  int chunk_;                          // lm-head rows per chunk
-  bf16* logits_;                       // [chunk, V]
-  float *losses_, *chunk_lse_;         // [chunk]
-  double* loss_sum_;                   // device scalar
-  void* ws_;                           // norm / embedding backward workspace
-  std::size_t ws_bytes_;
+  float *cos_, *sin_;                  // [rope_len (T), hd/2] fp32 tables
+  // Training only (null, 0 when ForwardOnly):
+  int chunk_ = 0;                      // lm-head rows per chunk
+  bf16* logits_ = nullptr;             // [chunk, V]
+  float *losses_ = nullptr, *chunk_lse_ = nullptr;  // [chunk]
+  double* loss_sum_ = nullptr;         // device scalar
+  void* ws_ = nullptr;                 // norm / embedding backward workspace
+  std::size_t ws_bytes_ = 0;
 };
 
 }  // namespace qt::cuda

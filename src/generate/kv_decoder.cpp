@@ -6,11 +6,9 @@
 #include <cmath>
 #include <limits>
 
-#include "ops/embedding.h"
+#include "model/cpu_ops.h"
+#include "model/layer_program.h"
 #include "ops/linear.h"
-#include "ops/rmsnorm.h"
-#include "ops/rope.h"
-#include "ops/swiglu.h"
 #include "qtrain/error.h"
 
 namespace qt::gen {
@@ -46,10 +44,50 @@ void cached_attention(float* out, const float* q, const float* k, const float* v
 }
 
 namespace {
-void add_into(float* y, const float* x, std::size_t n) {  // y += x
-  for (std::size_t i = 0; i < n; ++i) y[i] += x[i];
-}
+struct OwnArena {  // a base before CpuOps: the arena exists before CpuOps takes its buffers
+  HostArena arena;
+};
 }  // namespace
+
+// The program's CPU ops with attention over the cache: the program's k and v of the new rows are
+// the cache rows [len, len + n) of layer l (qk_norm_rope and copy_columns write them there), and
+// query row i attends to positions [0, len + i]. The rest is CpuOps unchanged (fp32 reference
+// ops, RoPE at the positions set_positions gives).
+class KvCpuOps : private OwnArena, public CpuOps {
+ public:
+  KvCpuOps(const ModelConfig& cfg, int capacity)
+      : CpuOps(cfg, ForwardOnly{capacity, capacity}, arena), cfg_(cfg), cap_(capacity) {}
+
+  // The cache of the next call's n rows: layers' keys and values at k, v [L, cap, nkv, hd], len
+  // positions held before them.
+  void set_cache(const float* k, const float* v, int len, int n) {
+    k_ = k;
+    v_ = v;
+    len_ = len;
+    n_ = n;
+  }
+
+  // Hides CpuOps::attention (the program is a template over the Ops type, not virtual).
+  void attention(int l, float* out, float* /*lse*/, const float* q, const float* k,
+                 const float* v) {
+    const int Q = cfg_.q_dim(), KV = cfg_.kv_dim();
+    const std::size_t layer = static_cast<std::size_t>(l) * cap_ * KV;
+    const float* kc = k_ + layer;  // [cap, nkv, hd]
+    const float* vc = v_ + layer;
+    QT_CHECK(k == kc + static_cast<std::size_t>(len_) * KV &&
+                 v == vc + static_cast<std::size_t>(len_) * KV,
+             "the new keys and values must be written into layer {}'s cache", l);
+    for (int i = 0; i < n_; ++i)  // query i sees positions [0, len + i]
+      cached_attention(out + static_cast<std::size_t>(i) * Q, q + static_cast<std::size_t>(i) * Q,
+                       kc, vc, len_ + i + 1, cfg_.num_heads, cfg_.num_kv_heads, cfg_.head_dim);
+  }
+
+ private:
+  ModelConfig cfg_;
+  int cap_;
+  const float *k_ = nullptr, *v_ = nullptr;
+  int len_ = 0, n_ = 0;
+};
 
 KvDecoder::KvDecoder(const ModelConfig& cfg, const float* params, int capacity)
     : cfg_(cfg), layout_(cfg), P_(params), cap_(capacity) {
@@ -57,54 +95,22 @@ KvDecoder::KvDecoder(const ModelConfig& cfg, const float* params, int capacity)
            cfg.num_heads, cfg.num_kv_heads);
   QT_CHECK(cfg.head_dim % 2 == 0, "head_dim {} must be even for RoPE", cfg.head_dim);
   QT_CHECK(capacity >= 1, "cache capacity {} < 1", capacity);
-  const int hd = cfg.head_dim;
-  rope_cos_.resize(static_cast<std::size_t>(cap_) * hd / 2);
-  rope_sin_.resize(rope_cos_.size());
-  cpu::rope_table(rope_cos_.data(), rope_sin_.data(), cap_, hd, cfg.rope_theta);
-  const std::size_t cache = static_cast<std::size_t>(cfg.num_layers) * cap_ * cfg.kv_dim();
+  const std::size_t H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
+  const std::size_t I = cfg.intermediate_size;
+  for (const LayerOffsets& o : off_.layers)  // the program's fused q/k/v and gate/up GEMMs
+    QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
+             "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
+  ops_ = std::make_unique<KvCpuOps>(cfg, cap_);
+  const std::size_t cache = static_cast<std::size_t>(cfg.num_layers) * cap_ * KV;
   k_.resize(cache);
   v_.resize(cache);
 }
 
-void KvDecoder::layer(int l, int n) {
-  const LayerOffsets& w = off_.layers[l];
-  const int H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
-  const int I = cfg_.intermediate_size, nh = cfg_.num_heads, nkv = cfg_.num_kv_heads;
-  const int hd = cfg_.head_dim;
-  const double eps = cfg_.rms_norm_eps;
-  const std::size_t nH = static_cast<std::size_t>(n) * H;
-  // This layer's cache, and the rows of the n new positions in it.
-  float* kc = k_.data() + static_cast<std::size_t>(l) * cap_ * KV;  // [cap, nkv, hd]
-  float* vc = v_.data() + static_cast<std::size_t>(l) * cap_ * KV;
-  float* k_new = kc + static_cast<std::size_t>(len_) * KV;  // [n, nkv, hd]
-  float* v_new = vc + static_cast<std::size_t>(len_) * KV;
-  // attention block: x += o_proj(attn(rmsnorm(x)))
-  cpu::rmsnorm_forward(ln_.data(), rstd_.data(), x_.data(), P_ + w.ln1, n, H, eps);
-  cpu::linear_forward(q_raw_.data(), ln_.data(), P_ + w.wq, n, H, Q);
-  cpu::linear_forward(k_raw_.data(), ln_.data(), P_ + w.wk, n, H, KV);
-  cpu::linear_forward(v_new, ln_.data(), P_ + w.wv, n, H, KV);
-  cpu::rmsnorm_forward(q_.data(), rstd_.data(), q_raw_.data(), P_ + w.q_norm, n * nh, hd, eps);
-  cpu::rmsnorm_forward(k_new, rstd_.data(), k_raw_.data(), P_ + w.k_norm, n * nkv, hd, eps);
-  cpu::rope_forward(q_.data(), rope_cos_.data(), rope_sin_.data(), pos_.data(), 1, n, nh, hd);
-  cpu::rope_forward(k_new, rope_cos_.data(), rope_sin_.data(), pos_.data(), 1, n, nkv, hd);
-  for (int i = 0; i < n; ++i)  // query i sees positions [0, len + i]
-    cached_attention(att_.data() + static_cast<std::size_t>(i) * Q,
-                     q_.data() + static_cast<std::size_t>(i) * Q, kc, vc, len_ + i + 1, nh, nkv,
-                     hd);
-  cpu::linear_forward(tmp_.data(), att_.data(), P_ + w.wo, n, Q, H);
-  add_into(x_.data(), tmp_.data(), nH);
-  // MLP block: x += down(silu(gate(ln2)) * up(ln2))
-  cpu::rmsnorm_forward(ln_.data(), rstd_.data(), x_.data(), P_ + w.ln2, n, H, eps);
-  cpu::linear_forward(gate_.data(), ln_.data(), P_ + w.w_gate, n, H, I);
-  cpu::linear_forward(up_.data(), ln_.data(), P_ + w.w_up, n, H, I);
-  cpu::swiglu_forward(h_.data(), gate_.data(), up_.data(), n, I);
-  cpu::linear_forward(tmp_.data(), h_.data(), P_ + w.w_down, n, I, H);
-  add_into(x_.data(), tmp_.data(), nH);
-}
+KvDecoder::~KvDecoder() = default;
 
 const float* KvDecoder::append(std::span<const std::int32_t> ids, bool all_logits) {
   const int n = static_cast<int>(ids.size());
-  const int H = cfg_.hidden_size, V = cfg_.vocab_size;
+  const int H = cfg_.hidden_size, V = cfg_.vocab_size, L = cfg_.num_layers;
   QT_CHECK(n >= 1 && len_ + n <= cap_, "append of {} tokens to a cache holding {} of {}", n, len_,
            cap_);
   for (int i = 0; i < n; ++i)
@@ -114,26 +120,41 @@ const float* KvDecoder::append(std::span<const std::int32_t> ids, bool all_logit
   for (int i = 0; i < n; ++i) pos_[i] = len_ + i;
   x_.resize(N * H);
   ln_.resize(N * H);
-  rstd_.resize(N * std::max(cfg_.num_heads, cfg_.num_kv_heads));
-  q_raw_.resize(N * Q);
-  q_.resize(N * Q);
-  k_raw_.resize(N * KV);
-  att_.resize(N * Q);
   tmp_.resize(N * H);
-  gate_.resize(N * I);
-  up_.resize(N * I);
+  rstd_.resize(N);
+  qkv_.resize(N * (Q + 2 * KV));
+  q_.resize(N * Q);
+  att_.resize(N * Q);
+  q_rstd_.resize(N * cfg_.num_heads);
+  k_rstd_.resize(N * cfg_.num_kv_heads);
+  gu_.resize(N * 2 * I);
   h_.resize(N * I);
 
-  cpu::embedding_forward(x_.data(), ids.data(), P_ + off_.embed, n, H);
-  for (int l = 0; l < cfg_.num_layers; ++l) layer(l, n);
+  KvCpuOps& ops = *ops_;
+  ops.set_rows(1, n);
+  ops.set_positions(pos_.data());
+  ops.set_cache(k_.data(), v_.data(), len_, n);
+  ops.embedding(x_.data(), ids.data(), P_ + off_.embed, n);
+  ops.rmsnorm(ln_.data(), rstd_.data(), x_.data(), L > 0 ? P_ + off_.layers[0].ln1 : P_ + off_.norm,
+              n);
+  // The layers in place on x_ and ln_ (LayerIO's in-place form); k and v into the cache.
+  const LayerIO<float> io{x_.data(), ln_.data(), x_.data(), ln_.data(), rstd_.data(), tmp_.data()};
+  for (int l = 0; l < L; ++l) {
+    const std::size_t rows = static_cast<std::size_t>(l) * cap_ + len_;  // first new cache row
+    LayerActs<float> a{qkv_.data(),         q_rstd_.data(), k_rstd_.data(), q_.data(),
+                       k_.data() + rows * KV, v_.data() + rows * KV, att_.data(),
+                       nullptr,             x_.data(),      ln_.data(),     rstd_.data(),
+                       gu_.data(),          h_.data()};
+    const float* next_norm = l + 1 < L ? P_ + off_.layers[l + 1].ln1 : P_ + off_.norm;
+    qwen3_layer_forward(ops, cfg_, l, n, layer_tensors(off_.layers[l], P_), next_norm, io, a);
+  }
   len_ += n;
-  // Final norm and lm head over the rows asked for.
+  // ln_ holds the final norm of every row; the lm head only over the rows asked for (the
+  // program's lm_head_loss is the training head: every row, with the loss), so it stays here.
   const int rows = all_logits ? n : 1;
-  const float* x_last = x_.data() + static_cast<std::size_t>(n - rows) * H;
-  cpu::rmsnorm_forward(ln_.data(), rstd_.data(), x_last, P_ + off_.norm, rows, H,
-                       cfg_.rms_norm_eps);
   logits_.resize(static_cast<std::size_t>(rows) * V);
-  cpu::linear_forward(logits_.data(), ln_.data(), P_ + off_.lm_head, rows, H, V);
+  cpu::linear_forward(logits_.data(), ln_.data() + static_cast<std::size_t>(n - rows) * H,
+                      P_ + off_.lm_head, rows, H, V);
   return logits_.data();
 }
 

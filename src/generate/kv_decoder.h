@@ -1,12 +1,14 @@
-// Qwen3 inference on the CPU with a key/value cache (docs/generate.md): the math of
-// Qwen3Model::forward (src/model/qwen3.cpp, ../shared/docs/qwen3-spec.md section 2) over the same
-// CPU ops, for one sequence. A call appends n tokens at positions [len, len + n): one pass of
+// Qwen3 inference on the CPU with a key/value cache (docs/generate.md): the layer forward of the
+// training program (qwen3_layer_forward, src/model/layer_program.h) over the CPU ops (CpuOps,
+// fp32), for one sequence. A call appends n tokens at positions [len, len + n): one pass of
 // GEMMs over the n rows (the whole prompt at once), their keys and values (after k-norm and RoPE)
-// stored in the cache, and each query attending to the cached positions [0, its own].
+// written straight into the cache, and each query attending to the cached positions [0, its own]
+// (the one op the decoder's Ops replace).
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -37,11 +39,16 @@ class Decoder {
   virtual std::size_t cache_bytes() const = 0;  // bytes of the key/value cache
 };
 
+class KvCpuOps;  // kv_decoder.cpp: CpuOps attending over the cache
+
 class KvDecoder final : public Decoder {
  public:
   // params: the flat buffer of ParamLayout(cfg), kept by pointer (it must outlive the decoder).
   // capacity: cache size in tokens, at most cfg.max_position_embeddings.
   KvDecoder(const ModelConfig& cfg, const float* params, int capacity);
+  ~KvDecoder() override;
+  KvDecoder(const KvDecoder&) = delete;
+  KvDecoder& operator=(const KvDecoder&) = delete;
 
   const ModelConfig& config() const override { return cfg_; }
   int length() const override { return len_; }
@@ -51,22 +58,21 @@ class KvDecoder final : public Decoder {
   std::size_t cache_bytes() const override { return (k_.size() + v_.size()) * sizeof(float); }
 
  private:
-  void layer(int l, int n);  // x_ [n, H] in, x_ out (residual stream updated in place)
-
   ModelConfig cfg_;
   ParamLayout layout_;
   ModelOffsets off_ = layout_.model_offsets();
   const float* P_;
   int cap_, len_ = 0;
-  std::vector<float> rope_cos_, rope_sin_;  // [cap, hd/2]
-  std::vector<float> k_, v_;                // [L, cap, nkv, hd] after k-norm and RoPE; v as is
-  // Scratch for a chunk of n rows.
-  std::vector<std::int32_t> pos_;         // [n] positions len..len+n-1
-  std::vector<float> x_, ln_, rstd_;      // [n, H], [n, H], [n * max(nh, nkv)]
-  std::vector<float> q_raw_, q_, k_raw_;  // [n, Q], [n, Q], [n, KV]
-  std::vector<float> att_, tmp_;          // [n, Q], [n, H]
-  std::vector<float> gate_, up_, h_;      // [n, I]
-  std::vector<float> logits_;             // [n or 1, V]
+  std::unique_ptr<KvCpuOps> ops_;       // the program's ops; RoPE tables for cap positions
+  std::vector<float> k_, v_;            // [L, cap, nkv, hd] after k-norm and RoPE; v as is
+  // Scratch for a chunk of n rows (the layer runs in place on x_ and ln_).
+  std::vector<std::int32_t> pos_;       // [n] positions len..len+n-1
+  std::vector<float> x_, ln_, tmp_;     // [n, H]
+  std::vector<float> rstd_;             // [n]
+  std::vector<float> qkv_, q_, att_;    // [n, QKV], [n, Q], [n, Q]
+  std::vector<float> q_rstd_, k_rstd_;  // [n * nh], [n * nkv]
+  std::vector<float> gu_, h_;           // [n, 2I], [n, I]
+  std::vector<float> logits_;           // [n or 1, V]
 };
 
 }  // namespace qt::gen

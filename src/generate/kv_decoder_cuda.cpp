@@ -12,14 +12,11 @@
 
 #include "cuda/check.h"
 #include "cuda/device.h"
+#include "cuda/cuda_ops.h"
+#include "model/layer_program.h"
 #include "ops/cuda/attention.cuh"
 #include "ops/cuda/decode_attention.cuh"
-#include "ops/cuda/embedding.cuh"
 #include "ops/cuda/gemm.cuh"
-#include "ops/cuda/qk_norm_rope.cuh"
-#include "ops/cuda/rmsnorm.cuh"
-#include "ops/cuda/swiglu.cuh"
-#include "ops/rope.h"
 #include "qtrain/error.h"
 #include "qtrain/params.h"
 
@@ -77,7 +74,7 @@ struct Scratch {
   bf16 *x, *ln, *tmp;       // [n, H]: residual stream, norm output, GEMM output
   float* rstd;              // [n]
   bf16* qkv;                // [n, QKV] rows [q | k | v] before q/k norm
-  bf16 *q, *k, *v;          // [n, Q], [n, KV], [n, KV] after norm and rope (v: prefill only)
+  bf16 *q, *k, *v;          // [n, Q], [n, KV], [n, KV] after norm and rope, before the cache
   float *q_rstd, *k_rstd;   // [n * nh], [n * nkv]
   bf16* att;                // [n, Q]
   float* lse;               // [nh, n] (prefill)
@@ -99,7 +96,7 @@ Scratch carve(Carver& c, const ModelConfig& m, int n, int rows, int len) {
   s.qkv = c.take<bf16>(N * (Q + 2 * KV));
   s.q = c.take<bf16>(N * Q);
   s.k = c.take<bf16>(N * KV);
-  s.v = c.take<bf16>(len == 0 ? N * KV : 0);
+  s.v = c.take<bf16>(N * KV);
   s.q_rstd = c.take<float>(N * m.num_heads);
   s.k_rstd = c.take<float>(N * m.num_kv_heads);
   s.att = c.take<bf16>(N * Q);
@@ -113,6 +110,54 @@ Scratch carve(Carver& c, const ModelConfig& m, int n, int rows, int len) {
   s.attn_ws = c.take<char>(s.attn_ws_bytes);
   return s;
 }
+
+// The program's CUDA ops with attention over the cache. The cache is [nkv, cap, hd] per layer
+// (head-major, for the decode kernel), so the program's k and v are [n, KV] rows of the scratch
+// that this attention first stores in the cache (kv_cache_write); then on an empty cache (the
+// prompt) the batched causal flash attention of training among the n rows, otherwise the
+// flash-decoding kernel (decode_attention.cuh), query row i seeing positions [0, len + i]. The
+// rest is CudaOps forward-only (RoPE from position len on).
+class KvCudaOps : public cuda::CudaOps {
+ public:
+  KvCudaOps(const ModelConfig& cfg, int capacity, cuda::DeviceArena& arena)
+      : CudaOps(cfg, ForwardOnly{capacity}, arena), cfg_(cfg), cap_(capacity) {}
+
+  // The next call: n rows at positions len.., on `st`; the layers' caches k, v [L, nkv, cap, hd];
+  // scratch s (its lse and decode workspace).
+  void begin_call(cudaStream_t st, bf16* k, bf16* v, int len, int n, const Scratch& s) {
+    begin(st, nullptr);
+    set_rows(1, n, len);
+    st_ = st;
+    k_ = k;
+    v_ = v;
+    len_ = len;
+    n_ = n;
+    scratch_ = &s;
+  }
+
+  // Hides CudaOps::attention (the program is a template over the Ops type, not virtual).
+  void attention(int l, bf16* out, float* /*lse*/, const bf16* q, const bf16* k, const bf16* v) {
+    const int nh = cfg_.num_heads, nkv = cfg_.num_kv_heads, hd = cfg_.head_dim;
+    const int KV = cfg_.kv_dim();
+    const std::size_t per_layer = static_cast<std::size_t>(cap_) * KV;
+    bf16* kc = k_ + l * per_layer;  // [nkv, cap, hd]
+    bf16* vc = v_ + l * per_layer;
+    cuda::kv_cache_write(kc, vc, k, KV, v, KV, n_, len_, nkv, hd, cap_, st_);
+    if (len_ == 0)  // the whole sequence is new: causal attention among the n rows
+      cuda::attention_forward(out, scratch_->lse, q, k, v, 1, n_, nh, nkv, hd, st_);
+    else
+      cuda::decode_attention(out, q, kc, vc, n_, len_, nh, nkv, hd, cap_, scratch_->attn_ws,
+                             scratch_->attn_ws_bytes, st_);
+  }
+
+ private:
+  ModelConfig cfg_;
+  int cap_;
+  cudaStream_t st_ = nullptr;
+  bf16 *k_ = nullptr, *v_ = nullptr;
+  int len_ = 0, n_ = 0;
+  const Scratch* scratch_ = nullptr;
+};
 
 }  // namespace
 
@@ -135,7 +180,6 @@ void KvDecoderCuda::check_supported(const ModelConfig& c) {
 
 struct KvDecoderCuda::Impl {
   Impl(const ModelConfig& c, const float* params, int capacity);
-  void layer(int l, int n, const Scratch& s);
   const float* append(std::span<const std::int32_t> ids, bool all_logits);
 
   ModelConfig cfg;
@@ -148,7 +192,7 @@ struct KvDecoderCuda::Impl {
   std::unique_ptr<cuda::DeviceArena> scratch;  // one call's buffers; regrown when a call needs more
   bf16* W = nullptr;                           // [numel] bf16 weights, flat layout
   bf16 *kc = nullptr, *vc = nullptr;           // [L, nkv, cap, hd] each
-  float *cos = nullptr, *sin = nullptr;        // [cap, hd/2] fp32 RoPE tables
+  std::unique_ptr<KvCudaOps> ops;              // the program's ops; RoPE tables for cap positions
   PinnedBuffer<std::int32_t> ids_host;
   PinnedBuffer<float> logits_host;
 };
@@ -186,52 +230,8 @@ KvDecoderCuda::Impl::Impl(const ModelConfig& c, const float* params, int capacit
   W = arena->allocate<bf16>(numel);
   kc = arena->allocate<bf16>(cache);
   vc = arena->allocate<bf16>(cache);
-  cos = arena->allocate<float>(half);
-  sin = arena->allocate<float>(half);
-  std::vector<float> tc(half), ts(half);
-  cpu::rope_table(tc.data(), ts.data(), cap, c.head_dim, c.rope_theta);
-  cuda::upload(cos, tc.data(), half * sizeof(float));
-  cuda::upload(sin, ts.data(), half * sizeof(float));
+  ops = std::make_unique<KvCudaOps>(cfg, cap, *arena);  // its RoPE tables: the last two blocks
   cuda::upload_as_bf16(W, params, numel, *scratch, stream.get());
-}
-
-void KvDecoderCuda::Impl::layer(int l, int n, const Scratch& s) {
-  const LayerOffsets& w = off.layers[l];
-  const int H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim(), QKV = Q + 2 * KV;
-  const int I = cfg.intermediate_size, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
-  const int hd = cfg.head_dim;
-  const double eps = cfg.rms_norm_eps;
-  const cudaStream_t st = stream.get();
-  const std::size_t per_layer = static_cast<std::size_t>(cap) * KV;
-  bf16* kc_l = kc + l * per_layer;  // [nkv, cap, hd]
-  bf16* vc_l = vc + l * per_layer;
-  // Rows of the tables from position len on: the kernels' token t is position len + t.
-  const float* cos_p = cos + static_cast<std::size_t>(len) * hd / 2;
-  const float* sin_p = sin + static_cast<std::size_t>(len) * hd / 2;
-  // attention block (s.ln holds rmsnorm(x) with this layer's input norm)
-  cuda::linear_forward(s.qkv, s.ln, W + w.wq, n, H, QKV, st);  // wq, wk, wv: one [QKV, H]
-  cuda::qk_norm_rope_forward_strided(s.q, s.q_rstd, s.qkv, QKV, W + w.q_norm, cos_p, sin_p,
-                                     nullptr, 1, n, nh, hd, eps, st);
-  cuda::qk_norm_rope_forward_strided(s.k, s.k_rstd, s.qkv + Q, QKV, W + w.k_norm, cos_p, sin_p,
-                                     nullptr, 1, n, nkv, hd, eps, st);
-  cuda::kv_cache_write(kc_l, vc_l, s.k, KV, s.qkv + Q + KV, QKV, n, len, nkv, hd, cap, st);
-  if (len == 0) {  // the whole sequence is new: causal attention among the n rows
-    const std::size_t e = sizeof(bf16);
-    QT_CHECK_CUDA(cudaMemcpy2DAsync(s.v, KV * e, s.qkv + Q + KV, QKV * e, KV * e, n,
-                                    cudaMemcpyDeviceToDevice, st));
-    cuda::attention_forward(s.att, s.lse, s.q, s.k, s.v, 1, n, nh, nkv, hd, st);
-  } else {
-    cuda::decode_attention(s.att, s.q, kc_l, vc_l, n, len, nh, nkv, hd, cap, s.attn_ws,
-                           s.attn_ws_bytes, st);
-  }
-  cuda::linear_forward(s.tmp, s.att, W + w.wo, n, Q, H, st);
-  cuda::residual_rmsnorm_forward(s.x, s.ln, s.rstd, s.x, s.tmp, W + w.ln2, n, H, eps, st);
-  // MLP block
-  cuda::linear_forward(s.gu, s.ln, W + w.w_gate, n, H, 2 * I, st);  // w_gate, w_up: one [2I, H]
-  cuda::swiglu_forward_strided(s.h, s.gu, s.gu + I, 2 * I, n, I, st);
-  cuda::linear_forward(s.tmp, s.h, W + w.w_down, n, I, H, st);
-  const bf16* next_norm = l + 1 < cfg.num_layers ? W + off.layers[l + 1].ln1 : W + off.norm;
-  cuda::residual_rmsnorm_forward(s.x, s.ln, s.rstd, s.x, s.tmp, next_norm, n, H, eps, st);
 }
 
 const float* KvDecoderCuda::Impl::append(std::span<const std::int32_t> ids, bool all_logits) {
@@ -261,11 +261,23 @@ const float* KvDecoderCuda::Impl::append(std::span<const std::int32_t> ids, bool
   std::int32_t* ids_h = ids_host.reserve(n);
   std::copy(ids.begin(), ids.end(), ids_h);
   QT_CHECK_CUDA(cudaMemcpyAsync(s.ids, ids_h, n * sizeof(std::int32_t), cudaMemcpyHostToDevice, st));
-  cuda::embedding_forward(s.x, s.ids, W + off.embed, n, H, st);
-  const bf16* first_norm = cfg.num_layers > 0 ? W + off.layers[0].ln1 : W + off.norm;
-  cuda::rmsnorm_forward(s.ln, s.rstd, s.x, first_norm, n, H, cfg.rms_norm_eps, st);
-  for (int l = 0; l < cfg.num_layers; ++l) layer(l, n, s);
-  // s.ln is the final norm of every row; the lm head for the last `rows`, in fp32.
+  KvCudaOps& o = *ops;
+  o.begin_call(st, kc, vc, len, n, s);
+  const int L = cfg.num_layers;
+  o.embedding(s.x, s.ids, W + off.embed, n);
+  o.rmsnorm(s.ln, s.rstd, s.x, L > 0 ? W + off.layers[0].ln1 : W + off.norm, n);
+  // The program's layers in place on s.x and s.ln (LayerIO's in-place form).
+  const LayerIO<bf16> io{s.x, s.ln, s.x, s.ln, s.rstd, s.tmp};
+  LayerActs<bf16> a{s.qkv, s.q_rstd, s.k_rstd, s.q, s.k, s.v, s.att, s.lse, s.x, s.ln, s.rstd,
+                    s.gu, s.h};
+  for (int l = 0; l < L; ++l) {
+    const bf16* next_norm = l + 1 < L ? W + off.layers[l + 1].ln1 : W + off.norm;
+    qwen3_layer_forward(o, cfg, l, n, layer_tensors<const bf16>(off.layers[l], W), next_norm, io,
+                        a);
+  }
+  // s.ln is the final norm of every row. The lm head only for the last `rows`, in fp32 (the
+  // program's head is training's chunked lm head + cross-entropy over every row, so it stays
+  // here).
   cuda::gemm(false, true, rows, V, H, 1.0f, s.ln + static_cast<std::size_t>(n - rows) * H, H,
              W + off.lm_head, H, 0.0f, s.logits, V, st);
   float* out = logits_host.reserve(static_cast<std::size_t>(rows) * V);

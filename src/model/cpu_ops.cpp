@@ -13,6 +13,7 @@
 #include "ops/rmsnorm.h"
 #include "ops/rope.h"
 #include "ops/swiglu.h"
+#include "qtrain/error.h"
 
 namespace qt {
 
@@ -22,8 +23,26 @@ void zero(float* p, std::size_t n) {
 }
 }  // namespace
 
+CpuOps::CpuOps(const ModelConfig& cfg, ForwardOnly f, HostArena& arena)
+    : cfg_(cfg), B_(1), T_(f.max_rows), N_(f.max_rows), max_rows_(f.max_rows) {
+  const std::size_t hd = cfg.head_dim, QK = std::max(cfg.q_dim(), cfg.kv_dim());
+  cos_ = arena.allocate<float>(f.rope_len * hd / 2);
+  sin_ = arena.allocate<float>(f.rope_len * hd / 2);
+  if (cos_) cpu::rope_table(cos_, sin_, f.rope_len, cfg.head_dim, cfg.rope_theta);
+  xs_ = arena.allocate<float>(static_cast<std::size_t>(f.max_rows) * QK);
+  ys_ = nullptr;  // the backward's
+}
+
+void CpuOps::set_rows(int B, int T) {
+  QT_CHECK(B >= 1 && T >= 1 && static_cast<long long>(B) * T <= max_rows_,
+           "{} x {} rows for CPU ops made for {}", B, T, max_rows_);
+  B_ = B;
+  T_ = T;
+  N_ = B * T;
+}
+
 CpuOps::CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena)
-    : cfg_(cfg), B_(B), T_(T), N_(B * T) {
+    : cfg_(cfg), B_(B), T_(T), N_(B * T), max_rows_(B * T) {
   const std::size_t N = N_, H = cfg.hidden_size, V = cfg.vocab_size, hd = cfg.head_dim;
   const std::size_t QK = std::max(cfg.q_dim(), cfg.kv_dim());
   cos_ = arena.allocate<float>(T * hd / 2);

@@ -41,6 +41,17 @@ class CpuOps : public NoCollectives {
 
   // Buffers from `arena` (which must outlive this).
   CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena);
+  // Forward only, for a KV-cache decoder (generate/kv_decoder.cpp): the layer ops over up to
+  // max_rows rows a call (set_rows), RoPE tables for positions [0, rope_len) (set_positions gives
+  // each row's), and none of the buffers of the backward or the lm head (the decoder runs its own
+  // head over the rows it returns).
+  struct ForwardOnly {
+    int max_rows, rope_len;
+  };
+  CpuOps(const ModelConfig& cfg, ForwardOnly f, HostArena& arena);
+
+  // The rows of the next calls, B x T <= the rows the buffers were made for.
+  void set_rows(int B, int T);
 
   // The RoPE positions of the next micro-batch ([B, T], layer_program.h's packing rule), or
   // null: 0..T-1, plain causal.
@@ -93,13 +104,15 @@ class CpuOps : public NoCollectives {
 
   ModelConfig cfg_;
   int B_, T_, N_;
+  int max_rows_;
   const std::int32_t* pos_ = nullptr;
   LoraAdapters* lora_ = nullptr;
-  float *cos_, *sin_;      // [T, hd/2]
+  float *cos_, *sin_;      // [T (or rope_len), hd/2]
   float *xs_, *ys_;        // [N, max(Q, KV)] contiguous copies of strided q/k columns
-  float* norm_dx_;         // [N, H] a norm's input gradient before it is added
-  float* logits_;          // [N, V]
-  float *losses_, *lse_;   // [N]
+  // Training only (null when ForwardOnly):
+  float* norm_dx_ = nullptr;                   // [N, H] a norm's input gradient before it is added
+  float* logits_ = nullptr;                    // [N, V]
+  float *losses_ = nullptr, *lse_ = nullptr;   // [N]
   double loss_ = 0;
 };
 

@@ -151,6 +151,64 @@ struct LayerTensors {
   T *ln1, *wq, *wo, *q_norm, *k_norm, *ln2, *w_gate, *w_down;
 };
 
+// The residual stream in and out of one layer's forward, and its scratch. The training program
+// gives each layer its own x and ln (Qwen3Acts); a KV-cache decoder runs in place (x_in ==
+// x_out, with LayerActs::x_mid the same buffer; ln_in, ln2 and ln_out one buffer; rstd2 and
+// rstd_out one), which every op allows: residual_rmsnorm adds element by element before its norm,
+// and each ln is dead before the next is written.
+template <class A>
+struct LayerIO {
+  const A* x_in;    // [N, H] the layer's input
+  A* ln_in;         // [N, H] rmsnorm(x_in) with the layer's ln1 (the previous op made it)
+  A* x_out;         // [N, H] the layer's output
+  A* ln_out;        // [N, H] rmsnorm(x_out) with next_norm
+  float* rstd_out;  // [N]
+  A* tmp;           // [N, H] scratch
+};
+
+// One Qwen3 layer's forward over N rows, the op sequence of training, recompute and the KV-cache
+// decoders (src/generate/kv_decoder*.cpp, whose Ops attend over their cache and write k and v
+// into it). next_norm: the input norm weight of layer l + 1, or the final norm's after the last
+// layer. Writes every field of `a` (lse as the Ops' attention does).
+template <class Ops>
+void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
+                         const LayerTensors<const typename Ops::Weight>& w,
+                         const typename Ops::Weight* next_norm, const LayerIO<typename Ops::Act>& io,
+                         LayerActs<typename Ops::Act>& a) {
+  const int H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
+  const int I = cfg.intermediate_size, QKV = Q + 2 * KV;
+  auto* ln1 = io.ln_in;
+  // attention block: x_mid = x + o_proj(attention(rope(norm(q, k)), v)) of rmsnorm(x)
+  ops.tp_block_input(ln1, N, H);
+  ops.linear(a.qkv_raw, ln1, w.wq, N, H, QKV);  // wq, wk, wv: one [QKV, H] matrix
+  ops.lora(l, LoraSite::kQKV, ln1, a.qkv_raw);
+  ops.qk_norm_rope(a.q, a.q_rstd, a.qkv_raw, QKV, w.q_norm, cfg.num_heads);
+  ops.qk_norm_rope(a.k, a.k_rstd, a.qkv_raw + Q, QKV, w.k_norm, cfg.num_kv_heads);
+  ops.copy_columns(a.v, KV, a.qkv_raw + Q + KV, QKV, N, KV);
+  ops.attention(l, a.att, a.lse, a.q, a.k, a.v);
+  ops.linear(io.tmp, a.att, w.wo, N, Q, H);
+  ops.lora(l, LoraSite::kO, a.att, io.tmp);
+  ops.tp_block_output(io.tmp, N, H);
+  ops.residual_rmsnorm(a.x_mid, a.ln2, a.rstd2, io.x_in, io.tmp, w.ln2, N);
+  // MLP block: x_out = x_mid + down(silu(gate(ln2)) * up(ln2)), then the next norm
+  ops.tp_block_input(a.ln2, N, H);
+  ops.linear(a.gu, a.ln2, w.w_gate, N, H, 2 * I);  // w_gate, w_up: one [2I, H]
+  ops.lora(l, LoraSite::kGateUp, a.ln2, a.gu);
+  ops.swiglu(a.h, a.gu, N, I);
+  ops.linear(io.tmp, a.h, w.w_down, N, I, H);
+  ops.lora(l, LoraSite::kDown, a.h, io.tmp);
+  ops.tp_block_output(io.tmp, N, H);
+  ops.residual_rmsnorm(io.x_out, io.ln_out, io.rstd_out, a.x_mid, io.tmp, next_norm, N);
+}
+
+// Layer l's tensors in a flat buffer of the whole model (ParamLayout order), for callers without
+// units (the KV-cache decoders).
+template <class T>
+LayerTensors<T> layer_tensors(const LayerOffsets& o, T* flat) {
+  return {flat + o.ln1,    flat + o.wq,  flat + o.wo,     flat + o.q_norm,
+          flat + o.k_norm, flat + o.ln2, flat + o.w_gate, flat + o.w_down};
+}
+
 // The Qwen3 model over Ops (the contract above) for micro-batches of B x T tokens.
 template <class Ops>
 class Qwen3Program {
@@ -298,32 +356,8 @@ class Qwen3Program {
 
   // next_norm: the input norm weight of layer l + 1, or the final norm's after the last layer.
   void layer_forward(Ops& ops, int l, const LayerTensors<const W>& w, const W* next_norm) {
-    LayerActs<A>& a = acts(l);
-    const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
-    const int I = cfg_.intermediate_size, QKV = Q + 2 * KV;
-    A* ln1 = a_.ln[l];
-    // attention block: x_mid = x + o_proj(attention(rope(norm(q, k)), v)) of rmsnorm(x)
-    ops.tp_block_input(ln1, N, H);
-    ops.linear(a.qkv_raw, ln1, w.wq, N, H, QKV);  // wq, wk, wv: one [QKV, H] matrix
-    ops.lora(l, LoraSite::kQKV, ln1, a.qkv_raw);
-    ops.qk_norm_rope(a.q, a.q_rstd, a.qkv_raw, QKV, w.q_norm, cfg_.num_heads);
-    ops.qk_norm_rope(a.k, a.k_rstd, a.qkv_raw + Q, QKV, w.k_norm, cfg_.num_kv_heads);
-    ops.copy_columns(a.v, KV, a.qkv_raw + Q + KV, QKV, N, KV);
-    ops.attention(l, a.att, a.lse, a.q, a.k, a.v);
-    ops.linear(a_.tmp, a.att, w.wo, N, Q, H);
-    ops.lora(l, LoraSite::kO, a.att, a_.tmp);
-    ops.tp_block_output(a_.tmp, N, H);
-    ops.residual_rmsnorm(a.x_mid, a.ln2, a.rstd2, a_.x[l], a_.tmp, w.ln2, N);
-    // MLP block: x_out = x_mid + down(silu(gate(ln2)) * up(ln2)), then the next norm
-    ops.tp_block_input(a.ln2, N, H);
-    ops.linear(a.gu, a.ln2, w.w_gate, N, H, 2 * I);  // w_gate, w_up: one [2I, H]
-    ops.lora(l, LoraSite::kGateUp, a.ln2, a.gu);
-    ops.swiglu(a.h, a.gu, N, I);
-    ops.linear(a_.tmp, a.h, w.w_down, N, I, H);
-    ops.lora(l, LoraSite::kDown, a.h, a_.tmp);
-    ops.tp_block_output(a_.tmp, N, H);
-    ops.residual_rmsnorm(a_.x[l + 1], a_.ln[l + 1], a_.rstd[l + 1], a.x_mid, a_.tmp, next_norm,
-                         N);
+    const LayerIO<A> io{a_.x[l], a_.ln[l], a_.x[l + 1], a_.ln[l + 1], a_.rstd[l + 1], a_.tmp};
+    qwen3_layer_forward(ops, cfg_, l, N_, w, next_norm, io, acts(l));
   }
 
   // How far down layer l's backward goes: through its projections in backward order, then to
