@@ -16,8 +16,10 @@
 namespace qt {
 
 // The dimensions of the mesh, for the parts of the code that pick one (the sharding plan, the
-// device communicators).
-enum class MeshDim { kDp, kTp, kPp, kEp };
+// device communicators). kEdp is the expert-data-parallel group (dp / ep ranks holding the same
+// experts), the group that reduces expert gradients.
+enum class MeshDim { kDp, kTp, kPp, kEp, kEdp };
+inline constexpr int kNumMeshDims = 5;
 const char* mesh_dim_name(MeshDim d);
 
 struct MeshShape {
@@ -74,7 +76,7 @@ class Mesh {
   MeshCoord coord_;
   std::shared_ptr<MpiComm> world_;
   std::unique_ptr<MpiComm> dp_, tp_, pp_, ep_, edp_;
-  std::unique_ptr<Comm> device_[4];  // by MeshDim, made on first use
+  std::unique_ptr<Comm> device_[kNumMeshDims];  // by MeshDim, made on first use
   int local_rank_ = 0, local_size_ = 1;
   std::string host_;
 };

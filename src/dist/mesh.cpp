@@ -16,6 +16,7 @@ const char* mesh_dim_name(MeshDim d) {
     case MeshDim::kTp: return "tp";
     case MeshDim::kPp: return "pp";
     case MeshDim::kEp: return "ep";
+    case MeshDim::kEdp: return "edp";
   }
   return "?";
 }
@@ -76,6 +77,7 @@ MpiComm& Mesh::mpi(MeshDim d) {
     case MeshDim::kTp: return *tp_;
     case MeshDim::kPp: return *pp_;
     case MeshDim::kEp: return *ep_;
+    case MeshDim::kEdp: return *edp_;
   }
   QT_CHECK(false, "no mesh dimension {}", static_cast<int>(d));
   return *dp_;  // not reached

@@ -124,6 +124,8 @@ TEST(Mesh, CommunicatorsGroupTheRightRanks) {
   EXPECT_EQ(&mesh.mpi(MeshDim::kTp), &mesh.tp());
   EXPECT_EQ(&mesh.mpi(MeshDim::kPp), &mesh.pp());
   EXPECT_EQ(&mesh.mpi(MeshDim::kEp), &mesh.ep());
+  EXPECT_EQ(&mesh.mpi(MeshDim::kEdp), &mesh.edp());
+  EXPECT_STREQ(mesh_dim_name(MeshDim::kEdp), "edp");
 #ifndef QTRAIN_HAVE_CUDA
   // Device communicators need the CUDA build: a clear error, not a crash.
   try {
