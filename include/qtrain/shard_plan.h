@@ -4,8 +4,12 @@
 //
 // Two things are planned:
 //   - ShardSpec, per parameter: its global shape, which mesh dimension shards it along which
-//     axis (none yet: tensor and expert parallelism fill this in), and over which dimensions its
-//     copies are replicated (so that the gradient norm counts it once).
+//     axis (tensor parallelism: q/k/v and gate/up along their rows, o and down along their
+//     columns; expert parallelism will add experts), and over which dimensions its copies are
+//     replicated (so that the gradient norm counts it once).
+// Under tensor parallelism the layout the plan is made for is the tp rank's local one
+// (ParamLayout(tp_local_config(cfg, tp)), parallel/tensor_parallel.h): the units and ZeRO shards
+// below are ranges of it.
 //   - Units: groups of parameters gathered, freed and reduced together (the embedding, each
 //     decoder layer, the head). Each unit is a contiguous flat range of the layout; ZeRO splits
 //     every unit evenly over dp, so gathering one layer touches each dp rank once:
@@ -34,6 +38,11 @@ struct ShardSpec {
   std::optional<MeshDim> sharded_by;      // none: every rank holding it holds all of it
   int axis = -1;                          // the sharded axis, when sharded_by is set
   std::vector<MeshDim> replicated_over;   // dimensions whose ranks hold identical copies
+  // Dimensions over which each copy's gradient is only a partial sum, to be summed before the
+  // update (q_norm and k_norm under tensor parallelism: each tp rank sees its own heads).
+  std::vector<MeshDim> partial_over;
+
+  bool replicated_over_dim(MeshDim d) const;
 };
 
 struct ParamUnit {
@@ -49,6 +58,7 @@ struct ParamUnit {
 
 struct ShardPlan {
   int dp = 1;
+  int tp = 1;
   int zero_stage = 0;
   std::vector<ShardSpec> specs;  // [layout.params().size()]
   std::vector<ParamUnit> units;  // in flat order; together they cover the layout exactly
@@ -68,8 +78,15 @@ struct Qwen3Units {
   int head() const { return num_layers + 1; }
 };
 
+// How tensor parallelism splits a Qwen3 tensor, by its name (Megatron's split): q/k/v_proj and
+// gate/up_proj column-parallel (rows split over tp), o_proj and down_proj row-parallel (columns
+// split), q_norm and k_norm replicated with partial gradients, everything else replicated.
+enum class TpRole { kColumn, kRow, kPartial, kReplicated };
+TpRole tp_role(const std::string& name);
+
 // Collective-free and deterministic: every rank computes the same plan. Checks that the layout is
-// the model's (embedding, layers, norm, lm head in flat order).
+// the model's (embedding, layers, norm, lm head in flat order). With mesh.tp > 1, `layout` is the
+// tp rank's local layout (parallel/tensor_parallel.h) and `cfg` the local config.
 ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const MeshShape& mesh,
                      int zero_stage);
 // Every tensor of `layout` in one unit named `name` (e.g. LoRA adapters), replicated over dp.

@@ -93,7 +93,9 @@ const std::vector<KeySpec>& key_table() {
 
         spec("mesh", "dp", &D::mesh, &S::dp, "ranks",
              "Data-parallel ranks; 0 = auto (world size / (tp x pp))"),
-        spec("mesh", "tp", &D::mesh, &S::tp, "ranks", "Tensor-parallel ranks (only 1 is built)"),
+        spec("mesh", "tp", &D::mesh, &S::tp, "ranks",
+             "Tensor-parallel ranks: heads and MLP columns split over them (train.device = cpu "
+             "only so far; must divide model.num_heads, num_kv_heads and intermediate_size)"),
         spec("mesh", "pp", &D::mesh, &S::pp, "ranks",
              "Pipeline-parallel ranks (only 1 is built)"),
         spec("mesh", "ep", &D::mesh, &S::ep, "ranks",
@@ -337,7 +339,16 @@ void Builder::validate_mesh() {
   MeshShape& m = deck_.mesh;
   need(m.dp >= 0, "mesh.dp", "must be >= 1, or 0 for auto");
   for (const char* k : {"mesh.tp", "mesh.pp", "mesh.ep"}) need(ival(k) >= 1, k, "must be >= 1");
-  need(m.tp == 1, "mesh.tp", ": tensor parallelism is not built yet (only dp is); set it to 1");
+  if (m.tp > 1) {  // tensor parallelism (parallel/tensor_parallel.h): heads and MLP columns split
+    need(deck_.train.device == "cpu", "mesh.tp",
+         ": tensor parallelism is built on train.device = cpu only so far; set mesh.tp = 1 for "
+         "train.device = cuda");
+    for (const char* k : {"model.num_heads", "model.num_kv_heads", "model.intermediate_size"})
+      need(ival(k) % m.tp == 0, "mesh.tp", "does not divide {} = {} (each tp rank takes an equal "
+           "share)", k, ival(k));
+    need(deck_.lora.r == 0, "mesh.tp", ": LoRA ([lora] r > 0) under tensor parallelism is not "
+         "built yet; set mesh.tp = 1");
+  }
   need(m.pp == 1, "mesh.pp", ": pipeline parallelism is not built yet (only dp is); set it to 1");
   if (m.dp == 0) {
     need(world_ % (m.tp * m.pp) == 0, "mesh.dp",

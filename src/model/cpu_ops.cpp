@@ -56,6 +56,14 @@ CpuOps::CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena)
   lse_ = arena.allocate<float>(N);
 }
 
+void CpuOps::tp_block_output(float* y, int rows, int cols) {
+  if (tp_) tp_->all_reduce(y, static_cast<std::size_t>(rows) * cols, DType::kF32, ReduceOp::kSum);
+}
+
+void CpuOps::tp_block_input_backward(float* dx, int rows, int cols) {
+  if (tp_) tp_->all_reduce(dx, static_cast<std::size_t>(rows) * cols, DType::kF32, ReduceOp::kSum);
+}
+
 void CpuOps::linear(float* y, const float* x, const float* w, int N, int in, int out) {
   cpu::linear_forward(y, x, w, N, in, out);
 }

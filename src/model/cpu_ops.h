@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/layer_program.h"
+#include "qtrain/comm.h"
 #include "qtrain/model_config.h"
 
 namespace qt {
@@ -57,6 +58,14 @@ class CpuOps : public NoCollectives {
   // null: 0..T-1, plain causal.
   void set_positions(const std::int32_t* pos) { pos_ = pos; }
   void set_lora(LoraAdapters* lora) { lora_ = lora; }
+  // Tensor parallelism: the tp group this rank's local model is a part of, or null (none).
+  void set_tp(Comm* tp) { tp_ = tp; }
+
+  // The collective hooks tensor parallelism fills (the other two stay NoCollectives' no-ops):
+  // a row-parallel GEMM's partial output [rows, cols] summed over tp, and the partial input
+  // gradient of a block's column-parallel GEMMs summed over tp.
+  void tp_block_output(float* y, int rows, int cols);
+  void tp_block_input_backward(float* dx, int rows, int cols);
   // [N, V] logits of the last lm_head_loss_forward (valid until its backward).
   const float* logits() const { return logits_; }
 
@@ -107,6 +116,7 @@ class CpuOps : public NoCollectives {
   int max_rows_;
   const std::int32_t* pos_ = nullptr;
   LoraAdapters* lora_ = nullptr;
+  Comm* tp_ = nullptr;
   float *cos_, *sin_;      // [T (or rope_len), hd/2]
   float *xs_, *ys_;        // [N, max(Q, KV)] contiguous copies of strided q/k columns
   // Training only (null when ForwardOnly):

@@ -69,6 +69,9 @@ class Qwen3Model {
   // LoRA adapters applied beside the projections they target in every forward and backward
   // (src/model/lora.h; their weights and gradients are bound there), or null: none.
   void set_lora(LoraAdapters* lora) { ops_.set_lora(lora); }
+  // Tensor parallelism: this model is tp rank's local part (parallel/tensor_parallel.h), whose
+  // row-parallel outputs and column-parallel input gradients are summed over `tp`.
+  void set_tensor_parallel(Comm* tp) { ops_.set_tp(tp); }
 
   // [B*T, V] logits of the last forward (valid until backward).
   const float* logits() const { return ops_.logits(); }

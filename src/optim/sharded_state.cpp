@@ -16,15 +16,18 @@ double bytes_of(const std::vector<float>& x) { return 4.0 * static_cast<double>(
 }  // namespace
 
 ShardedState::ShardedState(const ShardPlan& plan, const ParamLayout& layout,
-                           const OptimConfig& cfg, Comm& dp, int total_steps)
+                           const OptimConfig& cfg, Comm& dp, int total_steps, Comm* tp)
     : plan_(plan),
       layout_(layout),
       cfg_(cfg),
       dp_(dp),
+      tp_(plan.tp > 1 ? tp : nullptr),
       total_steps_(total_steps),
       zero_(plan.zero_stage),
       rank_(dp.rank()) {
   QT_CHECK(plan.dp == dp.size(), "plan for dp {} on a dp communicator of {}", plan.dp, dp.size());
+  QT_CHECK(plan.tp == 1 || (tp != nullptr && tp->size() == plan.tp),
+           "plan for tp {} without a tp communicator of that size", plan.tp);
   units_.resize(plan_.units.size());
   for (std::size_t i = 0; i < units_.size(); ++i) {
     const ParamUnit& pu = plan_.units[i];
@@ -71,6 +74,7 @@ void ShardedState::grads_done(int u) {
   if (zero_ < 2) return;
   Unit& x = units_[u];
   QT_CHECK(!x.grads.empty(), "grads_done() of unit {} without gradients", plan_.units[u].name);
+  reduce_partial_over_tp(u, x.grads.data());
   // This micro-batch's gradients of the unit, summed over dp, added to the own shard's.
   const std::size_t chunk = plan_.units[u].chunk;
   reduced_.resize(std::max(reduced_.size(), chunk));
@@ -123,6 +127,7 @@ OptimStepStats ShardedState::step(std::int64_t step) {
   // 1. Reduce: every rank ends with the summed gradients of what it updates.
   for (std::size_t u = 0; u < units_.size(); ++u) {
     Unit& x = units_[u];
+    if (zero_ <= 1) reduce_partial_over_tp(static_cast<int>(u), x.grads.data());
     if (zero_ == 0 && many)
       dp_.all_reduce(x.grads.data(), plan_.units[u].range.size(), DType::kF32, ReduceOp::kSum);
     if (zero_ == 1)
@@ -136,9 +141,11 @@ OptimStepStats ShardedState::step(std::int64_t step) {
     const Range own = pu.shard(rank_);
     const float* g = zero_ == 0 ? units_[u].grads.data() + (own.begin - pu.range.begin)
                                 : units_[u].grad_shard.data();
-    for (std::size_t i = 0; i < own.size(); ++i) sumsq += static_cast<double>(g[i]) * g[i];
+    sumsq += sum_squares(static_cast<int>(u), own, g);
   }
-  st.grad_norm = std::sqrt(dp_.sum(sumsq));
+  sumsq = dp_.sum(sumsq);
+  if (tp_) sumsq = tp_->sum(sumsq);
+  st.grad_norm = std::sqrt(sumsq);
   if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
     st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
   // 3. Update the owned elements, then share them where the parameters are whole.
@@ -152,6 +159,34 @@ OptimStepStats ShardedState::step(std::int64_t step) {
     }
   }
   return st;
+}
+
+void ShardedState::reduce_partial_over_tp(int u, float* grads) {
+  if (!tp_) return;
+  const ParamUnit& pu = plan_.units[u];
+  for (std::size_t i : pu.params) {
+    if (plan_.specs[i].partial_over.empty()) continue;
+    const ParamInfo& p = layout_.params()[i];
+    tp_->all_reduce(grads + (p.offset - pu.range.begin), p.numel, DType::kF32, ReduceOp::kSum);
+  }
+}
+
+double ShardedState::sum_squares(int u, Range own, const float* g) const {
+  const ParamUnit& pu = plan_.units[u];
+  double sumsq = 0;
+  for (std::size_t i : pu.params) {
+    const ParamInfo& p = layout_.params()[i];
+    const std::size_t lo = std::max(own.begin, p.offset);
+    const std::size_t hi = std::min(own.end, p.offset + p.numel);
+    if (lo >= hi) continue;
+    // A copy replicated over tp: counted by tp rank 0 only.
+    if (tp_ && tp_->rank() != 0 && plan_.specs[i].replicated_over_dim(MeshDim::kTp)) continue;
+    for (std::size_t k = lo; k < hi; ++k) {
+      const double x = g[k - own.begin];
+      sumsq += x * x;
+    }
+  }
+  return sumsq;
 }
 
 std::vector<FlatPiece> ShardedState::param_pieces() {

@@ -41,8 +41,11 @@ struct StateBytes {
 class ShardedState final : public ModelParams {
  public:
   // plan.dp must be dp.size(). The parameters start at zero: fill param_pieces() before use.
+  // Under tensor parallelism (plan.tp > 1) `layout` is the tp rank's local one and `tp` its tp
+  // communicator: gradients that are partial over tp (ShardSpec::partial_over) are summed over
+  // it before the update, and the gradient norm counts tensors replicated over tp once.
   ShardedState(const ShardPlan& plan, const ParamLayout& layout, const OptimConfig& cfg, Comm& dp,
-               int total_steps);
+               int total_steps, Comm* tp = nullptr);
 
   // ModelParams.
   const float* params(int unit) override;
@@ -82,12 +85,19 @@ class ShardedState final : public ModelParams {
   float* updated_params(int u);
   const float* updated_grads(int u);
   void update(int u, const AdamWStep& s);
+  // Sums over tp the gradients in `grads` (unit u's whole buffer) of its tensors that are
+  // partial over tp. No-op without tensor parallelism.
+  void reduce_partial_over_tp(int u, float* grads);
+  // Sum of squares of the gradients g of the flat range `own` of unit u, each element counted
+  // once over the mesh (tensors replicated over tp only by tp rank 0).
+  double sum_squares(int u, Range own, const float* g) const;
   void note_peak();
 
   ShardPlan plan_;
   const ParamLayout& layout_;
   OptimConfig cfg_;
   Comm& dp_;
+  Comm* tp_;  // null without tensor parallelism
   int total_steps_;
   int zero_;
   int rank_;

@@ -55,22 +55,58 @@ ParamUnit make_unit(const ParamLayout& layout, std::string name, std::size_t fir
 
 ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_stage) {
   QT_CHECK(zero_stage >= 0 && zero_stage <= 3, "ZeRO stage {}", zero_stage);
-  QT_CHECK(mesh.tp == 1 && mesh.pp == 1 && mesh.ep == 1,
-           "the sharding plan knows only dp so far (tp {}, pp {}, ep {})", mesh.tp, mesh.pp,
-           mesh.ep);
+  QT_CHECK(mesh.pp == 1 && mesh.ep == 1, "the sharding plan knows dp and tp so far (pp {}, ep {})",
+           mesh.pp, mesh.ep);
   ShardPlan plan;
   plan.dp = mesh.dp;
+  plan.tp = mesh.tp;
   plan.zero_stage = zero_stage;
   for (const ParamInfo& p : layout.params()) {
     ShardSpec s;
     s.global_shape = p.shape;
     s.replicated_over = {MeshDim::kDp};  // ZeRO shards storage, not the tensor's meaning
+    if (mesh.tp > 1) {  // the layout is the tp rank's local one
+      switch (tp_role(p.name)) {
+        case TpRole::kColumn:
+          s.sharded_by = MeshDim::kTp, s.axis = 0, s.global_shape[0] *= mesh.tp;
+          break;
+        case TpRole::kRow:
+          s.sharded_by = MeshDim::kTp, s.axis = 1, s.global_shape[1] *= mesh.tp;
+          break;
+        case TpRole::kPartial:
+          s.partial_over = {MeshDim::kTp};
+          s.replicated_over.push_back(MeshDim::kTp);
+          break;
+        case TpRole::kReplicated:
+          s.replicated_over.push_back(MeshDim::kTp);
+          break;
+      }
+    }
     plan.specs.push_back(std::move(s));
   }
   return plan;
 }
 
 }  // namespace
+
+bool ShardSpec::replicated_over_dim(MeshDim d) const {
+  for (MeshDim r : replicated_over)
+    if (r == d) return true;
+  return false;
+}
+
+TpRole tp_role(const std::string& name) {
+  auto ends = [&name](const char* tail) {
+    const std::string t(tail);
+    return name.size() >= t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0;
+  };
+  for (const char* c : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                        "up_proj.weight"})
+    if (ends(c)) return TpRole::kColumn;
+  if (ends("o_proj.weight") || ends("down_proj.weight")) return TpRole::kRow;
+  if (ends("q_norm.weight") || ends("k_norm.weight")) return TpRole::kPartial;
+  return TpRole::kReplicated;
+}
 
 ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const MeshShape& mesh,
                      int zero_stage) {

@@ -1,6 +1,8 @@
 // The CPU reference back end: Qwen3Model (fp32, BLAS) over the optimizer driver ShardedState
 // (ZeRO 0-3 over MPI; optim/sharded_state.h). With [lora] the fp32 base is a frozen flat buffer
-// (no gradients, no moments) and the driver trains the adapters, one unit.
+// (no gradients, no moments) and the driver trains the adapters, one unit. With mesh.tp > 1 the
+// model and the driver hold the tp rank's local part (parallel/tensor_parallel.h) and every
+// piece of state leaves and enters in global coordinates (TpMap).
 #include <fmt/format.h>
 
 #include <memory>
@@ -9,6 +11,7 @@
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "optim/sharded_state.h"
+#include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 #include "train/backend.h"
 
@@ -19,27 +22,44 @@ namespace {
 class CpuBackend final : public TrainBackend {
  public:
   CpuBackend(const Deck& deck, Mesh& mesh)
-      : model_(deck.model, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute),
+      : tp_(mesh.shape().tp),
+        global_layout_(deck.model),
+        model_(tp_local_config(deck.model, tp_), deck.train.micro_batch, deck.train.seq_len,
+               deck.train.recompute),
         lora_(deck.lora.enabled() ? std::make_unique<LoraAdapters>(deck.model, deck.lora,
                                                                    deck.train.micro_batch,
                                                                    deck.train.seq_len)
                                   : nullptr),
         state_(lora_ ? plan_one_unit(lora_->layout(), "adapters", mesh.shape(),
                                      deck.optim.zero_stage)
-                     : plan_qwen3(deck.model, model_.layout(), mesh.shape(),
+                     : plan_qwen3(model_.config(), model_.layout(), mesh.shape(),
                                   deck.optim.zero_stage),
-               lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps),
+               lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps,
+               &mesh.tp()),
         base_(lora_ ? model_.layout().numel() : 0, 0.0f),
         offload_(deck.optim.offload == "cpu"),
-        activations_(Qwen3Model::buffer_bytes(deck.model, deck.train.micro_batch,
+        activations_(Qwen3Model::buffer_bytes(model_.config(), deck.train.micro_batch,
                                               deck.train.seq_len, deck.train.recompute)),
         seed_(deck.train.seed) {
+    QT_CHECK(tp_ == 1 || !lora_, "LoRA with tensor parallelism is not built");
     if (lora_) model_.set_lora(lora_.get());
+    if (tp_ > 1) {
+      model_.set_tensor_parallel(&mesh.tp());
+      tp_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), state_.plan(),
+                                        mesh.tp().rank());
+    }
   }
 
-  const ParamLayout& layout() const override { return model_.layout(); }
+  // The global layout (checkpoints, initialisation and imports see global tensors).
+  const ParamLayout& layout() const override { return global_layout_; }
   std::string describe() const override {
     std::string d = "cpu: fp32 reference (OpenBLAS); " + state_.plan().describe();
+    if (tp_ > 1) {
+      const ModelConfig& c = model_.config();
+      d += fmt::format("; tensor parallel over {} ranks: each runs {} query and {} key/value "
+                       "heads and {} MLP columns",
+                       tp_, c.num_heads, c.num_kv_heads, c.intermediate_size);
+    }
     if (offload_) d += "; optim.offload = cpu: the state is in host memory already";
     if (lora_)
       d += fmt::format("; LoRA: fp32 base frozen (no gradients or moments), {} adapter "
@@ -48,15 +68,29 @@ class CpuBackend final : public TrainBackend {
     return d;
   }
   const ParamLayout& trained_layout() const override {
-    return lora_ ? lora_->layout() : model_.layout();
+    return lora_ ? lora_->layout() : global_layout_;
   }
   std::vector<FlatPiece> model_pieces() override {
     if (lora_) return {{Range{0, base_.size()}, base_.data()}};
+    return trained_pieces();
+  }
+  std::vector<FlatPiece> trained_pieces() override {
+    if (tp_map_) return tp_map_->to_global(state_.param_pieces(), /*writing=*/false);
     return state_.param_pieces();
   }
-  std::vector<FlatPiece> trained_pieces() override { return state_.param_pieces(); }
-  std::vector<StatePiece> checkpoint_pieces() override { return state_.checkpoint_pieces(); }
-  StateTargets checkpoint_targets() override { return state_.checkpoint_targets(); }
+  std::vector<StatePiece> checkpoint_pieces() override {
+    if (tp_map_) return tp_map_->to_global(state_.checkpoint_pieces(), /*writing=*/true);
+    return state_.checkpoint_pieces();
+  }
+  StateTargets checkpoint_targets() override {
+    StateTargets t = state_.checkpoint_targets();
+    if (tp_map_) {
+      t.params = tp_map_->to_global(t.params, false);
+      t.exp_avg = tp_map_->to_global(t.exp_avg, false);
+      t.exp_avg_sq = tp_map_->to_global(t.exp_avg_sq, false);
+    }
+    return t;
+  }
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
   void push_state() override {}  // the host buffers are the live state
   void pull_state() override {}
@@ -86,8 +120,11 @@ class CpuBackend final : public TrainBackend {
   }
 
  private:
-  Qwen3Model model_;
+  int tp_;                              // mesh.tp
+  ParamLayout global_layout_;           // the model's (the local one is model_.layout())
+  Qwen3Model model_;                    // with tp > 1 the tp rank's local part
   std::unique_ptr<LoraAdapters> lora_;  // null without [lora]
+  std::unique_ptr<TpMap> tp_map_;       // local -> global pieces with tp > 1, else null
   ShardedState state_;                  // the trained parameters: the model, or the adapters
   std::vector<float> base_;             // with [lora]: the frozen model [numel], else empty
   bool offload_;

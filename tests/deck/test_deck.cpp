@@ -359,7 +359,11 @@ TEST(DeckErrors, Lora) {
 }
 
 TEST(DeckErrors, ParallelismNotBuiltYet) {
-  expect_error("[mesh]\ntp = 2\n", {"deck.ini:2: mesh.tp = 2: tensor parallelism is not built yet (only dp is); set it to 1"});
+  expect_error("[train]\ndevice = cuda\n[mesh]\ntp = 2\n",
+               {"deck.ini:4: mesh.tp = 2: tensor parallelism is built on train.device = cpu only so far"});
+  expect_error("[mesh]\ntp = 3\n", {"deck.ini:2: mesh.tp = 3 does not divide model.num_heads = "});
+  expect_error("[lora]\nr = 4\n[mesh]\ntp = 2\n",
+               {"deck.ini:4: mesh.tp = 2: LoRA ([lora] r > 0) under tensor parallelism is not built yet"});
   expect_error("[mesh]\npp = 2\n", {"deck.ini:2:", "mesh.pp = 2", "pipeline parallelism is not built yet"});
   expect_error("[mesh]\nep = 2\n", {"deck.ini:2:", "mesh.ep = 2", "expert parallelism is not built yet"});
 }
@@ -400,7 +404,7 @@ TEST(DeckErrors, CommandLine) {
   expect_error("", {"--train.steps=ten"}, 2, {"(command line)", "train.steps = ten is not an integer"});
   expect_error("", {"--train.steps"}, 2, {"(command line)", "--train.steps", "--section.key=value"});
   expect_error("", {"--train.steps=3", "--train.steps=4"}, 2, {"(command line)", "train.steps", "twice"});
-  expect_error("", {"--mesh.tp=2"}, 2, {"(command line): mesh.tp = 2: tensor parallelism"});
+  expect_error("", {"--mesh.tp=3"}, 2, {"(command line): mesh.tp = 3 does not divide model.num_heads"});
   expect_error("", {"--checkpoint.dir=a#b"}, 2, {"(command line)", "checkpoint.dir", "'#'"});
   // The command line wins, so the bad file value is never read.
   EXPECT_EQ(parse("[train]\nsteps = ten\n", {"--train.steps=17"}).train.steps, 17);

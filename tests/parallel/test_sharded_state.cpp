@@ -3,6 +3,7 @@
 // the first AdamW step matches its closed form, and ZeRO-3 holds a shard of the parameters.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <memory>
@@ -10,6 +11,7 @@
 
 #include "model/qwen3.h"
 #include "optim/sharded_state.h"
+#include "parallel/tensor_parallel.h"
 #include "qtrain/comm.h"
 #include "qtrain/shard_plan.h"
 
@@ -175,6 +177,57 @@ TEST(ShardedState, Zero3HoldsAShardAndGathersOneUnitAtATime) {
   EXPECT_LE(st.peak_bytes().params, 4.0 * static_cast<double>(shard + 2 * largest));
   EXPECT_LE(st.peak_bytes().grads, 4.0 * static_cast<double>(shard + 2 * largest));
   if (P > 1) EXPECT_LT(st.peak_bytes().params, 4.0 * static_cast<double>(layout.numel()));
+}
+
+// Tensor parallelism's plan and element map: sharded tensors carry tp and their global shape;
+// over the tp ranks the written pieces cover the global layout exactly once, and the pieces a
+// rank reads put global element (r, c) of a row-parallel tensor at local (r, c - t * cols).
+TEST(TensorParallel, PlanAndMapCoverTheGlobalLayoutOnce) {
+  for (const bool tied : {true, false}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const ModelConfig g = tiny(tied);
+    const int tp = 2;
+    const ModelConfig l = tp_local_config(g, tp);
+    EXPECT_EQ(l.num_heads * tp, g.num_heads);
+    EXPECT_EQ(l.intermediate_size * tp, g.intermediate_size);
+    const ParamLayout global(g), local(l);
+    MeshShape mesh;
+    mesh.tp = tp;
+    const ShardPlan plan = plan_qwen3(l, local, mesh, 0);
+    for (std::size_t i = 0; i < plan.specs.size(); ++i) {
+      const ShardSpec& s = plan.specs[i];
+      const std::string& name = local.params()[i].name;
+      EXPECT_EQ(s.global_shape, global.params()[i].shape) << name;
+      const TpRole role = tp_role(name);
+      EXPECT_EQ(s.sharded_by.has_value(), role == TpRole::kColumn || role == TpRole::kRow) << name;
+      EXPECT_EQ(!s.partial_over.empty(), role == TpRole::kPartial) << name;
+    }
+    std::vector<int> written(global.numel(), 0);
+    std::vector<float> values(global.numel());
+    for (std::size_t k = 0; k < values.size(); ++k) values[k] = static_cast<float>(k);
+    for (int t = 0; t < tp; ++t) {
+      const TpMap map(global, local, plan, t);
+      for (const TpMap::Segment& seg : map.segments(Range{0, local.numel()}, true))
+        for (std::size_t k = 0; k < seg.count; ++k) ++written[seg.global + k];
+      // Read the global values into the local layout and look at one row-parallel tensor.
+      std::vector<float> mine(local.numel(), -1.0f);
+      const std::vector<FlatPiece> whole = {{Range{0, local.numel()}, mine.data()}};
+      for (const FlatPiece& p : map.to_global(whole, false))
+        for (std::size_t k = 0; k < p.range.size(); ++k) p.data[k] = values[p.range.begin + k];
+      EXPECT_EQ(std::count(mine.begin(), mine.end(), -1.0f), 0) << "tp rank " << t;
+      const ParamInfo& lo = local.find("model.layers.1.self_attn.o_proj.weight");
+      const ParamInfo& go = global.find("model.layers.1.self_attn.o_proj.weight");
+      const std::size_t cols = static_cast<std::size_t>(lo.shape[1]);
+      const std::size_t gcols = static_cast<std::size_t>(go.shape[1]);
+      for (std::size_t r : {std::size_t{0}, static_cast<std::size_t>(lo.shape[0]) - 1})
+        for (std::size_t c : {std::size_t{0}, cols - 1})
+          EXPECT_EQ(mine[lo.offset + r * cols + c],
+                    values[go.offset + r * gcols + static_cast<std::size_t>(t) * cols + c])
+              << "o_proj (" << r << ", " << c << ") on tp rank " << t;
+    }
+    EXPECT_EQ(std::count(written.begin(), written.end(), 1),
+              static_cast<std::ptrdiff_t>(written.size()));
+  }
 }
 
 }  // namespace

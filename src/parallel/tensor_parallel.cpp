@@ -1,0 +1,88 @@
+// Tensor parallelism's arithmetic: the local model and the local-to-global element map.
+#include "parallel/tensor_parallel.h"
+
+#include <algorithm>
+
+#include "qtrain/error.h"
+
+namespace qt {
+
+ModelConfig tp_local_config(const ModelConfig& cfg, int tp) {
+  QT_CHECK(tp >= 1 && cfg.num_heads % tp == 0 && cfg.num_kv_heads % tp == 0 &&
+               cfg.intermediate_size % tp == 0,
+           "tp {} must divide the heads {}, the key/value heads {} and the MLP width {}", tp,
+           cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size);
+  ModelConfig c = cfg;
+  c.num_heads /= tp;
+  c.num_kv_heads /= tp;
+  c.intermediate_size /= tp;
+  return c;
+}
+
+TpMap::TpMap(const ParamLayout& global, const ParamLayout& local, const ShardPlan& plan,
+             int tp_rank)
+    : global_(global), local_(local), plan_(plan), tp_rank_(tp_rank) {
+  const auto& g = global.params();
+  const auto& l = local.params();
+  QT_CHECK(g.size() == l.size() && plan.specs.size() == l.size(),
+           "TpMap: {} global tensors, {} local, {} specs", g.size(), l.size(), plan.specs.size());
+  for (std::size_t i = 0; i < l.size(); ++i) {
+    QT_CHECK(g[i].name == l[i].name && g[i].shape == plan.specs[i].global_shape,
+             "TpMap: local tensor {} ({}) does not match the global {}", i, l[i].name, g[i].name);
+    QT_CHECK(!plan.specs[i].sharded_by || l[i].shape.size() == 2, "TpMap: {} sharded but not 2-D",
+             l[i].name);
+  }
+}
+
+std::vector<TpMap::Segment> TpMap::segments(Range r, bool writing) const {
+  std::vector<Segment> out;
+  const auto& ls = local_.params();
+  const auto& gs = global_.params();
+  for (std::size_t i = 0; i < ls.size(); ++i) {
+    const ParamInfo& L = ls[i];
+    const std::size_t lo = std::max(r.begin, L.offset), hi = std::min(r.end, L.offset + L.numel);
+    if (lo >= hi) continue;
+    const ShardSpec& spec = plan_.specs[i];
+    const std::size_t g0 = gs[i].offset, at = lo - L.offset;
+    if (!spec.sharded_by) {
+      if (writing && tp_rank_ != 0 && spec.replicated_over_dim(MeshDim::kTp)) continue;
+      out.push_back({lo, g0 + at, hi - lo});
+    } else if (spec.axis == 0) {  // rows t * rows_local ...: one contiguous global range
+      const std::size_t block = static_cast<std::size_t>(L.numel);
+      out.push_back({lo, g0 + tp_rank_ * block + at, hi - lo});
+    } else {  // columns t * cols_local ... of every row: a global range per row
+      const std::size_t cols = static_cast<std::size_t>(L.shape[1]);
+      const std::size_t global_cols = static_cast<std::size_t>(gs[i].shape[1]);
+      for (std::size_t pos = lo; pos < hi;) {
+        const std::size_t row = (pos - L.offset) / cols, col = (pos - L.offset) % cols;
+        const std::size_t n = std::min(hi - pos, cols - col);
+        out.push_back({pos, g0 + row * global_cols + tp_rank_ * cols + col, n});
+        pos += n;
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<FlatPiece> TpMap::to_global(const std::vector<FlatPiece>& local, bool writing) const {
+  std::vector<FlatPiece> out;
+  for (const FlatPiece& p : local)
+    for (const Segment& s : segments(p.range, writing))
+      out.push_back({Range{s.global, s.global + s.count}, p.data + (s.local - p.range.begin)});
+  return out;
+}
+
+std::vector<StatePiece> TpMap::to_global(const std::vector<StatePiece>& local,
+                                         bool writing) const {
+  std::vector<StatePiece> out;
+  auto at = [](const float* base, std::size_t k) { return base ? base + k : nullptr; };
+  for (const StatePiece& p : local)
+    for (const Segment& s : segments(p.range, writing)) {
+      const std::size_t k = s.local - p.range.begin;
+      out.push_back({Range{s.global, s.global + s.count}, at(p.params, k), at(p.exp_avg, k),
+                     at(p.exp_avg_sq, k)});
+    }
+  return out;
+}
+
+}  // namespace qt

@@ -1,0 +1,54 @@
+// Tensor parallelism's arithmetic (Megatron's split, include/qtrain/shard_plan.h's TpRole): the
+// model a tp rank runs, and where the elements of its local layout live in the global one.
+//
+// A tp rank runs the layer program on a local model: tp_local_config divides the query and
+// key/value heads and the MLP width by tp; the local layout (ParamLayout of that config) keeps
+// the global tensor names and order with local shapes. Column-parallel tensors [out, in] hold
+// rows [t * out/tp, (t + 1) * out/tp) of the global tensor (one contiguous global range),
+// row-parallel tensors hold columns [t * in/tp, (t + 1) * in/tp) of every row (one global range
+// per row), replicated tensors all of it.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "qtrain/checkpoint.h"
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
+#include "qtrain/shard_plan.h"
+
+namespace qt {
+
+// The model of one tp rank: num_heads, num_kv_heads and intermediate_size divided by tp (which
+// must divide each: the deck checks it with a clear message).
+ModelConfig tp_local_config(const ModelConfig& cfg, int tp);
+
+class TpMap {
+ public:
+  // A contiguous run of `count` elements at `local` in the local layout and `global` in the
+  // global one.
+  struct Segment {
+    std::size_t local, global, count;
+  };
+
+  // global: the model's layout; local: ParamLayout(tp_local_config(cfg, tp)); plan: made for
+  // the local layout; tp_rank: this rank's index in its tp group.
+  TpMap(const ParamLayout& global, const ParamLayout& local, const ShardPlan& plan, int tp_rank);
+
+  // The segments of the local flat range r, in local order. writing: leave out tensors
+  // replicated over tp unless this is tp rank 0, so that over all ranks a checkpoint gets each
+  // global element once.
+  std::vector<Segment> segments(Range r, bool writing) const;
+
+  // The same pieces in global coordinates (data pointers advanced to each segment).
+  std::vector<FlatPiece> to_global(const std::vector<FlatPiece>& local, bool writing) const;
+  std::vector<StatePiece> to_global(const std::vector<StatePiece>& local, bool writing) const;
+
+ private:
+  const ParamLayout& global_;
+  const ParamLayout& local_;
+  const ShardPlan& plan_;
+  int tp_rank_;
+};
+
+}  // namespace qt
