@@ -78,9 +78,10 @@ struct Qwen3Units {
   int head() const { return num_layers + 1; }
 };
 
-// How tensor parallelism splits a Qwen3 tensor, by its name (Megatron's split): q/k/v_proj and
-// gate/up_proj column-parallel (rows split over tp), o_proj and down_proj row-parallel (columns
-// split), q_norm and k_norm replicated with partial gradients, everything else replicated.
+// How tensor parallelism splits a Qwen3 tensor, by its name (Megatron's split): q/k/v_proj,
+// gate/up_proj, the embedding and lm_head by rows over tp (the last two: vocabulary-parallel),
+// o_proj and down_proj by columns, q_norm and k_norm replicated with partial gradients, the
+// other norms replicated.
 enum class TpRole { kColumn, kRow, kPartial, kReplicated };
 TpRole tp_role(const std::string& name);
 

@@ -343,7 +343,8 @@ void Builder::validate_mesh() {
     need(deck_.train.device == "cpu", "mesh.tp",
          ": tensor parallelism is built on train.device = cpu only so far; set mesh.tp = 1 for "
          "train.device = cuda");
-    for (const char* k : {"model.num_heads", "model.num_kv_heads", "model.intermediate_size"})
+    for (const char* k : {"model.num_heads", "model.num_kv_heads", "model.intermediate_size",
+                          "model.vocab_size"})
       need(ival(k) % m.tp == 0, "mesh.tp", "does not divide {} = {} (each tp rank takes an equal "
            "share)", k, ival(k));
     need(deck_.lora.r == 0, "mesh.tp", ": LoRA ([lora] r > 0) under tensor parallelism is not "

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "model/lora.h"
+#include "model/vocab_parallel.h"
 #include "ops/attention.h"
 #include "ops/cross_entropy.h"
 #include "ops/embedding.h"
@@ -151,13 +152,20 @@ void CpuOps::swiglu_backward(float* dgu, const float* dh, const float* gu, int N
 }
 
 void CpuOps::embedding(float* x, const std::int32_t* ids, const float* wte, int N) {
-  cpu::embedding_forward(x, ids, wte, N, cfg_.hidden_size);
+  if (tp_)
+    cpu::embedding_forward_vp(x, ids, wte, N, cfg_.hidden_size, vocab_begin_, cfg_.vocab_size,
+                              *tp_);
+  else
+    cpu::embedding_forward(x, ids, wte, N, cfg_.hidden_size);
 }
 
 void CpuOps::embedding_backward(float* dwte, const float* dx, const std::int32_t* ids, int N,
                                 bool overwrite) {
   if (overwrite) zero(dwte, static_cast<std::size_t>(cfg_.vocab_size) * cfg_.hidden_size);
-  cpu::embedding_backward(dwte, dx, ids, N, cfg_.hidden_size);
+  if (tp_)
+    cpu::embedding_backward_vp(dwte, dx, ids, N, cfg_.hidden_size, vocab_begin_, cfg_.vocab_size);
+  else
+    cpu::embedding_backward(dwte, dx, ids, N, cfg_.hidden_size);
 }
 
 std::vector<CpuOps::SiteTarget> CpuOps::site_targets(LoraSite site) const {
@@ -201,15 +209,25 @@ void CpuOps::lora_backward(int l, LoraSite site, const float* x, const float* dy
 void CpuOps::lm_head_loss_forward(const float* xf, const float* lm_head,
                                   const std::int32_t* targets) {
   cpu::linear_forward(logits_, xf, lm_head, N_, cfg_.hidden_size, cfg_.vocab_size);
-  loss_ = cpu::cross_entropy_forward(losses_, lse_, logits_, targets, N_, cfg_.vocab_size);
+  loss_ = tp_ ? cpu::cross_entropy_forward_vp(losses_, lse_, logits_, targets, N_,
+                                              cfg_.vocab_size, vocab_begin_, *tp_)
+              : cpu::cross_entropy_forward(losses_, lse_, logits_, targets, N_, cfg_.vocab_size);
 }
 
 void CpuOps::lm_head_loss_backward(const float* xf, const float* lm_head, float* g_lm_head,
                                    const std::int32_t* targets, float scale, float* dxf) {
   // logits_ becomes d logits in place.
-  cpu::cross_entropy_backward(logits_, logits_, lse_, targets, scale, N_, cfg_.vocab_size);
+  if (tp_)
+    cpu::cross_entropy_backward_vp(logits_, logits_, lse_, targets, scale, N_, cfg_.vocab_size,
+                                   vocab_begin_);
+  else
+    cpu::cross_entropy_backward(logits_, logits_, lse_, targets, scale, N_, cfg_.vocab_size);
   cpu::linear_backward(dxf, g_lm_head, logits_, xf, lm_head, N_, cfg_.hidden_size,
                        cfg_.vocab_size);
+  // Each rank's columns of the vocabulary give part of the input gradient.
+  if (tp_)
+    tp_->all_reduce(dxf, static_cast<std::size_t>(N_) * cfg_.hidden_size, DType::kF32,
+                    ReduceOp::kSum);
 }
 
 void CpuOps::lm_head_loss(const float* xf, const float* lm_head, float* g_lm_head,

@@ -58,8 +58,13 @@ class CpuOps : public NoCollectives {
   // null: 0..T-1, plain causal.
   void set_positions(const std::int32_t* pos) { pos_ = pos; }
   void set_lora(LoraAdapters* lora) { lora_ = lora; }
-  // Tensor parallelism: the tp group this rank's local model is a part of, or null (none).
-  void set_tp(Comm* tp) { tp_ = tp; }
+  // Tensor parallelism: the tp group this rank's local model is a part of, or null (none). The
+  // local vocabulary is then rows [tp rank x V_local, ...) of the global one: the embedding and
+  // the cross-entropy run vocabulary-parallel (model/vocab_parallel.h).
+  void set_tp(Comm* tp) {
+    tp_ = tp;
+    vocab_begin_ = tp ? tp->rank() * cfg_.vocab_size : 0;
+  }
 
   // The collective hooks tensor parallelism fills (the other two stay NoCollectives' no-ops):
   // a row-parallel GEMM's partial output [rows, cols] summed over tp, and the partial input
@@ -117,6 +122,7 @@ class CpuOps : public NoCollectives {
   const std::int32_t* pos_ = nullptr;
   LoraAdapters* lora_ = nullptr;
   Comm* tp_ = nullptr;
+  int vocab_begin_ = 0;  // the first global token id of the local vocabulary
   float *cos_, *sin_;      // [T (or rope_len), hd/2]
   float *xs_, *ys_;        // [N, max(Q, KV)] contiguous copies of strided q/k columns
   // Training only (null when ForwardOnly):

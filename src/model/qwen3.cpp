@@ -61,7 +61,7 @@ double Qwen3Model::buffer_bytes(const ModelConfig& cfg, int B, int T, bool recom
 
 double Qwen3Model::forward(ModelParams& mp, const std::int32_t* inputs,
                            const std::int32_t* targets, const std::int32_t* positions) {
-  const int N = B_ * T_, V = cfg_.vocab_size;
+  const int N = B_ * T_, V = vocab_global_;
   for (int i = 0; i < N; ++i) {
     QT_CHECK(inputs[i] >= 0 && inputs[i] < V, "input id {} at {} outside [0, {})", inputs[i], i, V);
     QT_CHECK(targets[i] == cpu::kIgnoreIndex || (targets[i] >= 0 && targets[i] < V),

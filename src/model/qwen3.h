@@ -71,7 +71,10 @@ class Qwen3Model {
   void set_lora(LoraAdapters* lora) { ops_.set_lora(lora); }
   // Tensor parallelism: this model is tp rank's local part (parallel/tensor_parallel.h), whose
   // row-parallel outputs and column-parallel input gradients are summed over `tp`.
-  void set_tensor_parallel(Comm* tp) { ops_.set_tp(tp); }
+  void set_tensor_parallel(Comm* tp) {
+    ops_.set_tp(tp);
+    vocab_global_ = cfg_.vocab_size * (tp ? tp->size() : 1);
+  }
 
   // [B*T, V] logits of the last forward (valid until backward).
   const float* logits() const { return ops_.logits(); }
@@ -83,6 +86,7 @@ class Qwen3Model {
   CpuOps ops_;
   Qwen3Program<CpuOps> program_;    // the layer program (model/layer_program.h)
   std::vector<std::int32_t> inputs_, targets_, pos_;  // [B, T] copies of the last forward's
+  int vocab_global_ = cfg_.vocab_size;  // token ids are < this (tp: the local vocabulary x tp)
 };
 
 }  // namespace qt

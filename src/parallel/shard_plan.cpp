@@ -101,7 +101,7 @@ TpRole tp_role(const std::string& name) {
     return name.size() >= t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0;
   };
   for (const char* c : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
-                        "up_proj.weight"})
+                        "up_proj.weight", "embed_tokens.weight", "lm_head.weight"})
     if (ends(c)) return TpRole::kColumn;
   if (ends("o_proj.weight") || ends("down_proj.weight")) return TpRole::kRow;
   if (ends("q_norm.weight") || ends("k_norm.weight")) return TpRole::kPartial;

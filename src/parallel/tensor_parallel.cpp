@@ -9,13 +9,15 @@ namespace qt {
 
 ModelConfig tp_local_config(const ModelConfig& cfg, int tp) {
   QT_CHECK(tp >= 1 && cfg.num_heads % tp == 0 && cfg.num_kv_heads % tp == 0 &&
-               cfg.intermediate_size % tp == 0,
-           "tp {} must divide the heads {}, the key/value heads {} and the MLP width {}", tp,
-           cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size);
+               cfg.intermediate_size % tp == 0 && cfg.vocab_size % tp == 0,
+           "tp {} must divide the heads {}, the key/value heads {}, the MLP width {} and the "
+           "vocabulary {}",
+           tp, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size);
   ModelConfig c = cfg;
   c.num_heads /= tp;
   c.num_kv_heads /= tp;
   c.intermediate_size /= tp;
+  c.vocab_size /= tp;
   return c;
 }
 

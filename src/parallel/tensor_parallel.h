@@ -2,8 +2,9 @@
 // model a tp rank runs, and where the elements of its local layout live in the global one.
 //
 // A tp rank runs the layer program on a local model: tp_local_config divides the query and
-// key/value heads and the MLP width by tp; the local layout (ParamLayout of that config) keeps
-// the global tensor names and order with local shapes. Column-parallel tensors [out, in] hold
+// key/value heads, the MLP width and the vocabulary by tp (the embedding and the lm head are
+// vocabulary-parallel: model/vocab_parallel.h); the local layout (ParamLayout of that config)
+// keeps the global tensor names and order with local shapes. Column-parallel tensors [out, in] hold
 // rows [t * out/tp, (t + 1) * out/tp) of the global tensor (one contiguous global range),
 // row-parallel tensors hold columns [t * in/tp, (t + 1) * in/tp) of every row (one global range
 // per row), replicated tensors all of it.
@@ -19,8 +20,8 @@
 
 namespace qt {
 
-// The model of one tp rank: num_heads, num_kv_heads and intermediate_size divided by tp (which
-// must divide each: the deck checks it with a clear message).
+// The model of one tp rank: num_heads, num_kv_heads, intermediate_size and vocab_size divided by
+// tp (which must divide each: the deck checks it with a clear message).
 ModelConfig tp_local_config(const ModelConfig& cfg, int tp);
 
 class TpMap {

@@ -198,9 +198,9 @@ TEST_F(ZeroStages, CheckpointOfZero3ResumesAtOtherMeshesAndStages) {
   }
 }
 
-// Tensor parallelism (issue 17, first part: the CPU back end, heads and MLP columns split over
-// tp, embedding and head replicated) on its own and under every ZeRO stage over dp: the serial
-// run's losses, gradient norms and final parameters (the checkpoint holds global tensors).
+// Tensor parallelism (issue 17, first part: the CPU back end; heads, MLP columns and the
+// vocabulary split over tp) on its own and under every ZeRO stage over dp: the serial run's
+// losses, gradient norms and final parameters (the checkpoint holds global tensors).
 TEST_F(ZeroStages, TensorParallelReproducesTheSerialRun) {
   const RunResult serial = train("serial", 1, {});
   const std::vector<float> want = read_params(path("serial/step_00000010.h5"), true);
@@ -230,7 +230,7 @@ TEST_F(ZeroStages, TensorParallelReproducesTheSerialRun) {
     expect_serial(r.steps, serial.steps);
     EXPECT_LT(params, kParamTol);
   }
-  // Untied: the lm head is a tensor of its own (replicated over tp). Its rows of tokens the
+  // Untied: the lm head is a tensor of its own (vocabulary-parallel too). Its rows of tokens the
   // synthetic data never uses get gradients near zero, whose sign AdamW turns into a whole
   // lr-sized step: with eps 1e-8 the last-bit differences of tp's reordered sums flip some of
   // them (seen: losses 6e-6 and norms 3e-4 apart after step 4, from 7e-9 at step 1). eps 1e-6
