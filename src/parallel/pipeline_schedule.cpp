@@ -1,0 +1,208 @@
+// Pipeline schedules: the greedy list scheduler and the simulator that checks any schedule.
+#include "parallel/pipeline_schedule.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+
+#include "qtrain/error.h"
+
+namespace qt {
+
+namespace {
+
+constexpr double kNever = std::numeric_limits<double>::infinity();
+
+// Finish times of every action of a step, [virtual stage][micro-batch], kNever until done.
+struct Finish {
+  std::vector<std::vector<double>> f, b, w;  // forward; backward or its input half; weight half
+  Finish(int K, int M)
+      : f(K, std::vector<double>(M, kNever)), b(f), w(f) {}
+};
+
+double cost_of(PipeOp op, const PipeCosts& c) {
+  switch (op) {
+    case PipeOp::kForward: return c.forward;
+    case PipeOp::kBackward: return c.backward;
+    case PipeOp::kBackwardInput: return c.backward_input;
+    case PipeOp::kBackwardWeight: return c.backward_weight;
+  }
+  return 0;
+}
+
+// The time action a may start given what has finished (kNever: not yet known).
+double ready_at(const PipeAction& a, const Finish& fin, int K) {
+  const int k = a.chunk, m = a.micro_batch;
+  switch (a.op) {
+    case PipeOp::kForward: return k == 0 ? 0.0 : fin.f[k - 1][m];
+    case PipeOp::kBackward:
+    case PipeOp::kBackwardInput:
+      return std::max(fin.f[k][m], k == K - 1 ? 0.0 : fin.b[k + 1][m]);
+    case PipeOp::kBackwardWeight: return fin.b[k][m];
+  }
+  return kNever;
+}
+
+void record(const PipeAction& a, double end, Finish& fin) {
+  const int k = a.chunk, m = a.micro_batch;
+  if (a.op == PipeOp::kForward) fin.f[k][m] = end;
+  if (a.op == PipeOp::kBackward) fin.b[k][m] = fin.w[k][m] = end;
+  if (a.op == PipeOp::kBackwardInput) fin.b[k][m] = end;
+  if (a.op == PipeOp::kBackwardWeight) fin.w[k][m] = end;
+}
+
+void check(const PipeScheduleConfig& cfg) {
+  QT_CHECK(cfg.stages >= 1 && cfg.micro_batches >= 1 && cfg.virtual_chunks >= 1,
+           "pipeline schedule of {} stages, {} micro-batches, {} chunks", cfg.stages,
+           cfg.micro_batches, cfg.virtual_chunks);
+}
+
+}  // namespace
+
+PipeSchedule schedule(const PipeScheduleConfig& cfg) {
+  check(cfg);
+  if (cfg.virtual_chunks != 1)
+    throw std::invalid_argument(fmt::format(
+        "interleaved schedules (virtual_chunks {}) are not built yet", cfg.virtual_chunks));
+  const int P = cfg.stages, M = cfg.micro_batches, K = P * cfg.virtual_chunks;
+  const PipeOp back = cfg.split_backward ? PipeOp::kBackwardInput : PipeOp::kBackward;
+  const PipeCosts costs;
+  Finish fin(K, M);
+  std::vector<std::vector<char>> started_f(K, std::vector<char>(M, 0)), started_b = started_f,
+                                                                         started_w = started_f;
+  PipeSchedule out(P);
+  std::vector<double> free_at(P, 0.0);
+  std::vector<int> in_flight(P, 0);  // forwards begun whose backward (input half) has not begun
+  std::vector<int> weights_owed(P, 0);  // input halves done whose weight half has not begun
+  const int total = K * M * (cfg.split_backward ? 3 : 2);
+  int placed = 0;
+  double t = 0;
+  while (placed < total) {
+    for (int s = 0; s < P; ++s) {
+      if (free_at[s] > t) continue;
+      // 1F1B's memory: stage s holds at most P - s micro-batches. Weight halves may wait, at
+      // most P - s of them.
+      const int limit = P - s;
+      const bool weights_due = weights_owed[s] >= P - s;
+      const PipeAction* best = nullptr;
+      PipeAction cand{};
+      auto consider = [&](PipeAction a) {
+        if (ready_at(a, fin, K) > t) return;
+        if (best == nullptr) cand = a, best = &cand;
+      };
+      // Backward (or its input half): the oldest micro-batch first, from the last chunk down.
+      for (int m = 0; m < M && !best; ++m)
+        for (int k = K - 1 - (P - 1 - s); k >= 0 && !best; k -= P)
+          if (!started_b[k][m]) consider({back, k, m});
+      // Weight halves first when too many wait.
+      if (!best && cfg.split_backward && weights_due)
+        for (int m = 0; m < M && !best; ++m)
+          for (int k = s; k < K && !best; k += P)
+            if (started_b[k][m] && !started_w[k][m]) consider({PipeOp::kBackwardWeight, k, m});
+      // Forward: depth first (a micro-batch through its chunks before the next one starts).
+      if (!best && in_flight[s] < limit)
+        for (int m = 0; m < M && !best; ++m)
+          for (int k = s; k < K && !best; k += P)
+            if (!started_f[k][m]) consider({PipeOp::kForward, k, m});
+      // Weight halves fill what is left.
+      if (!best && cfg.split_backward)
+        for (int m = 0; m < M && !best; ++m)
+          for (int k = s; k < K && !best; k += P)
+            if (started_b[k][m] && !started_w[k][m]) consider({PipeOp::kBackwardWeight, k, m});
+      if (!best) continue;
+      const PipeAction a = *best;
+      const double end = t + cost_of(a.op, costs);
+      if (a.op == PipeOp::kForward) started_f[a.chunk][a.micro_batch] = 1, ++in_flight[s];
+      if (a.op == back) started_b[a.chunk][a.micro_batch] = 1, --in_flight[s];
+      if (a.op == PipeOp::kBackwardInput) ++weights_owed[s];
+      if (a.op == PipeOp::kBackwardWeight) started_w[a.chunk][a.micro_batch] = 1, --weights_owed[s];
+      record(a, end, fin);
+      out[s].push_back(a);
+      free_at[s] = end;
+      ++placed;
+    }
+    // The next moment something changes: a stage becomes free or an action finishes.
+    double next = kNever;
+    for (double f : free_at)
+      if (f > t) next = std::min(next, f);
+    QT_CHECK(next < kNever || placed == total, "pipeline scheduler stuck at t = {}", t);
+    t = next;
+  }
+  return out;
+}
+
+PipeSimulation simulate(const PipeSchedule& sched, const PipeScheduleConfig& cfg,
+                        const PipeCosts& c) {
+  check(cfg);
+  const int P = cfg.stages, M = cfg.micro_batches, K = P * cfg.virtual_chunks;
+  if (static_cast<int>(sched.size()) != P)
+    throw std::logic_error(fmt::format("a schedule of {} stages for {}", sched.size(), P));
+  // Each action of the step exactly once, on the stage that owns its chunk.
+  std::vector<int> seen(static_cast<std::size_t>(K) * M * 4, 0);
+  std::size_t expected = 0;
+  for (int s = 0; s < P; ++s)
+    for (const PipeAction& a : sched[s]) {
+      if (a.chunk < 0 || a.chunk >= K || a.chunk % P != s || a.micro_batch < 0 ||
+          a.micro_batch >= M)
+        throw std::logic_error(fmt::format("stage {} lists {}", s, describe({a})));
+      ++seen[(static_cast<std::size_t>(a.chunk) * M + a.micro_batch) * 4 +
+             static_cast<int>(a.op)];
+      ++expected;
+    }
+  for (int k = 0; k < K; ++k)
+    for (int m = 0; m < M; ++m) {
+      const int* n = &seen[(static_cast<std::size_t>(k) * M + m) * 4];
+      const bool whole = n[1] == 1 && n[2] == 0 && n[3] == 0;
+      const bool split = n[1] == 0 && n[2] == 1 && n[3] == 1;
+      if (n[0] != 1 || !(whole || split))
+        throw std::logic_error(fmt::format("chunk {} micro-batch {}: F x{}, B x{}, I x{}, W x{}", k,
+                                           m, n[0], n[1], n[2], n[3]));
+    }
+  Finish fin(K, M);
+  std::vector<std::size_t> next(P, 0);
+  std::vector<double> free_at(P, 0.0), busy(P, 0.0);
+  std::size_t done = 0;
+  while (done < expected) {
+    bool progress = false;
+    for (int s = 0; s < P; ++s) {
+      if (next[s] == sched[s].size()) continue;
+      const PipeAction& a = sched[s][next[s]];
+      const double ready = ready_at(a, fin, K);
+      if (ready == kNever) continue;  // waits for an action not yet placed
+      const double start = std::max(ready, free_at[s]), cost = cost_of(a.op, c);
+      record(a, start + cost, fin);
+      free_at[s] = start + cost;
+      busy[s] += cost;
+      ++next[s], ++done, progress = true;
+    }
+    if (!progress) {
+      std::string stuck;
+      for (int s = 0; s < P; ++s)
+        if (next[s] < sched[s].size())
+          stuck += fmt::format(" stage {} at {};", s, describe({sched[s][next[s]]}));
+      throw std::logic_error("the pipeline schedule deadlocks:" + stuck);
+    }
+  }
+  PipeSimulation r;
+  for (double f : free_at) r.makespan = std::max(r.makespan, f);
+  double all = 0;
+  for (double b : busy) all += b;
+  r.bubble = r.makespan > 0 ? 1.0 - all / (P * r.makespan) : 0.0;
+  return r;
+}
+
+std::string describe(const std::vector<PipeAction>& stage) {
+  std::string out;
+  for (const PipeAction& a : stage) {
+    const char* op = a.op == PipeOp::kForward         ? "F"
+                     : a.op == PipeOp::kBackward      ? "B"
+                     : a.op == PipeOp::kBackwardInput ? "I"
+                                                      : "W";
+    out += fmt::format("{}{}{}.{}", out.empty() ? "" : " ", op, a.chunk, a.micro_batch);
+  }
+  return out;
+}
+
+}  // namespace qt

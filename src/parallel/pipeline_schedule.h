@@ -1,0 +1,70 @@
+// Pipeline schedules (issue 17): what each pipeline stage runs, in order, for one optimizer step
+// of M micro-batches over P stages. The trainer executes a stage's list; activations and their
+// gradients travel between neighbouring stages (the executor receives an input before a forward
+// or backward needs it and sends an output when it is made), so only compute actions are listed.
+//
+//   kForward        F(k, m): virtual stage k's forward of micro-batch m
+//   kBackward       B(k, m): its whole backward (input and weight gradients)
+//   kBackwardInput  I(k, m): the input-gradient half of the backward (zero-bubble schedules)
+//   kBackwardWeight W(k, m): the weight-gradient half, any time after I(k, m)
+//
+// Virtual stages (interleaving): the model's layers are cut into P x V consecutive chunks; chunk
+// k runs on stage k % P, so micro-batches pass every stage V times. Dependencies: F(k, m) after
+// F(k - 1, m); B or I(k, m) after F(k, m) and after B or I(k + 1, m); W(k, m) after I(k, m).
+//
+// schedule() builds the lists by simulating the actions greedily, the way 1F1B does by hand:
+// each stage, whenever it is free, runs the first ready action in the order B/I, F, W, with at
+// most P - s micro-batches between their forward and their backward on stage s (1F1B's memory)
+// and at most P - s weight halves waiting. With whole backwards this is exactly 1F1B. With split
+// ones the weight halves fill part of the bubble: with F = I = W = 1 the step takes
+// 3M + 2(P - 1) instead of 1F1B's 3(M + P - 1), not yet ZB-H1's 3M + P - 1 (its hand-made order
+// starts the weight halves later in the warm-up). Interleaving (V > 1) is simulated but not
+// scheduled yet.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace qt {
+
+enum class PipeOp { kForward, kBackward, kBackwardInput, kBackwardWeight };
+
+struct PipeAction {
+  PipeOp op;
+  int chunk;        // virtual stage k of the action (stage k % P runs it)
+  int micro_batch;  // m
+};
+
+struct PipeScheduleConfig {
+  int stages = 1;            // P
+  int micro_batches = 1;     // M
+  int virtual_chunks = 1;    // V: chunks per stage (interleaving when > 1)
+  bool split_backward = false;  // I and W instead of B (zero bubble)
+};
+
+// [P] the actions of each stage, in execution order.
+using PipeSchedule = std::vector<std::vector<PipeAction>>;
+
+// Throws std::invalid_argument for virtual_chunks > 1 (not built yet).
+PipeSchedule schedule(const PipeScheduleConfig& cfg);
+
+// Unit costs of the actions, for the simulation (a forward, a whole backward, its two halves).
+struct PipeCosts {
+  double forward = 1, backward = 2, backward_input = 1, backward_weight = 1;
+};
+
+struct PipeSimulation {
+  double makespan = 0;  // time from the first action to the last
+  double bubble = 0;    // idle fraction of the stages over the makespan: 1 - busy / (P makespan)
+};
+
+// Runs `s` with costs `c`: every stage executes its list in order, each action as soon as its
+// dependencies have finished. Throws std::logic_error naming the stuck actions when the lists
+// deadlock, and when they miss or repeat an action of cfg's step.
+PipeSimulation simulate(const PipeSchedule& s, const PipeScheduleConfig& cfg,
+                        const PipeCosts& c = {});
+
+// "F0.3 B1.2 ..." (chunk.micro_batch) of one stage, for messages and tests.
+std::string describe(const std::vector<PipeAction>& stage);
+
+}  // namespace qt
