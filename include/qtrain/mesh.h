@@ -38,6 +38,11 @@ struct MeshCoord {
 // Pure functions of the mesh arithmetic (testable without MPI).
 MeshCoord mesh_coord_of(const MeshShape& s, int world_rank);
 int mesh_rank_of(const MeshShape& s, const MeshCoord& c);
+// The tensor-parallel groups whose ranks are on more than one host, given each world rank's
+// host: one line each, "world ranks a..b on hosts x, y". Tensor parallelism exchanges
+// activations twice a layer; across hosts that traffic crosses the network.
+std::vector<std::string> tp_groups_across_hosts(const MeshShape& s,
+                                                const std::vector<std::string>& host_of_rank);
 
 class Mesh {
  public:
@@ -68,7 +73,9 @@ class Mesh {
   // builds only: elsewhere a UserError.
   Comm& device(MeshDim d);
 
-  // One line per rank: "rank r host h local l: pp.. dp.. tp.. ep..". Collective; result on rank 0.
+  // One line per rank: "rank r host h local l cpu c numa n: pp.. dp.. tp.. ep..", a line with the
+  // hosts and their rank counts, and a warning naming mesh.tp when a tensor-parallel group spans
+  // hosts. Collective; result on rank 0.
   std::string describe();
 
  private:

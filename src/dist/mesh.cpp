@@ -2,6 +2,12 @@
 #include "qtrain/mesh.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <string>
 
 #include <vector>
 
@@ -33,6 +39,23 @@ MeshCoord mesh_coord_of(const MeshShape& s, int r) {
 
 int mesh_rank_of(const MeshShape& s, const MeshCoord& c) {
   return (c.pp * s.dp + c.dp) * s.tp + c.tp;
+}
+
+std::vector<std::string> tp_groups_across_hosts(const MeshShape& s,
+                                                const std::vector<std::string>& host_of_rank) {
+  std::vector<std::string> out;
+  if (s.tp <= 1) return out;
+  // tp is innermost: the groups are world ranks [g * tp, (g + 1) * tp).
+  for (int first = 0; first + s.tp <= static_cast<int>(host_of_rank.size()); first += s.tp) {
+    std::vector<std::string> hosts;
+    for (int r = first; r < first + s.tp; ++r)
+      if (std::find(hosts.begin(), hosts.end(), host_of_rank[r]) == hosts.end())
+        hosts.push_back(host_of_rank[r]);
+    if (hosts.size() > 1)
+      out.push_back(fmt::format("world ranks {}..{} on hosts {}", first, first + s.tp - 1,
+                                fmt::join(hosts, ", ")));
+  }
+  return out;
 }
 
 namespace {
@@ -97,23 +120,70 @@ std::unique_ptr<Comm> make_device_comm(const MpiComm&, const std::string& name) 
 }
 #endif
 
+namespace {
+
+// The NUMA node of `cpu` (the nodeN entry of its sysfs directory), or -1 when unknown.
+int numa_node_of_cpu(int cpu) {
+  std::error_code ec;
+  const std::filesystem::path dir = fmt::format("/sys/devices/system/cpu/cpu{}", cpu);
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.size() > 4 && name.compare(0, 4, "node") == 0) {
+      try {
+        return std::stoi(name.substr(4));
+      } catch (const std::exception&) {
+        return -1;
+      }
+    }
+  }
+  return -1;
+}
+
+}  // namespace
+
 std::string Mesh::describe() {
-  constexpr int kLen = 160;  // fixed width per rank's line, padded with spaces
-  std::string mine = fmt::format("  rank {:>4} host {} local {}/{}: pp {} dp {} tp {} ep {} edp {}",
-                                 world_->rank(), host_, local_rank_, local_size_, coord_.pp,
-                                 coord_.dp, coord_.tp, coord_.ep, coord_.edp);
+  constexpr int kLen = 200;   // fixed width per rank's line, padded with spaces
+  constexpr int kHost = 128;  // fixed width of a host name
+  const int cpu = sched_getcpu();
+  std::string mine = fmt::format(
+      "  rank {:>4} host {} local {}/{} cpu {} numa {}: pp {} dp {} tp {} ep {} edp {}",
+      world_->rank(), host_, local_rank_, local_size_, cpu, numa_node_of_cpu(cpu), coord_.pp,
+      coord_.dp, coord_.tp, coord_.ep, coord_.edp);
   mine.resize(kLen, ' ');
-  std::vector<char> all(static_cast<std::size_t>(kLen) * world_->size());
+  std::string host = host_;
+  host.resize(kHost, ' ');
+  const std::size_t P = static_cast<std::size_t>(world_->size());
+  std::vector<char> all(kLen * P), hosts(kHost * P);
   QT_CHECK_MPI(MPI_Gather(mine.data(), kLen, MPI_CHAR, all.data(), kLen, MPI_CHAR, 0,
                           world_->mpi()));
+  QT_CHECK_MPI(MPI_Gather(host.data(), kHost, MPI_CHAR, hosts.data(), kHost, MPI_CHAR, 0,
+                          world_->mpi()));
   if (world_->rank() != 0) return {};
+  auto field = [](const std::vector<char>& v, std::size_t i, int len) {
+    std::string s(v.data() + i * len, len);
+    s.erase(s.find_last_not_of(' ') + 1);
+    return s;
+  };
   std::string out = fmt::format("mesh: world {} = pp {} x dp {} x tp {} (ep {} within dp)\n",
                                 shape_.world(), shape_.pp, shape_.dp, shape_.tp, shape_.ep);
-  for (int r = 0; r < world_->size(); ++r) {
-    std::string line(all.data() + static_cast<std::size_t>(r) * kLen, kLen);
-    line.erase(line.find_last_not_of(' ') + 1);
-    out += line + "\n";
+  std::vector<std::string> host_of(P), names;
+  std::vector<int> counts;
+  for (std::size_t r = 0; r < P; ++r) {
+    out += field(all, r, kLen) + "\n";
+    host_of[r] = field(hosts, r, kHost);
+    const auto it = std::find(names.begin(), names.end(), host_of[r]);
+    if (it == names.end()) names.push_back(host_of[r]), counts.push_back(1);
+    else ++counts[it - names.begin()];
   }
+  std::vector<std::string> per_host;
+  for (std::size_t h = 0; h < names.size(); ++h)
+    per_host.push_back(fmt::format("{} ({} ranks)", names[h], counts[h]));
+  out += fmt::format("hosts: {}: {}\n", names.size(), fmt::join(per_host, ", "));
+  for (const std::string& g : tp_groups_across_hosts(shape_, host_of))
+    out += fmt::format("warning: mesh.tp = {} puts a tensor-parallel group across hosts ({}): its "
+                       "activations cross the network twice a layer; keep mesh.tp within the "
+                       "ranks of one host\n",
+                       shape_.tp, g);
   return out;
 }
 

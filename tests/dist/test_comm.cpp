@@ -32,6 +32,22 @@ TEST(MeshArithmetic, CoordinatesRoundTripAndTpIsInnermost) {
   }
 }
 
+// Tensor-parallel groups are tp consecutive world ranks; a group on two hosts is named.
+TEST(MeshArithmetic, TensorParallelGroupsAcrossHostsAreNamed) {
+  MeshShape s;
+  s.tp = 4;
+  s.dp = 2;
+  const std::vector<std::string> two_by_four = {"a", "a", "a", "a", "b", "b", "b", "b"};
+  EXPECT_TRUE(tp_groups_across_hosts(s, two_by_four).empty());
+  const std::vector<std::string> four_by_two = {"a", "a", "b", "b", "c", "c", "d", "d"};
+  const std::vector<std::string> got = tp_groups_across_hosts(s, four_by_two);
+  ASSERT_EQ(got.size(), 2u);
+  EXPECT_EQ(got[0], "world ranks 0..3 on hosts a, b");
+  EXPECT_EQ(got[1], "world ranks 4..7 on hosts c, d");
+  s.tp = 1;
+  EXPECT_TRUE(tp_groups_across_hosts(s, four_by_two).empty());
+}
+
 TEST(MpiComm, Collectives) {
   auto w = world();
   const int n = w->size(), r = w->rank();
@@ -118,6 +134,8 @@ TEST(Mesh, CommunicatorsGroupTheRightRanks) {
   if (r == 0) {
     EXPECT_NE(text.find("dp 2"), std::string::npos) << text;
     EXPECT_NE(text.find("rank    3"), std::string::npos) << text;
+    EXPECT_NE(text.find("hosts: 1: "), std::string::npos) << text;
+    EXPECT_NE(text.find(" numa "), std::string::npos) << text;
   }
   // Each dimension by name: the same communicators as the accessors.
   EXPECT_EQ(&mesh.mpi(MeshDim::kDp), &mesh.dp());
