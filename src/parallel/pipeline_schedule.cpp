@@ -83,9 +83,10 @@ PipeSchedule schedule(const PipeScheduleConfig& cfg) {
     for (int s = 0; s < P; ++s) {
       if (free_at[s] > t) continue;
       // 1F1B's memory: stage s holds at most P - s micro-batches. Weight halves may wait, at
-      // most P - s of them.
+      // most max_weights_waiting (default P - s) of them.
       const int limit = P - s;
-      const bool weights_due = weights_owed[s] >= P - s;
+      const int waiting = cfg.max_weights_waiting > 0 ? cfg.max_weights_waiting : P - s;
+      const bool weights_due = weights_owed[s] >= waiting;
       const PipeAction* best = nullptr;
       PipeAction cand{};
       auto consider = [&](PipeAction a) {

@@ -15,11 +15,10 @@
 // schedule() builds the lists by simulating the actions greedily, the way 1F1B does by hand:
 // each stage, whenever it is free, runs the first ready action in the order B/I, F, W, with at
 // most P - s micro-batches between their forward and their backward on stage s (1F1B's memory)
-// and at most P - s weight halves waiting. With whole backwards this is exactly 1F1B. With split
-// ones the weight halves fill part of the bubble: with F = I = W = 1 the step takes
-// 3M + 2(P - 1) instead of 1F1B's 3(M + P - 1), not yet ZB-H1's 3M + P - 1 (its hand-made order
-// starts the weight halves later in the warm-up). Interleaving (V > 1) is simulated but not
-// scheduled yet.
+// and at most max_weights_waiting weight halves waiting. With whole backwards this is exactly
+// 1F1B. With split ones the weight halves fill the bubble: with F = I = W = 1 the step takes
+// 3M + 2(P - 1) (P - s halves waiting, about 1F1B's memory) or ZB-H1's 3M + P - 1 (P waiting),
+// instead of 1F1B's 3(M + P - 1). Interleaving (V > 1) is simulated but not scheduled yet.
 #pragma once
 
 #include <string>
@@ -40,6 +39,10 @@ struct PipeScheduleConfig {
   int micro_batches = 1;     // M
   int virtual_chunks = 1;    // V: chunks per stage (interleaving when > 1)
   bool split_backward = false;  // I and W instead of B (zero bubble)
+  // With split backwards: how many weight halves may wait on a stage (each holds its layers'
+  // inputs and output gradients); 0: P - s on stage s. P gives ZB-H1's step (3M + P - 1 unit
+  // actions with F = I = W = 1).
+  int max_weights_waiting = 0;
 };
 
 // [P] the actions of each stage, in execution order.

@@ -1,5 +1,6 @@
 // Pipeline schedules (src/parallel/pipeline_schedule.h): the greedy scheduler gives 1F1B's lists
-// and bubble exactly, keeps 1F1B's memory, and with split backwards leaves less bubble; the
+// and bubble exactly, keeps 1F1B's memory, and with split backwards leaves less bubble (ZB-H1's
+// step when P weight halves may wait); the
 // simulator runs interleaved lists and refuses lists that miss, repeat or misplace an action, or
 // deadlock.
 #include <gtest/gtest.h>
@@ -55,7 +56,7 @@ TEST(PipelineSchedule, OneFOneBHasItsListsBubbleAndMemory) {
                              "B3.6 F3.7 B3.7");
 }
 
-TEST(PipelineSchedule, SplitBackwardsFillPartOfTheBubble) {
+TEST(PipelineSchedule, SplitBackwardsFillTheBubble) {
   const PipeCosts unit{1, 2, 1, 1};
   for (int P : {2, 4, 8})
     for (int M : {8, 16, 32}) {
@@ -72,6 +73,18 @@ TEST(PipelineSchedule, SplitBackwardsFillPartOfTheBubble) {
       for (int st = 0; st < P; ++st) {
         EXPECT_LE(peak_in_flight(zs[st]), P - st) << describe(zs[st]);
         EXPECT_LE(peak_weights_owed(zs[st]), P - st) << describe(zs[st]);
+      }
+      // P weight halves may wait: ZB-H1's step, 3M + P - 1.
+      PipeScheduleConfig zb = split;
+      zb.max_weights_waiting = P;
+      const PipeSchedule hs = schedule(zb);
+      const PipeSimulation h = simulate(hs, zb, unit);
+      std::printf("         with P weight halves waiting: bubble %.4f\n", h.bubble);
+      EXPECT_NEAR(h.makespan, 3.0 * M + (P - 1), 1e-9);
+      EXPECT_LE(h.bubble, (P - 1) / (3.0 * M) + 1e-12);  // the bound
+      for (int st = 0; st < P; ++st) {
+        EXPECT_LE(peak_in_flight(hs[st]), P - st) << describe(hs[st]);
+        EXPECT_LE(peak_weights_owed(hs[st]), P) << describe(hs[st]);
       }
     }
 }
