@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hf/export.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/params.h"
 #include "runtime/memory.h"
@@ -264,6 +265,25 @@ TEST_F(ZeroStages, CheckpointsMoveBetweenTensorParallelAndSerial) {
     EXPECT_EQ(r->steps.front().step, 6);
     expect_serial(r->steps, serial.steps, 6);
   }
+}
+
+// Hugging Face weights (`[model] init`) reach a tensor-parallel run through the same global
+// pieces: exported from a checkpoint, they start tp 2 on the serial run's losses.
+TEST_F(ZeroStages, TensorParallelRunsStartFromHuggingFaceWeights) {
+  train("first", 1, {"--train.stop_at=5"});
+  const std::string hf = path("hf");
+  auto world = std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
+  std::vector<std::string> args = {"export", path("first/step_00000005.h5"), hf};
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  ASSERT_EQ(export_main(static_cast<int>(argv.size()), argv.data(), world), 0);
+  const std::vector<std::string> init = {"--model.preset=", "--model.init=" + hf};
+  std::vector<std::string> tp = init;
+  tp.push_back("--mesh.tp=2");
+  const RunResult serial = train("hf_serial", 1, init);
+  const RunResult sharded = train("hf_tp", 2, tp);
+  ASSERT_EQ(sharded.steps.size(), 10u);
+  expect_serial(sharded.steps, serial.steps);
 }
 
 // The peak memory by kind of the last metrics line of `path` (mem_* fields, bytes).
