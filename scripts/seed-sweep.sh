@@ -4,6 +4,9 @@
 # seed exceeds fails CI now and then; this finds such seeds before CI does.
 #   usage: scripts/seed-sweep.sh BUILD_DIR RUNS [program ...]
 #   default programs: the single-process unit tests of the CPU build that draw random inputs.
+#   SWEEP_NP=N runs each program under mpiexec -n N --oversubscribe (the whole-training tests),
+#   and gtest's own GTEST_FILTER picks cases, e.g. the tensor-parallel ones:
+#     SWEEP_NP=4 GTEST_FILTER='*Tensor*' scripts/seed-sweep.sh build 24 qtrain_test_zero_stages
 # A failing program's whole log is kept as OUT/<program>_<seed>.log (OUT: $SWEEP_OUT or a
 # temporary directory, printed at the end). Exit status 1 if any run failed, else 0.
 set -u
@@ -23,7 +26,9 @@ for ((i = 0; i < runs; ++i)); do
   seed=$(od -An -N8 -tu8 /dev/urandom | tr -d ' ')
   for p in "${programs[@]}"; do
     log=$out/${p}_$seed.log
-    if QT_TEST_SEED=$seed "$build/bin/$p" >"$log" 2>&1; then
+    launch=()
+    [ -n "${SWEEP_NP:-}" ] && launch=(mpiexec -n "$SWEEP_NP" --oversubscribe)
+    if QT_TEST_SEED=$seed "${launch[@]}" "$build/bin/$p" >"$log" 2>&1; then
       rm -f "$log"
     else
       failed=$((failed + 1))

@@ -52,8 +52,7 @@ const ModelConfig& checked(const ModelConfig& cfg) {
 }  // namespace
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute)
-    : cfg_(checked(cfg)),
-      ops_(cfg, B, T, arena),
+    : ops_(checked(cfg), B, T, arena),
       program_(cfg, B, T, recompute, allocate_acts<bf16>(cfg, B, T, recompute, arena)) {}
 
 double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* inputs,

@@ -97,7 +97,6 @@ class Qwen3Cuda {
   const ShardPlan& units() const { return program_.units(); }
 
  private:
-  ModelConfig cfg_;
   CudaOps ops_;
   Qwen3Program<CudaOps> program_;  // the layer program (model/layer_program.h)
 };

@@ -95,13 +95,9 @@ KvDecoder::KvDecoder(const ModelConfig& cfg, const float* params, int capacity)
            cfg.num_heads, cfg.num_kv_heads);
   QT_CHECK(cfg.head_dim % 2 == 0, "head_dim {} must be even for RoPE", cfg.head_dim);
   QT_CHECK(capacity >= 1, "cache capacity {} < 1", capacity);
-  const std::size_t H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
-  const std::size_t I = cfg.intermediate_size;
-  for (const LayerOffsets& o : off_.layers)  // the program's fused q/k/v and gate/up GEMMs
-    QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
-             "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
+  check_fused_layout(cfg, off_);
   ops_ = std::make_unique<KvCpuOps>(cfg, cap_);
-  const std::size_t cache = static_cast<std::size_t>(cfg.num_layers) * cap_ * KV;
+  const std::size_t cache = static_cast<std::size_t>(cfg.num_layers) * cap_ * cfg.kv_dim();
   k_.resize(cache);
   v_.resize(cache);
 }

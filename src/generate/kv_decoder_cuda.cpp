@@ -201,11 +201,8 @@ KvDecoderCuda::Impl::Impl(const ModelConfig& c, const float* params, int capacit
     : cfg(c), layout(c), cap(capacity), device(cuda::select_device(0)) {
   check_supported(cfg);
   QT_CHECK(capacity >= 1, "cache capacity {} < 1", capacity);
-  const std::size_t H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
-  const std::size_t I = cfg.intermediate_size;
-  for (const LayerOffsets& o : off.layers)  // the fused q/k/v and gate/up GEMMs rely on it
-    QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
-             "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
+  check_fused_layout(cfg, off);
+  const std::size_t KV = cfg.kv_dim();
   const std::size_t numel = layout.numel(), half = static_cast<std::size_t>(cap) * c.head_dim / 2;
   const std::size_t cache = static_cast<std::size_t>(cfg.num_layers) * cap * KV;
   Carver count(nullptr);

@@ -144,6 +144,16 @@ Qwen3Acts<A> allocate_acts(const ModelConfig& c, int B, int T, bool recompute, A
   return a;
 }
 
+// The program's fused q/k/v and gate/up GEMMs read wq, wk, wv (and w_gate, w_up) as one matrix:
+// checks that the layout keeps them adjacent.
+inline void check_fused_layout(const ModelConfig& cfg, const ModelOffsets& off) {
+  const std::size_t Q = cfg.q_dim(), KV = cfg.kv_dim(), H = cfg.hidden_size;
+  const std::size_t I = cfg.intermediate_size;
+  for (const LayerOffsets& o : off.layers)
+    QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
+             "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
+}
+
 // Layer l's tensors inside its unit's buffer (weights or gradients; a null unit gives nulls).
 // wq is [QKV, H] (wq, wk, wv adjacent), w_gate [2I, H] (w_gate, w_up adjacent).
 template <class T>
@@ -221,16 +231,10 @@ class Qwen3Program {
         layout_(cfg),
         plan_(plan_qwen3(cfg, layout_, MeshShape{}, 0)),
         unit_{cfg.num_layers},
-        B_(B),
-        T_(T),
         N_(B * T),
         recompute_(recompute),
         a_(std::move(acts)) {
-    const std::size_t Q = cfg.q_dim(), KV = cfg.kv_dim(), H = cfg.hidden_size;
-    for (const LayerOffsets& o : off_.layers)  // the fused q/k/v and gate/up GEMMs rely on it
-      QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H &&
-                   o.w_up == o.w_gate + static_cast<std::size_t>(cfg.intermediate_size) * H,
-               "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
+    check_fused_layout(cfg, off_);
   }
 
   const ModelConfig& config() const { return cfg_; }
@@ -416,7 +420,7 @@ class Qwen3Program {
   ModelOffsets off_ = layout_.model_offsets();
   ShardPlan plan_;
   Qwen3Units unit_;
-  int B_, T_, N_;
+  int N_;  // rows of a micro-batch: B x T
   bool recompute_;
   bool acc_ = true;
   Qwen3Acts<A> a_;

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <stdexcept>
 
 #include "qtrain/error.h"
@@ -87,33 +88,28 @@ PipeSchedule schedule(const PipeScheduleConfig& cfg) {
       const int limit = P - s;
       const int waiting = cfg.max_weights_waiting > 0 ? cfg.max_weights_waiting : P - s;
       const bool weights_due = weights_owed[s] >= waiting;
-      const PipeAction* best = nullptr;
-      PipeAction cand{};
-      auto consider = [&](PipeAction a) {
-        if (ready_at(a, fin, K) > t) return;
-        if (best == nullptr) cand = a, best = &cand;
+      // With one chunk a stage, stage s runs chunk s. The oldest micro-batch that `wanted` and
+      // whose inputs are ready.
+      auto oldest_ready = [&](PipeOp op, auto&& wanted) -> std::optional<PipeAction> {
+        for (int m = 0; m < M; ++m) {
+          const PipeAction a{op, s, m};
+          if (wanted(m) && ready_at(a, fin, K) <= t) return a;
+        }
+        return std::nullopt;
       };
-      // Backward (or its input half): the oldest micro-batch first, from the last chunk down.
-      for (int m = 0; m < M && !best; ++m)
-        for (int k = K - 1 - (P - 1 - s); k >= 0 && !best; k -= P)
-          if (!started_b[k][m]) consider({back, k, m});
-      // Weight halves first when too many wait.
-      if (!best && cfg.split_backward && weights_due)
-        for (int m = 0; m < M && !best; ++m)
-          for (int k = s; k < K && !best; k += P)
-            if (started_b[k][m] && !started_w[k][m]) consider({PipeOp::kBackwardWeight, k, m});
-      // Forward: depth first (a micro-batch through its chunks before the next one starts).
-      if (!best && in_flight[s] < limit)
-        for (int m = 0; m < M && !best; ++m)
-          for (int k = s; k < K && !best; k += P)
-            if (!started_f[k][m]) consider({PipeOp::kForward, k, m});
-      // Weight halves fill what is left.
-      if (!best && cfg.split_backward)
-        for (int m = 0; m < M && !best; ++m)
-          for (int k = s; k < K && !best; k += P)
-            if (started_b[k][m] && !started_w[k][m]) consider({PipeOp::kBackwardWeight, k, m});
-      if (!best) continue;
-      const PipeAction a = *best;
+      auto weight_half = [&] {
+        return oldest_ready(PipeOp::kBackwardWeight,
+                            [&](int m) { return started_b[s][m] && !started_w[s][m]; });
+      };
+      // Backward (or its input half) first; weight halves when too many wait; forward within
+      // the memory limit; weight halves fill what is left.
+      std::optional<PipeAction> pick = oldest_ready(back, [&](int m) { return !started_b[s][m]; });
+      if (!pick && cfg.split_backward && weights_due) pick = weight_half();
+      if (!pick && in_flight[s] < limit)
+        pick = oldest_ready(PipeOp::kForward, [&](int m) { return !started_f[s][m]; });
+      if (!pick && cfg.split_backward) pick = weight_half();
+      if (!pick) continue;
+      const PipeAction a = *pick;
       const double end = t + cost_of(a.op, costs);
       if (a.op == PipeOp::kForward) started_f[a.chunk][a.micro_batch] = 1, ++in_flight[s];
       if (a.op == back) started_b[a.chunk][a.micro_batch] = 1, --in_flight[s];
