@@ -224,7 +224,8 @@ int main(int argc, char** argv) {
   QT_CHECK_CUDA(cudaStreamCreateWithPriority(&sb, cudaStreamNonBlocking, lo));
   QT_CHECK_CUDA(cudaFuncSetAttribute(adamw_persistent, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      kPersistSmem));
-  const AdamWConsts k{1e-4, 0.9, 0.95, 0.1, 0.05, 1e-8, 1.0, 0.1, 0.05, 1e-5f};
+  // step 1 of lr 1e-4: step_size = lr / 0.1, inv_sqrt_bc2 = 1 / sqrt(0.05)
+  const AdamWConsts k{0.9, 0.95, 0.1, 0.05, 1e-8, 1.0, 1e-3, 4.47213595499958, 1e-5f};
   if (!persistent_matches_plain(k)) {
     std::printf("FAILED: the persistent kernel differs from the engine's launch\n");
     return 1;

@@ -45,8 +45,12 @@ class CudaShardedBackend final : public TrainBackend {
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
         state_(plan_, layout_, deck.optim, deck.optim.offload == "cpu", mesh.dp(), nccl_dp_,
-               arena_, offload_threads(mesh)),
-        batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {
+               arena_, offload_threads(mesh),
+               {deck.model.tie_word_embeddings ? 0 : deck.train.micro_batch * deck.train.seq_len,
+                deck.model.hidden_size}),
+        batch_(deck.train.micro_batch, deck.train.seq_len, arena_),
+        micro_batches_(std::max<std::int64_t>(
+            1, deck.train.global_batch / (std::int64_t{deck.train.micro_batch} * mesh.dp().size()))) {
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
     const std::size_t before_model = arena_.used();
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,
@@ -71,13 +75,13 @@ class CudaShardedBackend final : public TrainBackend {
 
   void zero_grads() override {
     state_.zero_grads(stream_.get());
-    first_micro_batch_ = true;
+    micro_batch_ = 0;
   }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
     const std::int32_t* pos = batch_.upload(inputs, targets, positions, stream_.get());
-    const auto write = state_.begin_micro_batch(first_micro_batch_);
-    first_micro_batch_ = false;
+    const auto write = state_.begin_micro_batch(micro_batch_ == 0, micro_batch_ + 1 == micro_batches_);
+    ++micro_batch_;
     return model_->forward_backward(state_, batch_.inputs(), batch_.targets(), loss_scale,
                                     stream_.get(), pos, write);
   }
@@ -105,7 +109,9 @@ class CudaShardedBackend final : public TrainBackend {
   cuda::ShardedCudaState state_;
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;
-  bool first_micro_batch_ = true;
+  // The micro-batches of a step (the trainer's count: global_batch / (micro_batch x dp)) and the
+  // index of the next one since zero_grads().
+  std::int64_t micro_batches_, micro_batch_ = 0;
   double activations_ = 0;  // bytes of Qwen3Cuda's buffers and the micro-batch's
 };
 

@@ -17,6 +17,9 @@ struct StreamUnits {
   float* grads(int u) { return src.grads(u, s); }
   void release(int u) { src.release(u, s); }
   void grads_done(int u) { src.grads_done(u, s); }
+  bool take_embedding_rows(const bf16* dx, const std::int32_t* ids, int N) {
+    return src.take_embedding_rows(dx, ids, N, s);
+  }
 };
 
 // The whole flat layout as units: pointers into W and G; a unit's gradients done is the

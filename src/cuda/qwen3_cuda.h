@@ -44,6 +44,13 @@ class UnitSource {
   virtual void release(int /*unit*/, cudaStream_t /*s*/) {}
   // The model has enqueued every write of this micro-batch to the unit's gradients.
   virtual void grads_done(int /*unit*/, cudaStream_t /*s*/) {}
+  // An untied embedding's gradient as rows: dx [N, hidden] bf16 and ids [N] (device, valid until
+  // work enqueued on s after the call has run). True: taken, in place of grads() and
+  // grads_done() of the embedding; false: the model writes the whole table's gradient.
+  virtual bool take_embedding_rows(const bf16* /*dx*/, const std::int32_t* /*ids*/, int /*N*/,
+                                   cudaStream_t /*s*/) {
+    return false;
+  }
 };
 
 class Qwen3Cuda {

@@ -9,6 +9,7 @@
 
 #include "cuda/check.h"
 #include "ops/cuda/convert.cuh"
+#include "ops/cuda/embedding.cuh"
 #include "optim/schedule.h"
 #include "qtrain/error.h"
 
@@ -23,7 +24,8 @@ constexpr std::size_t kHostSlice = std::size_t{1} << 20;  // elements per host A
 
 ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout,
                                    const OptimConfig& cfg, bool offload, MpiComm& dp,
-                                   NcclComm* nccl, DeviceArena& arena, unsigned host_threads)
+                                   NcclComm* nccl, DeviceArena& arena, unsigned host_threads,
+                                   EmbeddingRows rows)
     : plan_(plan),
       layout_(layout),
       cfg_(cfg),
@@ -44,6 +46,10 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   num_segments_ = static_cast<int>(segs.size());
   upload(segments_, segs.data(), segs.size() * sizeof(segs[0]));
   norm_ws_ = arena.allocate(grad_norm_workspace_bytes());
+  scatter_norm_ws_ = arena.allocate(grad_norm_workspace_bytes());
+  unit_sumsq_ = arena.allocate<double>(plan_.units.size());
+  reduced_.assign(plan_.units.size(), 0);
+  summed_.assign(plan_.units.size(), 0);
 
   std::size_t max_chunk = 1, max_padded = 1;  // over the units after the embedding
   units_.resize(plan_.units.size());
@@ -97,8 +103,20 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
       grad_ring_.back()->data = arena.allocate<float>(max_padded);
       grad_ring_.back()->reduced = arena.allocate<float>(max_chunk);
     }
-    embed_grads_.data = arena.allocate<float>(embed.padded());
-    embed_grads_.reduced = arena.allocate<float>(embed.chunk);
+    const std::size_t gathered = std::size_t(plan.dp) * rows.tokens;
+    if (rows.tokens > 0 && gathered * rows.hidden < embed.range.size()) {
+      QT_CHECK(rows.hidden > 0 && embed.range.size() % rows.hidden == 0,
+               "the embedding unit ({} elements) is not rows of {}", embed.range.size(),
+               rows.hidden);
+      rows_ = rows;
+      rows_ids_ = arena.allocate<std::int32_t>(gathered);
+      rows_dx_ = arena.allocate<bf16>(gathered * rows.hidden);
+      rows_ws_bytes_ = embedding_backward_workspace_bytes(static_cast<int>(gathered));
+      rows_ws_ = arena.allocate(rows_ws_bytes_);
+    } else {
+      embed_grads_.data = arena.allocate<float>(embed.padded());
+      embed_grads_.reduced = arena.allocate<float>(embed.chunk);
+    }
   }
   bytes_.grads += static_cast<double>(arena.used() - mark);
   // The segment table and the norm's workspace: the optimizer's.
@@ -119,6 +137,8 @@ std::string ShardedCudaState::describe() const {
                               zero_, plan_.dp, gathers() ? "sharded (each unit gathered ahead of use)"
                                                          : "whole",
                               plan_.units.size());
+  if (rows_.tokens > 0)
+    d += "; the untied embedding's gradient reduced as the micro-batch's rows";
   if (offload_)
     d += fmt::format("; offload: master weights and moments in host memory, AdamW on {} host "
                      "threads",
@@ -194,26 +214,61 @@ void ShardedCudaState::grads_done(int u, cudaStream_t s) {
   if (!scatters()) return;
   Slot* slot = grad_at_[u];
   QT_CHECK(slot != nullptr, "grads_done() of unit {} without gradients", plan_.units[u].name);
+  Unit& x = units_[u];
   const std::size_t chunk = plan_.units[u].chunk;
   compute_done_.record(s);
   nccl_->wait_event(compute_done_.get());
-  nccl_->reduce_scatter_async(slot->data, slot->reduced, chunk, DType::kF32, ReduceOp::kSum);
-  add_f32(units_[u].grad, slot->reduced, chunk, nccl_->stream());
+  if (!reduced_[u]) {  // the step's first reduction writes the shard: nothing to zero or add
+    nccl_->reduce_scatter_async(slot->data, x.grad, chunk, DType::kF32, ReduceOp::kSum);
+    reduced_[u] = 1;
+  } else {
+    nccl_->reduce_scatter_async(slot->data, slot->reduced, chunk, DType::kF32, ReduceOp::kSum);
+    add_f32(x.grad, slot->reduced, chunk, nccl_->stream());
+  }
   slot->free.record(nccl_->stream());
   give_up(*slot);
   grad_at_[u] = nullptr;
+  summed_[u] = last_of_step_;
+  if (last_of_step_)  // the shard is final: its norm overlaps the rest of the backward
+    grad_norm_squared(unit_sumsq_ + u, x.grad, x.own.size(), scatter_norm_ws_, nccl_->stream());
 }
 
-Qwen3Cuda::GradWrite ShardedCudaState::begin_micro_batch(bool first_of_step) {
+bool ShardedCudaState::take_embedding_rows(const bf16* dx, const std::int32_t* ids, int N,
+                                           cudaStream_t s) {
+  if (rows_.tokens == 0) return false;
+  QT_CHECK(N == rows_.tokens, "embedding rows of {} tokens, set up for {}", N, rows_.tokens);
+  Unit& x = units_[0];
+  const std::size_t n = std::size_t(N) * rows_.hidden;
+  compute_done_.record(s);
+  nccl_->wait_event(compute_done_.get());
+  nccl_->all_gather_async(ids, rows_ids_, static_cast<std::size_t>(N), DType::kI32);
+  nccl_->all_gather_async(dx, rows_dx_, n, DType::kBF16);
+  rows_gathered_.record(nccl_->stream());
+  // On the compute stream (the backward's last work): the own shard's rows of every rank's
+  // tokens, in rank order, into the shard (from zero for the step's first micro-batch).
+  QT_CHECK_CUDA(cudaStreamWaitEvent(s, rows_gathered_.get(), 0));
+  if (!reduced_[0])
+    QT_CHECK_CUDA(cudaMemsetAsync(x.grad, 0, plan_.units[0].chunk * sizeof(float), s));
+  const std::size_t lo = x.own.begin - plan_.units[0].range.begin;
+  embedding_backward_range(x.grad, lo, lo + x.own.size(), rows_dx_, rows_ids_,
+                           N * plan_.dp, rows_.hidden, rows_ws_, rows_ws_bytes_, s);
+  reduced_[0] = 1;
+  summed_[0] = last_of_step_;
+  if (last_of_step_) grad_norm_squared(unit_sumsq_, x.grad, x.own.size(), norm_ws_, s);
+  return true;
+}
+
+Qwen3Cuda::GradWrite ShardedCudaState::begin_micro_batch(bool first_of_step, bool last_of_step) {
   direction_ = +1;
+  last_of_step_ = last_of_step;
   return scatters() || first_of_step ? Qwen3Cuda::GradWrite::kOverwrite
                                      : Qwen3Cuda::GradWrite::kAccumulate;
 }
 
-void ShardedCudaState::zero_grads(cudaStream_t s) {
-  if (!scatters()) return;  // dp 1: the first micro-batch overwrites
-  for (std::size_t u = 0; u < units_.size(); ++u)
-    QT_CHECK_CUDA(cudaMemsetAsync(units_[u].grad, 0, plan_.units[u].chunk * sizeof(float), s));
+void ShardedCudaState::zero_grads(cudaStream_t /*s*/) {
+  // dp 1: the first micro-batch overwrites; dp > 1: the first reduce-scatter does.
+  std::fill(reduced_.begin(), reduced_.end(), 0);
+  std::fill(summed_.begin(), summed_.end(), 0);
 }
 
 bf16* ShardedCudaState::updated_weights(int u) {
@@ -252,12 +307,26 @@ void ShardedCudaState::host_adamw(int u, const AdamWStep& st, const float* grads
 
 OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_steps,
                                       cudaStream_t s) {
-  if (nccl_) nccl_->synchronize();  // every reduce-scatter and add has landed
+  if (nccl_) nccl_->synchronize();  // every reduce-scatter, add and sum of squares has landed
   OptimStepStats st;
   st.lr = lr_at(cfg_, static_cast<int>(total_steps), step);
+  // The norm: each unit's sum of squares (in unit order, so the same bits however it was taken).
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    if (summed_[u]) continue;
+    const Unit& x = units_[u];
+    if (scatters() && !reduced_[u])  // no gradient reached this unit this step
+      QT_CHECK_CUDA(cudaMemsetAsync(x.grad, 0, plan_.units[u].chunk * sizeof(float), s));
+    grad_norm_squared(unit_sumsq_ + u, x.grad, x.own.size(), norm_ws_, s);
+  }
+  std::vector<double> unit_sumsq(units_.size());
+  QT_CHECK_CUDA(cudaMemcpyAsync(unit_sumsq.data(), unit_sumsq_, units_.size() * sizeof(double),
+                                cudaMemcpyDeviceToHost, s));
+  QT_CHECK_CUDA(cudaStreamSynchronize(s));
   double sumsq = 0;
-  for (const Unit& x : units_) sumsq += grad_norm_squared_sync(x.grad, x.own.size(), norm_ws_, s);
+  for (const double x : unit_sumsq) sumsq += x;
   st.grad_norm = std::sqrt(dp_.sum(sumsq));
+  std::fill(reduced_.begin(), reduced_.end(), 0);  // the next step starts afresh
+  std::fill(summed_.begin(), summed_.end(), 0);
   if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
     st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
   if (!offload_) {
@@ -273,6 +342,14 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
       Unit& x = units_[u];
       adamw_step(x.master, updated_weights(static_cast<int>(u)), x.m, x.v, x.grad, x.own.size(),
                  x.own.begin, segments_, num_segments_, args, s);
+      if (zero_ == 2 && nccl_) {  // its updated bf16 shard to every rank while the rest update
+        compute_done_.record(s);
+        nccl_->wait_event(compute_done_.get());
+        const std::size_t chunk = plan_.units[u].chunk;
+        nccl_->all_gather_async(x.weights + chunk * rank_, x.weights, chunk, DType::kBF16);
+      }
+      // The next forward's first units, gathered while the rest update.
+      if (u < 2) prefetch_for_next_step(static_cast<int>(u), s);
     }
   } else {
     // Unit u: its gradients came to host buffer u % 2 while unit u - 1 was updated; unit u + 1's
@@ -302,7 +379,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
     }
     to_device_.synchronize();
   }
-  if (zero_ == 2 && nccl_) {  // every rank's updated bf16 shard to every rank, in place
+  if (zero_ == 2 && nccl_ && offload_) {  // every rank's updated bf16 shard to every rank
     compute_done_.record(s);
     nccl_->wait_event(compute_done_.get());
     for (std::size_t u = 0; u < units_.size(); ++u) {
@@ -310,10 +387,29 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
       nccl_->all_gather_async(units_[u].weights + chunk * rank_, units_[u].weights, chunk,
                               DType::kBF16);
     }
-    nccl_->synchronize();
   }
+  if (zero_ == 2 && nccl_) nccl_->synchronize();  // every unit's weights are whole again
   QT_CHECK_CUDA(cudaStreamSynchronize(s));
   return st;
+}
+
+void ShardedCudaState::prefetch_for_next_step(int u, cudaStream_t s) {
+  if (!gathers() || weight_at_[u] != nullptr) return;
+  Slot* slot = u == 0 ? &embed_weights_ : free_slot(weight_ring_);
+  if (slot == nullptr) return;
+  compute_done_.record(s);  // unit u's update
+  nccl_->wait_event(compute_done_.get());
+  gather(u, *slot);
+}
+
+void ShardedCudaState::drop_prefetched() {
+  if (!gathers()) return;
+  nccl_->synchronize();
+  for (Slot*& slot : weight_at_)
+    if (slot != nullptr) {
+      give_up(*slot);
+      slot = nullptr;
+    }
 }
 
 std::vector<FlatPiece> ShardedCudaState::param_pieces() {
@@ -344,6 +440,7 @@ StateTargets ShardedCudaState::checkpoint_targets() {
 
 void ShardedCudaState::push(cudaStream_t s) {
   QT_CHECK_CUDA(cudaStreamSynchronize(s));
+  drop_prefetched();
   for (std::size_t u = 0; u < units_.size(); ++u) {
     Unit& x = units_[u];
     const std::size_t n = x.own.size();

@@ -35,23 +35,38 @@
 
 namespace qt::cuda {
 
+// An untied embedding's gradient as rows (take_embedding_rows): at dp > 1 each rank all-gathers
+// the micro-batch's ids and d x rows (dp x tokens x hidden bf16) and adds the rows of its own
+// shard, instead of reduce-scattering the whole fp32 table (vocabulary x hidden) that is zero but
+// for those rows; taken when the gathered rows are fewer than the table's. tokens = 0: never (a
+// tied embedding also takes the lm head's dense gradient).
+struct EmbeddingRows {
+  int tokens = 0;  // per micro-batch (B x T)
+  int hidden = 0;
+};
+
 class ShardedCudaState final : public UnitSource {
  public:
   // Collective over dp when nccl is given (dp > 1). plan.zero_stage must be 2 or 3.
   // host_threads: the threads of offload's AdamW (the cores this rank may use).
   ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout, const OptimConfig& cfg,
                    bool offload, MpiComm& dp, NcclComm* nccl, DeviceArena& arena,
-                   unsigned host_threads = 1);
+                   unsigned host_threads = 1, EmbeddingRows rows = {});
 
   // UnitSource.
   const bf16* weights(int unit, cudaStream_t s) override;
   float* grads(int unit, cudaStream_t s) override;
   void release(int unit, cudaStream_t s) override;
   void grads_done(int unit, cudaStream_t s) override;
+  bool take_embedding_rows(const bf16* dx, const std::int32_t* ids, int N,
+                           cudaStream_t s) override;
 
   // Before each micro-batch's forward_backward; returns how the model writes gradients: into
   // fresh scratch (dp > 1: always kOverwrite), or into the shard (dp 1: kOverwrite first).
-  Qwen3Cuda::GradWrite begin_micro_batch(bool first_of_step);
+  // last_of_step: no micro-batch follows before step(), so each unit's sum of squares for the
+  // gradient norm is taken on the NCCL stream as soon as its last reduction lands (a unit whose
+  // sum was not taken then is summed in step()).
+  Qwen3Cuda::GradWrite begin_micro_batch(bool first_of_step, bool last_of_step);
   void zero_grads(cudaStream_t s);
   OptimStepStats step(std::int64_t step, std::int64_t total_steps, cudaStream_t s);
 
@@ -93,6 +108,10 @@ class ShardedCudaState final : public UnitSource {
   void give_up(Slot& slot);  // marks it free, now
   void gather(int unit, Slot& slot);
   void prefetch_after(int unit);
+  // ZeRO-3: gathers unit u (updated on stream s) for the next step's forward, or nothing when
+  // it is held or no slot is free.
+  void prefetch_for_next_step(int unit, cudaStream_t s);
+  void drop_prefetched();  // gathered weights are stale (push() rewrote the shards)
   bf16* updated_weights(int u);  // where AdamW writes the own shard's bf16 copy
   // Offload: AdamW of unit u's own shard on host threads from `grads` [own size] (host), the
   // updated weights rounded to bf16 into `out` [own size] (host).
@@ -112,8 +131,22 @@ class ShardedCudaState final : public UnitSource {
                                              // stays in use from the forward to the end)
   std::uint64_t releases_ = 0;                // the clock of Slot::freed
   int direction_ = +1;                        // forward (+1) or backward (-1): prefetch order
-  bool first_of_step_ = true;
+  bool last_of_step_ = false;
+  // Per unit, this step: its gradient shard holds a reduction (dp > 1: the first reduce-scatter
+  // writes the shard, later ones add to it; nothing zeroes it), and its sum of squares is in
+  // unit_sumsq_ (taken after its last reduction).
+  std::vector<char> reduced_, summed_;
+  double* unit_sumsq_ = nullptr;  // [units] device
+  void* scatter_norm_ws_ = nullptr;  // grad_norm_squared's workspace on the NCCL stream
   Event compute_done_;
+  // Embedding rows (EmbeddingRows): on when rows_.tokens > 0; the gathered ids [dp x tokens],
+  // rows [dp x tokens, hidden] and the sort's workspace.
+  EmbeddingRows rows_;
+  std::int32_t* rows_ids_ = nullptr;
+  bf16* rows_dx_ = nullptr;
+  void* rows_ws_ = nullptr;
+  std::size_t rows_ws_bytes_ = 0;
+  Event rows_gathered_;
   AdamWSegment* segments_ = nullptr;
   int num_segments_ = 0;
   void* norm_ws_ = nullptr;

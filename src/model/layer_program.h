@@ -16,8 +16,9 @@
 // input before its column-parallel GEMM and reduces the row-parallel output after it (issue 17);
 // context parallelism is the attention op itself; expert parallelism replaces the MLP block's
 // ops (issue 18). Parameters come unit by unit (the units of the sharding plan) from a Units
-// object: weights(u), grads(u), release(u), grads_done(u) (model/model_params.h: CpuUnits;
-// cuda/qwen3_cuda.h: UnitSource).
+// object: weights(u), grads(u), release(u), grads_done(u), and take_embedding_rows(dx, ids, N)
+// (true: the store took an untied embedding's gradient as its N rows instead of grads(E) and
+// grads_done(E); model/model_params.h: CpuUnits; cuda/qwen3_cuda.h: UnitSource).
 //
 // Shapes: N = B*T rows, H hidden, Q = nh*hd, KV = nkv*hd, QKV = Q + 2 KV, I intermediate,
 // V vocabulary.
@@ -308,11 +309,15 @@ class Qwen3Program {
       units.grads_done(u);
     }
     if (L > 0) units.release(unit_.layer(0));
-    if (float* g_embed = units.grads(E))
-      // The embedding backward adds rows: written from zero unless the tied lm head (the same
-      // table) has already written them.
-      ops.embedding_backward(g_embed, a_.dx, inputs, N, !acc_ && !tied);
-    units.grads_done(E);
+    // An untied embedding's gradient is N rows of dx: a store that reduces over dp may take the
+    // rows and ids themselves (and reduce those, not the whole table).
+    if (tied || !units.take_embedding_rows(a_.dx, inputs, N)) {
+      if (float* g_embed = units.grads(E))
+        // The embedding backward adds rows: written from zero unless the tied lm head (the same
+        // table) has already written them.
+        ops.embedding_backward(g_embed, a_.dx, inputs, N, !acc_ && !tied);
+      units.grads_done(E);
+    }
     if (tied) units.release(E);
     if (L == 0) units.release(Hd);
   }

@@ -19,6 +19,7 @@ struct CpuUnits {
   float* grads(int u) { return mp.grads(u); }
   void release(int u) { mp.release(u); }
   void grads_done(int u) { mp.grads_done(u); }
+  bool take_embedding_rows(const float*, const std::int32_t*, int) { return false; }
 };
 
 const ModelConfig& checked(const ModelConfig& cfg) {

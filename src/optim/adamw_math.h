@@ -15,9 +15,18 @@ struct AdamWStep {
   double lr = 0;      // this step's learning rate
   double clip = 1;    // factor on the gradients (1: not clipped)
   double b1 = 0, b2 = 0, eps = 0;
-  double bc1 = 1, bc2 = 1;  // bias corrections 1 - beta^t
-  float decay = 0;          // lr * weight_decay: the decoupled decay of tensors that decay
+  // PyTorch's form of the bias corrections bc = 1 - beta^t: step_size = lr / bc1 on the first
+  // moment, inv_sqrt_bc2 = 1 / sqrt(bc2) on sqrt(v) (one division an element, not three).
+  double step_size = 0, inv_sqrt_bc2 = 1;
+  float decay = 0;  // lr * weight_decay: the decoupled decay of tensors that decay
 };
+
+// lr / (1 - b1^t) and 1 / sqrt(1 - b2^t), the same bits wherever computed (both drivers call it).
+inline void adamw_bias_terms(double lr, double b1, double b2, std::int64_t t, double* step_size,
+                             double* inv_sqrt_bc2) {
+  *step_size = lr / (1.0 - std::pow(b1, static_cast<double>(t)));
+  *inv_sqrt_bc2 = 1.0 / std::sqrt(1.0 - std::pow(b2, static_cast<double>(t)));
+}
 
 // t: the 1-based step number of bias correction.
 inline AdamWStep adamw_step(const OptimConfig& cfg, double lr, double clip, std::int64_t t) {
@@ -27,8 +36,7 @@ inline AdamWStep adamw_step(const OptimConfig& cfg, double lr, double clip, std:
   s.b1 = cfg.beta1;
   s.b2 = cfg.beta2;
   s.eps = cfg.eps;
-  s.bc1 = 1.0 - std::pow(cfg.beta1, static_cast<double>(t));
-  s.bc2 = 1.0 - std::pow(cfg.beta2, static_cast<double>(t));
+  adamw_bias_terms(lr, cfg.beta1, cfg.beta2, t, &s.step_size, &s.inv_sqrt_bc2);
   s.decay = static_cast<float>(lr * cfg.weight_decay);
   return s;
 }
@@ -38,7 +46,8 @@ inline AdamWStep adamw_step(const OptimConfig& cfg, double lr, double clip, std:
 inline void adamw_update(float* __restrict w, const float* __restrict g, float* __restrict m,
                          float* __restrict v, std::size_t n, const AdamWStep& s, bool decays) {
   // Locals: no store through w, m or v can change them (lets the loop vectorise).
-  const double b1 = s.b1, b2 = s.b2, bc1 = s.bc1, bc2 = s.bc2, lr = s.lr, eps = s.eps, clip = s.clip;
+  const double b1 = s.b1, b2 = s.b2, step_size = s.step_size, inv_sqrt_bc2 = s.inv_sqrt_bc2,
+               eps = s.eps, clip = s.clip;
   const float decay = decays ? s.decay : 0.0f;
   for (std::size_t j = 0; j < n; ++j) {
     const float gj = static_cast<float>(g[j] * clip);
@@ -46,10 +55,10 @@ inline void adamw_update(float* __restrict w, const float* __restrict g, float* 
     const float vj = static_cast<float>(b2 * v[j] + (1.0 - b2) * static_cast<double>(gj) * gj);
     m[j] = mj;
     v[j] = vj;
-    const double mhat = mj / bc1, vhat = vj / bc2;
     float x = w[j];
     x -= decay * x;  // decoupled weight decay
-    x -= static_cast<float>(lr * mhat / (std::sqrt(vhat) + eps));
+    // lr * (m / bc1) / (sqrt(v / bc2) + eps), as PyTorch orders it
+    x -= static_cast<float>(step_size * mj / (std::sqrt(static_cast<double>(vj)) * inv_sqrt_bc2 + eps));
     w[j] = x;
   }
 }

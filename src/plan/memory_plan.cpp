@@ -203,16 +203,27 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
     const u128 embed_chunk = ParamUnits::chunk(units.embed, dp), embed_padded = embed_chunk * dp;
     if (gathers)  // weight_ring_: 3 gathered units; embed_weights_ (a tied embedding stays)
       params += 3 * blk(2 * max_padded) + blk(2 * embed_padded);
-    if (scatters)  // grad_ring_: 2 x (a whole unit, its reduce-scatter output); embed_grads_
-      grads += 2 * (blk(4 * max_padded) + blk(4 * max_chunk)) + blk(4 * embed_padded) +
-               blk(4 * embed_chunk);
+    if (scatters) {  // grad_ring_: 2 x (a whole unit, its reduce-scatter output)
+      grads += 2 * (blk(4 * max_padded) + blk(4 * max_chunk));
+      // An untied embedding's gradient as rows (EmbeddingRows) when all dp ranks' tokens are
+      // fewer elements than the table: the gathered ids, rows of dx (bf16) and the sort's
+      // workspace; else embed_grads_, the whole table and its reduce-scatter output.
+      const u128 gathered = u128(dp) * in.micro_batch * in.seq_len;
+      if (!m.tie_word_embeddings && gathered * m.hidden_size < units.embed)
+        grads += blk(4 * gathered) + blk(2 * gathered * m.hidden_size) +
+                 blk(embedding_backward_ws(gathered));
+      else
+        grads += blk(4 * embed_padded) + blk(4 * embed_chunk);
+    }
     host = 12 * owned;  // Unit::host_master, host_m, host_v [own]: with offload the live state
     // Offload: stage_grads_ and stage_weights_, two of each, [max chunk] fp32 and bf16 pinned.
     if (offload) pinned = 2 * (4 + 2) * std::max(max_chunk, embed_chunk);
   }
   // gemm_ws_ (cuBLASLt), norm_ws_ (grad_norm_workspace_bytes), CudaOps::ws_.
-  const u128 workspace = blk(kGemmWorkspaceBytes) + blk((kMaxPartials + 2) * 8) +
-                         blk(op_workspace_bytes(m, in.micro_batch, in.seq_len));
+  u128 workspace = blk(kGemmWorkspaceBytes) + blk((kMaxPartials + 2) * 8) +
+                   blk(op_workspace_bytes(m, in.micro_batch, in.seq_len));
+  // ShardedCudaState: the norm's workspace on the NCCL stream, and each unit's sum of squares.
+  if (stage >= 2) workspace += blk((kMaxPartials + 2) * 8) + blk(8 * (u128(m.num_layers) + 2));
   p.params = checked(params, "bf16 parameters");
   p.grads = checked(grads, "gradients");
   p.optimizer = checked(optimizer, "optimizer state");

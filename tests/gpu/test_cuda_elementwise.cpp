@@ -226,6 +226,42 @@ TEST_P(CudaEmbedding, BackwardIsBitEqualToTokenOrderAndDeterministic) {
   EXPECT_TRUE(bitwise_equal(ddwte.download(), got)) << "dwte differs between two runs";
 }
 
+// The backward into ZeRO shards of the table (flat ranges that start and end inside rows, at
+// element offsets that are not multiples of a vector) gives, shard by shard, the bits of the
+// whole-table op, and writes nothing outside its range.
+TEST_P(CudaEmbedding, BackwardIntoShardsGivesTheWholeTablesBits) {
+  QT_REQUIRE_GPU();
+  const auto [N, C, V] = GetParam();
+  auto rng = test_rng();
+  const Bf16Input dx = random_bf16(std::size_t(N) * C, rng);
+  std::uniform_int_distribution<int> pick(0, V - 1);
+  std::vector<std::int32_t> ids(N);
+  for (auto& id : ids) id = pick(rng);
+  const std::size_t total = std::size_t(V) * C;
+  const std::vector<float> dwte0 = cast<float>(random_f32_exact(total, rng));
+  GuardedBuffer<bf16> ddx(dx.bits);
+  GuardedBuffer<std::int32_t> dids(ids);
+  GuardedBuffer<char> ws(cuda::embedding_backward_workspace_bytes(N));
+  GuardedBuffer<float> whole(dwte0);
+  cuda::embedding_backward(whole.get(), ddx.get(), dids.get(), N, C, ws.get(), ws.size(), nullptr);
+  const std::vector<float> want = whole.download();
+  // Three shards: [0, a), [a, b), [b, total), a and b odd and inside rows where possible.
+  const std::size_t a = std::min(total, total / 3 + 1), b = std::min(total, 2 * (total / 3) + 3);
+  std::vector<float> got;
+  for (const auto& [lo, hi] : {std::pair{std::size_t{0}, a}, std::pair{a, b}, std::pair{b, total}}) {
+    if (lo == hi) continue;
+    GuardedBuffer<float> shard(std::vector<float>(dwte0.begin() + lo, dwte0.begin() + hi));
+    cuda::embedding_backward_range(shard.get(), lo, hi, ddx.get(), dids.get(), N, C, ws.get(),
+                                   ws.size(), nullptr);
+    const std::vector<float> part = shard.download();
+    EXPECT_TRUE(shard.guard_intact()) << "shard [" << lo << ", " << hi << ")";
+    got.insert(got.end(), part.begin(), part.end());
+  }
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_TRUE(bitwise_equal(got, want)) << "rel err " << rel_err(got, want);
+  EXPECT_NE(want, dwte0);  // the rows changed
+}
+
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaEmbedding,
                          ::testing::Values(EmbCase{1000, 264, 50}, EmbCase{37, 8, 5},
                                            EmbCase{4096, 1024, 3000}, EmbCase{1, 2048, 7}),

@@ -35,6 +35,7 @@ TEST(TrainShardedCuda, OneGpuStagesAndOffloadMatchZero0) {
     ASSERT_EQ(r.exit_code, 0) << r.error;
     ASSERT_EQ(r.steps.size(), 20u);
     EXPECT_LT(test::worst_loss_diff(c.name, r, ref), test::kShardedTol);
+    EXPECT_LT(test::worst_norm_diff(c.name, r, ref), test::kShardedNormTol);
   }
   // A checkpoint of the offloaded run at step 10 continues in the flat back end, and back.
   const auto flat = test::run(1, deck("from_offload"),

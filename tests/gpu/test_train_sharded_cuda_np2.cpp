@@ -20,29 +20,47 @@ TEST(TrainShardedCudaDp2, StagesAndOffloadMatchOneGpu) {
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("cuda-sharded2");
   auto deck = [&](const std::string& d) { return test::sharded_deck(tmp + "/" + d); };
+  // untied: against ref_untied (vocabulary 256: 2 x 256 tokens outnumber its rows, so the
+  // embedding's gradient is reduce-scattered whole); rows: vocabulary 1024, the untied
+  // embedding's gradient taken as the micro-batch's rows (EmbeddingRows).
+  enum Ref { kTied, kUntied, kRows };
   struct Case {
     const char* name;
     std::vector<std::string> overrides;
-    bool untied;
+    Ref ref;
   };
+  const std::vector<std::string> rows = {"--model.tie_word_embeddings=false",
+                                         "--model.vocab_size=1024"};
   const auto ref = test::run(1, deck("one"), {}, tmp + "/one.jsonl");
   const auto ref_untied = test::run(1, deck("one_untied"), {"--model.tie_word_embeddings=false"},
                                     tmp + "/one_untied.jsonl");
   ASSERT_EQ(ref.exit_code, 0) << ref.error;
+  const auto ref_rows = test::run(1, deck("one_rows"), rows, tmp + "/one_rows.jsonl");
   ASSERT_EQ(ref_untied.exit_code, 0) << ref_untied.error;
+  ASSERT_EQ(ref_rows.exit_code, 0) << ref_rows.error;
+  auto with_rows = [&](std::vector<std::string> o) {
+    o.insert(o.end(), rows.begin(), rows.end());
+    return o;
+  };
   for (const Case& c :
-       {Case{"z2", {"--optim.zero_stage=2"}, false},
-        Case{"z3", {"--optim.zero_stage=3"}, false},
-        Case{"z3_offload", {"--optim.zero_stage=3", "--optim.offload=cpu"}, false},
-        Case{"z2_offload", {"--optim.zero_stage=2", "--optim.offload=cpu"}, false},
+       {Case{"z2", {"--optim.zero_stage=2"}, kTied},
+        Case{"z3", {"--optim.zero_stage=3"}, kTied},
+        Case{"z3_offload", {"--optim.zero_stage=3", "--optim.offload=cpu"}, kTied},
+        Case{"z2_offload", {"--optim.zero_stage=2", "--optim.offload=cpu"}, kTied},
         Case{"z3_recompute_micro1",
-             {"--optim.zero_stage=3", "--train.recompute=true", "--train.micro_batch=1"}, false},
-        Case{"z3_untied", {"--optim.zero_stage=3", "--model.tie_word_embeddings=false"}, true}}) {
+             {"--optim.zero_stage=3", "--train.recompute=true", "--train.micro_batch=1"}, kTied},
+        Case{"z3_untied", {"--optim.zero_stage=3", "--model.tie_word_embeddings=false"}, kUntied},
+        Case{"z2_rows", with_rows({"--optim.zero_stage=2"}), kRows},
+        Case{"z3_rows_micro1", with_rows({"--optim.zero_stage=3", "--train.micro_batch=1"}), kRows},
+        Case{"z3_rows_offload", with_rows({"--optim.zero_stage=3", "--optim.offload=cpu"}),
+             kRows}}) {
     SCOPED_TRACE(c.name);
     const auto r = test::run(2, deck(c.name), c.overrides, tmp + "/" + c.name + ".jsonl");
     ASSERT_EQ(r.exit_code, 0) << r.error;
     ASSERT_EQ(r.steps.size(), 20u);
-    EXPECT_LT(test::worst_loss_diff(c.name, r, c.untied ? ref_untied : ref), test::kShardedTol);
+    const auto& want = c.ref == kTied ? ref : c.ref == kUntied ? ref_untied : ref_rows;
+    EXPECT_LT(test::worst_loss_diff(c.name, r, want), test::kShardedTol);
+    EXPECT_LT(test::worst_norm_diff(c.name, r, want), test::kShardedNormTol);
   }
   const auto at1 = test::run(1, deck("z3_to_one"),
                              {"--checkpoint.resume=" + tmp + "/z3/step_00000010.h5"},

@@ -5,6 +5,7 @@
 #include "ops/cuda/adamw.cuh"
 #include "ops/cuda/adamw_math.cuh"
 #include "ops/cuda/common.cuh"
+#include "optim/adamw_math.h"
 
 namespace qt::cuda {
 
@@ -97,15 +98,13 @@ void adamw_step(float* params, bf16* params_bf16, float* m, float* v, const floa
   QT_CUDA_REQUIRE(a.step >= 1, "adamw_step: step is 1-based, got " + std::to_string(a.step));
   if (n == 0) return;
   AdamWConsts k;
-  k.lr = a.lr;
   k.b1 = a.beta1;
   k.b2 = a.beta2;
   k.one_minus_b1 = 1.0 - a.beta1;
   k.one_minus_b2 = 1.0 - a.beta2;
   k.eps = a.eps;
   k.clip = a.clip_scale;
-  k.bc1 = 1.0 - std::pow(a.beta1, static_cast<double>(a.step));
-  k.bc2 = 1.0 - std::pow(a.beta2, static_cast<double>(a.step));
+  qt::adamw_bias_terms(a.lr, a.beta1, a.beta2, a.step, &k.step_size, &k.inv_sqrt_bc2);
   k.decay = static_cast<float>(a.lr * a.weight_decay);
   const bool vec = is_aligned16(params) && is_aligned16(m) && is_aligned16(v) &&
                    is_aligned16(grads) && (reinterpret_cast<std::uintptr_t>(params_bf16) & 7u) == 0;

@@ -34,7 +34,7 @@ struct AdamWStepArgs {
 // For k in [0, n), with global index offset + k and g = float(grads[k] * clip_scale):
 //   m[k] = float(b1 m + (1 - b1) g);  v[k] = float(b2 v + (1 - b2) g g)              (fp32 +=)
 //   w  = params[k];  w -= float(lr * wd) * w  (decayed elements only)
-//   w -= float(lr * (m / bc1) / (sqrt(v / bc2) + eps));  params[k] = w;  params_bf16[k] = bf16(w)
+//   w -= float((lr / bc1) * m / (sqrt(v) / sqrt(bc2) + eps));     (bc = 1 - beta^step; PyTorch's order)  params[k] = w;  params_bf16[k] = bf16(w)
 // params, m, v, grads: [n] fp32; params_bf16: [n] bf16 compute copy, or null to skip it.
 // grads is read only. 16-byte vectors when every pointer allows (params_bf16 8-byte aligned),
 // a scalar path otherwise.

@@ -11,7 +11,8 @@ namespace qt::cuda {
 
 // The per-step constants, computed on the host exactly as qt::adamw_step does (adamw.cu).
 struct AdamWConsts {
-  double lr, b1, b2, one_minus_b1, one_minus_b2, eps, clip, bc1, bc2;
+  double b1, b2, one_minus_b1, one_minus_b2, eps, clip;
+  double step_size, inv_sqrt_bc2;  // lr / (1 - b1^t), 1 / sqrt(1 - b2^t): qt::adamw_bias_terms
   float decay;  // float(lr * weight_decay)
 };
 
@@ -24,12 +25,11 @@ __device__ __forceinline__ void adamw_element(float& p, float& m, float& v, floa
       __dadd_rn(__dmul_rn(k.b1, static_cast<double>(m)), __dmul_rn(k.one_minus_b1, gd)));
   v = __double2float_rn(__dadd_rn(__dmul_rn(k.b2, static_cast<double>(v)),
                                   __dmul_rn(__dmul_rn(k.one_minus_b2, gd), gd)));
-  const double mhat = __ddiv_rn(static_cast<double>(m), k.bc1);
-  const double vhat = __ddiv_rn(static_cast<double>(v), k.bc2);
+  const double num = __dmul_rn(k.step_size, static_cast<double>(m));
+  const double den = __dadd_rn(__dmul_rn(__dsqrt_rn(static_cast<double>(v)), k.inv_sqrt_bc2), k.eps);
   float w = p;
   w = __fsub_rn(w, __fmul_rn(decay ? k.decay : 0.0f, w));
-  w = __fsub_rn(
-      w, __double2float_rn(__ddiv_rn(__dmul_rn(k.lr, mhat), __dadd_rn(__dsqrt_rn(vhat), k.eps))));
+  w = __fsub_rn(w, __double2float_rn(__ddiv_rn(num, den)));
   p = w;
 }
 

@@ -35,25 +35,40 @@ static __global__ void embedding_sort_input_kernel(std::uint32_t* keys, std::int
 
 // Block (k, y): if sorted entry k starts a run of equal ids, adds the run's rows of dx (in
 // ascending position) to dwte[id], for column vectors y * kBwdThreads + threadIdx.x.
-static __global__ void embedding_backward_kernel(float* dwte, const bf16* __restrict__ dx,
+// kRange: only the elements of the flat table range [lo, hi) exist, element e at out[e - lo]
+// (scalar stores: lo need not be a multiple of a vector).
+template <bool kRange>
+static __global__ void embedding_backward_kernel(float* out, const bf16* __restrict__ dx,
                                                  const std::uint32_t* __restrict__ keys,
                                                  const std::int32_t* __restrict__ positions, int N,
-                                                 int C) {
+                                                 int C, std::size_t lo, std::size_t hi) {
   const int k = blockIdx.x;
   const std::uint32_t id = keys[k];
   if (k > 0 && keys[k - 1] == id) return;  // not the start of a run: the run's owner adds it
   const int v = blockIdx.y * kBwdThreads + threadIdx.x;
   if (v * 8 >= C) return;
-  float* out = dwte + static_cast<std::size_t>(id) * C + v * 8;
+  const std::size_t e0 = static_cast<std::size_t>(id) * C + v * 8;  // flat table index
+  if (kRange && (e0 + 8 <= lo || e0 >= hi)) return;
   float acc[8];
-  load_f32x8(out, acc);
+  if (kRange) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = e0 + i >= lo && e0 + i < hi ? out[e0 + i - lo] : 0.0f;
+  } else {
+    load_f32x8(out + e0, acc);
+  }
   for (int j = k; j < N && keys[j] == id; ++j) {
     float g[8];
     load_bf16x8(dx + static_cast<std::size_t>(positions[j]) * C + v * 8, g);
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] += g[i];
   }
-  store_f32x8(out, acc);
+  if (kRange) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (e0 + i >= lo && e0 + i < hi) out[e0 + i - lo] = acc[i];
+  } else {
+    store_f32x8(out + e0, acc);
+  }
 }
 
 static void check_shape(const char* op, int N, int C) {
@@ -122,11 +137,14 @@ std::size_t embedding_backward_workspace_bytes(int N) {
   return sort_workspace(nullptr, std::max(N, 1)).total;
 }
 
-void embedding_backward(float* dwte, const bf16* dx, const std::int32_t* ids, int N, int C,
-                        void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
-  const char* op = "embedding_backward";
+// Sorts (ids, positions) into the workspace, then the segmented sum into `out`.
+template <bool kRange>
+static void embedding_backward_impl(const char* op, float* out, std::size_t lo, std::size_t hi,
+                                    const bf16* dx, const std::int32_t* ids, int N, int C,
+                                    void* workspace, std::size_t workspace_bytes,
+                                    cudaStream_t stream) {
   check_shape(op, N, C);
-  check_aligned(op, "dwte", dwte);
+  if (!kRange) check_aligned(op, "dwte", out);
   check_aligned(op, "dx", dx);
   check_aligned(op, "workspace", workspace);
   if (N == 0) return;
@@ -141,9 +159,24 @@ void embedding_backward(float* dwte, const bf16* dx, const std::int32_t* ids, in
   QT_CHECK_CUDA(cub::DeviceRadixSort::SortPairs(w.temp, w.temp_bytes, w.keys_in, w.keys_out,
                                                 w.pos_in, w.pos_out, N, 0, kKeyBits, stream));
   const dim3 grid(N, ceil_div(C / 8, kBwdThreads));
-  embedding_backward_kernel<<<grid, kBwdThreads, 0, stream>>>(dwte, dx, w.keys_out, w.pos_out, N,
-                                                              C);
+  embedding_backward_kernel<kRange><<<grid, kBwdThreads, 0, stream>>>(out, dx, w.keys_out,
+                                                                      w.pos_out, N, C, lo, hi);
   QT_CHECK_LAUNCH();
+}
+
+void embedding_backward(float* dwte, const bf16* dx, const std::int32_t* ids, int N, int C,
+                        void* workspace, std::size_t workspace_bytes, cudaStream_t stream) {
+  embedding_backward_impl<false>("embedding_backward", dwte, 0, 0, dx, ids, N, C, workspace,
+                                 workspace_bytes, stream);
+}
+
+void embedding_backward_range(float* out, std::size_t lo, std::size_t hi, const bf16* dx,
+                              const std::int32_t* ids, int N, int C, void* workspace,
+                              std::size_t workspace_bytes, cudaStream_t stream) {
+  QT_CUDA_REQUIRE(lo <= hi, "embedding_backward_range: lo " + std::to_string(lo) + " > hi " +
+                                std::to_string(hi));
+  embedding_backward_impl<true>("embedding_backward_range", out, lo, hi, dx, ids, N, C, workspace,
+                                workspace_bytes, stream);
 }
 
 }  // namespace qt::cuda

@@ -32,4 +32,11 @@ std::size_t embedding_backward_workspace_bytes(int N);
 void embedding_backward(float* dwte, const bf16* dx, const std::int32_t* ids, int N, int C,
                         void* workspace, std::size_t workspace_bytes, cudaStream_t stream);
 
+// The same for the part of the table in the flat element range [lo, hi) (a ZeRO shard of it,
+// which may start and end inside rows): out[e - lo] += (embedding_backward's dwte)[e] for e in
+// [lo, hi); no alignment asked of out. Same order of additions, so the same bits there.
+void embedding_backward_range(float* out, std::size_t lo, std::size_t hi, const bf16* dx,
+                              const std::int32_t* ids, int N, int C, void* workspace,
+                              std::size_t workspace_bytes, cudaStream_t stream);
+
 }  // namespace qt::cuda
