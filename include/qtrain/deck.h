@@ -43,9 +43,10 @@ struct OptimConfig {
   // "cpu" (host memory, AdamW on the host; on the cpu back end the state is there already).
   std::string offload = "none";
   // Data-parallel gradient reduction (cuda back end): the dtype on the wire ("fp32" | "bf16";
-  // gradients are accumulated and stored in fp32 either way) and the bucket size.
+  // gradients are accumulated and stored in fp32 either way). reduce_bucket_mb: no longer used
+  // (each unit is one reduction), accepted so that older decks still run.
   std::string grad_reduce = "fp32";
-  double reduce_bucket_mb = 32;  // MiB of fp32 gradients per reduction bucket (> 0)
+  double reduce_bucket_mb = 32;  // MiB (> 0)
 };
 
 struct DataConfig {

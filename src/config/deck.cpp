@@ -139,7 +139,7 @@ const std::vector<KeySpec>& key_table() {
         spec("optim", "grad_reduce", &D::optim, &O::grad_reduce, "",
              "dtype of the dp gradient reduction: fp32 | bf16 (bf16: cuda only, half the traffic)"),
         spec("optim", "reduce_bucket_mb", &D::optim, &O::reduce_bucket_mb, "MiB",
-             "fp32 gradients per dp reduction bucket, overlapped with the backward (cuda)"),
+             "not used (gradients are reduced a unit at a time); kept for older decks"),
 
         spec("lora", "r", &D::lora, &Lo::r, "",
              "LoRA rank; 0 = off (the whole model trains); > 0: only adapters train, base frozen"),

@@ -2,14 +2,16 @@
 // train. What lives on the GPU:
 //   base     bf16 weights only (2 bytes a parameter): no gradients, no optimizer state, no fp32
 //            master copy; filled from the host's fp32 parameters through a bounded staging buffer
-//   adapters fp32 master, gradients and AdamW moments (the moments sharded over dp with ZeRO-1,
-//            as on the CPU) and their bf16 compute copy, in the adapter layout (PEFT's names)
+//   adapters fp32 master, gradients and AdamW moments (master and moments sharded over dp with
+//            ZeRO-1) and their bf16 compute copy, in the adapter layout (PEFT's names): the
+//            optimizer driver of full training (cuda/sharded_state_cuda.h) over one unit
+//            holding every adapter, as the CPU's (plan_one_unit)
 //   Qwen3Cuda's activations (train.recompute as for full training) and LoraCuda's xa buffers
 // The forward and backward are Qwen3Cuda's with G = null (no weight gradient of the base, no
-// embedding backward). With dp > 1 the adapter gradients (small) are reduced over NCCL after the
-// step's last backward: one all-reduce, fp32 or bf16 on the wire (optim.grad_reduce), whole
-// (optim.reduce_bucket_mb does not apply). Then clipping and the fused AdamW over the adapters,
-// with the CPU LoRA back end's weight-decay rule (each tensor's ParamInfo::weight_decay).
+// embedding backward). With dp > 1 the adapter gradients (small) are reduced over NCCL in the
+// optimizer step: one all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1), fp32 or bf16 on the wire
+// (optim.grad_reduce). Then clipping and the fused AdamW over the adapters, with the CPU LoRA
+// back end's weight-decay rule (each tensor's ParamInfo::weight_decay).
 #include <fmt/format.h>
 #include <memory>
 #include <vector>
@@ -19,10 +21,12 @@
 #include "cuda/lora_cuda.h"
 #include "cuda/nccl_comm.h"
 #include "cuda/qwen3_cuda.h"
-#include "cuda/trained_state.h"
+#include "cuda/sharded_state_cuda.h"
+#include "cuda/training_buffers.h"
 #include "ops/cuda/convert.cuh"
 #include "ops/cuda/gemm.cuh"
 #include "qtrain/error.h"
+#include "qtrain/shard_plan.h"
 #include "train/backend.h"
 
 namespace qt {
@@ -34,26 +38,23 @@ class CudaLoraBackend final : public TrainBackend {
   CudaLoraBackend(const Deck& deck, Mesh& mesh)
       : device_(cuda::select_device(mesh.local_rank())),
         deck_(deck),
-        mesh_(mesh),
         layout_(deck.model),
         arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         base_(arena_.allocate<cuda::bf16>(layout_.numel())),
         lora_(std::make_unique<cuda::LoraCuda>(deck.model, deck.lora, deck.train.micro_batch,
                                                deck.train.seq_len, arena_)),
-        state_(lora_->layout(), mesh.dp(), deck.optim.zero_stage == 1, arena_),
+        plan_(plan_one_unit(lora_->layout(), "adapters", mesh.shape(), deck.optim.zero_stage)),
+        nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
+        state_(plan_, lora_->layout(), deck.optim, mesh.dp(), nccl_dp_, arena_),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {
     const int B = deck.train.micro_batch, T = deck.train.seq_len;
-    const int dp = mesh.dp().size();
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
     const std::size_t before_model = arena_.used();
     model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, B, T, arena_, deck.train.recompute);
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     model_->set_lora(lora_.get());
-    lora_->bind(state_.weights(), state_.grads());
-    if (dp > 1) nccl_dp_ = &cuda::nccl(mesh, MeshDim::kDp);  // the mesh's, made here on first use
-    if (dp > 1 && deck.optim.grad_reduce == "bf16")
-      reduce_stage_ = arena_.allocate<cuda::bf16>(state_.padded());
+    lora_->bind(state_.unit_weights(0), state_.unit_grads(0));  // whole at ZeRO-0 and 1
     host_params_.assign(layout_.numel(), 0.0f);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
   }
@@ -64,26 +65,18 @@ class CudaLoraBackend final : public TrainBackend {
     const cuda::DeviceInfo d = cuda::device_info(device_);
     return fmt::format(
         "cuda: GPU {} ({}, {} SMs), bf16 compute; LoRA: bf16 base frozen ({}, no gradients, "
-        "moments or fp32 copy), {} adapter parameters trained (fp32 master, gradients and "
-        "moments); arena {} ({} used after set-up)",
+        "moments or fp32 copy), {} adapter parameters trained ({}); arena {} ({} used after "
+        "set-up)",
         device_, d.name, d.sm_count, cuda::format_bytes(layout_.numel() * 2),
-        lora_->layout().numel(), cuda::format_bytes(arena_.capacity()),
+        lora_->layout().numel(), state_.describe(), cuda::format_bytes(arena_.capacity()),
         cuda::format_bytes(arena_.used()));
   }
   std::vector<FlatPiece> model_pieces() override {
     return {{Range{0, layout_.numel()}, host_params_.data()}};
   }
-  std::vector<FlatPiece> trained_pieces() override {
-    return {{Range{0, lora_->layout().numel()}, state_.host_params()}};
-  }
-  std::vector<StatePiece> checkpoint_pieces() override {
-    return flat_state_pieces(lora_->layout().numel(), mesh_.world(), state_.host_params(),
-                             state_.host_moments());
-  }
-  StateTargets checkpoint_targets() override {
-    return flat_state_targets(lora_->layout().numel(), state_.host_params(),
-                              state_.host_moments());
-  }
+  std::vector<FlatPiece> trained_pieces() override { return state_.param_pieces(); }
+  std::vector<StatePiece> checkpoint_pieces() override { return state_.checkpoint_pieces(); }
+  StateTargets checkpoint_targets() override { return state_.checkpoint_targets(); }
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
 
   void push_state() override {
@@ -93,7 +86,11 @@ class CudaLoraBackend final : public TrainBackend {
   }
   // The adapters and their moments; the base never changes.
   void pull_state() override { state_.pull(stream_.get()); }
-  void zero_grads() override { state_.zero_grads(stream_.get()); }
+  // The adapters' backward adds into their gradients.
+  void zero_grads() override {
+    state_.begin_step();
+    state_.clear_grads(stream_.get());
+  }
 
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
@@ -103,11 +100,9 @@ class CudaLoraBackend final : public TrainBackend {
                                     stream_.get(), {}, pos);
   }
 
+  // The adapters report no units to the state: it reduces their gradients here.
   OptimStepStats optimizer_step(std::int64_t step) override {
-    // Every rank then holds the whole reduced gradient; with ZeRO-1 it updates its shard.
-    if (nccl_dp_) reduce_gradients(lora_->layout().numel());
-    return state_.step(deck_.optim, deck_.train.steps, step, mesh_.dp(), nccl_dp_,
-                       stream_.get());
+    return state_.step(step, deck_.train.steps, stream_.get());
   }
 
   std::string memory_report() override { return cuda::memory_report(arena_); }
@@ -116,43 +111,27 @@ class CudaLoraBackend final : public TrainBackend {
   MemorySplit memory_split() override {
     MemorySplit m = state_.bytes();
     m.params += 2.0 * static_cast<double>(layout_.numel());
-    if (reduce_stage_ != nullptr) m.grads += 2.0 * static_cast<double>(state_.padded());
     m.activations = activations_;
     m.workspace = std::max(0.0, static_cast<double>(arena_.peak()) - m.total());
     return m;
   }
 
  private:
-  // Sums the adapter gradients [0, n) over dp, in place on every rank (blocking).
-  void reduce_gradients(std::size_t n) {
-    float* grads = state_.grads();
-    stream_.synchronize();  // the backward is done before NCCL reads the gradients
-    if (reduce_stage_ == nullptr) {
-      nccl_dp_->all_reduce(grads, n, DType::kF32, ReduceOp::kSum);
-      return;
-    }
-    cuda::convert_f32_to_bf16(reduce_stage_, grads, n, stream_.get());
-    stream_.synchronize();
-    nccl_dp_->all_reduce(reduce_stage_, n, DType::kBF16, ReduceOp::kSum);
-    cuda::convert_bf16_to_f32(grads, reduce_stage_, n, stream_.get());
-  }
-
   // First member: the rank's device is current before any member below creates a CUDA object
   // (streams, events, arenas belong to the device that was current when they were made).
   int device_;
   const Deck& deck_;
-  Mesh& mesh_;
   ParamLayout layout_;  // the base model's
   cuda::DeviceArena arena_;
   cuda::Stream stream_;
   void* gemm_ws_;
   cuda::bf16* base_;  // [numel] frozen base weights, bf16
   std::unique_ptr<cuda::LoraCuda> lora_;
-  cuda::TrainedState state_;  // the adapters: master weights, gradients, bf16 copy, moments
+  ShardPlan plan_;            // one unit: every adapter
+  cuda::NcclComm* nccl_dp_;  // the mesh's dp communicator; null at dp 1
+  cuda::ShardedCudaState state_;  // the adapters: master weights, gradients, bf16 copy, moments
   cuda::BatchBuffers batch_;
-  cuda::bf16* reduce_stage_ = nullptr;  // bf16 gradients (optim.grad_reduce = bf16)
   std::unique_ptr<cuda::Qwen3Cuda> model_;
-  cuda::NcclComm* nccl_dp_ = nullptr;  // the mesh's dp communicator; null at dp 1
   std::int64_t first_sample_ = 0;
   std::vector<float> host_params_;  // [numel] the fp32 base as loaded (host only)
   double activations_ = 0;          // bytes of Qwen3Cuda's buffers and the micro-batch's

@@ -1,4 +1,4 @@
-// The CUDA sharded state: ZeRO-2/3 and offload (see sharded_state_cuda.h).
+// The CUDA optimizer driver: ZeRO 0-3 and offload (see sharded_state_cuda.h).
 #include "cuda/sharded_state_cuda.h"
 
 #include <fmt/format.h>
@@ -23,19 +23,19 @@ constexpr std::size_t kHostSlice = std::size_t{1} << 20;  // elements per host A
 }  // namespace
 
 ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout,
-                                   const OptimConfig& cfg, bool offload, MpiComm& dp,
-                                   NcclComm* nccl, DeviceArena& arena, unsigned host_threads,
-                                   EmbeddingRows rows)
+                                   const OptimConfig& cfg, MpiComm& dp, NcclComm* nccl,
+                                   DeviceArena& arena, unsigned host_threads, EmbeddingRows rows)
     : plan_(plan),
       layout_(layout),
       cfg_(cfg),
-      offload_(offload),
+      offload_(cfg.offload == "cpu"),
       zero_(plan.zero_stage),
       rank_(dp.rank()),
       dp_(dp),
       nccl_(nccl),
       host_threads_(std::max(1u, host_threads)) {
-  QT_CHECK(zero_ == 2 || zero_ == 3, "the CUDA sharded state is ZeRO-2 or 3, not {}", zero_);
+  QT_CHECK(zero_ >= 0 && zero_ <= 3, "ZeRO stage {}", zero_);
+  QT_CHECK(!offload_ || zero_ >= 2, "offload needs ZeRO-2 or 3, not {}", zero_);
   QT_CHECK(plan.dp == dp.size() && (nccl != nullptr) == (dp.size() > 1),
            "plan for dp {} on {} ranks (NCCL {})", plan.dp, dp.size(), nccl != nullptr);
   std::vector<AdamWSegment> segs;
@@ -52,11 +52,13 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   summed_.assign(plan_.units.size(), 0);
 
   std::size_t max_chunk = 1, max_padded = 1;  // over the units after the embedding
+  std::size_t all_padded = 1;                   // over every unit
   units_.resize(plan_.units.size());
   for (std::size_t i = 0; i < units_.size(); ++i) {
     const ParamUnit& pu = plan_.units[i];
     Unit& u = units_[i];
-    u.own = pu.shard(rank_);
+    u.shard = pu.shard(rank_);
+    u.own = zero_ == 0 ? pu.range : u.shard;
     const std::size_t nw = gathers() ? pu.chunk : pu.padded();
     std::size_t mark = arena.used();
     u.weights = arena.allocate<bf16>(nw);
@@ -64,21 +66,24 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
     mark = arena.used();
     QT_CHECK_CUDA(cudaMemset(u.weights, 0, nw * sizeof(bf16)));  // padding stays zero
     if (!offload_) {
-      u.master = arena.allocate<float>(pu.chunk);
+      const std::size_t nm = zero_ == 0 ? pu.range.size() : pu.chunk;
+      u.master = arena.allocate<float>(nm);
       u.m = arena.allocate<float>(u.own.size());
       u.v = arena.allocate<float>(u.own.size());
-      QT_CHECK_CUDA(cudaMemset(u.master, 0, pu.chunk * sizeof(float)));
+      QT_CHECK_CUDA(cudaMemset(u.master, 0, nm * sizeof(float)));
       QT_CHECK_CUDA(cudaMemset(u.m, 0, u.own.size() * sizeof(float)));
       QT_CHECK_CUDA(cudaMemset(u.v, 0, u.own.size() * sizeof(float)));
     }
     bytes_.optimizer += static_cast<double>(arena.used() - mark);
     mark = arena.used();
-    u.grad = arena.allocate<float>(pu.chunk);
+    const std::size_t ng = whole_grads() ? pu.padded() : pu.chunk;
+    u.grad = arena.allocate<float>(ng);
     bytes_.grads += static_cast<double>(arena.used() - mark);
-    QT_CHECK_CUDA(cudaMemset(u.grad, 0, pu.chunk * sizeof(float)));
+    QT_CHECK_CUDA(cudaMemset(u.grad, 0, ng * sizeof(float)));
     u.host_master.assign(u.own.size(), 0.0f);
     u.host_m.assign(u.own.size(), 0.0f);
     u.host_v.assign(u.own.size(), 0.0f);
+    all_padded = std::max(all_padded, pu.padded());
     if (i > 0) {
       max_chunk = std::max(max_chunk, pu.chunk);
       max_padded = std::max(max_padded, pu.padded());
@@ -97,7 +102,9 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   }
   bytes_.params += static_cast<double>(arena.used() - mark);
   mark = arena.used();
-  if (scatters()) {
+  if (scatters() && zero_ <= 1 && cfg_.grad_reduce == "bf16")
+    reduce_stage_ = arena.allocate<bf16>(all_padded);
+  if (scatters() && zero_ >= 2) {
     for (int k = 0; k < kGradSlots; ++k) {
       grad_ring_.push_back(std::make_unique<Slot>());
       grad_ring_.back()->data = arena.allocate<float>(max_padded);
@@ -132,11 +139,15 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
 }
 
 std::string ShardedCudaState::describe() const {
-  std::string d = fmt::format("ZeRO-{} over dp {}: bf16 weights {}, fp32 gradients, master "
-                              "weights and AdamW moments of the own shard of each of {} units",
-                              zero_, plan_.dp, gathers() ? "sharded (each unit gathered ahead of use)"
-                                                         : "whole",
-                              plan_.units.size());
+  static const char* what[] = {
+      "bf16 weights, fp32 gradients, master weights and AdamW moments whole on every rank",
+      "bf16 weights and fp32 gradients whole, master weights and AdamW moments of the own shard",
+      "bf16 weights whole; fp32 gradients, master weights and AdamW moments of the own shard",
+      "bf16 weights (each unit gathered ahead of use), fp32 gradients, master weights and AdamW "
+      "moments of the own shard"};
+  std::string d = fmt::format("ZeRO-{} over dp {} in {} units: {}", zero_, plan_.dp,
+                              plan_.units.size(), what[zero_]);
+  if (reduce_stage_ != nullptr) d += "; gradients reduced in bf16";
   if (rows_.tokens > 0)
     d += "; the untied embedding's gradient reduced as the micro-batch's rows";
   if (offload_)
@@ -198,11 +209,12 @@ float* ShardedCudaState::grads(int u, cudaStream_t s) {
     direction_ = -1;
     if (gathers()) prefetch_after(u);
   }
-  if (!scatters()) return units_[u].grad;
+  if (whole_grads()) return units_[u].grad;
   Slot* slot = grad_at_[u];
   if (slot == nullptr) {
     slot = u == 0 ? &embed_grads_ : free_slot(grad_ring_);
-    QT_CHECK(slot != nullptr, "no free gradient slot for unit {}", plan_.units[u].name);
+    QT_CHECK(slot != nullptr && slot->data != nullptr, "no free gradient slot for unit {}",
+             plan_.units[u].name);
     QT_CHECK_CUDA(cudaStreamWaitEvent(s, slot->free.get(), 0));  // its last reduction is done
     slot->unit = u;
     grad_at_[u] = slot;
@@ -212,6 +224,10 @@ float* ShardedCudaState::grads(int u, cudaStream_t s) {
 
 void ShardedCudaState::grads_done(int u, cudaStream_t s) {
   if (!scatters()) return;
+  if (zero_ <= 1) {  // whole gradients: reduced once, after the step's last micro-batch
+    if (last_of_step_) reduce_whole(u, s);
+    return;
+  }
   Slot* slot = grad_at_[u];
   QT_CHECK(slot != nullptr, "grads_done() of unit {} without gradients", plan_.units[u].name);
   Unit& x = units_[u];
@@ -230,7 +246,36 @@ void ShardedCudaState::grads_done(int u, cudaStream_t s) {
   grad_at_[u] = nullptr;
   summed_[u] = last_of_step_;
   if (last_of_step_)  // the shard is final: its norm overlaps the rest of the backward
-    grad_norm_squared(unit_sumsq_ + u, x.grad, x.own.size(), scatter_norm_ws_, nccl_->stream());
+    grad_norm_squared(unit_sumsq_ + u, x.grad, x.shard.size(), scatter_norm_ws_,
+                      nccl_->stream());
+}
+
+void ShardedCudaState::reduce_whole(int u, cudaStream_t s) {
+  Unit& x = units_[u];
+  const ParamUnit& pu = plan_.units[u];
+  cudaStream_t ns = nccl_->stream();
+  compute_done_.record(s);
+  nccl_->wait_event(compute_done_.get());
+  const bool bf16_wire = reduce_stage_ != nullptr;
+  void* buf = x.grad;
+  if (bf16_wire) {
+    convert_f32_to_bf16(reduce_stage_, x.grad, pu.padded(), ns);
+    buf = reduce_stage_;
+  }
+  const DType t = bf16_wire ? DType::kBF16 : DType::kF32;
+  const std::size_t at = x.shard.begin - pu.range.begin;  // = rank x chunk (or the unit's end)
+  if (zero_ == 0) {
+    nccl_->all_reduce_async(buf, pu.range.size(), t, ReduceOp::kSum);
+    if (bf16_wire) convert_bf16_to_f32(x.grad, reduce_stage_, pu.range.size(), ns);
+  } else {  // in place: rank r's reduced chunk lands at r x chunk
+    char* b = static_cast<char*>(buf);
+    const std::size_t es = dtype_size(t);
+    nccl_->reduce_scatter_async(b, b + pu.chunk * rank_ * es, pu.chunk, t, ReduceOp::kSum);
+    if (bf16_wire) convert_bf16_to_f32(x.grad + at, reduce_stage_ + at, x.shard.size(), ns);
+  }
+  reduced_[u] = 1;
+  summed_[u] = 1;
+  grad_norm_squared(unit_sumsq_ + u, shard_grads(u), x.shard.size(), scatter_norm_ws_, ns);
 }
 
 bool ShardedCudaState::take_embedding_rows(const bf16* dx, const std::int32_t* ids, int N,
@@ -261,19 +306,44 @@ bool ShardedCudaState::take_embedding_rows(const bf16* dx, const std::int32_t* i
 Qwen3Cuda::GradWrite ShardedCudaState::begin_micro_batch(bool first_of_step, bool last_of_step) {
   direction_ = +1;
   last_of_step_ = last_of_step;
-  return scatters() || first_of_step ? Qwen3Cuda::GradWrite::kOverwrite
-                                     : Qwen3Cuda::GradWrite::kAccumulate;
+  return !whole_grads() || first_of_step ? Qwen3Cuda::GradWrite::kOverwrite
+                                         : Qwen3Cuda::GradWrite::kAccumulate;
 }
 
-void ShardedCudaState::zero_grads(cudaStream_t /*s*/) {
-  // dp 1: the first micro-batch overwrites; dp > 1: the first reduce-scatter does.
+void ShardedCudaState::begin_step() {
   std::fill(reduced_.begin(), reduced_.end(), 0);
   std::fill(summed_.begin(), summed_.end(), 0);
+}
+
+void ShardedCudaState::clear_grads(cudaStream_t s) {
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const ParamUnit& pu = plan_.units[u];
+    const std::size_t n = whole_grads() ? pu.padded() : pu.chunk;
+    QT_CHECK_CUDA(cudaMemsetAsync(units_[u].grad, 0, n * sizeof(float), s));
+  }
+}
+
+const float* ShardedCudaState::own_grads(int u) const {
+  const Unit& x = units_[u];
+  return whole_grads() ? x.grad + (x.own.begin - plan_.units[u].range.begin) : x.grad;
+}
+
+const float* ShardedCudaState::shard_grads(int u) const {
+  const Unit& x = units_[u];
+  return whole_grads() ? x.grad + (x.shard.begin - plan_.units[u].range.begin) : x.grad;
 }
 
 bf16* ShardedCudaState::updated_weights(int u) {
   const Unit& x = units_[u];
   return gathers() ? x.weights : x.weights + (x.own.begin - plan_.units[u].range.begin);
+}
+
+void ShardedCudaState::share_update(int u, cudaStream_t s) {
+  compute_done_.record(s);
+  nccl_->wait_event(compute_done_.get());
+  const std::size_t chunk = plan_.units[u].chunk;
+  bf16* whole = units_[u].weights;  // rank r's shard sits at r x chunk
+  nccl_->all_gather_async(whole + chunk * rank_, whole, chunk, DType::kBF16);
 }
 
 void ShardedCudaState::host_adamw(int u, const AdamWStep& st, const float* grads, bf16* out) {
@@ -305,18 +375,50 @@ void ShardedCudaState::host_adamw(int u, const AdamWStep& st, const float* grads
   for (std::thread& t : pool) t.join();
 }
 
+void ShardedCudaState::offload_step(const AdamWStep& hs) {
+  // Unit u: its gradients came to host buffer u % 2 while unit u - 1 was updated; unit u + 1's
+  // go to the other buffer now; u's bf16 weights go back while u + 1 is updated.
+  auto fetch = [&](std::size_t u) {
+    const int k = static_cast<int>(u % 2);
+    QT_CHECK_CUDA(cudaMemcpyAsync(stage_grads_[k].as<float>(), own_grads(static_cast<int>(u)),
+                                  units_[u].own.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                  to_host_.get()));
+    grads_landed_[k].record(to_host_.get());
+  };
+  if (!units_.empty()) fetch(0);
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    const int k = static_cast<int>(u % 2);
+    grads_landed_[k].synchronize();
+    if (u + 1 < units_.size()) fetch(u + 1);
+    weights_sent_[k].synchronize();  // unit u - 2's weights have left this buffer
+    host_adamw(static_cast<int>(u), hs, stage_grads_[k].as<float>(), stage_weights_[k].as<bf16>());
+    QT_CHECK_CUDA(cudaMemcpyAsync(updated_weights(static_cast<int>(u)), stage_weights_[k].as<bf16>(),
+                                  units_[u].own.size() * sizeof(bf16), cudaMemcpyHostToDevice,
+                                  to_device_.get()));
+    weights_sent_[k].record(to_device_.get());
+  }
+  to_device_.synchronize();
+}
+
 OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_steps,
                                       cudaStream_t s) {
-  if (nccl_) nccl_->synchronize();  // every reduce-scatter, add and sum of squares has landed
+  if (nccl_) {
+    if (zero_ <= 1)  // units whose last micro-batch did not reduce them (LoRA's adapters)
+      for (std::size_t u = 0; u < units_.size(); ++u)
+        if (!reduced_[u]) reduce_whole(static_cast<int>(u), s);
+    nccl_->synchronize();  // every reduction, add and sum of squares has landed
+  }
   OptimStepStats st;
   st.lr = lr_at(cfg_, static_cast<int>(total_steps), step);
-  // The norm: each unit's sum of squares (in unit order, so the same bits however it was taken).
+  // The norm: each unit's sum of squares over its shard (in unit order, so the same bits
+  // however it was taken), summed over dp.
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (summed_[u]) continue;
     const Unit& x = units_[u];
-    if (scatters() && !reduced_[u])  // no gradient reached this unit this step
+    if (!whole_grads() && !reduced_[u])  // no gradient reached this unit this step
       QT_CHECK_CUDA(cudaMemsetAsync(x.grad, 0, plan_.units[u].chunk * sizeof(float), s));
-    grad_norm_squared(unit_sumsq_ + u, x.grad, x.own.size(), norm_ws_, s);
+    grad_norm_squared(unit_sumsq_ + u, shard_grads(static_cast<int>(u)), x.shard.size(), norm_ws_,
+                      s);
   }
   std::vector<double> unit_sumsq(units_.size());
   QT_CHECK_CUDA(cudaMemcpyAsync(unit_sumsq.data(), unit_sumsq_, units_.size() * sizeof(double),
@@ -325,8 +427,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
   double sumsq = 0;
   for (const double x : unit_sumsq) sumsq += x;
   st.grad_norm = std::sqrt(dp_.sum(sumsq));
-  std::fill(reduced_.begin(), reduced_.end(), 0);  // the next step starts afresh
-  std::fill(summed_.begin(), summed_.end(), 0);
+  begin_step();  // the next step's gradients start afresh
   if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
     st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
   if (!offload_) {
@@ -340,55 +441,21 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
     args.step = step + 1;
     for (std::size_t u = 0; u < units_.size(); ++u) {
       Unit& x = units_[u];
-      adamw_step(x.master, updated_weights(static_cast<int>(u)), x.m, x.v, x.grad, x.own.size(),
-                 x.own.begin, segments_, num_segments_, args, s);
-      if (zero_ == 2 && nccl_) {  // its updated bf16 shard to every rank while the rest update
-        compute_done_.record(s);
-        nccl_->wait_event(compute_done_.get());
-        const std::size_t chunk = plan_.units[u].chunk;
-        nccl_->all_gather_async(x.weights + chunk * rank_, x.weights, chunk, DType::kBF16);
-      }
-      // The next forward's first units, gathered while the rest update.
+      adamw_step(x.master, updated_weights(static_cast<int>(u)), x.m, x.v,
+                 own_grads(static_cast<int>(u)), x.own.size(), x.own.begin, segments_,
+                 num_segments_, args, s);
+      // Its bf16 shard to every rank, or (ZeRO-3) the next forward's first units gathered,
+      // while the rest update.
+      if (shares_updates()) share_update(static_cast<int>(u), s);
       if (u < 2) prefetch_for_next_step(static_cast<int>(u), s);
     }
   } else {
-    // Unit u: its gradients came to host buffer u % 2 while unit u - 1 was updated; unit u + 1's
-    // go to the other buffer now; u's bf16 weights go back while u + 1 is updated.
-    const AdamWStep hs = qt::adamw_step(cfg_, st.lr, st.clip_scale, step + 1);
     QT_CHECK_CUDA(cudaStreamSynchronize(s));  // the gradients are final
-    auto fetch = [&](std::size_t u) {
-      const int k = static_cast<int>(u % 2);
-      QT_CHECK_CUDA(cudaMemcpyAsync(stage_grads_[k].as<float>(), units_[u].grad,
-                                    units_[u].own.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                                    to_host_.get()));
-      grads_landed_[k].record(to_host_.get());
-    };
-    if (!units_.empty()) fetch(0);
-    for (std::size_t u = 0; u < units_.size(); ++u) {
-      const int k = static_cast<int>(u % 2);
-      grads_landed_[k].synchronize();
-      if (u + 1 < units_.size()) fetch(u + 1);
-      weights_sent_[k].synchronize();  // unit u - 2's weights have left this buffer
-      host_adamw(static_cast<int>(u), hs, stage_grads_[k].as<float>(),
-                 stage_weights_[k].as<bf16>());
-      QT_CHECK_CUDA(cudaMemcpyAsync(updated_weights(static_cast<int>(u)),
-                                    stage_weights_[k].as<bf16>(),
-                                    units_[u].own.size() * sizeof(bf16), cudaMemcpyHostToDevice,
-                                    to_device_.get()));
-      weights_sent_[k].record(to_device_.get());
-    }
-    to_device_.synchronize();
+    offload_step(qt::adamw_step(cfg_, st.lr, st.clip_scale, step + 1));
+    if (shares_updates())
+      for (std::size_t u = 0; u < units_.size(); ++u) share_update(static_cast<int>(u), s);
   }
-  if (zero_ == 2 && nccl_ && offload_) {  // every rank's updated bf16 shard to every rank
-    compute_done_.record(s);
-    nccl_->wait_event(compute_done_.get());
-    for (std::size_t u = 0; u < units_.size(); ++u) {
-      const std::size_t chunk = plan_.units[u].chunk;
-      nccl_->all_gather_async(units_[u].weights + chunk * rank_, units_[u].weights, chunk,
-                              DType::kBF16);
-    }
-  }
-  if (zero_ == 2 && nccl_) nccl_->synchronize();  // every unit's weights are whole again
+  if (shares_updates()) nccl_->synchronize();  // every unit's weights are whole again
   QT_CHECK_CUDA(cudaStreamSynchronize(s));
   return st;
 }
@@ -421,9 +488,12 @@ std::vector<FlatPiece> ShardedCudaState::param_pieces() {
 
 std::vector<StatePiece> ShardedCudaState::checkpoint_pieces() {
   std::vector<StatePiece> out;
-  for (Unit& x : units_)
-    if (x.own.size() > 0)
-      out.push_back({x.own, x.host_master.data(), x.host_m.data(), x.host_v.data()});
+  for (Unit& x : units_) {
+    if (x.shard.size() == 0) continue;
+    const std::size_t at = x.shard.begin - x.own.begin;  // ZeRO-0: the shard within the whole
+    out.push_back({x.shard, x.host_master.data() + at, x.host_m.data() + at,
+                   x.host_v.data() + at});
+  }
   return out;
 }
 
@@ -457,12 +527,8 @@ void ShardedCudaState::push(cudaStream_t s) {
     }
     QT_CHECK_CUDA(cudaStreamSynchronize(s));
   }
-  if (zero_ == 2 && nccl_) {
-    for (std::size_t u = 0; u < units_.size(); ++u) {
-      const std::size_t chunk = plan_.units[u].chunk;
-      nccl_->all_gather_async(units_[u].weights + chunk * rank_, units_[u].weights, chunk,
-                              DType::kBF16);
-    }
+  if (shares_updates()) {
+    for (std::size_t u = 0; u < units_.size(); ++u) share_update(static_cast<int>(u), s);
     nccl_->synchronize();
   }
 }

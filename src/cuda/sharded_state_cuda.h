@@ -1,19 +1,25 @@
-// The CUDA side of the sharded optimizer driver (the CPU's is optim/sharded_state.h): the trained
-// model's state over the units of a ShardPlan at ZeRO-2 or ZeRO-3, optionally offloaded.
+// The CUDA side of the optimizer driver (the CPU's is optim/sharded_state.h): the trained
+// parameters' state over the units of a ShardPlan at every ZeRO stage, optionally offloaded.
 //
-//                bf16 weights           fp32 gradients                 master, AdamW m, v
-//   ZeRO-2       every unit, whole      own shard of each unit          own shard
-//   ZeRO-3       own shard; a unit is    (dp > 1: each micro-batch's    (GPU; with offload in
-//                gathered ahead of use   unit gradient lands in a        host memory, AdamW on
-//                (two units in flight)   scratch slot, reduce-scattered  the host)
-//                                        and added to the shard)
-// At dp = 1 the shard is the whole unit: the gradients accumulate in place, nothing is gathered.
+//              bf16 weights          fp32 gradients                      master, AdamW m, v
+//   ZeRO-0     every unit, whole     whole; all-reduced on the step's    whole
+//                                    last micro-batch
+//   ZeRO-1     every unit, whole     whole; reduce-scattered (in place)  own shard
+//                                    on the step's last micro-batch
+//   ZeRO-2     every unit, whole     own shard (each micro-batch's unit  own shard (GPU; with
+//   ZeRO-3     own shard; a unit is  gradient lands in a scratch slot,   offload in host memory,
+//              gathered ahead of     reduce-scattered into the shard)    AdamW on the host)
+//              use (two in flight)
+// At dp = 1 every stage is the same: the shard is the whole unit, gradients accumulate in place,
+// nothing is gathered or reduced.
 //
-// Streams: the model enqueues on the compute stream; gathers and reduce-scatters run on the NCCL
-// stream, ordered by events (a slot is reused only after the last work that read it). The step
-// computes the global gradient norm (each element once, by its owner), clips, runs AdamW on each
-// own shard (the fused GPU kernel, or adamw_update on host threads with offload: the same element
-// math), and at ZeRO-2 all-gathers every unit's updated bf16 shard.
+// Streams: the model enqueues on the compute stream; gathers and reductions run on the NCCL
+// stream, ordered by events (a slot is reused only after the last work that read it). Each
+// unit's sum of squares for the gradient norm is taken on the NCCL stream right after its last
+// reduction of the step. The step computes the global norm (each element once, by the rank whose
+// shard holds it), clips, runs AdamW on the elements this rank updates (the fused GPU kernel, or
+// adamw_update on host threads with offload: the same element math) and, at ZeRO-1 and 2,
+// all-gathers each unit's updated bf16 shard right after its update.
 #pragma once
 
 #include <cstdint>
@@ -35,11 +41,11 @@
 
 namespace qt::cuda {
 
-// An untied embedding's gradient as rows (take_embedding_rows): at dp > 1 each rank all-gathers
-// the micro-batch's ids and d x rows (dp x tokens x hidden bf16) and adds the rows of its own
-// shard, instead of reduce-scattering the whole fp32 table (vocabulary x hidden) that is zero but
-// for those rows; taken when the gathered rows are fewer than the table's. tokens = 0: never (a
-// tied embedding also takes the lm head's dense gradient).
+// An untied embedding's gradient as rows (take_embedding_rows): at ZeRO-2/3 with dp > 1 each
+// rank all-gathers the micro-batch's ids and d x rows (dp x tokens x hidden bf16) and adds the
+// rows of its own shard, instead of reduce-scattering the whole fp32 table (vocabulary x hidden)
+// that is zero but for those rows; taken when the gathered rows are fewer than the table's.
+// tokens = 0: never (a tied embedding also takes the lm head's dense gradient).
 struct EmbeddingRows {
   int tokens = 0;  // per micro-batch (B x T)
   int hidden = 0;
@@ -47,11 +53,12 @@ struct EmbeddingRows {
 
 class ShardedCudaState final : public UnitSource {
  public:
-  // Collective over dp when nccl is given (dp > 1). plan.zero_stage must be 2 or 3.
-  // host_threads: the threads of offload's AdamW (the cores this rank may use).
+  // Collective over dp when nccl is given (dp > 1). Offload (cfg.offload = cpu) needs ZeRO-2 or
+  // 3; cfg.grad_reduce = bf16 reduces ZeRO-0/1 gradients in bf16. host_threads: the threads of
+  // offload's AdamW (the cores this rank may use).
   ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout, const OptimConfig& cfg,
-                   bool offload, MpiComm& dp, NcclComm* nccl, DeviceArena& arena,
-                   unsigned host_threads = 1, EmbeddingRows rows = {});
+                   MpiComm& dp, NcclComm* nccl, DeviceArena& arena, unsigned host_threads = 1,
+                   EmbeddingRows rows = {});
 
   // UnitSource.
   const bf16* weights(int unit, cudaStream_t s) override;
@@ -61,19 +68,28 @@ class ShardedCudaState final : public UnitSource {
   bool take_embedding_rows(const bf16* dx, const std::int32_t* ids, int N,
                            cudaStream_t s) override;
 
+  // A step's gradients start here (before its first micro-batch): no unit is reduced yet.
+  void begin_step();
+  // Zeroes every gradient buffer (for writers that only add, as LoRA's adapters; the model
+  // itself overwrites on the first micro-batch, GradWrite::kOverwrite).
+  void clear_grads(cudaStream_t s);
   // Before each micro-batch's forward_backward; returns how the model writes gradients: into
-  // fresh scratch (dp > 1: always kOverwrite), or into the shard (dp 1: kOverwrite first).
-  // last_of_step: no micro-batch follows before step(), so each unit's sum of squares for the
-  // gradient norm is taken on the NCCL stream as soon as its last reduction lands (a unit whose
-  // sum was not taken then is summed in step()).
+  // fresh scratch (ZeRO-2/3 at dp > 1: always kOverwrite), or into the whole buffer (kOverwrite
+  // first, then kAccumulate). last_of_step: no micro-batch follows before step(), so each unit is
+  // reduced (ZeRO-0/1) and its sum of squares taken as soon as its gradients are final; a unit
+  // not reduced then (a writer that reports no units, as LoRA) is reduced in step().
   Qwen3Cuda::GradWrite begin_micro_batch(bool first_of_step, bool last_of_step);
-  void zero_grads(cudaStream_t s);
   OptimStepStats step(std::int64_t step, std::int64_t total_steps, cudaStream_t s);
 
-  // Host copies: the own shard of every unit (master weights and moments). Fill param_pieces()
-  // then push(); pull() before reading. With offload they are the live state.
+  // Whole-buffer stages (ZeRO-0/1) keep each unit's weights and gradients in place: these point
+  // at unit 0's (for a single-unit plan, e.g. LoRA's adapters bound to them).
+  bf16* unit_weights(int u) { return units_[u].weights; }
+  float* unit_grads(int u) { return units_[u].grad; }
+
+  // Host copies of the elements this rank updates (master weights and moments). Fill
+  // param_pieces() then push(); pull() before reading. With offload they are the live state.
   std::vector<FlatPiece> param_pieces();
-  std::vector<StatePiece> checkpoint_pieces();
+  std::vector<StatePiece> checkpoint_pieces();  // each element once over dp
   StateTargets checkpoint_targets();
   void push(cudaStream_t s);
   void pull(cudaStream_t s);
@@ -84,11 +100,13 @@ class ShardedCudaState final : public UnitSource {
 
  private:
   struct Unit {
-    Range own;                       // flat range this rank owns
-    bf16* weights = nullptr;         // ZeRO-3 (dp > 1): [chunk] own shard; else [padded] whole
-    float* master = nullptr;         // [chunk] (null with offload)
+    Range own;                 // the elements this rank updates: the whole unit at ZeRO-0,
+                               // else its shard
+    Range shard;               // its shard (the norm's part: each element once over dp)
+    bf16* weights = nullptr;   // ZeRO-3 (dp > 1): [chunk] own shard; else [padded] whole
+    float* master = nullptr;   // [own size] (null with offload)
     float *m = nullptr, *v = nullptr;  // [own size] (null with offload)
-    float* grad = nullptr;           // [chunk] reduced gradients of the own shard
+    float* grad = nullptr;     // whole_grads(): [padded] whole; else [chunk] the reduced shard
     std::vector<float> host_master, host_m, host_v;  // [own size]
   };
   // A device buffer holding whole units in turn (gathered weights, or gradient scratch).
@@ -102,6 +120,15 @@ class ShardedCudaState final : public UnitSource {
 
   bool gathers() const { return zero_ == 3 && nccl_ != nullptr; }
   bool scatters() const { return nccl_ != nullptr; }
+  // Gradients kept whole and written by the model in place (ZeRO-0/1, or dp 1).
+  bool whole_grads() const { return zero_ <= 1 || nccl_ == nullptr; }
+  // Each unit's updated bf16 shard is all-gathered after the update (ZeRO-1/2 at dp > 1).
+  bool shares_updates() const { return (zero_ == 1 || zero_ == 2) && nccl_ != nullptr; }
+  const float* own_grads(int u) const;   // the reduced gradients of units_[u].own
+  const float* shard_grads(int u) const;  // ... of units_[u].shard
+  // ZeRO-0/1: unit u's whole gradients summed over dp (all-reduce, or reduce-scatter in place)
+  // on the NCCL stream after the work enqueued on s, then its sum of squares.
+  void reduce_whole(int u, cudaStream_t s);
   // The ring slot given up longest ago among those that hold no unit, or null: its last reader
   // (or reduction) has had the most time to finish, so waiting for it costs least.
   static Slot* free_slot(std::vector<std::unique_ptr<Slot>>& ring);
@@ -112,10 +139,12 @@ class ShardedCudaState final : public UnitSource {
   // it is held or no slot is free.
   void prefetch_for_next_step(int unit, cudaStream_t s);
   void drop_prefetched();  // gathered weights are stale (push() rewrote the shards)
-  bf16* updated_weights(int u);  // where AdamW writes the own shard's bf16 copy
+  void share_update(int u, cudaStream_t s);  // shares_updates(): unit u's bf16 shard to all
+  bf16* updated_weights(int u);  // where AdamW writes the own elements' bf16 copy
   // Offload: AdamW of unit u's own shard on host threads from `grads` [own size] (host), the
   // updated weights rounded to bf16 into `out` [own size] (host).
   void host_adamw(int u, const AdamWStep& s, const float* grads, bf16* out);
+  void offload_step(const AdamWStep& s);
 
   ShardPlan plan_;
   const ParamLayout& layout_;
@@ -132,12 +161,13 @@ class ShardedCudaState final : public UnitSource {
   std::uint64_t releases_ = 0;                // the clock of Slot::freed
   int direction_ = +1;                        // forward (+1) or backward (-1): prefetch order
   bool last_of_step_ = false;
-  // Per unit, this step: its gradient shard holds a reduction (dp > 1: the first reduce-scatter
-  // writes the shard, later ones add to it; nothing zeroes it), and its sum of squares is in
-  // unit_sumsq_ (taken after its last reduction).
+  // Per unit, this step: its gradients hold their dp reduction (ZeRO-2/3: the first
+  // reduce-scatter writes the shard, later ones add to it; nothing zeroes it), and its sum of
+  // squares is in unit_sumsq_ (taken after its last reduction).
   std::vector<char> reduced_, summed_;
-  double* unit_sumsq_ = nullptr;  // [units] device
+  double* unit_sumsq_ = nullptr;     // [units] device
   void* scatter_norm_ws_ = nullptr;  // grad_norm_squared's workspace on the NCCL stream
+  bf16* reduce_stage_ = nullptr;     // ZeRO-0/1 with grad_reduce = bf16: [max padded]
   Event compute_done_;
   // Embedding rows (EmbeddingRows): on when rows_.tokens > 0; the gathered ids [dp x tokens],
   // rows [dp x tokens, hidden] and the sort's workspace.

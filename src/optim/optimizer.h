@@ -1,6 +1,5 @@
 // What an optimizer step reports. The optimizer itself is the sharded state's driver
-// (optim/sharded_state.h on the host, cuda/sharded_state_cuda.h and cuda/trained_state.h on the
-// GPU), over AdamW's one element math (optim/adamw_math.h).
+// (optim/sharded_state.h on the host, cuda/sharded_state_cuda.h on the GPU), over AdamW's one element math (optim/adamw_math.h).
 #pragma once
 
 namespace qt {

@@ -48,7 +48,7 @@ u128 qk_norm_rope_backward_ws(u128 N, u128 heads, u128 hd) {
 u128 embedding_backward_ws(u128 N) { return 4 * blk(4 * N) + blk(8 * N) + (u128{64} << 10); }
 
 // Qwen3Cuda's buffers (CudaOps' constructor, src/cuda/cuda_ops.cpp, and allocate_acts,
-// src/model/layer_program.h) and BatchBuffers (trained_state.cpp). N = B x T rows; widths H, Q = nh x hd, KV = nkv x hd, I, V.
+// src/model/layer_program.h) and BatchBuffers (training_buffers.cpp). N = B x T rows; widths H, Q = nh x hd, KV = nkv x hd, I, V.
 u128 activation_bytes(const ModelConfig& m, u128 B, u128 T, bool recompute) {
   const u128 N = B * T, H = m.hidden_size, Q = m.q_dim(), KV = m.kv_dim();
   const u128 I = m.intermediate_size, V = m.vocab_size, L = m.num_layers;
@@ -163,36 +163,24 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
   MemoryPlan p;
   u128 params = 0, grads = 0, optimizer = blk(kAdamWSegmentBytes * tensors),  // segments_
       host = 0, pinned = 0;
-  if (stage <= 1) {
-    // TrainedState (src/cuda/trained_state.cpp) and CudaBackend (backend_cuda.cpp): one flat
-    // buffer of `padded` elements for each of weights, gradients and master weights.
-    const u128 n = units.total();
-    const u128 chunk = cdiv(n, dp), padded = chunk * dp;  // TrainedState::chunk_, padded_
-    // TrainedState::range_: everything, or split_range(numel, dp, 0) with ZeRO-1 (rank 0's range
-    // is the largest).
-    const u128 owned = stage == 1 ? chunk : n;
-    params = blk(2 * padded);  // TrainedState::weights_ [padded] bf16
-    grads = blk(4 * padded)    // TrainedState::grads_ [padded] fp32
-            + (dp > 1 && in.grad_reduce_bf16 ? blk(2 * padded) : 0);  // reduce_stage_ bf16
-    // TrainedState::master_ [padded] fp32 (ZeRO-1 keeps it whole and all-gathers it after each
-    // step) and the AdamW moments m_, v_ [range] fp32.
-    optimizer += blk(4 * padded) + 2 * blk(4 * owned);
-    host = 4 * padded + 8 * owned;  // host_params_ [padded], host_m_, host_v_ [range] (pageable)
-  } else {
+  {
     // ShardedCudaState (src/cuda/sharded_state_cuda.cpp) over the units of plan_qwen3: per unit,
-    // chunk = ceil(unit / dp), padded = chunk x dp, rank 0 owning min(unit, chunk) elements. At
-    // dp = 1 there is no NCCL communicator: nothing is gathered and no gradient is scattered, so
-    // ZeRO-2 and 3 allocate the same.
-    const bool gathers = stage == 3 && dp > 1;  // ShardedCudaState::gathers()
-    const bool scatters = dp > 1;               // ShardedCudaState::scatters()
-    u128 owned = 0;
+    // chunk = ceil(unit / dp), padded = chunk x dp, rank 0 owning min(unit, chunk) elements (at
+    // ZeRO-0 it updates the whole unit). At dp = 1 there is no NCCL communicator: nothing is
+    // gathered or reduced, and every stage allocates the same.
+    const bool gathers = stage == 3 && dp > 1;          // ShardedCudaState::gathers()
+    const bool scatters = dp > 1;                        // ShardedCudaState::scatters()
+    const bool whole_grads = stage <= 1 || dp == 1;      // ShardedCudaState::whole_grads()
+    u128 owned = 0, all_padded = 1;
     auto add = [&](u128 count, u128 unit) {
-      const u128 c = ParamUnits::chunk(unit, dp), padded = c * dp, own = std::min(unit, c);
+      const u128 c = ParamUnits::chunk(unit, dp), padded = c * dp;
+      const u128 own = stage == 0 ? unit : std::min(unit, c);
       params += count * blk(2 * (gathers ? c : padded));  // Unit::weights bf16
-      // Unit::master [chunk], m, v [own] fp32 (on the host with offload)
-      if (!offload) optimizer += count * (blk(4 * c) + 2 * blk(4 * own));
-      grads += count * blk(4 * c);  // Unit::grad [chunk] fp32, the reduced own shard
+      // Unit::master [unit at ZeRO-0, else chunk], m, v [own] fp32 (on the host with offload)
+      if (!offload) optimizer += count * (blk(4 * (stage == 0 ? unit : c)) + 2 * blk(4 * own));
+      grads += count * blk(4 * (whole_grads ? padded : c));  // Unit::grad
       owned += count * own;
+      all_padded = std::max(all_padded, padded);
     };
     add(1, units.embed);
     add(units.layers, units.layer);
@@ -203,7 +191,9 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
     const u128 embed_chunk = ParamUnits::chunk(units.embed, dp), embed_padded = embed_chunk * dp;
     if (gathers)  // weight_ring_: 3 gathered units; embed_weights_ (a tied embedding stays)
       params += 3 * blk(2 * max_padded) + blk(2 * embed_padded);
-    if (scatters) {  // grad_ring_: 2 x (a whole unit, its reduce-scatter output)
+    // ZeRO-0/1 with optim.grad_reduce = bf16: reduce_stage_, bf16 [the largest padded unit].
+    if (scatters && stage <= 1 && in.grad_reduce_bf16) grads += blk(2 * all_padded);
+    if (scatters && stage >= 2) {  // grad_ring_: 2 x (a whole unit, its reduce-scatter output)
       grads += 2 * (blk(4 * max_padded) + blk(4 * max_chunk));
       // An untied embedding's gradient as rows (EmbeddingRows) when all dp ranks' tokens are
       // fewer elements than the table: the gathered ids, rows of dx (bf16) and the sort's
@@ -223,7 +213,7 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
   u128 workspace = blk(kGemmWorkspaceBytes) + blk((kMaxPartials + 2) * 8) +
                    blk(op_workspace_bytes(m, in.micro_batch, in.seq_len));
   // ShardedCudaState: the norm's workspace on the NCCL stream, and each unit's sum of squares.
-  if (stage >= 2) workspace += blk((kMaxPartials + 2) * 8) + blk(8 * (u128(m.num_layers) + 2));
+  workspace += blk((kMaxPartials + 2) * 8) + blk(8 * (u128(m.num_layers) + 2));
   p.params = checked(params, "bf16 parameters");
   p.grads = checked(grads, "gradients");
   p.optimizer = checked(optimizer, "optimizer state");

@@ -3,10 +3,9 @@
 //
 // Every setting mirrors, buffer by buffer, what the CUDA back end allocates from its DeviceArena,
 // each block rounded up to the arena's 256 bytes: the prediction is the arena's used bytes after
-// set-up, which is also its peak (nothing in the step loop allocates). ZeRO 0 and 1:
-// src/cuda/backend_cuda.cpp and trained_state.cpp; ZeRO 2 and 3, with or without offload:
-// backend_cuda_sharded.cpp and sharded_state_cuda.cpp over the units of plan_qwen3
-// (include/qtrain/shard_plan.h); Qwen3Cuda's buffers (qwen3_cuda.cpp) in both. Each term names
+// set-up, which is also its peak (nothing in the step loop allocates): src/cuda/backend_cuda.cpp
+// and sharded_state_cuda.cpp over the units of plan_qwen3 (include/qtrain/shard_plan.h) at every
+// ZeRO stage, with or without offload, and Qwen3Cuda's buffers (qwen3_cuda.cpp). Each term names
 // the allocation it mirrors in memory_plan.cpp.
 //
 // Parallelism enters through MeshShape: dp today; tp and pp are refused until they are modelled

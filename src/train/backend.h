@@ -68,8 +68,6 @@ std::unique_ptr<TrainBackend> make_cpu_backend(const Deck& deck, Mesh& mesh);
 // it returns make_cuda_lora_backend's (src/cuda/backend_cuda_lora.cpp; CUDA builds only).
 std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh);
 std::unique_ptr<TrainBackend> make_cuda_lora_backend(const Deck& deck, Mesh& mesh);
-// ZeRO-2 and 3 (with or without optim.offload = cpu): src/cuda/backend_cuda_sharded.cpp.
-std::unique_ptr<TrainBackend> make_cuda_sharded_backend(const Deck& deck, Mesh& mesh);
 
 inline std::unique_ptr<TrainBackend> make_backend(const Deck& deck, Mesh& mesh) {
   if (deck.train.device != "cuda") return make_cpu_backend(deck, mesh);

@@ -7,6 +7,7 @@
 //   5. log line, checkpoint every `checkpoint.every` steps and at the end.
 #include "train/trainer.h"
 
+#include <algorithm>
 #include <chrono>
 #include <csignal>
 #include <cmath>
@@ -127,10 +128,11 @@ int run_training(const Deck& deck, Mesh& mesh) {
                 deck.model_init.c_str());
   }
   if (lora && !resumed) {
-    const std::vector<FlatPiece> adapters = backend->trained_pieces();
-    QT_CHECK(adapters.size() == 1 && adapters[0].range.size() == trained.numel(),
-             "LoRA adapters held in {} pieces: lora_init needs the whole buffer", adapters.size());
-    lora_init(trained, tc.seed, adapters[0].data);
+    // The whole adapter buffer from the seed (small), then the pieces this rank holds.
+    std::vector<float> adapters(trained.numel());
+    lora_init(trained, tc.seed, adapters.data());
+    for (const FlatPiece& p : backend->trained_pieces())
+      std::copy(adapters.begin() + p.range.begin, adapters.begin() + p.range.end, p.data);
     if (root) std::printf("initialised LoRA adapters as PEFT does (B = 0: the base model's output)\n");
   }
   backend->push_state();

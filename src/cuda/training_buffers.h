@@ -1,0 +1,35 @@
+// What every CUDA training back end shares besides its optimizer state (cuda/sharded_state_cuda.h):
+// the device buffers of a micro-batch and the arena's sizing and report.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/device.h"
+
+namespace qt::cuda {
+
+// Device copies of one micro-batch's inputs, targets and positions ([B, T] int32 each).
+class BatchBuffers {
+ public:
+  BatchBuffers(int B, int T, DeviceArena& arena);
+  const std::int32_t* inputs() const { return inputs_; }
+  const std::int32_t* targets() const { return targets_; }
+  double bytes() const { return 3.0 * static_cast<double>(bytes_); }  // inputs, targets, positions
+  // Enqueues the host -> device copies on `s`; returns the device positions, or null when
+  // `positions` is null (plain causal).
+  const std::int32_t* upload(const std::int32_t* inputs, const std::int32_t* targets,
+                             const std::int32_t* positions, cudaStream_t s);
+
+ private:
+  std::size_t bytes_;
+  std::int32_t *inputs_, *targets_, *positions_;
+};
+
+// A training back end's arena: the GPU's free memory less 3 GiB left to NCCL, cuBLASLt and CUDA;
+// a UserError when less than 1 GiB would be left. Call after select_device.
+std::size_t training_arena_bytes();
+// "GPU arena X used, Y peak; device Z free of W" for the step log.
+std::string memory_report(const DeviceArena& arena);
+
+}  // namespace qt::cuda
