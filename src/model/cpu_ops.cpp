@@ -125,10 +125,16 @@ void CpuOps::rmsnorm_backward(float* dx, float* dw, const float* dy, const float
   cpu::rmsnorm_backward(dx, dw, dy, x, w, rstd, N, cfg_.hidden_size);
 }
 
-void CpuOps::residual_rmsnorm(float* res_out, float* y, float* rstd, const float* res_in,
-                              const float* x, const float* w, int N) {
+void CpuOps::residual_add(float* res_out, const float* res_in, const float* x, int N) {
   const std::size_t n = static_cast<std::size_t>(N) * cfg_.hidden_size;
   for (std::size_t i = 0; i < n; ++i) res_out[i] = res_in[i] + x[i];
+}
+
+// The add and the norm of a stage boundary (residual_add, then the next stage's rmsnorm) in one:
+// the same bits either way.
+void CpuOps::residual_rmsnorm(float* res_out, float* y, float* rstd, const float* res_in,
+                              const float* x, const float* w, int N) {
+  residual_add(res_out, res_in, x, N);
   rmsnorm(y, rstd, res_out, w, N);
 }
 

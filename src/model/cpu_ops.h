@@ -90,6 +90,7 @@ class CpuOps : public NoCollectives {
                         const float* rstd, int N, bool acc);
   void residual_rmsnorm(float* res_out, float* y, float* rstd, const float* res_in,
                         const float* x, const float* w, int N);
+  void residual_add(float* res_out, const float* res_in, const float* x, int N);
   void residual_rmsnorm_backward(float* dres, float* dw, const float* dy, const float* x,
                                  const float* w, const float* rstd, int N, bool acc);
   void swiglu(float* h, const float* gu, int N, int I);

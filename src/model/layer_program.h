@@ -36,6 +36,9 @@
 //   rmsnorm_backward(dx, dw, dy, x, w, rstd, N, acc)    dx written
 //   residual_rmsnorm(res_out, y, rstd, res_in, x, w, N) res_out = res_in + x; y = rmsnorm(res_out)
 //   residual_rmsnorm_backward(dres, dw, dy, x, w, rstd, N, acc)   dres += d rmsnorm(x) / dx * dy
+//   residual_add(res_out, res_in, x, N)                 res_out = res_in + x, [N, H]: a pipeline
+//       stage's last layer (the next stage norms it). Optional: without it (CudaOps so far) a
+//       back end runs only stages that end in the head, the whole model among them.
 //   swiglu(h, gu, N, I)                                 h[N, I] = silu(gate) * up, gu [N, 2I]
 //   swiglu_backward(dgu, dh, gu, N, I)                  dgu may alias gu
 //   embedding(x, ids, wte, N) / embedding_backward(dwte, dx, ids, N, overwrite)
@@ -103,35 +106,85 @@ struct Qwen3Acts {
   A *tmp, *dx, *dtmp, *dln;     // [N, H] scratch
   A *dh, *datt, *dq, *dk, *dv;  // [N, I], [N, Q], [N, Q], [N, KV], [N, KV]
   A* dqkv;                      // [N, QKV]
+  A* dhead;  // [N, H] d ln[L] from the head to the backward: dtmp, or a slot's own (below)
 };
 
-// Allocates Qwen3Acts from `alloc` (alloc.template allocate<T>(count)), in a fixed order.
+// The part of the model one pipeline stage runs: layers [first_layer, last_layer), with the
+// embedding on the first stage and the final norm, lm head and loss on the last. Across the
+// boundary after layer b - 1 travels x[b] [N, H] forward and d x[b] [N, H] backward; the
+// receiving stage norms x[b] itself (its first layer's ln1), so the sender never reads it.
+struct StageRange {
+  int first_layer = 0, last_layer = 0;
+  bool has_embedding = true;  // first stage: reads token ids (first_layer == 0)
+  bool has_head = true;       // last stage: final norm, lm head, loss (last_layer == L)
+
+  static StageRange whole(int L) { return {0, L, true, true}; }
+  // Layers [first, last) of a model of L layers, the ends where they belong.
+  static StageRange layers(int L, int first, int last) {
+    return {first, last, first == 0, last == L};
+  }
+};
+
+// Checks that `st` is a stage of `c`'s model: 0 <= first < last <= L (first == last only for a
+// model without layers), the ends where they belong.
+inline void check_stage(const ModelConfig& c, const StageRange& st) {
+  QT_CHECK(0 <= st.first_layer && st.first_layer <= st.last_layer &&
+               st.last_layer <= c.num_layers && st.has_embedding == (st.first_layer == 0) &&
+               st.has_head == (st.last_layer == c.num_layers) &&
+               (st.first_layer < st.last_layer || c.num_layers == 0),
+           "stage of layers [{}, {}) of {} (embedding {}, head {})", st.first_layer,
+           st.last_layer, c.num_layers, st.has_embedding, st.has_head);
+}
+
+// Activations of a stage for `slots` micro-batches in flight between forward and backward (1F1B:
+// P - s on stage s). Each slot has its own x, ln, rstd [N, H] of layers [first, last] (null
+// elsewhere, so indices stay global) and, without recompute, LayerActs of its layers; the one
+// shared recompute LayerActs and the scratch are common to all slots. dhead is the slot's own
+// on a last stage with several slots (its head runs in the forward), else dtmp. One whole-model
+// slot is allocate_acts below, in that function's order.
 template <class A, class Alloc>
-Qwen3Acts<A> allocate_acts(const ModelConfig& c, int B, int T, bool recompute, Alloc& alloc) {
+std::vector<Qwen3Acts<A>> allocate_stage_acts(const ModelConfig& c, int B, int T, bool recompute,
+                                              const StageRange& st, int slots, Alloc& alloc) {
   const std::size_t N = static_cast<std::size_t>(B) * T, H = c.hidden_size, Q = c.q_dim();
   const std::size_t KV = c.kv_dim(), I = c.intermediate_size, L = c.num_layers;
-  Qwen3Acts<A> a;
-  for (std::size_t l = 0; l <= L; ++l) {
-    a.x.push_back(alloc.template allocate<A>(N * H));
-    a.ln.push_back(alloc.template allocate<A>(N * H));
-    a.rstd.push_back(alloc.template allocate<float>(N));
+  check_stage(c, st);
+  QT_CHECK(slots >= 1, "{} activation slots", slots);
+  std::vector<Qwen3Acts<A>> s(static_cast<std::size_t>(slots));
+  for (std::size_t k = 0; k < s.size(); ++k) {
+    Qwen3Acts<A>& a = s[k];
+    a.x.assign(L + 1, nullptr);
+    a.ln.assign(L + 1, nullptr);
+    a.rstd.assign(L + 1, nullptr);
+    for (int l = st.first_layer; l <= st.last_layer; ++l) {
+      a.x[l] = alloc.template allocate<A>(N * H);
+      a.ln[l] = alloc.template allocate<A>(N * H);
+      a.rstd[l] = alloc.template allocate<float>(N);
+    }
+    a.layer.resize(recompute ? 1 : L);
+    if (recompute && k > 0) {
+      a.layer = s[0].layer;  // shared
+      continue;
+    }
+    for (std::size_t i = 0; i < a.layer.size(); ++i) {
+      if (!recompute && (i < std::size_t(st.first_layer) || i >= std::size_t(st.last_layer)))
+        continue;
+      LayerActs<A>& la = a.layer[i];
+      la.qkv_raw = alloc.template allocate<A>(N * (Q + 2 * KV));
+      la.q_rstd = alloc.template allocate<float>(N * c.num_heads);
+      la.k_rstd = alloc.template allocate<float>(N * c.num_kv_heads);
+      la.q = alloc.template allocate<A>(N * Q);
+      la.k = alloc.template allocate<A>(N * KV);
+      la.v = alloc.template allocate<A>(N * KV);
+      la.att = alloc.template allocate<A>(N * Q);
+      la.lse = alloc.template allocate<float>(static_cast<std::size_t>(B) * c.num_heads * T);
+      la.x_mid = alloc.template allocate<A>(N * H);
+      la.ln2 = alloc.template allocate<A>(N * H);
+      la.rstd2 = alloc.template allocate<float>(N);
+      la.gu = alloc.template allocate<A>(N * 2 * I);
+      la.h = alloc.template allocate<A>(N * I);
+    }
   }
-  a.layer.resize(recompute ? 1 : L);
-  for (LayerActs<A>& la : a.layer) {
-    la.qkv_raw = alloc.template allocate<A>(N * (Q + 2 * KV));
-    la.q_rstd = alloc.template allocate<float>(N * c.num_heads);
-    la.k_rstd = alloc.template allocate<float>(N * c.num_kv_heads);
-    la.q = alloc.template allocate<A>(N * Q);
-    la.k = alloc.template allocate<A>(N * KV);
-    la.v = alloc.template allocate<A>(N * KV);
-    la.att = alloc.template allocate<A>(N * Q);
-    la.lse = alloc.template allocate<float>(static_cast<std::size_t>(B) * c.num_heads * T);
-    la.x_mid = alloc.template allocate<A>(N * H);
-    la.ln2 = alloc.template allocate<A>(N * H);
-    la.rstd2 = alloc.template allocate<float>(N);
-    la.gu = alloc.template allocate<A>(N * 2 * I);
-    la.h = alloc.template allocate<A>(N * I);
-  }
+  Qwen3Acts<A>& a = s[0];
   a.tmp = alloc.template allocate<A>(N * H);
   a.dx = alloc.template allocate<A>(N * H);
   a.dtmp = alloc.template allocate<A>(N * H);
@@ -142,7 +195,25 @@ Qwen3Acts<A> allocate_acts(const ModelConfig& c, int B, int T, bool recompute, A
   a.dk = alloc.template allocate<A>(N * KV);
   a.dv = alloc.template allocate<A>(N * KV);
   a.dqkv = alloc.template allocate<A>(N * (Q + 2 * KV));
-  return a;
+  a.dhead = a.dtmp;
+  for (std::size_t k = 1; k < s.size(); ++k) {  // slot 0's scratch, the slot's own x .. layer
+    Qwen3Acts<A> own = std::move(s[k]);
+    s[k] = a;
+    s[k].x = std::move(own.x);
+    s[k].ln = std::move(own.ln);
+    s[k].rstd = std::move(own.rstd);
+    s[k].layer = std::move(own.layer);
+  }
+  if (st.has_head && slots > 1)
+    for (Qwen3Acts<A>& sk : s) sk.dhead = alloc.template allocate<A>(N * H);
+  return s;
+}
+
+// Allocates Qwen3Acts of the whole model from `alloc` (alloc.template allocate<T>(count)), in a
+// fixed order: x, ln, rstd of each l, the LayerActs, the scratch.
+template <class A, class Alloc>
+Qwen3Acts<A> allocate_acts(const ModelConfig& c, int B, int T, bool recompute, Alloc& alloc) {
+  return allocate_stage_acts<A>(c, B, T, recompute, StageRange::whole(c.num_layers), 1, alloc)[0];
 }
 
 // The program's fused q/k/v and gate/up GEMMs read wq, wk, wv (and w_gate, w_up) as one matrix:
@@ -177,10 +248,20 @@ struct LayerIO {
   A* tmp;           // [N, H] scratch
 };
 
+// res_out = res_in + x [N, H] through the optional op residual_add (see the contract).
+template <class Ops, class A>
+void residual_add(Ops& ops, A* res_out, const A* res_in, const A* x, int N) {
+  if constexpr (requires { ops.residual_add(res_out, res_in, x, N); })
+    ops.residual_add(res_out, res_in, x, N);
+  else
+    QT_CHECK(false, "this back end has no residual_add: its stages must end in the head");
+}
+
 // One Qwen3 layer's forward over N rows, the op sequence of training, recompute and the KV-cache
 // decoders (src/generate/kv_decoder*.cpp, whose Ops attend over their cache and write k and v
 // into it). next_norm: the input norm weight of layer l + 1, or the final norm's after the last
-// layer. Writes every field of `a` (lse as the Ops' attention does).
+// layer, or null at a pipeline stage's end (ln_out and rstd_out are then not written). Writes
+// every field of `a` (lse as the Ops' attention does).
 template <class Ops>
 void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
                          const LayerTensors<const typename Ops::Weight>& w,
@@ -209,7 +290,10 @@ void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
   ops.linear(io.tmp, a.h, w.w_down, N, I, H);
   ops.lora(l, LoraSite::kDown, a.h, io.tmp);
   ops.tp_block_output(io.tmp, N, H);
-  ops.residual_rmsnorm(io.x_out, io.ln_out, io.rstd_out, a.x_mid, io.tmp, next_norm, N);
+  if (next_norm)
+    ops.residual_rmsnorm(io.x_out, io.ln_out, io.rstd_out, a.x_mid, io.tmp, next_norm, N);
+  else  // a pipeline stage's last layer: x_out only, the next stage norms it
+    residual_add(ops, io.x_out, a.x_mid, io.tmp, N);
 }
 
 // Layer l's tensors in a flat buffer of the whole model (ParamLayout order), for callers without
@@ -220,7 +304,9 @@ LayerTensors<T> layer_tensors(const LayerOffsets& o, T* flat) {
           flat + o.k_norm, flat + o.ln2, flat + o.w_gate, flat + o.w_down};
 }
 
-// The Qwen3 model over Ops (the contract above) for micro-batches of B x T tokens.
+// The Qwen3 model over Ops (the contract above) for micro-batches of B x T tokens, or one
+// pipeline stage of it (StageRange) with several micro-batches in flight (slots). The whole
+// model is the one-stage, one-slot case: forward, head_*, backward below.
 template <class Ops>
 class Qwen3Program {
  public:
@@ -228,99 +314,168 @@ class Qwen3Program {
   using W = typename Ops::Weight;
 
   Qwen3Program(const ModelConfig& cfg, int B, int T, bool recompute, Qwen3Acts<A> acts)
+      : Qwen3Program(cfg, B, T, recompute, StageRange::whole(cfg.num_layers), {std::move(acts)}) {}
+  // A stage over its slots' activations (allocate_stage_acts with the same stage and B, T).
+  Qwen3Program(const ModelConfig& cfg, int B, int T, bool recompute, const StageRange& stage,
+               std::vector<Qwen3Acts<A>> slots)
       : cfg_(cfg),
         layout_(cfg),
         plan_(plan_qwen3(cfg, layout_, MeshShape{}, 0)),
         unit_{cfg.num_layers},
         N_(B * T),
         recompute_(recompute),
-        a_(std::move(acts)) {
+        st_(stage),
+        slots_(std::move(slots)) {
     check_fused_layout(cfg, off_);
+    check_stage(cfg, st_);
+    QT_CHECK(!slots_.empty() && slots_[0].x.size() == off_.layers.size() + 1,
+             "activations of another model");
   }
 
   const ModelConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return layout_; }
   // The units the program asks for (a plan for dp 1: unit ranges do not depend on dp).
   const ShardPlan& units() const { return plan_; }
-  const Qwen3Acts<A>& acts() const { return a_; }
+  const StageRange& stage() const { return st_; }
+  int slots() const { return static_cast<int>(slots_.size()); }
+  const Qwen3Acts<A>& acts(int slot = 0) const { return slots_.at(slot); }
+
+  // The units the stage asks for, ascending: its layers, the embedding on the first stage, the
+  // head on the last, and the embedding there too when tied (a pipeline's last stage holds a
+  // copy of the table; the two copies' gradients are summed before the step).
+  std::vector<int> stage_units() const {
+    std::vector<int> u;
+    if (st_.has_embedding || (st_.has_head && cfg_.tie_word_embeddings)) u.push_back(unit_.embed());
+    for (int l = st_.first_layer; l < st_.last_layer; ++l) u.push_back(unit_.layer(l));
+    if (st_.has_head) u.push_back(unit_.head());
+    return u;
+  }
 
   // Embedding, layers, final norm: leaves rmsnorm(x[L]) in acts().ln[L]. Asks for layer l + 1
   // (or the head) while it runs layer l, whose last op reads the next unit's input norm. Keeps
   // the head (and a tied embedding) acquired for the head and the backward.
   template <class Units>
   void forward(Ops& ops, Units& units, const std::int32_t* inputs) {
-    const int N = N_, L = cfg_.num_layers;
+    forward_stage(ops, units, 0, inputs, nullptr);
+  }
+
+  // The stage's forward of the micro-batch in `slot`: from token ids `inputs` [N] (first stage)
+  // or x_in = x[first] [N, H] (received; copied unless it is stage_input(slot)). Leaves x[last]
+  // in stage_output(slot) (to send), or on the last stage rmsnorm(x[L]) in acts(slot).ln[L] for
+  // the head. The slot's activations live until its backward_stage.
+  template <class Units>
+  void forward_stage(Ops& ops, Units& units, int slot, const std::int32_t* inputs, const A* x_in) {
+    select(slot);
+    const int N = N_, H = cfg_.hidden_size, first = st_.first_layer, last = st_.last_layer;
     const int E = unit_.embed(), Hd = unit_.head();
-    ops.embedding(a_.x[0], inputs, units.weights(E), N);
-    if (!cfg_.tie_word_embeddings) units.release(E);  // tied: the lm head needs it again
-    const int first = L > 0 ? unit_.layer(0) : Hd;
-    ops.rmsnorm(a_.ln[0], a_.rstd[0], a_.x[0], norm_of(units, first), N);
-    for (int l = 0; l < L; ++l) {
+    Qwen3Acts<A>& a = *a_;
+    if (st_.has_embedding) {
+      ops.embedding(a.x[first], inputs, units.weights(E), N);
+      if (!(cfg_.tie_word_embeddings && st_.has_head)) units.release(E);  // tied: the head's too
+    } else if (x_in != a.x[first]) {
+      ops.copy_columns(a.x[first], H, x_in, H, N, H);
+    }
+    // The stage's first norm: its first layer's ln1, or the final norm (no layers).
+    const int entry = first < last ? unit_.layer(first) : st_.has_head ? Hd : -1;
+    if (entry >= 0) ops.rmsnorm(a.ln[first], a.rstd[first], a.x[first], norm_of(units, entry), N);
+    for (int l = first; l < last; ++l) {
       const int u = unit_.layer(l);
-      const W* next_norm = norm_of(units, next(l));
+      const W* next_norm = ends_stage(l) ? nullptr : norm_of(units, next(l));
       layer_forward(ops, l, tensors(l, units.weights(u)), next_norm);
       units.release(u);
     }
   }
+  // [N, H] x[first] of a slot, where a receive may write before forward_stage (non-first stage).
+  A* stage_input(int slot) { return slots_.at(slot).x[st_.first_layer]; }
+  // [N, H] x[last] of a slot after forward_stage: what a non-last stage sends.
+  const A* stage_output(int slot) const { return slots_.at(slot).x[st_.last_layer]; }
 
-  // The lm head and the loss, forward and backward in one (leaves d ln[L] in acts().dtmp).
+  // The lm head and the loss, forward and backward in one (leaves d ln[L] in acts(slot).dhead).
+  // A pipeline's last stage runs it right after forward_stage (its loss scale is known then).
   template <class Units>
   void head_forward_backward(Ops& ops, Units& units, const std::int32_t* targets,
-                             float loss_scale, bool accumulate) {
+                             float loss_scale, bool accumulate, int slot = 0) {
+    QT_CHECK(st_.has_head, "the head of a stage without it");
     const HeadTensors h = head(units, true);
-    ops.lm_head_loss(a_.ln[cfg_.num_layers], h.lm_head, h.g_lm_head, targets, loss_scale,
-                     a_.dtmp, accumulate);
+    Qwen3Acts<A>& a = slots_.at(slot);
+    ops.lm_head_loss(a.ln[cfg_.num_layers], h.lm_head, h.g_lm_head, targets, loss_scale, a.dhead,
+                     accumulate);
   }
-  // The same in two calls (the forward alone serves evaluation).
+  // The same in two calls (the forward alone serves evaluation), slot 0.
   template <class Units>
   void head_forward(Ops& ops, Units& units, const std::int32_t* targets) {
-    ops.lm_head_loss_forward(a_.ln[cfg_.num_layers], head(units, false).lm_head, targets);
+    ops.lm_head_loss_forward(slots_[0].ln[cfg_.num_layers], head(units, false).lm_head, targets);
   }
   template <class Units>
   void head_backward(Ops& ops, Units& units, const std::int32_t* targets, float loss_scale) {
     const HeadTensors h = head(units, true);
-    ops.lm_head_loss_backward(a_.ln[cfg_.num_layers], h.lm_head, h.g_lm_head, targets, loss_scale,
-                              a_.dtmp);
+    ops.lm_head_loss_backward(slots_[0].ln[cfg_.num_layers], h.lm_head, h.g_lm_head, targets,
+                              loss_scale, slots_[0].dhead);
   }
 
-  // From d ln[L] (acts().dtmp) down: the final norm, layers L-1 .. 0, the embedding. Reports
+  // From d ln[L] (acts().dhead) down: the final norm, layers L-1 .. 0, the embedding. Reports
   // each unit's gradients done in that order. accumulate: add into the gradients (else write
   // them: the first micro-batch of a step). Null gradients: the base is frozen (LoRA).
   template <class Units>
   void backward(Ops& ops, Units& units, const std::int32_t* inputs, bool accumulate) {
-    const int N = N_, L = cfg_.num_layers;
+    backward_stage(ops, units, 0, inputs, nullptr, accumulate);
+  }
+
+  // The stage's backward of the micro-batch in `slot`: from d ln[L] in acts(slot).dhead (last
+  // stage) or dx_in = d x[last] [N, H] (received; copied unless it is input_grad()). Leaves
+  // d x[first] in input_grad() (to send; valid until the next backward_stage), or on the first
+  // stage ends in the embedding's gradient. inputs: the slot's token ids (first stage).
+  template <class Units>
+  void backward_stage(Ops& ops, Units& units, int slot, const std::int32_t* inputs,
+                      const A* dx_in, bool accumulate) {
+    select(slot);
+    const int N = N_, H = cfg_.hidden_size, first = st_.first_layer, last = st_.last_layer;
     const int E = unit_.embed(), Hd = unit_.head();
     const bool tied = cfg_.tie_word_embeddings;
+    Qwen3Acts<A>& a = *a_;
     acc_ = accumulate;
-    const W* head_w = units.weights(Hd);
-    float* g_head = units.grads(Hd);
-    QT_CHECK(g_head != nullptr || ops.lora_on(), "a frozen base (no gradients) without LoRA");
-    ops.rmsnorm_backward(a_.dx, at(Hd, g_head, off_.norm), a_.dtmp, a_.x[L],
-                         at(Hd, head_w, off_.norm), a_.rstd[L], N, acc_);
-    units.grads_done(Hd);
-    for (int l = L - 1; l >= 0; --l) {
-      const int u = unit_.layer(l), n = next(l);
+    if (st_.has_head) {
+      const W* head_w = units.weights(Hd);
+      float* g_head = units.grads(Hd);
+      QT_CHECK(g_head != nullptr || ops.lora_on(), "a frozen base (no gradients) without LoRA");
+      ops.rmsnorm_backward(a.dx, at(Hd, g_head, off_.norm), a.dhead, a.x[last],
+                           at(Hd, head_w, off_.norm), a.rstd[last], N, acc_);
+      units.grads_done(Hd);
+      if (tied && !st_.has_embedding) {  // the last stage's copy of a tied table: the head's part
+        units.grads_done(E);
+        units.release(E);
+      }
+    } else if (dx_in != a.dx) {
+      ops.copy_columns(a.dx, H, dx_in, H, N, H);
+    }
+    for (int l = last - 1; l >= first; --l) {
+      const int u = unit_.layer(l), n = ends_stage(l) ? -1 : next(l);
       const LayerTensors<const W> w = tensors(l, units.weights(u));
       // Recomputing rewrites x[l + 1], ln[l + 1] and rstd[l + 1] with the same values; layer
       // l + 1's backward, their last reader, came before it. It reads the next unit's norm.
-      if (recompute_) layer_forward(ops, l, w, norm_of(units, n));
-      units.release(n);
+      if (recompute_) layer_forward(ops, l, w, n >= 0 ? norm_of(units, n) : nullptr);
+      if (n >= 0) units.release(n);
       layer_backward(ops, l, w, tensors(l, units.grads(u)));
       units.grads_done(u);
     }
-    if (L > 0) units.release(unit_.layer(0));
-    // An untied embedding's gradient is N rows of dx: a store that reduces over dp may take the
-    // rows and ids themselves (and reduce those, not the whole table).
-    if (tied || !units.take_embedding_rows(a_.dx, inputs, N)) {
-      if (float* g_embed = units.grads(E))
-        // The embedding backward adds rows: written from zero unless the tied lm head (the same
-        // table) has already written them.
-        ops.embedding_backward(g_embed, a_.dx, inputs, N, !acc_ && !tied);
-      units.grads_done(E);
+    if (first < last) units.release(unit_.layer(first));
+    if (st_.has_embedding) {
+      // An untied embedding's gradient is N rows of dx: a store that reduces over dp may take
+      // the rows and ids themselves (and reduce those, not the whole table).
+      if (tied || !units.take_embedding_rows(a.dx, inputs, N)) {
+        if (float* g_embed = units.grads(E))
+          // The embedding backward adds rows: written from zero unless the tied lm head (the
+          // same table, on this stage) has already written them.
+          ops.embedding_backward(g_embed, a.dx, inputs, N, !acc_ && !(tied && st_.has_head));
+        units.grads_done(E);
+      }
+      if (tied) units.release(E);
     }
-    if (tied) units.release(E);
-    if (L == 0) units.release(Hd);
+    if (st_.has_head && first == last) units.release(Hd);
   }
+  // [N, H] d x[first] after backward_stage (what a non-first stage sends); a receive of d x[last]
+  // may write here before backward_stage.
+  A* input_grad() { return slots_[0].dx; }
 
  private:
   struct HeadTensors {
@@ -361,12 +516,20 @@ class Qwen3Program {
             at(u, unit, o.q_norm), at(u, unit, o.k_norm), at(u, unit, o.ln2),
             at(u, unit, o.w_gate), at(u, unit, o.w_down)};
   }
-  LayerActs<A>& acts(int l) { return a_.layer[recompute_ ? 0 : l]; }
+  LayerActs<A>& layer_acts(int l) { return a_->layer[recompute_ ? 0 : l]; }
+  // The slot the next ops use (every entry point selects its own first).
+  void select(int slot) {
+    QT_CHECK(slot >= 0 && slot < slots(), "slot {} of {}", slot, slots());
+    a_ = &slots_[static_cast<std::size_t>(slot)];
+  }
+  // Layer l is the stage's last and the next stage norms its output (x[l + 1] is sent).
+  bool ends_stage(int l) const { return l + 1 == st_.last_layer && !st_.has_head; }
 
-  // next_norm: the input norm weight of layer l + 1, or the final norm's after the last layer.
+  // next_norm: the input norm weight of layer l + 1, or the final norm's after the last layer,
+  // or null at a stage's end.
   void layer_forward(Ops& ops, int l, const LayerTensors<const W>& w, const W* next_norm) {
-    const LayerIO<A> io{a_.x[l], a_.ln[l], a_.x[l + 1], a_.ln[l + 1], a_.rstd[l + 1], a_.tmp};
-    qwen3_layer_forward(ops, cfg_, l, N_, w, next_norm, io, acts(l));
+    const LayerIO<A> io{a_->x[l], a_->ln[l], a_->x[l + 1], a_->ln[l + 1], a_->rstd[l + 1], a_->tmp};
+    qwen3_layer_forward(ops, cfg_, l, N_, w, next_norm, io, layer_acts(l));
   }
 
   // How far down layer l's backward goes: through its projections in backward order, then to
@@ -381,9 +544,9 @@ class Qwen3Program {
     return kDown;
   }
 
-  // a_.dx holds d x_out on entry and d x_in on return.
+  // a_->dx holds d x_out on entry and d x_in on return.
   void layer_backward(Ops& ops, int l, const LayerTensors<const W>& w, const LayerTensors<float>& g) {
-    LayerActs<A>& a = acts(l);
+    LayerActs<A>& a = layer_acts(l);
     const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
     const int I = cfg_.intermediate_size, QKV = Q + 2 * KV;
     const bool acc = acc_;  // each weight gradient is made once per micro-batch
@@ -391,33 +554,33 @@ class Qwen3Program {
     const Depth depth = backward_depth(ops, l, g.wq == nullptr);
     auto past = [depth](Depth d, A* dx) { return depth > d ? dx : nullptr; };
     // MLP block; dx holds d x_out and becomes d x_mid. gu is overwritten by its gradient.
-    ops.tp_block_output_backward(a_.dx, N, H);
-    ops.linear_backward(past(kDown, a_.dh), g.w_down, a_.dx, a.h, w.w_down, N, I, H, acc);
-    ops.lora_backward(l, LoraSite::kDown, a.h, a_.dx, past(kDown, a_.dh));
+    ops.tp_block_output_backward(a_->dx, N, H);
+    ops.linear_backward(past(kDown, a_->dh), g.w_down, a_->dx, a.h, w.w_down, N, I, H, acc);
+    ops.lora_backward(l, LoraSite::kDown, a.h, a_->dx, past(kDown, a_->dh));
     if (depth == kDown) return;
-    ops.swiglu_backward(a.gu, a_.dh, a.gu, N, I);
-    ops.linear_backward(past(kGateUp, a_.dln), g.w_gate, a.gu, a.ln2, w.w_gate, N, H, 2 * I, acc);
-    ops.lora_backward(l, LoraSite::kGateUp, a.ln2, a.gu, past(kGateUp, a_.dln));
+    ops.swiglu_backward(a.gu, a_->dh, a.gu, N, I);
+    ops.linear_backward(past(kGateUp, a_->dln), g.w_gate, a.gu, a.ln2, w.w_gate, N, H, 2 * I, acc);
+    ops.lora_backward(l, LoraSite::kGateUp, a.ln2, a.gu, past(kGateUp, a_->dln));
     if (depth == kGateUp) return;
-    ops.tp_block_input_backward(a_.dln, N, H);
-    ops.residual_rmsnorm_backward(a_.dx, g.ln2, a_.dln, a.x_mid, w.ln2, a.rstd2, N, acc);
+    ops.tp_block_input_backward(a_->dln, N, H);
+    ops.residual_rmsnorm_backward(a_->dx, g.ln2, a_->dln, a.x_mid, w.ln2, a.rstd2, N, acc);
     // attention block; dx holds d x_mid and becomes d x_in.
-    ops.tp_block_output_backward(a_.dx, N, H);
-    ops.linear_backward(past(kO, a_.datt), g.wo, a_.dx, a.att, w.wo, N, Q, H, acc);
-    ops.lora_backward(l, LoraSite::kO, a.att, a_.dx, past(kO, a_.datt));
+    ops.tp_block_output_backward(a_->dx, N, H);
+    ops.linear_backward(past(kO, a_->datt), g.wo, a_->dx, a.att, w.wo, N, Q, H, acc);
+    ops.lora_backward(l, LoraSite::kO, a.att, a_->dx, past(kO, a_->datt));
     if (depth == kO) return;
-    ops.attention_backward(l, a_.dq, a_.dk, a_.dv, a_.datt, a.q, a.k, a.v, a.att, a.lse);
+    ops.attention_backward(l, a_->dq, a_->dk, a_->dv, a_->datt, a.q, a.k, a.v, a.att, a.lse);
     // d q, d k, d v into dqkv rows [dq | dk | dv] for one GEMM against [wq; wk; wv].
-    ops.qk_norm_rope_backward(a_.dqkv, QKV, g.q_norm, a_.dq, a.qkv_raw, QKV, w.q_norm, a.q_rstd,
+    ops.qk_norm_rope_backward(a_->dqkv, QKV, g.q_norm, a_->dq, a.qkv_raw, QKV, w.q_norm, a.q_rstd,
                               cfg_.num_heads, acc);
-    ops.qk_norm_rope_backward(a_.dqkv + Q, QKV, g.k_norm, a_.dk, a.qkv_raw + Q, QKV, w.k_norm,
+    ops.qk_norm_rope_backward(a_->dqkv + Q, QKV, g.k_norm, a_->dk, a.qkv_raw + Q, QKV, w.k_norm,
                               a.k_rstd, cfg_.num_kv_heads, acc);
-    ops.copy_columns(a_.dqkv + Q + KV, QKV, a_.dv, KV, N, KV);
-    ops.linear_backward(past(kQKV, a_.dln), g.wq, a_.dqkv, a_.ln[l], w.wq, N, H, QKV, acc);
-    ops.lora_backward(l, LoraSite::kQKV, a_.ln[l], a_.dqkv, past(kQKV, a_.dln));
+    ops.copy_columns(a_->dqkv + Q + KV, QKV, a_->dv, KV, N, KV);
+    ops.linear_backward(past(kQKV, a_->dln), g.wq, a_->dqkv, a_->ln[l], w.wq, N, H, QKV, acc);
+    ops.lora_backward(l, LoraSite::kQKV, a_->ln[l], a_->dqkv, past(kQKV, a_->dln));
     if (depth == kQKV) return;
-    ops.tp_block_input_backward(a_.dln, N, H);
-    ops.residual_rmsnorm_backward(a_.dx, g.ln1, a_.dln, a_.x[l], w.ln1, a_.rstd[l], N, acc);
+    ops.tp_block_input_backward(a_->dln, N, H);
+    ops.residual_rmsnorm_backward(a_->dx, g.ln1, a_->dln, a_->x[l], w.ln1, a_->rstd[l], N, acc);
   }
 
   ModelConfig cfg_;
@@ -428,7 +591,9 @@ class Qwen3Program {
   int N_;  // rows of a micro-batch: B x T
   bool recompute_;
   bool acc_ = true;
-  Qwen3Acts<A> a_;
+  StageRange st_;
+  std::vector<Qwen3Acts<A>> slots_;  // [slots] (one: the whole model's)
+  Qwen3Acts<A>* a_ = nullptr;        // the selected slot (select())
 };
 
 }  // namespace qt

@@ -2,6 +2,8 @@
 // unit by unit from a ModelParams.
 #include "model/qwen3.h"
 
+#include <algorithm>
+
 #include "ops/cross_entropy.h"
 #include "qtrain/error.h"
 
@@ -60,21 +62,26 @@ double Qwen3Model::buffer_bytes(const ModelConfig& cfg, int B, int T, bool recom
   return bytes + 3.0 * B * T * sizeof(std::int32_t);  // inputs_, targets_, pos_
 }
 
+void check_micro_batch(const std::int32_t* inputs, const std::int32_t* targets,
+                       const std::int32_t* positions, int B, int T, int V) {
+  for (int i = 0; i < B * T; ++i) {
+    QT_CHECK(!inputs || (inputs[i] >= 0 && inputs[i] < V), "input id {} at {} outside [0, {})",
+             inputs[i], i, V);
+    QT_CHECK(!targets || targets[i] == cpu::kIgnoreIndex || (targets[i] >= 0 && targets[i] < V),
+             "target id {} at {} outside [0, {})", targets[i], i, V);
+    QT_CHECK(!positions || positions[i] == 0 ||
+                 (i % T != 0 && positions[i] == positions[i - 1] + 1),
+             "position {} at {} is neither 0 nor one past the previous", positions[i], i);
+  }
+}
+
 double Qwen3Model::forward(ModelParams& mp, const std::int32_t* inputs,
                            const std::int32_t* targets, const std::int32_t* positions) {
-  const int N = B_ * T_, V = vocab_global_;
-  for (int i = 0; i < N; ++i) {
-    QT_CHECK(inputs[i] >= 0 && inputs[i] < V, "input id {} at {} outside [0, {})", inputs[i], i, V);
-    QT_CHECK(targets[i] == cpu::kIgnoreIndex || (targets[i] >= 0 && targets[i] < V),
-             "target id {} at {} outside [0, {})", targets[i], i, V);
-    inputs_[i] = inputs[i];
-    targets_[i] = targets[i];
-    if (positions) {
-      QT_CHECK(positions[i] == 0 || (i % T_ != 0 && positions[i] == positions[i - 1] + 1),
-               "position {} at {} is neither 0 nor one past the previous", positions[i], i);
-      pos_[i] = positions[i];
-    }
-  }
+  const int N = B_ * T_;
+  check_micro_batch(inputs, targets, positions, B_, T_, vocab_global_);
+  std::copy(inputs, inputs + N, inputs_.begin());
+  std::copy(targets, targets + N, targets_.begin());
+  if (positions) std::copy(positions, positions + N, pos_.begin());
   ops_.set_positions(positions ? pos_.data() : nullptr);
   CpuUnits units{mp};
   program_.forward(ops_, units, inputs_.data());

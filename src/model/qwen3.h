@@ -29,6 +29,11 @@ void init_params(const ModelConfig& cfg, const ParamLayout& layout, std::uint64_
 // may run on (its affinity mask).
 unsigned init_params_threads(const ParamLayout& layout);
 
+// The checks of a micro-batch's ids (< V; targets may be -100) and positions (0, or one past
+// the previous in the row), each [B, T]; a null array is not checked.
+void check_micro_batch(const std::int32_t* inputs, const std::int32_t* targets,
+                       const std::int32_t* positions, int B, int T, int V);
+
 class Qwen3Model {
  public:
   // Buffers for micro-batches of B sequences of T tokens. recompute: keep only each layer's input

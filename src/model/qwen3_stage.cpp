@@ -1,0 +1,73 @@
+// A pipeline stage of Qwen3 on the CPU: the layer program's stage entry points over CpuOps.
+#include "model/qwen3_stage.h"
+
+#include "model/qwen3.h"
+#include "qtrain/error.h"
+
+namespace qt {
+
+namespace {
+
+// The program's view of a ModelParams (as Qwen3Model's): asking for weights acquires the unit.
+struct StageUnits {
+  ModelParams& mp;
+  const float* weights(int u) {
+    mp.acquire(u);
+    return mp.params(u);
+  }
+  float* grads(int u) { return mp.grads(u); }
+  void release(int u) { mp.release(u); }
+  void grads_done(int u) { mp.grads_done(u); }
+  bool take_embedding_rows(const float*, const std::int32_t*, int) { return false; }
+};
+
+}  // namespace
+
+Qwen3Stage::Qwen3Stage(const ModelConfig& cfg, int B, int T, bool recompute,
+                       const StageRange& stage, int slots)
+    : cfg_(cfg),
+      B_(B),
+      T_(T),
+      ops_(cfg, B, T, arena_),
+      program_(cfg, B, T, recompute, stage,
+               allocate_stage_acts<float>(cfg, B, T, recompute, stage, slots, arena_)),
+      slot_(static_cast<std::size_t>(slots)) {}
+
+double Qwen3Stage::forward(ModelParams& mp, int k, const StageBatch& b, const float* x_in,
+                           float loss_scale) {
+  const StageRange& st = program_.stage();
+  QT_CHECK(k >= 0 && k < slots() && !slot_[k].busy, "forward into slot {} of {}: not free", k,
+           slots());
+  QT_CHECK(st.has_embedding ? b.inputs != nullptr : x_in != nullptr,
+           "a stage forward without its input");
+  QT_CHECK(!st.has_head || b.targets != nullptr, "the last stage's forward without targets");
+  check_micro_batch(st.has_embedding ? b.inputs : nullptr, st.has_head ? b.targets : nullptr,
+                    b.positions, B_, T_, vocab_global_);
+  Slot& s = slot_[k];
+  const std::size_t N = static_cast<std::size_t>(B_) * T_;
+  if (st.has_embedding) s.inputs.assign(b.inputs, b.inputs + N);
+  s.has_pos = b.positions != nullptr;
+  if (s.has_pos) s.pos.assign(b.positions, b.positions + N);
+  s.busy = true;
+
+  ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
+  StageUnits units{mp};
+  program_.forward_stage(ops_, units, k, s.inputs.data(), x_in);
+  if (!st.has_head) return 0;
+  // The head's forward and backward at once (gradients added): its d ln[L] waits in the slot.
+  program_.head_forward_backward(ops_, units, b.targets, loss_scale, /*accumulate=*/true, k);
+  return ops_.take_loss();
+}
+
+void Qwen3Stage::backward(ModelParams& mp, int k, const float* dx_in) {
+  QT_CHECK(k >= 0 && k < slots() && slot_[k].busy, "backward of slot {} of {}: no forward", k,
+           slots());
+  QT_CHECK(program_.stage().has_head || dx_in != nullptr, "a stage backward without d x");
+  Slot& s = slot_[k];
+  ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
+  StageUnits units{mp};
+  program_.backward_stage(ops_, units, k, s.inputs.data(), dx_in, /*accumulate=*/true);
+  s.busy = false;
+}
+
+}  // namespace qt

@@ -1,0 +1,86 @@
+// One pipeline stage of the Qwen3 model on the CPU (issue 17): the layer program over CpuOps for
+// layers [first, last) of a StageRange (model/layer_program.h), the embedding on the first stage,
+// the final norm, lm head and loss on the last, with several micro-batches in flight.
+//
+// Per micro-batch m on stage s of P (slot k holds m between its forward and its backward):
+//   forward(params, k, batch, x_in, scale)  first stage: batch.inputs; else x_in = x[first] [N, H]
+//                                           last stage: runs the head forward and backward too
+//                                           and returns the summed loss; else output(k) = x[last]
+//   backward(params, k, dx_in)              last stage: from the head's d ln[L]; else dx_in =
+//                                           d x[last] [N, H]; input_grad() = d x[first] after it
+// Gradients are added (+=, as Qwen3Model::backward): the caller zeroes them before a step. The
+// units asked of `params` are stage_units(); a tied model's last stage asks for the embedding
+// too (its copy of the table; a pipeline sums the two copies' gradients before the step).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "model/cpu_ops.h"
+#include "model/layer_program.h"
+#include "model/model_params.h"
+#include "qtrain/model_config.h"
+
+namespace qt {
+
+class LoraAdapters;
+
+// One micro-batch's data as a stage needs it, each [B, T] or null where the stage has no use.
+struct StageBatch {
+  const std::int32_t* inputs = nullptr;     // token ids: the first stage
+  const std::int32_t* targets = nullptr;    // -100: not counted; the last stage
+  const std::int32_t* positions = nullptr;  // RoPE positions (Qwen3Model's rule): every stage, or
+                                            // null on all: plain causal
+};
+
+class Qwen3Stage {
+ public:
+  // Buffers for `slots` micro-batches of B x T tokens in flight (1F1B: P - s on stage s).
+  Qwen3Stage(const ModelConfig& cfg, int B, int T, bool recompute, const StageRange& stage,
+             int slots);
+
+  const ModelConfig& config() const { return cfg_; }
+  const ParamLayout& layout() const { return program_.layout(); }
+  const ShardPlan& units() const { return program_.units(); }
+  const StageRange& stage() const { return program_.stage(); }
+  int slots() const { return program_.slots(); }
+  // The units this stage asks `params` for, ascending.
+  std::vector<int> stage_units() const { return program_.stage_units(); }
+
+  // The forward of a micro-batch into free slot `slot`. x_in: x[first] [B*T, H] (not the first
+  // stage; may be input(slot)). loss_scale: the head's gradient scale (last stage). Returns the
+  // summed cross-entropy of the counted targets on the last stage, else 0.
+  double forward(ModelParams& params, int slot, const StageBatch& batch, const float* x_in,
+                 float loss_scale);
+  float* input(int slot) { return program_.stage_input(slot); }                    // [B*T, H]
+  const float* output(int slot) const { return program_.stage_output(slot); }     // [B*T, H]
+
+  // The backward of the micro-batch in `slot` (then free). dx_in: d x[last] [B*T, H] (not the
+  // last stage; may be input_grad()).
+  void backward(ModelParams& params, int slot, const float* dx_in);
+  // [B*T, H] d x[first] of the last backward (what a non-first stage sends).
+  const float* input_grad() { return program_.input_grad(); }
+
+  void set_lora(LoraAdapters* lora) { ops_.set_lora(lora); }
+  void set_tensor_parallel(Comm* tp) {
+    ops_.set_tp(tp);
+    vocab_global_ = cfg_.vocab_size * (tp ? tp->size() : 1);
+  }
+
+ private:
+  struct Slot {
+    bool busy = false;  // between forward and backward
+    bool has_pos = false;
+    std::vector<std::int32_t> inputs, pos;  // [B, T] copies for the backward
+  };
+
+  ModelConfig cfg_;
+  int B_, T_;
+  HostArena arena_;  // every buffer below
+  CpuOps ops_;
+  Qwen3Program<CpuOps> program_;
+  std::vector<Slot> slot_;
+  int vocab_global_ = cfg_.vocab_size;
+};
+
+}  // namespace qt
