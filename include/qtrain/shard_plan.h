@@ -51,6 +51,7 @@ struct ParamUnit {
   int dp = 1;                       // ranks the unit's ZeRO shards spread over
   std::size_t chunk = 0;            // ZeRO shard length: ceil(range.size() / dp); >= 1
   std::vector<std::size_t> params;  // indices into layout.params(), in flat order
+  int stage = 0;                    // the pipeline stage that holds it (mesh.pp > 1)
 
   std::size_t padded() const { return chunk * dp; }  // range.size() rounded up to dp shards
   Range shard(int dp_rank) const;                      // the flat range dp rank r owns
@@ -59,7 +60,13 @@ struct ParamUnit {
 struct ShardPlan {
   int dp = 1;
   int tp = 1;
+  int pp = 1;
   int zero_stage = 0;
+  // Pipeline (pp > 1, plan_qwen3): stage s runs decoder layers [stage_layers[s],
+  // stage_layers[s + 1]), balanced by cost (split_layers in parallel/pipeline_schedule.h), with
+  // the embedding on the first stage and the head on the last; each unit's `stage` says which.
+  // A tied embedding is also held, as a copy, by the last stage (for its lm head).
+  std::vector<int> stage_layers;
   std::vector<ShardSpec> specs;  // [layout.params().size()]
   std::vector<ParamUnit> units;  // in flat order; together they cover the layout exactly
 

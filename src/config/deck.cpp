@@ -350,7 +350,18 @@ void Builder::validate_mesh() {
     need(deck_.lora.r == 0, "mesh.tp", ": LoRA ([lora] r > 0) under tensor parallelism is not "
          "built yet; set mesh.tp = 1");
   }
-  need(m.pp == 1, "mesh.pp", ": pipeline parallelism is not built yet (only dp is); set it to 1");
+  if (m.pp > 1) {  // pipeline parallelism (train/backend_cpu_pipeline.cpp): layers over stages
+    need(deck_.train.device == "cpu", "mesh.pp",
+         ": pipeline parallelism is built on train.device = cpu only so far; set mesh.pp = 1 for "
+         "train.device = cuda");
+    need(m.pp <= ival("model.num_layers"), "mesh.pp",
+         "is more than model.num_layers = {} (each stage runs at least one layer)",
+         ival("model.num_layers"));
+    need(m.tp == 1, "mesh.pp", ": pipeline with tensor parallelism (mesh.tp > 1) is not built yet; "
+         "set one of them to 1");
+    need(deck_.lora.r == 0, "mesh.pp", ": LoRA ([lora] r > 0) in a pipeline is not built yet; set "
+         "mesh.pp = 1");
+  }
   if (m.dp == 0) {
     need(world_ % (m.tp * m.pp) == 0, "mesh.dp",
          "means auto, which needs the world size {} to be a multiple of mesh.tp x mesh.pp = {}", world_,

@@ -44,6 +44,7 @@ class Qwen3Stage {
   const ShardPlan& units() const { return program_.units(); }
   const StageRange& stage() const { return program_.stage(); }
   int slots() const { return program_.slots(); }
+  double buffer_bytes() const { return arena_.bytes(); }  // its activations and scratch
   // The units this stage asks `params` for, ascending.
   std::vector<int> stage_units() const { return program_.stage_units(); }
 

@@ -16,7 +16,8 @@ double bytes_of(const std::vector<float>& x) { return 4.0 * static_cast<double>(
 }  // namespace
 
 ShardedState::ShardedState(const ShardPlan& plan, const ParamLayout& layout,
-                           const OptimConfig& cfg, Comm& dp, int total_steps, Comm* tp)
+                           const OptimConfig& cfg, Comm& dp, int total_steps, Comm* tp,
+                           const PipelineShare* pipe)
     : plan_(plan),
       layout_(layout),
       cfg_(cfg),
@@ -29,7 +30,18 @@ ShardedState::ShardedState(const ShardPlan& plan, const ParamLayout& layout,
   QT_CHECK(plan.tp == 1 || (tp != nullptr && tp->size() == plan.tp),
            "plan for tp {} without a tp communicator of that size", plan.tp);
   units_.resize(plan_.units.size());
+  held_.assign(units_.size(), pipe ? 0 : 1);
+  if (pipe) {
+    pp_ = pipe->pp;
+    copy_ = pipe->copy;
+    for (int u : pipe->held) {
+      QT_CHECK(u >= 0 && u < static_cast<int>(units_.size()), "held unit {}", u);
+      held_[u] = 1;
+    }
+    QT_CHECK(copy_ < 0 || held_[copy_], "the tied copy {} is not held", copy_);
+  }
   for (std::size_t i = 0; i < units_.size(); ++i) {
+    if (!held(i)) continue;
     const ParamUnit& pu = plan_.units[i];
     Unit& u = units_[i];
     const std::size_t own = pu.shard(rank_).size();
@@ -126,6 +138,7 @@ OptimStepStats ShardedState::step(std::int64_t step) {
   const bool many = dp_.size() > 1;
   // 1. Reduce: every rank ends with the summed gradients of what it updates.
   for (std::size_t u = 0; u < units_.size(); ++u) {
+    if (!held(u)) continue;
     Unit& x = units_[u];
     if (zero_ <= 1) reduce_partial_over_tp(static_cast<int>(u), x.grads.data());
     if (zero_ == 0 && many)
@@ -137,6 +150,7 @@ OptimStepStats ShardedState::step(std::int64_t step) {
   // 2. The global norm: each element once, summed by its owner.
   double sumsq = 0;
   for (std::size_t u = 0; u < units_.size(); ++u) {
+    if (!held(u) || static_cast<int>(u) == copy_) continue;  // a tied copy: its original counts
     const ParamUnit& pu = plan_.units[u];
     const Range own = pu.shard(rank_);
     const float* g = zero_ == 0 ? units_[u].grads.data() + (own.begin - pu.range.begin)
@@ -145,12 +159,14 @@ OptimStepStats ShardedState::step(std::int64_t step) {
   }
   sumsq = dp_.sum(sumsq);
   if (tp_) sumsq = tp_->sum(sumsq);
+  if (pp_) sumsq = pp_->sum(sumsq);
   st.grad_norm = std::sqrt(sumsq);
   if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
     st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
   // 3. Update the owned elements, then share them where the parameters are whole.
   const AdamWStep s = adamw_step(cfg_, st.lr, st.clip_scale, step + 1);
   for (std::size_t u = 0; u < units_.size(); ++u) {
+    if (!held(u)) continue;
     update(static_cast<int>(u), s);
     if ((zero_ == 1 || zero_ == 2) && many) {
       const ParamUnit& pu = plan_.units[u];
@@ -192,6 +208,7 @@ double ShardedState::sum_squares(int u, Range own, const float* g) const {
 std::vector<FlatPiece> ShardedState::param_pieces() {
   std::vector<FlatPiece> out;
   for (std::size_t u = 0; u < units_.size(); ++u) {
+    if (!held(u)) continue;
     const ParamUnit& pu = plan_.units[u];
     const Range r = zero_ == 3 ? pu.shard(rank_) : pu.range;
     if (r.size() > 0) out.push_back({r, units_[u].params.data()});
@@ -202,6 +219,7 @@ std::vector<FlatPiece> ShardedState::param_pieces() {
 std::vector<StatePiece> ShardedState::checkpoint_pieces() {
   std::vector<StatePiece> out;
   for (std::size_t u = 0; u < units_.size(); ++u) {
+    if (!held(u) || static_cast<int>(u) == copy_) continue;  // a tied copy: the original writes
     const ParamUnit& pu = plan_.units[u];
     const Range own = pu.shard(rank_);
     if (own.size() == 0) continue;
@@ -219,7 +237,7 @@ StateTargets ShardedState::checkpoint_targets() {
   t.params = param_pieces();
   for (std::size_t u = 0; u < units_.size(); ++u) {
     const Range r = updated(static_cast<int>(u));
-    if (r.size() == 0) continue;
+    if (!held(u) || r.size() == 0) continue;
     t.exp_avg.push_back({r, units_[u].m.data()});
     t.exp_avg_sq.push_back({r, units_[u].v.data()});
   }

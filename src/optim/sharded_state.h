@@ -33,6 +33,17 @@ namespace qt {
 
 struct AdamWStep;  // optim/adamw_math.h
 
+// A pipeline stage's share of the units (mesh.pp > 1): the stage holds only `held` (the others
+// get no buffers and are never asked for); `pp` sums the gradient norm over the stages. `copy`:
+// a held unit that is a copy of another stage's (a tied embedding on the last stage, whose first
+// stage holds the original): the caller sums the two copies' gradients before step()
+// (tied_grads()); it counts in the norm and is written to checkpoints by the original only.
+struct PipelineShare {
+  std::vector<int> held;
+  Comm* pp = nullptr;
+  int copy = -1;
+};
+
 // Bytes a ShardedState holds, by kind.
 struct StateBytes {
   double params = 0, grads = 0, optimizer = 0;
@@ -45,7 +56,7 @@ class ShardedState final : public ModelParams {
   // communicator: gradients that are partial over tp (ShardSpec::partial_over) are summed over
   // it before the update, and the gradient norm counts tensors replicated over tp once.
   ShardedState(const ShardPlan& plan, const ParamLayout& layout, const OptimConfig& cfg, Comm& dp,
-               int total_steps, Comm* tp = nullptr);
+               int total_steps, Comm* tp = nullptr, const PipelineShare* pipe = nullptr);
 
   // ModelParams.
   const float* params(int unit) override;
@@ -67,6 +78,12 @@ class ShardedState final : public ModelParams {
   // checkpoint read fills (everything it holds).
   std::vector<StatePiece> checkpoint_pieces();
   StateTargets checkpoint_targets();
+
+  // The gradients of unit u that a tied copy sums with its original before step() (the same on
+  // both stages: the unit's whole gradients at ZeRO 0/1, its reduced shard at ZeRO 2/3).
+  std::vector<float>& tied_grads(int u) {
+    return zero_ <= 1 ? units_[u].grads : units_[u].grad_shard;
+  }
 
   const ShardPlan& plan() const { return plan_; }
   StateBytes bytes() const;  // held now
@@ -92,12 +109,16 @@ class ShardedState final : public ModelParams {
   // once over the mesh (tensors replicated over tp only by tp rank 0).
   double sum_squares(int u, Range own, const float* g) const;
   void note_peak();
+  bool held(std::size_t u) const { return held_[u] != 0; }
 
   ShardPlan plan_;
   const ParamLayout& layout_;
   OptimConfig cfg_;
   Comm& dp_;
   Comm* tp_;  // null without tensor parallelism
+  Comm* pp_ = nullptr;     // null without pipeline parallelism
+  std::vector<char> held_;  // [units]: this stage holds it
+  int copy_ = -1;           // PipelineShare::copy
   int total_steps_;
   int zero_;
   int rank_;

@@ -202,4 +202,39 @@ std::string describe(const std::vector<PipeAction>& stage) {
   return out;
 }
 
+std::vector<int> split_layers(int layers, int stages, double layer_cost, double first_extra,
+                              double last_extra) {
+  if (stages < 1 || stages > layers)
+    throw std::invalid_argument("split_layers: " + std::to_string(stages) + " stages for " +
+                                std::to_string(layers) + " layers");
+  // The cost of stage s running n layers.
+  auto cost = [&](int s, int n) {
+    return n * layer_cost + (s == 0 ? first_extra : 0) + (s == stages - 1 ? last_extra : 0);
+  };
+  // best[s][i]: stages 0..s-1 over layers [0, i), the least (largest stage cost, sum of squared
+  // stage costs: the evenest among equals); from[s][i]: where stage s - 1 began.
+  struct Score {
+    double worst = 0, squares = 0;
+    bool operator<(const Score& o) const {
+      return worst < o.worst || (worst == o.worst && squares < o.squares);
+    }
+  };
+  const Score none{std::numeric_limits<double>::infinity(), 0};
+  std::vector<std::vector<Score>> best(stages + 1, std::vector<Score>(layers + 1, none));
+  std::vector<std::vector<int>> from(stages + 1, std::vector<int>(layers + 1, -1));
+  best[0][0] = {0, 0};
+  for (int s = 0; s < stages; ++s)
+    for (int j = s + 1; j <= layers; ++j)
+      // Stage s runs [i, j); i from the top, so that among equals earlier stages run more.
+      for (int i = j - 1; i >= s; --i) {
+        if (best[s][i].worst == none.worst) continue;
+        const double c = cost(s, j - i);
+        const Score x{std::max(best[s][i].worst, c), best[s][i].squares + c * c};
+        if (x < best[s + 1][j]) best[s + 1][j] = x, from[s + 1][j] = i;
+      }
+  std::vector<int> b(stages + 1, layers);
+  for (int s = stages; s > 0; --s) b[s - 1] = from[s][b[s]];
+  return b;
+}
+
 }  // namespace qt

@@ -67,6 +67,14 @@ struct PipeSimulation {
 PipeSimulation simulate(const PipeSchedule& s, const PipeScheduleConfig& cfg,
                         const PipeCosts& c = {});
 
+// The layers of each of `stages` pipeline stages, consecutive and at least one each, balanced
+// by cost: layer_cost each, plus first_extra on the first stage (the embedding) and last_extra on
+// the last (the final norm, lm head and loss). Minimises the largest stage's cost, then the sum
+// of squared stage costs (the evenest cut); among equals earlier stages run more. Returns [stages + 1] boundaries: stage s runs layers
+// [b[s], b[s + 1]). Throws std::invalid_argument unless 1 <= stages <= layers.
+std::vector<int> split_layers(int layers, int stages, double layer_cost, double first_extra,
+                              double last_extra);
+
 // "F0.3 B1.2 ..." (chunk.micro_batch) of one stage, for messages and tests.
 std::string describe(const std::vector<PipeAction>& stage);
 

@@ -1,6 +1,8 @@
 // The sharding plan (include/qtrain/shard_plan.h).
 #include "qtrain/shard_plan.h"
 
+#include "parallel/pipeline_schedule.h"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -29,8 +31,15 @@ std::string ShardPlan::describe() const {
                          "AdamW state, gradients and parameters sharded"};
   std::size_t largest = 0;
   for (const ParamUnit& u : units) largest = std::max(largest, u.range.size());
-  return fmt::format("ZeRO-{} over dp {} ({}), {} units, the largest {} parameters", zero_stage,
-                     dp, what[std::clamp(zero_stage, 0, 3)], units.size(), largest);
+  std::string d = fmt::format("ZeRO-{} over dp {} ({}), {} units, the largest {} parameters",
+                              zero_stage, dp, what[std::clamp(zero_stage, 0, 3)], units.size(),
+                              largest);
+  if (pp > 1) {
+    d += "; pipeline stages of layers";
+    for (int s = 0; s < pp; ++s)
+      d += fmt::format(" {}..{}", stage_layers[s], stage_layers[s + 1] - 1);
+  }
+  return d;
 }
 
 namespace {
@@ -55,11 +64,11 @@ ParamUnit make_unit(const ParamLayout& layout, std::string name, std::size_t fir
 
 ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_stage) {
   QT_CHECK(zero_stage >= 0 && zero_stage <= 3, "ZeRO stage {}", zero_stage);
-  QT_CHECK(mesh.pp == 1 && mesh.ep == 1, "the sharding plan knows dp and tp so far (pp {}, ep {})",
-           mesh.pp, mesh.ep);
+  QT_CHECK(mesh.ep == 1, "the sharding plan knows dp, tp and pp so far (ep {})", mesh.ep);
   ShardPlan plan;
   plan.dp = mesh.dp;
   plan.tp = mesh.tp;
+  plan.pp = mesh.pp;
   plan.zero_stage = zero_stage;
   for (const ParamInfo& p : layout.params()) {
     ShardSpec s;
@@ -124,6 +133,19 @@ ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const Me
   plan.units.push_back(make_unit(layout, "head", 1 + per_layer * L, ps.size(), mesh.dp));
   QT_CHECK(ps[1 + per_layer * L].name == "model.norm.weight", "plan_qwen3: {} where the final "
            "norm belongs", ps[1 + per_layer * L].name);
+  if (mesh.pp > 1) {
+    // Costs in FLOPs a token: a layer's projections, and the lm head on the last stage.
+    const double H = cfg.hidden_size;
+    const double layer = 2 * H * (cfg.q_dim() + 2.0 * cfg.kv_dim()) + 2.0 * cfg.q_dim() * H +
+                         6.0 * H * cfg.intermediate_size;
+    plan.stage_layers = split_layers(cfg.num_layers, mesh.pp, layer, 0, 2 * H * cfg.vocab_size);
+    for (int s = 0; s < mesh.pp; ++s)
+      for (int l = plan.stage_layers[s]; l < plan.stage_layers[s + 1]; ++l)
+        plan.units[1 + l].stage = s;
+    plan.units.back().stage = mesh.pp - 1;  // the head; the embedding stays on stage 0
+  } else {
+    plan.stage_layers = {0, cfg.num_layers};
+  }
   return plan;
 }
 

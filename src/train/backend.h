@@ -18,6 +18,16 @@
 
 namespace qt {
 
+// The micro-batches of one step as the trainer hands them over: `count` of them, each [B, T] at
+// consecutive offsets of the host arrays.
+struct MicroBatches {
+  const std::int32_t* inputs = nullptr;
+  const std::int32_t* targets = nullptr;
+  const std::int32_t* positions = nullptr;  // null: plain causal
+  int count = 0, B = 0, T = 0;
+  std::int64_t first_sample = 0;  // the data-order index of the first sequence
+};
+
 class TrainBackend {
  public:
   virtual ~TrainBackend() = default;
@@ -54,6 +64,20 @@ class TrainBackend {
   // Gradients += loss_scale * d(sum of losses)/d(params). Returns the sum of the losses (nats).
   virtual double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                             const std::int32_t* positions, float loss_scale) = 0;
+  // Every micro-batch of a step, forward and backward, gradients accumulated; returns the sum of
+  // their losses (on every stage of a pipeline the same). By default micro_step after micro_step;
+  // a pipeline runs its schedule over them.
+  virtual double micro_batches(const MicroBatches& mb, float loss_scale) {
+    double loss = 0;
+    const std::size_t per = static_cast<std::size_t>(mb.B) * mb.T;
+    for (int m = 0; m < mb.count; ++m) {
+      const std::size_t off = per * m;
+      set_first_sample(mb.first_sample + static_cast<std::int64_t>(m) * mb.B);
+      loss += micro_step(mb.inputs + off, mb.targets + off,
+                         mb.positions ? mb.positions + off : nullptr, loss_scale);
+    }
+    return loss;
+  }
   // Reduces the gradients over dp, clips, and updates the parameters (0-based step index).
   virtual OptimStepStats optimizer_step(std::int64_t step) = 0;
 
@@ -64,6 +88,8 @@ class TrainBackend {
 };
 
 std::unique_ptr<TrainBackend> make_cpu_backend(const Deck& deck, Mesh& mesh);
+// mesh.pp > 1 on the CPU (src/train/backend_cpu_pipeline.cpp); make_cpu_backend picks it.
+std::unique_ptr<TrainBackend> make_cpu_pipeline_backend(const Deck& deck, Mesh& mesh);
 // Defined by the CUDA back end (src/cuda/); without it, throws UserError saying so. With [lora]
 // it returns make_cuda_lora_backend's (src/cuda/backend_cuda_lora.cpp; CUDA builds only).
 std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh);

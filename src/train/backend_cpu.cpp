@@ -136,6 +136,7 @@ class CpuBackend final : public TrainBackend {
 }  // namespace
 
 std::unique_ptr<TrainBackend> make_cpu_backend(const Deck& deck, Mesh& mesh) {
+  if (mesh.shape().pp > 1) return make_cpu_pipeline_backend(deck, mesh);
   return std::make_unique<CpuBackend>(deck, mesh);
 }
 

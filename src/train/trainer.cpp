@@ -204,12 +204,10 @@ int run_training(const Deck& deck, Mesh& mesh) {
     backend->zero_grads();
     double loss_sum = 0;
     const float scale = counted > 0 ? 1.0f / static_cast<float>(counted) : 0.0f;
-    for (int m = 0; m < micro_steps; ++m) {
-      const std::size_t off = static_cast<std::size_t>(m) * B * T;
-      backend->set_first_sample(base + static_cast<std::int64_t>(m) * B);
-      loss_sum += backend->micro_step(&inputs[off], &targets[off],
-                                      packing ? &positions[off] : nullptr, scale);
-    }
+    loss_sum = backend->micro_batches({inputs.data(), targets.data(),
+                                       packing ? positions.data() : nullptr, micro_steps, B, T,
+                                       base},
+                                      scale);
     end_phase(compute_s);
     // 4. Optimizer.
     const OptimStepStats os = backend->optimizer_step(step);

@@ -2,10 +2,12 @@
 // and bubble exactly, keeps 1F1B's memory, and with split backwards leaves less bubble (ZB-H1's
 // step when P weight halves may wait); the
 // simulator runs interleaved lists and refuses lists that miss, repeat or misplace an action, or
-// deadlock.
+// deadlock; the layers split over stages by cost.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <functional>
 #include <cstdio>
 #include <stdexcept>
 
@@ -128,6 +130,55 @@ TEST(PipelineSchedule, SimulatorRefusesBadLists) {
   } catch (const std::logic_error& e) {
     EXPECT_NE(std::string(e.what()).find("deadlocks"), std::string::npos) << e.what();
   }
+}
+
+// The layer split: consecutive, at least one layer a stage, the largest stage's cost minimal
+// (checked against every cut by brute force), the head's cost moving layers off the last stage.
+TEST(PipelineSchedule, LayersSplitByCost) {
+  EXPECT_EQ(split_layers(8, 4, 1, 0, 0), (std::vector<int>{0, 2, 4, 6, 8}));
+  EXPECT_EQ(split_layers(7, 3, 1, 0, 0), (std::vector<int>{0, 3, 5, 7}));  // earliest take more
+  EXPECT_EQ(split_layers(8, 2, 1, 0, 4), (std::vector<int>{0, 6, 8}));     // the head weighs 4
+  EXPECT_EQ(split_layers(4, 4, 1, 0, 100), (std::vector<int>{0, 1, 2, 3, 4}));  // one each at least
+  EXPECT_THROW(split_layers(3, 4, 1, 0, 0), std::invalid_argument);
+  EXPECT_THROW(split_layers(3, 0, 1, 0, 0), std::invalid_argument);
+  // Brute force over every cut of L layers into P stages.
+  int checked = 0;
+  for (int L = 1; L <= 9; ++L)
+    for (int P = 1; P <= std::min(L, 4); ++P)
+      for (double last : {0.0, 0.5, 2.5, 7.0}) {
+        const std::vector<int> b = split_layers(L, P, 1.0, 0.25, last);
+        ASSERT_EQ(b.size(), static_cast<std::size_t>(P + 1));
+        ASSERT_EQ(b.front(), 0);
+        ASSERT_EQ(b.back(), L);
+        auto worst = [&](const std::vector<int>& c) {
+          double w = 0;
+          for (int s = 0; s < P; ++s)
+            w = std::max(w, (c[s + 1] - c[s]) + (s == 0 ? 0.25 : 0) + (s == P - 1 ? last : 0));
+          return w;
+        };
+        double best = INFINITY;
+        std::vector<int> c(P + 1, 0);
+        c[P] = L;
+        // every strictly increasing c[1..P-1] in [1, L-1]
+        std::function<void(int)> rec = [&](int s) {
+          if (s == P) {
+            best = std::min(best, worst(c));
+            return;
+          }
+          for (int x = c[s - 1] + 1; x <= L - (P - s); ++x) {
+            c[s] = x;
+            rec(s + 1);
+          }
+        };
+        if (P == 1)
+          best = worst(c);
+        else
+          rec(1);
+        for (int s = 0; s < P; ++s) EXPECT_LT(b[s], b[s + 1]) << L << " " << P;
+        EXPECT_EQ(worst(b), best) << "L " << L << " P " << P << " last " << last;
+        ++checked;
+      }
+  EXPECT_GT(checked, 50);
 }
 
 }  // namespace

@@ -1,0 +1,219 @@
+// The CPU reference back end with pipeline parallelism (mesh.pp > 1; issue 17): each pp rank
+// runs one stage of the model (Qwen3Stage, model/qwen3_stage.h: consecutive layers, the
+// embedding on the first stage, the final norm, lm head and loss on the last; the sharding
+// plan splits the layers, balanced by cost) over the optimizer driver ShardedState holding only that stage's units
+// (ZeRO 0-3 over its dp group). A step runs the 1F1B schedule of parallel/pipeline_schedule.h:
+//
+//   F(m)  stage s > 0 receives x [N, H] of micro-batch m from s - 1; the forward; s < P - 1 sends
+//         its output to s + 1 (the last stage runs the head and the loss in the forward)
+//   B(m)  stage s < P - 1 receives d x [N, H] from s + 1; the backward; s > 0 sends d x to s - 1
+//
+// Sends are non-blocking (MPI_Isend from buffers kept until the send completes), receives
+// blocking: every stage then only waits for data its schedule needs, which the schedule's
+// simulation shows always comes. Tags: 2m (activations) and 2m + 1 (gradients).
+//
+// A tied embedding lives on the first stage (the lookup) and, as a copy, on the last (the lm
+// head): before each optimizer step the two exchange their gradients of it and add them (a + b
+// on one, b + a on the other: the same bits), so AdamW keeps the copies equal; the first stage's
+// counts in the norm and goes to checkpoints. The loss and the gradient norm are summed over pp.
+#include <mpi.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <deque>
+#include <memory>
+#include <vector>
+
+#include "model/qwen3_stage.h"
+#include "optim/sharded_state.h"
+#include "parallel/pipeline_schedule.h"
+#include "qtrain/error.h"
+#include "qtrain/shard_plan.h"
+#include "train/backend.h"
+
+namespace qt {
+
+namespace {
+
+class CpuPipelineBackend final : public TrainBackend {
+ public:
+  CpuPipelineBackend(const Deck& deck, Mesh& mesh)
+      : P_(mesh.shape().pp),
+        s_(mesh.coord().pp),
+        N_(static_cast<std::size_t>(deck.train.micro_batch) * deck.train.seq_len),
+        H_(deck.model.hidden_size),
+        M_(deck.train.global_batch / (deck.train.micro_batch * mesh.shape().dp)),
+        layout_(deck.model),
+        plan_(plan_qwen3(deck.model, layout_, mesh.shape(), deck.optim.zero_stage)),
+        stage_(deck.model, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,
+               StageRange::layers(deck.model.num_layers, plan_.stage_layers[s_],
+                                  plan_.stage_layers[s_ + 1]),
+               std::max(1, std::min(P_ - s_, M_))),
+        share_{held_units(), &mesh.pp(), tied_copy() ? Qwen3Units{}.embed() : -1},
+        state_(plan_, layout_, deck.optim, mesh.dp(), deck.train.steps, nullptr, &share_),
+        pp_(mesh.pp()),
+        actions_(schedule({P_, M_})[static_cast<std::size_t>(s_)]),
+        dx_(N_ * H_),
+        deck_(deck) {}
+
+  const ParamLayout& layout() const override { return layout_; }
+  std::string describe() const override {
+    const StageRange& r = stage_.stage();
+    std::string d = fmt::format(
+        "cpu: fp32 reference (OpenBLAS); {}; this is stage {} of {}: layers {}..{}{}{}, "
+        "1F1B over {} micro-batches ({} in flight at most)",
+        state_.plan().describe(), s_, P_, r.first_layer, r.last_layer - 1,
+        r.has_embedding ? ", the embedding" : "", r.has_head ? ", the final norm and lm head" : "",
+        M_, stage_.slots());
+    if (tied_copy()) d += " (and a copy of the tied embedding)";
+    return d;
+  }
+  std::vector<FlatPiece> model_pieces() override { return state_.param_pieces(); }
+  std::vector<StatePiece> checkpoint_pieces() override { return state_.checkpoint_pieces(); }
+  StateTargets checkpoint_targets() override { return state_.checkpoint_targets(); }
+  void push_state() override {}  // the host buffers are the live state
+  void pull_state() override {}
+  void zero_grads() override { state_.zero_grads(); }
+  double micro_step(const std::int32_t*, const std::int32_t*, const std::int32_t*,
+                    float) override {
+    QT_CHECK(false, "a pipeline stage runs a step's micro-batches together (micro_batches)");
+    return 0;
+  }
+
+  double micro_batches(const MicroBatches& mb, float loss_scale) override {
+    QT_CHECK(mb.count == M_, "{} micro-batches, the schedule has {}", mb.count, M_);
+    std::vector<int> slot_of(static_cast<std::size_t>(M_), -1);
+    std::vector<char> busy(static_cast<std::size_t>(stage_.slots()), 0);
+    std::vector<MPI_Request> fwd_send(busy.size(), MPI_REQUEST_NULL);  // per slot: its output
+    double loss = 0;
+    for (const PipeAction& a : actions_) {
+      const int m = a.micro_batch;
+      const std::size_t off = N_ * static_cast<std::size_t>(m);
+      StageBatch batch{mb.inputs + off, mb.targets + off,
+                       mb.positions ? mb.positions + off : nullptr};
+      if (a.op == PipeOp::kForward) {
+        const auto free = std::find(busy.begin(), busy.end(), 0);
+        QT_CHECK(free != busy.end(), "no free activation slot for micro-batch {}", m);
+        const int k = static_cast<int>(free - busy.begin());
+        busy[k] = 1;
+        slot_of[m] = k;
+        // The slot's last output may still be leaving (it was received before its backward).
+        QT_CHECK_MPI(MPI_Wait(&fwd_send[k], MPI_STATUS_IGNORE));
+        float* x_in = nullptr;
+        if (s_ > 0) {
+          x_in = stage_.input(k);
+          receive(x_in, s_ - 1, 2 * m);
+        }
+        loss += stage_.forward(state_, k, batch, x_in, loss_scale);
+        if (s_ < P_ - 1) send(stage_.output(k), s_ + 1, 2 * m, &fwd_send[k]);
+      } else {
+        QT_CHECK(a.op == PipeOp::kBackward, "the CPU pipeline runs whole backwards only");
+        const int k = slot_of[m];
+        QT_CHECK(k >= 0, "backward of micro-batch {} before its forward", m);
+        const float* dx_in = nullptr;
+        if (s_ < P_ - 1) {
+          receive(dx_.data(), s_ + 1, 2 * m + 1);
+          dx_in = dx_.data();
+        }
+        stage_.backward(state_, k, dx_in);
+        busy[k] = 0;
+        if (s_ > 0) send_copy(stage_.input_grad(), s_ - 1, 2 * m + 1);
+      }
+    }
+    for (MPI_Request& r : fwd_send) QT_CHECK_MPI(MPI_Wait(&r, MPI_STATUS_IGNORE));
+    for (Pending& p : grad_sends_) QT_CHECK_MPI(MPI_Wait(&p.request, MPI_STATUS_IGNORE));
+    grad_sends_.clear();
+    return pp_.sum(loss);  // the last stage's, on every stage
+  }
+
+  OptimStepStats optimizer_step(std::int64_t step) override {
+    if (stage_.config().tie_word_embeddings) sum_tied_copies();
+    return state_.step(step);
+  }
+  MemorySplit memory_split() override {
+    const StateBytes b = state_.peak_bytes();
+    MemorySplit m;
+    m.params = b.params;
+    m.grads = b.grads;
+    m.optimizer = b.optimizer;
+    m.activations = stage_.buffer_bytes();
+    return m;
+  }
+
+ private:
+  // A gradient send in flight, from a buffer of its own.
+  struct Pending {
+    std::vector<float> data;
+    MPI_Request request = MPI_REQUEST_NULL;
+  };
+
+  // The last stage of a tied model holds a copy of the embedding.
+  bool tied_copy() const { return stage_.config().tie_word_embeddings && s_ == P_ - 1; }
+  // The plan's units of this stage (and a tied copy): what the stage's program asks for.
+  std::vector<int> held_units() const {
+    std::vector<int> held;
+    for (std::size_t u = 0; u < plan_.units.size(); ++u)
+      if (plan_.units[u].stage == s_ || (tied_copy() && static_cast<int>(u) == 0))
+        held.push_back(static_cast<int>(u));
+    QT_CHECK(held == stage_.stage_units(), "the plan's units of stage {} are not its program's",
+             s_);
+    return held;
+  }
+
+  void receive(float* buf, int from, int tag) {
+    QT_CHECK_MPI(MPI_Recv(buf, static_cast<int>(N_ * H_), MPI_FLOAT, from, tag, pp_.mpi(),
+                          MPI_STATUS_IGNORE));
+  }
+  void send(const float* buf, int to, int tag, MPI_Request* r) {
+    QT_CHECK_MPI(MPI_Isend(buf, static_cast<int>(N_ * H_), MPI_FLOAT, to, tag, pp_.mpi(), r));
+  }
+  // Sends a copy of buf (overwritten by the next backward), reusing a finished send's buffer.
+  void send_copy(const float* buf, int to, int tag) {
+    Pending* p = nullptr;
+    for (Pending& q : grad_sends_) {
+      int done = 0;
+      QT_CHECK_MPI(MPI_Test(&q.request, &done, MPI_STATUS_IGNORE));
+      if (done) {
+        p = &q;
+        break;
+      }
+    }
+    if (p == nullptr) p = &grad_sends_.emplace_back();
+    p->data.assign(buf, buf + N_ * H_);
+    send(p->data.data(), to, tag, &p->request);
+  }
+
+  // The first and the last stage add each other's gradients of the tied embedding.
+  void sum_tied_copies() {
+    if (s_ != 0 && s_ != P_ - 1) return;
+    std::vector<float>& g = state_.tied_grads(Qwen3Units{}.embed());
+    std::vector<float> other(g.size());
+    const int peer = s_ == 0 ? P_ - 1 : 0, n = static_cast<int>(g.size());
+    QT_CHECK_MPI(MPI_Sendrecv(g.data(), n, MPI_FLOAT, peer, 0, other.data(), n, MPI_FLOAT, peer, 0,
+                              pp_.mpi(), MPI_STATUS_IGNORE));
+    for (std::size_t i = 0; i < g.size(); ++i) g[i] += other[i];
+  }
+
+  int P_, s_;
+  std::size_t N_, H_;
+  int M_;               // micro-batches a step
+  ParamLayout layout_;  // the whole model's (units keep their global ranges)
+  ShardPlan plan_;      // its units' stages and the layer split
+  Qwen3Stage stage_;
+  PipelineShare share_;
+  ShardedState state_;
+  MpiComm& pp_;
+  std::vector<PipeAction> actions_;  // this stage's list of a step
+  std::vector<float> dx_;            // [N, H] a received d x
+  std::deque<Pending> grad_sends_;   // stable addresses while in flight
+  const Deck& deck_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainBackend> make_cpu_pipeline_backend(const Deck& deck, Mesh& mesh) {
+  return std::make_unique<CpuPipelineBackend>(deck, mesh);
+}
+
+}  // namespace qt
