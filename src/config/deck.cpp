@@ -357,8 +357,6 @@ void Builder::validate_mesh() {
     need(m.pp <= ival("model.num_layers"), "mesh.pp",
          "is more than model.num_layers = {} (each stage runs at least one layer)",
          ival("model.num_layers"));
-    need(m.tp == 1, "mesh.pp", ": pipeline with tensor parallelism (mesh.tp > 1) is not built yet; "
-         "set one of them to 1");
     need(deck_.lora.r == 0, "mesh.pp", ": LoRA ([lora] r > 0) in a pipeline is not built yet; set "
          "mesh.pp = 1");
   }

@@ -16,6 +16,8 @@
 // head): before each optimizer step the two exchange their gradients of it and add them (a + b
 // on one, b + a on the other: the same bits), so AdamW keeps the copies equal; the first stage's
 // counts in the norm and goes to checkpoints. The loss and the gradient norm are summed over pp.
+// With mesh.tp > 1 each stage is split over its tp group as the plain CPU back end does
+// (parallel/tensor_parallel.h); the pp communicator joins the ranks of one tp index.
 #include <mpi.h>
 
 #include <fmt/format.h>
@@ -27,6 +29,7 @@
 
 #include "model/qwen3_stage.h"
 #include "optim/sharded_state.h"
+#include "parallel/tensor_parallel.h"
 #include "parallel/pipeline_schedule.h"
 #include "qtrain/error.h"
 #include "qtrain/shard_plan.h"
@@ -44,20 +47,28 @@ class CpuPipelineBackend final : public TrainBackend {
         N_(static_cast<std::size_t>(deck.train.micro_batch) * deck.train.seq_len),
         H_(deck.model.hidden_size),
         M_(deck.train.global_batch / (deck.train.micro_batch * mesh.shape().dp)),
-        layout_(deck.model),
-        plan_(plan_qwen3(deck.model, layout_, mesh.shape(), deck.optim.zero_stage)),
-        stage_(deck.model, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,
+        tp_(mesh.shape().tp),
+        global_layout_(deck.model),
+        local_(tp_local_config(deck.model, tp_)),
+        layout_(local_),
+        plan_(plan_qwen3(local_, layout_, mesh.shape(), deck.optim.zero_stage)),
+        stage_(local_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,
                StageRange::layers(deck.model.num_layers, plan_.stage_layers[s_],
                                   plan_.stage_layers[s_ + 1]),
                std::max(1, std::min(P_ - s_, M_))),
         share_{held_units(), &mesh.pp(), tied_copy() ? Qwen3Units{}.embed() : -1},
-        state_(plan_, layout_, deck.optim, mesh.dp(), deck.train.steps, nullptr, &share_),
+        state_(plan_, layout_, deck.optim, mesh.dp(), deck.train.steps, &mesh.tp(), &share_),
         pp_(mesh.pp()),
         actions_(schedule({P_, M_})[static_cast<std::size_t>(s_)]),
-        dx_(N_ * H_),
-        deck_(deck) {}
+        dx_(N_ * H_) {
+    if (tp_ > 1) {
+      stage_.set_tensor_parallel(&mesh.tp());
+      tp_map_ = std::make_unique<TpMap>(global_layout_, layout_, plan_, mesh.tp().rank());
+    }
+  }
 
-  const ParamLayout& layout() const override { return layout_; }
+  // The global layout (checkpoints, initialisation and imports see global tensors).
+  const ParamLayout& layout() const override { return global_layout_; }
   std::string describe() const override {
     const StageRange& r = stage_.stage();
     std::string d = fmt::format(
@@ -67,11 +78,30 @@ class CpuPipelineBackend final : public TrainBackend {
         r.has_embedding ? ", the embedding" : "", r.has_head ? ", the final norm and lm head" : "",
         M_, stage_.slots());
     if (tied_copy()) d += " (and a copy of the tied embedding)";
+    if (tp_ > 1)
+      d += fmt::format("; tensor parallel over {} ranks: each runs {} query and {} key/value heads "
+                       "and {} MLP columns",
+                       tp_, local_.num_heads, local_.num_kv_heads, local_.intermediate_size);
     return d;
   }
-  std::vector<FlatPiece> model_pieces() override { return state_.param_pieces(); }
-  std::vector<StatePiece> checkpoint_pieces() override { return state_.checkpoint_pieces(); }
-  StateTargets checkpoint_targets() override { return state_.checkpoint_targets(); }
+  // Pieces in global coordinates (TpMap under tensor parallelism).
+  std::vector<FlatPiece> model_pieces() override {
+    if (tp_map_) return tp_map_->to_global(state_.param_pieces(), /*writing=*/false);
+    return state_.param_pieces();
+  }
+  std::vector<StatePiece> checkpoint_pieces() override {
+    if (tp_map_) return tp_map_->to_global(state_.checkpoint_pieces(), /*writing=*/true);
+    return state_.checkpoint_pieces();
+  }
+  StateTargets checkpoint_targets() override {
+    StateTargets t = state_.checkpoint_targets();
+    if (tp_map_) {
+      t.params = tp_map_->to_global(t.params, false);
+      t.exp_avg = tp_map_->to_global(t.exp_avg, false);
+      t.exp_avg_sq = tp_map_->to_global(t.exp_avg_sq, false);
+    }
+    return t;
+  }
   void push_state() override {}  // the host buffers are the live state
   void pull_state() override {}
   void zero_grads() override { state_.zero_grads(); }
@@ -197,9 +227,13 @@ class CpuPipelineBackend final : public TrainBackend {
 
   int P_, s_;
   std::size_t N_, H_;
-  int M_;               // micro-batches a step
-  ParamLayout layout_;  // the whole model's (units keep their global ranges)
-  ShardPlan plan_;      // its units' stages and the layer split
+  int M_;                       // micro-batches a step
+  int tp_;                      // mesh.tp
+  ParamLayout global_layout_;   // the model's
+  ModelConfig local_;           // the tp rank's part of the model (the model at tp 1)
+  ParamLayout layout_;          // its layout (units keep their ranges in it)
+  ShardPlan plan_;              // its units' stages and the layer split
+  std::unique_ptr<TpMap> tp_map_;  // local -> global pieces with tp > 1, else null
   Qwen3Stage stage_;
   PipelineShare share_;
   ShardedState state_;
@@ -207,7 +241,6 @@ class CpuPipelineBackend final : public TrainBackend {
   std::vector<PipeAction> actions_;  // this stage's list of a step
   std::vector<float> dx_;            // [N, H] a received d x
   std::deque<Pending> grad_sends_;   // stable addresses while in flight
-  const Deck& deck_;
 };
 
 }  // namespace

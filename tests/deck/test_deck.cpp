@@ -370,7 +370,6 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
                {"deck.ini:4: mesh.pp = 2: pipeline parallelism is built on train.device = cpu only so far"});
   expect_error("[model]\nnum_layers = 2\n[mesh]\npp = 3\n",
                {"deck.ini:4: mesh.pp = 3 is more than model.num_layers = 2"});
-  expect_error("[mesh]\npp = 2\ntp = 2\n", {"deck.ini:2: mesh.pp = 2: pipeline with tensor parallelism"});
   expect_error("[lora]\nr = 4\n[mesh]\npp = 2\n",
                {"deck.ini:4: mesh.pp = 2: LoRA ([lora] r > 0) in a pipeline is not built yet"});
   expect_error("[mesh]\nep = 2\n", {"deck.ini:2:", "mesh.ep = 2", "expert parallelism is not built yet"});

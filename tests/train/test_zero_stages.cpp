@@ -111,7 +111,7 @@ double rel_norm_diff(const std::vector<float>& a, const std::vector<float>& b) {
 class ZeroStages : public ::testing::Test {
  protected:
   void SetUp() override {
-    ASSERT_GE(test::world_size(), 4) << "run under mpiexec -n 4";
+    ASSERT_GE(test::world_size(), 4) << "run under mpiexec -n 4 (or 8)";
     tmp_ = test::shared_temp_dir("zero");
   }
   void TearDown() override {
@@ -284,6 +284,7 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
       {"pp2_micro1", 2, {"--mesh.pp=2", "--train.micro_batch=1"}},  // 8 micro-batches a step
       {"dp2_pp2_z1", 4, {"--mesh.pp=2", "--optim.zero_stage=1"}},
       {"dp2_pp2_z3", 4, {"--mesh.pp=2", "--optim.zero_stage=3"}},
+      {"tp2_pp2", 4, {"--mesh.pp=2", "--mesh.tp=2"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -311,6 +312,44 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
   EXPECT_LT(rel_norm_diff(read_params(path("pp2_untied/step_00000010.h5"), false),
                           read_params(path("serial_untied/step_00000010.h5"), false)),
             kParamTol);
+}
+
+// Four stages of one layer each (a 4-layer model), against its serial run.
+TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
+  const std::vector<std::string> four = {"--model.num_layers=4"};
+  const RunResult serial = train("serial4", 1, four);
+  std::vector<std::string> pp4 = four;
+  pp4.push_back("--mesh.pp=4");
+  const RunResult r = train("pp4", 4, pp4);
+  ASSERT_EQ(r.steps.size(), 10u);
+  if (test::world_rank() == 0)
+    std::printf("pp4: losses within %.3g, gradient norms %.3g of the serial run\n",
+                max_rel(r.steps, serial.steps), max_rel(r.steps, serial.steps, 1, true));
+  expect_serial(r.steps, serial.steps);
+}
+
+// (dp, tp, pp, ZeRO) = (2, 2, 2, 3) on eight ranks (its own CTest entry, train_pipeline_np8):
+// the serial losses and parameters, and its checkpoint resumes serially and the reverse.
+TEST_F(ZeroStages, PipelineWithTensorParallelOnEightRanks) {
+  if (test::world_size() < 8) GTEST_SKIP() << "needs mpiexec -n 8 (train_pipeline_np8)";
+  const RunResult serial = train("serial", 1, {});
+  const std::vector<std::string> mesh = {"--mesh.pp=2", "--mesh.tp=2", "--optim.zero_stage=3"};
+  const RunResult r = train("dp2_tp2_pp2_z3", 8, mesh);
+  ASSERT_EQ(r.steps.size(), 10u);
+  expect_serial(r.steps, serial.steps);
+  EXPECT_LT(rel_norm_diff(read_params(path("dp2_tp2_pp2_z3/step_00000010.h5"), true),
+                          read_params(path("serial/step_00000010.h5"), true)),
+            kParamTol);
+  const RunResult to_serial =
+      train("to_serial", 1, {"--checkpoint.resume=" + path("dp2_tp2_pp2_z3/step_00000005.h5")});
+  std::vector<std::string> back = mesh;
+  back.push_back("--checkpoint.resume=" + path("serial/step_00000005.h5"));
+  const RunResult to_mesh = train("to_mesh", 8, back);
+  for (const RunResult* x : {&to_serial, &to_mesh}) {
+    ASSERT_EQ(x->steps.size(), 5u);
+    EXPECT_EQ(x->steps.front().step, 6);
+    expect_serial(x->steps, serial.steps, 6);
+  }
 }
 
 // A checkpoint written by a pipeline resumes without one and the reverse.
