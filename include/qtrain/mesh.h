@@ -27,6 +27,9 @@ struct MeshShape {
   int tp = 1;
   int pp = 1;
   int ep = 1;
+  // The pipeline schedule (pp > 1): "1f1b", or "zb-h1" (each backward split into its input and
+  // weight halves, the weight halves filling the bubble; parallel/pipeline_schedule.h).
+  std::string pp_schedule = "1f1b";
   int world() const { return dp * tp * pp; }
 };
 

@@ -97,7 +97,9 @@ const std::vector<KeySpec>& key_table() {
              "Tensor-parallel ranks: heads and MLP columns split over them (train.device = cpu "
              "only so far; must divide model.num_heads, num_kv_heads and intermediate_size)"),
         spec("mesh", "pp", &D::mesh, &S::pp, "ranks",
-             "Pipeline-parallel ranks (only 1 is built)"),
+             "Pipeline stages, each a range of layers (train.device = cpu only so far)"),
+        spec("mesh", "pp_schedule", &D::mesh, &S::pp_schedule, "",
+             "Pipeline schedule: 1f1b | zb-h1 (zero bubble: backward split in two)"),
         spec("mesh", "ep", &D::mesh, &S::ep, "ranks",
              "Expert-parallel ranks, dividing dp (only 1 is built)"),
 
@@ -359,6 +361,16 @@ void Builder::validate_mesh() {
          ival("model.num_layers"));
     need(deck_.lora.r == 0, "mesh.pp", ": LoRA ([lora] r > 0) in a pipeline is not built yet; set "
          "mesh.pp = 1");
+  }
+  need(m.pp_schedule == "1f1b" || m.pp_schedule == "zb-h1", "mesh.pp_schedule",
+       "must be 1f1b or zb-h1");
+  if (m.pp_schedule == "zb-h1") {  // the weight halves read the layers' activations later
+    need(!deck_.train.recompute, "mesh.pp_schedule",
+         "keeps each layer's activations until its weight gradients: not with "
+         "train.recompute = true");
+    need(deck_.optim.zero_stage <= 1, "mesh.pp_schedule",
+         "is built with optim.zero_stage 0 and 1 so far (2 and 3 reduce each layer's "
+         "gradients before its weight half)");
   }
   if (m.dp == 0) {
     need(world_ % (m.tp * m.pp) == 0, "mesh.dp",

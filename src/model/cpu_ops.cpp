@@ -71,8 +71,23 @@ void CpuOps::linear(float* y, const float* x, const float* w, int N, int in, int
 
 void CpuOps::linear_backward(float* dx, float* dw, const float* dy, const float* x,
                              const float* w, int N, int in, int out, bool acc) {
+  if (defer_ != nullptr && dw != nullptr) {
+    cpu::linear_backward(dx, static_cast<float*>(nullptr), dy, x, w, N, in, out);
+    defer_->push_back({dw, std::vector<float>(dy, dy + static_cast<std::size_t>(N) * out), x, N,
+                       in, out, acc});
+    return;
+  }
   if (!acc) zero(dw, static_cast<std::size_t>(out) * in);
   cpu::linear_backward(dx, dw, dy, x, w, N, in, out);
+}
+
+void CpuOps::run_deferred(std::vector<DeferredGrad>& queue) {
+  for (DeferredGrad& d : queue) {
+    if (!d.acc) zero(d.dw, static_cast<std::size_t>(d.out) * d.in);
+    cpu::linear_backward(static_cast<float*>(nullptr), d.dw, d.dy.data(), d.x,
+                         static_cast<const float*>(nullptr), d.N, d.in, d.out);
+  }
+  queue.clear();
 }
 
 void CpuOps::copy_columns(float* dst, int dst_ld, const float* src, int src_ld, int rows,

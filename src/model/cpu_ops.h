@@ -74,6 +74,20 @@ class CpuOps : public NoCollectives {
   // [N, V] logits of the last lm_head_loss_forward (valid until its backward).
   const float* logits() const { return logits_; }
 
+  // Zero-bubble pipelines split each backward into its input-gradient and weight-gradient halves.
+  // While deferring into `queue` (not null), linear_backward computes dx only and queues its
+  // weight gradient with a copy of dy; x must stay valid until run_deferred (a stage's slot
+  // activations, without recompute). run_deferred does the queued ones in order, then empties it.
+  struct DeferredGrad {
+    float* dw;
+    std::vector<float> dy;  // [N, out]
+    const float* x;         // [N, in]
+    int N, in, out;
+    bool acc;
+  };
+  void defer_weight_grads(std::vector<DeferredGrad>* queue) { defer_ = queue; }
+  static void run_deferred(std::vector<DeferredGrad>& queue);
+
   void linear(float* y, const float* x, const float* w, int N, int in, int out);
   void linear_backward(float* dx, float* dw, const float* dy, const float* x, const float* w,
                        int N, int in, int out, bool acc);
@@ -123,6 +137,7 @@ class CpuOps : public NoCollectives {
   const std::int32_t* pos_ = nullptr;
   LoraAdapters* lora_ = nullptr;
   Comm* tp_ = nullptr;
+  std::vector<DeferredGrad>* defer_ = nullptr;  // defer_weight_grads
   int vocab_begin_ = 0;  // the first global token id of the local vocabulary
   float *cos_, *sin_;      // [T (or rope_len), hd/2]
   float *xs_, *ys_;        // [N, max(Q, KV)] contiguous copies of strided q/k columns

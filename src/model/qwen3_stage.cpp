@@ -28,6 +28,7 @@ Qwen3Stage::Qwen3Stage(const ModelConfig& cfg, int B, int T, bool recompute,
     : cfg_(cfg),
       B_(B),
       T_(T),
+      recompute_(recompute),
       ops_(cfg, B, T, arena_),
       program_(cfg, B, T, recompute, stage,
                allocate_stage_acts<float>(cfg, B, T, recompute, stage, slots, arena_)),
@@ -60,13 +61,36 @@ double Qwen3Stage::forward(ModelParams& mp, int k, const StageBatch& b, const fl
 }
 
 void Qwen3Stage::backward(ModelParams& mp, int k, const float* dx_in) {
-  QT_CHECK(k >= 0 && k < slots() && slot_[k].busy, "backward of slot {} of {}: no forward", k,
-           slots());
+  QT_CHECK(k >= 0 && k < slots() && slot_[k].busy && !slot_[k].weights_owed,
+           "backward of slot {} of {}: no forward", k, slots());
   QT_CHECK(program_.stage().has_head || dx_in != nullptr, "a stage backward without d x");
   Slot& s = slot_[k];
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
   StageUnits units{mp};
   program_.backward_stage(ops_, units, k, s.inputs.data(), dx_in, /*accumulate=*/true);
+  s.busy = false;
+}
+
+void Qwen3Stage::backward_input(ModelParams& mp, int k, const float* dx_in) {
+  QT_CHECK(!recompute_, "a split backward needs the layers' activations (no recompute)");
+  QT_CHECK(k >= 0 && k < slots() && slot_[k].busy && !slot_[k].weights_owed,
+           "backward of slot {} of {}: no forward", k, slots());
+  QT_CHECK(program_.stage().has_head || dx_in != nullptr, "a stage backward without d x");
+  Slot& s = slot_[k];
+  ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
+  ops_.defer_weight_grads(&s.deferred);
+  StageUnits units{mp};
+  program_.backward_stage(ops_, units, k, s.inputs.data(), dx_in, /*accumulate=*/true);
+  ops_.defer_weight_grads(nullptr);
+  s.weights_owed = true;
+}
+
+void Qwen3Stage::backward_weight(int k) {
+  QT_CHECK(k >= 0 && k < slots() && slot_[k].weights_owed,
+           "weight gradients of slot {} of {}: no input half", k, slots());
+  Slot& s = slot_[k];
+  CpuOps::run_deferred(s.deferred);
+  s.weights_owed = false;
   s.busy = false;
 }
 

@@ -62,6 +62,13 @@ class Qwen3Stage {
   // [B*T, H] d x[first] of the last backward (what a non-first stage sends).
   const float* input_grad() { return program_.input_grad(); }
 
+  // The backward in two halves (zero-bubble schedules; not with recompute): the input gradient
+  // now (input_grad() after it, as backward's), the projections' weight gradients later, from
+  // copies of their output gradients and the slot's activations; the slot is free after both.
+  // Norm, embedding and lm head gradients come with the first half.
+  void backward_input(ModelParams& params, int slot, const float* dx_in);
+  void backward_weight(int slot);
+
   void set_lora(LoraAdapters* lora) { ops_.set_lora(lora); }
   void set_tensor_parallel(Comm* tp) {
     ops_.set_tp(tp);
@@ -70,13 +77,16 @@ class Qwen3Stage {
 
  private:
   struct Slot {
-    bool busy = false;  // between forward and backward
+    bool busy = false;  // between forward and backward (its weight half, when split)
+    bool weights_owed = false;  // backward_input done, backward_weight not yet
+    std::vector<CpuOps::DeferredGrad> deferred;
     bool has_pos = false;
     std::vector<std::int32_t> inputs, pos;  // [B, T] copies for the backward
   };
 
   ModelConfig cfg_;
   int B_, T_;
+  bool recompute_;
   HostArena arena_;  // every buffer below
   CpuOps ops_;
   Qwen3Program<CpuOps> program_;

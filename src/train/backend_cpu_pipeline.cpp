@@ -2,11 +2,13 @@
 // runs one stage of the model (Qwen3Stage, model/qwen3_stage.h: consecutive layers, the
 // embedding on the first stage, the final norm, lm head and loss on the last; the sharding
 // plan splits the layers, balanced by cost) over the optimizer driver ShardedState holding only that stage's units
-// (ZeRO 0-3 over its dp group). A step runs the 1F1B schedule of parallel/pipeline_schedule.h:
+// (ZeRO 0-3 over its dp group). A step runs the 1F1B or ZB-H1 schedule (mesh.pp_schedule) of
+// parallel/pipeline_schedule.h:
 //
 //   F(m)  stage s > 0 receives x [N, H] of micro-batch m from s - 1; the forward; s < P - 1 sends
 //         its output to s + 1 (the last stage runs the head and the loss in the forward)
 //   B(m)  stage s < P - 1 receives d x [N, H] from s + 1; the backward; s > 0 sends d x to s - 1
+//   I(m), W(m)  (ZB-H1) B's input half, as B; the weight half later, from the slot's saved state
 //
 // Sends are non-blocking (MPI_Isend from buffers kept until the send completes), receives
 // blocking: every stage then only waits for data its schedule needs, which the schedule's
@@ -39,6 +41,29 @@ namespace qt {
 
 namespace {
 
+// Stage s's list of a step: 1F1B, or ZB-H1 (split backwards, P weight halves may wait).
+std::vector<PipeAction> stage_actions(const MeshShape& mesh, int M, int s) {
+  PipeScheduleConfig c;
+  c.stages = mesh.pp;
+  c.micro_batches = M;
+  if (mesh.pp_schedule == "zb-h1") {
+    c.split_backward = true;
+    c.max_weights_waiting = mesh.pp;
+  }
+  return schedule(c)[static_cast<std::size_t>(s)];
+}
+
+// The activation slots a list needs: the most micro-batches between a forward and the end of
+// their backward (the weight half, when split).
+int slots_needed(const std::vector<PipeAction>& actions) {
+  int now = 0, peak = 1;
+  for (const PipeAction& a : actions) {
+    if (a.op == PipeOp::kForward) peak = std::max(peak, ++now);
+    if (a.op == PipeOp::kBackward || a.op == PipeOp::kBackwardWeight) --now;
+  }
+  return peak;
+}
+
 class CpuPipelineBackend final : public TrainBackend {
  public:
   CpuPipelineBackend(const Deck& deck, Mesh& mesh)
@@ -55,12 +80,13 @@ class CpuPipelineBackend final : public TrainBackend {
         stage_(local_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,
                StageRange::layers(deck.model.num_layers, plan_.stage_layers[s_],
                                   plan_.stage_layers[s_ + 1]),
-               std::max(1, std::min(P_ - s_, M_))),
+               slots_needed(stage_actions(deck.mesh, M_, mesh.coord().pp))),
         share_{held_units(), &mesh.pp(), tied_copy() ? Qwen3Units{}.embed() : -1},
         state_(plan_, layout_, deck.optim, mesh.dp(), deck.train.steps, &mesh.tp(), &share_),
         pp_(mesh.pp()),
-        actions_(schedule({P_, M_})[static_cast<std::size_t>(s_)]),
-        dx_(N_ * H_) {
+        actions_(stage_actions(deck.mesh, M_, s_)),
+        dx_(N_ * H_),
+        schedule_name_(mesh.shape().pp_schedule == "zb-h1" ? "ZB-H1" : "1F1B") {
     if (tp_ > 1) {
       stage_.set_tensor_parallel(&mesh.tp());
       tp_map_ = std::make_unique<TpMap>(global_layout_, layout_, plan_, mesh.tp().rank());
@@ -73,10 +99,10 @@ class CpuPipelineBackend final : public TrainBackend {
     const StageRange& r = stage_.stage();
     std::string d = fmt::format(
         "cpu: fp32 reference (OpenBLAS); {}; this is stage {} of {}: layers {}..{}{}{}, "
-        "1F1B over {} micro-batches ({} in flight at most)",
+        "{} over {} micro-batches ({} in flight at most)",
         state_.plan().describe(), s_, P_, r.first_layer, r.last_layer - 1,
         r.has_embedding ? ", the embedding" : "", r.has_head ? ", the final norm and lm head" : "",
-        M_, stage_.slots());
+        schedule_name_, M_, stage_.slots());
     if (tied_copy()) d += " (and a copy of the tied embedding)";
     if (tp_ > 1)
       d += fmt::format("; tensor parallel over {} ranks: each runs {} query and {} key/value heads "
@@ -137,8 +163,12 @@ class CpuPipelineBackend final : public TrainBackend {
         }
         loss += stage_.forward(state_, k, batch, x_in, loss_scale);
         if (s_ < P_ - 1) send(stage_.output(k), s_ + 1, 2 * m, &fwd_send[k]);
+      } else if (a.op == PipeOp::kBackwardWeight) {
+        const int k = slot_of[m];
+        QT_CHECK(k >= 0, "weight half of micro-batch {} before its forward", m);
+        stage_.backward_weight(k);
+        busy[k] = 0;
       } else {
-        QT_CHECK(a.op == PipeOp::kBackward, "the CPU pipeline runs whole backwards only");
         const int k = slot_of[m];
         QT_CHECK(k >= 0, "backward of micro-batch {} before its forward", m);
         const float* dx_in = nullptr;
@@ -146,8 +176,12 @@ class CpuPipelineBackend final : public TrainBackend {
           receive(dx_.data(), s_ + 1, 2 * m + 1);
           dx_in = dx_.data();
         }
-        stage_.backward(state_, k, dx_in);
-        busy[k] = 0;
+        if (a.op == PipeOp::kBackwardInput) {
+          stage_.backward_input(state_, k, dx_in);  // the slot waits for its weight half
+        } else {
+          stage_.backward(state_, k, dx_in);
+          busy[k] = 0;
+        }
         if (s_ > 0) send_copy(stage_.input_grad(), s_ - 1, 2 * m + 1);
       }
     }
@@ -241,6 +275,7 @@ class CpuPipelineBackend final : public TrainBackend {
   std::vector<PipeAction> actions_;  // this stage's list of a step
   std::vector<float> dx_;            // [N, H] a received d x
   std::deque<Pending> grad_sends_;   // stable addresses while in flight
+  const char* schedule_name_;
 };
 
 }  // namespace

@@ -370,6 +370,11 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
                {"deck.ini:4: mesh.pp = 2: pipeline parallelism is built on train.device = cpu only so far"});
   expect_error("[model]\nnum_layers = 2\n[mesh]\npp = 3\n",
                {"deck.ini:4: mesh.pp = 3 is more than model.num_layers = 2"});
+  expect_error("[mesh]\npp_schedule = gpipe\n", {"deck.ini:2: mesh.pp_schedule = gpipe must be 1f1b or zb-h1"});
+  expect_error("[train]\nrecompute = true\n[mesh]\npp_schedule = zb-h1\n",
+               {"deck.ini:4: mesh.pp_schedule = zb-h1 keeps each layer's activations", "train.recompute"});
+  expect_error("[optim]\nzero_stage = 2\n[mesh]\npp_schedule = zb-h1\n",
+               {"deck.ini:4: mesh.pp_schedule = zb-h1 is built with optim.zero_stage 0 and 1"});
   expect_error("[lora]\nr = 4\n[mesh]\npp = 2\n",
                {"deck.ini:4: mesh.pp = 2: LoRA ([lora] r > 0) in a pipeline is not built yet"});
   expect_error("[mesh]\nep = 2\n", {"deck.ini:2:", "mesh.ep = 2", "expert parallelism is not built yet"});

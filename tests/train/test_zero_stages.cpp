@@ -285,6 +285,10 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
       {"dp2_pp2_z1", 4, {"--mesh.pp=2", "--optim.zero_stage=1"}},
       {"dp2_pp2_z3", 4, {"--mesh.pp=2", "--optim.zero_stage=3"}},
       {"tp2_pp2", 4, {"--mesh.pp=2", "--mesh.tp=2"}},
+      // ZB-H1: each backward split, its weight half later (from saved output gradients)
+      {"pp2_zb", 2, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1"}},
+      {"dp2_pp2_zb_z1", 4, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=1"}},
+      {"tp2_pp2_zb", 4, {"--mesh.pp=2", "--mesh.tp=2", "--mesh.pp_schedule=zb-h1"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
@@ -314,18 +318,22 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
             kParamTol);
 }
 
-// Four stages of one layer each (a 4-layer model), against its serial run.
+// Four stages of one layer each (a 4-layer model), 1F1B and ZB-H1, against its serial run.
 TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
   const std::vector<std::string> four = {"--model.num_layers=4"};
   const RunResult serial = train("serial4", 1, four);
-  std::vector<std::string> pp4 = four;
-  pp4.push_back("--mesh.pp=4");
-  const RunResult r = train("pp4", 4, pp4);
-  ASSERT_EQ(r.steps.size(), 10u);
-  if (test::world_rank() == 0)
-    std::printf("pp4: losses within %.3g, gradient norms %.3g of the serial run\n",
-                max_rel(r.steps, serial.steps), max_rel(r.steps, serial.steps, 1, true));
-  expect_serial(r.steps, serial.steps);
+  for (const char* sched : {"1f1b", "zb-h1"}) {
+    SCOPED_TRACE(sched);
+    std::vector<std::string> pp4 = four;
+    pp4.push_back("--mesh.pp=4");
+    pp4.push_back(std::string("--mesh.pp_schedule=") + sched);
+    const RunResult r = train(std::string("pp4_") + sched, 4, pp4);
+    ASSERT_EQ(r.steps.size(), 10u);
+    if (test::world_rank() == 0)
+      std::printf("pp4 %s: losses within %.3g, gradient norms %.3g of the serial run\n", sched,
+                  max_rel(r.steps, serial.steps), max_rel(r.steps, serial.steps, 1, true));
+    expect_serial(r.steps, serial.steps);
+  }
 }
 
 // (dp, tp, pp, ZeRO) = (2, 2, 2, 3) on eight ranks (its own CTest entry, train_pipeline_np8):
