@@ -30,6 +30,8 @@ struct MeshShape {
   // The pipeline schedule (pp > 1): "1f1b", or "zb-h1" (each backward split into its input and
   // weight halves, the weight halves filling the bubble; parallel/pipeline_schedule.h).
   std::string pp_schedule = "1f1b";
+  // Model chunks a pipeline stage runs (> 1: interleaved 1F1B; chunk c on stage c % pp).
+  int pp_chunks = 1;
   int world() const { return dp * tp * pp; }
 };
 

@@ -62,10 +62,12 @@ struct ShardPlan {
   int tp = 1;
   int pp = 1;
   int zero_stage = 0;
-  // Pipeline (pp > 1, plan_qwen3): stage s runs decoder layers [stage_layers[s],
-  // stage_layers[s + 1]), balanced by cost (split_layers in parallel/pipeline_schedule.h), with
-  // the embedding on the first stage and the head on the last; each unit's `stage` says which.
-  // A tied embedding is also held, as a copy, by the last stage (for its lm head).
+  // Pipeline (pp > 1, plan_qwen3): the layers cut into pp x pp_chunks chunks, chunk c running
+  // decoder layers [stage_layers[c], stage_layers[c + 1]) on stage c % pp, balanced by cost
+  // (split_layers in parallel/pipeline_schedule.h), with the embedding on the first chunk and
+  // the head on the last; each unit's `stage` says which stage holds it. A tied embedding is
+  // also held, as a copy, by the last stage (for its lm head).
+  int pp_chunks = 1;
   std::vector<int> stage_layers;
   std::vector<ShardSpec> specs;  // [layout.params().size()]
   std::vector<ParamUnit> units;  // in flat order; together they cover the layout exactly

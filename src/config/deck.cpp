@@ -100,6 +100,8 @@ const std::vector<KeySpec>& key_table() {
              "Pipeline stages, each a range of layers (train.device = cpu only so far)"),
         spec("mesh", "pp_schedule", &D::mesh, &S::pp_schedule, "",
              "Pipeline schedule: 1f1b | zb-h1 (zero bubble: backward split in two)"),
+        spec("mesh", "pp_chunks", &D::mesh, &S::pp_chunks, "chunks",
+             "Model chunks a pipeline stage runs; > 1: interleaved 1F1B"),
         spec("mesh", "ep", &D::mesh, &S::ep, "ranks",
              "Expert-parallel ranks, dividing dp (only 1 is built)"),
 
@@ -359,11 +361,18 @@ void Builder::validate_mesh() {
     need(m.pp <= ival("model.num_layers"), "mesh.pp",
          "is more than model.num_layers = {} (each stage runs at least one layer)",
          ival("model.num_layers"));
+    need(m.pp * m.pp_chunks <= ival("model.num_layers"), "mesh.pp_chunks",
+         "x mesh.pp = {} chunks is more than model.num_layers = {} (each chunk runs at least one "
+         "layer)", m.pp * m.pp_chunks, ival("model.num_layers"));
     need(deck_.lora.r == 0, "mesh.pp", ": LoRA ([lora] r > 0) in a pipeline is not built yet; set "
          "mesh.pp = 1");
   }
   need(m.pp_schedule == "1f1b" || m.pp_schedule == "zb-h1", "mesh.pp_schedule",
        "must be 1f1b or zb-h1");
+  need(m.pp_chunks >= 1, "mesh.pp_chunks", "must be >= 1");
+  need(m.pp_chunks == 1 || m.pp > 1, "mesh.pp_chunks", "> 1 interleaves a pipeline: needs mesh.pp > 1");
+  need(m.pp_chunks == 1 || m.pp_schedule == "1f1b", "mesh.pp_chunks",
+       "> 1 (interleaved 1F1B) is built with mesh.pp_schedule = 1f1b only so far");
   if (m.pp_schedule == "zb-h1") {  // the weight halves read the layers' activations later
     need(!deck_.train.recompute, "mesh.pp_schedule",
          "keeps each layer's activations until its weight gradients: not with "
@@ -399,6 +408,10 @@ void Builder::validate_train_optim() {
   need(t.global_batch % per_step == 0, "train.global_batch",
        "must be a multiple of train.micro_batch ({}) x mesh.dp ({}) = {}", t.micro_batch,
        deck_.mesh.dp, per_step);
+  if (deck_.mesh.pp_chunks > 1 && t.global_batch % per_step == 0)
+    need((t.global_batch / per_step) % deck_.mesh.pp == 0, "train.global_batch",
+         "gives {} micro-batches a step; interleaved 1F1B (mesh.pp_chunks > 1) needs a multiple of "
+         "mesh.pp = {}", t.global_batch / per_step, deck_.mesh.pp);
   need(t.seq_len <= deck_.model.max_position_embeddings, "train.seq_len",
        "exceeds model.max_position_embeddings = {}", deck_.model.max_position_embeddings);
   const std::int64_t tokens = std::int64_t{t.micro_batch} * t.seq_len;  // rows of a micro-batch

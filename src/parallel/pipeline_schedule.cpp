@@ -62,11 +62,44 @@ void check(const PipeScheduleConfig& cfg) {
 
 }  // namespace
 
+namespace {
+
+// Interleaved 1F1B (Megatron's order; M a multiple of P): stage s's k-th forward is of its local
+// chunk (k / P) % V, micro-batch (k / (P V)) P + k % P, its k-th backward the same with the
+// chunks in reverse; (P - s - 1) 2 + (V - 1) P forwards warm up, then one forward and one
+// backward in turn, then the remaining backwards.
+PipeSchedule interleaved(const PipeScheduleConfig& cfg) {
+  const int P = cfg.stages, M = cfg.micro_batches, V = cfg.virtual_chunks;
+  if (cfg.split_backward)
+    throw std::invalid_argument("interleaved schedules with split backwards are not built yet");
+  if (M % P != 0)
+    throw std::invalid_argument(fmt::format(
+        "an interleaved schedule needs micro-batches ({}) in multiples of the stages ({})", M, P));
+  const int total = M * V;
+  PipeSchedule out(P);
+  for (int s = 0; s < P; ++s) {
+    auto nth = [&](PipeOp op, int k) {
+      const int v = (k / P) % V;
+      const int chunk = (op == PipeOp::kForward ? v : V - 1 - v) * P + s;
+      return PipeAction{op, chunk, (k / (P * V)) * P + k % P};
+    };
+    const int warmup = std::min(total, (P - s - 1) * 2 + (V - 1) * P);
+    int f = 0, b = 0;
+    while (f < warmup) out[s].push_back(nth(PipeOp::kForward, f++));
+    while (f < total) {
+      out[s].push_back(nth(PipeOp::kForward, f++));
+      out[s].push_back(nth(PipeOp::kBackward, b++));
+    }
+    while (b < total) out[s].push_back(nth(PipeOp::kBackward, b++));
+  }
+  return out;
+}
+
+}  // namespace
+
 PipeSchedule schedule(const PipeScheduleConfig& cfg) {
   check(cfg);
-  if (cfg.virtual_chunks != 1)
-    throw std::invalid_argument(fmt::format(
-        "interleaved schedules (virtual_chunks {}) are not built yet", cfg.virtual_chunks));
+  if (cfg.virtual_chunks != 1) return interleaved(cfg);
   const int P = cfg.stages, M = cfg.micro_batches, K = P * cfg.virtual_chunks;
   const PipeOp back = cfg.split_backward ? PipeOp::kBackwardInput : PipeOp::kBackward;
   const PipeCosts costs;

@@ -18,7 +18,8 @@
 // and at most max_weights_waiting weight halves waiting. With whole backwards this is exactly
 // 1F1B. With split ones the weight halves fill the bubble: with F = I = W = 1 the step takes
 // 3M + 2(P - 1) (P - s halves waiting, about 1F1B's memory) or ZB-H1's 3M + P - 1 (P waiting),
-// instead of 1F1B's 3(M + P - 1). Interleaving (V > 1) is simulated but not scheduled yet.
+// instead of 1F1B's 3(M + P - 1). Interleaving (V > 1) follows Megatron's fixed order instead
+// (the greedy order deadlocks there under 1F1B's memory limit).
 #pragma once
 
 #include <string>
@@ -32,6 +33,7 @@ struct PipeAction {
   PipeOp op;
   int chunk;        // virtual stage k of the action (stage k % P runs it)
   int micro_batch;  // m
+  bool operator==(const PipeAction&) const = default;
 };
 
 struct PipeScheduleConfig {
@@ -48,7 +50,8 @@ struct PipeScheduleConfig {
 // [P] the actions of each stage, in execution order.
 using PipeSchedule = std::vector<std::vector<PipeAction>>;
 
-// Throws std::invalid_argument for virtual_chunks > 1 (not built yet).
+// virtual_chunks > 1: interleaved 1F1B in Megatron's order (whole backwards only; micro-batches
+// a multiple of the stages, else std::invalid_argument).
 PipeSchedule schedule(const PipeScheduleConfig& cfg);
 
 // Unit costs of the actions, for the simulation (a forward, a whole backward, its two halves).

@@ -35,9 +35,11 @@ std::string ShardPlan::describe() const {
                               zero_stage, dp, what[std::clamp(zero_stage, 0, 3)], units.size(),
                               largest);
   if (pp > 1) {
-    d += "; pipeline stages of layers";
-    for (int s = 0; s < pp; ++s)
-      d += fmt::format(" {}..{}", stage_layers[s], stage_layers[s + 1] - 1);
+    d += pp_chunks > 1 ? fmt::format("; pipeline chunks (stage {}) of layers", "c % " +
+                                                                             std::to_string(pp))
+                       : std::string("; pipeline stages of layers");
+    for (std::size_t c = 0; c + 1 < stage_layers.size(); ++c)
+      d += fmt::format(" {}..{}", stage_layers[c], stage_layers[c + 1] - 1);
   }
   return d;
 }
@@ -138,10 +140,12 @@ ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const Me
     const double H = cfg.hidden_size;
     const double layer = 2 * H * (cfg.q_dim() + 2.0 * cfg.kv_dim()) + 2.0 * cfg.q_dim() * H +
                          6.0 * H * cfg.intermediate_size;
-    plan.stage_layers = split_layers(cfg.num_layers, mesh.pp, layer, 0, 2 * H * cfg.vocab_size);
-    for (int s = 0; s < mesh.pp; ++s)
-      for (int l = plan.stage_layers[s]; l < plan.stage_layers[s + 1]; ++l)
-        plan.units[1 + l].stage = s;
+    const int chunks = mesh.pp * mesh.pp_chunks;
+    plan.pp_chunks = mesh.pp_chunks;
+    plan.stage_layers = split_layers(cfg.num_layers, chunks, layer, 0, 2 * H * cfg.vocab_size);
+    for (int c = 0; c < chunks; ++c)
+      for (int l = plan.stage_layers[c]; l < plan.stage_layers[c + 1]; ++l)
+        plan.units[1 + l].stage = c % mesh.pp;
     plan.units.back().stage = mesh.pp - 1;  // the head; the embedding stays on stage 0
   } else {
     plan.stage_layers = {0, cfg.num_layers};

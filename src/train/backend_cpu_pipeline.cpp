@@ -41,11 +41,13 @@ namespace qt {
 
 namespace {
 
-// Stage s's list of a step: 1F1B, or ZB-H1 (split backwards, P weight halves may wait).
+// Stage s's list of a step: 1F1B, ZB-H1 (split backwards, P weight halves may wait), or
+// interleaved 1F1B over mesh.pp_chunks chunks a stage.
 std::vector<PipeAction> stage_actions(const MeshShape& mesh, int M, int s) {
   PipeScheduleConfig c;
   c.stages = mesh.pp;
   c.micro_batches = M;
+  c.virtual_chunks = mesh.pp_chunks;
   if (mesh.pp_schedule == "zb-h1") {
     c.split_backward = true;
     c.max_weights_waiting = mesh.pp;
@@ -53,11 +55,12 @@ std::vector<PipeAction> stage_actions(const MeshShape& mesh, int M, int s) {
   return schedule(c)[static_cast<std::size_t>(s)];
 }
 
-// The activation slots a list needs: the most micro-batches between a forward and the end of
-// their backward (the weight half, when split).
-int slots_needed(const std::vector<PipeAction>& actions) {
+// The activation slots chunk c needs in a list: the most of its micro-batches between a forward
+// and the end of their backward (the weight half, when split).
+int slots_needed(const std::vector<PipeAction>& actions, int c) {
   int now = 0, peak = 1;
   for (const PipeAction& a : actions) {
+    if (a.chunk != c) continue;
     if (a.op == PipeOp::kForward) peak = std::max(peak, ++now);
     if (a.op == PipeOp::kBackward || a.op == PipeOp::kBackwardWeight) --now;
   }
@@ -68,6 +71,7 @@ class CpuPipelineBackend final : public TrainBackend {
  public:
   CpuPipelineBackend(const Deck& deck, Mesh& mesh)
       : P_(mesh.shape().pp),
+        V_(mesh.shape().pp_chunks),
         s_(mesh.coord().pp),
         N_(static_cast<std::size_t>(deck.train.micro_batch) * deck.train.seq_len),
         H_(deck.model.hidden_size),
@@ -77,18 +81,16 @@ class CpuPipelineBackend final : public TrainBackend {
         local_(tp_local_config(deck.model, tp_)),
         layout_(local_),
         plan_(plan_qwen3(local_, layout_, mesh.shape(), deck.optim.zero_stage)),
-        stage_(local_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,
-               StageRange::layers(deck.model.num_layers, plan_.stage_layers[s_],
-                                  plan_.stage_layers[s_ + 1]),
-               slots_needed(stage_actions(deck.mesh, M_, mesh.coord().pp))),
+        actions_(stage_actions(mesh.shape(), M_, s_)),
+        chunks_(make_chunks(deck)),
         share_{held_units(), &mesh.pp(), tied_copy() ? Qwen3Units{}.embed() : -1},
         state_(plan_, layout_, deck.optim, mesh.dp(), deck.train.steps, &mesh.tp(), &share_),
         pp_(mesh.pp()),
-        actions_(stage_actions(deck.mesh, M_, s_)),
         dx_(N_ * H_),
-        schedule_name_(mesh.shape().pp_schedule == "zb-h1" ? "ZB-H1" : "1F1B") {
+        schedule_name_(V_ > 1 ? "interleaved 1F1B"
+                              : mesh.shape().pp_schedule == "zb-h1" ? "ZB-H1" : "1F1B") {
     if (tp_ > 1) {
-      stage_.set_tensor_parallel(&mesh.tp());
+      for (Chunk& c : chunks_) c.stage->set_tensor_parallel(&mesh.tp());
       tp_map_ = std::make_unique<TpMap>(global_layout_, layout_, plan_, mesh.tp().rank());
     }
   }
@@ -96,13 +98,17 @@ class CpuPipelineBackend final : public TrainBackend {
   // The global layout (checkpoints, initialisation and imports see global tensors).
   const ParamLayout& layout() const override { return global_layout_; }
   std::string describe() const override {
-    const StageRange& r = stage_.stage();
-    std::string d = fmt::format(
-        "cpu: fp32 reference (OpenBLAS); {}; this is stage {} of {}: layers {}..{}{}{}, "
-        "{} over {} micro-batches ({} in flight at most)",
-        state_.plan().describe(), s_, P_, r.first_layer, r.last_layer - 1,
-        r.has_embedding ? ", the embedding" : "", r.has_head ? ", the final norm and lm head" : "",
-        schedule_name_, M_, stage_.slots());
+    std::string d = fmt::format("cpu: fp32 reference (OpenBLAS); {}; this is stage {} of {}:",
+                                state_.plan().describe(), s_, P_);
+    for (const Chunk& c : chunks_) {
+      const StageRange& r = c.stage->stage();
+      d += fmt::format(" layers {}..{}{}{}", r.first_layer, r.last_layer - 1,
+                       r.has_embedding ? " with the embedding" : "",
+                       r.has_head ? " with the final norm and lm head" : "");
+    }
+    int slots = 0;
+    for (const Chunk& c : chunks_) slots += c.stage->slots();
+    d += fmt::format(", {} over {} micro-batches ({} activation slots)", schedule_name_, M_, slots);
     if (tied_copy()) d += " (and a copy of the tied embedding)";
     if (tp_ > 1)
       d += fmt::format("; tensor parallel over {} ranks: each runs {} query and {} key/value heads "
@@ -139,60 +145,68 @@ class CpuPipelineBackend final : public TrainBackend {
 
   double micro_batches(const MicroBatches& mb, float loss_scale) override {
     QT_CHECK(mb.count == M_, "{} micro-batches, the schedule has {}", mb.count, M_);
-    std::vector<int> slot_of(static_cast<std::size_t>(M_), -1);
-    std::vector<char> busy(static_cast<std::size_t>(stage_.slots()), 0);
-    std::vector<MPI_Request> fwd_send(busy.size(), MPI_REQUEST_NULL);  // per slot: its output
+    const int C = P_ * V_;  // chunks of the model; chunk c runs on stage c % P
+    const int prev = (s_ + P_ - 1) % P_, next = (s_ + 1) % P_;  // the wrap: chunk v P + P - 1 -> (v + 1) P
+    // Tags: the activation into chunk c of micro-batch m, 2 (m C + c); its gradient, + 1.
+    auto tag = [&](int c, int m, int grad) { return 2 * (m * C + c) + grad; };
+    for (Chunk& c : chunks_) {
+      std::fill(c.slot_of.begin(), c.slot_of.end(), -1);
+      std::fill(c.busy.begin(), c.busy.end(), 0);
+    }
     double loss = 0;
     for (const PipeAction& a : actions_) {
-      const int m = a.micro_batch;
+      const int m = a.micro_batch, c = a.chunk;
+      Chunk& ch = chunks_.at(static_cast<std::size_t>(c / P_));
+      Qwen3Stage& st = *ch.stage;
       const std::size_t off = N_ * static_cast<std::size_t>(m);
       StageBatch batch{mb.inputs + off, mb.targets + off,
                        mb.positions ? mb.positions + off : nullptr};
       if (a.op == PipeOp::kForward) {
-        const auto free = std::find(busy.begin(), busy.end(), 0);
-        QT_CHECK(free != busy.end(), "no free activation slot for micro-batch {}", m);
-        const int k = static_cast<int>(free - busy.begin());
-        busy[k] = 1;
-        slot_of[m] = k;
+        const auto free = std::find(ch.busy.begin(), ch.busy.end(), 0);
+        QT_CHECK(free != ch.busy.end(), "no free activation slot for micro-batch {}", m);
+        const int k = static_cast<int>(free - ch.busy.begin());
+        ch.busy[k] = 1;
+        ch.slot_of[m] = k;
         // The slot's last output may still be leaving (it was received before its backward).
-        QT_CHECK_MPI(MPI_Wait(&fwd_send[k], MPI_STATUS_IGNORE));
+        QT_CHECK_MPI(MPI_Wait(&ch.fwd_send[k], MPI_STATUS_IGNORE));
         float* x_in = nullptr;
-        if (s_ > 0) {
-          x_in = stage_.input(k);
-          receive(x_in, s_ - 1, 2 * m);
+        if (c > 0) {
+          x_in = st.input(k);
+          receive(x_in, prev, tag(c, m, 0));
         }
-        loss += stage_.forward(state_, k, batch, x_in, loss_scale);
-        if (s_ < P_ - 1) send(stage_.output(k), s_ + 1, 2 * m, &fwd_send[k]);
+        loss += st.forward(state_, k, batch, x_in, loss_scale);
+        if (c < C - 1) send(st.output(k), next, tag(c + 1, m, 0), &ch.fwd_send[k]);
       } else if (a.op == PipeOp::kBackwardWeight) {
-        const int k = slot_of[m];
+        const int k = ch.slot_of[m];
         QT_CHECK(k >= 0, "weight half of micro-batch {} before its forward", m);
-        stage_.backward_weight(k);
-        busy[k] = 0;
+        st.backward_weight(k);
+        ch.busy[k] = 0;
       } else {
-        const int k = slot_of[m];
+        const int k = ch.slot_of[m];
         QT_CHECK(k >= 0, "backward of micro-batch {} before its forward", m);
         const float* dx_in = nullptr;
-        if (s_ < P_ - 1) {
-          receive(dx_.data(), s_ + 1, 2 * m + 1);
+        if (c < C - 1) {
+          receive(dx_.data(), next, tag(c, m, 1));
           dx_in = dx_.data();
         }
         if (a.op == PipeOp::kBackwardInput) {
-          stage_.backward_input(state_, k, dx_in);  // the slot waits for its weight half
+          st.backward_input(state_, k, dx_in);  // the slot waits for its weight half
         } else {
-          stage_.backward(state_, k, dx_in);
-          busy[k] = 0;
+          st.backward(state_, k, dx_in);
+          ch.busy[k] = 0;
         }
-        if (s_ > 0) send_copy(stage_.input_grad(), s_ - 1, 2 * m + 1);
+        if (c > 0) send_copy(st.input_grad(), prev, tag(c - 1, m, 1));
       }
     }
-    for (MPI_Request& r : fwd_send) QT_CHECK_MPI(MPI_Wait(&r, MPI_STATUS_IGNORE));
+    for (Chunk& c : chunks_)
+      for (MPI_Request& r : c.fwd_send) QT_CHECK_MPI(MPI_Wait(&r, MPI_STATUS_IGNORE));
     for (Pending& p : grad_sends_) QT_CHECK_MPI(MPI_Wait(&p.request, MPI_STATUS_IGNORE));
     grad_sends_.clear();
     return pp_.sum(loss);  // the last stage's, on every stage
   }
 
   OptimStepStats optimizer_step(std::int64_t step) override {
-    if (stage_.config().tie_word_embeddings) sum_tied_copies();
+    if (local_.tie_word_embeddings) sum_tied_copies();
     return state_.step(step);
   }
   MemorySplit memory_split() override {
@@ -201,7 +215,7 @@ class CpuPipelineBackend final : public TrainBackend {
     m.params = b.params;
     m.grads = b.grads;
     m.optimizer = b.optimizer;
-    m.activations = stage_.buffer_bytes();
+    for (const Chunk& c : chunks_) m.activations += c.stage->buffer_bytes();
     return m;
   }
 
@@ -212,16 +226,46 @@ class CpuPipelineBackend final : public TrainBackend {
     MPI_Request request = MPI_REQUEST_NULL;
   };
 
+  // The model chunks this stage runs: chunk v P + s for v < pp_chunks, each a Qwen3Stage with
+  // its activation slots and per-step bookkeeping.
+  struct Chunk {
+    std::unique_ptr<Qwen3Stage> stage;
+    std::vector<char> busy;              // [slots]
+    std::vector<MPI_Request> fwd_send;   // [slots] the slot's output in flight
+    std::vector<int> slot_of;            // [M] the slot of each micro-batch, or -1
+  };
+  std::vector<Chunk> make_chunks(const Deck& deck) const {
+    std::vector<Chunk> out;
+    for (int v = 0; v < V_; ++v) {
+      const int c = v * P_ + s_;
+      const int slots = slots_needed(actions_, c);
+      Chunk ch;
+      ch.stage = std::make_unique<Qwen3Stage>(
+          local_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,
+          StageRange::layers(local_.num_layers, plan_.stage_layers[c], plan_.stage_layers[c + 1]),
+          slots);
+      ch.busy.assign(slots, 0);
+      ch.fwd_send.assign(slots, MPI_REQUEST_NULL);
+      ch.slot_of.assign(M_, -1);
+      out.push_back(std::move(ch));
+    }
+    return out;
+  }
   // The last stage of a tied model holds a copy of the embedding.
-  bool tied_copy() const { return stage_.config().tie_word_embeddings && s_ == P_ - 1; }
-  // The plan's units of this stage (and a tied copy): what the stage's program asks for.
+  bool tied_copy() const { return local_.tie_word_embeddings && s_ == P_ - 1; }
+  // The plan's units of this stage (and a tied copy): what its chunks' programs ask for.
   std::vector<int> held_units() const {
-    std::vector<int> held;
+    std::vector<int> held, asked;
     for (std::size_t u = 0; u < plan_.units.size(); ++u)
       if (plan_.units[u].stage == s_ || (tied_copy() && static_cast<int>(u) == 0))
         held.push_back(static_cast<int>(u));
-    QT_CHECK(held == stage_.stage_units(), "the plan's units of stage {} are not its program's",
-             s_);
+    for (const Chunk& c : chunks_) {
+      const std::vector<int> us = c.stage->stage_units();
+      asked.insert(asked.end(), us.begin(), us.end());
+    }
+    std::sort(asked.begin(), asked.end());
+    asked.erase(std::unique(asked.begin(), asked.end()), asked.end());
+    QT_CHECK(held == asked, "the plan's units of stage {} are not its programs'", s_);
     return held;
   }
 
@@ -259,7 +303,7 @@ class CpuPipelineBackend final : public TrainBackend {
     for (std::size_t i = 0; i < g.size(); ++i) g[i] += other[i];
   }
 
-  int P_, s_;
+  int P_, V_, s_;  // stages, chunks a stage, this stage
   std::size_t N_, H_;
   int M_;                       // micro-batches a step
   int tp_;                      // mesh.tp
@@ -268,11 +312,11 @@ class CpuPipelineBackend final : public TrainBackend {
   ParamLayout layout_;          // its layout (units keep their ranges in it)
   ShardPlan plan_;              // its units' stages and the layer split
   std::unique_ptr<TpMap> tp_map_;  // local -> global pieces with tp > 1, else null
-  Qwen3Stage stage_;
+  std::vector<PipeAction> actions_;  // this stage's list of a step
+  std::vector<Chunk> chunks_;
   PipelineShare share_;
   ShardedState state_;
   MpiComm& pp_;
-  std::vector<PipeAction> actions_;  // this stage's list of a step
   std::vector<float> dx_;            // [N, H] a received d x
   std::deque<Pending> grad_sends_;   // stable addresses while in flight
   const char* schedule_name_;

@@ -375,6 +375,11 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
                {"deck.ini:4: mesh.pp_schedule = zb-h1 keeps each layer's activations", "train.recompute"});
   expect_error("[optim]\nzero_stage = 2\n[mesh]\npp_schedule = zb-h1\n",
                {"deck.ini:4: mesh.pp_schedule = zb-h1 is built with optim.zero_stage 0 and 1"});
+  expect_error("[mesh]\npp_chunks = 2\n", {"deck.ini:2: mesh.pp_chunks = 2 > 1 interleaves a pipeline: needs mesh.pp > 1"});
+  expect_error("[model]\nnum_layers = 2\n[mesh]\npp = 2\npp_chunks = 2\n",
+               {"deck.ini:5: mesh.pp_chunks = 2 x mesh.pp = 4 chunks is more than model.num_layers = 2"});
+  expect_error("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_chunks = 2\npp_schedule = zb-h1\n",
+               {"deck.ini:5: mesh.pp_chunks = 2 > 1 (interleaved 1F1B) is built with mesh.pp_schedule = 1f1b only"});
   expect_error("[lora]\nr = 4\n[mesh]\npp = 2\n",
                {"deck.ini:4: mesh.pp = 2: LoRA ([lora] r > 0) in a pipeline is not built yet"});
   expect_error("[mesh]\nep = 2\n", {"deck.ini:2:", "mesh.ep = 2", "expert parallelism is not built yet"});

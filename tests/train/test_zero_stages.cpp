@@ -318,19 +318,32 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
             kParamTol);
 }
 
-// Four stages of one layer each (a 4-layer model), 1F1B and ZB-H1, against its serial run.
+// A 4-layer model: four stages of one layer each (1F1B and ZB-H1), and interleaved 1F1B with two
+// chunks a stage on two stages (chunk c on stage c % 2: activations wrap from the last stage
+// back to the first), alone, with dp 2 at ZeRO-3 and with tp 2; against its serial run.
 TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
   const std::vector<std::string> four = {"--model.num_layers=4"};
   const RunResult serial = train("serial4", 1, four);
-  for (const char* sched : {"1f1b", "zb-h1"}) {
-    SCOPED_TRACE(sched);
-    std::vector<std::string> pp4 = four;
-    pp4.push_back("--mesh.pp=4");
-    pp4.push_back(std::string("--mesh.pp_schedule=") + sched);
-    const RunResult r = train(std::string("pp4_") + sched, 4, pp4);
+  struct Case {
+    const char* name;
+    int ranks;
+    std::vector<std::string> overrides;
+  };
+  const std::vector<Case> cases = {
+      {"pp4_1f1b", 4, {"--mesh.pp=4"}},
+      {"pp4_zb", 4, {"--mesh.pp=4", "--mesh.pp_schedule=zb-h1"}},
+      {"pp2_v2", 2, {"--mesh.pp=2", "--mesh.pp_chunks=2"}},
+      {"dp2_pp2_v2_z3", 4, {"--mesh.pp=2", "--mesh.pp_chunks=2", "--optim.zero_stage=3"}},
+      {"tp2_pp2_v2", 4, {"--mesh.pp=2", "--mesh.pp_chunks=2", "--mesh.tp=2"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    std::vector<std::string> o = four;
+    o.insert(o.end(), c.overrides.begin(), c.overrides.end());
+    const RunResult r = train(c.name, c.ranks, o);
     ASSERT_EQ(r.steps.size(), 10u);
     if (test::world_rank() == 0)
-      std::printf("pp4 %s: losses within %.3g, gradient norms %.3g of the serial run\n", sched,
+      std::printf("%s: losses within %.3g, gradient norms %.3g of the serial run\n", c.name,
                   max_rel(r.steps, serial.steps), max_rel(r.steps, serial.steps, 1, true));
     expect_serial(r.steps, serial.steps);
   }
