@@ -1,18 +1,22 @@
 // The CPU reference back end with pipeline parallelism (mesh.pp > 1; issue 17): each pp rank
-// runs one stage of the model (Qwen3Stage, model/qwen3_stage.h: consecutive layers, the
-// embedding on the first stage, the final norm, lm head and loss on the last; the sharding
-// plan splits the layers, balanced by cost) over the optimizer driver ShardedState holding only that stage's units
-// (ZeRO 0-3 over its dp group). A step runs the 1F1B or ZB-H1 schedule (mesh.pp_schedule) of
-// parallel/pipeline_schedule.h:
+// runs one stage of the model over the optimizer driver ShardedState holding only that stage's
+// units (ZeRO 0-3 over its dp group). The sharding plan cuts the layers into pp x pp_chunks
+// chunks balanced by cost; chunk c runs on stage c % pp as a Qwen3Stage (model/qwen3_stage.h),
+// the embedding in the first chunk, the final norm, lm head and loss in the last. A step runs
+// the stage's list from parallel/pipeline_schedule.h (mesh.pp_schedule: 1F1B or ZB-H1;
+// mesh.pp_chunks > 1: interleaved 1F1B):
 //
-//   F(m)  stage s > 0 receives x [N, H] of micro-batch m from s - 1; the forward; s < P - 1 sends
-//         its output to s + 1 (the last stage runs the head and the loss in the forward)
-//   B(m)  stage s < P - 1 receives d x [N, H] from s + 1; the backward; s > 0 sends d x to s - 1
-//   I(m), W(m)  (ZB-H1) B's input half, as B; the weight half later, from the slot's saved state
+//   F(c, m)  chunk c > 0 receives x [N, H] of micro-batch m from the previous stage; the
+//            forward; c < C - 1 sends its output to the next stage (stage P - 1 sends to stage 0
+//            between chunks); the last chunk runs the head and the loss in the forward
+//   B(c, m)  chunk c < C - 1 receives d x [N, H] from the next stage; the backward; c > 0 sends
+//            d x to the previous stage
+//   I, W     (ZB-H1) B's input half, as B; the weight half later, from the slot's saved state
 //
 // Sends are non-blocking (MPI_Isend from buffers kept until the send completes), receives
 // blocking: every stage then only waits for data its schedule needs, which the schedule's
-// simulation shows always comes. Tags: 2m (activations) and 2m + 1 (gradients).
+// simulation shows always comes. Tags: 2 (m C + c) for the activation into chunk c, + 1 for
+// its gradient.
 //
 // A tied embedding lives on the first stage (the lookup) and, as a copy, on the last (the lm
 // head): before each optimizer step the two exchange their gradients of it and add them (a + b
@@ -31,8 +35,8 @@
 
 #include "model/qwen3_stage.h"
 #include "optim/sharded_state.h"
-#include "parallel/tensor_parallel.h"
 #include "parallel/pipeline_schedule.h"
+#include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 #include "qtrain/shard_plan.h"
 #include "train/backend.h"
