@@ -10,6 +10,8 @@
 //                                              are acquired (the embedding's backward needs none)
 #pragma once
 
+#include <cstdint>
+
 
 #include "qtrain/params.h"
 #include "qtrain/shard_plan.h"
@@ -41,6 +43,20 @@ class FlatParams final : public ModelParams {
   const ShardPlan& plan_;
   const float* params_;
   float* grads_;
+};
+
+// The layer program's view of a ModelParams (model/layer_program.h's Units): asking for a
+// unit's weights acquires it. For Qwen3Model and Qwen3Stage.
+struct CpuUnits {
+  ModelParams& mp;
+  const float* weights(int u) {
+    mp.acquire(u);
+    return mp.params(u);
+  }
+  float* grads(int u) { return mp.grads(u); }
+  void release(int u) { mp.release(u); }
+  void grads_done(int u) { mp.grads_done(u); }
+  bool take_embedding_rows(const float*, const std::int32_t*, int) { return false; }
 };
 
 }  // namespace qt

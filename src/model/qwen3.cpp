@@ -11,19 +11,6 @@ namespace qt {
 
 namespace {
 
-// The program's view of a ModelParams: asking for a unit's weights acquires it.
-struct CpuUnits {
-  ModelParams& mp;
-  const float* weights(int u) {
-    mp.acquire(u);
-    return mp.params(u);
-  }
-  float* grads(int u) { return mp.grads(u); }
-  void release(int u) { mp.release(u); }
-  void grads_done(int u) { mp.grads_done(u); }
-  bool take_embedding_rows(const float*, const std::int32_t*, int) { return false; }
-};
-
 const ModelConfig& checked(const ModelConfig& cfg) {
   QT_CHECK(cfg.num_heads % cfg.num_kv_heads == 0, "heads {} not divisible by kv heads {}",
            cfg.num_heads, cfg.num_kv_heads);

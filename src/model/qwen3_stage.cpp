@@ -6,23 +6,6 @@
 
 namespace qt {
 
-namespace {
-
-// The program's view of a ModelParams (as Qwen3Model's): asking for weights acquires the unit.
-struct StageUnits {
-  ModelParams& mp;
-  const float* weights(int u) {
-    mp.acquire(u);
-    return mp.params(u);
-  }
-  float* grads(int u) { return mp.grads(u); }
-  void release(int u) { mp.release(u); }
-  void grads_done(int u) { mp.grads_done(u); }
-  bool take_embedding_rows(const float*, const std::int32_t*, int) { return false; }
-};
-
-}  // namespace
-
 Qwen3Stage::Qwen3Stage(const ModelConfig& cfg, int B, int T, bool recompute,
                        const StageRange& stage, int slots)
     : cfg_(cfg),
@@ -52,7 +35,7 @@ double Qwen3Stage::forward(ModelParams& mp, int k, const StageBatch& b, const fl
   s.busy = true;
 
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
-  StageUnits units{mp};
+  CpuUnits units{mp};
   program_.forward_stage(ops_, units, k, s.inputs.data(), x_in);
   if (!st.has_head) return 0;
   // The head's forward and backward at once (gradients added): its d ln[L] waits in the slot.
@@ -66,7 +49,7 @@ void Qwen3Stage::backward(ModelParams& mp, int k, const float* dx_in) {
   QT_CHECK(program_.stage().has_head || dx_in != nullptr, "a stage backward without d x");
   Slot& s = slot_[k];
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
-  StageUnits units{mp};
+  CpuUnits units{mp};
   program_.backward_stage(ops_, units, k, s.inputs.data(), dx_in, /*accumulate=*/true);
   s.busy = false;
 }
@@ -79,7 +62,7 @@ void Qwen3Stage::backward_input(ModelParams& mp, int k, const float* dx_in) {
   Slot& s = slot_[k];
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
   ops_.defer_weight_grads(&s.deferred);
-  StageUnits units{mp};
+  CpuUnits units{mp};
   program_.backward_stage(ops_, units, k, s.inputs.data(), dx_in, /*accumulate=*/true);
   ops_.defer_weight_grads(nullptr);
   s.weights_owed = true;

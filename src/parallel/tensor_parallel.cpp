@@ -87,4 +87,9 @@ std::vector<StatePiece> TpMap::to_global(const std::vector<StatePiece>& local,
   return out;
 }
 
+StateTargets TpMap::to_global(const StateTargets& local) const {
+  return {to_global(local.params, false), to_global(local.exp_avg, false),
+          to_global(local.exp_avg_sq, false)};
+}
+
 }  // namespace qt

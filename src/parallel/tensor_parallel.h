@@ -44,6 +44,8 @@ class TpMap {
   // The same pieces in global coordinates (data pointers advanced to each segment).
   std::vector<FlatPiece> to_global(const std::vector<FlatPiece>& local, bool writing) const;
   std::vector<StatePiece> to_global(const std::vector<StatePiece>& local, bool writing) const;
+  // A checkpoint read's targets (everything held, replicated tensors too).
+  StateTargets to_global(const StateTargets& local) const;
 
  private:
   const ParamLayout& global_;

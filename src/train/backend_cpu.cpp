@@ -83,13 +83,8 @@ class CpuBackend final : public TrainBackend {
     return state_.checkpoint_pieces();
   }
   StateTargets checkpoint_targets() override {
-    StateTargets t = state_.checkpoint_targets();
-    if (tp_map_) {
-      t.params = tp_map_->to_global(t.params, false);
-      t.exp_avg = tp_map_->to_global(t.exp_avg, false);
-      t.exp_avg_sq = tp_map_->to_global(t.exp_avg_sq, false);
-    }
-    return t;
+    if (tp_map_) return tp_map_->to_global(state_.checkpoint_targets());
+    return state_.checkpoint_targets();
   }
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
   void push_state() override {}  // the host buffers are the live state

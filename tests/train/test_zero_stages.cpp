@@ -120,6 +120,30 @@ class ZeroStages : public ::testing::Test {
   }
   std::string path(const std::string& name) const { return tmp_ + "/" + name; }
   // A run of 10 steps at dp `ranks` with `overrides`, in its own directory `name`.
+  // A mesh to run the deck on: its name (the run's directory), ranks and overrides.
+  struct Case {
+    const char* name;
+    int ranks;
+    std::vector<std::string> overrides;
+  };
+  // Runs a case and checks its losses, norms and final parameters (tied, 2 layers) against the
+  // serial run's.
+  void check_against_serial(const Case& c, const RunResult& serial,
+                            const std::vector<float>& want) {
+    SCOPED_TRACE(c.name);
+    const RunResult r = train(c.name, c.ranks, c.overrides);
+    ASSERT_EQ(r.steps.size(), 10u);
+    const double params =
+        rel_norm_diff(read_params(path(std::string(c.name) + "/step_00000010.h5"), true), want);
+    if (test::world_rank() == 0)
+      std::printf("%s: losses within %.3g, gradient norms %.3g (first %.3g), parameters %.3g of "
+                  "the serial run\n",
+                  c.name, max_rel(r.steps, serial.steps), max_rel(r.steps, serial.steps, 1, true),
+                  max_rel(r.steps, serial.steps, 1, true, 1), params);
+    expect_serial(r.steps, serial.steps);
+    EXPECT_LT(params, kParamTol);
+  }
+
   RunResult train(const std::string& name, int ranks, std::vector<std::string> overrides) {
     RunResult r = run(ranks, deck_text(path(name)), overrides, path(name + ".jsonl"));
     EXPECT_EQ(r.exit_code, 0) << name << ": " << r.error;
@@ -133,11 +157,6 @@ TEST_F(ZeroStages, EveryStageAndDpSizeReproducesTheSerialRun) {
   ASSERT_EQ(serial.steps.size(), 10u);
   EXPECT_LT(serial.steps.back().loss, serial.steps.front().loss);  // it trains
   const std::vector<float> want = read_params(path("serial/step_00000010.h5"), true);
-  struct Case {
-    const char* name;
-    int dp;
-    std::vector<std::string> overrides;
-  };
   const std::vector<Case> cases = {
       {"dp2_z1", 2, {"--optim.zero_stage=1"}},
       {"dp2_z2", 2, {"--optim.zero_stage=2"}},
@@ -148,20 +167,7 @@ TEST_F(ZeroStages, EveryStageAndDpSizeReproducesTheSerialRun) {
       {"dp2_z3_recompute", 2, {"--optim.zero_stage=3", "--train.recompute=true"}},
       {"dp4_z3_micro1", 4, {"--optim.zero_stage=3", "--train.micro_batch=1"}},
   };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    const RunResult r = train(c.name, c.dp, c.overrides);
-    ASSERT_EQ(r.steps.size(), 10u);
-    const std::vector<float> got = read_params(path(std::string(c.name) + "/step_00000010.h5"), true);
-    const double params = rel_norm_diff(got, want);
-    if (test::world_rank() == 0)
-      std::printf("%s: losses within %.3g, gradient norms %.3g (first %.3g), parameters %.3g of "
-                  "the serial run\n",
-                  c.name, max_rel(r.steps, serial.steps), max_rel(r.steps, serial.steps, 1, true),
-                  max_rel(r.steps, serial.steps, 1, true, 1), params);
-    expect_serial(r.steps, serial.steps);
-    EXPECT_LT(params, kParamTol);
-  }
+  for (const Case& c : cases) check_against_serial(c, serial, want);
   // dp 3 leaves a remainder in every unit's shards: it must match its own serial run.
   const RunResult serial6 = train("serial6", 1, {"--train.global_batch=6"});
   const RunResult dp3 = train("dp3_z3", 3, {"--optim.zero_stage=3", "--train.global_batch=6"});
@@ -205,11 +211,6 @@ TEST_F(ZeroStages, CheckpointOfZero3ResumesAtOtherMeshesAndStages) {
 TEST_F(ZeroStages, TensorParallelReproducesTheSerialRun) {
   const RunResult serial = train("serial", 1, {});
   const std::vector<float> want = read_params(path("serial/step_00000010.h5"), true);
-  struct Case {
-    const char* name;
-    int ranks;
-    std::vector<std::string> overrides;
-  };
   const std::vector<Case> cases = {
       {"tp2", 2, {"--mesh.tp=2"}},
       {"tp2_recompute", 2, {"--mesh.tp=2", "--train.recompute=true"}},
@@ -217,20 +218,7 @@ TEST_F(ZeroStages, TensorParallelReproducesTheSerialRun) {
       {"dp2_tp2_z2", 4, {"--mesh.tp=2", "--optim.zero_stage=2"}},
       {"dp2_tp2_z3", 4, {"--mesh.tp=2", "--optim.zero_stage=3"}},
   };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    const RunResult r = train(c.name, c.ranks, c.overrides);
-    ASSERT_EQ(r.steps.size(), 10u);
-    const double params =
-        rel_norm_diff(read_params(path(std::string(c.name) + "/step_00000010.h5"), true), want);
-    if (test::world_rank() == 0)
-      std::printf("%s: losses within %.3g, gradient norms %.3g, parameters %.3g of the serial "
-                  "run\n",
-                  c.name, max_rel(r.steps, serial.steps), max_rel(r.steps, serial.steps, 1, true),
-                  params);
-    expect_serial(r.steps, serial.steps);
-    EXPECT_LT(params, kParamTol);
-  }
+  for (const Case& c : cases) check_against_serial(c, serial, want);
   // Untied: the lm head is a tensor of its own (vocabulary-parallel too). Its rows of tokens the
   // synthetic data never uses get gradients near zero, whose sign AdamW turns into a whole
   // lr-sized step: with eps 1e-8 the last-bit differences of tp's reordered sums flip some of
@@ -273,11 +261,6 @@ TEST_F(ZeroStages, CheckpointsMoveBetweenTensorParallelAndSerial) {
 TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
   const RunResult serial = train("serial", 1, {});
   const std::vector<float> want = read_params(path("serial/step_00000010.h5"), true);
-  struct Case {
-    const char* name;
-    int ranks;
-    std::vector<std::string> overrides;
-  };
   const std::vector<Case> cases = {
       {"pp2", 2, {"--mesh.pp=2"}},
       {"pp2_recompute", 2, {"--mesh.pp=2", "--train.recompute=true"}},
@@ -290,20 +273,7 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
       {"dp2_pp2_zb_z1", 4, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=1"}},
       {"tp2_pp2_zb", 4, {"--mesh.pp=2", "--mesh.tp=2", "--mesh.pp_schedule=zb-h1"}},
   };
-  for (const Case& c : cases) {
-    SCOPED_TRACE(c.name);
-    const RunResult r = train(c.name, c.ranks, c.overrides);
-    ASSERT_EQ(r.steps.size(), 10u);
-    const double params =
-        rel_norm_diff(read_params(path(std::string(c.name) + "/step_00000010.h5"), true), want);
-    if (test::world_rank() == 0)
-      std::printf("%s: losses within %.3g, gradient norms %.3g, parameters %.3g of the serial "
-                  "run\n",
-                  c.name, max_rel(r.steps, serial.steps), max_rel(r.steps, serial.steps, 1, true),
-                  params);
-    expect_serial(r.steps, serial.steps);
-    EXPECT_LT(params, kParamTol);
-  }
+  for (const Case& c : cases) check_against_serial(c, serial, want);
   // Untied: the lm head on the last stage, the embedding on the first (eps as in the tp test).
   const std::vector<std::string> untied = {"--model.tie_word_embeddings=false",
                                            "--optim.eps=1e-6"};
@@ -324,11 +294,6 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
 TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
   const std::vector<std::string> four = {"--model.num_layers=4"};
   const RunResult serial = train("serial4", 1, four);
-  struct Case {
-    const char* name;
-    int ranks;
-    std::vector<std::string> overrides;
-  };
   const std::vector<Case> cases = {
       {"pp4_1f1b", 4, {"--mesh.pp=4"}},
       {"pp4_zb", 4, {"--mesh.pp=4", "--mesh.pp_schedule=zb-h1"}},
