@@ -32,6 +32,9 @@ struct MeshShape {
   std::string pp_schedule = "1f1b";
   // Model chunks a pipeline stage runs (> 1: interleaved 1F1B; chunk c on stage c % pp).
   int pp_chunks = 1;
+  // Layers of each pipeline chunk, "a, b, ..." (pp x pp_chunks counts), or empty: the plan
+  // balances them by cost.
+  std::string pp_layers;
   int world() const { return dp * tp * pp; }
 };
 

@@ -6,6 +6,8 @@
 // ONE table (key_table) that drives parsing, --help, the resolved deck and the docs test.
 #include "qtrain/deck.h"
 
+#include "parallel/pipeline_schedule.h"
+
 #include <boost/program_options.hpp>
 
 #include <algorithm>
@@ -102,6 +104,8 @@ const std::vector<KeySpec>& key_table() {
              "Pipeline schedule: 1f1b | zb-h1 (zero bubble: backward split in two)"),
         spec("mesh", "pp_chunks", &D::mesh, &S::pp_chunks, "chunks",
              "Model chunks a pipeline stage runs; > 1: interleaved 1F1B"),
+        spec("mesh", "pp_layers", &D::mesh, &S::pp_layers, "layers",
+             "Layers of each pipeline chunk, a comma list; empty: balanced by cost"),
         spec("mesh", "ep", &D::mesh, &S::ep, "ranks",
              "Expert-parallel ranks, dividing dp (only 1 is built)"),
 
@@ -370,6 +374,15 @@ void Builder::validate_mesh() {
   need(m.pp_schedule == "1f1b" || m.pp_schedule == "zb-h1", "mesh.pp_schedule",
        "must be 1f1b or zb-h1");
   need(m.pp_chunks >= 1, "mesh.pp_chunks", "must be >= 1");
+  if (!m.pp_layers.empty()) {
+    need(m.pp > 1, "mesh.pp_layers", "splits a pipeline: needs mesh.pp > 1");
+    try {
+      layer_bounds_from_counts(m.pp_layers, m.pp * m.pp_chunks, ival("model.num_layers"));
+    } catch (const std::invalid_argument& e) {
+      need(false, "mesh.pp_layers", "{} (one count for each of mesh.pp x mesh.pp_chunks = {} "
+           "chunks, summing to model.num_layers)", e.what(), m.pp * m.pp_chunks);
+    }
+  }
   need(m.pp_chunks == 1 || m.pp > 1, "mesh.pp_chunks", "> 1 interleaves a pipeline: needs mesh.pp > 1");
   need(m.pp_chunks == 1 || m.pp_schedule == "1f1b", "mesh.pp_chunks",
        "> 1 (interleaved 1F1B) is built with mesh.pp_schedule = 1f1b only so far");

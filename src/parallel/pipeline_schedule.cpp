@@ -7,6 +7,7 @@
 #include <limits>
 #include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "qtrain/error.h"
 
@@ -267,6 +268,34 @@ std::vector<int> split_layers(int layers, int stages, double layer_cost, double 
       }
   std::vector<int> b(stages + 1, layers);
   for (int s = stages; s > 0; --s) b[s - 1] = from[s][b[s]];
+  return b;
+}
+
+std::vector<int> layer_bounds_from_counts(const std::string& counts, int chunks, int layers) {
+  std::vector<int> b = {0};
+  std::size_t start = 0;
+  while (start <= counts.size()) {
+    const std::size_t comma = std::min(counts.find(',', start), counts.size());
+    const std::string item = counts.substr(start, comma - start);
+    std::size_t used = 0;
+    int n = 0;
+    try {
+      n = std::stoi(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    while (used < item.size() && item[used] == ' ') ++used;
+    if (used == 0 || used != item.size() || n < 1)
+      throw std::invalid_argument(fmt::format("'{}' is not a positive layer count", item));
+    b.push_back(b.back() + n);
+    start = comma + 1;
+  }
+  if (static_cast<int>(b.size()) - 1 != chunks)
+    throw std::invalid_argument(fmt::format("gives {} stage layer counts for {} chunks",
+                                            b.size() - 1, chunks));
+  if (b.back() != layers)
+    throw std::invalid_argument(
+        fmt::format("gives {} layers in all, the model has {}", b.back(), layers));
   return b;
 }
 

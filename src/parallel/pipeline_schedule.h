@@ -78,6 +78,11 @@ PipeSimulation simulate(const PipeSchedule& s, const PipeScheduleConfig& cfg,
 std::vector<int> split_layers(int layers, int stages, double layer_cost, double first_extra,
                               double last_extra);
 
+// The boundaries of a split given as layer counts, "a, b, ..." (mesh.pp_layers): one positive
+// count a chunk, `chunks` of them, summing to `layers`. Throws std::invalid_argument saying
+// what is wrong.
+std::vector<int> layer_bounds_from_counts(const std::string& counts, int chunks, int layers);
+
 // "F0.3 B1.2 ..." (chunk.micro_batch) of one stage, for messages and tests.
 std::string describe(const std::vector<PipeAction>& stage);
 

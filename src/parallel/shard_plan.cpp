@@ -142,7 +142,10 @@ ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const Me
                          6.0 * H * cfg.intermediate_size;
     const int chunks = mesh.pp * mesh.pp_chunks;
     plan.pp_chunks = mesh.pp_chunks;
-    plan.stage_layers = split_layers(cfg.num_layers, chunks, layer, 0, 2 * H * cfg.vocab_size);
+    plan.stage_layers =
+        mesh.pp_layers.empty()
+            ? split_layers(cfg.num_layers, chunks, layer, 0, 2 * H * cfg.vocab_size)
+            : layer_bounds_from_counts(mesh.pp_layers, chunks, cfg.num_layers);
     for (int c = 0; c < chunks; ++c)
       for (int l = plan.stage_layers[c]; l < plan.stage_layers[c + 1]; ++l)
         plan.units[1 + l].stage = c % mesh.pp;

@@ -380,6 +380,15 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
                {"deck.ini:5: mesh.pp_chunks = 2 x mesh.pp = 4 chunks is more than model.num_layers = 2"});
   expect_error("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_chunks = 2\npp_schedule = zb-h1\n",
                {"deck.ini:5: mesh.pp_chunks = 2 > 1 (interleaved 1F1B) is built with mesh.pp_schedule = 1f1b only"});
+  expect_error("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_layers = 1,2\n",
+               {"deck.ini:5: mesh.pp_layers = 1,2 gives 3 layers in all, the model has 4"});
+  expect_error("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_layers = 4\n",
+               {"deck.ini:5: mesh.pp_layers = 4 gives 1 stage layer counts for 2 chunks"});
+  expect_error("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_layers = 3,x\n",
+               {"deck.ini:5: mesh.pp_layers = 3,x 'x' is not a positive layer count"});
+  expect_error("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_layers = 4,0\n",
+               {"'0' is not a positive layer count"});
+  expect_error("[mesh]\npp_layers = 2\n", {"deck.ini:2: mesh.pp_layers = 2 splits a pipeline: needs mesh.pp > 1"});
   expect_error("[lora]\nr = 4\n[mesh]\npp = 2\n",
                {"deck.ini:4: mesh.pp = 2: LoRA ([lora] r > 0) in a pipeline is not built yet"});
   expect_error("[mesh]\nep = 2\n", {"deck.ini:2:", "mesh.ep = 2", "expert parallelism is not built yet"});

@@ -162,6 +162,11 @@ TEST(PipelineSchedule, LayersSplitByCost) {
   EXPECT_EQ(split_layers(8, 2, 1, 0, 4), (std::vector<int>{0, 6, 8}));     // the head weighs 4
   EXPECT_EQ(split_layers(4, 4, 1, 0, 100), (std::vector<int>{0, 1, 2, 3, 4}));  // one each at least
   EXPECT_THROW(split_layers(3, 4, 1, 0, 0), std::invalid_argument);
+  // The deck's split (mesh.pp_layers).
+  EXPECT_EQ(layer_bounds_from_counts("3, 1", 2, 4), (std::vector<int>{0, 3, 4}));
+  EXPECT_EQ(layer_bounds_from_counts("1,1,2", 3, 4), (std::vector<int>{0, 1, 2, 4}));
+  for (const char* bad : {"3", "2,1", "3,0", "a,1", "3,,1", "", "3 1"})
+    EXPECT_THROW(layer_bounds_from_counts(bad, 2, 4), std::invalid_argument) << bad;
   EXPECT_THROW(split_layers(3, 0, 1, 0, 0), std::invalid_argument);
   // Brute force over every cut of L layers into P stages.
   int checked = 0;

@@ -300,6 +300,8 @@ TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
       {"pp2_v2", 2, {"--mesh.pp=2", "--mesh.pp_chunks=2"}},
       {"dp2_pp2_v2_z3", 4, {"--mesh.pp=2", "--mesh.pp_chunks=2", "--optim.zero_stage=3"}},
       {"tp2_pp2_v2", 4, {"--mesh.pp=2", "--mesh.pp_chunks=2", "--mesh.tp=2"}},
+      // the split from the deck, uneven: 3 layers on the first stage, 1 with the head
+      {"pp2_layers_3_1", 2, {"--mesh.pp=2", "--mesh.pp_layers=3,1"}},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
