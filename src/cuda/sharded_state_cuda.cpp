@@ -244,10 +244,10 @@ void ShardedCudaState::grads_done(int u, cudaStream_t s) {
   slot->free.record(nccl_->stream());
   give_up(*slot);
   grad_at_[u] = nullptr;
-  summed_[u] = last_of_step_;
   if (last_of_step_)  // the shard is final: its norm overlaps the rest of the backward
-    grad_norm_squared(unit_sumsq_ + u, x.grad, x.shard.size(), scatter_norm_ws_,
-                      nccl_->stream());
+    take_sum_of_squares(u, nccl_->stream(), scatter_norm_ws_);
+  else
+    summed_[u] = 0;  // a later micro-batch changes the shard
 }
 
 void ShardedCudaState::reduce_whole(int u, cudaStream_t s) {
@@ -274,8 +274,7 @@ void ShardedCudaState::reduce_whole(int u, cudaStream_t s) {
     if (bf16_wire) convert_bf16_to_f32(x.grad + at, reduce_stage_ + at, x.shard.size(), ns);
   }
   reduced_[u] = 1;
-  summed_[u] = 1;
-  grad_norm_squared(unit_sumsq_ + u, shard_grads(u), x.shard.size(), scatter_norm_ws_, ns);
+  take_sum_of_squares(u, ns, scatter_norm_ws_);
 }
 
 bool ShardedCudaState::take_embedding_rows(const bf16* dx, const std::int32_t* ids, int N,
@@ -298,8 +297,10 @@ bool ShardedCudaState::take_embedding_rows(const bf16* dx, const std::int32_t* i
   embedding_backward_range(x.grad, lo, lo + x.own.size(), rows_dx_, rows_ids_,
                            N * plan_.dp, rows_.hidden, rows_ws_, rows_ws_bytes_, s);
   reduced_[0] = 1;
-  summed_[0] = last_of_step_;
-  if (last_of_step_) grad_norm_squared(unit_sumsq_, x.grad, x.own.size(), norm_ws_, s);
+  if (last_of_step_)
+    take_sum_of_squares(0, s, norm_ws_);
+  else
+    summed_[0] = 0;
   return true;
 }
 
@@ -326,6 +327,11 @@ void ShardedCudaState::clear_grads(cudaStream_t s) {
 const float* ShardedCudaState::own_grads(int u) const {
   const Unit& x = units_[u];
   return whole_grads() ? x.grad + (x.own.begin - plan_.units[u].range.begin) : x.grad;
+}
+
+void ShardedCudaState::take_sum_of_squares(int u, cudaStream_t s, void* ws) {
+  grad_norm_squared(unit_sumsq_ + u, shard_grads(u), units_[u].shard.size(), ws, s);
+  summed_[u] = 1;
 }
 
 const float* ShardedCudaState::shard_grads(int u) const {
@@ -417,8 +423,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
     const Unit& x = units_[u];
     if (!whole_grads() && !reduced_[u])  // no gradient reached this unit this step
       QT_CHECK_CUDA(cudaMemsetAsync(x.grad, 0, plan_.units[u].chunk * sizeof(float), s));
-    grad_norm_squared(unit_sumsq_ + u, shard_grads(static_cast<int>(u)), x.shard.size(), norm_ws_,
-                      s);
+    take_sum_of_squares(static_cast<int>(u), s, norm_ws_);
   }
   std::vector<double> unit_sumsq(units_.size());
   QT_CHECK_CUDA(cudaMemcpyAsync(unit_sumsq.data(), unit_sumsq_, units_.size() * sizeof(double),

@@ -104,7 +104,7 @@ class ShardedCudaState final : public UnitSource {
                                // else its shard
     Range shard;               // its shard (the norm's part: each element once over dp)
     bf16* weights = nullptr;   // ZeRO-3 (dp > 1): [chunk] own shard; else [padded] whole
-    float* master = nullptr;   // [own size] (null with offload)
+    float* master = nullptr;   // [own size at ZeRO-0, chunk above] (null with offload)
     float *m = nullptr, *v = nullptr;  // [own size] (null with offload)
     float* grad = nullptr;     // whole_grads(): [padded] whole; else [chunk] the reduced shard
     std::vector<float> host_master, host_m, host_v;  // [own size]
@@ -126,6 +126,9 @@ class ShardedCudaState final : public UnitSource {
   bool shares_updates() const { return (zero_ == 1 || zero_ == 2) && nccl_ != nullptr; }
   const float* own_grads(int u) const;   // the reduced gradients of units_[u].own
   const float* shard_grads(int u) const;  // ... of units_[u].shard
+  // Unit u's shard gradients are final (on stream s): their sum of squares into unit_sumsq_[u],
+  // with the workspace of that stream.
+  void take_sum_of_squares(int u, cudaStream_t s, void* ws);
   // ZeRO-0/1: unit u's whole gradients summed over dp (all-reduce, or reduce-scatter in place)
   // on the NCCL stream after the work enqueued on s, then its sum of squares.
   void reduce_whole(int u, cudaStream_t s);

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "config/ini_lines.h"
 #include "qtrain/error.h"
 
 namespace qt {
@@ -276,7 +277,7 @@ std::vector<int> layer_bounds_from_counts(const std::string& counts, int chunks,
   std::size_t start = 0;
   while (start <= counts.size()) {
     const std::size_t comma = std::min(counts.find(',', start), counts.size());
-    const std::string item = counts.substr(start, comma - start);
+    const std::string item = ini::trim(counts.substr(start, comma - start));
     std::size_t used = 0;
     int n = 0;
     try {
@@ -284,7 +285,6 @@ std::vector<int> layer_bounds_from_counts(const std::string& counts, int chunks,
     } catch (const std::exception&) {
       used = 0;
     }
-    while (used < item.size() && item[used] == ' ') ++used;
     if (used == 0 || used != item.size() || n < 1)
       throw std::invalid_argument(fmt::format("'{}' is not a positive layer count", item));
     b.push_back(b.back() + n);

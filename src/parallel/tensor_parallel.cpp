@@ -1,6 +1,8 @@
 // Tensor parallelism's arithmetic: the local model and the local-to-global element map.
 #include "parallel/tensor_parallel.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 
 #include "qtrain/error.h"
@@ -90,6 +92,25 @@ std::vector<StatePiece> TpMap::to_global(const std::vector<StatePiece>& local,
 StateTargets TpMap::to_global(const StateTargets& local) const {
   return {to_global(local.params, false), to_global(local.exp_avg, false),
           to_global(local.exp_avg_sq, false)};
+}
+
+std::vector<FlatPiece> global_pieces(const TpMap* map, std::vector<FlatPiece> local, bool writing) {
+  return map ? map->to_global(local, writing) : local;
+}
+
+std::vector<StatePiece> global_pieces(const TpMap* map, std::vector<StatePiece> local,
+                                      bool writing) {
+  return map ? map->to_global(local, writing) : local;
+}
+
+StateTargets global_targets(const TpMap* map, StateTargets local) {
+  return map ? map->to_global(local) : local;
+}
+
+std::string describe_tp(const ModelConfig& local, int tp) {
+  return fmt::format("tensor parallel over {} ranks: each runs {} query and {} key/value heads "
+                     "and {} MLP columns",
+                     tp, local.num_heads, local.num_kv_heads, local.intermediate_size);
 }
 
 }  // namespace qt

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 #include <vector>
 
 #include "qtrain/checkpoint.h"
@@ -53,5 +54,16 @@ class TpMap {
   const ShardPlan& plan_;
   int tp_rank_;
 };
+
+// Pieces in global coordinates: through `map`, or as they are without tensor parallelism (null:
+// the local layout is the global one). For the CPU back ends' state, with or without tp.
+std::vector<FlatPiece> global_pieces(const TpMap* map, std::vector<FlatPiece> local, bool writing);
+std::vector<StatePiece> global_pieces(const TpMap* map, std::vector<StatePiece> local,
+                                      bool writing);
+StateTargets global_targets(const TpMap* map, StateTargets local);
+
+// "tensor parallel over tp ranks: each runs ..." for a back end's description (local: the tp
+// rank's model, tp_local_config).
+std::string describe_tp(const ModelConfig& local, int tp);
 
 }  // namespace qt

@@ -54,12 +54,7 @@ class CpuBackend final : public TrainBackend {
   const ParamLayout& layout() const override { return global_layout_; }
   std::string describe() const override {
     std::string d = "cpu: fp32 reference (OpenBLAS); " + state_.plan().describe();
-    if (tp_ > 1) {
-      const ModelConfig& c = model_.config();
-      d += fmt::format("; tensor parallel over {} ranks: each runs {} query and {} key/value "
-                       "heads and {} MLP columns",
-                       tp_, c.num_heads, c.num_kv_heads, c.intermediate_size);
-    }
+    if (tp_ > 1) d += "; " + describe_tp(model_.config(), tp_);
     if (offload_) d += "; optim.offload = cpu: the state is in host memory already";
     if (lora_)
       d += fmt::format("; LoRA: fp32 base frozen (no gradients or moments), {} adapter "
@@ -75,16 +70,13 @@ class CpuBackend final : public TrainBackend {
     return trained_pieces();
   }
   std::vector<FlatPiece> trained_pieces() override {
-    if (tp_map_) return tp_map_->to_global(state_.param_pieces(), /*writing=*/false);
-    return state_.param_pieces();
+    return global_pieces(tp_map_.get(), state_.param_pieces(), /*writing=*/false);
   }
   std::vector<StatePiece> checkpoint_pieces() override {
-    if (tp_map_) return tp_map_->to_global(state_.checkpoint_pieces(), /*writing=*/true);
-    return state_.checkpoint_pieces();
+    return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
-    if (tp_map_) return tp_map_->to_global(state_.checkpoint_targets());
-    return state_.checkpoint_targets();
+    return global_targets(tp_map_.get(), state_.checkpoint_targets());
   }
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
   void push_state() override {}  // the host buffers are the live state

@@ -114,24 +114,18 @@ class CpuPipelineBackend final : public TrainBackend {
     for (const Chunk& c : chunks_) slots += c.stage->slots();
     d += fmt::format(", {} over {} micro-batches ({} activation slots)", schedule_name_, M_, slots);
     if (tied_copy()) d += " (and a copy of the tied embedding)";
-    if (tp_ > 1)
-      d += fmt::format("; tensor parallel over {} ranks: each runs {} query and {} key/value heads "
-                       "and {} MLP columns",
-                       tp_, local_.num_heads, local_.num_kv_heads, local_.intermediate_size);
+    if (tp_ > 1) d += "; " + describe_tp(local_, tp_);
     return d;
   }
   // Pieces in global coordinates (TpMap under tensor parallelism).
   std::vector<FlatPiece> model_pieces() override {
-    if (tp_map_) return tp_map_->to_global(state_.param_pieces(), /*writing=*/false);
-    return state_.param_pieces();
+    return global_pieces(tp_map_.get(), state_.param_pieces(), /*writing=*/false);
   }
   std::vector<StatePiece> checkpoint_pieces() override {
-    if (tp_map_) return tp_map_->to_global(state_.checkpoint_pieces(), /*writing=*/true);
-    return state_.checkpoint_pieces();
+    return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
-    if (tp_map_) return tp_map_->to_global(state_.checkpoint_targets());
-    return state_.checkpoint_targets();
+    return global_targets(tp_map_.get(), state_.checkpoint_targets());
   }
   void push_state() override {}  // the host buffers are the live state
   void pull_state() override {}

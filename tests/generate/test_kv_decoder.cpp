@@ -14,6 +14,7 @@
 #include "ops/cross_entropy.h"
 #include "support/compare.h"
 #include "support/random.h"
+#include "support/random_model.h"
 
 namespace qt {
 namespace {
@@ -46,15 +47,8 @@ ModelConfig config(const Case& k) {
   return c;
 }
 
-// Weights large enough that attention is far from uniform; norm weights away from 1.
 std::vector<float> random_params(const ModelConfig& c, std::mt19937_64& rng) {
-  const ParamLayout layout(c);
-  std::vector<float> p = test::random_vector<float>(layout.numel(), rng, 0.3);
-  for (const ParamInfo& info : layout.params())
-    if (info.shape.size() == 1)
-      for (std::size_t i = 0; i < info.numel; ++i)
-        p[info.offset + i] = 1.0f + 0.3f * p[info.offset + i];
-  return p;
+  return test::random_model_params(ParamLayout(c), rng);
 }
 
 std::vector<std::int32_t> random_tokens(int n, int V, std::mt19937_64& rng) {

@@ -19,6 +19,7 @@
 #include "runtime/rng.h"
 #include "support/compare.h"
 #include "support/random.h"
+#include "support/random_model.h"
 
 namespace qt {
 namespace {
@@ -50,11 +51,7 @@ struct Problem {
   Problem(const ModelConfig& c, const LoraConfig& l)
       : cfg(c), lc(l), layout(c), alayout(lora_layout(c, l)) {
     std::mt19937_64 rng(test::test_seed());
-    params = test::random_vector<float>(layout.numel(), rng, 0.3);
-    for (const ParamInfo& p : layout.params())
-      if (p.shape.size() == 1)
-        for (std::size_t i = 0; i < p.numel; ++i)
-          params[p.offset + i] = 1.0f + 0.3f * params[p.offset + i];
+    params = test::random_model_params(layout, rng);
     adapters = test::random_vector<float>(alayout.numel(), rng, 0.3);  // B != 0: every path live
     std::uniform_int_distribution<int> tok(0, c.vocab_size - 1);
     for (int i = 0; i < B * T; ++i) {

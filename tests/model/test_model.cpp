@@ -13,6 +13,7 @@
 #include "runtime/rng.h"
 #include "support/compare.h"
 #include "support/random.h"
+#include "support/random_model.h"
 
 namespace qt {
 namespace {
@@ -49,11 +50,7 @@ struct Problem {
 
   explicit Problem(const ModelConfig& c) : cfg(c), layout(c) {
     std::mt19937_64 rng(test::test_seed());
-    // Weights large enough that every path matters; norm weights away from 1.
-    params = test::random_vector<float>(layout.numel(), rng, 0.3);
-    for (const ParamInfo& p : layout.params())
-      if (p.shape.size() == 1)
-        for (std::size_t i = 0; i < p.numel; ++i) params[p.offset + i] = 1.0f + 0.3f * params[p.offset + i];
+    params = test::random_model_params(layout, rng);
     std::uniform_int_distribution<int> tok(0, c.vocab_size - 1);
     for (int i = 0; i < B * T; ++i) {
       inputs.push_back(tok(rng));

@@ -11,6 +11,7 @@
 #include "model/qwen3.h"
 #include "support/compare.h"
 #include "support/random.h"
+#include "support/random_model.h"
 
 namespace qt {
 namespace {
@@ -64,15 +65,6 @@ struct Packed {
   }
 };
 
-std::vector<float> random_params(const ParamLayout& layout, std::mt19937_64& rng) {
-  // Weights large enough that attention is far from uniform; norm weights away from 1.
-  std::vector<float> p = test::random_vector<float>(layout.numel(), rng, 0.3);
-  for (const ParamInfo& info : layout.params())
-    if (info.shape.size() == 1)
-      for (std::size_t i = 0; i < info.numel; ++i) p[info.offset + i] = 1.0f + 0.3f * p[info.offset + i];
-  return p;
-}
-
 // Loss and gradients (loss_scale 1) of the packed batch, with or without its positions.
 double packed_run(const ModelConfig& cfg, const Packed& pk, const std::vector<float>& params,
                   std::vector<float>& grads, bool with_positions, bool recompute) {
@@ -102,7 +94,7 @@ TEST(PackedModel, LossAndGradientsEqualDocumentsOneByOne) {
   for (bool tied : {false, true}) {
     const ModelConfig cfg = small_config(tied);
     const ParamLayout layout(cfg);
-    const std::vector<float> params = random_params(layout, rng);
+    const std::vector<float> params = test::random_model_params(layout, rng);
     const Packed pk(3, 29, cfg.vocab_size, rng);
     ASSERT_GT(pk.docs.size(), 3u);
 
@@ -135,7 +127,7 @@ TEST(PackedModel, OneDocumentPerRowIsThePlainRun) {
   std::mt19937_64 rng(test::test_seed() + 1);
   const ModelConfig cfg = small_config(false);
   const ParamLayout layout(cfg);
-  const std::vector<float> params = random_params(layout, rng);
+  const std::vector<float> params = test::random_model_params(layout, rng);
   const int B = 2, T = 11;
   std::uniform_int_distribution<int> tok(0, cfg.vocab_size - 1);
   Row inputs(B * T), targets(B * T), positions(B * T);

@@ -19,6 +19,7 @@
 #include "parallel/pipeline_schedule.h"
 #include "support/compare.h"
 #include "support/random.h"
+#include "support/random_model.h"
 
 namespace qt {
 namespace {
@@ -53,11 +54,7 @@ struct Problem {
 
   Problem(const ModelConfig& c, int micro_batches) : cfg(c), layout(c), M(micro_batches) {
     std::mt19937_64 rng(test::test_seed());
-    params = test::random_vector<float>(layout.numel(), rng, 0.3);
-    for (const ParamInfo& p : layout.params())
-      if (p.shape.size() == 1)
-        for (std::size_t i = 0; i < p.numel; ++i)
-          params[p.offset + i] = 1.0f + 0.3f * params[p.offset + i];
+    params = test::random_model_params(layout, rng);
     std::uniform_int_distribution<int> tok(0, c.vocab_size - 1), cut(1, T - 1);
     for (int m = 0; m < M; ++m) {
       inputs.emplace_back();

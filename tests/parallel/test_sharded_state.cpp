@@ -182,6 +182,31 @@ TEST(ShardedState, Zero3HoldsAShardAndGathersOneUnitAtATime) {
 // Tensor parallelism's plan and element map: sharded tensors carry tp and their global shape;
 // over the tp ranks the written pieces cover the global layout exactly once, and the pieces a
 // rank reads put global element (r, c) of a row-parallel tensor at local (r, c - t * cols).
+// Pipeline stages in the plan: the layers of each chunk from the cost model, from mesh.pp_layers
+// when given, and with several chunks a stage; every layer on the stage of its chunk, the
+// embedding on stage 0 and the head on the last.
+TEST(ShardPlan, PipelineStagesHoldTheirLayers) {
+  ModelConfig m = tiny(false);
+  m.num_layers = 4;
+  const ParamLayout layout(m);
+  auto stages = [&](const MeshShape& mesh, const std::vector<int>& layer_stage) {
+    const ShardPlan plan = plan_qwen3(m, layout, mesh, 0);
+    EXPECT_EQ(plan.units.front().stage, 0);                // the embedding
+    EXPECT_EQ(plan.units.back().stage, mesh.pp - 1);       // the head
+    for (int l = 0; l < m.num_layers; ++l) EXPECT_EQ(plan.units[1 + l].stage, layer_stage[l]) << l;
+    return plan.stage_layers;
+  };
+  MeshShape mesh;
+  mesh.pp = 2;
+  // tiny's lm head (a 256-token vocabulary) costs less than a layer: two layers a stage
+  EXPECT_EQ(stages(mesh, {0, 0, 1, 1}), (std::vector<int>{0, 2, 4}));
+  mesh.pp_layers = "3, 1";
+  EXPECT_EQ(stages(mesh, {0, 0, 0, 1}), (std::vector<int>{0, 3, 4}));
+  mesh.pp_layers = "";
+  mesh.pp_chunks = 2;  // chunk c on stage c % 2
+  EXPECT_EQ(stages(mesh, {0, 1, 0, 1}), (std::vector<int>{0, 1, 2, 3, 4}));
+}
+
 TEST(TensorParallel, PlanAndMapCoverTheGlobalLayoutOnce) {
   for (const bool tied : {true, false}) {
     SCOPED_TRACE(tied ? "tied" : "untied");
