@@ -4,19 +4,31 @@
 #   zero3:   N GPUs, optim.zero_stage = 3, one sequence a GPU per step, no recompute
 #   offload: 1 GPU, optim.zero_stage = 3 + optim.offload = cpu, a global batch of 16 x 4096
 #            tokens (16 accumulation steps), no recompute; FSDP2 with CPUOffloadPolicy, 8 steps
+#   tp:      N GPUs, mesh.tp = N (tensor parallelism, dp 1, optim.zero_stage = ZERO, default 0),
+#            N sequences a step (the tokens of zero3's step), no recompute; no baseline of its own:
+#            run zero3 in the same call to compare
+#   pp:      N GPUs, mesh.pp = N (pipeline, dp 1), mesh.pp_chunks = CHUNKS (default 1: 1F1B),
+#            GLOBAL sequences a step (default 8 micro-batches), no recompute; no baseline
 # Synthetic tokens, no checkpoints. Prints tokens/s per GPU, model TFLOP/s and MFU
 # (bench/summarize_throughput.py's FLOP count, against PEAK TFLOP/s, default 989: H100/H200 bf16
 # dense), and the arena's peak.
-#   usage: bench/sharded_8b.sh BUILD_DIR OUT_DIR zero3|offload [N] [extra qtrain options...]
+#   usage: bench/sharded_8b.sh BUILD_DIR OUT_DIR zero3|offload|tp|pp [N] [extra qtrain options...]
 #   BASELINE=0: qtrain only; STEPS: qtrain steps (default 30 for zero3, 6 for offload)
 # Run it on the GPU machine from the repository root with the runtime kit in .kit (docs/cuda.md).
 set -uo pipefail
-build=${1:?build dir}; out=${2:?output dir}; mode=${3:?zero3 or offload}; n=${4:-2}
+build=${1:?build dir}; out=${2:?output dir}; mode=${3:?zero3, offload, tp or pp}; n=${4:-2}
 shift $(( $# < 4 ? $# : 4 ))
 [[ $mode == offload ]] && n=1
 mkdir -p "$out"
 if [[ $mode == zero3 ]]; then
   steps=${STEPS:-30}; micro=1; global=$n; extra=(--optim.zero_stage=3)
+elif [[ $mode == tp ]]; then
+  steps=${STEPS:-30}; micro=1; global=$n; extra=(--mesh.tp="$n" --optim.zero_stage="${ZERO:-0}")
+  BASELINE=0
+elif [[ $mode == pp ]]; then
+  steps=${STEPS:-20}; micro=1; global=${GLOBAL:-8}
+  extra=(--mesh.pp="$n" --mesh.pp_chunks="${CHUNKS:-1}" --optim.zero_stage=0)
+  BASELINE=0
 else
   steps=${STEPS:-6}; micro=1; global=16; extra=(--optim.zero_stage=3 --optim.offload=cpu)
 fi

@@ -78,8 +78,10 @@ class Mesh {
   // The device communicator (NCCL) of dimension d: made on first use, collectively over that
   // dimension's ranks, on the GPU current then (a back end selects its device first); owned by
   // the mesh, so every user of a dimension shares one. Back ends never build their own. CUDA
-  // builds only: elsewhere a UserError.
-  Comm& device(MeshDim d);
+  // builds only: elsewhere a UserError. channel k > 0: another communicator over the same ranks,
+  // with a stream of its own, for traffic that must not queue behind channel 0's (a pipeline's
+  // activations and gradients flow in opposite directions at once).
+  Comm& device(MeshDim d, int channel = 0);
 
   // One line per rank: "rank r host h local l cpu c numa n: pp.. dp.. tp.. ep..", a line with the
   // hosts and their rank counts, and a warning naming mesh.tp when a tensor-parallel group spans
@@ -91,7 +93,8 @@ class Mesh {
   MeshCoord coord_;
   std::shared_ptr<MpiComm> world_;
   std::unique_ptr<MpiComm> dp_, tp_, pp_, ep_, edp_;
-  std::unique_ptr<Comm> device_[kNumMeshDims];  // by MeshDim, made on first use
+  std::vector<std::unique_ptr<Comm>> device_[kNumMeshDims];  // by MeshDim and channel, made on
+                                                            // first use
   int local_rank_ = 0, local_size_ = 1;
   std::string host_;
 };

@@ -348,9 +348,6 @@ void Builder::validate_mesh() {
   need(m.dp >= 0, "mesh.dp", "must be >= 1, or 0 for auto");
   for (const char* k : {"mesh.tp", "mesh.pp", "mesh.ep"}) need(ival(k) >= 1, k, "must be >= 1");
   if (m.tp > 1) {  // tensor parallelism (parallel/tensor_parallel.h): heads and MLP columns split
-    need(deck_.train.device == "cpu", "mesh.tp",
-         ": tensor parallelism is built on train.device = cpu only so far; set mesh.tp = 1 for "
-         "train.device = cuda");
     for (const char* k : {"model.num_heads", "model.num_kv_heads", "model.intermediate_size",
                           "model.vocab_size"})
       need(ival(k) % m.tp == 0, "mesh.tp", "does not divide {} = {} (each tp rank takes an equal "
@@ -359,9 +356,6 @@ void Builder::validate_mesh() {
          "built yet; set mesh.tp = 1");
   }
   if (m.pp > 1) {  // pipeline parallelism (train/backend_cpu_pipeline.cpp): layers over stages
-    need(deck_.train.device == "cpu", "mesh.pp",
-         ": pipeline parallelism is built on train.device = cpu only so far; set mesh.pp = 1 for "
-         "train.device = cuda");
     need(m.pp <= ival("model.num_layers"), "mesh.pp",
          "is more than model.num_layers = {} (each stage runs at least one layer)",
          ival("model.num_layers"));
@@ -406,6 +400,12 @@ void Builder::validate_mesh() {
        "ranks run",
        m.dp, m.tp, m.pp, m.world(), world_);
   need(m.dp % m.ep == 0, "mesh.ep", "does not divide mesh.dp = {}", m.dp);
+  if (m.pp > 1 && deck_.train.device == "cuda") {  // cuda/backend_cuda_pipeline.cpp
+    need(m.dp == 1, "mesh.pp", ": pipeline parallelism on train.device = cuda runs with "
+         "mesh.dp = 1 so far (mesh.dp = {}); use train.device = cpu, or no pipeline", m.dp);
+    need(m.pp_schedule == "1f1b", "mesh.pp_schedule", ": zb-h1 is built on train.device = cpu "
+         "only so far; use 1f1b (interleaved with mesh.pp_chunks > 1) on cuda");
+  }
   need(m.ep == 1, "mesh.ep", ": expert parallelism is not built yet (only dp is); set it to 1");
 }
 

@@ -1,13 +1,15 @@
 // The CUDA back end for full training: Qwen3Cuda over the units of the sharding plan, the optimizer
 // state in ShardedCudaState at every ZeRO stage (cuda/sharded_state_cuda.h: it gathers and
 // reduces units on the NCCL stream while the model computes), AdamW fused on the GPU or, with
-// optim.offload = cpu, on host threads. LoRA has its own back end (backend_cuda_lora.cpp).
+// optim.offload = cpu, on host threads. LoRA has its own back end (backend_cuda_lora.cpp). With
+// mesh.tp > 1 the model and the state are the tp rank's local part (parallel/tensor_parallel.h;
+// the collectives in cuda_ops.h) and every piece of state leaves and enters in global
+// coordinates (TpMap), as on the CPU.
 //
 // Memory: one DeviceArena per rank takes the GPU's free memory less a margin for NCCL and cuBLASLt
 // at start-up; every buffer comes from it, so the step loop never calls cudaMalloc.
 #include <cuda_profiler_api.h>
 #include <fmt/format.h>
-#include <sched.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -22,6 +24,7 @@
 #include "cuda/sharded_state_cuda.h"
 #include "cuda/training_buffers.h"
 #include "ops/cuda/gemm.cuh"
+#include "parallel/tensor_parallel.h"
 #include "plan/memory_plan.h"
 #include "qtrain/error.h"
 #include "qtrain/shard_plan.h"
@@ -31,37 +34,36 @@ namespace qt {
 
 namespace {
 
-// Host threads for offload's AdamW: the CPUs this rank may run on; ranks left unbound (mpirun
-// --bind-to none) each see the whole node and share it.
-unsigned offload_threads(const Mesh& mesh) {
-  const unsigned all = std::max(1u, std::thread::hardware_concurrency());
-  unsigned cpus = all;
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = static_cast<unsigned>(CPU_COUNT(&set));
-  if (cpus >= all && mesh.local_size() > 1) cpus /= static_cast<unsigned>(mesh.local_size());
-  return std::clamp(cpus, 1u, 64u);
-}
-
 class CudaBackend final : public TrainBackend {
  public:
   CudaBackend(const Deck& deck, Mesh& mesh)
       : device_(cuda::select_device(mesh.local_rank())),
         deck_(deck),
+        tp_(mesh.shape().tp),
         layout_(deck.model),
-        plan_(plan_qwen3(deck.model, layout_, mesh.shape(), deck.optim.zero_stage)),
+        local_cfg_(tp_local_config(deck.model, tp_)),
+        local_layout_(local_cfg_),
+        plan_(plan_qwen3(local_cfg_, local_layout_, mesh.shape(), deck.optim.zero_stage)),
         arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
-        state_(plan_, layout_, deck.optim, mesh.dp(), nccl_dp_, arena_, offload_threads(mesh),
+        nccl_tp_(tp_ > 1 ? &cuda::nccl(mesh, MeshDim::kTp) : nullptr),
+        state_(plan_, local_layout_, deck.optim, mesh.dp(), nccl_dp_, arena_,
+               cuda::offload_threads(mesh),
                {deck.model.tie_word_embeddings ? 0 : deck.train.micro_batch * deck.train.seq_len,
-                deck.model.hidden_size}),
+                deck.model.hidden_size,
+                std::int64_t{mesh.tp().rank()} * local_cfg_.vocab_size},
+               {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_}),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_),
         micro_batches_(std::max<std::int64_t>(
             1, deck.train.global_batch / (std::int64_t{deck.train.micro_batch} * mesh.dp().size()))) {
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
     const std::size_t before_model = arena_.used();
-    model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, deck.train.micro_batch,
-                                               deck.train.seq_len, arena_, deck.train.recompute);
+    model_ = std::make_unique<cuda::Qwen3Cuda>(local_cfg_, deck.train.micro_batch,
+                                               deck.train.seq_len, arena_, deck.train.recompute,
+                                               nccl_tp_);
+    if (tp_ > 1)
+      tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     read_profile_window();
@@ -70,14 +72,22 @@ class CudaBackend final : public TrainBackend {
   const ParamLayout& layout() const override { return layout_; }
   std::string describe() const override {
     const cuda::DeviceInfo d = cuda::device_info(device_);
-    return fmt::format("cuda: GPU {} ({}, {} SMs), bf16 compute; {}; arena {} ({} used after "
+    return fmt::format("cuda: GPU {} ({}, {} SMs), bf16 compute; {}{}; arena {} ({} used after "
                        "set-up)",
                        device_, d.name, d.sm_count, state_.describe(),
+                       tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_) : "",
                        cuda::format_bytes(arena_.capacity()), cuda::format_bytes(arena_.used()));
   }
-  std::vector<FlatPiece> model_pieces() override { return state_.param_pieces(); }
-  std::vector<StatePiece> checkpoint_pieces() override { return state_.checkpoint_pieces(); }
-  StateTargets checkpoint_targets() override { return state_.checkpoint_targets(); }
+  // Global coordinates (checkpoints, initialisation and imports see global tensors).
+  std::vector<FlatPiece> model_pieces() override {
+    return global_pieces(tp_map_.get(), state_.param_pieces(), /*writing=*/false);
+  }
+  std::vector<StatePiece> checkpoint_pieces() override {
+    return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
+  }
+  StateTargets checkpoint_targets() override {
+    return global_targets(tp_map_.get(), state_.checkpoint_targets());
+  }
   void push_state() override { state_.push(stream_.get()); }
   void pull_state() override { state_.pull(stream_.get()); }
 
@@ -128,15 +138,20 @@ class CudaBackend final : public TrainBackend {
   // First member: the rank's device is current before any CUDA object below is made.
   int device_;
   const Deck& deck_;
-  ParamLayout layout_;
+  int tp_;                      // mesh.tp
+  ParamLayout layout_;          // the model's (global)
+  ModelConfig local_cfg_;       // the tp rank's model (the model's at tp 1)
+  ParamLayout local_layout_;    // its layout: the plan's, the state's and the model's
   ShardPlan plan_;
   cuda::DeviceArena arena_;
   cuda::Stream stream_;
   void* gemm_ws_;
   cuda::NcclComm* nccl_dp_;  // the mesh's dp communicator; null at dp 1
+  cuda::NcclComm* nccl_tp_;  // the mesh's tp communicator; null at tp 1
   cuda::ShardedCudaState state_;
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;
+  std::unique_ptr<TpMap> tp_map_;  // local -> global pieces with tp > 1, else null
   // The micro-batches of a step (the trainer's count: global_batch / (micro_batch x dp)) and the
   // index of the next one since zero_grads().
   std::int64_t micro_batches_, micro_batch_ = 0;
@@ -174,7 +189,12 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
   // A model too large for the GPU is the user's to change, not an internal failure. Every rank
   // of a uniform job throws alike; a rank that throws alone ends the job from main().
   try {
-    if (deck.lora.enabled()) return make_cuda_lora_backend(deck, mesh);
+    if (deck.lora.enabled()) {
+      QT_CHECK(mesh.shape().tp == 1 && mesh.shape().pp == 1,
+               "LoRA with tensor or pipeline parallelism is not built (the deck checks it)");
+      return make_cuda_lora_backend(deck, mesh);
+    }
+    if (mesh.shape().pp > 1) return make_cuda_pipeline_backend(deck, mesh);
     return std::make_unique<CudaBackend>(deck, mesh);
   } catch (const cuda::OutOfMemory& e) {
     fail_user("the run does not fit the GPU ({}): make it smaller with train.micro_batch, "

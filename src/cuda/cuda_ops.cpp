@@ -8,6 +8,7 @@
 #include "cuda/check.h"
 #include "cuda/lora_cuda.h"
 #include "ops/cuda/attention.cuh"
+#include "ops/cuda/convert.cuh"
 #include "ops/cuda/cross_entropy.cuh"
 #include "ops/cuda/embedding.cuh"
 #include "ops/cuda/gemm.cuh"
@@ -49,8 +50,8 @@ void CudaOps::set_rows(int B, int T, int first_position) {
   rope_first_ = first_position;
 }
 
-CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
-    : cfg_(cfg), B_(B), T_(T), N_(B * T), rope_len_(T) {
+CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp)
+    : cfg_(cfg), B_(B), T_(T), N_(B * T), rope_len_(T), tp_(tp && tp->size() > 1 ? tp : nullptr) {
   QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
            "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
   const int hd = cfg.head_dim, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
@@ -72,6 +73,36 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena)
                         qk_norm_rope_backward_workspace_bytes(B, T, nkv, hd),
                         embedding_backward_workspace_bytes(N_)});
   ws_ = arena.allocate(ws_bytes_);
+  if (tp_) {
+    vocab_begin_ = tp_->rank() * cfg.vocab_size;
+    vp_part_ = arena.allocate<float>(2 * static_cast<std::size_t>(chunk_));
+    vp_parts_ = arena.allocate<float>(2 * static_cast<std::size_t>(chunk_) * tp_->size());
+    vp_targets_ = arena.allocate<std::int32_t>(chunk_);
+  }
+}
+
+void CudaOps::tp_all_reduce(void* buf, std::size_t n, DType t, cudaEvent_t after) {
+  if (after == nullptr) {
+    tp_ready_.record(s_);
+    after = tp_ready_.get();
+  }
+  tp_->wait_event(after);
+  tp_->all_reduce_async(buf, n, t, ReduceOp::kSum);
+  tp_done_.record(tp_->stream());
+  QT_CHECK_CUDA(cudaStreamWaitEvent(s_, tp_done_.get(), 0));
+}
+
+void CudaOps::tp_block_output(bf16* y, int rows, int cols) {
+  if (tp_) tp_all_reduce(y, static_cast<std::size_t>(rows) * cols, DType::kBF16);
+}
+
+void CudaOps::tp_block_input_backward(bf16* dx, int rows, int cols) {
+  if (!tp_) return;
+  // Right after dx's GEMM when the last linear_backward made it: the weight gradient's GEMM,
+  // enqueued since, runs beside the reduction.
+  const cudaEvent_t after = dx == dx_pending_ ? dx_done_.get() : nullptr;
+  dx_pending_ = nullptr;
+  tp_all_reduce(dx, static_cast<std::size_t>(rows) * cols, DType::kBF16, after);
 }
 
 void CudaOps::begin(cudaStream_t s, const std::int32_t* pos) {
@@ -93,6 +124,13 @@ void CudaOps::linear(bf16* y, const bf16* x, const bf16* w, int N, int in, int o
 
 void CudaOps::linear_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
                               int N, int in, int out, bool acc) {
+  if (tp_ && dx != nullptr) {  // dx first, marked, so that its reduction can start early
+    cuda::linear_backward(dx, nullptr, dy, x, w, N, in, out, s_, acc);
+    dx_done_.record(s_);
+    dx_pending_ = dx;
+    cuda::linear_backward(nullptr, dw, dy, x, w, N, in, out, s_, acc);
+    return;
+  }
   cuda::linear_backward(dx, dw, dy, x, w, N, in, out, s_, acc);
 }
 
@@ -150,6 +188,10 @@ void CudaOps::residual_rmsnorm_backward(bf16* dres, float* dw, const bf16* dy, c
   cuda::residual_rmsnorm_backward(dres, dw, dy, x, w, rstd, N, cfg_.hidden_size, ws_, s_, acc);
 }
 
+void CudaOps::residual_add(bf16* res_out, const bf16* res_in, const bf16* x, int N) {
+  add_bf16(res_out, res_in, x, static_cast<std::size_t>(N) * cfg_.hidden_size, s_);
+}
+
 void CudaOps::swiglu(bf16* h, const bf16* gu, int N, int I) {
   swiglu_forward_strided(h, gu, gu + I, 2 * I, N, I, s_);
 }
@@ -159,15 +201,21 @@ void CudaOps::swiglu_backward(bf16* dgu, const bf16* dh, const bf16* gu, int N, 
 }
 
 void CudaOps::embedding(bf16* x, const std::int32_t* ids, const bf16* wte, int N) {
-  embedding_forward(x, ids, wte, N, cfg_.hidden_size, s_);
+  const int H = cfg_.hidden_size;
+  if (!tp_) return embedding_forward(x, ids, wte, N, H, s_);
+  // This rank's rows of the vocabulary, zeros elsewhere: exactly one rank adds each row.
+  embedding_forward_rows(x, ids, wte, N, H, vocab_begin_, cfg_.vocab_size, s_);
+  tp_all_reduce(x, static_cast<std::size_t>(N) * H, DType::kBF16);
 }
 
 void CudaOps::embedding_backward(float* dwte, const bf16* dx, const std::int32_t* ids, int N,
                                  bool overwrite) {
-  if (overwrite)
-    QT_CHECK_CUDA(cudaMemsetAsync(
-        dwte, 0, sizeof(float) * cfg_.vocab_size * cfg_.hidden_size, s_));
-  cuda::embedding_backward(dwte, dx, ids, N, cfg_.hidden_size, ws_, ws_bytes_, s_);
+  const std::size_t H = cfg_.hidden_size, rows = cfg_.vocab_size;
+  if (overwrite) QT_CHECK_CUDA(cudaMemsetAsync(dwte, 0, sizeof(float) * rows * H, s_));
+  if (!tp_) return cuda::embedding_backward(dwte, dx, ids, N, H, ws_, ws_bytes_, s_);
+  // The table's flat range of this rank's rows: other ids fall outside it.
+  const std::size_t lo = static_cast<std::size_t>(vocab_begin_) * H;
+  embedding_backward_range(dwte, lo, lo + rows * H, dx, ids, N, H, ws_, ws_bytes_, s_);
 }
 
 bool CudaOps::lora_adapts(LoraSite site) const { return lora_ && lora_->adapts(site); }
@@ -177,7 +225,9 @@ void CudaOps::lora(int l, LoraSite site, const bf16* x, bf16* y) {
 }
 
 void CudaOps::lora_backward(int l, LoraSite site, const bf16* x, const bf16* dy, bf16* dx) {
-  if (lora_) lora_->backward(l, site, x, dy, dx, s_);
+  if (!lora_) return;
+  lora_->backward(l, site, x, dy, dx, s_);
+  dx_pending_ = nullptr;  // dx changed after its GEMM
 }
 
 // Logits, loss and their backward, chunk by chunk; dxf [N, H] written.
@@ -188,10 +238,27 @@ void CudaOps::lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head
     const int rows = std::min(chunk_, N_ - c0);
     const std::size_t r0 = static_cast<std::size_t>(c0);
     linear_forward(logits_, xf + r0 * H, lm_head, rows, H, V, s_);
-    cross_entropy_forward_backward(losses_, chunk_lse_, logits_, targets + r0, scale, rows, V,
-                                   loss_sum_, s_);
-    cuda::linear_backward(dxf + r0 * H, g_lm_head, logits_, xf + r0 * H, lm_head, rows, H, V, s_,
-                          acc || c0 > 0);
+    if (!tp_) {
+      cross_entropy_forward_backward(losses_, chunk_lse_, logits_, targets + r0, scale, rows, V,
+                                     loss_sum_, s_);
+      cuda::linear_backward(dxf + r0 * H, g_lm_head, logits_, xf + r0 * H, lm_head, rows, H, V,
+                            s_, acc || c0 > 0);
+      continue;
+    }
+    // Vocabulary-parallel: every rank's log-sum-exp and target logits of the chunk's rows, then
+    // the gradient over this rank's columns; dx partial over tp (summed while dW runs).
+    cross_entropy_vp_partial(vp_part_, logits_, targets + r0, rows, V, vocab_begin_, s_);
+    tp_ready_.record(s_);
+    tp_->wait_event(tp_ready_.get());
+    tp_->all_gather_async(vp_part_, vp_parts_, 2 * static_cast<std::size_t>(rows), DType::kF32);
+    tp_done_.record(tp_->stream());
+    QT_CHECK_CUDA(cudaStreamWaitEvent(s_, tp_done_.get(), 0));
+    cross_entropy_vp_finish(losses_, chunk_lse_, vp_targets_, vp_parts_, tp_->size(),
+                            targets + r0, rows, V, vocab_begin_, loss_sum_, s_);
+    cross_entropy_backward(logits_, logits_, chunk_lse_, vp_targets_, scale, rows, V, s_);
+    linear_backward(dxf + r0 * H, g_lm_head, logits_, xf + r0 * H, lm_head, rows, H, V,
+                    acc || c0 > 0);
+    tp_block_input_backward(dxf + r0 * H, rows, H);
   }
 }
 

@@ -6,6 +6,16 @@
 // The lm head and the cross-entropy run chunked over tokens, each chunk's backward right after
 // its forward, so the full [tokens, vocabulary] logits never exist: lm_head_loss is the only form
 // of the head here (no separate forward and backward).
+//
+// Tensor parallelism (a tp communicator given): cfg is the tp rank's local model
+// (parallel/tensor_parallel.h: heads, MLP width and vocabulary divided by tp). The collective
+// hooks sum over tp on the communicator's stream, ordered with the micro-batch's stream by
+// events: the row-parallel output (o, down) in the forward, the column-parallel input gradient
+// (q/k/v, gate/up) in the backward, started right after its GEMM so that it overlaps the weight
+// gradient's GEMM. The embedding and the lm head are vocabulary-parallel: this rank holds rows
+// [tp rank x V, +V) of each; the lookup is summed over tp, the cross-entropy combines the ranks'
+// log-sum-exp and target logits (one all-gather a chunk), and the head's input gradient is
+// summed over tp.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,6 +24,7 @@
 #include <cstdint>
 
 #include "cuda/device.h"
+#include "cuda/nccl_comm.h"
 #include "model/layer_program.h"
 #include "qtrain/model_config.h"
 
@@ -28,8 +39,9 @@ class CudaOps : public NoCollectives {
   using Act = bf16;
   using Weight = bf16;
 
-  // Buffers for micro-batches of B x T tokens from `arena` (which must outlive this).
-  CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena);
+  // Buffers for micro-batches of B x T tokens from `arena` (which must outlive this). tp: the
+  // tensor-parallel group (cfg is then its rank's local model), or null.
+  CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp = nullptr);
   // Forward only, for the KV-cache decoder (generate/kv_decoder_cuda.cpp): the layer ops over
   // any number of rows (set_rows), RoPE tables for positions [0, rope_len), and none of the
   // buffers of the backward, the lm head or the loss (the decoder runs its own head).
@@ -44,6 +56,9 @@ class CudaOps : public NoCollectives {
   // Starts a micro-batch: its ops go on `s`; pos: device [B, T] RoPE positions (packing) or
   // null: 0..T-1, plain causal. Zeroes the loss sum.
   void begin(cudaStream_t s, const std::int32_t* pos);
+  // The positions of the next ops' micro-batch (a pipeline stage switches between micro-batches
+  // in flight; the loss sum goes on).
+  void set_positions(const std::int32_t* pos) { pos_ = pos; }
   // The summed loss of the micro-batch; waits for the stream.
   double take_loss();
 
@@ -64,6 +79,7 @@ class CudaOps : public NoCollectives {
                         const bf16* w, int N);
   void residual_rmsnorm_backward(bf16* dres, float* dw, const bf16* dy, const bf16* x,
                                  const bf16* w, const float* rstd, int N, bool acc);
+  void residual_add(bf16* res_out, const bf16* res_in, const bf16* x, int N);
   void swiglu(bf16* h, const bf16* gu, int N, int I);
   void swiglu_backward(bf16* dgu, const bf16* dh, const bf16* gu, int N, int I);
   void embedding(bf16* x, const std::int32_t* ids, const bf16* wte, int N);
@@ -75,6 +91,9 @@ class CudaOps : public NoCollectives {
   void lora_backward(int l, LoraSite site, const bf16* x, const bf16* dy, bf16* dx);
   void lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head,
                     const std::int32_t* targets, float scale, bf16* dxf, bool acc);
+  // Tensor parallelism's hooks (layer_program.h's NoCollectives): no-ops without tp.
+  void tp_block_output(bf16* y, int rows, int cols);
+  void tp_block_input_backward(bf16* dx, int rows, int cols);
 
  private:
   ModelConfig cfg_;
@@ -93,6 +112,16 @@ class CudaOps : public NoCollectives {
   double* loss_sum_ = nullptr;         // device scalar
   void* ws_ = nullptr;                 // norm / embedding backward workspace
   std::size_t ws_bytes_ = 0;
+  // Tensor parallelism (null, unused without):
+  NcclComm* tp_ = nullptr;
+  int vocab_begin_ = 0;                // this rank's first row of the vocabulary
+  float *vp_part_ = nullptr, *vp_parts_ = nullptr;  // [2, chunk], [tp, 2, chunk]
+  std::int32_t* vp_targets_ = nullptr;               // [chunk] this rank's columns
+  Event tp_ready_, tp_done_, dx_done_;
+  const bf16* dx_pending_ = nullptr;  // the input gradient whose GEMM dx_done_ follows
+  // Sums buf [n] over tp on the communicator's stream after `after` (an event recorded on the
+  // micro-batch's stream) or, null, after everything enqueued so far; later work waits for it.
+  void tp_all_reduce(void* buf, std::size_t n, DType t, cudaEvent_t after = nullptr);
 };
 
 }  // namespace qt::cuda

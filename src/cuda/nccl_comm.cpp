@@ -535,8 +535,8 @@ void NcclComm::barrier() {
   wait_idle(what);
 }
 
-NcclComm& nccl(Mesh& mesh, MeshDim d) {
-  auto* c = dynamic_cast<NcclComm*>(&mesh.device(d));
+NcclComm& nccl(Mesh& mesh, MeshDim d, int channel) {
+  auto* c = dynamic_cast<NcclComm*>(&mesh.device(d, channel));
   QT_CHECK(c != nullptr, "the mesh's device communicator {} is not an NcclComm", mesh_dim_name(d));
   return *c;
 }

@@ -143,7 +143,8 @@ class NcclComm final : public Comm {
   bool aborted_ = false;
 };
 
-// The mesh's device communicator of dimension d (Mesh::device), as the NcclComm it is.
-NcclComm& nccl(Mesh& mesh, MeshDim d);
+// The mesh's device communicator of dimension d and channel k (Mesh::device), as the NcclComm it
+// is.
+NcclComm& nccl(Mesh& mesh, MeshDim d, int channel = 0);
 
 }  // namespace qt::cuda

@@ -9,19 +9,6 @@ namespace qt::cuda {
 
 namespace {
 
-// The program's view of a UnitSource: every call on the micro-batch's stream.
-struct StreamUnits {
-  UnitSource& src;
-  cudaStream_t s;
-  const bf16* weights(int u) { return src.weights(u, s); }
-  float* grads(int u) { return src.grads(u, s); }
-  void release(int u) { src.release(u, s); }
-  void grads_done(int u) { src.grads_done(u, s); }
-  bool take_embedding_rows(const bf16* dx, const std::int32_t* ids, int N) {
-    return src.take_embedding_rows(dx, ids, N, s);
-  }
-};
-
 // The whole flat layout as units: pointers into W and G; a unit's gradients done is the
 // watermark `ready` at the unit's first offset (units lie in flat order).
 class FlatUnits final : public UnitSource {
@@ -54,8 +41,9 @@ const ModelConfig& checked(const ModelConfig& cfg) {
 
 }  // namespace
 
-Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute)
-    : ops_(checked(cfg), B, T, arena),
+Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute,
+                     NcclComm* tp)
+    : ops_(checked(cfg), B, T, arena, tp),
       program_(cfg, B, T, recompute, allocate_acts<bf16>(cfg, B, T, recompute, arena)) {}
 
 double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* inputs,

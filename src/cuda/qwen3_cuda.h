@@ -53,14 +53,30 @@ class UnitSource {
   }
 };
 
+// The layer program's view of a UnitSource (model/layer_program.h's Units): every call on the
+// micro-batch's stream.
+struct StreamUnits {
+  UnitSource& src;
+  cudaStream_t s;
+  const bf16* weights(int u) { return src.weights(u, s); }
+  float* grads(int u) { return src.grads(u, s); }
+  void release(int u) { src.release(u, s); }
+  void grads_done(int u) { src.grads_done(u, s); }
+  bool take_embedding_rows(const bf16* dx, const std::int32_t* ids, int N) {
+    return src.take_embedding_rows(dx, ids, N, s);
+  }
+};
+
 class Qwen3Cuda {
  public:
   // Buffers for micro-batches of B x T tokens, taken from `arena` (which must outlive this).
   // With `recompute`, only each layer's input (residual stream, its norm and rstd) is kept from
   // the forward; the backward recomputes the layer's forward into one shared set of activation
   // buffers first (about a third more compute, activation memory of one layer instead of L).
-  // The results are bitwise those of the run without recompute.
-  Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute = false);
+  // The results are bitwise those of the run without recompute. tp: the tensor-parallel group
+  // (cfg is then this rank's local model, tp_local_config; cuda_ops.h), or null.
+  Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute = false,
+            NcclComm* tp = nullptr);
 
   const ParamLayout& layout() const { return program_.layout(); }
 

@@ -24,7 +24,8 @@ constexpr std::size_t kHostSlice = std::size_t{1} << 20;  // elements per host A
 
 ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout,
                                    const OptimConfig& cfg, MpiComm& dp, NcclComm* nccl,
-                                   DeviceArena& arena, unsigned host_threads, EmbeddingRows rows)
+                                   DeviceArena& arena, unsigned host_threads, EmbeddingRows rows,
+                                   TpComms tp, PipelineHold pipe)
     : plan_(plan),
       layout_(layout),
       cfg_(cfg),
@@ -33,11 +34,22 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
       rank_(dp.rank()),
       dp_(dp),
       nccl_(nccl),
+      tp_(plan.tp > 1 ? tp : TpComms{}),
+      pp_(pipe.pp),
+      uncounted_(pipe.uncounted),
       host_threads_(std::max(1u, host_threads)) {
   QT_CHECK(zero_ >= 0 && zero_ <= 3, "ZeRO stage {}", zero_);
   QT_CHECK(!offload_ || zero_ >= 2, "offload needs ZeRO-2 or 3, not {}", zero_);
   QT_CHECK(plan.dp == dp.size() && (nccl != nullptr) == (dp.size() > 1),
            "plan for dp {} on {} ranks (NCCL {})", plan.dp, dp.size(), nccl != nullptr);
+  QT_CHECK(plan.tp == 1 || (tp_.host && tp_.device && tp_.host->size() == plan.tp &&
+                            tp_.device->size() == plan.tp),
+           "plan for tp {} without tp communicators of that size", plan.tp);
+  QT_CHECK(pipe.held.empty() || nccl == nullptr, "a pipeline stage's state at dp {}", plan.dp);
+  auto held = [&pipe](std::size_t u) {
+    return pipe.held.empty() ||
+           std::binary_search(pipe.held.begin(), pipe.held.end(), static_cast<int>(u));
+  };
   std::vector<AdamWSegment> segs;
   for (const ParamInfo& p : layout.params())
     segs.push_back({p.offset, p.offset + p.numel, p.weight_decay ? 1 : 0});
@@ -47,7 +59,6 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   upload(segments_, segs.data(), segs.size() * sizeof(segs[0]));
   norm_ws_ = arena.allocate(grad_norm_workspace_bytes());
   scatter_norm_ws_ = arena.allocate(grad_norm_workspace_bytes());
-  unit_sumsq_ = arena.allocate<double>(plan_.units.size());
   reduced_.assign(plan_.units.size(), 0);
   summed_.assign(plan_.units.size(), 0);
 
@@ -57,6 +68,11 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   for (std::size_t i = 0; i < units_.size(); ++i) {
     const ParamUnit& pu = plan_.units[i];
     Unit& u = units_[i];
+    if (!held(i)) {  // another stage's: no elements here
+      u.held = false;
+      u.shard = u.own = Range{pu.range.begin, pu.range.begin};
+      continue;
+    }
     u.shard = pu.shard(rank_);
     u.own = zero_ == 0 ? pu.range : u.shard;
     const std::size_t nw = gathers() ? pu.chunk : pu.padded();
@@ -89,6 +105,26 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
       max_padded = std::max(max_padded, pu.padded());
     }
   }
+  // What the norm counts of each shard, and what tp sums of each own range.
+  const bool count_replicated = tp_.host == nullptr || tp_.host->rank() == 0;
+  std::size_t sums = 0;
+  for (std::size_t i = 0; i < units_.size(); ++i) {
+    const Unit& u = units_[i];
+    sumsq_at_.push_back(sums);
+    counted_.push_back(!u.held || static_cast<int>(i) == pipe.uncounted ? std::vector<Range>{}
+                       : count_replicated
+                           ? std::vector<Range>{Range{0, u.shard.size()}}
+                           : tensor_ranges(u.shard, [](const ShardSpec& x) {
+                               return !x.replicated_over_dim(MeshDim::kTp);
+                             }));
+    sums += counted_.back().size();
+    partial_.push_back(tp_.device ? tensor_ranges(u.own, [](const ShardSpec& x) {
+                                      return !x.partial_over.empty();
+                                    })
+                                  : std::vector<Range>{});
+  }
+  sumsq_at_.push_back(sums);
+  unit_sumsq_ = arena.allocate<double>(std::max<std::size_t>(sums, 1));
   const ParamUnit& embed = plan_.units[0];
   weight_at_.assign(units_.size(), nullptr);
   grad_at_.assign(units_.size(), nullptr);
@@ -138,6 +174,22 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   QT_CHECK_CUDA(cudaDeviceSynchronize());
 }
 
+template <class Pick>
+std::vector<Range> ShardedCudaState::tensor_ranges(Range within, Pick pick) const {
+  std::vector<Range> out;
+  for (std::size_t i = 0; i < layout_.params().size(); ++i) {
+    const ParamInfo& p = layout_.params()[i];
+    const std::size_t lo = std::max(within.begin, p.offset);
+    const std::size_t hi = std::min(within.end, p.offset + p.numel);
+    if (lo >= hi || !pick(plan_.specs[i])) continue;
+    if (!out.empty() && out.back().end == lo - within.begin)
+      out.back().end = hi - within.begin;
+    else
+      out.push_back({lo - within.begin, hi - within.begin});
+  }
+  return out;
+}
+
 std::string ShardedCudaState::describe() const {
   static const char* what[] = {
       "bf16 weights, fp32 gradients, master weights and AdamW moments whole on every rank",
@@ -147,6 +199,10 @@ std::string ShardedCudaState::describe() const {
       "moments of the own shard"};
   std::string d = fmt::format("ZeRO-{} over dp {} in {} units: {}", zero_, plan_.dp,
                               plan_.units.size(), what[zero_]);
+  if (plan_.tp > 1)
+    d += fmt::format("; each tp rank's part of the tensors split over tp {} (q_norm and k_norm "
+                     "gradients summed over tp)",
+                     plan_.tp);
   if (reduce_stage_ != nullptr) d += "; gradients reduced in bf16";
   if (rows_.tokens > 0)
     d += "; the untied embedding's gradient reduced as the micro-batch's rows";
@@ -293,7 +349,9 @@ bool ShardedCudaState::take_embedding_rows(const bf16* dx, const std::int32_t* i
   QT_CHECK_CUDA(cudaStreamWaitEvent(s, rows_gathered_.get(), 0));
   if (!reduced_[0])
     QT_CHECK_CUDA(cudaMemsetAsync(x.grad, 0, plan_.units[0].chunk * sizeof(float), s));
-  const std::size_t lo = x.own.begin - plan_.units[0].range.begin;
+  // The own range in the whole table's flat coordinates (ids are the whole vocabulary's).
+  const std::size_t lo = x.own.begin - plan_.units[0].range.begin +
+                         static_cast<std::size_t>(rows_.vocab_begin) * rows_.hidden;
   embedding_backward_range(x.grad, lo, lo + x.own.size(), rows_dx_, rows_ids_,
                            N * plan_.dp, rows_.hidden, rows_ws_, rows_ws_bytes_, s);
   reduced_[0] = 1;
@@ -318,19 +376,34 @@ void ShardedCudaState::begin_step() {
 
 void ShardedCudaState::clear_grads(cudaStream_t s) {
   for (std::size_t u = 0; u < units_.size(); ++u) {
+    if (!units_[u].held) continue;
     const ParamUnit& pu = plan_.units[u];
     const std::size_t n = whole_grads() ? pu.padded() : pu.chunk;
     QT_CHECK_CUDA(cudaMemsetAsync(units_[u].grad, 0, n * sizeof(float), s));
   }
 }
 
-const float* ShardedCudaState::own_grads(int u) const {
-  const Unit& x = units_[u];
+float* ShardedCudaState::own_grads(int u) {
+  Unit& x = units_[u];
   return whole_grads() ? x.grad + (x.own.begin - plan_.units[u].range.begin) : x.grad;
 }
 
 void ShardedCudaState::take_sum_of_squares(int u, cudaStream_t s, void* ws) {
-  grad_norm_squared(unit_sumsq_ + u, shard_grads(u), units_[u].shard.size(), ws, s);
+  if (!partial_[u].empty()) {  // summed over tp on its stream, between events on s
+    tp_ready_.record(s);
+    tp_.device->wait_event(tp_ready_.get());
+    float* g = own_grads(u);
+    tp_.device->group_start();
+    for (const Range& r : partial_[u])
+      tp_.device->all_reduce_async(g + r.begin, r.size(), DType::kF32, ReduceOp::kSum);
+    tp_.device->group_end();
+    tp_done_.record(tp_.device->stream());
+    QT_CHECK_CUDA(cudaStreamWaitEvent(s, tp_done_.get(), 0));
+  }
+  const std::vector<Range>& parts = counted_[static_cast<std::size_t>(u)];
+  for (std::size_t k = 0; k < parts.size(); ++k)
+    grad_norm_squared(unit_sumsq_ + sumsq_at_[u] + k, shard_grads(u) + parts[k].begin,
+                      parts[k].size(), ws, s);
   summed_[u] = 1;
 }
 
@@ -419,19 +492,22 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
   // The norm: each unit's sum of squares over its shard (in unit order, so the same bits
   // however it was taken), summed over dp.
   for (std::size_t u = 0; u < units_.size(); ++u) {
-    if (summed_[u]) continue;
+    if (summed_[u] || !units_[u].held) continue;
     const Unit& x = units_[u];
     if (!whole_grads() && !reduced_[u])  // no gradient reached this unit this step
       QT_CHECK_CUDA(cudaMemsetAsync(x.grad, 0, plan_.units[u].chunk * sizeof(float), s));
     take_sum_of_squares(static_cast<int>(u), s, norm_ws_);
   }
-  std::vector<double> unit_sumsq(units_.size());
-  QT_CHECK_CUDA(cudaMemcpyAsync(unit_sumsq.data(), unit_sumsq_, units_.size() * sizeof(double),
+  std::vector<double> unit_sumsq(sumsq_at_.back());
+  QT_CHECK_CUDA(cudaMemcpyAsync(unit_sumsq.data(), unit_sumsq_, unit_sumsq.size() * sizeof(double),
                                 cudaMemcpyDeviceToHost, s));
   QT_CHECK_CUDA(cudaStreamSynchronize(s));
   double sumsq = 0;
   for (const double x : unit_sumsq) sumsq += x;
-  st.grad_norm = std::sqrt(dp_.sum(sumsq));
+  sumsq = dp_.sum(sumsq);
+  if (tp_.host) sumsq = tp_.host->sum(sumsq);
+  if (pp_) sumsq = pp_->sum(sumsq);
+  st.grad_norm = std::sqrt(sumsq);
   begin_step();  // the next step's gradients start afresh
   if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
     st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
@@ -446,6 +522,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
     args.step = step + 1;
     for (std::size_t u = 0; u < units_.size(); ++u) {
       Unit& x = units_[u];
+      if (!x.held) continue;
       adamw_step(x.master, updated_weights(static_cast<int>(u)), x.m, x.v,
                  own_grads(static_cast<int>(u)), x.own.size(), x.own.begin, segments_,
                  num_segments_, args, s);
@@ -493,8 +570,10 @@ std::vector<FlatPiece> ShardedCudaState::param_pieces() {
 
 std::vector<StatePiece> ShardedCudaState::checkpoint_pieces() {
   std::vector<StatePiece> out;
-  for (Unit& x : units_) {
-    if (x.shard.size() == 0) continue;
+  for (std::size_t u = 0; u < units_.size(); ++u) {
+    Unit& x = units_[u];
+    // A tied embedding's copy on the last pipeline stage: the first stage writes the original.
+    if (x.shard.size() == 0 || static_cast<int>(u) == uncounted_) continue;
     const std::size_t at = x.shard.begin - x.own.begin;  // ZeRO-0: the shard within the whole
     out.push_back({x.shard, x.host_master.data() + at, x.host_m.data() + at,
                    x.host_v.data() + at});
@@ -518,6 +597,7 @@ void ShardedCudaState::push(cudaStream_t s) {
   drop_prefetched();
   for (std::size_t u = 0; u < units_.size(); ++u) {
     Unit& x = units_[u];
+    if (!x.held) continue;
     const std::size_t n = x.own.size();
     bf16* w = updated_weights(static_cast<int>(u));
     if (!offload_) {
@@ -542,6 +622,7 @@ void ShardedCudaState::pull(cudaStream_t s) {
   QT_CHECK_CUDA(cudaStreamSynchronize(s));
   if (offload_) return;  // the host copies are the live state
   for (Unit& x : units_) {
+    if (!x.held) continue;
     const std::size_t b = x.own.size() * sizeof(float);
     QT_CHECK_CUDA(cudaMemcpy(x.host_master.data(), x.master, b, cudaMemcpyDeviceToHost));
     QT_CHECK_CUDA(cudaMemcpy(x.host_m.data(), x.m, b, cudaMemcpyDeviceToHost));

@@ -49,6 +49,25 @@ namespace qt::cuda {
 struct EmbeddingRows {
   int tokens = 0;  // per micro-batch (B x T)
   int hidden = 0;
+  std::int64_t vocab_begin = 0;  // the table's first row here (tensor parallelism: tp rank x V)
+};
+
+// Tensor parallelism's part in the step (plan.tp > 1; the plan and layout are then the tp rank's
+// local ones): gradients partial over tp (ShardSpec::partial_over: q_norm, k_norm) are summed on
+// `device` once final, and the gradient norm counts tensors replicated over tp on tp rank 0 only
+// and is summed over `host`. Both null without tensor parallelism.
+struct TpComms {
+  Comm* host = nullptr;
+  NcclComm* device = nullptr;
+};
+
+// A pipeline stage's part (mesh.pp > 1; dp 1 so far): the units it holds (the others get no
+// buffers and no elements), a held unit the gradient norm leaves out (the last stage's copy of a
+// tied embedding: the first stage's counts), and the pp group the norm is summed over.
+struct PipelineHold {
+  std::vector<int> held;  // ascending; empty: every unit (no pipeline)
+  int uncounted = -1;
+  Comm* pp = nullptr;
 };
 
 class ShardedCudaState final : public UnitSource {
@@ -58,7 +77,7 @@ class ShardedCudaState final : public UnitSource {
   // offload's AdamW (the cores this rank may use).
   ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout, const OptimConfig& cfg,
                    MpiComm& dp, NcclComm* nccl, DeviceArena& arena, unsigned host_threads = 1,
-                   EmbeddingRows rows = {});
+                   EmbeddingRows rows = {}, TpComms tp = {}, PipelineHold pipe = {});
 
   // UnitSource.
   const bf16* weights(int unit, cudaStream_t s) override;
@@ -89,7 +108,7 @@ class ShardedCudaState final : public UnitSource {
   // Host copies of the elements this rank updates (master weights and moments). Fill
   // param_pieces() then push(); pull() before reading. With offload they are the live state.
   std::vector<FlatPiece> param_pieces();
-  std::vector<StatePiece> checkpoint_pieces();  // each element once over dp
+  std::vector<StatePiece> checkpoint_pieces();  // each element once over dp (and pp)
   StateTargets checkpoint_targets();
   void push(cudaStream_t s);
   void pull(cudaStream_t s);
@@ -100,6 +119,7 @@ class ShardedCudaState final : public UnitSource {
 
  private:
   struct Unit {
+    bool held = true;          // false: another pipeline stage's (no buffers, empty ranges)
     Range own;                 // the elements this rank updates: the whole unit at ZeRO-0,
                                // else its shard
     Range shard;               // its shard (the norm's part: each element once over dp)
@@ -124,11 +144,16 @@ class ShardedCudaState final : public UnitSource {
   bool whole_grads() const { return zero_ <= 1 || nccl_ == nullptr; }
   // Each unit's updated bf16 shard is all-gathered after the update (ZeRO-1/2 at dp > 1).
   bool shares_updates() const { return (zero_ == 1 || zero_ == 2) && nccl_ != nullptr; }
-  const float* own_grads(int u) const;   // the reduced gradients of units_[u].own
+  float* own_grads(int u);               // the reduced gradients of units_[u].own
   const float* shard_grads(int u) const;  // ... of units_[u].shard
-  // Unit u's shard gradients are final (on stream s): their sum of squares into unit_sumsq_[u],
-  // with the workspace of that stream.
+  // Unit u's shard gradients are final (on stream s): its tensors partial over tp summed over tp,
+  // then the sums of squares of its counted ranges into unit_sumsq_, with the workspace of
+  // that stream.
   void take_sum_of_squares(int u, cudaStream_t s, void* ws);
+  // The ranges of the layout's tensors with `pick(spec)` inside `within`, relative to its begin,
+  // adjacent ones merged.
+  template <class Pick>
+  std::vector<Range> tensor_ranges(Range within, Pick pick) const;
   // ZeRO-0/1: unit u's whole gradients summed over dp (all-reduce, or reduce-scatter in place)
   // on the NCCL stream after the work enqueued on s, then its sum of squares.
   void reduce_whole(int u, cudaStream_t s);
@@ -168,7 +193,16 @@ class ShardedCudaState final : public UnitSource {
   // reduce-scatter writes the shard, later ones add to it; nothing zeroes it), and its sum of
   // squares is in unit_sumsq_ (taken after its last reduction).
   std::vector<char> reduced_, summed_;
-  double* unit_sumsq_ = nullptr;     // [units] device
+  double* unit_sumsq_ = nullptr;     // [sum of counted_ sizes] device, unit by unit
+  // Per unit: the parts of its shard the norm counts (all of it but, on tp ranks other than 0,
+  // the tensors replicated over tp), their first entry in unit_sumsq_, and the parts of its own
+  // range partial over tp. Ranges relative to the shard's and own's begin.
+  std::vector<std::vector<Range>> counted_, partial_;
+  std::vector<std::size_t> sumsq_at_;
+  TpComms tp_;
+  Event tp_ready_, tp_done_;
+  Comm* pp_ = nullptr;  // the norm's sum over pipeline stages, or null
+  int uncounted_ = -1;  // PipelineHold::uncounted (not in the norm, not written to checkpoints)
   void* scatter_norm_ws_ = nullptr;  // grad_norm_squared's workspace on the NCCL stream
   bf16* reduce_stage_ = nullptr;     // ZeRO-0/1 with grad_reduce = bf16: [max padded]
   Event compute_done_;

@@ -2,11 +2,24 @@
 #include "cuda/training_buffers.h"
 
 #include <fmt/format.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <thread>
 
 #include "cuda/check.h"
 #include "qtrain/error.h"
 
 namespace qt::cuda {
+
+unsigned offload_threads(const Mesh& mesh) {
+  const unsigned all = std::max(1u, std::thread::hardware_concurrency());
+  unsigned cpus = all;
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) cpus = static_cast<unsigned>(CPU_COUNT(&set));
+  if (cpus >= all && mesh.local_size() > 1) cpus /= static_cast<unsigned>(mesh.local_size());
+  return std::clamp(cpus, 1u, 64u);
+}
 
 BatchBuffers::BatchBuffers(int B, int T, DeviceArena& arena)
     : bytes_(static_cast<std::size_t>(B) * T * sizeof(std::int32_t)) {

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cuda/device.h"
+#include "qtrain/mesh.h"
 
 namespace qt::cuda {
 
@@ -29,6 +30,9 @@ class BatchBuffers {
 // A training back end's arena: the GPU's free memory less 3 GiB left to NCCL, cuBLASLt and CUDA;
 // a UserError when less than 1 GiB would be left. Call after select_device.
 std::size_t training_arena_bytes();
+// Host threads for offload's AdamW: the CPUs this rank may run on; ranks left unbound (mpirun
+// --bind-to none) each see the whole node and share it.
+unsigned offload_threads(const Mesh& mesh);
 // "GPU arena X used, Y peak; device Z free of W" for the step log.
 std::string memory_report(const DeviceArena& arena);
 

@@ -106,9 +106,14 @@ MpiComm& Mesh::mpi(MeshDim d) {
   return *dp_;  // not reached
 }
 
-Comm& Mesh::device(MeshDim d) {
-  std::unique_ptr<Comm>& c = device_[static_cast<int>(d)];
-  if (!c) c = make_device_comm(mpi(d), mesh_dim_name(d));
+Comm& Mesh::device(MeshDim d, int channel) {
+  QT_CHECK(channel >= 0, "device channel {}", channel);
+  std::vector<std::unique_ptr<Comm>>& of_d = device_[static_cast<int>(d)];
+  if (of_d.size() <= static_cast<std::size_t>(channel)) of_d.resize(channel + 1);
+  std::unique_ptr<Comm>& c = of_d[static_cast<std::size_t>(channel)];
+  if (!c)
+    c = make_device_comm(mpi(d), channel == 0 ? std::string(mesh_dim_name(d))
+                                              : fmt::format("{}.{}", mesh_dim_name(d), channel));
   return *c;
 }
 

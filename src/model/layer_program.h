@@ -37,8 +37,8 @@
 //   residual_rmsnorm(res_out, y, rstd, res_in, x, w, N) res_out = res_in + x; y = rmsnorm(res_out)
 //   residual_rmsnorm_backward(dres, dw, dy, x, w, rstd, N, acc)   dres += d rmsnorm(x) / dx * dy
 //   residual_add(res_out, res_in, x, N)                 res_out = res_in + x, [N, H]: a pipeline
-//       stage's last layer (the next stage norms it). Optional: without it (CudaOps so far) a
-//       back end runs only stages that end in the head, the whole model among them.
+//       stage's last layer (the next stage norms it). Optional: without it a back end runs only
+//       stages that end in the head, the whole model among them.
 //   swiglu(h, gu, N, I)                                 h[N, I] = silu(gate) * up, gu [N, 2I]
 //   swiglu_backward(dgu, dh, gu, N, I)                  dgu may alias gu
 //   embedding(x, ids, wte, N) / embedding_backward(dwte, dx, ids, N, overwrite)

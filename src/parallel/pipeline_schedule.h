@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "qtrain/mesh.h"
+
 namespace qt {
 
 enum class PipeOp { kForward, kBackward, kBackwardInput, kBackwardWeight };
@@ -82,6 +84,14 @@ std::vector<int> split_layers(int layers, int stages, double layer_cost, double 
 // count a chunk, `chunks` of them, summing to `layers`. Throws std::invalid_argument saying
 // what is wrong.
 std::vector<int> layer_bounds_from_counts(const std::string& counts, int chunks, int layers);
+
+// The schedule a mesh asks for (mesh.pp_schedule, mesh.pp_chunks) over M micro-batches: 1F1B,
+// ZB-H1 (split backwards, P weight halves may wait) or interleaved 1F1B.
+PipeScheduleConfig schedule_config(const MeshShape& mesh, int micro_batches);
+
+// The activation slots chunk c needs in a stage's list: the most of its micro-batches between a
+// forward and the end of their backward (the weight half, when split).
+int slots_needed(const std::vector<PipeAction>& stage, int chunk);
 
 // "F0.3 B1.2 ..." (chunk.micro_batch) of one stage, for messages and tests.
 std::string describe(const std::vector<PipeAction>& stage);

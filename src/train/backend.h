@@ -94,6 +94,8 @@ std::unique_ptr<TrainBackend> make_cpu_pipeline_backend(const Deck& deck, Mesh& 
 // it returns make_cuda_lora_backend's (src/cuda/backend_cuda_lora.cpp; CUDA builds only).
 std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh);
 std::unique_ptr<TrainBackend> make_cuda_lora_backend(const Deck& deck, Mesh& mesh);
+// mesh.pp > 1 on CUDA (src/cuda/backend_cuda_pipeline.cpp); make_cuda_backend picks it.
+std::unique_ptr<TrainBackend> make_cuda_pipeline_backend(const Deck& deck, Mesh& mesh);
 
 inline std::unique_ptr<TrainBackend> make_backend(const Deck& deck, Mesh& mesh) {
   if (deck.train.device != "cuda") return make_cpu_backend(deck, mesh);

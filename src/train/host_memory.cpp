@@ -42,6 +42,19 @@ HostMemoryNeed training_host_memory(const Deck& deck, int dp) {
   HostMemoryNeed need;
   need.keys = "the model's size (model.preset, model.*)";
   const std::string params = fmt::format("{:.3g}B parameters", model * 1e-9);
+  const int split = deck.mesh.tp * deck.mesh.pp;
+  if (deck.train.device == "cuda" && !deck.lora.enabled() && split > 1) {
+    // Tensor or pipeline parallelism (not modelled by `qtrain plan` yet): the host copies of the
+    // fp32 master weights and moments of the rank's part (1 / (tp x pp) of the model; of that
+    // the dp shard above ZeRO-0).
+    const double part = model / split / (deck.optim.zero_stage >= 1 ? dp : 1);
+    need.bytes = 12 * part;
+    need.what = fmt::format("fp32 host copies of this rank's part of the {} and its AdamW "
+                            "moments",
+                            params);
+    need.keys += ", more GPUs (mesh.tp, mesh.pp, mesh.dp), or fewer ranks per node";
+    return need;
+  }
   if (deck.train.device == "cuda" && !deck.lora.enabled()) {
     // The CUDA back ends' host state as `qtrain plan` models it (src/plan/memory_plan.h): the
     // fp32 copies for initialisation and checkpoints, or with offload the live master weights and

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "cuda_op_check.h"
@@ -189,6 +190,41 @@ TEST_P(CudaEmbedding, ForwardGathersRowsExactly) {
   cpu::embedding_forward<double>(x.data(), ids.data(), wte.value.data(), N, C);
   EXPECT_EQ(rel_err(download(dx), x), 0.0);
   EXPECT_TRUE(dx.guard_intact());
+}
+
+// Vocabulary-parallel: two ranks' parts of the table (rows [0, V1) and [V1, V)) each give their
+// rows and zeros elsewhere; their sum is the whole lookup, bit for bit.
+TEST_P(CudaEmbedding, RowsOfPartOfTheTableSumToTheLookup) {
+  QT_REQUIRE_GPU();
+  const auto [N, C, V] = GetParam();
+  auto rng = test_rng();
+  const Bf16Input wte = random_bf16(std::size_t(V) * C, rng);
+  std::uniform_int_distribution<int> pick(0, V - 1);
+  std::vector<std::int32_t> ids(N);
+  for (auto& id : ids) id = pick(rng);
+  GuardedBuffer<std::int32_t> dids(ids);
+  Vec want(std::size_t(N) * C);
+  cpu::embedding_forward<double>(want.data(), ids.data(), wte.value.data(), N, C);
+  const int split = V / 2;
+  Vec sum(want.size(), 0.0);
+  for (const auto [first, count] : {std::pair{0, split}, std::pair{split, V - split}}) {
+    const std::vector<bf16> part(wte.bits.begin() + std::size_t(first) * C,
+                                 wte.bits.begin() + std::size_t(first + count) * C);
+    GuardedBuffer<bf16> dpart(part.empty() ? std::vector<bf16>(1) : part),
+        dx(std::size_t(N) * C);
+    fill_nan(dx);
+    cuda::embedding_forward_rows(dx.get(), dids.get(), dpart.get(), N, C, first, count, nullptr);
+    const Vec got = download(dx);
+    for (int n = 0; n < N; ++n)
+      for (int c = 0; c < C; ++c) {
+        const std::size_t k = std::size_t(n) * C + c;
+        const bool here = ids[n] >= first && ids[n] < first + count;
+        ASSERT_EQ(got[k], here ? want[k] : 0.0) << "row " << n << " column " << c;
+        sum[k] += got[k];
+      }
+    EXPECT_TRUE(dx.guard_intact());
+  }
+  EXPECT_EQ(rel_err(sum, want), 0.0);
 }
 
 TEST_P(CudaEmbedding, BackwardIsBitEqualToTokenOrderAndDeterministic) {

@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cuda_op_check.h"
@@ -126,6 +127,95 @@ TEST_P(CudaCrossEntropy, ForwardAndBackwardMatchCpu) {
                                dtargets.get(), scale, N, V, nullptr);
   EXPECT_EQ(rel_err(body(dlogits), g), 0.0);
   EXPECT_TRUE(dlogits.guard_intact());
+}
+
+// Vocabulary-parallel (two tp ranks in one process: columns [0, V1) and [V1, V)): each rank's
+// partial pass, the parts gathered on the host as NCCL's all-gather would, the finish and the
+// backward over its columns give the whole vocabulary's loss, lse and gradient, the loss and
+// lse the same bits on both ranks.
+TEST_P(CudaCrossEntropy, VocabularyParallelMatchesCpu) {
+  QT_REQUIRE_GPU();
+  const auto [N, V, shift] = GetParam();
+  if (V < 2) GTEST_SKIP() << "one column cannot be split";
+  auto rng = test_rng();
+  const std::size_t n = std::size_t(N) * V;
+  const Bf16Input logits = random_bf16(n, rng, 3.0);
+  std::uniform_int_distribution<int> pick(0, V - 1);
+  std::vector<std::int32_t> targets(N);
+  int counted = 0;
+  for (int i = 0; i < N; ++i) {
+    targets[i] = i % 5 == 2 ? cpu::kIgnoreIndex : pick(rng);
+    counted += targets[i] != cpu::kIgnoreIndex;
+  }
+  const float scale = counted > 0 ? 1.0f / counted : 1.0f;
+  Vec losses(N), lse(N), grad(n);
+  const double total = cpu::cross_entropy_forward<double>(
+      losses.data(), lse.data(), logits.value.data(), targets.data(), N, V);
+  cpu::cross_entropy_backward<double>(grad.data(), logits.value.data(), lse.data(), targets.data(),
+                                      double(scale), N, V);
+  const int tp = 2, split = V / 2;
+  const int first[2] = {0, split}, width[2] = {split, V - split};
+  GuardedBuffer<std::int32_t> dtargets(targets);
+  std::vector<std::unique_ptr<GuardedBuffer<bf16>>> dlogits;  // [tp] this rank's columns
+  std::vector<float> parts;  // [tp, 2, N]
+  for (int r = 0; r < tp; ++r) {
+    std::vector<bf16> cols(std::size_t(N) * width[r]);
+    for (int i = 0; i < N; ++i)
+      for (int v = 0; v < width[r]; ++v)
+        cols[std::size_t(i) * width[r] + v] = logits.bits[std::size_t(i) * V + first[r] + v];
+    dlogits.push_back(std::make_unique<GuardedBuffer<bf16>>(cols));
+    GuardedBuffer<float> part(2 * std::size_t(N));
+    fill_nan(part);
+    cuda::cross_entropy_vp_partial(part.get(), dlogits[r]->get(), dtargets.get(), N, width[r],
+                                   first[r], nullptr);
+    EXPECT_TRUE(part.guard_intact());
+    const std::vector<float> p = part.download();
+    parts.insert(parts.end(), p.begin(), p.end());
+  }
+  GuardedBuffer<float> dparts(parts);
+  std::vector<std::vector<float>> got_lse, got_losses;
+  Vec got_grad(n);
+  double got_total = 0;
+  const double prior = 1.5;
+  for (int r = 0; r < tp; ++r) {
+    GuardedBuffer<float> dlosses(N), dlse(N);
+    GuardedBuffer<std::int32_t> dlocal(N);
+    GuardedBuffer<double> dsum(std::vector<double>{prior});
+    fill_nan(dlosses);
+    fill_nan(dlse);
+    cuda::cross_entropy_vp_finish(dlosses.get(), dlse.get(), dlocal.get(), dparts.get(), tp,
+                                  dtargets.get(), N, width[r], first[r], dsum.get(), nullptr);
+    cuda::cross_entropy_backward(dlogits[r]->get(), dlogits[r]->get(), dlse.get(), dlocal.get(),
+                                 scale, N, width[r], nullptr);
+    EXPECT_TRUE(dlosses.guard_intact() && dlse.guard_intact() && dlocal.guard_intact() &&
+                dsum.guard_intact() && dlogits[r]->guard_intact());
+    got_lse.push_back(dlse.download());
+    got_losses.push_back(dlosses.download());
+    got_total = dsum.download()[0] - prior;
+    const Vec g = download(*dlogits[r]);
+    for (int i = 0; i < N; ++i)
+      for (int v = 0; v < width[r]; ++v)
+        got_grad[std::size_t(i) * V + first[r] + v] = g[std::size_t(i) * width[r] + v];
+  }
+  EXPECT_EQ(got_lse[0], got_lse[1]) << "the ranks' lse differ";
+  EXPECT_EQ(got_losses[0], got_losses[1]) << "the ranks' losses differ";
+  double lse_scale = 0.0;
+  for (int i = 0; i < N; ++i) {
+    const double bound = kTolF32 * std::max(1.0, std::abs(lse[i]));
+    EXPECT_NEAR(got_lse[0][i], lse[i], bound) << "lse of row " << i;
+    if (targets[i] == cpu::kIgnoreIndex) {
+      EXPECT_EQ(got_losses[0][i], 0.0f) << "ignored row " << i;
+      for (int v = 0; v < V; ++v) ASSERT_EQ(got_grad[std::size_t(i) * V + v], 0.0) << "row " << i;
+      continue;
+    }
+    EXPECT_NEAR(got_losses[0][i], losses[i], bound) << "loss of row " << i;
+    lse_scale += std::max(1.0, std::abs(lse[i]));
+  }
+  EXPECT_NEAR(got_total, total, kTolF32 * lse_scale + 1e-12);
+  const double eg = rel_err(got_grad, grad);
+  EXPECT_LT(eg, kTolBf16Once) << "dlogits";
+  std::printf("[ err ] vocabulary-parallel cross_entropy N=%d V=%d: dlogits rel err %.3e\n", N, V,
+              eg);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaCrossEntropy,

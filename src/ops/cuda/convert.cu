@@ -73,6 +73,19 @@ void convert_bf16_to_f32(float* dst, const bf16* src, std::size_t n, cudaStream_
   QT_CHECK_LAUNCH();
 }
 
+// One thread per 8 elements: dst = bf16(float(a) + float(b)), as residual_rmsnorm_forward's sum.
+static __global__ void add_bf16_kernel(bf16* dst, const bf16* a, const bf16* b, std::size_t n) {
+  const std::size_t e = (static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
+  for (std::size_t i = e; i < e + 8 && i < n; ++i)
+    dst[i] = __float2bfloat16_rn(__bfloat162float(a[i]) + __bfloat162float(b[i]));
+}
+
+void add_bf16(bf16* dst, const bf16* a, const bf16* b, std::size_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  add_bf16_kernel<<<grid_for(n), kThreads, 0, stream>>>(dst, a, b, n);
+  QT_CHECK_LAUNCH();
+}
+
 void add_f32(float* dst, const float* src, std::size_t n, cudaStream_t stream) {
   if (n == 0) return;
   if (is_aligned16(dst) && is_aligned16(src))

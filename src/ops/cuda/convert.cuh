@@ -21,4 +21,8 @@ void convert_bf16_to_f32(float* dst, const bf16* src, std::size_t n, cudaStream_
 // dst[k] += src[k], k < n (fp32; accumulates reduced gradient shards over micro-batches).
 void add_f32(float* dst, const float* src, std::size_t n, cudaStream_t stream);
 
+// dst[k] = bf16(float(a[k]) + float(b[k])), k < n (a pipeline stage's last residual add; dst may
+// alias a or b).
+void add_bf16(bf16* dst, const bf16* a, const bf16* b, std::size_t n, cudaStream_t stream);
+
 }  // namespace qt::cuda

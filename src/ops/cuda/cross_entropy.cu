@@ -139,6 +139,50 @@ static __global__ void __launch_bounds__(kFwdThreads)
   losses[n] = t == kIgnoreIndex ? 0.0f : l - __bfloat162float(row[t]);
 }
 
+// Vocabulary-parallel pass 1 (cross_entropy.cuh): row n's log-sum-exp over this rank's V
+// columns, and the target's logit where this rank holds it.
+template <bool kVec>
+static __global__ void __launch_bounds__(kFwdThreads)
+    cross_entropy_vp_partial_kernel(float* __restrict__ part, const bf16* __restrict__ logits,
+                                    const std::int32_t* __restrict__ targets, int N, int V,
+                                    int first) {
+  __shared__ MaxSum warp_part[32];
+  const int n = blockIdx.x;
+  const bf16* row = logits + static_cast<std::size_t>(n) * V;
+  const float l = row_lse<kVec, kFwdThreads>(row, V, warp_part);
+  if (threadIdx.x != 0) return;
+  part[n] = l;
+  const std::int32_t t = targets[n];
+  const bool here = t != kIgnoreIndex && t >= first && t - first < V;
+  part[N + n] = here ? __bfloat162float(row[t - first]) : 0.0f;
+}
+
+// Vocabulary-parallel pass 2: one thread per row combines the ranks' parts in rank order.
+static __global__ void cross_entropy_vp_finish_kernel(float* __restrict__ losses,
+                                                      float* __restrict__ lse,
+                                                      std::int32_t* __restrict__ local_targets,
+                                                      const float* __restrict__ parts, int tp,
+                                                      const std::int32_t* __restrict__ targets,
+                                                      int N, int V, int first) {
+  const int n = blockIdx.x * blockDim.x + threadIdx.x;
+  if (n >= N) return;
+  const std::size_t stride = 2 * static_cast<std::size_t>(N);
+  float m = -INFINITY;
+  for (int r = 0; r < tp; ++r) m = fmaxf(m, parts[r * stride + n]);
+  float s = 0.0f, target_logit = 0.0f;
+  for (int r = 0; r < tp; ++r) {
+    s += exp2f((parts[r * stride + n] - m) * kLog2e);
+    target_logit += parts[r * stride + N + n];  // one rank's is the logit, the others' 0
+  }
+  const float l = m + logf(s);
+  const std::int32_t t = targets[n];
+  lse[n] = l;
+  losses[n] = t == kIgnoreIndex ? 0.0f : l - target_logit;
+  // A counted row's target outside this rank's columns: -1, which no column matches.
+  const bool here = t >= first && t - first < V;
+  local_targets[n] = t == kIgnoreIndex ? kIgnoreIndex : (here ? t - first : -1);
+}
+
 // Rows of a cluster of two blocks: cluster k takes rows k, k + clusters, ...; block r of it
 // keeps chunks [r h, r h + h) of the row (h = fused_half_chunks(V) chunks of 8 logits) in shared
 // memory, so each logit is read from memory once. Pass 1 loads the half row and its online max
@@ -297,6 +341,31 @@ void cross_entropy_backward(bf16* dlogits, const bf16* logits, const float* lse,
     cross_entropy_backward_kernel<false>
         <<<grid, kBwdThreads, 0, stream>>>(dlogits, logits, lse, targets, scale, V);
   QT_CHECK_LAUNCH();
+}
+
+void cross_entropy_vp_partial(float* part, const bf16* logits, const std::int32_t* targets,
+                              int N, int V, int first, cudaStream_t stream) {
+  check_shape("cross_entropy_vp_partial", N, V);
+  if (N == 0) return;
+  if (V % 8 == 0 && is_aligned16(logits))
+    cross_entropy_vp_partial_kernel<true>
+        <<<N, kFwdThreads, 0, stream>>>(part, logits, targets, N, V, first);
+  else
+    cross_entropy_vp_partial_kernel<false>
+        <<<N, kFwdThreads, 0, stream>>>(part, logits, targets, N, V, first);
+  QT_CHECK_LAUNCH();
+}
+
+void cross_entropy_vp_finish(float* losses, float* lse, std::int32_t* local_targets,
+                             const float* parts, int tp, const std::int32_t* targets, int N, int V,
+                             int first, double* loss_sum, cudaStream_t stream) {
+  check_shape("cross_entropy_vp_finish", N, V);
+  QT_CUDA_REQUIRE(tp >= 1, "cross_entropy_vp_finish: tp must be >= 1");
+  if (N == 0) return;
+  cross_entropy_vp_finish_kernel<<<ceil_div(N, 256), 256, 0, stream>>>(
+      losses, lse, local_targets, parts, tp, targets, N, V, first);
+  QT_CHECK_LAUNCH();
+  add_loss_sum(loss_sum, losses, N, stream);
 }
 
 // Whether the fused kernel runs on the current device (thread-block clusters, compute capability

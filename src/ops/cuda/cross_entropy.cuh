@@ -41,4 +41,21 @@ void cross_entropy_forward_backward(float* losses, float* lse, bf16* logits,
                                     const std::int32_t* targets, float scale, int N, int V,
                                     double* loss_sum, cudaStream_t stream);
 
+// Vocabulary-parallel (Megatron's; a tensor-parallel rank holds columns [first, first + V) of
+// the logits, targets are ids of the whole vocabulary), in two passes around an all-gather:
+//   cross_entropy_vp_partial: part [2, N] fp32 written: part[n] = log sum_v exp(logits[n, v])
+//     over this rank's columns; part[N + n] = logits[n, targets[n] - first] where the target is
+//     one of them, else 0 (ignored rows too).
+//   (the caller all-gathers part over the tp ranks into parts [tp, 2, N], rank order)
+//   cross_entropy_vp_finish: per row, lse = log sum over ranks of exp(part) (in rank order, the
+//     same bits on every rank), losses[n] = lse - the target's logit (0 if ignored), *loss_sum as
+//     cross_entropy_forward; local_targets[n] = the target's column here, -1 where another rank
+//     holds it, -100 if ignored: cross_entropy_backward(dlogits, logits, lse, local_targets, ...)
+//     over this rank's columns is then the gradient of the whole loss.
+void cross_entropy_vp_partial(float* part, const bf16* logits, const std::int32_t* targets,
+                              int N, int V, int first, cudaStream_t stream);
+void cross_entropy_vp_finish(float* losses, float* lse, std::int32_t* local_targets,
+                             const float* parts, int tp, const std::int32_t* targets, int N, int V,
+                             int first, double* loss_sum, cudaStream_t stream);
+
 }  // namespace qt::cuda

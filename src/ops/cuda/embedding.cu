@@ -1,5 +1,8 @@
 // Embedding forward (row gather) and deterministic backward (sort by id, then a fixed-order
 // segmented sum); see embedding.cuh.
+#include <cstdint>
+#include <string>
+
 #include <cub/device/device_radix_sort.cuh>
 
 #include "ops/cuda/common.cuh"
@@ -10,17 +13,21 @@ namespace qt::cuda {
 static constexpr int kThreads = 256;
 static constexpr int kBwdThreads = 128;  // column vectors per block in the backward
 
-// One thread per 8 columns of one token: t = n * (C / 8) + v.
+// One thread per 8 columns of one token: t = n * (C / 8) + v. wte holds table rows [first,
+// first + count); a token whose id is outside them gets a zero row.
 static __global__ void embedding_forward_kernel(bf16* __restrict__ x,
                                                 const std::int32_t* __restrict__ ids,
-                                                const bf16* __restrict__ wte, int N, int C) {
+                                                const bf16* __restrict__ wte, int N, int C,
+                                                std::int64_t first, std::int64_t count) {
   const int vecs = C / 8;
   const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= static_cast<std::int64_t>(N) * vecs) return;
   const std::int64_t n = t / vecs;
   const int v = static_cast<int>(t - n * vecs);
-  const uint4 row =
-      __ldg(reinterpret_cast<const uint4*>(wte + static_cast<std::size_t>(ids[n]) * C) + v);
+  const std::int64_t r = ids[n] - first;
+  uint4 row = make_uint4(0, 0, 0, 0);
+  if (r >= 0 && r < count)
+    row = __ldg(reinterpret_cast<const uint4*>(wte + static_cast<std::size_t>(r) * C) + v);
   reinterpret_cast<uint4*>(x + static_cast<std::size_t>(n) * C)[v] = row;
 }
 
@@ -82,17 +89,30 @@ static void check_aligned(const char* op, const char* name, const void* p) {
   QT_CUDA_REQUIRE(is_aligned16(p), std::string(op) + ": " + name + " must be 16-byte aligned");
 }
 
-void embedding_forward(bf16* x, const std::int32_t* ids, const bf16* wte, int N, int C,
-                       cudaStream_t stream) {
-  const char* op = "embedding_forward";
+static void embedding_forward_impl(const char* op, bf16* x, const std::int32_t* ids,
+                                   const bf16* wte, int N, int C, std::int64_t first,
+                                   std::int64_t count, cudaStream_t stream) {
   check_shape(op, N, C);
   check_aligned(op, "x", x);
   check_aligned(op, "wte", wte);
   if (N == 0) return;
   const std::int64_t threads = static_cast<std::int64_t>(N) * (C / 8);
   const auto grid = static_cast<unsigned int>(ceil_div<std::int64_t>(threads, kThreads));
-  embedding_forward_kernel<<<grid, kThreads, 0, stream>>>(x, ids, wte, N, C);
+  embedding_forward_kernel<<<grid, kThreads, 0, stream>>>(x, ids, wte, N, C, first, count);
   QT_CHECK_LAUNCH();
+}
+
+void embedding_forward(bf16* x, const std::int32_t* ids, const bf16* wte, int N, int C,
+                       cudaStream_t stream) {
+  embedding_forward_impl("embedding_forward", x, ids, wte, N, C, 0, INT64_MAX, stream);
+}
+
+void embedding_forward_rows(bf16* x, const std::int32_t* ids, const bf16* wte, int N, int C,
+                            std::int64_t first, std::int64_t count, cudaStream_t stream) {
+  QT_CUDA_REQUIRE(first >= 0 && count >= 0, "embedding_forward_rows: rows [" +
+                                                std::to_string(first) + ", +" +
+                                                std::to_string(count) + ")");
+  embedding_forward_impl("embedding_forward_rows", x, ids, wte, N, C, first, count, stream);
 }
 
 // Workspace layout, each part 256-byte aligned: keys_in, keys_out [N] uint32; pos_in, pos_out

@@ -18,6 +18,12 @@ using bf16 = __nv_bfloat16;
 void embedding_forward(bf16* x, const std::int32_t* ids, const bf16* wte, int N, int C,
                        cudaStream_t stream);
 
+// The vocabulary-parallel form (a tensor-parallel rank's part of the table): wte [count, C]
+// holds table rows [first, first + count); x[n] = wte[ids[n] - first] where the id is one of
+// them, else zeros (the ranks' rows summed give the whole lookup).
+void embedding_forward_rows(bf16* x, const std::int32_t* ids, const bf16* wte, int N, int C,
+                            std::int64_t first, std::int64_t count, cudaStream_t stream);
+
 // Bytes of device scratch for embedding_backward over N tokens (the sorted ids and positions and
 // the sort's own temporary storage).
 std::size_t embedding_backward_workspace_bytes(int N);

@@ -1,0 +1,360 @@
+// The CUDA back end with pipeline parallelism (mesh.pp > 1; dp 1 so far; issue 17): each pp rank
+// runs one stage of the model, the layer program over CudaOps for its chunks (chunk c of the
+// plan's pp x pp_chunks on stage c % pp; the embedding in the first chunk, the final norm, lm
+// head and loss in the last), over ShardedCudaState holding only that stage's units. A step
+// runs the stage's list from parallel/pipeline_schedule.h (1F1B, or interleaved 1F1B with
+// mesh.pp_chunks > 1) as the CPU pipeline does (train/backend_cpu_pipeline.cpp):
+//
+//   F(c, m)  chunk c > 0 receives x [N, H] of micro-batch m into its slot; the forward; the last
+//            chunk runs the head and the loss in the forward; c < C - 1 sends its output on
+//   B(c, m)  chunk c < C - 1 receives d x [N, H]; the backward; c > 0 sends d x back
+//
+// Everything is enqueued without waiting on the host: the compute stream and one stream per
+// point-to-point channel, ordered by events. A channel is a device communicator of the pp group
+// of its own (Mesh::device(kPp, channel)) carrying one kind of traffic in one direction
+// (activations forward, gradients back, and with interleaving each of their wraps from the last
+// stage to the first and back), so that no send ever queues behind a receive it waits for; each
+// channel's sends on one stage come in the order its peer receives them (checked at start-up
+// on every stage's list). A receive waits for the compute stream's work so far (its buffer's
+// last reader); the compute stream waits for the receive, and, before it rewrites a slot or the
+// input gradient, for the send that reads it.
+//
+// A tied embedding lives on the first stage and, as a copy, on the last: before each step the
+// two add each other's gradients (a + b and b + a: the same bits), so AdamW keeps the copies
+// equal; the first stage's counts in the gradient norm. The loss and the norm are summed over
+// pp. With mesh.tp > 1 each stage is split over its tp group (cuda_ops.h).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+#include "cuda/check.h"
+#include "cuda/cuda_ops.h"
+#include "cuda/device.h"
+#include "cuda/nccl_comm.h"
+#include "cuda/qwen3_cuda.h"
+#include "cuda/sharded_state_cuda.h"
+#include "cuda/training_buffers.h"
+#include "ops/cuda/convert.cuh"
+#include "ops/cuda/gemm.cuh"
+#include "parallel/pipeline_schedule.h"
+#include "parallel/tensor_parallel.h"
+#include "qtrain/error.h"
+#include "qtrain/shard_plan.h"
+#include "train/backend.h"
+
+namespace qt {
+
+namespace {
+
+using cuda::bf16;
+
+// The point-to-point channels (Mesh::device(MeshDim::kPp, channel)).
+enum Channel { kActivations, kGradients, kActivationsWrap, kGradientsWrap, kChannels };
+
+// The channel of the activation into chunk c (from chunk c - 1) and of the gradient out of it.
+Channel activation_into(int c, int P) { return c % P == 0 ? kActivationsWrap : kActivations; }
+Channel gradient_into(int c, int P) { return (c + 1) % P == 0 ? kGradientsWrap : kGradients; }
+
+// Every stage's sends on each channel in the order its receiver takes them: NCCL matches
+// point-to-point calls by order alone. Throws when a list breaks it (a schedule bug).
+void check_channel_order(const PipeSchedule& all, int P, int V) {
+  const int C = P * V;
+  // [channel][sender stage]: (micro-batch, chunk sent into) in send order, and in receive order.
+  std::vector<std::vector<std::vector<std::pair<int, int>>>> sent(
+      kChannels, std::vector<std::vector<std::pair<int, int>>>(P)),
+      received = sent;
+  for (int s = 0; s < P; ++s)
+    for (const PipeAction& a : all[s]) {
+      const int c = a.chunk, m = a.micro_batch;
+      if (a.op == PipeOp::kForward) {
+        if (c > 0) received[activation_into(c, P)][(s + P - 1) % P].push_back({m, c});
+        if (c < C - 1) sent[activation_into(c + 1, P)][s].push_back({m, c + 1});
+      } else if (a.op != PipeOp::kBackwardWeight) {
+        if (c < C - 1) received[gradient_into(c, P)][(s + 1) % P].push_back({m, c});
+        if (c > 0) sent[gradient_into(c - 1, P)][s].push_back({m, c - 1});
+      }
+    }
+  for (int ch = 0; ch < kChannels; ++ch)
+    for (int s = 0; s < P; ++s)
+      QT_CHECK(sent[ch][s] == received[ch][s],
+               "pipeline channel {} from stage {}: sends and receives in different orders", ch, s);
+}
+
+class CudaPipelineBackend final : public TrainBackend {
+ public:
+  CudaPipelineBackend(const Deck& deck, Mesh& mesh)
+      : device_(cuda::select_device(mesh.local_rank())),
+        deck_(deck),
+        P_(mesh.shape().pp),
+        V_(mesh.shape().pp_chunks),
+        s_(mesh.coord().pp),
+        N_(static_cast<std::size_t>(deck.train.micro_batch) * deck.train.seq_len),
+        H_(deck.model.hidden_size),
+        M_(static_cast<int>(deck.train.global_batch / deck.train.micro_batch)),
+        tp_(mesh.shape().tp),
+        layout_(deck.model),
+        local_cfg_(tp_local_config(deck.model, tp_)),
+        local_layout_(local_cfg_),
+        plan_(plan_qwen3(local_cfg_, local_layout_, mesh.shape(), deck.optim.zero_stage)),
+        actions_(schedule(schedule_config(mesh.shape(), M_))),
+        arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
+        gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
+        nccl_tp_(tp_ > 1 ? &cuda::nccl(mesh, MeshDim::kTp) : nullptr),
+        state_(plan_, local_layout_, deck.optim, mesh.dp(), nullptr, arena_,
+               cuda::offload_threads(mesh), {}, {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_},
+               {held_units(), tied_copy() ? 0 : -1, &mesh.pp()}),
+        batch_(M_ * deck.train.micro_batch, deck.train.seq_len, arena_),
+        pp_(mesh.pp()) {
+    QT_CHECK(mesh.shape().dp == 1, "the CUDA pipeline runs at dp 1 (the deck checks it)");
+    QT_CHECK(mesh.shape().pp_schedule == "1f1b", "ZB-H1 is not built on CUDA (the deck checks it)");
+    check_channel_order(actions_, P_, V_);
+    cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
+    for (int ch = 0; ch < (V_ > 1 ? kChannels : kActivationsWrap); ++ch)
+      channel_[ch] = &cuda::nccl(mesh, MeshDim::kPp, ch);  // collective: every stage, in order
+    const std::size_t before = arena_.used();
+    ops_ = std::make_unique<cuda::CudaOps>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
+                                           arena_, nccl_tp_);
+    const std::vector<PipeAction>& mine = actions_[static_cast<std::size_t>(s_)];
+    std::vector<int> asked;
+    for (int v = 0; v < V_; ++v) {
+      const int c = v * P_ + s_, slots = slots_needed(mine, c);
+      const StageRange range = StageRange::layers(local_cfg_.num_layers, plan_.stage_layers[c],
+                                                  plan_.stage_layers[c + 1]);
+      auto ch = std::make_unique<Chunk>();
+      ch->program = std::make_unique<Qwen3Program<cuda::CudaOps>>(
+          local_cfg_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute, range,
+          allocate_stage_acts<bf16>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
+                                    deck.train.recompute, range, slots, arena_));
+      ch->busy.assign(slots, 0);
+      for (int k = 0; k < slots; ++k) ch->sent.push_back(std::make_unique<cuda::Event>());
+      ch->slot_of.assign(M_, -1);
+      const std::vector<int> us = ch->program->stage_units();
+      asked.insert(asked.end(), us.begin(), us.end());
+      chunks_.push_back(std::move(ch));
+    }
+    std::sort(asked.begin(), asked.end());
+    asked.erase(std::unique(asked.begin(), asked.end()), asked.end());
+    QT_CHECK(asked == held_units(), "the plan's units of stage {} are not its programs'", s_);
+    if (tied_copy() || (s_ == 0 && local_cfg_.tie_word_embeddings)) {
+      const std::size_t n = plan_.units[0].range.size();
+      tied_other_ = arena_.allocate<float>(std::min(n, kTiedPiece));
+    }
+    activations_ = static_cast<double>(arena_.used() - before) + batch_.bytes();
+    QT_CHECK_CUDA(cudaDeviceSynchronize());
+  }
+
+  const ParamLayout& layout() const override { return layout_; }
+  std::string describe() const override {
+    const cuda::DeviceInfo d = cuda::device_info(device_);
+    std::string out = fmt::format("cuda: GPU {} ({}, {} SMs), bf16 compute; {}; stage {} of {}:",
+                                  device_, d.name, d.sm_count, state_.describe(), s_, P_);
+    int slots = 0;
+    for (const auto& c : chunks_) {
+      const StageRange& r = c->program->stage();
+      out += fmt::format(" layers {}..{}{}{}", r.first_layer, r.last_layer - 1,
+                         r.has_embedding ? " with the embedding" : "",
+                         r.has_head ? " with the final norm and lm head" : "");
+      slots += c->program->slots();
+    }
+    out += fmt::format(", {} over {} micro-batches ({} activation slots)",
+                       V_ > 1 ? "interleaved 1F1B" : "1F1B", M_, slots);
+    if (tied_copy()) out += " (and a copy of the tied embedding)";
+    if (tp_ > 1) out += "; " + describe_tp(local_cfg_, tp_);
+    return out + fmt::format("; arena {} ({} used after set-up)",
+                             cuda::format_bytes(arena_.capacity()),
+                             cuda::format_bytes(arena_.used()));
+  }
+  // Global coordinates (TpMap under tensor parallelism).
+  std::vector<FlatPiece> model_pieces() override {
+    return global_pieces(tp_map(), state_.param_pieces(), /*writing=*/false);
+  }
+  std::vector<StatePiece> checkpoint_pieces() override {
+    return global_pieces(tp_map(), state_.checkpoint_pieces(), /*writing=*/true);
+  }
+  StateTargets checkpoint_targets() override {
+    return global_targets(tp_map(), state_.checkpoint_targets());
+  }
+  void push_state() override { state_.push(stream_.get()); }
+  void pull_state() override { state_.pull(stream_.get()); }
+  void zero_grads() override {
+    state_.begin_step();
+    state_.clear_grads(stream_.get());  // every micro-batch adds (the head's in its forward)
+  }
+  double micro_step(const std::int32_t*, const std::int32_t*, const std::int32_t*,
+                    float) override {
+    QT_CHECK(false, "a pipeline stage runs a step's micro-batches together (micro_batches)");
+    return 0;
+  }
+
+  double micro_batches(const MicroBatches& mb, float loss_scale) override {
+    QT_CHECK(mb.count == M_, "{} micro-batches, the schedule has {}", mb.count, M_);
+    cudaStream_t s = stream_.get();
+    const std::int32_t* pos = batch_.upload(mb.inputs, mb.targets, mb.positions, s);
+    const int C = P_ * V_;
+    const int prev = (s_ + P_ - 1) % P_, next = (s_ + 1) % P_;
+    for (auto& c : chunks_) {
+      std::fill(c->slot_of.begin(), c->slot_of.end(), -1);
+      std::fill(c->busy.begin(), c->busy.end(), 0);
+    }
+    ops_->begin(s, nullptr);  // the loss sum starts; positions per action below
+    (void)state_.begin_micro_batch(false, false);  // gradients added in place (zero_grads)
+    cuda::StreamUnits units{state_, s};
+    for (const PipeAction& a : actions_[static_cast<std::size_t>(s_)]) {
+      const int m = a.micro_batch, c = a.chunk;
+      Chunk& ch = *chunks_.at(static_cast<std::size_t>(c / P_));
+      Qwen3Program<cuda::CudaOps>& prog = *ch.program;
+      const std::size_t off = N_ * static_cast<std::size_t>(m);
+      const std::int32_t* inputs = batch_.inputs() + off;
+      ops_->set_positions(pos ? pos + off : nullptr);
+      if (a.op == PipeOp::kForward) {
+        const auto free = std::find(ch.busy.begin(), ch.busy.end(), 0);
+        QT_CHECK(free != ch.busy.end(), "no free activation slot for micro-batch {}", m);
+        const int k = static_cast<int>(free - ch.busy.begin());
+        ch.busy[k] = 1;
+        ch.slot_of[m] = k;
+        wait(*ch.sent[k]);  // the slot's last output has left
+        if (c > 0) receive(prog.stage_input(k), activation_into(c, P_), prev);
+        prog.forward_stage(*ops_, units, k, inputs, c > 0 ? prog.stage_input(k) : nullptr);
+        if (prog.stage().has_head)
+          prog.head_forward_backward(*ops_, units, batch_.targets() + off, loss_scale,
+                                     /*accumulate=*/true, k);
+        if (c < C - 1) send(prog.stage_output(k), activation_into(c + 1, P_), next, *ch.sent[k]);
+      } else {
+        QT_CHECK(a.op == PipeOp::kBackward, "split backwards are not built on CUDA");
+        const int k = ch.slot_of[m];
+        QT_CHECK(k >= 0, "backward of micro-batch {} before its forward", m);
+        wait(ch.grad_sent);  // the last input gradient has left: its buffer is rewritten now
+        if (c < C - 1) receive(prog.input_grad(), gradient_into(c, P_), next);
+        prog.backward_stage(*ops_, units, k, inputs, c < C - 1 ? prog.input_grad() : nullptr,
+                            /*accumulate=*/true);
+        ch.busy[k] = 0;
+        if (c > 0) send(prog.input_grad(), gradient_into(c - 1, P_), prev, ch.grad_sent);
+      }
+    }
+    const double loss = ops_->take_loss();  // waits for the compute stream
+    for (cuda::NcclComm* ch : channel_)
+      if (ch) ch->synchronize();
+    return pp_.sum(loss);  // the last stage's, on every stage
+  }
+
+  OptimStepStats optimizer_step(std::int64_t step) override {
+    if (local_cfg_.tie_word_embeddings) sum_tied_copies();
+    return state_.step(step, deck_.train.steps, stream_.get());
+  }
+  std::string memory_report() override { return cuda::memory_report(arena_); }
+  MemorySplit memory_split() override {
+    MemorySplit m = state_.bytes();
+    m.activations = activations_;
+    m.workspace = std::max(0.0, static_cast<double>(arena_.peak()) - m.total());
+    return m;
+  }
+
+ private:
+  // Elements of the tied embedding's gradient exchanged at a time (64 MB of fp32).
+  static constexpr std::size_t kTiedPiece = std::size_t{1} << 24;
+
+  // One model chunk of this stage with its activation slots and per-step bookkeeping.
+  struct Chunk {
+    std::unique_ptr<Qwen3Program<cuda::CudaOps>> program;
+    std::vector<char> busy;                     // [slots]
+    std::vector<std::unique_ptr<cuda::Event>> sent;  // [slots] the slot's output has left
+    cuda::Event grad_sent;                      // the input gradient has left
+    std::vector<int> slot_of;                   // [M] the slot of each micro-batch, or -1
+  };
+
+  bool tied_copy() const { return local_cfg_.tie_word_embeddings && s_ == P_ - 1; }
+  // The plan's units of this stage (and a tied copy), ascending.
+  std::vector<int> held_units() const {
+    std::vector<int> held;
+    for (std::size_t u = 0; u < plan_.units.size(); ++u)
+      if (plan_.units[u].stage == s_ || (tied_copy() && u == 0)) held.push_back(static_cast<int>(u));
+    return held;
+  }
+  const TpMap* tp_map() {
+    if (tp_ > 1 && !tp_map_)
+      tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, nccl_tp_->rank());
+    return tp_map_.get();
+  }
+
+  // The compute stream waits for `e` (recorded on a channel; a no-op if never recorded).
+  void wait(const cuda::Event& e) {
+    QT_CHECK_CUDA(cudaStreamWaitEvent(stream_.get(), e.get(), 0));
+  }
+  // buf [N, H] from stage `from` on channel ch, after the compute stream's work so far; the
+  // compute stream's later work waits for it.
+  void receive(bf16* buf, Channel ch, int from) {
+    cuda::NcclComm& c = *channel_[ch];
+    ready_.record(stream_.get());
+    c.wait_event(ready_.get());
+    c.recv_async(buf, N_ * H_, DType::kBF16, from);
+    landed_.record(c.stream());
+    wait(landed_);
+  }
+  // buf [N, H] to stage `to` on channel ch after the compute stream's work so far; `sent` marks
+  // when buf may be rewritten.
+  void send(const bf16* buf, Channel ch, int to, cuda::Event& sent) {
+    cuda::NcclComm& c = *channel_[ch];
+    ready_.record(stream_.get());
+    c.wait_event(ready_.get());
+    c.send_async(buf, N_ * H_, DType::kBF16, to);
+    sent.record(c.stream());
+  }
+
+  // The first and the last stage add each other's gradients of the tied embedding, a piece at a
+  // time on the activation channel (idle between steps).
+  void sum_tied_copies() {
+    if (s_ != 0 && s_ != P_ - 1) return;
+    cuda::NcclComm& c = *channel_[kActivations];
+    float* g = state_.unit_grads(0);
+    const std::size_t n = plan_.units[0].range.size();
+    const int peer = s_ == 0 ? P_ - 1 : 0;
+    ready_.record(stream_.get());
+    c.wait_event(ready_.get());
+    for (std::size_t at = 0; at < n; at += kTiedPiece) {
+      const std::size_t k = std::min(kTiedPiece, n - at);
+      c.group_start();
+      c.send_async(g + at, k, DType::kF32, peer);
+      c.recv_async(tied_other_, k, DType::kF32, peer);
+      c.group_end();
+      cuda::add_f32(g + at, tied_other_, k, c.stream());
+    }
+    c.synchronize();
+  }
+
+  // First member: the rank's device is current before any CUDA object below is made.
+  int device_;
+  const Deck& deck_;
+  int P_, V_, s_;       // stages, chunks a stage, this stage
+  std::size_t N_, H_;   // rows of a micro-batch (B x T), hidden size
+  int M_;               // micro-batches a step
+  int tp_;              // mesh.tp
+  ParamLayout layout_;        // the model's (global)
+  ModelConfig local_cfg_;     // the tp rank's model (the model's at tp 1)
+  ParamLayout local_layout_;  // its layout: the plan's, the state's and the programs'
+  ShardPlan plan_;            // its units' stages and the layer split
+  PipeSchedule actions_;      // every stage's list of a step (this stage's: [s_])
+  cuda::DeviceArena arena_;
+  cuda::Stream stream_;       // the compute stream
+  void* gemm_ws_;
+  cuda::NcclComm* nccl_tp_;   // the mesh's tp communicator; null at tp 1
+  cuda::ShardedCudaState state_;
+  cuda::BatchBuffers batch_;  // the step's micro-batches, [M x B, T] each
+  MpiComm& pp_;
+  cuda::NcclComm* channel_[kChannels] = {};
+  std::unique_ptr<cuda::CudaOps> ops_;  // shared by the chunks (one stream, one action at a time)
+  std::vector<std::unique_ptr<Chunk>> chunks_;
+  std::unique_ptr<TpMap> tp_map_;       // made on first use with tp > 1
+  cuda::Event ready_, landed_;
+  float* tied_other_ = nullptr;  // [min(embedding, kTiedPiece)] the peer's piece
+  double activations_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainBackend> make_cuda_pipeline_backend(const Deck& deck, Mesh& mesh) {
+  return std::make_unique<CudaPipelineBackend>(deck, mesh);
+}
+
+}  // namespace qt
