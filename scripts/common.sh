@@ -35,7 +35,9 @@ qt_is_root() { [ "$(id -u)" -eq 0 ]; }
 qt_detect_os() {
   local id="" version=""
   if [ -r /etc/os-release ]; then
+    # shellcheck source=/dev/null  # the system's file
     id=$(. /etc/os-release && printf '%s' "${ID:-}")
+    # shellcheck source=/dev/null
     version=$(. /etc/os-release && printf '%s' "${VERSION_ID:-}")
   fi
   case "$id-$version" in

@@ -12,6 +12,9 @@ set -euo pipefail
 # shellcheck source=scripts/common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
+# The tests also need shellcheck (tests/scripts: every script of scripts/ and the batch scripts'
+# dry runs).
+QT_PACKAGES+=(shellcheck)
 qt_setup
 cd "$QT_ROOT"
 

@@ -67,6 +67,10 @@ class Comm {
 // Broadcasts a string from `root` (packed in 64-bit words: Comm has no byte type).
 void broadcast_string(Comm& comm, std::string& s, int root);
 
+class MpiComm;
+// Rank 0 receives every rank's string, in rank order (empty elsewhere). Collective over `comm`.
+std::vector<std::string> gather_strings(const std::string& mine, const MpiComm& comm);
+
 // Every rank passes its own error text ("" = none). If any rank has one, every rank throws a
 // UserError with the text of the lowest failing rank, so that one rank's bad input stops all of
 // them with the same message instead of leaving the others waiting in a collective.

@@ -51,6 +51,11 @@ int mesh_rank_of(const MeshShape& s, const MeshCoord& c);
 // activations twice a layer; across hosts that traffic crosses the network.
 std::vector<std::string> tp_groups_across_hosts(const MeshShape& s,
                                                 const std::vector<std::string>& host_of_rank);
+// One warning line naming mesh.tp and the ranks per host when any tensor-parallel group spans
+// hosts (tp is innermost, so that happens when the ranks per host are not a multiple of mesh.tp,
+// or when ranks are dealt round robin over the hosts); empty when none does.
+std::string tp_across_hosts_warning(const MeshShape& s,
+                                    const std::vector<std::string>& host_of_rank);
 
 class Mesh {
  public:
@@ -83,10 +88,10 @@ class Mesh {
   // activations and gradients flow in opposite directions at once).
   Comm& device(MeshDim d, int channel = 0);
 
-  // One line per rank: "rank r host h local l cpu c numa n: pp.. dp.. tp.. ep..", a line with the
-  // hosts and their rank counts, and a warning naming mesh.tp when a tensor-parallel group spans
-  // hosts. Collective; result on rank 0.
-  std::string describe();
+  // The start-up banner: the mesh's shape, the topology report (dist/topology.h: hosts, ranks and,
+  // with `gpus`, GPUs per host, their links, each rank's NUMA placement; a few lines whatever the
+  // job's size) and the warning of tp_across_hosts_warning. Collective; result on rank 0.
+  std::string describe(bool gpus = false);
 
  private:
   MeshShape shape_;

@@ -3,6 +3,7 @@
 //         `qtrain prep --tokenizer <dir> --output <file.h5> <in.jsonl>...`   (docs/prep.md)
 //         `qtrain generate <checkpoint.h5 | HF dir> --prompt TEXT [options]`  (docs/generate.md)
 //         `qtrain plan deck.ini --gpus N --gpu-mem GB`   (GPU memory per ZeRO stage; docs/plan.md)
+//         `mpirun -np N qtrain probe [--mib M]`   (topology and link bandwidths; docs/cluster.md)
 #include <mpi.h>
 
 #include <chrono>
@@ -15,6 +16,7 @@
 #include <new>
 #include <thread>
 
+#include "dist/probe.h"
 #include "generate/generate.h"
 #include "hf/export.h"
 #include "plan/plan_cmd.h"
@@ -42,6 +44,9 @@ constexpr const char* kSubcommands =
     "  qtrain plan DECK --gpus N --gpu-mem GB [--section.key=value ...]\n"
     "      the GPU memory of the deck's model for each ZeRO stage and offload, and what\n"
     "      fits (docs/plan.md)\n"
+    "  mpirun -np N qtrain probe [--mib M] [--iters K] [--device cuda|cpu]\n"
+    "      the hosts, GPUs, links and NUMA placement, and the all-reduce bandwidth within\n"
+    "      and across hosts as the planner's deck keys (docs/cluster.md)\n"
     "\n"
     "Training:\n";
 
@@ -143,6 +148,7 @@ int main(int argc, char** argv) {
       if (sub == "prep") return qt::prep_main(argc - 1, argv + 1, *world);
       if (sub == "generate") return qt::generate_main(argc - 1, argv + 1, world);
       if (sub == "plan") return qt::plan_main(argc - 1, argv + 1, *world);
+      if (sub == "probe") return qt::probe_main(argc - 1, argv + 1, *world);
       if (has_flag(argc, argv, "--help") || has_flag(argc, argv, "-h")) {
         if (root) std::printf("%s%s", kSubcommands, qt::deck_help().c_str());
         return 0;
@@ -152,7 +158,7 @@ int main(int argc, char** argv) {
         return 0;
       }
       if (looks_like_subcommand(argc, argv))
-        qt::fail_user("(command line): {} is neither a subcommand (prep, export, generate, plan) "
+        qt::fail_user("(command line): {} is neither a subcommand (prep, export, generate, plan, probe) "
                       "nor a deck file; `qtrain --help` lists both",
                       sub);
       qt::Deck deck = qt::parse_deck(argc, argv, world->size());

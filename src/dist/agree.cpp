@@ -1,4 +1,4 @@
-// Collective helpers over any Comm: string broadcast and agreement on a rank's error.
+// Collective helpers: string broadcast and gather, and agreement on a rank's error.
 #include <cstring>
 
 #include "qtrain/comm.h"
@@ -22,6 +22,24 @@ void agree(Comm& comm, const std::string& err) {
   std::string msg = err;
   broadcast_string(comm, msg, static_cast<int>(first));
   throw UserError(msg);
+}
+
+std::vector<std::string> gather_strings(const std::string& mine, const MpiComm& comm) {
+  const int P = comm.size();
+  int n = static_cast<int>(mine.size());
+  std::vector<int> lens(P), displs(P);
+  QT_CHECK_MPI(MPI_Gather(&n, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, comm.mpi()));
+  std::string all;
+  if (comm.rank() == 0) {
+    for (int r = 1; r < P; ++r) displs[r] = displs[r - 1] + lens[r - 1];
+    all.resize(static_cast<std::size_t>(displs[P - 1] + lens[P - 1]));
+  }
+  QT_CHECK_MPI(MPI_Gatherv(mine.data(), n, MPI_CHAR, all.data(), lens.data(), displs.data(),
+                           MPI_CHAR, 0, comm.mpi()));
+  std::vector<std::string> out;
+  if (comm.rank() == 0)
+    for (int r = 0; r < P; ++r) out.push_back(all.substr(displs[r], lens[r]));
+  return out;
 }
 
 }  // namespace qt

@@ -3,14 +3,12 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <sched.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <string>
-
 #include <vector>
 
+#include "dist/topology.h"
 #include "qtrain/error.h"
 #include "runtime/process.h"
 
@@ -125,70 +123,43 @@ std::unique_ptr<Comm> make_device_comm(const MpiComm&, const std::string& name) 
 }
 #endif
 
-namespace {
-
-// The NUMA node of `cpu` (the nodeN entry of its sysfs directory), or -1 when unknown.
-int numa_node_of_cpu(int cpu) {
-  std::error_code ec;
-  const std::filesystem::path dir = fmt::format("/sys/devices/system/cpu/cpu{}", cpu);
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    if (name.size() > 4 && name.compare(0, 4, "node") == 0) {
-      try {
-        return std::stoi(name.substr(4));
-      } catch (const std::exception&) {
-        return -1;
-      }
-    }
-  }
-  return -1;
-}
-
-}  // namespace
-
-std::string Mesh::describe() {
-  constexpr int kLen = 200;   // fixed width per rank's line, padded with spaces
-  constexpr int kHost = 128;  // fixed width of a host name
-  const int cpu = sched_getcpu();
-  std::string mine = fmt::format(
-      "  rank {:>4} host {} local {}/{} cpu {} numa {}: pp {} dp {} tp {} ep {} edp {}",
-      world_->rank(), host_, local_rank_, local_size_, cpu, numa_node_of_cpu(cpu), coord_.pp,
-      coord_.dp, coord_.tp, coord_.ep, coord_.edp);
-  mine.resize(kLen, ' ');
-  std::string host = host_;
-  host.resize(kHost, ' ');
-  const std::size_t P = static_cast<std::size_t>(world_->size());
-  std::vector<char> all(kLen * P), hosts(kHost * P);
-  QT_CHECK_MPI(MPI_Gather(mine.data(), kLen, MPI_CHAR, all.data(), kLen, MPI_CHAR, 0,
-                          world_->mpi()));
-  QT_CHECK_MPI(MPI_Gather(host.data(), kHost, MPI_CHAR, hosts.data(), kHost, MPI_CHAR, 0,
-                          world_->mpi()));
-  if (world_->rank() != 0) return {};
-  auto field = [](const std::vector<char>& v, std::size_t i, int len) {
-    std::string s(v.data() + i * len, len);
-    s.erase(s.find_last_not_of(' ') + 1);
-    return s;
-  };
-  std::string out = fmt::format("mesh: world {} = pp {} x dp {} x tp {} (ep {} within dp)\n",
-                                shape_.world(), shape_.pp, shape_.dp, shape_.tp, shape_.ep);
-  std::vector<std::string> host_of(P), names;
+std::string tp_across_hosts_warning(const MeshShape& s,
+                                    const std::vector<std::string>& host_of_rank) {
+  const std::vector<std::string> groups = tp_groups_across_hosts(s, host_of_rank);
+  if (groups.empty()) return {};
+  // Ranks per host, in order of each host's first rank.
+  std::vector<std::string> names;
   std::vector<int> counts;
-  for (std::size_t r = 0; r < P; ++r) {
-    out += field(all, r, kLen) + "\n";
-    host_of[r] = field(hosts, r, kHost);
-    const auto it = std::find(names.begin(), names.end(), host_of[r]);
-    if (it == names.end()) names.push_back(host_of[r]), counts.push_back(1);
+  for (const std::string& h : host_of_rank) {
+    const auto it = std::find(names.begin(), names.end(), h);
+    if (it == names.end()) names.push_back(h), counts.push_back(1);
     else ++counts[it - names.begin()];
   }
-  std::vector<std::string> per_host;
-  for (std::size_t h = 0; h < names.size(); ++h)
-    per_host.push_back(fmt::format("{} ({} ranks)", names[h], counts[h]));
-  out += fmt::format("hosts: {}: {}\n", names.size(), fmt::join(per_host, ", "));
-  for (const std::string& g : tp_groups_across_hosts(shape_, host_of))
-    out += fmt::format("warning: mesh.tp = {} puts a tensor-parallel group across hosts ({}): its "
-                       "activations cross the network twice a layer; keep mesh.tp within the "
-                       "ranks of one host\n",
-                       shape_.tp, g);
+  std::vector<int> sizes = counts;
+  std::sort(sizes.begin(), sizes.end());
+  sizes.erase(std::unique(sizes.begin(), sizes.end()), sizes.end());
+  const bool multiples = std::all_of(counts.begin(), counts.end(), [&](int c) { return c % s.tp == 0; });
+  const std::string why =
+      multiples ? "the ranks are not placed host by host (consecutive world ranks on one host: "
+                  "srun --distribution=block, mpirun --map-by ppr:N:node)"
+                : fmt::format("the ranks per host ({}) are not a multiple of mesh.tp",
+                              fmt::join(sizes, ", "));
+  return fmt::format(
+      "warning: mesh.tp = {} puts {} of {} tensor-parallel groups across hosts (first: {}): {}; "
+      "tensor parallelism exchanges activations twice a layer, over the network between hosts. "
+      "Keep each group on one host: launch a multiple of mesh.tp ranks per host, or lower mesh.tp",
+      s.tp, groups.size(), host_of_rank.size() / s.tp, groups.front(), why);
+}
+
+std::string Mesh::describe(bool gpus) {
+  const std::vector<std::string> host_of = gather_strings(host_, *world_);  // by world rank
+  const std::string topology = topology_report(*world_, local_rank_, gpus);
+  if (world_->rank() != 0) return {};
+  std::string out = fmt::format("mesh: world {} = pp {} x dp {} x tp {} (ep {} within dp)\n",
+                                shape_.world(), shape_.pp, shape_.dp, shape_.tp, shape_.ep);
+  out += topology;
+  const std::string warning = tp_across_hosts_warning(shape_, host_of);
+  if (!warning.empty()) out += warning + "\n";
   return out;
 }
 

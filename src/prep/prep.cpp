@@ -298,25 +298,6 @@ void encode_plain_range(const std::string& path, std::int64_t lo, std::int64_t h
   finish();
 }
 
-// Rank 0 receives every rank's string, in rank order.
-std::vector<std::string> gather_strings(const std::string& mine, MpiComm& world) {
-  const int P = world.size();
-  int n = static_cast<int>(mine.size());
-  std::vector<int> lens(P), displs(P);
-  QT_CHECK_MPI(MPI_Gather(&n, 1, MPI_INT, lens.data(), 1, MPI_INT, 0, world.mpi()));
-  std::string all;
-  if (world.rank() == 0) {
-    for (int r = 1; r < P; ++r) displs[r] = displs[r - 1] + lens[r - 1];
-    all.resize(static_cast<std::size_t>(displs[P - 1] + lens[P - 1]));
-  }
-  QT_CHECK_MPI(MPI_Gatherv(mine.data(), n, MPI_CHAR, all.data(), lens.data(), displs.data(),
-                           MPI_CHAR, 0, world.mpi()));
-  std::vector<std::string> out;
-  if (world.rank() == 0)
-    for (int r = 0; r < P; ++r) out.push_back(all.substr(displs[r], lens[r]));
-  return out;
-}
-
 // 1234567 -> "1.23M"; bytes -> "5.2 MB".
 std::string human(std::int64_t n) {
   if (n >= 1'000'000) return fmt::format("{:.2f}M", n / 1e6);

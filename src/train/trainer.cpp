@@ -80,7 +80,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
   if (root) {
     const std::string model_name =
         deck.model_init.empty() ? deck.model.preset : "Hugging Face " + deck.model_init;
-    std::printf("%s", mesh.describe().c_str());
+    std::printf("%s", mesh.describe(tc.device == "cuda").c_str());
     std::printf("model: %s, %lld parameters (%d layers, hidden %d, heads %d/%d, vocab %d)\n",
                 model_name.c_str(), static_cast<long long>(layout.numel()),
                 deck.model.num_layers, deck.model.hidden_size, deck.model.num_heads,
@@ -96,7 +96,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
     std::printf("batch: %d sequences x %d tokens per step = %d micro-batches of %d on each of %d dp ranks; ZeRO-%d\n",
                 tc.global_batch, T, micro_steps, B, dp.size(), deck.optim.zero_stage);
   } else {
-    mesh.describe();  // collective
+    mesh.describe(tc.device == "cuda");  // collective
   }
 
   TrainState state;

@@ -558,6 +558,8 @@ TEST(DeckDocs, DecksMdListsEveryKey) {
 }
 
 TEST(DeckDocs, ExampleDecksParse) {
+  Scratch s;
+  const std::string tokens = s.write("tokens.h5", "");
   int n = 0;
   for (const auto& e : fs::directory_iterator(QT_INPUTS_DIR)) {
     if (e.path().extension() != ".ini") continue;
@@ -565,13 +567,46 @@ TEST(DeckDocs, ExampleDecksParse) {
     std::ifstream in(e.path());
     std::stringstream ss;
     ss << in.rdbuf();
-    // File decks name a token file that need not exist here; the synthetic source stands in.
+    // File decks name a token file that need not exist here, an empty file stands in (the parser
+    // checks that it is readable, not what it holds); a model directory to fine-tune neither:
+    // the preset stands in.
     for (int world : {1, 2, 4}) {
-      EXPECT_NO_THROW(parse_deck_text(ss.str(), e.path().string(), {"--data.source=synthetic"}, world))
+      EXPECT_NO_THROW(parse_deck_text(ss.str(), e.path().string(),
+                                      {"--data.path=" + tokens, "--model.init="}, world))
           << e.path() << " on " << world << " ranks";
     }
   }
   EXPECT_GE(n, 3);
+}
+
+// The Qwen3-32B deck on the 32 ranks of its batch scripts (4 nodes x 8 GPUs), with a token file
+// standing in for its data and the preset for its model directory: the layout its comments argue.
+TEST(DeckDocs, Qwen3_32bDeckFitsFourNodesOfEightGpus) {
+  Scratch s;
+  const std::string tokens = s.write("tokens.h5", "");
+  const Deck d = parse_argv({std::string(QT_INPUTS_DIR) + "/qwen3_32b.ini", "--data.path=" + tokens,
+                             "--model.init="},
+                            32);
+  EXPECT_EQ(d.model.num_layers, 64);
+  EXPECT_EQ(d.model.hidden_size, 5120);
+  EXPECT_EQ(d.mesh.dp, 32);
+  EXPECT_EQ(d.mesh.tp, 1);
+  EXPECT_EQ(d.mesh.pp, 1);
+  EXPECT_EQ(d.optim.zero_stage, 3);
+  EXPECT_EQ(d.train.device, "cuda");
+  EXPECT_TRUE(d.train.recompute);
+  EXPECT_EQ(d.train.global_batch / (d.train.micro_batch * d.mesh.dp), 1);  // one micro-batch a step
+  EXPECT_EQ(d.checkpoint.resume, "auto");
+  EXPECT_GT(d.checkpoint.every, 0);
+  EXPECT_EQ(d.data.source, "file");
+  EXPECT_EQ(d.data.path, tokens);
+  // The file names the model directory to fine-tune; absent here, it is an error naming the key.
+  try {
+    parse_argv({std::string(QT_INPUTS_DIR) + "/qwen3_32b.ini", "--data.path=" + tokens}, 32);
+    ADD_FAILURE() << "expected an error about model.init";
+  } catch (const qt::UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.init"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

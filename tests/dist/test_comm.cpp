@@ -6,6 +6,7 @@
 #include <numeric>
 #include <set>
 
+#include "dist/probe.h"
 #include "qtrain/comm.h"
 #include "qtrain/error.h"
 #include "qtrain/mesh.h"
@@ -46,6 +47,31 @@ TEST(MeshArithmetic, TensorParallelGroupsAcrossHostsAreNamed) {
   EXPECT_EQ(got[1], "world ranks 4..7 on hosts c, d");
   s.tp = 1;
   EXPECT_TRUE(tp_groups_across_hosts(s, four_by_two).empty());
+}
+
+// One warning line names mesh.tp and the ranks per host, or the round-robin placement.
+TEST(MeshArithmetic, TensorParallelAcrossHostsWarningNamesTheKeys) {
+  MeshShape s;
+  s.tp = 8;
+  s.dp = 3;
+  std::vector<std::string> six_a_host;  // 4 hosts of 6 ranks: groups 0..7 and 8..15 cross
+  for (int r = 0; r < 24; ++r) six_a_host.push_back(std::string(1, static_cast<char>('a' + r / 6)));
+  const std::string w = tp_across_hosts_warning(s, six_a_host);
+  EXPECT_EQ(w.rfind("warning: mesh.tp = 8 puts 3 of 3 tensor-parallel groups across hosts (first: "
+                    "world ranks 0..7 on hosts a, b): the ranks per host (6) are not a multiple of "
+                    "mesh.tp;", 0), 0u) << w;
+  s.dp = 4;
+  std::vector<std::string> blocks, dealt;  // 4 hosts of 8: host by host, or round robin
+  for (int r = 0; r < 32; ++r) {
+    blocks.push_back(std::string(1, static_cast<char>('a' + r / 8)));
+    dealt.push_back(std::string(1, static_cast<char>('a' + r % 4)));
+  }
+  EXPECT_EQ(tp_across_hosts_warning(s, blocks), "");
+  const std::string d = tp_across_hosts_warning(s, dealt);
+  EXPECT_NE(d.find("4 of 4 tensor-parallel groups"), std::string::npos) << d;
+  EXPECT_NE(d.find("the ranks are not placed host by host"), std::string::npos) << d;
+  s.tp = 1;
+  EXPECT_EQ(tp_across_hosts_warning(s, dealt), "");
 }
 
 TEST(MpiComm, Collectives) {
@@ -133,9 +159,12 @@ TEST(Mesh, CommunicatorsGroupTheRightRanks) {
   const std::string text = mesh.describe();
   if (r == 0) {
     EXPECT_NE(text.find("dp 2"), std::string::npos) << text;
-    EXPECT_NE(text.find("rank    3"), std::string::npos) << text;
-    EXPECT_NE(text.find("hosts: 1: "), std::string::npos) << text;
-    EXPECT_NE(text.find(" numa "), std::string::npos) << text;
+    EXPECT_NE(text.find("topology: 1 host, 4 ranks\n"), std::string::npos) << text;
+    EXPECT_NE(text.find("local ranks 0-3: CPUs"), std::string::npos) << text;  // one NUMA node here
+    EXPECT_EQ(text.find("GPU"), std::string::npos) << text;  // not asked for
+    EXPECT_EQ(text.find("warning"), std::string::npos) << text;
+  } else {
+    EXPECT_EQ(text, "");
   }
   // Each dimension by name: the same communicators as the accessors.
   EXPECT_EQ(&mesh.mpi(MeshDim::kDp), &mesh.dp());
@@ -153,6 +182,26 @@ TEST(Mesh, CommunicatorsGroupTheRightRanks) {
     EXPECT_NE(std::string(e.what()).find("needs the CUDA back end"), std::string::npos) << e.what();
   }
 #endif
+}
+
+// The probe's timing on two fake hosts of two ranks: "within a host" pairs {0,1}, {2,3}, "across
+// hosts" pairs {0,2}, {1,3}; every rank of a group gets the group's slowest time.
+TEST(Probe, TimesEachGroupAtOnce) {
+  auto w = world();
+  if (w->size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  const int r = w->rank();
+  MPI_Comm a, b;
+  ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, r / 2, r, &a), MPI_SUCCESS);
+  ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, r % 2, r, &b), MPI_SUCCESS);
+  MpiComm host(a, "host", true), across(b, "across hosts", true);
+  for (MpiComm* g : {&host, &across}) {
+    std::vector<float> buf(1 << 16, 1.0f);
+    const double s = time_all_reduce(*g, *g, buf.data(), buf.size(), 1, 3);
+    EXPECT_GT(s, 0.0);
+    EXPECT_EQ(g->max(s), s);  // the same on both ranks of the group
+    EXPECT_EQ(buf[0], 16.0f);  // 1 + 3 sums of two ranks: 2^4
+    EXPECT_GT(all_reduce_bus_gbps(buf.size() * sizeof(float), g->size(), s), 0.0);
+  }
 }
 
 }  // namespace
