@@ -25,6 +25,8 @@
 #include <string>
 #include <vector>
 
+#include "qtrain/mesh.h"
+
 namespace qt {
 
 enum class PipeOp { kForward, kBackward, kBackwardInput, kBackwardWeight };
@@ -49,6 +51,10 @@ struct PipeScheduleConfig {
 
 // [P] the actions of each stage, in execution order.
 using PipeSchedule = std::vector<std::vector<PipeAction>>;
+
+// The schedule of a mesh's pipeline (mesh.pp, pp_chunks, pp_schedule) over M micro-batches a
+// step: ZB-H1 splits the backwards and lets P weight halves wait; pp_chunks > 1 interleaves.
+PipeScheduleConfig schedule_config(const MeshShape& mesh, int micro_batches);
 
 // virtual_chunks > 1: interleaved 1F1B in Megatron's order (whole backwards only; micro-batches
 // a multiple of the stages, else std::invalid_argument).
@@ -82,6 +88,10 @@ std::vector<int> split_layers(int layers, int stages, double layer_cost, double 
 // count a chunk, `chunks` of them, summing to `layers`. Throws std::invalid_argument saying
 // what is wrong.
 std::vector<int> layer_bounds_from_counts(const std::string& counts, int chunks, int layers);
+
+// The activation slots chunk c needs on a stage running `actions`: the most of its micro-batches
+// between a forward and the end of their backward (the weight half, when split); at least 1.
+int activation_slots(const std::vector<PipeAction>& actions, int chunk);
 
 // "F0.3 B1.2 ..." (chunk.micro_batch) of one stage, for messages and tests.
 std::string describe(const std::vector<PipeAction>& stage);

@@ -48,27 +48,7 @@ namespace {
 // Stage s's list of a step: 1F1B, ZB-H1 (split backwards, P weight halves may wait), or
 // interleaved 1F1B over mesh.pp_chunks chunks a stage.
 std::vector<PipeAction> stage_actions(const MeshShape& mesh, int M, int s) {
-  PipeScheduleConfig c;
-  c.stages = mesh.pp;
-  c.micro_batches = M;
-  c.virtual_chunks = mesh.pp_chunks;
-  if (mesh.pp_schedule == "zb-h1") {
-    c.split_backward = true;
-    c.max_weights_waiting = mesh.pp;
-  }
-  return schedule(c)[static_cast<std::size_t>(s)];
-}
-
-// The activation slots chunk c needs in a list: the most of its micro-batches between a forward
-// and the end of their backward (the weight half, when split).
-int slots_needed(const std::vector<PipeAction>& actions, int c) {
-  int now = 0, peak = 1;
-  for (const PipeAction& a : actions) {
-    if (a.chunk != c) continue;
-    if (a.op == PipeOp::kForward) peak = std::max(peak, ++now);
-    if (a.op == PipeOp::kBackward || a.op == PipeOp::kBackwardWeight) --now;
-  }
-  return peak;
+  return schedule(schedule_config(mesh, M))[static_cast<std::size_t>(s)];
 }
 
 class CpuPipelineBackend final : public TrainBackend {
@@ -231,7 +211,7 @@ class CpuPipelineBackend final : public TrainBackend {
     std::vector<Chunk> out;
     for (int v = 0; v < V_; ++v) {
       const int c = v * P_ + s_;
-      const int slots = slots_needed(actions_, c);
+      const int slots = activation_slots(actions_, c);
       Chunk ch;
       ch.stage = std::make_unique<Qwen3Stage>(
           local_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,
