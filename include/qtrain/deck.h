@@ -71,6 +71,15 @@ struct LogConfig {
   std::string metrics = "metrics.jsonl";  // JSON-lines file; empty disables
 };
 
+// [topology]: the machine's shape and link rates, for `qtrain plan`'s step-time prediction (and
+// the start-up topology report, which prints measured values for these keys). Bandwidths are an
+// all-reduce's bus bandwidth per GPU as nccl-tests reports it (busbw), in GB/s (1e9 bytes/s).
+struct TopologyConfig {
+  int gpus_per_host = 8;           // GPUs (ranks) of one host
+  double intra_host_gbps = 350;    // within a host (NVLink; H100 SXM, NCCL all-reduce)
+  double inter_host_gbps = 45;     // across hosts, per GPU (one 400 Gb/s InfiniBand NIC a GPU)
+};
+
 struct Deck {
   std::string path;                  // the deck file, empty when none
   ModelConfig model;
@@ -84,6 +93,7 @@ struct Deck {
   DataConfig data;
   CheckpointConfig checkpoint;
   LogConfig log;
+  TopologyConfig topology;
   // The resolved deck as INI text (every key with its final value), stored in checkpoints.
   std::string resolved;
 };

@@ -99,6 +99,12 @@ TpRole tp_role(const std::string& name);
 // tp rank's local layout (parallel/tensor_parallel.h) and `cfg` the local config.
 ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const MeshShape& mesh,
                      int zero_stage);
+// The decoder layers of each of mesh.pp x mesh.pp_chunks pipeline chunks, as [chunks + 1]
+// boundaries (chunk c runs layers [b[c], b[c + 1]) on stage c % pp): mesh.pp_layers when given,
+// else balanced by FLOPs a token (a layer's projections each; the lm head on the last chunk).
+// The same for the global model and a tp rank's (tp divides every term). {0, L} at pp 1.
+std::vector<int> pipeline_layer_bounds(const ModelConfig& cfg, const MeshShape& mesh);
+
 // Every tensor of `layout` in one unit named `name` (e.g. LoRA adapters), replicated over dp.
 ShardPlan plan_one_unit(const ParamLayout& layout, const std::string& name, const MeshShape& mesh,
                         int zero_stage);

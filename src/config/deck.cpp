@@ -33,8 +33,8 @@ namespace {
 
 namespace po = boost::program_options;
 
-const std::vector<std::string> kSections = {"model", "mesh", "train",      "optim",
-                                            "lora",  "data", "checkpoint", "log"};
+const std::vector<std::string> kSections = {"model", "mesh",       "train", "optim",   "lora",
+                                            "data",  "checkpoint", "log",   "topology"};
 const std::vector<std::string> kDataSources = {"synthetic", "file"};
 const std::vector<std::string> kPackings = {"concat", "packed", "padded"};
 const std::vector<std::string> kDevices = {"cpu", "cuda"};
@@ -66,6 +66,7 @@ const std::vector<KeySpec>& key_table() {
     using Da = DataConfig;
     using C = CheckpointConfig;
     using L = LogConfig;
+    using To = TopologyConfig;
     return std::vector<KeySpec>{
         spec("model", "preset", &D::model, &M::preset, "",
              "Model preset (" + join(model_preset_names(), " | ") +
@@ -178,6 +179,13 @@ const std::vector<KeySpec>& key_table() {
         spec("log", "every", &D::log, &L::every, "steps", "Steps between log lines"),
         spec("log", "metrics", &D::log, &L::metrics, "path",
              "JSON-lines metrics file written by rank 0; empty disables it"),
+
+        spec("topology", "gpus_per_host", &D::topology, &To::gpus_per_host, "GPUs",
+             "GPUs (ranks) of one host; tensor parallelism stays inside one (qtrain plan)"),
+        spec("topology", "intra_host_gbps", &D::topology, &To::intra_host_gbps, "GB/s",
+             "All-reduce bus bandwidth per GPU within a host (NVLink), for qtrain plan"),
+        spec("topology", "inter_host_gbps", &D::topology, &To::inter_host_gbps, "GB/s",
+             "All-reduce bus bandwidth per GPU across hosts (network), for qtrain plan"),
     };
   }();
   return table;
@@ -282,6 +290,7 @@ class Builder {
   void validate_train_optim();
   void validate_lora();
   void validate_data_checkpoint_log();
+  void validate_topology();
 
   std::string path_;
   int world_;
@@ -530,12 +539,19 @@ void Builder::validate_data_checkpoint_log() {
   need(deck_.log.every >= 1, "log.every", "must be >= 1");
 }
 
+void Builder::validate_topology() {
+  need(deck_.topology.gpus_per_host >= 1, "topology.gpus_per_host", "must be >= 1");
+  for (const char* k : {"topology.intra_host_gbps", "topology.inter_host_gbps"})
+    need(dval(k) > 0 && dval(k) < 1e6, k, "must be a bandwidth in GB/s, > 0 and below 1e6");
+}
+
 void Builder::validate() {
   validate_model();
   validate_mesh();
   validate_train_optim();
   validate_lora();
   validate_data_checkpoint_log();
+  validate_topology();
 }
 
 std::string resolved_text(Deck& d, int world) {

@@ -119,7 +119,7 @@ class CudaPipelineBackend final : public TrainBackend {
     const std::vector<PipeAction>& mine = actions_[static_cast<std::size_t>(s_)];
     std::vector<int> asked;
     for (int v = 0; v < V_; ++v) {
-      const int c = v * P_ + s_, slots = slots_needed(mine, c);
+      const int c = v * P_ + s_, slots = activation_slots(mine, c);
       const StageRange range = StageRange::layers(local_cfg_.num_layers, plan_.stage_layers[c],
                                                   plan_.stage_layers[c + 1]);
       auto ch = std::make_unique<Chunk>();

@@ -237,6 +237,28 @@ std::string describe(const std::vector<PipeAction>& stage) {
   return out;
 }
 
+PipeScheduleConfig schedule_config(const MeshShape& mesh, int micro_batches) {
+  PipeScheduleConfig c;
+  c.stages = mesh.pp;
+  c.micro_batches = micro_batches;
+  c.virtual_chunks = mesh.pp_chunks;
+  if (mesh.pp_schedule == "zb-h1") {
+    c.split_backward = true;
+    c.max_weights_waiting = mesh.pp;
+  }
+  return c;
+}
+
+int activation_slots(const std::vector<PipeAction>& actions, int chunk) {
+  int now = 0, peak = 1;
+  for (const PipeAction& a : actions) {
+    if (a.chunk != chunk) continue;
+    if (a.op == PipeOp::kForward) peak = std::max(peak, ++now);
+    if (a.op == PipeOp::kBackward || a.op == PipeOp::kBackwardWeight) --now;
+  }
+  return peak;
+}
+
 std::vector<int> split_layers(int layers, int stages, double layer_cost, double first_extra,
                               double last_extra) {
   if (stages < 1 || stages > layers)
@@ -297,28 +319,6 @@ std::vector<int> layer_bounds_from_counts(const std::string& counts, int chunks,
     throw std::invalid_argument(
         fmt::format("gives {} layers in all, the model has {}", b.back(), layers));
   return b;
-}
-
-PipeScheduleConfig schedule_config(const MeshShape& mesh, int micro_batches) {
-  PipeScheduleConfig c;
-  c.stages = mesh.pp;
-  c.micro_batches = micro_batches;
-  c.virtual_chunks = mesh.pp_chunks;
-  if (mesh.pp_schedule == "zb-h1") {
-    c.split_backward = true;
-    c.max_weights_waiting = mesh.pp;
-  }
-  return c;
-}
-
-int slots_needed(const std::vector<PipeAction>& stage, int chunk) {
-  int now = 0, peak = 1;
-  for (const PipeAction& a : stage) {
-    if (a.chunk != chunk) continue;
-    if (a.op == PipeOp::kForward) peak = std::max(peak, ++now);
-    if (a.op == PipeOp::kBackward || a.op == PipeOp::kBackwardWeight) --now;
-  }
-  return peak;
 }
 
 }  // namespace qt

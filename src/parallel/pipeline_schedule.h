@@ -52,6 +52,10 @@ struct PipeScheduleConfig {
 // [P] the actions of each stage, in execution order.
 using PipeSchedule = std::vector<std::vector<PipeAction>>;
 
+// The schedule of a mesh's pipeline (mesh.pp, pp_chunks, pp_schedule) over M micro-batches a
+// step: ZB-H1 splits the backwards and lets P weight halves wait; pp_chunks > 1 interleaves.
+PipeScheduleConfig schedule_config(const MeshShape& mesh, int micro_batches);
+
 // virtual_chunks > 1: interleaved 1F1B in Megatron's order (whole backwards only; micro-batches
 // a multiple of the stages, else std::invalid_argument).
 PipeSchedule schedule(const PipeScheduleConfig& cfg);
@@ -85,13 +89,9 @@ std::vector<int> split_layers(int layers, int stages, double layer_cost, double 
 // what is wrong.
 std::vector<int> layer_bounds_from_counts(const std::string& counts, int chunks, int layers);
 
-// The schedule a mesh asks for (mesh.pp_schedule, mesh.pp_chunks) over M micro-batches: 1F1B,
-// ZB-H1 (split backwards, P weight halves may wait) or interleaved 1F1B.
-PipeScheduleConfig schedule_config(const MeshShape& mesh, int micro_batches);
-
-// The activation slots chunk c needs in a stage's list: the most of its micro-batches between a
-// forward and the end of their backward (the weight half, when split).
-int slots_needed(const std::vector<PipeAction>& stage, int chunk);
+// The activation slots chunk c needs on a stage running `actions`: the most of its micro-batches
+// between a forward and the end of their backward (the weight half, when split); at least 1.
+int activation_slots(const std::vector<PipeAction>& actions, int chunk);
 
 // "F0.3 B1.2 ..." (chunk.micro_batch) of one stage, for messages and tests.
 std::string describe(const std::vector<PipeAction>& stage);

@@ -135,25 +135,27 @@ ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const Me
   plan.units.push_back(make_unit(layout, "head", 1 + per_layer * L, ps.size(), mesh.dp));
   QT_CHECK(ps[1 + per_layer * L].name == "model.norm.weight", "plan_qwen3: {} where the final "
            "norm belongs", ps[1 + per_layer * L].name);
+  plan.pp_chunks = mesh.pp > 1 ? mesh.pp_chunks : 1;
+  plan.stage_layers = pipeline_layer_bounds(cfg, mesh);
   if (mesh.pp > 1) {
-    // Costs in FLOPs a token: a layer's projections, and the lm head on the last stage.
-    const double H = cfg.hidden_size;
-    const double layer = 2 * H * (cfg.q_dim() + 2.0 * cfg.kv_dim()) + 2.0 * cfg.q_dim() * H +
-                         6.0 * H * cfg.intermediate_size;
-    const int chunks = mesh.pp * mesh.pp_chunks;
-    plan.pp_chunks = mesh.pp_chunks;
-    plan.stage_layers =
-        mesh.pp_layers.empty()
-            ? split_layers(cfg.num_layers, chunks, layer, 0, 2 * H * cfg.vocab_size)
-            : layer_bounds_from_counts(mesh.pp_layers, chunks, cfg.num_layers);
-    for (int c = 0; c < chunks; ++c)
+    for (int c = 0; c + 1 < static_cast<int>(plan.stage_layers.size()); ++c)
       for (int l = plan.stage_layers[c]; l < plan.stage_layers[c + 1]; ++l)
         plan.units[1 + l].stage = c % mesh.pp;
     plan.units.back().stage = mesh.pp - 1;  // the head; the embedding stays on stage 0
-  } else {
-    plan.stage_layers = {0, cfg.num_layers};
   }
   return plan;
+}
+
+std::vector<int> pipeline_layer_bounds(const ModelConfig& cfg, const MeshShape& mesh) {
+  if (mesh.pp <= 1) return {0, cfg.num_layers};
+  // Costs in FLOPs a token: a layer's projections, and the lm head on the last stage.
+  const double H = cfg.hidden_size;
+  const double layer = 2 * H * (cfg.q_dim() + 2.0 * cfg.kv_dim()) + 2.0 * cfg.q_dim() * H +
+                       6.0 * H * cfg.intermediate_size;
+  const int chunks = mesh.pp * mesh.pp_chunks;
+  return mesh.pp_layers.empty()
+             ? split_layers(cfg.num_layers, chunks, layer, 0, 2 * H * cfg.vocab_size)
+             : layer_bounds_from_counts(mesh.pp_layers, chunks, cfg.num_layers);
 }
 
 ShardPlan plan_one_unit(const ParamLayout& layout, const std::string& name, const MeshShape& mesh,

@@ -4,8 +4,13 @@
 
 #include <algorithm>
 #include <limits>
+#include <stdexcept>
+#include <utility>
 
+#include "parallel/pipeline_schedule.h"
+#include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
+#include "qtrain/shard_plan.h"
 
 namespace qt::plan {
 
@@ -47,32 +52,53 @@ u128 qk_norm_rope_backward_ws(u128 N, u128 heads, u128 hd) {
 // bins, look-back and counters. At the shapes trained here rmsnorm's workspace is the larger.
 u128 embedding_backward_ws(u128 N) { return 4 * blk(4 * N) + blk(8 * N) + (u128{64} << 10); }
 
-// Qwen3Cuda's buffers (CudaOps' constructor, src/cuda/cuda_ops.cpp, and allocate_acts,
-// src/model/layer_program.h) and BatchBuffers (training_buffers.cpp). N = B x T rows; widths H, Q = nh x hd, KV = nkv x hd, I, V.
-u128 activation_bytes(const ModelConfig& m, u128 B, u128 T, bool recompute) {
+// A stage's activation buffers: Qwen3Cuda's (CudaOps' constructor, src/cuda/cuda_ops.cpp, and
+// allocate_stage_acts, src/model/layer_program.h, one call per chunk) and BatchBuffers
+// (training_buffers.cpp). m is the tp rank's model. N = B x T rows; widths H, Q = nh x hd,
+// KV = nkv x hd, I, V; Ns: the rows of the residual stream and norms (N / tp with sequence
+// parallelism, else N).
+u128 activation_bytes(const ModelConfig& m, const StageParts& st, u128 B, u128 T, bool recompute,
+                      u128 Ns, bool sp) {
   const u128 N = B * T, H = m.hidden_size, Q = m.q_dim(), KV = m.kv_dim();
   const u128 I = m.intermediate_size, V = m.vocab_size, L = m.num_layers;
   const u128 nh = m.num_heads, nkv = m.num_kv_heads, hd = m.head_dim;
   u128 b = 3 * blk(4 * N);         // BatchBuffers: inputs, targets, positions [B, T] int32
   b += 2 * blk(4 * (T * hd / 2));  // cos_, sin_ [T, hd/2] fp32
-  b += (L + 1) * (2 * blk(2 * N * H) + blk(4 * N));  // x_[l], ln_[l] [N, H] bf16, rstd_[l] [N] fp32
   const u128 layer =                          // LayerActs, one per layer or one shared (recompute)
       blk(2 * N * (Q + 2 * KV))               // qkv_raw
       + blk(4 * N * nh) + blk(4 * N * nkv)    // q_rstd, k_rstd
       + blk(2 * N * Q) + 2 * blk(2 * N * KV)  // q, k, v
       + blk(2 * N * Q)                        // att
       + blk(4 * B * nh * T)                   // lse [B, nh, T]
-      + 2 * blk(2 * N * H) + blk(4 * N)       // x_mid, ln2, rstd2
+      + 2 * blk(2 * Ns * H) + blk(4 * Ns)     // x_mid, ln2, rstd2
       + blk(2 * N * 2 * I) + blk(2 * N * I);  // gu [N, 2I], h [N, I]
-  b += (recompute ? 1 : L) * layer;
   // The backward's scratch: tmp, dx, dtmp, dln [N, H]; dh [N, I]; datt, dq [N, Q];
-  // dk, dv [N, KV]; dqkv [N, Q + 2 KV]; all bf16.
-  b += 4 * blk(2 * N * H) + blk(2 * N * I) + 2 * blk(2 * N * Q) + 2 * blk(2 * N * KV) +
-       blk(2 * N * (Q + 2 * KV));
-  // The lm head: bf16 logits_ [chunk, V] of 1 GiB at most (chunk rows, at most N), fp32 losses_
-  // and chunk_lse_ [chunk], the double loss_sum_.
-  const u128 chunk = std::clamp<u128>(kLogitsChunkBytes / (V * 2), 1, N);
-  b += blk(2 * chunk * V) + 2 * blk(4 * chunk) + blk(8);
+  // dk, dv [N, KV]; dqkv [N, Q + 2 KV]; all bf16. Sequence parallelism adds the all-gathered
+  // norm output [N, H] that the column-parallel GEMMs read (gathered again in the backward).
+  const u128 scratch = 4 * blk(2 * N * H) + blk(2 * N * I) + 2 * blk(2 * N * Q) +
+                       2 * blk(2 * N * KV) + blk(2 * N * (Q + 2 * KV)) + (sp ? blk(2 * N * H) : 0);
+  for (const StageParts::Chunk& c : st.chunks) {
+    const u128 k = c.slots, layers = c.last - c.first;
+    // Each slot: x, ln [Ns, H] bf16 and rstd [Ns] fp32 of layers first..last (the chunk's input
+    // through its output), and without recompute the LayerActs of its layers.
+    b += k * (layers + 1) * (2 * blk(2 * Ns * H) + blk(4 * Ns));
+    b += (recompute ? 1 : k * layers) * layer + scratch;
+    if (u128(c.last) == L && k > 1) b += k * blk(2 * N * H);  // dhead: a slot's own d ln[L]
+  }
+  if (st.head) {
+    // The lm head: bf16 logits_ [chunk, V] of 1 GiB at most (chunk rows, at most N), fp32
+    // losses_ and chunk_lse_ [chunk], the double loss_sum_.
+    const u128 chunk = std::clamp<u128>(kLogitsChunkBytes / (V * 2), 1, N);
+    b += blk(2 * chunk * V) + 2 * blk(4 * chunk) + blk(8);
+  }
+  // A pipeline's messages: d x [Ns, H] bf16 received from the next stage, and sent to the
+  // previous one (x arrives in the slot's own x[first]).
+  for (const StageParts::Chunk& c : st.chunks) {
+    if (u128(c.last) < L) { b += blk(2 * Ns * H); break; }
+  }
+  for (const StageParts::Chunk& c : st.chunks) {
+    if (c.first > 0) { b += blk(2 * Ns * H); break; }
+  }
   return b;
 }
 
@@ -91,12 +117,37 @@ std::uint64_t checked(u128 bytes, const char* what) {
 
 void validate(const MemoryPlanInput& in) {
   const MeshShape& s = in.mesh;
-  if (s.tp != 1 || s.pp != 1 || s.ep != 1)
-    fail_user(
-        "the memory plan models data parallelism only: mesh.tp = {}, mesh.pp = {}, "
-        "mesh.ep = {} must be 1",
-        s.tp, s.pp, s.ep);
+  const ModelConfig& m = in.model;
+  if (std::min({m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
+                m.num_kv_heads, m.head_dim}) < 1)
+    fail_user("every model size must be >= 1");
+  if (s.ep != 1) fail_user("mesh.ep = {}: expert parallelism is not modelled; set it to 1", s.ep);
   if (s.dp < 1) fail_user("the data-parallel size must be >= 1, got {}", s.dp);
+  if (s.tp < 1 || s.pp < 1 || s.pp_chunks < 1)
+    fail_user("mesh.tp ({}), mesh.pp ({}) and mesh.pp_chunks ({}) must be >= 1", s.tp, s.pp,
+              s.pp_chunks);
+  for (const auto& [key, n] : {std::pair{"model.num_heads", m.num_heads},
+                               {"model.num_kv_heads", m.num_kv_heads},
+                               {"model.intermediate_size", m.intermediate_size},
+                               {"model.vocab_size", m.vocab_size}})
+    if (n % s.tp != 0)
+      fail_user("mesh.tp = {} does not divide {} = {} (each tp rank takes an equal share)", s.tp,
+                key, n);
+  if (s.pp * s.pp_chunks > m.num_layers)
+    fail_user("mesh.pp x mesh.pp_chunks = {} x {} chunks is more than model.num_layers = {}",
+              s.pp, s.pp_chunks, m.num_layers);
+  if (in.micro_batches < 1) fail_user("the micro-batches of a step must be >= 1");
+  if (s.pp > 1) {
+    if (s.pp_schedule != "1f1b" && s.pp_schedule != "zb-h1")
+      fail_user("mesh.pp_schedule = {} must be 1f1b or zb-h1", s.pp_schedule);
+    if (s.pp_chunks > 1 && (s.pp_schedule != "1f1b" || in.micro_batches % s.pp != 0))
+      fail_user("mesh.pp_chunks = {} (interleaved 1F1B) needs mesh.pp_schedule = 1f1b and "
+                "micro-batches a step ({}) a multiple of mesh.pp = {}",
+                s.pp_chunks, in.micro_batches, s.pp);
+    if (s.pp_schedule == "zb-h1" && (in.recompute || in.zero_stage >= 2))
+      fail_user("mesh.pp_schedule = zb-h1 needs train.recompute = false and optim.zero_stage "
+                "0 or 1");
+  }
   if (in.zero_stage < 0 || in.zero_stage > 3)
     fail_user("the ZeRO stage must be 0, 1, 2 or 3, got {}", in.zero_stage);
   if (in.offload == Offload::kCpu && in.zero_stage < 2)
@@ -107,10 +158,6 @@ void validate(const MemoryPlanInput& in) {
               in.zero_stage);
   if (in.micro_batch < 1 || in.seq_len < 1)
     fail_user("micro_batch ({}) and seq_len ({}) must be >= 1", in.micro_batch, in.seq_len);
-  const ModelConfig& m = in.model;
-  if (std::min({m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
-                m.num_kv_heads, m.head_dim}) < 1)
-    fail_user("every model size must be >= 1");
 }
 
 }  // namespace
@@ -150,24 +197,85 @@ ParamUnits param_units(const ModelConfig& m) {
           static_cast<std::uint64_t>(last), static_cast<std::uint64_t>(L)};
 }
 
-MemoryPlan memory_plan(const MemoryPlanInput& in) {
+int StageParts::layers() const {
+  int n = 0;
+  for (const Chunk& c : chunks) n += c.last - c.first;
+  return n;
+}
+
+int StageParts::max_slots() const {
+  int n = 1;
+  for (const Chunk& c : chunks) n = std::max(n, c.slots);
+  return n;
+}
+
+std::vector<StageParts> pipeline_stages(const MemoryPlanInput& in) {
   validate(in);
-  const ModelConfig& m = in.model;
+  const MeshShape& mesh = in.mesh;
+  const int P = mesh.pp, L = in.model.num_layers;
+  std::vector<StageParts> out(static_cast<std::size_t>(P));
+  for (int s = 0; s < P; ++s) {
+    StageParts& st = out[static_cast<std::size_t>(s)];
+    st.embedding = s == 0;
+    st.head = s == P - 1;
+    st.tied_copy = P > 1 && st.head && in.model.tie_word_embeddings;
+  }
+  if (P == 1) {
+    out[0].chunks.push_back({0, L, 1});
+    return out;
+  }
+  std::vector<int> bounds;
+  try {
+    bounds = pipeline_layer_bounds(in.model, mesh);
+  } catch (const std::invalid_argument& e) {
+    fail_user("mesh.pp_layers = {}: {}", mesh.pp_layers, e.what());
+  }
+  // Each stage's list of a step (parallel/pipeline_schedule.h) says how many micro-batches each
+  // chunk holds at once: P - s under 1F1B, more on early stages when interleaved or ZB-H1.
+  const PipeSchedule lists = schedule(schedule_config(mesh, in.micro_batches));
+  for (int s = 0; s < P; ++s)
+    for (int v = 0; v < mesh.pp_chunks; ++v) {
+      const int c = v * P + s;
+      out[static_cast<std::size_t>(s)].chunks.push_back(
+          {bounds[c], bounds[c + 1], activation_slots(lists[static_cast<std::size_t>(s)], c)});
+    }
+  return out;
+}
+
+StageParts stage_parts(const MemoryPlanInput& in, int s) {
+  if (s < 0 || s >= std::max(in.mesh.pp, 1))
+    fail_user("pipeline stage {} of mesh.pp = {}", s, in.mesh.pp);
+  return pipeline_stages(in)[static_cast<std::size_t>(s)];
+}
+
+namespace {
+
+// Stage s's bytes; `in` validated, st = its parts.
+MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
+  const int tp = in.mesh.tp;
+  const ModelConfig m = tp_local_config(in.model, tp);  // the tp rank's model
   const int dp = in.mesh.dp;
   const int stage = in.zero_stage;
   const bool offload = in.offload == Offload::kCpu;
   const ParamUnits units = param_units(m);
-  // One AdamWSegment per tensor of the layout: embedding, 11 per layer, final norm, lm head.
-  const u128 tensors = 2 + u128{11} * m.num_layers + (m.tie_word_embeddings ? 0 : 1);
+  const bool holds_embed = st.embedding || st.tied_copy;
+  const u128 layers = st.layers();
+  // One AdamWSegment per tensor held: the embedding, 11 per layer, the final norm and lm head.
+  const u128 tensors = (holds_embed ? 1 : 0) + 11 * layers +
+                       (st.head ? (m.tie_word_embeddings ? 1 : 2) : 0);
+  const u128 held_units = (holds_embed ? 1 : 0) + layers + (st.head ? 1 : 0);
 
   MemoryPlan p;
+  p.built = tp == 1 && in.mesh.pp == 1;
+  p.stage = s;
+  p.slots = st.max_slots();
   u128 params = 0, grads = 0, optimizer = blk(kAdamWSegmentBytes * tensors),  // segments_
       host = 0, pinned = 0;
   {
-    // ShardedCudaState (src/cuda/sharded_state_cuda.cpp) over the units of plan_qwen3: per unit,
-    // chunk = ceil(unit / dp), padded = chunk x dp, rank 0 owning min(unit, chunk) elements (at
-    // ZeRO-0 it updates the whole unit). At dp = 1 there is no NCCL communicator: nothing is
-    // gathered or reduced, and every stage allocates the same.
+    // ShardedCudaState (src/cuda/sharded_state_cuda.cpp) over the stage's units of plan_qwen3:
+    // per unit, chunk = ceil(unit / dp), padded = chunk x dp, rank 0 owning min(unit, chunk)
+    // elements (at ZeRO-0 it updates the whole unit). At dp = 1 there is no NCCL communicator:
+    // nothing is gathered or reduced, and every stage allocates the same.
     const bool gathers = stage == 3 && dp > 1;          // ShardedCudaState::gathers()
     const bool scatters = dp > 1;                        // ShardedCudaState::scatters()
     const bool whole_grads = stage <= 1 || dp == 1;      // ShardedCudaState::whole_grads()
@@ -180,17 +288,19 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
       if (!offload) optimizer += count * (blk(4 * (stage == 0 ? unit : c)) + 2 * blk(4 * own));
       grads += count * blk(4 * (whole_grads ? padded : c));  // Unit::grad
       owned += count * own;
-      all_padded = std::max(all_padded, padded);
+      if (count > 0) all_padded = std::max(all_padded, padded);
     };
-    add(1, units.embed);
-    add(units.layers, units.layer);
-    add(1, units.last);
+    if (holds_embed) add(1, units.embed);
+    add(layers, units.layer);
+    if (st.head) add(1, units.last);
     // The slots: max_chunk and max_padded over the units after the embedding, which has its own.
-    const u128 rest = units.largest_after_embed();
+    const u128 rest = std::max<u128>(layers > 0 ? units.layer : 0, st.head ? units.last : 0);
     const u128 max_chunk = ParamUnits::chunk(rest, dp), max_padded = max_chunk * dp;
     const u128 embed_chunk = ParamUnits::chunk(units.embed, dp), embed_padded = embed_chunk * dp;
-    if (gathers)  // weight_ring_: 3 gathered units; embed_weights_ (a tied embedding stays)
-      params += 3 * blk(2 * max_padded) + blk(2 * embed_padded);
+    if (gathers) {  // weight_ring_: 3 gathered units; embed_weights_ (a tied embedding stays)
+      params += 3 * blk(2 * max_padded);
+      if (holds_embed) params += blk(2 * embed_padded);
+    }
     // ZeRO-0/1 with optim.grad_reduce = bf16: reduce_stage_, bf16 [the largest padded unit].
     if (scatters && stage <= 1 && in.grad_reduce_bf16) grads += blk(2 * all_padded);
     if (scatters && stage >= 2) {  // grad_ring_: 2 x (a whole unit, its reduce-scatter output)
@@ -199,31 +309,51 @@ MemoryPlan memory_plan(const MemoryPlanInput& in) {
       // fewer elements than the table: the gathered ids, rows of dx (bf16) and the sort's
       // workspace; else embed_grads_, the whole table and its reduce-scatter output.
       const u128 gathered = u128(dp) * in.micro_batch * in.seq_len;
-      if (!m.tie_word_embeddings && gathered * m.hidden_size < units.embed)
-        grads += blk(4 * gathered) + blk(2 * gathered * m.hidden_size) +
-                 blk(embedding_backward_ws(gathered));
-      else
-        grads += blk(4 * embed_padded) + blk(4 * embed_chunk);
+      if (holds_embed) {
+        if (!m.tie_word_embeddings && gathered * m.hidden_size < units.embed)
+          grads += blk(4 * gathered) + blk(2 * gathered * m.hidden_size) +
+                   blk(embedding_backward_ws(gathered));
+        else
+          grads += blk(4 * embed_padded) + blk(4 * embed_chunk);
+      }
     }
     host = 12 * owned;  // Unit::host_master, host_m, host_v [own]: with offload the live state
     // Offload: stage_grads_ and stage_weights_, two of each, [max chunk] fp32 and bf16 pinned.
-    if (offload) pinned = 2 * (4 + 2) * std::max(max_chunk, embed_chunk);
+    if (offload) pinned = 2 * (4 + 2) * std::max(max_chunk, holds_embed ? embed_chunk : 0);
   }
   // gemm_ws_ (cuBLASLt), norm_ws_ (grad_norm_workspace_bytes), CudaOps::ws_.
   u128 workspace = blk(kGemmWorkspaceBytes) + blk((kMaxPartials + 2) * 8) +
                    blk(op_workspace_bytes(m, in.micro_batch, in.seq_len));
   // ShardedCudaState: the norm's workspace on the NCCL stream, and each unit's sum of squares.
-  workspace += blk((kMaxPartials + 2) * 8) + blk(8 * (u128(m.num_layers) + 2));
+  workspace += blk((kMaxPartials + 2) * 8) + blk(8 * held_units);
+  const bool sp = in.sequence_parallel && tp > 1;
+  const u128 N = u128(in.micro_batch) * in.seq_len, Ns = sp ? cdiv(N, tp) : N;
   p.params = checked(params, "bf16 parameters");
   p.grads = checked(grads, "gradients");
   p.optimizer = checked(optimizer, "optimizer state");
-  p.activations =
-      checked(activation_bytes(m, in.micro_batch, in.seq_len, in.recompute), "activations");
+  p.activations = checked(
+      activation_bytes(m, st, in.micro_batch, in.seq_len, in.recompute, Ns, sp), "activations");
   p.workspace = checked(workspace, "workspace");
   p.host = checked(host, "host state");
   p.host_pinned = checked(pinned, "pinned host staging");
   checked(u128{p.params} + p.grads + p.optimizer + p.activations + p.workspace, "GPU total");
   return p;
+}
+
+}  // namespace
+
+MemoryPlan memory_plan_stage(const MemoryPlanInput& in, int s) {
+  return stage_plan(in, stage_parts(in, s), s);
+}
+
+MemoryPlan memory_plan(const MemoryPlanInput& in) {
+  const std::vector<StageParts> stages = pipeline_stages(in);
+  MemoryPlan best = stage_plan(in, stages[0], 0);
+  for (int s = 1; s < in.mesh.pp; ++s) {
+    const MemoryPlan p = stage_plan(in, stages[static_cast<std::size_t>(s)], s);
+    if (p.gpu() > best.gpu()) best = p;
+  }
+  return best;
 }
 
 std::vector<Setting> settings_by_preference(const MemoryPlanInput& in) {

@@ -8,9 +8,14 @@
 // ZeRO stage, with or without offload, and Qwen3Cuda's buffers (qwen3_cuda.cpp). Each term names
 // the allocation it mirrors in memory_plan.cpp.
 //
-// Parallelism enters through MeshShape: dp today; tp and pp are refused until they are modelled
-// (a tp shard would divide each unit's matrices, a pp stage would hold a range of layers: both
-// are per-unit changes in memory_plan.cpp).
+// Parallelism enters through MeshShape. dp: ZeRO shards of each unit. tp: the rank's model is
+// tp_local_config (heads, kv heads, MLP width and vocabulary divided by tp; norms whole), so its
+// units and activations are that model's, except that with sequence parallelism the residual
+// stream and the norms' [N, H] buffers hold N / tp rows. pp: stage s holds the units of its
+// layers (the first the embedding, the last the final norm and lm head; a tied embedding's copy
+// too) and the activations of as many micro-batches as its schedule keeps in flight. The CUDA
+// back end runs dp only today: the tp and pp terms predict what it will allocate by the same
+// rules (MemoryPlan::built is false for them).
 #pragma once
 
 #include <cstdint>
@@ -32,7 +37,13 @@ struct MemoryPlanInput {
   int micro_batch = 1;               // B: sequences per micro-batch (train.micro_batch)
   int seq_len = 1;                   // T: tokens per sequence (train.seq_len)
   bool recompute = false;            // train.recompute
-  MeshShape mesh;                    // mesh.dp ranks; tp, pp, ep must be 1 (not modelled yet)
+  // mesh.dp, tp, pp, pp_schedule, pp_chunks, pp_layers; ep must be 1.
+  MeshShape mesh;
+  // mesh.sequence_parallel: the residual stream and norms split over tp by rows (tp > 1 only).
+  bool sequence_parallel = false;
+  // M, the micro-batches of a step on a dp rank (train.global_batch / (micro_batch x dp)): how
+  // many a pipeline stage may hold at once. Not used at pp = 1.
+  int micro_batches = 1;
   int zero_stage = 0;                // optim.zero_stage, 0-3
   Offload offload = Offload::kNone;  // kCpu needs zero_stage 2 or 3 (as the deck does on cuda)
   // optim.grad_reduce = bf16: a bf16 copy of the gradients on the wire; ZeRO 0 and 1 only (the
@@ -40,8 +51,9 @@ struct MemoryPlanInput {
   bool grad_reduce_bf16 = false;
 };
 
-// Bytes of one rank: dp rank 0, the one with the largest shard. GPU terms are sums of arena
-// blocks, each rounded up to 256 bytes as DeviceArena::allocate does.
+// Bytes of one rank: dp rank 0 (the largest shard) of one pipeline stage (memory_plan: the stage
+// needing the most GPU memory). GPU terms are sums of arena blocks, each rounded up to 256 bytes
+// as DeviceArena::allocate does.
 struct MemoryPlan {
   std::uint64_t params = 0;       // bf16 compute weights (ZeRO-3: shard + gather slots)
   std::uint64_t grads = 0;        // fp32 gradients (ZeRO-2/3: shard + scratch slots), bf16 wire
@@ -51,15 +63,38 @@ struct MemoryPlan {
   std::uint64_t host = 0;         // pageable host bytes of the trained state (copies for init and
                                   // checkpoints; with offload the live master weights and moments)
   std::uint64_t host_pinned = 0;  // page-locked host bytes: offload's staging
-  bool built = true;              // what the CUDA back end allocates today (every setting that
-                                  // memory_plan accepts; false is for a setting modelled before
-                                  // it is built)
+  bool built = true;              // what the CUDA back end allocates today; false: a prediction
+                                  // of a path not built on it yet (tp or pp > 1)
+  int stage = 0;                  // the pipeline stage described
+  int slots = 1;                  // micro-batches whose activations it holds at once (the most
+                                  // of its chunks')
   std::uint64_t gpu() const { return params + grads + optimizer + activations + workspace; }
 };
 
-// Throws UserError for what cannot be planned: tp, pp or ep > 1, a stage outside 0-3, offload
-// below ZeRO-2, a bf16 gradient wire above ZeRO-1, sizes below 1, or a total beyond 2^63 bytes.
+// Throws UserError, naming the deck key, for what cannot be planned: ep > 1, a tp that does not
+// divide the heads, kv heads, MLP width or vocabulary, more pipeline chunks than layers, a
+// pipeline schedule its settings refuse (as the deck does), a stage outside 0-3, offload below
+// ZeRO-2, a bf16 gradient wire above ZeRO-1, sizes below 1, or a total beyond 2^63 bytes.
 MemoryPlan memory_plan(const MemoryPlanInput& in);
+// Pipeline stage s of mesh.pp (memory_plan is the largest of them).
+MemoryPlan memory_plan_stage(const MemoryPlanInput& in, int s);
+
+// What pipeline stage s of the input's mesh runs and holds (the whole model at pp = 1).
+struct StageParts {
+  bool embedding = false;  // the embedding's lookup (the first stage)
+  bool head = false;       // the final norm, lm head and loss (the last stage)
+  bool tied_copy = false;  // the last stage's copy of a tied embedding (its lm head)
+  struct Chunk {
+    int first = 0, last = 0;  // decoder layers [first, last)
+    int slots = 1;            // micro-batches in flight between forward and end of backward
+  };
+  std::vector<Chunk> chunks;  // chunk v P + s for v < mesh.pp_chunks
+  int layers() const;
+  int max_slots() const;
+};
+// Every stage's, [mesh.pp]; validates as memory_plan does.
+std::vector<StageParts> pipeline_stages(const MemoryPlanInput& in);
+StageParts stage_parts(const MemoryPlanInput& in, int s);
 
 // A ZeRO stage and offload setting the CUDA back end can run, with its plan.
 struct Setting {

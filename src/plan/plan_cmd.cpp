@@ -8,9 +8,13 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <vector>
 
+#include "config/ini_lines.h"
+#include "plan/layouts.h"
 #include "plan/memory_plan.h"
 #include "qtrain/comm.h"
 #include "qtrain/deck.h"
@@ -20,38 +24,55 @@ namespace qt {
 
 namespace {
 
-using plan::MemoryPlan;
-using plan::Offload;
 
 constexpr const char* kUsage =
-    "usage: qtrain plan DECK --gpus N --gpu-mem GB [--section.key=value ...]\n"
+    "usage: qtrain plan DECK --gpus N --gpu-mem GB [options] [--section.key=value ...]\n"
     "\n"
-    "Predicts the peak GPU memory of one rank of the CUDA back end for the deck's model\n"
-    "(model.preset, [model] keys or model.init's config.json), train.micro_batch,\n"
-    "train.seq_len and train.recompute, split into parameters, gradients, optimizer state,\n"
-    "activations and workspace, for every optim.zero_stage (0-3) and optim.offload (none, cpu;\n"
-    "cpu needs ZeRO-2 or 3) on N data-parallel GPUs; says whether each fits and which is the\n"
-    "cheapest that does.\n"
+    "Lists every layout of the deck's model (model.preset, [model] keys or model.init's\n"
+    "config.json) on N GPUs of the CUDA back end: each mesh dp x tp x pp = N that the model\n"
+    "and the hosts allow, and on it each optim.zero_stage (0-3), optim.offload (none, cpu;\n"
+    "cpu needs ZeRO-2 or 3) and train.recompute; for each the peak GPU memory of one rank\n"
+    "(parameters, gradients, optimizer state, activations, workspace), whether it fits, and a\n"
+    "predicted step time; then recommends the fastest that fits, with its deck keys.\n"
+    "train.micro_batch, train.seq_len and train.global_batch are the deck's.\n"
     "\n"
-    "  --gpus N         data-parallel GPUs (mesh.dp = N; one rank each)\n"
-    "  --gpu-mem GB     memory of one GPU in GiB (2^30 bytes), as the card is sold: 80 for an\n"
-    "                   H100 80GB; a margin of 4.5 GiB is kept for the CUDA context, NCCL and\n"
-    "                   cuBLASLt\n"
-    "  --section.key=value   overrides a deck key, as for training (e.g. --train.micro_batch=2)\n"
-    "  --help           this text\n"
+    "  --gpus N            GPUs of the whole job (one rank each): dp x tp x pp = N\n"
+    "  --gpu-mem GB        memory of one GPU in GiB (2^30 bytes), as the card is sold: 80 for\n"
+    "                      an H100 80GB; a margin of 4.5 GiB is kept for the CUDA context,\n"
+    "                      NCCL and cuBLASLt\n"
+    "  --gpus-per-host G   GPUs of one host (topology.gpus_per_host, default 8); tp stays inside\n"
+    "                      a host\n"
+    "  --tp LIST, --pp LIST  only these tensor / pipeline sizes, e.g. --tp 4,8 (default: all)\n"
+    "  --sequence-parallel plan tp > 1 with sequence parallelism (mesh.sequence_parallel)\n"
+    "  --all               list the layouts that do not fit too\n"
+    "  --section.key=value overrides a deck key, as for training (e.g. --train.micro_batch=2,\n"
+    "                      --mesh.pp_schedule=zb-h1, --topology.inter_host_gbps=40)\n"
+    "  --help              this text\n"
     "\n"
-    "Every number mirrors the CUDA back end's allocations, buffer by buffer. Only the model,\n"
-    "micro-batch, recompute and optim.grad_reduce keys matter (bf16 applies to ZeRO 0 and 1;\n"
-    "ZeRO 2 and 3 reduce in fp32); data and checkpoint keys are not checked. docs/plan.md\n"
-    "explains every term.\n";
+    "Memory mirrors the CUDA back end's allocations buffer by buffer (tp and pp > 1: what it\n"
+    "will allocate by the same rules; the 'built' column says which). Times come from measured\n"
+    "GEMM, attention and AdamW rates and the topology.* link bandwidths. docs/plan.md explains\n"
+    "every term.\n";
 
 struct Options {
   std::string deck;
   int gpus = 0;
   double gpu_mem_gib = 0;
-  std::vector<std::string> overrides;  // "--section.key=value"
+  std::vector<int> tp, pp;             // --tp, --pp: allowed sizes (empty: any)
+  bool sequence_parallel = false;      // --sequence-parallel
+  bool all = false;                    // --all
+  std::string pp_schedule, pp_chunks;  // --mesh.pp_schedule, --mesh.pp_chunks (or the deck's)
+  std::vector<std::string> overrides;  // "--section.key=value", passed to the deck
   bool help = false;
 };
+
+int parse_count(const std::string& s, const char* what, int most) {
+  int v = 0;
+  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
+  if (ec != std::errc() || end != s.data() + s.size() || v < 1 || v > most)
+    fail_user("{} {}: expected a whole number from 1 to {}", what, s.empty() ? "''" : s, most);
+  return v;
+}
 
 int parse_gpus(const std::string& s) {
   int v = 0;
@@ -59,6 +80,25 @@ int parse_gpus(const std::string& s) {
   if (ec != std::errc() || end != s.data() + s.size() || v < 1 || v > 1'000'000)
     fail_user("--gpus {}: expected a whole number of GPUs from 1 to 1000000", s.empty() ? "''" : s);
   return v;
+}
+
+// "1,2,4" -> {1, 2, 4}
+std::vector<int> parse_list(const std::string& s, const char* what) {
+  std::vector<int> out;
+  std::size_t begin = 0;
+  while (true) {
+    const std::size_t comma = s.find(',', begin);
+    const std::string item = s.substr(begin, comma - begin);
+    int v = 0;
+    const auto [end, ec] = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (ec != std::errc() || end != item.data() + item.size() || v < 1 || v > 1'000'000)
+      fail_user("{} {}: expected a comma list of whole numbers from 1 to 1000000 (e.g. 1,2,4)",
+                what, s.empty() ? "''" : s);
+    out.push_back(v);
+    if (comma == std::string::npos) break;
+    begin = comma + 1;
+  }
+  return out;
 }
 
 double parse_gpu_mem(const std::string& s) {
@@ -78,8 +118,12 @@ double parse_gpu_mem(const std::string& s) {
 
 Options parse_options(int argc, char** argv) {
   Options o;
-  std::vector<std::string> positional;
-  bool gpus = false, mem = false;
+  std::vector<std::string> positional, seen;
+  auto once = [&seen](const std::string& key) {
+    if (std::find(seen.begin(), seen.end(), key) != seen.end())
+      fail_user("{} is given twice", key);
+    seen.push_back(key);
+  };
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--help" || a == "-h") {
@@ -92,7 +136,12 @@ Options parse_options(int argc, char** argv) {
     }
     const std::size_t eq = a.find('=');
     const std::string key = a.substr(0, eq);
-    if (key == "--gpus" || key == "--gpu-mem") {
+    if (key == "--sequence-parallel" || key == "--all") {
+      if (eq != std::string::npos) fail_user("{} takes no value", key);
+      once(key);
+      (key == "--all" ? o.all : o.sequence_parallel) = true;
+    } else if (key == "--gpus" || key == "--gpu-mem" || key == "--gpus-per-host" ||
+               key == "--tp" || key == "--pp") {
       std::string value;
       if (eq != std::string::npos)
         value = a.substr(eq + 1);
@@ -100,19 +149,30 @@ Options parse_options(int argc, char** argv) {
         value = argv[++i];
       else
         fail_user("{} needs a value", key);
-      if (key == "--gpus") {
-        if (gpus) fail_user("--gpus is given twice");
-        o.gpus = parse_gpus(value);
-        gpus = true;
-      } else {
-        if (mem) fail_user("--gpu-mem is given twice");
-        o.gpu_mem_gib = parse_gpu_mem(value);
-        mem = true;
-      }
+      once(key);
+      if (key == "--gpus") o.gpus = parse_gpus(value);
+      if (key == "--gpu-mem") o.gpu_mem_gib = parse_gpu_mem(value);
+      if (key == "--gpus-per-host")
+        o.overrides.push_back(fmt::format("--topology.gpus_per_host={}",
+                                          parse_count(value, "--gpus-per-host", 1'000'000)));
+      if (key == "--tp") o.tp = parse_list(value, "--tp");
+      if (key == "--pp") o.pp = parse_list(value, "--pp");
     } else if (key.rfind("--", 0) == 0 && key.find('.') != std::string::npos) {
       if (eq == std::string::npos) fail_user("{} has no value; write {}=value", a, a);
       if (key == "--mesh.dp") fail_user("--mesh.dp: the plan's data-parallel size is --gpus");
-      o.overrides.push_back(a);
+      if (key == "--mesh.tp" || key == "--mesh.pp")
+        fail_user("{}: the plan tries every size; pin them with --tp and --pp", key);
+      if (key == "--mesh.pp_layers")
+        fail_user("--mesh.pp_layers: the plan balances each pipeline's layers by cost");
+      if (key == "--mesh.pp_schedule") {
+        once(key);
+        o.pp_schedule = a.substr(eq + 1);
+      } else if (key == "--mesh.pp_chunks") {
+        once(key);
+        o.pp_chunks = a.substr(eq + 1);
+      } else {
+        o.overrides.push_back(a);
+      }
     } else {
       fail_user("unknown option {} (qtrain plan --help lists the options)", key);
     }
@@ -121,15 +181,23 @@ Options parse_options(int argc, char** argv) {
     fail_user("expected one DECK, got {}{}{}; usage: qtrain plan DECK --gpus N --gpu-mem GB",
               positional.size(), positional.empty() ? "" : ": ", fmt::join(positional, " "));
   o.deck = positional[0];
-  if (!gpus) fail_user("--gpus N is required (the number of data-parallel GPUs)");
-  if (!mem) fail_user("--gpu-mem GB is required (the memory of one GPU in GiB, e.g. 80)");
+  if (o.gpus == 0) fail_user("--gpus N is required (the GPUs of the whole job)");
+  if (o.gpu_mem_gib == 0) fail_user("--gpu-mem GB is required (the memory of one GPU in GiB, e.g. 80)");
   return o;
 }
 
 // The deck, read as a training run on one rank would read it: the model and the batch as given.
-// mesh.dp is the plan's own (--gpus); data and checkpoint keys do not change memory, so a deck
-// whose token file or checkpoint lives on another machine is planned too.
-Deck read_deck(const Options& o) {
+// The mesh is the plan's own: the deck's mesh.dp, tp, pp and pp_layers are not used (the plan
+// tries every size), its pp_schedule and pp_chunks (or --mesh.* overrides) are the pipeline rows'.
+// Data and checkpoint keys do not change memory, so a deck whose token file or checkpoint lives
+// on another machine is planned too.
+struct PlanDeck {
+  Deck deck;
+  std::string pp_schedule = "1f1b";
+  int pp_chunks = 1;
+};
+
+PlanDeck read_deck(const Options& o) {
   std::vector<std::string> args = {"qtrain"};
   auto given = [&o](const std::string& key) {
     for (const std::string& a : o.overrides)
@@ -137,7 +205,9 @@ Deck read_deck(const Options& o) {
     return false;
   };
   args.insert(args.end(), o.overrides.begin(), o.overrides.end());
-  args.push_back("--mesh.dp=1");
+  for (const char* kv : {"mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "mesh.pp_chunks=1",
+                         "mesh.pp_schedule=1f1b", "mesh.pp_layers="})
+    args.push_back(std::string("--") + kv);
   for (const char* kv :
        {"data.source=synthetic", "data.packing=concat", "checkpoint.resume=none"}) {
     const std::string s = kv;
@@ -146,13 +216,32 @@ Deck read_deck(const Options& o) {
   args.push_back(o.deck);
   std::vector<const char*> argv;
   for (const std::string& a : args) argv.push_back(a.c_str());
-  Deck d = parse_deck(static_cast<int>(argv.size()), argv.data(), 1);
-  if (d.lora.enabled())
+  PlanDeck p;
+  p.deck = parse_deck(static_cast<int>(argv.size()), argv.data(), 1);
+  if (p.deck.lora.enabled())
     fail_user(
         "lora.r = {}: the plan covers training the whole model, not LoRA adapters yet; "
         "--lora.r=0 gives the whole model's numbers",
-        d.lora.r);
-  return d;
+        p.deck.lora.r);
+  // The deck file's pipeline schedule, unless the command line gives one.
+  std::string schedule = o.pp_schedule, chunks = o.pp_chunks;
+  std::string schedule_at = "(command line)", chunks_at = "(command line)";
+  std::ifstream in(o.deck, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  for (const ini::Entry& e : ini::scan(text.str(), o.deck).entries) {
+    const std::string at = fmt::format("{}:{}", o.deck, e.line);
+    if (e.key == "mesh.pp_schedule" && o.pp_schedule.empty()) schedule = e.value, schedule_at = at;
+    if (e.key == "mesh.pp_chunks" && o.pp_chunks.empty()) chunks = e.value, chunks_at = at;
+  }
+  if (!schedule.empty()) {
+    if (schedule != "1f1b" && schedule != "zb-h1")
+      fail_user("{}: mesh.pp_schedule = {} must be 1f1b or zb-h1", schedule_at, schedule);
+    p.pp_schedule = schedule;
+  }
+  if (!chunks.empty())
+    p.pp_chunks = parse_count(chunks, (chunks_at + ": mesh.pp_chunks =").c_str(), 1'000'000);
+  return p;
 }
 
 double gib(std::uint64_t b) { return static_cast<double>(b) / (1 << 30); }
@@ -176,16 +265,6 @@ std::string grouped(std::uint64_t v) {
   return s;
 }
 
-// A setting the CUDA back end can run: offload needs ZeRO-2 or 3 (the deck refuses it below).
-bool available(int stage, Offload off) { return off == Offload::kNone || stage >= 2; }
-
-struct Row {
-  int stage;
-  Offload offload;
-  MemoryPlan plan;  // when available(stage, offload)
-  bool fits;
-};
-
 // What the CUDA back end cannot run at all, whatever the memory (checked in its kernels).
 std::vector<std::string> cuda_limits(const ModelConfig& m) {
   std::vector<std::string> out;
@@ -202,117 +281,156 @@ std::vector<std::string> cuda_limits(const ModelConfig& m) {
   return out;
 }
 
-std::string report(const Options& o, const Deck& d) {
+// "dp  tp  pp zero offload recompute" of a row.
+std::string mesh_cells(const plan::Layout& r) {
+  const MeshShape& m = r.in.mesh;
+  return fmt::format("{:>4} {:>3} {:>3} {:>4} {:<7} {:<9}", m.dp, m.tp, m.pp, r.in.zero_stage,
+                     plan::offload_name(r.in.offload), r.in.recompute ? "yes" : "no");
+}
+
+std::string report(const Options& o, const PlanDeck& pd) {
+  const Deck& d = pd.deck;
   const ModelConfig& m = d.model;
   const plan::ParamUnits u = plan::param_units(m);
   const std::uint64_t card = static_cast<std::uint64_t>(o.gpu_mem_gib * (1 << 30));
   const std::uint64_t usable = card - plan::kGpuMarginBytes;  // > 0: parse_gpu_mem
+  const TopologyConfig& topo = d.topology;
   std::string out = fmt::format("qtrain plan: deck {}\n", d.path);
   const std::string name = !m.preset.empty()       ? m.preset
                            : !d.model_init.empty() ? d.model_init + "/config.json"
                                                    : std::string("[model] keys");
   out += fmt::format(
-      "model    {}: {} parameters ({}); ZeRO-2/3 units: embedding {}, {} layers of {}, final "
-      "norm{} {}\n",
+      "model    {}: {} parameters ({}); units: embedding {}, {} layers of {}, final norm{} {}\n",
       name, grouped(u.total()), short_count(u.total()), grouped(u.embed), u.layers,
       grouped(u.layer), m.tie_word_embeddings ? " (lm head tied)" : " + lm head", grouped(u.last));
   out += fmt::format(
-      "batch    train.micro_batch {} x train.seq_len {} tokens, train.recompute = {}, "
-      "optim.grad_reduce = {}\n",
-      d.train.micro_batch, d.train.seq_len, d.train.recompute ? "true" : "false",
-      d.optim.grad_reduce);
+      "batch    train.micro_batch {} x train.seq_len {} tokens, train.global_batch {} sequences "
+      "a step, optim.grad_reduce = {}\n",
+      d.train.micro_batch, d.train.seq_len, d.train.global_batch, d.optim.grad_reduce);
+  const int hosts = (o.gpus + topo.gpus_per_host - 1) / topo.gpus_per_host;
   out += fmt::format(
-      "GPUs     {} data-parallel (dp = {}) of {:.2f} GiB: {:.2f} GiB usable each (a "
-      "{:.1f} GiB margin for the CUDA context, NCCL and cuBLASLt)\n\n",
-      o.gpus, o.gpus, o.gpu_mem_gib, gib(usable), gib(plan::kGpuMarginBytes));
+      "GPUs     {} ({} host{} of {}) of {:.2f} GiB: {:.2f} GiB usable each (a {:.1f} GiB margin "
+      "for the CUDA context, NCCL and cuBLASLt)\n",
+      o.gpus, hosts, hosts == 1 ? "" : "s", topo.gpus_per_host, o.gpu_mem_gib, gib(usable),
+      gib(plan::kGpuMarginBytes));
+  out += fmt::format(
+      "links    topology.intra_host_gbps = {:g}, topology.inter_host_gbps = {:g} (GB/s bus "
+      "bandwidth per GPU)\n",
+      topo.intra_host_gbps, topo.inter_host_gbps);
+  out += fmt::format(
+      "pipeline mesh.pp_schedule = {}, mesh.pp_chunks = {} (rows with pp > 1); sequence "
+      "parallelism {}\n",
+      pd.pp_schedule, pd.pp_chunks, o.sequence_parallel ? "on (rows with tp > 1)" : "off");
 
-  const bool wire_bf16 = d.optim.grad_reduce == "bf16";
-  plan::MemoryPlanInput base;  // the deck's model and batch on o.gpus data-parallel GPUs
-  base.model = m;
-  base.micro_batch = d.train.micro_batch;
-  base.seq_len = d.train.seq_len;
-  base.recompute = d.train.recompute;
-  base.mesh.dp = o.gpus;
-  base.grad_reduce_bf16 = wire_bf16;
-  std::vector<Row> rows;
-  for (Offload off : {Offload::kNone, Offload::kCpu})
-    for (int stage = 0; stage <= 3; ++stage) {
-      if (!available(stage, off)) {
-        rows.push_back({stage, off, MemoryPlan{}, false});
-        continue;
-      }
-      plan::MemoryPlanInput in = base;
-      in.zero_stage = stage;
-      in.offload = off;
-      in.grad_reduce_bf16 = wire_bf16 && stage <= 1;  // ZeRO 2 and 3 reduce in fp32
-      const MemoryPlan p = plan::memory_plan(in);
-      rows.push_back({stage, off, p, p.gpu() <= usable});
-    }
+  plan::LayoutSearch search;
+  search.model = m;
+  search.micro_batch = d.train.micro_batch;
+  search.seq_len = d.train.seq_len;
+  search.global_batch = d.train.global_batch;
+  search.grad_reduce_bf16 = d.optim.grad_reduce == "bf16";
+  search.sequence_parallel = o.sequence_parallel;
+  search.pp_schedule = pd.pp_schedule;
+  search.pp_chunks = pd.pp_chunks;
+  search.gpus = o.gpus;
+  search.tp = o.tp;
+  search.pp = o.pp;
+  search.topology = topo;
+  search.usable = usable;
+  const plan::Layouts all = plan::enumerate_layouts(search);
 
-  // GiB, or MiB when every setting needs less than 1 GiB (small test models).
+  std::string meshes;
+  int runnable = 0;
+  for (const plan::Layout& r : all.rows)
+    if (r.in.zero_stage == 0 && !r.in.recompute) ++runnable;  // one row a mesh
+  out += fmt::format("meshes   dp x tp x pp = {}: {} can run the model{}{}\n", o.gpus, runnable,
+                     all.excluded.empty() ? "" : fmt::format(", {} cannot:", all.excluded.size()),
+                     o.tp.empty() && o.pp.empty() ? "" : " (--tp/--pp given)");
+  for (const plan::Excluded& e : all.excluded)
+    out += fmt::format("           dp {} x tp {} x pp {}: {}\n", e.dp, e.tp, e.pp, e.why);
+  if (all.settings_skipped > 0)
+    out += fmt::format("         ({} settings left out: mesh.pp_schedule = zb-h1 needs "
+                       "train.recompute = false and optim.zero_stage 0 or 1)\n",
+                       all.settings_skipped);
+
+  // GiB, or MiB when every layout needs less than 1 GiB (small test models).
   std::uint64_t largest = 0;
-  for (const Row& r : rows)
-    largest = std::max({largest, r.plan.gpu(), r.plan.host, r.plan.host_pinned});
+  for (const plan::Layout& r : all.rows)
+    largest = std::max({largest, r.memory.gpu(), r.memory.host + r.memory.host_pinned});
   const bool mib = largest < (std::uint64_t{1} << 30);
   const char* unit = mib ? "MiB" : "GiB";
   auto in_unit = [mib](std::uint64_t b) {
     return static_cast<double>(b) / (mib ? 1 << 20 : 1 << 30);
   };
+  int fitting = 0;
+  for (const plan::Layout& r : all.rows) fitting += r.fits;
   out += fmt::format(
-      "Peak GPU memory of one rank, {0}; host: the rank's trained state in host memory, {0}\n",
-      unit);
-  out +=
-      " zero offload   params    grads optimizer activations workspace    total fits      host  "
-      " pinned\n";
-  for (const Row& r : rows) {
-    const bool mine =
-        r.stage == d.optim.zero_stage && plan::offload_name(r.offload) == d.optim.offload;
-    const std::string head =
-        fmt::format("{:>4}{} {:<7}", r.stage, mine ? '*' : ' ', plan::offload_name(r.offload));
-    if (!available(r.stage, r.offload)) {
-      out += head + " not available: the CUDA back end offloads at ZeRO-2 and 3 only\n";
-      continue;
-    }
-    const MemoryPlan& p = r.plan;
-    out += head + fmt::format(
-                      " {:>8.2f} {:>8.2f} {:>9.2f} {:>11.2f} {:>9.2f} {:>8.2f} {:<4} {:>9.2f} "
-                      "{:>8.2f}\n",
-                      in_unit(p.params), in_unit(p.grads), in_unit(p.optimizer),
-                      in_unit(p.activations), in_unit(p.workspace), in_unit(p.gpu()),
-                      r.fits ? "yes" : "no", in_unit(p.host), in_unit(p.host_pinned));
+      "\nLayouts{}, fastest first: peak memory of one rank in {} (the pipeline "
+      "stage that needs most), predicted step time\n",
+      o.all ? " (those that fit first)" : " that fit", unit);
+  out += "  dp  tp  pp zero offload recompute   params    grads optimizer activations workspace"
+         "    total fits   step s tokens/s/GPU   MFU bubble  host built\n";
+  int listed = 0;
+  for (const plan::Layout& r : all.rows) {
+    if (!r.fits && !o.all) continue;
+    ++listed;
+    const plan::MemoryPlan& p = r.memory;
+    out += mesh_cells(r) + fmt::format(
+        " {:>8.2f} {:>8.2f} {:>9.2f} {:>11.2f} {:>9.2f} {:>8.2f} {:<4} {:>8.3f} {:>12.0f} "
+        "{:>4.1f}% {:>5.1f}% {:>5.1f} {}\n",
+        in_unit(p.params), in_unit(p.grads), in_unit(p.optimizer), in_unit(p.activations),
+        in_unit(p.workspace), in_unit(p.gpu()), r.fits ? "yes" : "no", r.time.total,
+        r.time.tokens_per_s_per_gpu, 100 * r.time.mfu, 100 * r.time.bubble_fraction,
+        in_unit(p.host + p.host_pinned), p.built ? "yes" : "no");
+  }
+  if (listed == 0) out += "  (none)\n";
+  if (!o.all && fitting < static_cast<int>(all.rows.size())) {
+    const plan::Layout* least = nullptr;
+    for (const plan::Layout& r : all.rows)
+      if (!r.fits && (!least || r.memory.gpu() < least->memory.gpu())) least = &r;
+    out += fmt::format("  ... and {} that do not fit (the least needs {:.2f} {}: dp {} x tp {} x "
+                       "pp {}, ZeRO-{}, offload {}); --all lists them\n",
+                       all.rows.size() - fitting, in_unit(least->memory.gpu()), unit,
+                       least->in.mesh.dp, least->in.mesh.tp, least->in.mesh.pp,
+                       least->in.zero_stage, plan::offload_name(least->in.offload));
   }
   out += fmt::format(
-      "\n*: the deck's setting (optim.zero_stage = {}, optim.offload = {}). host: master weights "
-      "and moments in pageable\nmemory (copies for start-up and checkpoints; with offload the "
-      "live state, updated on the host); pinned:\noffload's staging.{}\n",
-      d.optim.zero_stage, d.optim.offload,
-      wire_bf16 ? " ZeRO 2 and 3 reduce gradients in fp32 (optim.grad_reduce = bf16 is for ZeRO 0 "
-                  "and 1)."
-                : "");
+      "\nhost: the rank's trained state in host memory (pageable and offload's pinned staging), "
+      "{}; built: the CUDA back end\nruns this layout today (no: a prediction for tp or pp > 1, "
+      "docs/plan.md). Step times are predictions (docs/plan.md).\n",
+      unit);
 
-  // The first setting, in plan::settings_by_preference's order, that fits.
-  const Row* best = nullptr;
-  for (const plan::Setting& st : plan::settings_by_preference(base))
-    for (const Row& r : rows)
-      if (!best && r.fits && r.stage == st.zero_stage && r.offload == st.offload) best = &r;
-  if (best)
+  const plan::Layout* best = plan::recommended(all);
+  if (best) {
+    const plan::StepTime& t = best->time;
     out += fmt::format(
-        "cheapest that fits: optim.zero_stage = {}, optim.offload = {}{} ({:.2f} of {:.2f} {})\n",
-        best->stage, plan::offload_name(best->offload),
-        wire_bf16 && best->stage >= 2 ? ", optim.grad_reduce = fp32" : "",
-        in_unit(best->plan.gpu()), in_unit(usable), unit);
-  else
+        "recommended: dp {} x tp {} x pp {}, ZeRO-{}, offload {}, recompute {}: {:.2f} of {:.2f} "
+        "{}, {:.3f} s a step, {:.0f} tokens/s per GPU, {:.1f}% MFU (predicted)\n",
+        best->in.mesh.dp, best->in.mesh.tp, best->in.mesh.pp, best->in.zero_stage,
+        plan::offload_name(best->in.offload), best->in.recompute ? "on" : "off",
+        in_unit(best->memory.gpu()), in_unit(usable), unit, t.total, t.tokens_per_s_per_gpu,
+        100 * t.mfu);
     out += fmt::format(
-        "nothing fits {} GPU{} of {:.2f} GiB: lower train.micro_batch or "
-        "train.seq_len{}, or use more GPUs\n",
-        o.gpus, o.gpus == 1 ? "" : "s", o.gpu_mem_gib,
-        d.train.recompute ? "" : ", set train.recompute = true");
-  const long long per_step = static_cast<long long>(d.train.micro_batch) * o.gpus;
-  if (d.train.global_batch % per_step != 0)
+        "  step: compute {:.3f} s, tp {:.3f}, pipeline sends {:.3f}, bubble {:.3f}, dp exposed "
+        "{:.3f}, optimizer {:.3f}\n",
+        t.compute, t.tp_comm, t.pp_comm, t.bubble, t.dp_exposed, t.optimizer);
+    std::vector<std::string> keys = plan::deck_keys(*best);
+    if (d.optim.grad_reduce == "bf16" && best->in.zero_stage >= 2)
+      keys.push_back("optim.grad_reduce = fp32");
+    std::string line;
+    for (const std::string& k : keys) {
+      const std::size_t eq = k.find(" = ");
+      line += fmt::format(" --{}={}", k.substr(0, eq), k.substr(eq + 3));
+    }
+    out += "  deck keys:" + line + "\n";
+    if (!best->memory.built)
+      out += "  note: the CUDA back end does not run mesh.tp or mesh.pp > 1 yet: this layout's "
+             "numbers predict that path\n";
+  } else {
     out += fmt::format(
-        "note: train.global_batch = {} is not a multiple of train.micro_batch x {} "
-        "GPUs = {}, which a run on {} GPUs needs\n",
-        d.train.global_batch, o.gpus, per_step, o.gpus);
+        "nothing fits {} GPU{} of {:.2f} GiB: lower train.micro_batch or train.seq_len, or use "
+        "more GPUs\n",
+        o.gpus, o.gpus == 1 ? "" : "s", o.gpu_mem_gib);
+  }
   for (const std::string& s : cuda_limits(m)) out += "note: " + s + "\n";
   return out;
 }
@@ -327,7 +445,7 @@ int plan_main(int argc, char** argv, const MpiComm& world) {
       if (root) std::printf("%s", kUsage);
       return 0;
     }
-    const Deck d = read_deck(o);
+    const PlanDeck d = read_deck(o);
     const std::string out = report(o, d);
     if (root) std::printf("%s", out.c_str());
     return 0;

@@ -1,7 +1,8 @@
-// `qtrain plan DECK --gpus N --gpu-mem GB`: the GPU memory one rank of the CUDA back end needs for
-// the deck's model and micro-batch, for every ZeRO stage (0-3) and offload (none, cpu) on N
-// data-parallel GPUs, whether each fits, and the cheapest setting that does (docs/plan.md). The
-// numbers come from plan/memory_plan.h. Serial: under mpirun every rank computes, rank 0 prints.
+// `qtrain plan DECK --gpus N --gpu-mem GB`: every layout of the deck's model on N GPUs of the CUDA
+// back end (dp x tp x pp meshes, ZeRO stages, offload, recompute), the GPU memory one rank needs
+// for each, whether it fits, its predicted step time, and the recommended layout with its deck
+// keys (docs/plan.md). The numbers come from plan/layouts.h, memory_plan.h and step_time.h.
+// Serial: under mpirun every rank computes, rank 0 prints.
 #pragma once
 
 namespace qt {

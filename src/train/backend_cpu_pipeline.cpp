@@ -211,7 +211,7 @@ class CpuPipelineBackend final : public TrainBackend {
     std::vector<Chunk> out;
     for (int v = 0; v < V_; ++v) {
       const int c = v * P_ + s_;
-      const int slots = slots_needed(actions_, c);
+      const int slots = activation_slots(actions_, c);
       Chunk ch;
       ch.stage = std::make_unique<Qwen3Stage>(
           local_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,

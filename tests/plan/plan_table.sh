@@ -1,19 +1,18 @@
 #!/bin/sh
-# plan_table.sh CHEAPEST FITS COMMAND...
-# Runs COMMAND (`qtrain plan ...`, through mpiexec) and checks its table: exit code 0; one row
-# for each ZeRO stage 0-3 with offload none and with cpu, each printed once; the rows of offload
-# with ZeRO 0 and 1, and only they, say "not available"; each other row says "yes" exactly when
-# its total is at most the usable memory of the "GPUs" line; FITS rows say "yes" ("all" of the 6
-# available, "none" or a number); the "cheapest that fits" line names CHEAPEST ("2 none": stage
-# and offload), or "nothing" when the command must say that nothing fits.
+# plan_table.sh RECOMMENDED COMMAND...
+# Runs COMMAND (`qtrain plan ... --all`, through mpiexec) and checks its table: exit code 0; at
+# least one row; every row's dp x tp x pp is the GPUs of the "GPUs" line, printed once; a row
+# says "yes" exactly when its total is at most the usable memory; rows that fit come first, each
+# group by step time; the "recommended:" line names a row that fits and no fitting row is more
+# than 1% faster. RECOMMENDED is "DP TP PP ZERO OFFLOAD RECOMPUTE" (e.g. "2 1 1 3 none no"; the
+# recommended row), "any" (whichever), or "nothing" (the command must say that nothing fits).
 set -u
-if [ $# -lt 3 ]; then
-  echo "usage: plan_table.sh CHEAPEST FITS COMMAND..." >&2
+if [ $# -lt 2 ]; then
+  echo "usage: plan_table.sh RECOMMENDED COMMAND..." >&2
   exit 64
 fi
-cheapest=$1
-fits=$2
-shift 2
+want=$1
+shift
 # shellcheck source=SCRIPTDIR/../support/capture.sh
 . "$(dirname "$0")/../support/capture.sh"
 capture "$@"
@@ -21,43 +20,50 @@ echo "----"
 fail() { echo "FAIL: $*"; exit 1; }
 [ "$rc" -eq 0 ] || fail "exit code $rc, expected 0"
 # The table's unit (GiB or MiB) is that of the usable memory printed below it.
-awk -v want_fits="$fits" '
+awk -v want="$want" '
   /^GPUs / {
+    gpus = $2
     for (i = 1; i < NF; ++i) if ($(i + 1) ~ /^GiB$/ && $(i + 2) == "usable") usable = $i
   }
-  /^Peak GPU memory/ { mib = ($0 ~ /MiB/) }
-  /^ +[0-3]\*? +(none|cpu) / {
-    stage = $1; sub(/\*/, "", stage)
-    key = stage " " $2
+  /^Layouts/ { mib = ($0 ~ / MiB /) }
+  /^ +[0-9]+ +[0-9]+ +[0-9]+ +[0-3] +(none|cpu) +(yes|no) / {
+    key = $1 " " $2 " " $3 " " $4 " " $5 " " $6
     if (key in seen) { print "FAIL: row " key " printed twice"; bad = 1 }
     seen[key] = 1; rows++
-    if ($0 ~ / not available: /) {
-      if (key != "0 cpu" && key != "1 cpu") { print "FAIL: row " key " is not available"; bad = 1 }
-      unavailable++
-      next
-    }
-    total = $8; ok = $9
+    if ($1 * $2 * $3 != gpus) { print "FAIL: row " key ": not " gpus " GPUs"; bad = 1 }
+    total = $12; ok = $13; t = $14
     limit = mib ? usable * 1024 : usable
     if ((total <= limit) != (ok == "yes")) {
       print "FAIL: row " key ": total " total " against " limit " usable, but fits = " ok; bad = 1
     }
-    if (ok == "yes") nfit++
+    if (ok == "yes") {
+      if (nofit) { print "FAIL: row " key " fits but follows one that does not"; bad = 1 }
+      if (fast == "" || t < fast) fast = t
+      fit[key] = t
+    } else nofit = 1
+    if (ok == prev_ok && t < prev_t) { print "FAIL: row " key " is faster than the row before"; bad = 1 }
+    prev_ok = ok; prev_t = t
   }
+  /^recommended: / {
+    # "recommended: dp 4 x tp 2 x pp 4, ZeRO-2, offload none, recompute off: ..."
+    pp = $9; sub(/,/, "", pp)
+    z = $10; sub(/ZeRO-/, "", z); sub(/,/, "", z)
+    off = $12; sub(/,/, "", off)
+    rc_ = $14; sub(/:/, "", rc_)
+    rec = $3 " " $6 " " pp " " z " " off " " (rc_ == "on" ? "yes" : "no")
+  }
+  /^nothing fits / { nothing = 1 }
   END {
-    if (usable == "") { print "FAIL: no usable memory on the GPUs line"; exit 1 }
-    if (rows != 8) { print "FAIL: " rows " rows, expected 8 (stages 0-3 x none, cpu)"; exit 1 }
-    if (unavailable != 2) { print "FAIL: " unavailable " rows not available, expected 2"; exit 1 }
-    n = want_fits == "all" ? 6 : want_fits == "none" ? 0 : want_fits
-    if (nfit != n) { print "FAIL: " nfit " settings fit, expected " n; exit 1 }
+    if (usable == "" || gpus == "") { print "FAIL: no GPUs line with the usable memory"; exit 1 }
+    if (rows == 0) { print "FAIL: no rows"; exit 1 }
+    if (want == "nothing") {
+      if (!nothing || rec != "") { print "FAIL: expected nothing to fit"; exit 1 }
+      exit bad
+    }
+    if (rec == "") { print "FAIL: no recommended line"; exit 1 }
+    if (!(rec in fit)) { print "FAIL: the recommended " rec " is not a row that fits"; exit 1 }
+    if (fit[rec] > 1.01 * fast) { print "FAIL: recommended " rec " takes " fit[rec] " s, the fastest " fast; exit 1 }
+    if (want != "any" && rec != want) { print "FAIL: recommended " rec ", expected " want; exit 1 }
     exit bad
   }' "$out" || fail "the table is inconsistent"
-if [ "$cheapest" = nothing ]; then
-  [ "$(grep -c '^nothing fits ' "$out")" -eq 1 ] || fail "expected one 'nothing fits' line"
-  grep -q '^cheapest that fits' "$out" && fail "a 'cheapest that fits' line although nothing fits"
-else
-  stage=${cheapest% *}
-  offload=${cheapest#* }
-  want="^cheapest that fits: optim.zero_stage = $stage, optim.offload = $offload "
-  [ "$(grep -c "$want" "$out")" -eq 1 ] || fail "expected one line matching /$want/"
-fi
 echo "PASS"

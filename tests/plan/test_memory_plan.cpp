@@ -376,7 +376,10 @@ TEST(MemoryPlan, LargestUnit) {
 
 TEST(MemoryPlan, RefusesWhatItCannotPlan) {
   MemoryPlanInput in = input(tiny(), 2, 8, 2, 0);
-  in.mesh.tp = 2;
+  in.mesh.tp = 3;  // does not divide the 4 heads
+  EXPECT_THROW(memory_plan(in), qt::UserError);
+  in.mesh.tp = 1;
+  in.mesh.ep = 2;
   EXPECT_THROW(memory_plan(in), qt::UserError);
   in = input(tiny(), 2, 8, 2, 4);
   EXPECT_THROW(memory_plan(in), qt::UserError);
