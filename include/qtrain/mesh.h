@@ -35,7 +35,13 @@ struct MeshShape {
   // Layers of each pipeline chunk, "a, b, ..." (pp x pp_chunks counts), or empty: the plan
   // balances them by cost.
   std::string pp_layers;
+  // Sequence parallelism (Megatron's, with tp > 1): each tp rank keeps the residual stream, the
+  // norms and the residual adds on its N / tp rows of a micro-batch's N; the blocks' inputs are
+  // all-gathered and their outputs reduce-scattered over tp. Nothing with tp = 1.
+  bool sequence_parallel = false;
   int world() const { return dp * tp * pp; }
+  // The tp ranks sequence parallelism splits a micro-batch's rows over: tp, or 1 (off).
+  int seq_parallel() const { return sequence_parallel && tp > 1 ? tp : 1; }
 };
 
 // Coordinates of one rank in the mesh.

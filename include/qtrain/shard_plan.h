@@ -39,7 +39,8 @@ struct ShardSpec {
   int axis = -1;                          // the sharded axis, when sharded_by is set
   std::vector<MeshDim> replicated_over;   // dimensions whose ranks hold identical copies
   // Dimensions over which each copy's gradient is only a partial sum, to be summed before the
-  // update (q_norm and k_norm under tensor parallelism: each tp rank sees its own heads).
+  // update (q_norm and k_norm under tensor parallelism: each tp rank sees its own heads; with
+  // sequence parallelism the other norms too: each tp rank sees its own rows).
   std::vector<MeshDim> partial_over;
 
   bool replicated_over_dim(MeshDim d) const;
@@ -90,7 +91,7 @@ struct Qwen3Units {
 // How tensor parallelism splits a Qwen3 tensor, by its name (Megatron's split): q/k/v_proj,
 // gate/up_proj, the embedding and lm_head by rows over tp (the last two: vocabulary-parallel),
 // o_proj and down_proj by columns, q_norm and k_norm replicated with partial gradients, the
-// other norms replicated.
+// other norms replicated (with partial gradients too under sequence parallelism: plan_qwen3).
 enum class TpRole { kColumn, kRow, kPartial, kReplicated };
 TpRole tp_role(const std::string& name);
 

@@ -99,6 +99,9 @@ const std::vector<KeySpec>& key_table() {
         spec("mesh", "tp", &D::mesh, &S::tp, "ranks",
              "Tensor-parallel ranks: heads and MLP columns split over them (train.device = cpu "
              "only so far; must divide model.num_heads, num_kv_heads and intermediate_size)"),
+        spec("mesh", "sequence_parallel", &D::mesh, &S::sequence_parallel, "",
+             "With mesh.tp > 1: norms and residual adds on 1/tp of each micro-batch's rows, "
+             "block inputs all-gathered and outputs reduce-scattered over tp (true | false)"),
         spec("mesh", "pp", &D::mesh, &S::pp, "ranks",
              "Pipeline stages, each a range of layers (train.device = cpu only so far)"),
         spec("mesh", "pp_schedule", &D::mesh, &S::pp_schedule, "",
@@ -440,6 +443,15 @@ void Builder::validate_train_optim() {
   need(tokens <= std::numeric_limits<int>::max(), "train.micro_batch",
        "x train.seq_len = {} tokens is too many for one micro-batch (at most {})", tokens,
        std::numeric_limits<int>::max());
+  // Sequence parallelism splits the rows of a micro-batch evenly over tp.
+  if (deck_.mesh.sequence_parallel && deck_.mesh.tp > 1)
+    need(tokens % deck_.mesh.tp == 0, "mesh.sequence_parallel",
+         "splits the train.micro_batch x train.seq_len = {} x {} = {} rows of a micro-batch over "
+         "mesh.tp = {} ranks, which does not divide them", t.micro_batch, t.seq_len, tokens,
+         deck_.mesh.tp);
+  need(!deck_.mesh.sequence_parallel || deck_.mesh.tp == 1 || t.device == "cpu",
+       "mesh.sequence_parallel", "is built on train.device = cpu only so far; set it to false "
+       "for train.device = cuda (tensor parallelism runs without it)");
   // The CUDA kernels are compiled for these head widths (src/ops/cuda/attention_mma.cuh).
   need(t.device != "cuda" || deck_.model.head_dim == 64 || deck_.model.head_dim == 128,
        "model.head_dim", "is not supported by train.device = cuda, whose attention kernels "

@@ -92,17 +92,21 @@ void CudaOps::tp_all_reduce(void* buf, std::size_t n, DType t, cudaEvent_t after
   QT_CHECK_CUDA(cudaStreamWaitEvent(s_, tp_done_.get(), 0));
 }
 
-void CudaOps::tp_block_output(bf16* y, int rows, int cols) {
+bf16* CudaOps::tp_block_output(bf16* local, bf16* y, int rows, int cols) {
+  QT_CHECK(local == nullptr, "sequence parallelism is not built on CUDA");
   if (tp_) tp_all_reduce(y, static_cast<std::size_t>(rows) * cols, DType::kBF16);
+  return y;
 }
 
-void CudaOps::tp_block_input_backward(bf16* dx, int rows, int cols) {
-  if (!tp_) return;
+bf16* CudaOps::tp_block_input_backward(bf16* local, bf16* dx, int rows, int cols) {
+  QT_CHECK(local == nullptr, "sequence parallelism is not built on CUDA");
+  if (!tp_) return dx;
   // Right after dx's GEMM when the last linear_backward made it: the weight gradient's GEMM,
   // enqueued since, runs beside the reduction.
   const cudaEvent_t after = dx == dx_pending_ ? dx_done_.get() : nullptr;
   dx_pending_ = nullptr;
   tp_all_reduce(dx, static_cast<std::size_t>(rows) * cols, DType::kBF16, after);
+  return dx;
 }
 
 void CudaOps::begin(cudaStream_t s, const std::int32_t* pos) {
@@ -258,7 +262,7 @@ void CudaOps::lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head
     cross_entropy_backward(logits_, logits_, chunk_lse_, vp_targets_, scale, rows, V, s_);
     linear_backward(dxf + r0 * H, g_lm_head, logits_, xf + r0 * H, lm_head, rows, H, V,
                     acc || c0 > 0);
-    tp_block_input_backward(dxf + r0 * H, rows, H);
+    tp_block_input_backward(nullptr, dxf + r0 * H, rows, H);
   }
 }
 

@@ -91,9 +91,10 @@ class CudaOps : public NoCollectives {
   void lora_backward(int l, LoraSite site, const bf16* x, const bf16* dy, bf16* dx);
   void lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head,
                     const std::int32_t* targets, float scale, bf16* dxf, bool acc);
-  // Tensor parallelism's hooks (layer_program.h's NoCollectives): no-ops without tp.
-  void tp_block_output(bf16* y, int rows, int cols);
-  void tp_block_input_backward(bf16* dx, int rows, int cols);
+  // Tensor parallelism's hooks (layer_program.h's NoCollectives): the sum over tp in place
+  // (no sequence parallelism on CUDA: `local` is null), nothing without tp; return the buffer.
+  bf16* tp_block_output(bf16* local, bf16* y, int rows, int cols);
+  bf16* tp_block_input_backward(bf16* local, bf16* dx, int rows, int cols);
 
  private:
   ModelConfig cfg_;

@@ -42,8 +42,8 @@ void CpuOps::set_rows(int B, int T) {
   N_ = B * T;
 }
 
-CpuOps::CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena)
-    : cfg_(cfg), B_(B), T_(T), N_(B * T), max_rows_(B * T) {
+CpuOps::CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena, int seq_parallel)
+    : cfg_(cfg), B_(B), T_(T), N_(B * T), max_rows_(B * T), seq_parallel_(seq_parallel) {
   const std::size_t N = N_, H = cfg.hidden_size, V = cfg.vocab_size, hd = cfg.head_dim;
   const std::size_t QK = std::max(cfg.q_dim(), cfg.kv_dim());
   cos_ = arena.allocate<float>(T * hd / 2);
@@ -55,14 +55,60 @@ CpuOps::CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena)
   logits_ = arena.allocate<float>(N * V);
   losses_ = arena.allocate<float>(N);
   lse_ = arena.allocate<float>(N);
+  if (seq_parallel > 1) {
+    xf_full_ = arena.allocate<float>(N * H);
+    rows_full_ = arena.allocate<float>(N * H);
+  }
 }
 
-void CpuOps::tp_block_output(float* y, int rows, int cols) {
-  if (tp_) tp_->all_reduce(y, static_cast<std::size_t>(rows) * cols, DType::kF32, ReduceOp::kSum);
+void CpuOps::set_tp(Comm* tp) {
+  QT_CHECK(seq_parallel_ == 1 || (tp != nullptr && tp->size() == seq_parallel_),
+           "ops made for sequence parallelism over {} ranks, tp over {}", seq_parallel_,
+           tp ? tp->size() : 1);
+  tp_ = tp;
+  sp_ = seq_parallel_ > 1;
+  vocab_begin_ = tp ? tp->rank() * cfg_.vocab_size : 0;
 }
 
-void CpuOps::tp_block_input_backward(float* dx, int rows, int cols) {
-  if (tp_) tp_->all_reduce(dx, static_cast<std::size_t>(rows) * cols, DType::kF32, ReduceOp::kSum);
+float* CpuOps::gather_rows(float* full, const float* local, int rows, int cols) {
+  // The program passes an output buffer exactly when its activations are sequence-parallel.
+  QT_CHECK((full != nullptr) == sp_, "sequence-parallel activations with ops that are not, or "
+           "the reverse");
+  if (!sp_) return nullptr;
+  const std::size_t mine = static_cast<std::size_t>(rows / tp_->size()) * cols;
+  tp_->all_gather(local, full, mine, DType::kF32);
+  return full;
+}
+
+float* CpuOps::sum_rows(float* local, float* y, int rows, int cols) {
+  QT_CHECK((local != nullptr) == sp_, "sequence-parallel activations with ops that are not, or "
+           "the reverse");
+  if (!tp_) return y;
+  if (!sp_) {
+    tp_->all_reduce(y, static_cast<std::size_t>(rows) * cols, DType::kF32, ReduceOp::kSum);
+    return y;
+  }
+  const std::size_t mine = static_cast<std::size_t>(rows / tp_->size()) * cols;
+  tp_->reduce_scatter(y, local, mine, DType::kF32, ReduceOp::kSum);
+  return local;
+}
+
+float* CpuOps::tp_block_input(float* full, float* x, int rows, int cols) {
+  float* gathered = gather_rows(full, x, rows, cols);
+  return gathered ? gathered : x;
+}
+
+float* CpuOps::tp_block_input_backward(float* local, float* dx, int rows, int cols) {
+  return sum_rows(local, dx, rows, cols);
+}
+
+float* CpuOps::tp_block_output(float* local, float* y, int rows, int cols) {
+  return sum_rows(local, y, rows, cols);
+}
+
+float* CpuOps::tp_block_output_backward(float* full, float* dy, int rows, int cols) {
+  float* gathered = gather_rows(full, dy, rows, cols);
+  return gathered ? gathered : dy;
 }
 
 void CpuOps::linear(float* y, const float* x, const float* w, int N, int in, int out) {
@@ -173,20 +219,26 @@ void CpuOps::swiglu_backward(float* dgu, const float* dh, const float* gu, int N
 }
 
 void CpuOps::embedding(float* x, const std::int32_t* ids, const float* wte, int N) {
-  if (tp_)
-    cpu::embedding_forward_vp(x, ids, wte, N, cfg_.hidden_size, vocab_begin_, cfg_.vocab_size,
-                              *tp_);
-  else
+  if (!tp_) {
     cpu::embedding_forward(x, ids, wte, N, cfg_.hidden_size);
+    return;
+  }
+  // Each row from the one rank holding its id, zeros elsewhere: summed over tp, the row itself.
+  float* rows = sp_ ? rows_full_ : x;  // [N, H]
+  cpu::embedding_lookup_vp(rows, ids, wte, N, cfg_.hidden_size, vocab_begin_, cfg_.vocab_size);
+  sum_rows(sp_ ? x : nullptr, rows, N, cfg_.hidden_size);
 }
 
 void CpuOps::embedding_backward(float* dwte, const float* dx, const std::int32_t* ids, int N,
                                 bool overwrite) {
   if (overwrite) zero(dwte, static_cast<std::size_t>(cfg_.vocab_size) * cfg_.hidden_size);
-  if (tp_)
-    cpu::embedding_backward_vp(dwte, dx, ids, N, cfg_.hidden_size, vocab_begin_, cfg_.vocab_size);
-  else
+  if (!tp_) {
     cpu::embedding_backward(dwte, dx, ids, N, cfg_.hidden_size);
+    return;
+  }
+  // Sequence parallelism: every row's gradient, for the ids of this rank's vocabulary.
+  const float* rows = sp_ ? gather_rows(rows_full_, dx, N, cfg_.hidden_size) : dx;
+  cpu::embedding_backward_vp(dwte, rows, ids, N, cfg_.hidden_size, vocab_begin_, cfg_.vocab_size);
 }
 
 std::vector<CpuOps::SiteTarget> CpuOps::site_targets(LoraSite site) const {
@@ -229,6 +281,9 @@ void CpuOps::lora_backward(int l, LoraSite site, const float* x, const float* dy
 
 void CpuOps::lm_head_loss_forward(const float* xf, const float* lm_head,
                                   const std::int32_t* targets) {
+  // Sequence parallelism: the logits of every row from the gathered final norm (kept for the
+  // backward).
+  if (sp_) xf = gather_rows(xf_full_, xf, N_, cfg_.hidden_size);
   cpu::linear_forward(logits_, xf, lm_head, N_, cfg_.hidden_size, cfg_.vocab_size);
   loss_ = tp_ ? cpu::cross_entropy_forward_vp(losses_, lse_, logits_, targets, N_,
                                               cfg_.vocab_size, vocab_begin_, *tp_)
@@ -243,12 +298,13 @@ void CpuOps::lm_head_loss_backward(const float* xf, const float* lm_head, float*
                                    vocab_begin_);
   else
     cpu::cross_entropy_backward(logits_, logits_, lse_, targets, scale, N_, cfg_.vocab_size);
-  cpu::linear_backward(dxf, g_lm_head, logits_, xf, lm_head, N_, cfg_.hidden_size,
-                       cfg_.vocab_size);
+  // Sequence parallelism: the gradient of every row [N, H] (from the forward's gathered input),
+  // reduce-scattered into this rank's rows dxf [N / tp, H].
+  float* dx_all = sp_ ? rows_full_ : dxf;
+  cpu::linear_backward(dx_all, g_lm_head, logits_, sp_ ? xf_full_ : xf, lm_head, N_,
+                       cfg_.hidden_size, cfg_.vocab_size);
   // Each rank's columns of the vocabulary give part of the input gradient.
-  if (tp_)
-    tp_->all_reduce(dxf, static_cast<std::size_t>(N_) * cfg_.hidden_size, DType::kF32,
-                    ReduceOp::kSum);
+  sum_rows(sp_ ? dxf : nullptr, dx_all, N_, cfg_.hidden_size);
 }
 
 void CpuOps::lm_head_loss(const float* xf, const float* lm_head, float* g_lm_head,

@@ -40,8 +40,9 @@ class CpuOps : public NoCollectives {
   using Act = float;
   using Weight = float;
 
-  // Buffers from `arena` (which must outlive this).
-  CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena);
+  // Buffers from `arena` (which must outlive this). seq_parallel > 1: for sequence parallelism
+  // over a tp group of that size (set_tp).
+  CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena, int seq_parallel = 1);
   // Forward only, for a KV-cache decoder (generate/kv_decoder.cpp): the layer ops over up to
   // max_rows rows a call (set_rows), RoPE tables for positions [0, rope_len) (set_positions gives
   // each row's), and none of the buffers of the backward or the lm head (the decoder runs its own
@@ -60,17 +61,22 @@ class CpuOps : public NoCollectives {
   void set_lora(LoraAdapters* lora) { lora_ = lora; }
   // Tensor parallelism: the tp group this rank's local model is a part of, or null (none). The
   // local vocabulary is then rows [tp rank x V_local, ...) of the global one: the embedding and
-  // the cross-entropy run vocabulary-parallel (model/vocab_parallel.h).
-  void set_tp(Comm* tp) {
-    tp_ = tp;
-    vocab_begin_ = tp ? tp->rank() * cfg_.vocab_size : 0;
-  }
+  // the cross-entropy run vocabulary-parallel (model/vocab_parallel.h). With the constructor's
+  // seq_parallel (which must be tp's size) sequence parallelism is on: the residual stream
+  // holds this rank's N / tp rows (Qwen3Acts::rows; the program's activations are allocated
+  // so), the embedding reduce-scatters its rows, the lm head gathers its input and
+  // reduce-scatters its input gradient.
+  void set_tp(Comm* tp);
 
-  // The collective hooks tensor parallelism fills (the other two stay NoCollectives' no-ops):
-  // a row-parallel GEMM's partial output [rows, cols] summed over tp, and the partial input
-  // gradient of a block's column-parallel GEMMs summed over tp.
-  void tp_block_output(float* y, int rows, int cols);
-  void tp_block_input_backward(float* dx, int rows, int cols);
+  // The collective hooks (layer_program.h's NoCollectives has the contract): with tp, a
+  // row-parallel GEMM's partial output and a column-parallel pair's partial input gradient
+  // summed over tp (all-reduced in place, or reduce-scattered into `local` with sequence
+  // parallelism); with sequence parallelism the normed block input and the output gradient
+  // all-gathered into `full`.
+  float* tp_block_input(float* full, float* x, int rows, int cols);
+  float* tp_block_input_backward(float* local, float* dx, int rows, int cols);
+  float* tp_block_output(float* local, float* y, int rows, int cols);
+  float* tp_block_output_backward(float* full, float* dy, int rows, int cols);
   // [N, V] logits of the last lm_head_loss_forward (valid until its backward).
   const float* logits() const { return logits_; }
 
@@ -130,6 +136,12 @@ class CpuOps : public NoCollectives {
   };
   std::vector<SiteTarget> site_targets(LoraSite site) const;
   int site_width(LoraSite site) const;  // columns of the site's fused output
+  // The hooks' collectives. gather_rows (sequence parallelism): full [rows, cols] <- every tp
+  // rank's local [rows / tp, cols] in rank order; returns full, or null without sequence
+  // parallelism (nothing done). sum_rows: the partial y [rows, cols] summed over tp: in place
+  // (returns y), or this rank's rows into local (sequence parallelism); without tp returns y.
+  float* gather_rows(float* full, const float* local, int rows, int cols);
+  float* sum_rows(float* local, float* y, int rows, int cols);
 
   ModelConfig cfg_;
   int B_, T_, N_;
@@ -137,6 +149,8 @@ class CpuOps : public NoCollectives {
   const std::int32_t* pos_ = nullptr;
   LoraAdapters* lora_ = nullptr;
   Comm* tp_ = nullptr;
+  int seq_parallel_ = 1;  // the constructor's
+  bool sp_ = false;       // sequence parallelism over tp_ (set_tp)
   std::vector<DeferredGrad>* defer_ = nullptr;  // defer_weight_grads
   int vocab_begin_ = 0;  // the first global token id of the local vocabulary
   float *cos_, *sin_;      // [T (or rope_len), hd/2]
@@ -145,6 +159,9 @@ class CpuOps : public NoCollectives {
   float* norm_dx_ = nullptr;                   // [N, H] a norm's input gradient before it is added
   float* logits_ = nullptr;                    // [N, V]
   float *losses_ = nullptr, *lse_ = nullptr;   // [N]
+  // Sequence parallelism only (else null): the lm head's gathered input, kept from its forward
+  // to its backward, and the embedding's or the head's full rows before they are scattered.
+  float *xf_full_ = nullptr, *rows_full_ = nullptr;  // [N, H]
   double loss_ = 0;
 };
 

@@ -12,16 +12,24 @@
 // logits never exist there). The CPU composes the fused ops from its reference ops.
 //
 // Parallel dimensions enter through the Ops' collective hooks, called at the points where they
-// act and no-ops today (NoCollectives): tensor/sequence parallelism gathers a block's normed
-// input before its column-parallel GEMM and reduces the row-parallel output after it (issue 17);
-// context parallelism is the attention op itself; expert parallelism replaces the MLP block's
-// ops (issue 18). Parameters come unit by unit (the units of the sharding plan) from a Units
+// act (NoCollectives: no-ops): tensor parallelism reduces a block's row-parallel output over tp
+// and its column-parallel input gradient; sequence parallelism instead gathers a block's normed
+// input rows before its column-parallel GEMM and reduce-scatters the row-parallel output after it
+// (issue 17); context parallelism is the attention op itself; expert parallelism replaces the MLP
+// block's ops (issue 18). Parameters come unit by unit (the units of the sharding plan) from a Units
 // object: weights(u), grads(u), release(u), grads_done(u), and take_embedding_rows(dx, ids, N)
 // (true: the store took an untied embedding's gradient as its N rows instead of grads(E) and
 // grads_done(E); model/model_params.h: CpuUnits; cuda/qwen3_cuda.h: UnitSource).
 //
 // Shapes: N = B*T rows, H hidden, Q = nh*hd, KV = nkv*hd, QKV = Q + 2 KV, I intermediate,
 // V vocabulary.
+//
+// Two row counts: the parallel regions (q/k/v to o, gate/up to down, the attention, the lm head)
+// run on all N rows; the residual stream, the norms (ln1, ln2, the final norm) and the residual
+// adds on Nl = Qwen3Acts::rows, which is N, or with sequence parallelism over tp ranks this tp
+// rank's N / tp rows [r N/tp, (r + 1) N/tp) of the micro-batch. The ops below that take a row
+// count get the one of their buffers; embedding writes, embedding_backward reads, lm_head_loss*
+// read xf and write dxf as [Nl, H] (the Ops gather and scatter the rows they need).
 //
 // The op contract. Ops::Act is the activation element type, Ops::Weight the weights'; weight
 // gradients are fp32; rstd and lse are fp32. `acc`: add into the weight gradient (else write it).
@@ -41,10 +49,10 @@
 //       stages that end in the head, the whole model among them.
 //   swiglu(h, gu, N, I)                                 h[N, I] = silu(gate) * up, gu [N, 2I]
 //   swiglu_backward(dgu, dh, gu, N, I)                  dgu may alias gu
-//   embedding(x, ids, wte, N) / embedding_backward(dwte, dx, ids, N, overwrite)
+//   embedding(x, ids, wte, N) / embedding_backward(dwte, dx, ids, N, overwrite)   ids [N], x [Nl, H]
 //   lora(l, site, x, y) / lora_backward(l, site, x, dy, dx) / lora_adapts(site) / lora_on()
 //   lm_head_loss(xf, lm_head, g_lm_head, targets, scale, dxf, acc)   forward and backward of the
-//       logits and the summed cross-entropy; dxf [N, H] written
+//       logits and the summed cross-entropy; xf, dxf [Nl, H], dxf written
 //   lm_head_loss_forward(xf, lm_head, targets) / lm_head_loss_backward(xf, lm_head, g_lm_head,
 //       targets, scale, dxf): the same in two calls (the CPU keeps the logits between them)
 //   take_loss()                                         the summed loss of this micro-batch
@@ -65,21 +73,36 @@ namespace qt {
 //   kGateUp: x = rmsnorm 2 [N, H], y = [gate | up]  kDown: x = swiglu [N, I], y = [N, H]
 enum class LoraSite { kQKV, kO, kGateUp, kDown };
 
-// The collective hooks of the program, no-ops until their dimension exists. `x` is [rows, cols]
-// of the back end's activation type.
+// The collective hooks of the program (NoCollectives: no-ops). Each takes the buffer it may
+// write (`full` [rows, cols] or `local` [rows / tp, cols]; null unless sequence parallelism is
+// on) and the one it reads, and returns the buffer the next op reads: the input itself (an
+// all-reduce in place, or nothing) or the buffer it wrote. rows is N, always the whole
+// micro-batch's; elements of the back end's activation type.
 struct NoCollectives {
-  // Before a block's column-parallel GEMMs (q/k/v, gate/up): sequence parallelism all-gathers
-  // the normed input over tp; its backward reduce-scatters the input gradient.
+  // Before a block's column-parallel GEMMs (q/k/v, gate/up), on its normed input x: sequence
+  // parallelism all-gathers the tp ranks' rows [rows / tp, cols] into full. Its backward, on
+  // the input gradient dx [rows, cols] (partial over tp): tensor parallelism all-reduces it in
+  // place, sequence parallelism reduce-scatters it into local.
   template <class A>
-  void tp_block_input(A* /*x*/, int /*rows*/, int /*cols*/) {}
+  A* tp_block_input(A* /*full*/, A* x, int /*rows*/, int /*cols*/) {
+    return x;
+  }
   template <class A>
-  void tp_block_input_backward(A* /*dx*/, int /*rows*/, int /*cols*/) {}
-  // After a block's row-parallel GEMM (o, down): tensor parallelism all-reduces (sequence
-  // parallelism reduce-scatters) the partial output; its backward gathers the gradient.
+  A* tp_block_input_backward(A* /*local*/, A* dx, int /*rows*/, int /*cols*/) {
+    return dx;
+  }
+  // After a block's row-parallel GEMM (o, down), on its output y [rows, cols] (partial over
+  // tp): tensor parallelism all-reduces it in place, sequence parallelism reduce-scatters it
+  // into local. Its backward, on the gradient dy: sequence parallelism all-gathers the rows
+  // [rows / tp, cols] into full.
   template <class A>
-  void tp_block_output(A* /*y*/, int /*rows*/, int /*cols*/) {}
+  A* tp_block_output(A* /*local*/, A* y, int /*rows*/, int /*cols*/) {
+    return y;
+  }
   template <class A>
-  void tp_block_output_backward(A* /*dy*/, int /*rows*/, int /*cols*/) {}
+  A* tp_block_output_backward(A* /*full*/, A* dy, int /*rows*/, int /*cols*/) {
+    return dy;
+  }
 };
 
 // What one layer keeps from its forward for its backward (one shared set with recompute).
@@ -90,28 +113,38 @@ struct LayerActs {
   A *q, *k, *v;            // [N, Q], [N, KV], [N, KV] after norm and rope
   A* att;                  // [N, Q]
   float* lse;              // [B, nh, T]
-  A *x_mid, *ln2;          // [N, H]
-  float* rstd2;            // [N]
+  A *x_mid, *ln2;          // [Nl, H] (Qwen3Acts::rows)
+  float* rstd2;            // [Nl]
   A* gu;                   // [N, 2I]
   A* h;                    // [N, I]
+  // Sequence parallelism: ln1 and ln2 gathered over tp, the column-parallel GEMMs' inputs, kept
+  // for their weight gradients (null without: those read ln and ln2 themselves).
+  A* ln1_full = nullptr;   // [N, H]
+  A* ln2_full = nullptr;   // [N, H]
 };
 
-// Every activation buffer of the program for micro-batches of B x T tokens.
+// Every activation buffer of the program for micro-batches of B x T tokens. Nl = rows: N, or
+// with sequence parallelism this tp rank's N / tp (the layer program's two row counts).
 template <class A>
 struct Qwen3Acts {
-  std::vector<A*> x;            // [L+1] residual stream [N, H]; x[l] is layer l's input
-  std::vector<A*> ln;           // [L+1] rmsnorm(x[l]) [N, H]; ln[L] is the final norm
-  std::vector<float*> rstd;     // [L+1] [N]
+  int rows = 0;                 // Nl
+  std::vector<A*> x;            // [L+1] residual stream [Nl, H]; x[l] is layer l's input
+  std::vector<A*> ln;           // [L+1] rmsnorm(x[l]) [Nl, H]; ln[L] is the final norm
+  std::vector<float*> rstd;     // [L+1] [Nl]
   std::vector<LayerActs<A>> layer;  // [L], or [1] shared by every layer with recompute
-  A *tmp, *dx, *dtmp, *dln;     // [N, H] scratch
+  A *tmp, *dtmp, *dln;          // [N, H] scratch
+  A* dx;                        // [Nl, H] d residual stream
   A *dh, *datt, *dq, *dk, *dv;  // [N, I], [N, Q], [N, Q], [N, KV], [N, KV]
   A* dqkv;                      // [N, QKV]
-  A* dhead;  // [N, H] d ln[L] from the head to the backward: dtmp, or a slot's own (below)
+  A* dhead;  // [Nl, H] d ln[L] from the head to the backward: dtmp, or a slot's own (below)
+  // Sequence parallelism: a block's output or input gradient reduce-scattered to this rank's
+  // rows, read by the residual op right after (null without).
+  A* tmp_local = nullptr;       // [Nl, H]
 };
 
 // The part of the model one pipeline stage runs: layers [first_layer, last_layer), with the
 // embedding on the first stage and the final norm, lm head and loss on the last. Across the
-// boundary after layer b - 1 travels x[b] [N, H] forward and d x[b] [N, H] backward; the
+// boundary after layer b - 1 travels x[b] [Nl, H] forward and d x[b] [Nl, H] backward; the
 // receiving stage norms x[b] itself (its first layer's ln1), so the sender never reads it.
 struct StageRange {
   int first_layer = 0, last_layer = 0;
@@ -137,28 +170,36 @@ inline void check_stage(const ModelConfig& c, const StageRange& st) {
 }
 
 // Activations of a stage for `slots` micro-batches in flight between forward and backward (1F1B:
-// P - s on stage s). Each slot has its own x, ln, rstd [N, H] of layers [first, last] (null
+// P - s on stage s). Each slot has its own x, ln, rstd [Nl, H] of layers [first, last] (null
 // elsewhere, so indices stay global) and, without recompute, LayerActs of its layers; the one
 // shared recompute LayerActs and the scratch are common to all slots. dhead is the slot's own
 // on a last stage with several slots (its head runs in the forward), else dtmp. One whole-model
-// slot is allocate_acts below, in that function's order.
+// slot is allocate_acts below, in that function's order. seq_parallel: the tp ranks sequence
+// parallelism splits the rows over (Nl = N / seq_parallel; 1: none, and nothing else is
+// allocated then).
 template <class A, class Alloc>
 std::vector<Qwen3Acts<A>> allocate_stage_acts(const ModelConfig& c, int B, int T, bool recompute,
-                                              const StageRange& st, int slots, Alloc& alloc) {
+                                              const StageRange& st, int slots, Alloc& alloc,
+                                              int seq_parallel = 1) {
   const std::size_t N = static_cast<std::size_t>(B) * T, H = c.hidden_size, Q = c.q_dim();
   const std::size_t KV = c.kv_dim(), I = c.intermediate_size, L = c.num_layers;
   check_stage(c, st);
   QT_CHECK(slots >= 1, "{} activation slots", slots);
+  QT_CHECK(seq_parallel >= 1 && N % static_cast<std::size_t>(seq_parallel) == 0,
+           "{} rows split over {} sequence-parallel ranks", N, seq_parallel);
+  const bool sp = seq_parallel > 1;
+  const std::size_t Nl = N / static_cast<std::size_t>(seq_parallel);
   std::vector<Qwen3Acts<A>> s(static_cast<std::size_t>(slots));
   for (std::size_t k = 0; k < s.size(); ++k) {
     Qwen3Acts<A>& a = s[k];
+    a.rows = static_cast<int>(Nl);
     a.x.assign(L + 1, nullptr);
     a.ln.assign(L + 1, nullptr);
     a.rstd.assign(L + 1, nullptr);
     for (int l = st.first_layer; l <= st.last_layer; ++l) {
-      a.x[l] = alloc.template allocate<A>(N * H);
-      a.ln[l] = alloc.template allocate<A>(N * H);
-      a.rstd[l] = alloc.template allocate<float>(N);
+      a.x[l] = alloc.template allocate<A>(Nl * H);
+      a.ln[l] = alloc.template allocate<A>(Nl * H);
+      a.rstd[l] = alloc.template allocate<float>(Nl);
     }
     a.layer.resize(recompute ? 1 : L);
     if (recompute && k > 0) {
@@ -177,16 +218,20 @@ std::vector<Qwen3Acts<A>> allocate_stage_acts(const ModelConfig& c, int B, int T
       la.v = alloc.template allocate<A>(N * KV);
       la.att = alloc.template allocate<A>(N * Q);
       la.lse = alloc.template allocate<float>(static_cast<std::size_t>(B) * c.num_heads * T);
-      la.x_mid = alloc.template allocate<A>(N * H);
-      la.ln2 = alloc.template allocate<A>(N * H);
-      la.rstd2 = alloc.template allocate<float>(N);
+      la.x_mid = alloc.template allocate<A>(Nl * H);
+      la.ln2 = alloc.template allocate<A>(Nl * H);
+      la.rstd2 = alloc.template allocate<float>(Nl);
       la.gu = alloc.template allocate<A>(N * 2 * I);
       la.h = alloc.template allocate<A>(N * I);
+      if (sp) {
+        la.ln1_full = alloc.template allocate<A>(N * H);
+        la.ln2_full = alloc.template allocate<A>(N * H);
+      }
     }
   }
   Qwen3Acts<A>& a = s[0];
   a.tmp = alloc.template allocate<A>(N * H);
-  a.dx = alloc.template allocate<A>(N * H);
+  a.dx = alloc.template allocate<A>(Nl * H);
   a.dtmp = alloc.template allocate<A>(N * H);
   a.dln = alloc.template allocate<A>(N * H);
   a.dh = alloc.template allocate<A>(N * I);
@@ -195,6 +240,7 @@ std::vector<Qwen3Acts<A>> allocate_stage_acts(const ModelConfig& c, int B, int T
   a.dk = alloc.template allocate<A>(N * KV);
   a.dv = alloc.template allocate<A>(N * KV);
   a.dqkv = alloc.template allocate<A>(N * (Q + 2 * KV));
+  if (sp) a.tmp_local = alloc.template allocate<A>(Nl * H);
   a.dhead = a.dtmp;
   for (std::size_t k = 1; k < s.size(); ++k) {  // slot 0's scratch, the slot's own x .. layer
     Qwen3Acts<A> own = std::move(s[k]);
@@ -205,15 +251,17 @@ std::vector<Qwen3Acts<A>> allocate_stage_acts(const ModelConfig& c, int B, int T
     s[k].layer = std::move(own.layer);
   }
   if (st.has_head && slots > 1)
-    for (Qwen3Acts<A>& sk : s) sk.dhead = alloc.template allocate<A>(N * H);
+    for (Qwen3Acts<A>& sk : s) sk.dhead = alloc.template allocate<A>(Nl * H);
   return s;
 }
 
 // Allocates Qwen3Acts of the whole model from `alloc` (alloc.template allocate<T>(count)), in a
 // fixed order: x, ln, rstd of each l, the LayerActs, the scratch.
 template <class A, class Alloc>
-Qwen3Acts<A> allocate_acts(const ModelConfig& c, int B, int T, bool recompute, Alloc& alloc) {
-  return allocate_stage_acts<A>(c, B, T, recompute, StageRange::whole(c.num_layers), 1, alloc)[0];
+Qwen3Acts<A> allocate_acts(const ModelConfig& c, int B, int T, bool recompute, Alloc& alloc,
+                           int seq_parallel = 1) {
+  return allocate_stage_acts<A>(c, B, T, recompute, StageRange::whole(c.num_layers), 1, alloc,
+                                seq_parallel)[0];
 }
 
 // The program's fused q/k/v and gate/up GEMMs read wq, wk, wv (and w_gate, w_up) as one matrix:
@@ -240,12 +288,16 @@ struct LayerTensors {
 // and each ln is dead before the next is written.
 template <class A>
 struct LayerIO {
-  const A* x_in;    // [N, H] the layer's input
-  A* ln_in;         // [N, H] rmsnorm(x_in) with the layer's ln1 (the previous op made it)
-  A* x_out;         // [N, H] the layer's output
-  A* ln_out;        // [N, H] rmsnorm(x_out) with next_norm
-  float* rstd_out;  // [N]
+  const A* x_in;    // [Nl, H] the layer's input
+  A* ln_in;         // [Nl, H] rmsnorm(x_in) with the layer's ln1 (the previous op made it)
+  A* x_out;         // [Nl, H] the layer's output
+  A* ln_out;        // [Nl, H] rmsnorm(x_out) with next_norm
+  float* rstd_out;  // [Nl]
   A* tmp;           // [N, H] scratch
+  // Sequence parallelism (Qwen3Acts' fields): Nl, the rows of the buffers above, and the
+  // reduce-scattered block output [Nl, H]. Without: 0 (Nl = N) and null.
+  int rows = 0;
+  A* tmp_local = nullptr;
 };
 
 // res_out = res_in + x [N, H] through the optional op residual_add (see the contract).
@@ -269,9 +321,9 @@ void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
                          LayerActs<typename Ops::Act>& a) {
   const int H = cfg.hidden_size, Q = cfg.q_dim(), KV = cfg.kv_dim();
   const int I = cfg.intermediate_size, QKV = Q + 2 * KV;
-  auto* ln1 = io.ln_in;
+  const int Nl = io.rows > 0 ? io.rows : N;  // the residual stream's rows (sequence parallelism)
   // attention block: x_mid = x + o_proj(attention(rope(norm(q, k)), v)) of rmsnorm(x)
-  ops.tp_block_input(ln1, N, H);
+  auto* ln1 = ops.tp_block_input(a.ln1_full, io.ln_in, N, H);  // [N, H]
   ops.linear(a.qkv_raw, ln1, w.wq, N, H, QKV);  // wq, wk, wv: one [QKV, H] matrix
   ops.lora(l, LoraSite::kQKV, ln1, a.qkv_raw);
   ops.qk_norm_rope(a.q, a.q_rstd, a.qkv_raw, QKV, w.q_norm, cfg.num_heads);
@@ -280,20 +332,20 @@ void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
   ops.attention(l, a.att, a.lse, a.q, a.k, a.v);
   ops.linear(io.tmp, a.att, w.wo, N, Q, H);
   ops.lora(l, LoraSite::kO, a.att, io.tmp);
-  ops.tp_block_output(io.tmp, N, H);
-  ops.residual_rmsnorm(a.x_mid, a.ln2, a.rstd2, io.x_in, io.tmp, w.ln2, N);
+  const auto* o = ops.tp_block_output(io.tmp_local, io.tmp, N, H);  // [Nl, H]
+  ops.residual_rmsnorm(a.x_mid, a.ln2, a.rstd2, io.x_in, o, w.ln2, Nl);
   // MLP block: x_out = x_mid + down(silu(gate(ln2)) * up(ln2)), then the next norm
-  ops.tp_block_input(a.ln2, N, H);
-  ops.linear(a.gu, a.ln2, w.w_gate, N, H, 2 * I);  // w_gate, w_up: one [2I, H]
-  ops.lora(l, LoraSite::kGateUp, a.ln2, a.gu);
+  auto* ln2 = ops.tp_block_input(a.ln2_full, a.ln2, N, H);  // [N, H]
+  ops.linear(a.gu, ln2, w.w_gate, N, H, 2 * I);  // w_gate, w_up: one [2I, H]
+  ops.lora(l, LoraSite::kGateUp, ln2, a.gu);
   ops.swiglu(a.h, a.gu, N, I);
   ops.linear(io.tmp, a.h, w.w_down, N, I, H);
   ops.lora(l, LoraSite::kDown, a.h, io.tmp);
-  ops.tp_block_output(io.tmp, N, H);
+  const auto* down = ops.tp_block_output(io.tmp_local, io.tmp, N, H);  // [Nl, H]
   if (next_norm)
-    ops.residual_rmsnorm(io.x_out, io.ln_out, io.rstd_out, a.x_mid, io.tmp, next_norm, N);
+    ops.residual_rmsnorm(io.x_out, io.ln_out, io.rstd_out, a.x_mid, down, next_norm, Nl);
   else  // a pipeline stage's last layer: x_out only, the next stage norms it
-    residual_add(ops, io.x_out, a.x_mid, io.tmp, N);
+    residual_add(ops, io.x_out, a.x_mid, down, Nl);
 }
 
 // Layer l's tensors in a flat buffer of the whole model (ParamLayout order), for callers without
@@ -330,6 +382,10 @@ class Qwen3Program {
     check_stage(cfg, st_);
     QT_CHECK(!slots_.empty() && slots_[0].x.size() == off_.layers.size() + 1,
              "activations of another model");
+    Nl_ = slots_[0].rows;
+    for (const Qwen3Acts<A>& a : slots_)
+      QT_CHECK(a.rows == Nl_ && Nl_ >= 1 && N_ % Nl_ == 0,
+               "activations of {} rows for micro-batches of {}", a.rows, N_);
   }
 
   const ModelConfig& config() const { return cfg_; }
@@ -339,6 +395,8 @@ class Qwen3Program {
   const StageRange& stage() const { return st_; }
   int slots() const { return static_cast<int>(slots_.size()); }
   const Qwen3Acts<A>& acts(int slot = 0) const { return slots_.at(slot); }
+  // The residual stream's rows: N, or with sequence parallelism this tp rank's N / tp.
+  int local_rows() const { return Nl_; }
 
   // The units the stage asks for, ascending: its layers, the embedding on the first stage, the
   // head on the last, and the embedding there too when tied (a pipeline's last stage holds a
@@ -360,24 +418,24 @@ class Qwen3Program {
   }
 
   // The stage's forward of the micro-batch in `slot`: from token ids `inputs` [N] (first stage)
-  // or x_in = x[first] [N, H] (received; copied unless it is stage_input(slot)). Leaves x[last]
+  // or x_in = x[first] [Nl, H] (received; copied unless it is stage_input(slot)). Leaves x[last]
   // in stage_output(slot) (to send), or on the last stage rmsnorm(x[L]) in acts(slot).ln[L] for
   // the head. The slot's activations live until its backward_stage.
   template <class Units>
   void forward_stage(Ops& ops, Units& units, int slot, const std::int32_t* inputs, const A* x_in) {
     select(slot);
-    const int N = N_, H = cfg_.hidden_size, first = st_.first_layer, last = st_.last_layer;
-    const int E = unit_.embed(), Hd = unit_.head();
+    const int N = N_, Nl = Nl_, H = cfg_.hidden_size, first = st_.first_layer;
+    const int last = st_.last_layer, E = unit_.embed(), Hd = unit_.head();
     Qwen3Acts<A>& a = *a_;
     if (st_.has_embedding) {
       ops.embedding(a.x[first], inputs, units.weights(E), N);
       if (!(cfg_.tie_word_embeddings && st_.has_head)) units.release(E);  // tied: the head's too
     } else if (x_in != a.x[first]) {
-      ops.copy_columns(a.x[first], H, x_in, H, N, H);
+      ops.copy_columns(a.x[first], H, x_in, H, Nl, H);
     }
     // The stage's first norm: its first layer's ln1, or the final norm (no layers).
     const int entry = first < last ? unit_.layer(first) : st_.has_head ? Hd : -1;
-    if (entry >= 0) ops.rmsnorm(a.ln[first], a.rstd[first], a.x[first], norm_of(units, entry), N);
+    if (entry >= 0) ops.rmsnorm(a.ln[first], a.rstd[first], a.x[first], norm_of(units, entry), Nl);
     for (int l = first; l < last; ++l) {
       const int u = unit_.layer(l);
       const W* next_norm = ends_stage(l) ? nullptr : norm_of(units, next(l));
@@ -385,9 +443,9 @@ class Qwen3Program {
       units.release(u);
     }
   }
-  // [N, H] x[first] of a slot, where a receive may write before forward_stage (non-first stage).
+  // [Nl, H] x[first] of a slot, where a receive may write before forward_stage (non-first stage).
   A* stage_input(int slot) { return slots_.at(slot).x[st_.first_layer]; }
-  // [N, H] x[last] of a slot after forward_stage: what a non-last stage sends.
+  // [Nl, H] x[last] of a slot after forward_stage: what a non-last stage sends.
   const A* stage_output(int slot) const { return slots_.at(slot).x[st_.last_layer]; }
 
   // The lm head and the loss, forward and backward in one (leaves d ln[L] in acts(slot).dhead).
@@ -422,15 +480,15 @@ class Qwen3Program {
   }
 
   // The stage's backward of the micro-batch in `slot`: from d ln[L] in acts(slot).dhead (last
-  // stage) or dx_in = d x[last] [N, H] (received; copied unless it is input_grad()). Leaves
+  // stage) or dx_in = d x[last] [Nl, H] (received; copied unless it is input_grad()). Leaves
   // d x[first] in input_grad() (to send; valid until the next backward_stage), or on the first
   // stage ends in the embedding's gradient. inputs: the slot's token ids (first stage).
   template <class Units>
   void backward_stage(Ops& ops, Units& units, int slot, const std::int32_t* inputs,
                       const A* dx_in, bool accumulate) {
     select(slot);
-    const int N = N_, H = cfg_.hidden_size, first = st_.first_layer, last = st_.last_layer;
-    const int E = unit_.embed(), Hd = unit_.head();
+    const int N = N_, Nl = Nl_, H = cfg_.hidden_size, first = st_.first_layer;
+    const int last = st_.last_layer, E = unit_.embed(), Hd = unit_.head();
     const bool tied = cfg_.tie_word_embeddings;
     Qwen3Acts<A>& a = *a_;
     acc_ = accumulate;
@@ -439,14 +497,14 @@ class Qwen3Program {
       float* g_head = units.grads(Hd);
       QT_CHECK(g_head != nullptr || ops.lora_on(), "a frozen base (no gradients) without LoRA");
       ops.rmsnorm_backward(a.dx, at(Hd, g_head, off_.norm), a.dhead, a.x[last],
-                           at(Hd, head_w, off_.norm), a.rstd[last], N, acc_);
+                           at(Hd, head_w, off_.norm), a.rstd[last], Nl, acc_);
       units.grads_done(Hd);
       if (tied && !st_.has_embedding) {  // the last stage's copy of a tied table: the head's part
         units.grads_done(E);
         units.release(E);
       }
     } else if (dx_in != a.dx) {
-      ops.copy_columns(a.dx, H, dx_in, H, N, H);
+      ops.copy_columns(a.dx, H, dx_in, H, Nl, H);
     }
     for (int l = last - 1; l >= first; --l) {
       const int u = unit_.layer(l), n = ends_stage(l) ? -1 : next(l);
@@ -461,8 +519,9 @@ class Qwen3Program {
     if (first < last) units.release(unit_.layer(first));
     if (st_.has_embedding) {
       // An untied embedding's gradient is N rows of dx: a store that reduces over dp may take
-      // the rows and ids themselves (and reduce those, not the whole table).
-      if (tied || !units.take_embedding_rows(a.dx, inputs, N)) {
+      // the rows and ids themselves (and reduce those, not the whole table; not with sequence
+      // parallelism, whose dx holds only this rank's rows).
+      if (tied || Nl < N || !units.take_embedding_rows(a.dx, inputs, N)) {
         if (float* g_embed = units.grads(E))
           // The embedding backward adds rows: written from zero unless the tied lm head (the
           // same table, on this stage) has already written them.
@@ -473,8 +532,8 @@ class Qwen3Program {
     }
     if (st_.has_head && first == last) units.release(Hd);
   }
-  // [N, H] d x[first] after backward_stage (what a non-first stage sends); a receive of d x[last]
-  // may write here before backward_stage.
+  // [Nl, H] d x[first] after backward_stage (what a non-first stage sends); a receive of
+  // d x[last] may write here before backward_stage.
   A* input_grad() { return slots_[0].dx; }
 
  private:
@@ -528,9 +587,12 @@ class Qwen3Program {
   // next_norm: the input norm weight of layer l + 1, or the final norm's after the last layer,
   // or null at a stage's end.
   void layer_forward(Ops& ops, int l, const LayerTensors<const W>& w, const W* next_norm) {
-    const LayerIO<A> io{a_->x[l], a_->ln[l], a_->x[l + 1], a_->ln[l + 1], a_->rstd[l + 1], a_->tmp};
+    const LayerIO<A> io{a_->x[l],          a_->ln[l], a_->x[l + 1], a_->ln[l + 1],
+                        a_->rstd[l + 1],   a_->tmp,   Nl_,          a_->tmp_local};
     qwen3_layer_forward(ops, cfg_, l, N_, w, next_norm, io, layer_acts(l));
   }
+  // A hook's output buffer: `p` with sequence parallelism, else null (the hooks work in place).
+  A* sp_only(A* p) const { return Nl_ < N_ ? p : nullptr; }
 
   // How far down layer l's backward goes: through its projections in backward order, then to
   // its input (kBelow), unless the base is frozen and nothing below needs a gradient.
@@ -544,30 +606,33 @@ class Qwen3Program {
     return kDown;
   }
 
-  // a_->dx holds d x_out on entry and d x_in on return.
+  // a_->dx holds d x_out on entry and d x_in on return ([Nl, H]).
   void layer_backward(Ops& ops, int l, const LayerTensors<const W>& w, const LayerTensors<float>& g) {
     LayerActs<A>& a = layer_acts(l);
-    const int N = N_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
+    const int N = N_, Nl = Nl_, H = cfg_.hidden_size, Q = cfg_.q_dim(), KV = cfg_.kv_dim();
     const int I = cfg_.intermediate_size, QKV = Q + 2 * KV;
+    // The column-parallel GEMMs' inputs [N, H] as the forward read them.
+    const A* ln1 = Nl < N ? a.ln1_full : a_->ln[l];
+    const A* ln2 = Nl < N ? a.ln2_full : a.ln2;
     const bool acc = acc_;  // each weight gradient is made once per micro-batch
     // An activation gradient past the depth has no reader: not computed (null dx).
     const Depth depth = backward_depth(ops, l, g.wq == nullptr);
     auto past = [depth](Depth d, A* dx) { return depth > d ? dx : nullptr; };
     // MLP block; dx holds d x_out and becomes d x_mid. gu is overwritten by its gradient.
-    ops.tp_block_output_backward(a_->dx, N, H);
-    ops.linear_backward(past(kDown, a_->dh), g.w_down, a_->dx, a.h, w.w_down, N, I, H, acc);
-    ops.lora_backward(l, LoraSite::kDown, a.h, a_->dx, past(kDown, a_->dh));
+    const A* dy = ops.tp_block_output_backward(sp_only(a_->dtmp), a_->dx, N, H);  // [N, H]
+    ops.linear_backward(past(kDown, a_->dh), g.w_down, dy, a.h, w.w_down, N, I, H, acc);
+    ops.lora_backward(l, LoraSite::kDown, a.h, dy, past(kDown, a_->dh));
     if (depth == kDown) return;
     ops.swiglu_backward(a.gu, a_->dh, a.gu, N, I);
-    ops.linear_backward(past(kGateUp, a_->dln), g.w_gate, a.gu, a.ln2, w.w_gate, N, H, 2 * I, acc);
-    ops.lora_backward(l, LoraSite::kGateUp, a.ln2, a.gu, past(kGateUp, a_->dln));
+    ops.linear_backward(past(kGateUp, a_->dln), g.w_gate, a.gu, ln2, w.w_gate, N, H, 2 * I, acc);
+    ops.lora_backward(l, LoraSite::kGateUp, ln2, a.gu, past(kGateUp, a_->dln));
     if (depth == kGateUp) return;
-    ops.tp_block_input_backward(a_->dln, N, H);
-    ops.residual_rmsnorm_backward(a_->dx, g.ln2, a_->dln, a.x_mid, w.ln2, a.rstd2, N, acc);
+    const A* dln = ops.tp_block_input_backward(sp_only(a_->tmp_local), a_->dln, N, H);  // [Nl, H]
+    ops.residual_rmsnorm_backward(a_->dx, g.ln2, dln, a.x_mid, w.ln2, a.rstd2, Nl, acc);
     // attention block; dx holds d x_mid and becomes d x_in.
-    ops.tp_block_output_backward(a_->dx, N, H);
-    ops.linear_backward(past(kO, a_->datt), g.wo, a_->dx, a.att, w.wo, N, Q, H, acc);
-    ops.lora_backward(l, LoraSite::kO, a.att, a_->dx, past(kO, a_->datt));
+    dy = ops.tp_block_output_backward(sp_only(a_->dtmp), a_->dx, N, H);
+    ops.linear_backward(past(kO, a_->datt), g.wo, dy, a.att, w.wo, N, Q, H, acc);
+    ops.lora_backward(l, LoraSite::kO, a.att, dy, past(kO, a_->datt));
     if (depth == kO) return;
     ops.attention_backward(l, a_->dq, a_->dk, a_->dv, a_->datt, a.q, a.k, a.v, a.att, a.lse);
     // d q, d k, d v into dqkv rows [dq | dk | dv] for one GEMM against [wq; wk; wv].
@@ -576,11 +641,11 @@ class Qwen3Program {
     ops.qk_norm_rope_backward(a_->dqkv + Q, QKV, g.k_norm, a_->dk, a.qkv_raw + Q, QKV, w.k_norm,
                               a.k_rstd, cfg_.num_kv_heads, acc);
     ops.copy_columns(a_->dqkv + Q + KV, QKV, a_->dv, KV, N, KV);
-    ops.linear_backward(past(kQKV, a_->dln), g.wq, a_->dqkv, a_->ln[l], w.wq, N, H, QKV, acc);
-    ops.lora_backward(l, LoraSite::kQKV, a_->ln[l], a_->dqkv, past(kQKV, a_->dln));
+    ops.linear_backward(past(kQKV, a_->dln), g.wq, a_->dqkv, ln1, w.wq, N, H, QKV, acc);
+    ops.lora_backward(l, LoraSite::kQKV, ln1, a_->dqkv, past(kQKV, a_->dln));
     if (depth == kQKV) return;
-    ops.tp_block_input_backward(a_->dln, N, H);
-    ops.residual_rmsnorm_backward(a_->dx, g.ln1, a_->dln, a_->x[l], w.ln1, a_->rstd[l], N, acc);
+    dln = ops.tp_block_input_backward(sp_only(a_->tmp_local), a_->dln, N, H);
+    ops.residual_rmsnorm_backward(a_->dx, g.ln1, dln, a_->x[l], w.ln1, a_->rstd[l], Nl, acc);
   }
 
   ModelConfig cfg_;
@@ -589,6 +654,7 @@ class Qwen3Program {
   ShardPlan plan_;
   Qwen3Units unit_;
   int N_;  // rows of a micro-batch: B x T
+  int Nl_;  // rows of the residual stream: N, or N / tp with sequence parallelism
   bool recompute_;
   bool acc_ = true;
   StageRange st_;

@@ -20,26 +20,28 @@ const ModelConfig& checked(const ModelConfig& cfg) {
 
 }  // namespace
 
-Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute)
+Qwen3Model::Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute, int seq_parallel)
     : cfg_(checked(cfg)),
       B_(B),
       T_(T),
-      ops_(cfg, B, T, arena_),
-      program_(cfg, B, T, recompute, allocate_acts<float>(cfg, B, T, recompute, arena_)) {
+      ops_(cfg, B, T, arena_, seq_parallel),
+      program_(cfg, B, T, recompute,
+               allocate_acts<float>(cfg, B, T, recompute, arena_, seq_parallel)) {
   const std::size_t N = static_cast<std::size_t>(B) * T;
   inputs_.resize(N);
   targets_.resize(N);
   pos_.resize(N);
 }
 
-double Qwen3Model::buffer_bytes(const ModelConfig& cfg, int B, int T, bool recompute) {
+double Qwen3Model::buffer_bytes(const ModelConfig& cfg, int B, int T, bool recompute,
+                                int seq_parallel) {
   // What the constructor allocates for `layers` layers, counted, not allocated.
   auto count = [&](int layers) {
     ModelConfig c = cfg;
     c.num_layers = layers;
     HostArena arena(/*counting_only=*/true);
-    CpuOps ops(c, B, T, arena);
-    allocate_acts<float>(c, B, T, recompute, arena);
+    CpuOps ops(c, B, T, arena, seq_parallel);
+    allocate_acts<float>(c, B, T, recompute, arena, seq_parallel);
     return arena.bytes();
   };
   // Past the first layer, each adds the same bytes (its residual stream and, without recompute,

@@ -37,12 +37,15 @@ void check_micro_batch(const std::int32_t* inputs, const std::int32_t* targets,
 class Qwen3Model {
  public:
   // Buffers for micro-batches of B sequences of T tokens. recompute: keep only each layer's input
-  // (and its norm) and recompute the rest of the layer in backward.
-  Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute);
+  // (and its norm) and recompute the rest of the layer in backward. seq_parallel > 1: sequence
+  // parallelism over a tp group of that size (set_tensor_parallel): the residual stream and the
+  // norms keep B*T / seq_parallel rows.
+  Qwen3Model(const ModelConfig& cfg, int B, int T, bool recompute, int seq_parallel = 1);
 
   // Bytes of the buffers that constructor allocates (activations, logits, their gradients); the
   // memory check runs it before allocating.
-  static double buffer_bytes(const ModelConfig& cfg, int B, int T, bool recompute);
+  static double buffer_bytes(const ModelConfig& cfg, int B, int T, bool recompute,
+                             int seq_parallel = 1);
 
   const ModelConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return program_.layout(); }
@@ -75,7 +78,8 @@ class Qwen3Model {
   // (src/model/lora.h; their weights and gradients are bound there), or null: none.
   void set_lora(LoraAdapters* lora) { ops_.set_lora(lora); }
   // Tensor parallelism: this model is tp rank's local part (parallel/tensor_parallel.h), whose
-  // row-parallel outputs and column-parallel input gradients are summed over `tp`.
+  // row-parallel outputs and column-parallel input gradients are summed over `tp` (with
+  // sequence parallelism, the constructor's seq_parallel = tp->size(), reduce-scattered).
   void set_tensor_parallel(Comm* tp) {
     ops_.set_tp(tp);
     vocab_global_ = cfg_.vocab_size * (tp ? tp->size() : 1);

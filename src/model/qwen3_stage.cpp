@@ -7,15 +7,17 @@
 namespace qt {
 
 Qwen3Stage::Qwen3Stage(const ModelConfig& cfg, int B, int T, bool recompute,
-                       const StageRange& stage, int slots)
+                       const StageRange& stage, int slots, int seq_parallel)
     : cfg_(cfg),
       B_(B),
       T_(T),
       recompute_(recompute),
-      ops_(cfg, B, T, arena_),
+      ops_(cfg, B, T, arena_, seq_parallel),
       program_(cfg, B, T, recompute, stage,
-               allocate_stage_acts<float>(cfg, B, T, recompute, stage, slots, arena_)),
+               allocate_stage_acts<float>(cfg, B, T, recompute, stage, slots, arena_,
+                                          seq_parallel)),
       slot_(static_cast<std::size_t>(slots)) {}
+
 
 double Qwen3Stage::forward(ModelParams& mp, int k, const StageBatch& b, const float* x_in,
                            float loss_scale) {

@@ -36,8 +36,10 @@ struct StageBatch {
 class Qwen3Stage {
  public:
   // Buffers for `slots` micro-batches of B x T tokens in flight (1F1B: P - s on stage s).
+  // seq_parallel > 1: sequence parallelism over a tp group of that size (set_tensor_parallel):
+  // the stage's activations in and out are this rank's rows() = B*T / seq_parallel.
   Qwen3Stage(const ModelConfig& cfg, int B, int T, bool recompute, const StageRange& stage,
-             int slots);
+             int slots, int seq_parallel = 1);
 
   const ModelConfig& config() const { return cfg_; }
   const ParamLayout& layout() const { return program_.layout(); }
@@ -45,6 +47,9 @@ class Qwen3Stage {
   const StageRange& stage() const { return program_.stage(); }
   int slots() const { return program_.slots(); }
   double buffer_bytes() const { return arena_.bytes(); }  // its activations and scratch
+  // Rows of the activations a stage sends and receives, x and d x [rows(), H]: B*T, or
+  // B*T / seq_parallel.
+  int rows() const { return program_.local_rows(); }
   // The units this stage asks `params` for, ascending.
   std::vector<int> stage_units() const { return program_.stage_units(); }
 
@@ -53,13 +58,13 @@ class Qwen3Stage {
   // summed cross-entropy of the counted targets on the last stage, else 0.
   double forward(ModelParams& params, int slot, const StageBatch& batch, const float* x_in,
                  float loss_scale);
-  float* input(int slot) { return program_.stage_input(slot); }                    // [B*T, H]
-  const float* output(int slot) const { return program_.stage_output(slot); }     // [B*T, H]
+  float* input(int slot) { return program_.stage_input(slot); }                    // [rows, H]
+  const float* output(int slot) const { return program_.stage_output(slot); }     // [rows, H]
 
-  // The backward of the micro-batch in `slot` (then free). dx_in: d x[last] [B*T, H] (not the
+  // The backward of the micro-batch in `slot` (then free). dx_in: d x[last] [rows, H] (not the
   // last stage; may be input_grad()).
   void backward(ModelParams& params, int slot, const float* dx_in);
-  // [B*T, H] d x[first] of the last backward (what a non-first stage sends).
+  // [rows, H] d x[first] of the last backward (what a non-first stage sends).
   const float* input_grad() { return program_.input_grad(); }
 
   // The backward in two halves (zero-bubble schedules; not with recompute): the input gradient
@@ -70,6 +75,7 @@ class Qwen3Stage {
   void backward_weight(int slot);
 
   void set_lora(LoraAdapters* lora) { ops_.set_lora(lora); }
+  // Tensor parallelism over `tp` (with sequence parallelism: seq_parallel = tp->size()).
   void set_tensor_parallel(Comm* tp) {
     ops_.set_tp(tp);
     vocab_global_ = cfg_.vocab_size * (tp ? tp->size() : 1);

@@ -15,8 +15,8 @@ namespace {
 bool mine(std::int32_t id, int begin, int v_local) { return id >= begin && id < begin + v_local; }
 }  // namespace
 
-void embedding_forward_vp(float* x, const std::int32_t* ids, const float* wte_local, int N, int C,
-                          int begin, int v_local, Comm& tp) {
+void embedding_lookup_vp(float* x, const std::int32_t* ids, const float* wte_local, int N, int C,
+                         int begin, int v_local) {
   for (int n = 0; n < N; ++n) {
     float* out = x + static_cast<std::size_t>(n) * C;
     if (mine(ids[n], begin, v_local)) {
@@ -26,8 +26,6 @@ void embedding_forward_vp(float* x, const std::int32_t* ids, const float* wte_lo
       std::fill(out, out + C, 0.0f);
     }
   }
-  // One rank holds each row, the others add zeros: the sum is that row exactly.
-  tp.all_reduce(x, static_cast<std::size_t>(N) * C, DType::kF32, ReduceOp::kSum);
 }
 
 void embedding_backward_vp(float* dwte_local, const float* dx, const std::int32_t* ids, int N,

@@ -9,9 +9,10 @@
 
 namespace qt::cpu {
 
-// x[N, C] = wte[ids[n]] summed over tp: this rank's rows where the id is its own, else zero.
-void embedding_forward_vp(float* x, const std::int32_t* ids, const float* wte_local, int N, int C,
-                          int begin, int v_local, Comm& tp);
+// x[N, C] = this rank's part of wte[ids[n]]: the row where the id is its own, else zero. Summed
+// over tp (each id is one rank's), the lookup itself.
+void embedding_lookup_vp(float* x, const std::int32_t* ids, const float* wte_local, int N, int C,
+                         int begin, int v_local);
 // dwte_local[ids[n] - begin] += dx[n] for the ids this rank holds, in token order.
 void embedding_backward_vp(float* dwte_local, const float* dx, const std::int32_t* ids, int N,
                            int C, int begin, int v_local);

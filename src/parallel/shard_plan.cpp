@@ -89,6 +89,8 @@ ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_s
           s.replicated_over.push_back(MeshDim::kTp);
           break;
         case TpRole::kReplicated:
+          // Sequence parallelism: each tp rank norms its own rows, so its gradient is partial.
+          if (mesh.seq_parallel() > 1) s.partial_over = {MeshDim::kTp};
           s.replicated_over.push_back(MeshDim::kTp);
           break;
       }

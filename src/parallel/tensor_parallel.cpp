@@ -107,10 +107,14 @@ StateTargets global_targets(const TpMap* map, StateTargets local) {
   return map ? map->to_global(local) : local;
 }
 
-std::string describe_tp(const ModelConfig& local, int tp) {
+std::string describe_tp(const ModelConfig& local, int tp, bool sequence_parallel) {
   return fmt::format("tensor parallel over {} ranks: each runs {} query and {} key/value heads "
-                     "and {} MLP columns",
-                     tp, local.num_heads, local.num_kv_heads, local.intermediate_size);
+                     "and {} MLP columns{}",
+                     tp, local.num_heads, local.num_kv_heads, local.intermediate_size,
+                     sequence_parallel ? ", and the norms and residual adds on 1/" +
+                                             std::to_string(tp) + " of the rows (sequence "
+                                             "parallel)"
+                                       : "");
 }
 
 }  // namespace qt

@@ -63,7 +63,7 @@ std::vector<StatePiece> global_pieces(const TpMap* map, std::vector<StatePiece> 
 StateTargets global_targets(const TpMap* map, StateTargets local);
 
 // "tensor parallel over tp ranks: each runs ..." for a back end's description (local: the tp
-// rank's model, tp_local_config).
-std::string describe_tp(const ModelConfig& local, int tp);
+// rank's model, tp_local_config), with sequence parallelism or without.
+std::string describe_tp(const ModelConfig& local, int tp, bool sequence_parallel);
 
 }  // namespace qt

@@ -2,7 +2,8 @@
 // (ZeRO 0-3 over MPI; optim/sharded_state.h). With [lora] the fp32 base is a frozen flat buffer
 // (no gradients, no moments) and the driver trains the adapters, one unit. With mesh.tp > 1 the
 // model and the driver hold the tp rank's local part (parallel/tensor_parallel.h) and every
-// piece of state leaves and enters in global coordinates (TpMap).
+// piece of state leaves and enters in global coordinates (TpMap); mesh.sequence_parallel splits
+// the model's residual stream over tp too (model/layer_program.h).
 #include <fmt/format.h>
 
 #include <memory>
@@ -23,9 +24,10 @@ class CpuBackend final : public TrainBackend {
  public:
   CpuBackend(const Deck& deck, Mesh& mesh)
       : tp_(mesh.shape().tp),
+        seq_parallel_(mesh.shape().seq_parallel()),
         global_layout_(deck.model),
         model_(tp_local_config(deck.model, tp_), deck.train.micro_batch, deck.train.seq_len,
-               deck.train.recompute),
+               deck.train.recompute, seq_parallel_),
         lora_(deck.lora.enabled() ? std::make_unique<LoraAdapters>(deck.model, deck.lora,
                                                                    deck.train.micro_batch,
                                                                    deck.train.seq_len)
@@ -39,7 +41,8 @@ class CpuBackend final : public TrainBackend {
         base_(lora_ ? model_.layout().numel() : 0, 0.0f),
         offload_(deck.optim.offload == "cpu"),
         activations_(Qwen3Model::buffer_bytes(model_.config(), deck.train.micro_batch,
-                                              deck.train.seq_len, deck.train.recompute)),
+                                              deck.train.seq_len, deck.train.recompute,
+                                              seq_parallel_)),
         seed_(deck.train.seed) {
     QT_CHECK(tp_ == 1 || !lora_, "LoRA with tensor parallelism is not built");
     if (lora_) model_.set_lora(lora_.get());
@@ -54,7 +57,7 @@ class CpuBackend final : public TrainBackend {
   const ParamLayout& layout() const override { return global_layout_; }
   std::string describe() const override {
     std::string d = "cpu: fp32 reference (OpenBLAS); " + state_.plan().describe();
-    if (tp_ > 1) d += "; " + describe_tp(model_.config(), tp_);
+    if (tp_ > 1) d += "; " + describe_tp(model_.config(), tp_, seq_parallel_ > 1);
     if (offload_) d += "; optim.offload = cpu: the state is in host memory already";
     if (lora_)
       d += fmt::format("; LoRA: fp32 base frozen (no gradients or moments), {} adapter "
@@ -108,6 +111,7 @@ class CpuBackend final : public TrainBackend {
 
  private:
   int tp_;                              // mesh.tp
+  int seq_parallel_;                    // mesh.tp with sequence parallelism, else 1
   ParamLayout global_layout_;           // the model's (the local one is model_.layout())
   Qwen3Model model_;                    // with tp > 1 the tp rank's local part
   std::unique_ptr<LoraAdapters> lora_;  // null without [lora]

@@ -6,10 +6,10 @@
 // the stage's list from parallel/pipeline_schedule.h (mesh.pp_schedule: 1F1B or ZB-H1;
 // mesh.pp_chunks > 1: interleaved 1F1B):
 //
-//   F(c, m)  chunk c > 0 receives x [N, H] of micro-batch m from the previous stage; the
+//   F(c, m)  chunk c > 0 receives x [n, H] of micro-batch m from the previous stage; the
 //            forward; c < C - 1 sends its output to the next stage (stage P - 1 sends to stage 0
 //            between chunks); the last chunk runs the head and the loss in the forward
-//   B(c, m)  chunk c < C - 1 receives d x [N, H] from the next stage; the backward; c > 0 sends
+//   B(c, m)  chunk c < C - 1 receives d x [n, H] from the next stage; the backward; c > 0 sends
 //            d x to the previous stage
 //   I, W     (ZB-H1) B's input half, as B; the weight half later, from the slot's saved state
 //
@@ -23,7 +23,9 @@
 // on one, b + a on the other: the same bits), so AdamW keeps the copies equal; the first stage's
 // counts in the norm and goes to checkpoints. The loss and the gradient norm are summed over pp.
 // With mesh.tp > 1 each stage is split over its tp group as the plain CPU back end does
-// (parallel/tensor_parallel.h); the pp communicator joins the ranks of one tp index.
+// (parallel/tensor_parallel.h); the pp communicator joins the ranks of one tp index. n is a
+// micro-batch's rows N = B x T, or with mesh.sequence_parallel the tp rank's N / tp (its rows of
+// the residual stream: each tp rank sends its own to its peer of the next stage).
 #include <mpi.h>
 
 #include <fmt/format.h>
@@ -58,6 +60,7 @@ class CpuPipelineBackend final : public TrainBackend {
         V_(mesh.shape().pp_chunks),
         s_(mesh.coord().pp),
         N_(static_cast<std::size_t>(deck.train.micro_batch) * deck.train.seq_len),
+        n_(N_ / static_cast<std::size_t>(mesh.shape().seq_parallel())),
         H_(deck.model.hidden_size),
         M_(deck.train.global_batch / (deck.train.micro_batch * mesh.shape().dp)),
         tp_(mesh.shape().tp),
@@ -70,11 +73,15 @@ class CpuPipelineBackend final : public TrainBackend {
         share_{held_units(), &mesh.pp(), tied_copy() ? Qwen3Units{}.embed() : -1},
         state_(plan_, layout_, deck.optim, mesh.dp(), deck.train.steps, &mesh.tp(), &share_),
         pp_(mesh.pp()),
-        dx_(N_ * H_),
+        dx_(n_ * H_),
         schedule_name_(V_ > 1 ? "interleaved 1F1B"
                               : mesh.shape().pp_schedule == "zb-h1" ? "ZB-H1" : "1F1B") {
     if (tp_ > 1) {
-      for (Chunk& c : chunks_) c.stage->set_tensor_parallel(&mesh.tp());
+      for (Chunk& c : chunks_) {
+        c.stage->set_tensor_parallel(&mesh.tp());
+        QT_CHECK(static_cast<std::size_t>(c.stage->rows()) == n_, "stage rows {}, messages of {}",
+                 c.stage->rows(), n_);
+      }
       tp_map_ = std::make_unique<TpMap>(global_layout_, layout_, plan_, mesh.tp().rank());
     }
   }
@@ -94,7 +101,7 @@ class CpuPipelineBackend final : public TrainBackend {
     for (const Chunk& c : chunks_) slots += c.stage->slots();
     d += fmt::format(", {} over {} micro-batches ({} activation slots)", schedule_name_, M_, slots);
     if (tied_copy()) d += " (and a copy of the tied embedding)";
-    if (tp_ > 1) d += "; " + describe_tp(local_, tp_);
+    if (tp_ > 1) d += "; " + describe_tp(local_, tp_, n_ < N_);
     return d;
   }
   // Pieces in global coordinates (TpMap under tensor parallelism).
@@ -216,7 +223,7 @@ class CpuPipelineBackend final : public TrainBackend {
       ch.stage = std::make_unique<Qwen3Stage>(
           local_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,
           StageRange::layers(local_.num_layers, plan_.stage_layers[c], plan_.stage_layers[c + 1]),
-          slots);
+          slots, static_cast<int>(N_ / n_));
       ch.busy.assign(slots, 0);
       ch.fwd_send.assign(slots, MPI_REQUEST_NULL);
       ch.slot_of.assign(M_, -1);
@@ -243,11 +250,11 @@ class CpuPipelineBackend final : public TrainBackend {
   }
 
   void receive(float* buf, int from, int tag) {
-    QT_CHECK_MPI(MPI_Recv(buf, static_cast<int>(N_ * H_), MPI_FLOAT, from, tag, pp_.mpi(),
+    QT_CHECK_MPI(MPI_Recv(buf, static_cast<int>(n_ * H_), MPI_FLOAT, from, tag, pp_.mpi(),
                           MPI_STATUS_IGNORE));
   }
   void send(const float* buf, int to, int tag, MPI_Request* r) {
-    QT_CHECK_MPI(MPI_Isend(buf, static_cast<int>(N_ * H_), MPI_FLOAT, to, tag, pp_.mpi(), r));
+    QT_CHECK_MPI(MPI_Isend(buf, static_cast<int>(n_ * H_), MPI_FLOAT, to, tag, pp_.mpi(), r));
   }
   // Sends a copy of buf (overwritten by the next backward), reusing a finished send's buffer.
   void send_copy(const float* buf, int to, int tag) {
@@ -261,7 +268,7 @@ class CpuPipelineBackend final : public TrainBackend {
       }
     }
     if (p == nullptr) p = &grad_sends_.emplace_back();
-    p->data.assign(buf, buf + N_ * H_);
+    p->data.assign(buf, buf + n_ * H_);
     send(p->data.data(), to, tag, &p->request);
   }
 
@@ -277,7 +284,9 @@ class CpuPipelineBackend final : public TrainBackend {
   }
 
   int P_, V_, s_;  // stages, chunks a stage, this stage
-  std::size_t N_, H_;
+  std::size_t N_;  // rows of a micro-batch, B x T
+  std::size_t n_;  // rows of the activations between stages: N, or N / tp (sequence parallel)
+  std::size_t H_;
   int M_;                       // micro-batches a step
   int tp_;                      // mesh.tp
   ParamLayout global_layout_;   // the model's
@@ -290,7 +299,7 @@ class CpuPipelineBackend final : public TrainBackend {
   PipelineShare share_;
   ShardedState state_;
   MpiComm& pp_;
-  std::vector<float> dx_;            // [N, H] a received d x
+  std::vector<float> dx_;            // [n, H] a received d x
   std::deque<Pending> grad_sends_;   // stable addresses while in flight
   const char* schedule_name_;
 };

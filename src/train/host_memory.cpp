@@ -83,7 +83,7 @@ HostMemoryNeed training_host_memory(const Deck& deck, int dp) {
     return need;
   }
   const double acts = Qwen3Model::buffer_bytes(c, deck.train.micro_batch, deck.train.seq_len,
-                                               deck.train.recompute);
+                                               deck.train.recompute, deck.mesh.seq_parallel());
   // The optimizer driver's buffers (optim/sharded_state.h) at each ZeRO stage; at 2 and 3 the
   // whole units alive at once are at most two (a layer, or the head with a tied embedding).
   const int zero = deck.optim.zero_stage;

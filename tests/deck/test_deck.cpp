@@ -330,6 +330,26 @@ TEST(DeckErrors, InconsistentValues) {
   expect_error("[mesh]\nep = 3\n", {"deck.ini:2:", "mesh.ep = 3", "does not divide mesh.dp = 2"});
 }
 
+// mesh.sequence_parallel splits each micro-batch's rows over tp; with tp 1 it changes nothing.
+TEST(Deck, SequenceParallel) {
+  const Deck off = parse("[mesh]\nsequence_parallel = true\n");
+  EXPECT_TRUE(off.mesh.sequence_parallel);
+  EXPECT_EQ(off.mesh.seq_parallel(), 1);
+  const Deck on = parse("[mesh]\ntp = 2\nsequence_parallel = true\n");
+  EXPECT_EQ(on.mesh.seq_parallel(), 2);
+  EXPECT_EQ(parse("[mesh]\ntp = 2\n").mesh.seq_parallel(), 1);
+  expect_error("[mesh]\ntp = 2\nsequence_parallel = true\n[train]\nmicro_batch = 1\n"
+               "seq_len = 15\nglobal_batch = 1\n",
+               {"deck.ini:3: mesh.sequence_parallel = true splits the train.micro_batch x "
+                "train.seq_len = 1 x 15 = 15 rows of a micro-batch over mesh.tp = 2 ranks, which "
+                "does not divide them"});
+  // The same rows without tp: nothing to split.
+  EXPECT_EQ(parse("[mesh]\nsequence_parallel = true\n[train]\nmicro_batch = 1\nseq_len = 15\n"
+                  "global_batch = 2\n")
+                .mesh.seq_parallel(),
+            1);
+}
+
 TEST(Deck, LoraSection) {
   Deck off = parse("");
   EXPECT_FALSE(off.lora.enabled());
@@ -359,6 +379,9 @@ TEST(DeckErrors, Lora) {
 }
 
 TEST(DeckErrors, ParallelismNotBuiltYet) {
+  expect_error("[train]\ndevice = cuda\n[model]\nhead_dim = 64\n[mesh]\ntp = 2\n"
+               "sequence_parallel = true\n",
+               {"mesh.sequence_parallel = true is built on train.device = cpu only so far"});
   expect_error("[mesh]\ntp = 3\n", {"deck.ini:2: mesh.tp = 3 does not divide model.num_heads = "});
   expect_error("[model]\nvocab_size = 255\n[mesh]\ntp = 2\n",
                {"deck.ini:4: mesh.tp = 2 does not divide model.vocab_size = 255"});

@@ -207,6 +207,34 @@ TEST(ShardPlan, PipelineStagesHoldTheirLayers) {
   EXPECT_EQ(stages(mesh, {0, 1, 0, 1}), (std::vector<int>{0, 1, 2, 3, 4}));
 }
 
+// Sequence parallelism: every tp rank norms its own rows, so the gradients of every norm (not
+// only q_norm and k_norm) are partial over tp; the split of the other tensors is unchanged, and
+// without tp the flag changes nothing.
+TEST(TensorParallel, SequenceParallelMakesTheNormGradientsPartial) {
+  const ModelConfig g = tiny(false);
+  for (const int tp : {1, 2}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const ModelConfig l = tp_local_config(g, tp);
+    const ParamLayout local(l);
+    MeshShape mesh;
+    mesh.tp = tp;
+    const ShardPlan plain = plan_qwen3(l, local, mesh, 1);
+    mesh.sequence_parallel = true;
+    const ShardPlan sp = plan_qwen3(l, local, mesh, 1);
+    int norms = 0;
+    for (std::size_t i = 0; i < sp.specs.size(); ++i) {
+      const std::string& name = local.params()[i].name;
+      const bool norm = name.find("norm.weight") != std::string::npos;
+      norms += norm;
+      EXPECT_EQ(!sp.specs[i].partial_over.empty(), tp > 1 && norm) << name;
+      EXPECT_EQ(sp.specs[i].replicated_over, plain.specs[i].replicated_over) << name;
+      EXPECT_EQ(sp.specs[i].sharded_by, plain.specs[i].sharded_by) << name;
+      EXPECT_EQ(sp.specs[i].global_shape, plain.specs[i].global_shape) << name;
+    }
+    EXPECT_EQ(norms, 4 * g.num_layers + 1);  // ln1, q/k norm, ln2 a layer; the final norm
+  }
+}
+
 TEST(TensorParallel, PlanAndMapCoverTheGlobalLayoutOnce) {
   for (const bool tied : {true, false}) {
     SCOPED_TRACE(tied ? "tied" : "untied");

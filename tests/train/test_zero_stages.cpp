@@ -1,6 +1,7 @@
-// The sharded state (issue 16), tensor and pipeline parallelism (issue 17) on the CPU reference,
-// whole trainings under mpiexec -n 4: every ZeRO stage on every dp size, with and without tp or
-// pp, reproduces the serial run's losses, gradient norms and final parameters; checkpoints
+// The sharded state (issue 16), tensor, sequence and pipeline parallelism (issue 17) on the CPU
+// reference, whole trainings under mpiexec -n 4: every ZeRO stage on every dp size, with and
+// without tp (with and without sequence parallelism) or pp, reproduces the serial run's losses,
+// gradient norms and final parameters; checkpoints
 // written at (dp 2, ZeRO-3), (dp 2, tp 2, ZeRO-3) and (dp 2, pp 2, ZeRO-3) resume on other meshes
 // on the uninterrupted serial run's losses.
 #include <gtest/gtest.h>
@@ -206,17 +207,25 @@ TEST_F(ZeroStages, CheckpointOfZero3ResumesAtOtherMeshesAndStages) {
 }
 
 // Tensor parallelism (issue 17, first part: the CPU back end; heads, MLP columns and the
-// vocabulary split over tp) on its own and under every ZeRO stage over dp: the serial run's
-// losses, gradient norms and final parameters (the checkpoint holds global tensors).
+// vocabulary split over tp) on its own and under every ZeRO stage over dp, and with sequence
+// parallelism (norms and residual adds on each tp rank's half of the rows; the norm weights'
+// gradients summed over tp): the serial run's losses, gradient norms and final parameters (the
+// checkpoint holds global tensors).
 TEST_F(ZeroStages, TensorParallelReproducesTheSerialRun) {
   const RunResult serial = train("serial", 1, {});
   const std::vector<float> want = read_params(path("serial/step_00000010.h5"), true);
+  const std::string sp = "--mesh.sequence_parallel=true";
   const std::vector<Case> cases = {
       {"tp2", 2, {"--mesh.tp=2"}},
       {"tp2_recompute", 2, {"--mesh.tp=2", "--train.recompute=true"}},
       {"dp2_tp2_z1", 4, {"--mesh.tp=2", "--optim.zero_stage=1"}},
       {"dp2_tp2_z2", 4, {"--mesh.tp=2", "--optim.zero_stage=2"}},
       {"dp2_tp2_z3", 4, {"--mesh.tp=2", "--optim.zero_stage=3"}},
+      {"tp2_sp", 2, {"--mesh.tp=2", sp}},
+      {"tp2_sp_recompute", 2, {"--mesh.tp=2", sp, "--train.recompute=true"}},
+      {"dp2_tp2_z1_sp", 4, {"--mesh.tp=2", "--optim.zero_stage=1", sp}},
+      // one sequence a micro-batch: each tp rank holds half of its positions
+      {"tp2_sp_micro1", 2, {"--mesh.tp=2", "--train.micro_batch=1", sp}},
   };
   for (const Case& c : cases) check_against_serial(c, serial, want);
   // Untied: the lm head is a tensor of its own (vocabulary-parallel too). Its rows of tokens the
@@ -230,11 +239,18 @@ TEST_F(ZeroStages, TensorParallelReproducesTheSerialRun) {
   const RunResult tp_untied =
       train("tp2_untied", 4, {"--model.tie_word_embeddings=false", "--optim.eps=1e-6",
                               "--mesh.tp=2", "--optim.zero_stage=3"});
-  ASSERT_EQ(tp_untied.steps.size(), 10u);
-  expect_serial(tp_untied.steps, serial_untied.steps);
-  EXPECT_LT(rel_norm_diff(read_params(path("tp2_untied/step_00000010.h5"), false),
-                          read_params(path("serial_untied/step_00000010.h5"), false)),
-            kParamTol);
+  const RunResult sp_untied =
+      train("tp2_untied_sp", 4, {"--model.tie_word_embeddings=false", "--optim.eps=1e-6",
+                                 "--mesh.tp=2", "--optim.zero_stage=2", sp});
+  for (const char* name : {"tp2_untied", "tp2_untied_sp"}) {
+    SCOPED_TRACE(name);
+    const RunResult& r = std::string(name) == "tp2_untied" ? tp_untied : sp_untied;
+    ASSERT_EQ(r.steps.size(), 10u);
+    expect_serial(r.steps, serial_untied.steps);
+    EXPECT_LT(rel_norm_diff(read_params(path(std::string(name) + "/step_00000010.h5"), false),
+                            read_params(path("serial_untied/step_00000010.h5"), false)),
+              kParamTol);
+  }
 }
 
 // A checkpoint written under tensor parallelism resumes without it and the reverse.
@@ -272,6 +288,10 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
       {"pp2_zb", 2, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1"}},
       {"dp2_pp2_zb_z1", 4, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=1"}},
       {"tp2_pp2_zb", 4, {"--mesh.pp=2", "--mesh.tp=2", "--mesh.pp_schedule=zb-h1"}},
+      // sequence parallelism: each tp rank sends its own rows to its peer of the next stage
+      {"tp2_pp2_sp", 4, {"--mesh.pp=2", "--mesh.tp=2", "--mesh.sequence_parallel=true"}},
+      {"tp2_pp2_zb_sp", 4, {"--mesh.pp=2", "--mesh.tp=2", "--mesh.pp_schedule=zb-h1",
+                            "--mesh.sequence_parallel=true"}},
   };
   for (const Case& c : cases) check_against_serial(c, serial, want);
   // Untied: the lm head on the last stage, the embedding on the first (eps as in the tp test).
@@ -290,7 +310,8 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
 
 // A 4-layer model: four stages of one layer each (1F1B and ZB-H1), and interleaved 1F1B with two
 // chunks a stage on two stages (chunk c on stage c % 2: activations wrap from the last stage
-// back to the first), alone, with dp 2 at ZeRO-3 and with tp 2; against its serial run.
+// back to the first), alone, with dp 2 at ZeRO-3 and with tp 2 (with and without sequence
+// parallelism); against its serial run.
 TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
   const std::vector<std::string> four = {"--model.num_layers=4"};
   const RunResult serial = train("serial4", 1, four);
@@ -300,6 +321,8 @@ TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
       {"pp2_v2", 2, {"--mesh.pp=2", "--mesh.pp_chunks=2"}},
       {"dp2_pp2_v2_z3", 4, {"--mesh.pp=2", "--mesh.pp_chunks=2", "--optim.zero_stage=3"}},
       {"tp2_pp2_v2", 4, {"--mesh.pp=2", "--mesh.pp_chunks=2", "--mesh.tp=2"}},
+      {"tp2_pp2_v2_sp", 4,
+       {"--mesh.pp=2", "--mesh.pp_chunks=2", "--mesh.tp=2", "--mesh.sequence_parallel=true"}},
       // the split from the deck, uneven: 3 layers on the first stage, 1 with the head
       {"pp2_layers_3_1", 2, {"--mesh.pp=2", "--mesh.pp_layers=3,1"}},
   };
@@ -316,18 +339,18 @@ TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
   }
 }
 
-// (dp, tp, pp, ZeRO) = (2, 2, 2, 3) on eight ranks (its own CTest entry, train_pipeline_np8):
-// the serial losses and parameters, and its checkpoint resumes serially and the reverse.
+// (dp, tp, pp, ZeRO) = (2, 2, 2, 3) on eight ranks (its own CTest entry, train_pipeline_np8),
+// with and without sequence parallelism: the serial losses and parameters, and its checkpoint
+// resumes serially and the reverse.
 TEST_F(ZeroStages, PipelineWithTensorParallelOnEightRanks) {
   if (test::world_size() < 8) GTEST_SKIP() << "needs mpiexec -n 8 (train_pipeline_np8)";
   const RunResult serial = train("serial", 1, {});
+  const std::vector<float> want = read_params(path("serial/step_00000010.h5"), true);
   const std::vector<std::string> mesh = {"--mesh.pp=2", "--mesh.tp=2", "--optim.zero_stage=3"};
-  const RunResult r = train("dp2_tp2_pp2_z3", 8, mesh);
-  ASSERT_EQ(r.steps.size(), 10u);
-  expect_serial(r.steps, serial.steps);
-  EXPECT_LT(rel_norm_diff(read_params(path("dp2_tp2_pp2_z3/step_00000010.h5"), true),
-                          read_params(path("serial/step_00000010.h5"), true)),
-            kParamTol);
+  std::vector<std::string> sp = mesh;
+  sp.push_back("--mesh.sequence_parallel=true");
+  check_against_serial({"dp2_tp2_pp2_z3", 8, mesh}, serial, want);
+  check_against_serial({"dp2_tp2_pp2_z3_sp", 8, sp}, serial, want);
   const RunResult to_serial =
       train("to_serial", 1, {"--checkpoint.resume=" + path("dp2_tp2_pp2_z3/step_00000005.h5")});
   std::vector<std::string> back = mesh;
