@@ -75,7 +75,7 @@ class CudaBackend final : public TrainBackend {
     return fmt::format("cuda: GPU {} ({}, {} SMs), bf16 compute; {}{}; arena {} ({} used after "
                        "set-up)",
                        device_, d.name, d.sm_count, state_.describe(),
-                       tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_) : "",
+                       tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_, false) : "",
                        cuda::format_bytes(arena_.capacity()), cuda::format_bytes(arena_.used()));
   }
   // Global coordinates (checkpoints, initialisation and imports see global tensors).

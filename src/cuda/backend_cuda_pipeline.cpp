@@ -161,7 +161,7 @@ class CudaPipelineBackend final : public TrainBackend {
     out += fmt::format(", {} over {} micro-batches ({} activation slots)",
                        V_ > 1 ? "interleaved 1F1B" : "1F1B", M_, slots);
     if (tied_copy()) out += " (and a copy of the tied embedding)";
-    if (tp_ > 1) out += "; " + describe_tp(local_cfg_, tp_);
+    if (tp_ > 1) out += "; " + describe_tp(local_cfg_, tp_, false);
     return out + fmt::format("; arena {} ({} used after set-up)",
                              cuda::format_bytes(arena_.capacity()),
                              cuda::format_bytes(arena_.used()));
