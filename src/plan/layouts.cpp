@@ -127,14 +127,16 @@ Layouts enumerate_layouts(const LayoutSearch& s) {
   return out;
 }
 
-const Layout* recommended(const Layouts& layouts) {
+const Layout* recommended(const Layouts& layouts, bool built_only) {
+  auto candidate = [built_only](const Layout& r) { return r.fits && (!built_only || r.memory.built); };
   const Layout* fastest = nullptr;
   for (const Layout& r : layouts.rows)
-    if (r.fits && (!fastest || r.time.total < fastest->time.total)) fastest = &r;
+    if (candidate(r) && (!fastest || r.time.total < fastest->time.total)) fastest = &r;
   if (!fastest) return nullptr;
   const Layout* best = fastest;
   for (const Layout& r : layouts.rows)
-    if (r.fits && r.time.total <= 1.01 * fastest->time.total && simplicity(r) < simplicity(*best))
+    if (candidate(r) && r.time.total <= 1.01 * fastest->time.total &&
+        simplicity(r) < simplicity(*best))
       best = &r;
   return best;
 }

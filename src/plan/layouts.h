@@ -55,8 +55,8 @@ Layouts enumerate_layouts(const LayoutSearch& search);
 
 // The fastest row that fits, or null. Rows within 1% of its step time tie; of those the simplest
 // wins: no offload, then fewer pipeline stages, fewer tp ranks, the lower ZeRO stage, no
-// recompute.
-const Layout* recommended(const Layouts& layouts);
+// recompute. built_only: among the rows the CUDA back end runs today (MemoryPlan::built).
+const Layout* recommended(const Layouts& layouts, bool built_only = false);
 
 // The deck keys that select a row, "mesh.dp = 4", ... in deck order (mesh, train, optim).
 std::vector<std::string> deck_keys(const Layout& row);

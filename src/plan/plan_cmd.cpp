@@ -395,8 +395,8 @@ std::string report(const Options& o, const PlanDeck& pd) {
   }
   out += fmt::format(
       "\nhost: the rank's trained state in host memory (pageable and offload's pinned staging), "
-      "{}; built: the CUDA back end\nruns this layout today (no: a prediction for tp or pp > 1, "
-      "docs/plan.md). Step times are predictions (docs/plan.md).\n",
+      "{}; built: the CUDA back end\nruns this layout today (no: a prediction of a path not built yet: sequence parallelism, pp > 1 "
+      "at dp > 1 or with zb-h1; docs/plan.md). Step times are predictions (docs/plan.md).\n",
       unit);
 
   const plan::Layout* best = plan::recommended(all);
@@ -422,9 +422,23 @@ std::string report(const Options& o, const PlanDeck& pd) {
       line += fmt::format(" --{}={}", k.substr(0, eq), k.substr(eq + 3));
     }
     out += "  deck keys:" + line + "\n";
-    if (!best->memory.built)
-      out += "  note: the CUDA back end does not run mesh.tp or mesh.pp > 1 yet: this layout's "
-             "numbers predict that path\n";
+    if (!best->memory.built) {
+      out += "  note: the CUDA back end does not run this layout yet (sequence parallelism, or a "
+             "pipeline at dp > 1 or with zb-h1): its numbers predict that path\n";
+      if (const plan::Layout* now = plan::recommended(all, /*built_only=*/true)) {
+        std::string now_keys;
+        for (const std::string& k : plan::deck_keys(*now)) {
+          const std::size_t eq = k.find(" = ");
+          now_keys += fmt::format(" --{}={}", k.substr(0, eq), k.substr(eq + 3));
+        }
+        out += fmt::format(
+            "recommended among the layouts it runs today: dp {} x tp {} x pp {}, ZeRO-{}, offload "
+            "{}, recompute {}: {:.2f} {}, {:.3f} s a step, {:.1f}% MFU (predicted)\n  its deck keys:{}\n",
+            now->in.mesh.dp, now->in.mesh.tp, now->in.mesh.pp, now->in.zero_stage,
+            plan::offload_name(now->in.offload), now->in.recompute ? "on" : "off",
+            in_unit(now->memory.gpu()), unit, now->time.total, 100 * now->time.mfu, now_keys);
+      }
+    }
   } else {
     out += fmt::format(
         "nothing fits {} GPU{} of {:.2f} GiB: lower train.micro_batch or train.seq_len, or use "

@@ -55,7 +55,7 @@ TEST(PlanTensorParallel, TinyUnitsByHand) {
 // activations of the local model, buffer by buffer.
 TEST(PlanTensorParallel, TinyBytesByHand) {
   const MemoryPlan p = memory_plan(tiny_input(1, 2, 1));
-  EXPECT_FALSE(p.built);  // the CUDA back end has no tp yet: a prediction
+  EXPECT_TRUE(p.built);  // the CUDA back end runs tp (without sequence parallelism)
   EXPECT_EQ(p.params, r(8192 * 2) + 2 * r(24736 * 2) + r(64 * 2));
   EXPECT_EQ(p.params, 115968u);
   const u64 f32 = r(8192 * 4) + 2 * r(24736 * 4) + r(64 * 4);
@@ -85,6 +85,7 @@ TEST(PlanTensorParallel, TinyBytesByHand) {
 TEST(PlanTensorParallel, SequenceParallelSplitsTheResidualStream) {
   MemoryPlanInput in = tiny_input(1, 2, 1);
   in.sequence_parallel = true;
+  EXPECT_FALSE(memory_plan(in).built);  // sequence parallelism is not built on CUDA
   const MemoryPlan p = memory_plan(in);
   const u64 stream = 3 * (2 * r(8 * 64 * 2) + r(8 * 4));
   const u64 layer = 19456 - 2 * r(16 * 64 * 2) + 2 * r(8 * 64 * 2);  // x_mid, ln2 of 8 rows
@@ -130,7 +131,9 @@ TEST(PlanPipeline, TinyStagesByHand) {
   const MemoryPlan peak = memory_plan(in);
   EXPECT_EQ(peak.stage, p0.gpu() >= p1.gpu() ? 0 : 1);
   EXPECT_EQ(peak.gpu(), std::max(p0.gpu(), p1.gpu()));
-  EXPECT_FALSE(peak.built);
+  EXPECT_TRUE(peak.built);  // a 1F1B pipeline at dp 1 runs on CUDA
+  MemoryPlanInput dp2 = tiny_input(2, 1, 2);
+  EXPECT_FALSE(memory_plan(dp2).built);  // not yet at dp > 1: a prediction
 }
 
 // Interleaving and ZB-H1 hold more micro-batches on the first stage than 1F1B's P.
