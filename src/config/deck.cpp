@@ -449,9 +449,6 @@ void Builder::validate_train_optim() {
          "splits the train.micro_batch x train.seq_len = {} x {} = {} rows of a micro-batch over "
          "mesh.tp = {} ranks, which does not divide them", t.micro_batch, t.seq_len, tokens,
          deck_.mesh.tp);
-  need(!deck_.mesh.sequence_parallel || deck_.mesh.tp == 1 || t.device == "cpu",
-       "mesh.sequence_parallel", "is built on train.device = cpu only so far; set it to false "
-       "for train.device = cuda (tensor parallelism runs without it)");
   // The CUDA kernels are compiled for these head widths (src/ops/cuda/attention_mma.cuh).
   need(t.device != "cuda" || deck_.model.head_dim == 64 || deck_.model.head_dim == 128,
        "model.head_dim", "is not supported by train.device = cuda, whose attention kernels "

@@ -61,7 +61,7 @@ class CudaBackend final : public TrainBackend {
     const std::size_t before_model = arena_.used();
     model_ = std::make_unique<cuda::Qwen3Cuda>(local_cfg_, deck.train.micro_batch,
                                                deck.train.seq_len, arena_, deck.train.recompute,
-                                               nccl_tp_);
+                                               nccl_tp_, mesh.shape().seq_parallel());
     if (tp_ > 1)
       tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
@@ -75,7 +75,8 @@ class CudaBackend final : public TrainBackend {
     return fmt::format("cuda: GPU {} ({}, {} SMs), bf16 compute; {}{}; arena {} ({} used after "
                        "set-up)",
                        device_, d.name, d.sm_count, state_.describe(),
-                       tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_, false) : "",
+                       tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_, deck_.mesh.sequence_parallel)
+                               : "",
                        cuda::format_bytes(arena_.capacity()), cuda::format_bytes(arena_.used()));
   }
   // Global coordinates (checkpoints, initialisation and imports see global tensors).

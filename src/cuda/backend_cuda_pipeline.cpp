@@ -91,6 +91,7 @@ class CudaPipelineBackend final : public TrainBackend {
         V_(mesh.shape().pp_chunks),
         s_(mesh.coord().pp),
         N_(static_cast<std::size_t>(deck.train.micro_batch) * deck.train.seq_len),
+        sp_(mesh.shape().seq_parallel()),
         H_(deck.model.hidden_size),
         M_(static_cast<int>(deck.train.global_batch / deck.train.micro_batch)),
         tp_(mesh.shape().tp),
@@ -115,7 +116,7 @@ class CudaPipelineBackend final : public TrainBackend {
       channel_[ch] = &cuda::nccl(mesh, MeshDim::kPp, ch);  // collective: every stage, in order
     const std::size_t before = arena_.used();
     ops_ = std::make_unique<cuda::CudaOps>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
-                                           arena_, nccl_tp_);
+                                           arena_, nccl_tp_, sp_);
     const std::vector<PipeAction>& mine = actions_[static_cast<std::size_t>(s_)];
     std::vector<int> asked;
     for (int v = 0; v < V_; ++v) {
@@ -126,7 +127,7 @@ class CudaPipelineBackend final : public TrainBackend {
       ch->program = std::make_unique<Qwen3Program<cuda::CudaOps>>(
           local_cfg_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute, range,
           allocate_stage_acts<bf16>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
-                                    deck.train.recompute, range, slots, arena_));
+                                    deck.train.recompute, range, slots, arena_, sp_));
       ch->busy.assign(slots, 0);
       for (int k = 0; k < slots; ++k) ch->sent.push_back(std::make_unique<cuda::Event>());
       ch->slot_of.assign(M_, -1);
@@ -161,7 +162,7 @@ class CudaPipelineBackend final : public TrainBackend {
     out += fmt::format(", {} over {} micro-batches ({} activation slots)",
                        V_ > 1 ? "interleaved 1F1B" : "1F1B", M_, slots);
     if (tied_copy()) out += " (and a copy of the tied embedding)";
-    if (tp_ > 1) out += "; " + describe_tp(local_cfg_, tp_, false);
+    if (tp_ > 1) out += "; " + describe_tp(local_cfg_, tp_, sp_ > 1);
     return out + fmt::format("; arena {} ({} used after set-up)",
                              cuda::format_bytes(arena_.capacity()),
                              cuda::format_bytes(arena_.used()));
@@ -282,23 +283,23 @@ class CudaPipelineBackend final : public TrainBackend {
   void wait(const cuda::Event& e) {
     QT_CHECK_CUDA(cudaStreamWaitEvent(stream_.get(), e.get(), 0));
   }
-  // buf [N, H] from stage `from` on channel ch, after the compute stream's work so far; the
+  // buf [N / sp, H] from stage `from` on channel ch, after the compute stream's work so far; the
   // compute stream's later work waits for it.
   void receive(bf16* buf, Channel ch, int from) {
     cuda::NcclComm& c = *channel_[ch];
     ready_.record(stream_.get());
     c.wait_event(ready_.get());
-    c.recv_async(buf, N_ * H_, DType::kBF16, from);
+    c.recv_async(buf, N_ / sp_ * H_, DType::kBF16, from);
     landed_.record(c.stream());
     wait(landed_);
   }
-  // buf [N, H] to stage `to` on channel ch after the compute stream's work so far; `sent` marks
+  // buf [N / sp, H] to stage `to` on channel ch after the compute stream's work so far; `sent` marks
   // when buf may be rewritten.
   void send(const bf16* buf, Channel ch, int to, cuda::Event& sent) {
     cuda::NcclComm& c = *channel_[ch];
     ready_.record(stream_.get());
     c.wait_event(ready_.get());
-    c.send_async(buf, N_ * H_, DType::kBF16, to);
+    c.send_async(buf, N_ / sp_ * H_, DType::kBF16, to);
     sent.record(c.stream());
   }
 
@@ -327,7 +328,9 @@ class CudaPipelineBackend final : public TrainBackend {
   int device_;
   const Deck& deck_;
   int P_, V_, s_;       // stages, chunks a stage, this stage
-  std::size_t N_, H_;   // rows of a micro-batch (B x T), hidden size
+  std::size_t N_;       // rows of a micro-batch (B x T)
+  int sp_;              // mesh.tp with sequence parallelism (a stage's rows: N / sp), else 1
+  std::size_t H_;       // hidden size
   int M_;               // micro-batches a step
   int tp_;              // mesh.tp
   ParamLayout layout_;        // the model's (global)

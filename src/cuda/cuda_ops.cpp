@@ -50,8 +50,13 @@ void CudaOps::set_rows(int B, int T, int first_position) {
   rope_first_ = first_position;
 }
 
-CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp)
+CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp,
+                 int seq_parallel)
     : cfg_(cfg), B_(B), T_(T), N_(B * T), rope_len_(T), tp_(tp && tp->size() > 1 ? tp : nullptr) {
+  QT_CHECK(seq_parallel == 1 || (tp_ && tp_->size() == seq_parallel && N_ % seq_parallel == 0),
+           "sequence parallelism over {} ranks of {} rows, tp {}", seq_parallel, N_,
+           tp_ ? tp_->size() : 1);
+  sp_ = seq_parallel > 1;
   QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
            "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
   const int hd = cfg.head_dim, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
@@ -79,34 +84,77 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclC
     vp_parts_ = arena.allocate<float>(2 * static_cast<std::size_t>(chunk_) * tp_->size());
     vp_targets_ = arena.allocate<std::int32_t>(chunk_);
   }
+  if (sp_) {
+    rows_full_ = arena.allocate<bf16>(static_cast<std::size_t>(N_) * cfg.hidden_size);
+    xf_full_ = arena.allocate<bf16>(static_cast<std::size_t>(N_) * cfg.hidden_size);
+  }
 }
 
-void CudaOps::tp_all_reduce(void* buf, std::size_t n, DType t, cudaEvent_t after) {
+template <class Issue>
+void CudaOps::tp_run(Issue issue, cudaEvent_t after) {
   if (after == nullptr) {
     tp_ready_.record(s_);
     after = tp_ready_.get();
   }
   tp_->wait_event(after);
-  tp_->all_reduce_async(buf, n, t, ReduceOp::kSum);
+  issue();
   tp_done_.record(tp_->stream());
   QT_CHECK_CUDA(cudaStreamWaitEvent(s_, tp_done_.get(), 0));
 }
 
-bf16* CudaOps::tp_block_output(bf16* local, bf16* y, int rows, int cols) {
-  QT_CHECK(local == nullptr, "sequence parallelism is not built on CUDA");
-  if (tp_) tp_all_reduce(y, static_cast<std::size_t>(rows) * cols, DType::kBF16);
-  return y;
+void CudaOps::tp_all_reduce(void* buf, std::size_t n, DType t, cudaEvent_t after) {
+  tp_run([&] { tp_->all_reduce_async(buf, n, t, ReduceOp::kSum); }, after);
+}
+
+void CudaOps::gather_rows(bf16* full, const bf16* x, int rows, int cols) {
+  const std::size_t part = static_cast<std::size_t>(rows / tp_->size()) * cols;
+  tp_run([&] { tp_->all_gather_async(x, full, part, DType::kBF16); });
+}
+
+void CudaOps::scatter_rows(bf16* local, const bf16* y, int rows, int cols, cudaEvent_t after) {
+  const std::size_t part = static_cast<std::size_t>(rows / tp_->size()) * cols;
+  tp_run([&] { tp_->reduce_scatter_async(y, local, part, DType::kBF16, ReduceOp::kSum); }, after);
+}
+
+cudaEvent_t CudaOps::take_dx_event(const bf16* dx) {
+  const cudaEvent_t e = dx == dx_pending_ ? dx_done_.get() : nullptr;
+  dx_pending_ = nullptr;
+  return e;
+}
+
+bf16* CudaOps::tp_block_input(bf16* full, bf16* x, int rows, int cols) {
+  if (!sp_) return x;
+  gather_rows(full, x, rows, cols);
+  return full;
 }
 
 bf16* CudaOps::tp_block_input_backward(bf16* local, bf16* dx, int rows, int cols) {
-  QT_CHECK(local == nullptr, "sequence parallelism is not built on CUDA");
   if (!tp_) return dx;
   // Right after dx's GEMM when the last linear_backward made it: the weight gradient's GEMM,
   // enqueued since, runs beside the reduction.
-  const cudaEvent_t after = dx == dx_pending_ ? dx_done_.get() : nullptr;
-  dx_pending_ = nullptr;
+  const cudaEvent_t after = take_dx_event(dx);
+  if (sp_) {
+    scatter_rows(local, dx, rows, cols, after);
+    return local;
+  }
   tp_all_reduce(dx, static_cast<std::size_t>(rows) * cols, DType::kBF16, after);
   return dx;
+}
+
+bf16* CudaOps::tp_block_output(bf16* local, bf16* y, int rows, int cols) {
+  if (!tp_) return y;
+  if (sp_) {
+    scatter_rows(local, y, rows, cols);
+    return local;
+  }
+  tp_all_reduce(y, static_cast<std::size_t>(rows) * cols, DType::kBF16);
+  return y;
+}
+
+bf16* CudaOps::tp_block_output_backward(bf16* full, bf16* dy, int rows, int cols) {
+  if (!sp_) return dy;
+  gather_rows(full, dy, rows, cols);
+  return full;
 }
 
 void CudaOps::begin(cudaStream_t s, const std::int32_t* pos) {
@@ -207,9 +255,13 @@ void CudaOps::swiglu_backward(bf16* dgu, const bf16* dh, const bf16* gu, int N, 
 void CudaOps::embedding(bf16* x, const std::int32_t* ids, const bf16* wte, int N) {
   const int H = cfg_.hidden_size;
   if (!tp_) return embedding_forward(x, ids, wte, N, H, s_);
-  // This rank's rows of the vocabulary, zeros elsewhere: exactly one rank adds each row.
-  embedding_forward_rows(x, ids, wte, N, H, vocab_begin_, cfg_.vocab_size, s_);
-  tp_all_reduce(x, static_cast<std::size_t>(N) * H, DType::kBF16);
+  // This rank's rows of the vocabulary, zeros elsewhere: exactly one rank adds each row (x is
+  // this rank's N / tp rows of the sum with sequence parallelism).
+  embedding_forward_rows(sp_ ? rows_full_ : x, ids, wte, N, H, vocab_begin_, cfg_.vocab_size, s_);
+  if (sp_)
+    scatter_rows(x, rows_full_, N, H);
+  else
+    tp_all_reduce(x, static_cast<std::size_t>(N) * H, DType::kBF16);
 }
 
 void CudaOps::embedding_backward(float* dwte, const bf16* dx, const std::int32_t* ids, int N,
@@ -217,9 +269,12 @@ void CudaOps::embedding_backward(float* dwte, const bf16* dx, const std::int32_t
   const std::size_t H = cfg_.hidden_size, rows = cfg_.vocab_size;
   if (overwrite) QT_CHECK_CUDA(cudaMemsetAsync(dwte, 0, sizeof(float) * rows * H, s_));
   if (!tp_) return cuda::embedding_backward(dwte, dx, ids, N, H, ws_, ws_bytes_, s_);
-  // The table's flat range of this rank's rows: other ids fall outside it.
+  // Sequence parallelism: every row's gradient, gathered. The table's flat range of this rank's
+  // rows: other ids fall outside it.
+  if (sp_) gather_rows(rows_full_, dx, N, static_cast<int>(H));
   const std::size_t lo = static_cast<std::size_t>(vocab_begin_) * H;
-  embedding_backward_range(dwte, lo, lo + rows * H, dx, ids, N, H, ws_, ws_bytes_, s_);
+  embedding_backward_range(dwte, lo, lo + rows * H, sp_ ? rows_full_ : dx, ids, N, H, ws_,
+                           ws_bytes_, s_);
 }
 
 bool CudaOps::lora_adapts(LoraSite site) const { return lora_ && lora_->adapts(site); }
@@ -234,10 +289,15 @@ void CudaOps::lora_backward(int l, LoraSite site, const bf16* x, const bf16* dy,
   dx_pending_ = nullptr;  // dx changed after its GEMM
 }
 
-// Logits, loss and their backward, chunk by chunk; dxf [N, H] written.
-void CudaOps::lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head,
-                           const std::int32_t* targets, float scale, bf16* dxf, bool acc) {
+// Logits, loss and their backward, chunk by chunk; dxf [Nl, H] written (Nl: N, or this rank's
+// N / tp rows with sequence parallelism: the rows are gathered first, their gradients summed
+// over tp into this rank's at the end).
+void CudaOps::lm_head_loss(const bf16* xf_in, const bf16* lm_head, float* g_lm_head,
+                           const std::int32_t* targets, float scale, bf16* dxf_out, bool acc) {
   const int H = cfg_.hidden_size, V = cfg_.vocab_size;
+  if (sp_) gather_rows(xf_full_, xf_in, N_, H);
+  const bf16* xf = sp_ ? xf_full_ : xf_in;
+  bf16* dxf = sp_ ? rows_full_ : dxf_out;
   for (int c0 = 0; c0 < N_; c0 += chunk_) {
     const int rows = std::min(chunk_, N_ - c0);
     const std::size_t r0 = static_cast<std::size_t>(c0);
@@ -262,7 +322,13 @@ void CudaOps::lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head
     cross_entropy_backward(logits_, logits_, chunk_lse_, vp_targets_, scale, rows, V, s_);
     linear_backward(dxf + r0 * H, g_lm_head, logits_, xf + r0 * H, lm_head, rows, H, V,
                     acc || c0 > 0);
-    tp_block_input_backward(nullptr, dxf + r0 * H, rows, H);
+    if (!sp_) tp_block_input_backward(nullptr, dxf + r0 * H, rows, H);
+  }
+  // Sequence parallelism: the whole [N, H] gradient summed over tp into this rank's rows, beside
+  // the last chunk's weight-gradient GEMM.
+  if (sp_) {
+    const std::size_t last = static_cast<std::size_t>((N_ - 1) / chunk_) * chunk_;  // its row 0
+    scatter_rows(dxf_out, rows_full_, N_, H, take_dx_event(rows_full_ + last * H));
   }
 }
 

@@ -15,7 +15,11 @@
 // gradient's GEMM. The embedding and the lm head are vocabulary-parallel: this rank holds rows
 // [tp rank x V, +V) of each; the lookup is summed over tp, the cross-entropy combines the ranks'
 // log-sum-exp and target logits (one all-gather a chunk), and the head's input gradient is
-// summed over tp.
+// summed over tp. With sequence parallelism (seq_parallel = tp) the residual stream and the norms
+// hold this rank's N / tp rows (the program's Nl): the hooks all-gather a block's normed input
+// and reduce-scatter its row-parallel output (and the reverse in the backward), the embedding
+// reduce-scatters its rows, and the lm head gathers the final norm's rows and reduce-scatters its
+// input gradient.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -40,8 +44,10 @@ class CudaOps : public NoCollectives {
   using Weight = bf16;
 
   // Buffers for micro-batches of B x T tokens from `arena` (which must outlive this). tp: the
-  // tensor-parallel group (cfg is then its rank's local model), or null.
-  CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp = nullptr);
+  // tensor-parallel group (cfg is then its rank's local model), or null. seq_parallel: tp's
+  // size for sequence parallelism (the program's activations allocated with it), else 1.
+  CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp = nullptr,
+          int seq_parallel = 1);
   // Forward only, for the KV-cache decoder (generate/kv_decoder_cuda.cpp): the layer ops over
   // any number of rows (set_rows), RoPE tables for positions [0, rope_len), and none of the
   // buffers of the backward, the lm head or the loss (the decoder runs its own head).
@@ -91,10 +97,13 @@ class CudaOps : public NoCollectives {
   void lora_backward(int l, LoraSite site, const bf16* x, const bf16* dy, bf16* dx);
   void lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head,
                     const std::int32_t* targets, float scale, bf16* dxf, bool acc);
-  // Tensor parallelism's hooks (layer_program.h's NoCollectives): the sum over tp in place
-  // (no sequence parallelism on CUDA: `local` is null), nothing without tp; return the buffer.
-  bf16* tp_block_output(bf16* local, bf16* y, int rows, int cols);
+  // Tensor parallelism's hooks (layer_program.h's NoCollectives has the contract): the sums
+  // over tp in place, or with sequence parallelism the gathers into `full` and the
+  // reduce-scatters into `local`; nothing without tp. Each returns what the next op reads.
+  bf16* tp_block_input(bf16* full, bf16* x, int rows, int cols);
   bf16* tp_block_input_backward(bf16* local, bf16* dx, int rows, int cols);
+  bf16* tp_block_output(bf16* local, bf16* y, int rows, int cols);
+  bf16* tp_block_output_backward(bf16* full, bf16* dy, int rows, int cols);
 
  private:
   ModelConfig cfg_;
@@ -120,9 +129,20 @@ class CudaOps : public NoCollectives {
   std::int32_t* vp_targets_ = nullptr;               // [chunk] this rank's columns
   Event tp_ready_, tp_done_, dx_done_;
   const bf16* dx_pending_ = nullptr;  // the input gradient whose GEMM dx_done_ follows
-  // Sums buf [n] over tp on the communicator's stream after `after` (an event recorded on the
-  // micro-batch's stream) or, null, after everything enqueued so far; later work waits for it.
+  bool sp_ = false;                   // sequence parallelism
+  bf16 *rows_full_ = nullptr, *xf_full_ = nullptr;  // sp: [N, H] gathered rows (embedding, head)
+  // Runs `issue` (calls on the tp communicator, enqueued on its stream) after `after` (an event
+  // recorded on the micro-batch's stream) or, null, after everything enqueued so far; the
+  // micro-batch's later work waits for it.
+  template <class Issue>
+  void tp_run(Issue issue, cudaEvent_t after = nullptr);
   void tp_all_reduce(void* buf, std::size_t n, DType t, cudaEvent_t after = nullptr);
+  // Sequence parallelism: full [rows, cols] = the tp ranks' x [rows / tp, cols] in rank order;
+  // local [rows / tp, cols] = this rank's rows of the sum over tp of y [rows, cols].
+  void gather_rows(bf16* full, const bf16* x, int rows, int cols);
+  void scatter_rows(bf16* local, const bf16* y, int rows, int cols, cudaEvent_t after = nullptr);
+  // The event after dx's GEMM when the last linear_backward made dx (and forgets it), else null.
+  cudaEvent_t take_dx_event(const bf16* dx);
 };
 
 }  // namespace qt::cuda

@@ -42,9 +42,10 @@ const ModelConfig& checked(const ModelConfig& cfg) {
 }  // namespace
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute,
-                     NcclComm* tp)
-    : ops_(checked(cfg), B, T, arena, tp),
-      program_(cfg, B, T, recompute, allocate_acts<bf16>(cfg, B, T, recompute, arena)) {}
+                     NcclComm* tp, int seq_parallel)
+    : ops_(checked(cfg), B, T, arena, tp, seq_parallel),
+      program_(cfg, B, T, recompute,
+               allocate_acts<bf16>(cfg, B, T, recompute, arena, seq_parallel)) {}
 
 double Qwen3Cuda::forward_backward(const bf16* W, float* G, const std::int32_t* inputs,
                                    const std::int32_t* targets, float loss_scale,

@@ -74,9 +74,10 @@ class Qwen3Cuda {
   // the forward; the backward recomputes the layer's forward into one shared set of activation
   // buffers first (about a third more compute, activation memory of one layer instead of L).
   // The results are bitwise those of the run without recompute. tp: the tensor-parallel group
-  // (cfg is then this rank's local model, tp_local_config; cuda_ops.h), or null.
+  // (cfg is then this rank's local model, tp_local_config; cuda_ops.h), or null; seq_parallel:
+  // tp's size with sequence parallelism, else 1.
   Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute = false,
-            NcclComm* tp = nullptr);
+            NcclComm* tp = nullptr, int seq_parallel = 1);
 
   const ParamLayout& layout() const { return program_.layout(); }
 

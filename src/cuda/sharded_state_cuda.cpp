@@ -200,8 +200,8 @@ std::string ShardedCudaState::describe() const {
   std::string d = fmt::format("ZeRO-{} over dp {} in {} units: {}", zero_, plan_.dp,
                               plan_.units.size(), what[zero_]);
   if (plan_.tp > 1)
-    d += fmt::format("; each tp rank's part of the tensors split over tp {} (q_norm and k_norm "
-                     "gradients summed over tp)",
+    d += fmt::format("; each tp rank's part of the tensors split over tp {} (gradients partial "
+                     "over tp summed over it: q/k norms, every norm with sequence parallelism)",
                      plan_.tp);
   if (reduce_stage_ != nullptr) d += "; gradients reduced in bf16";
   if (rows_.tokens > 0)

@@ -379,9 +379,6 @@ TEST(DeckErrors, Lora) {
 }
 
 TEST(DeckErrors, ParallelismNotBuiltYet) {
-  expect_error("[train]\ndevice = cuda\n[model]\nhead_dim = 64\n[mesh]\ntp = 2\n"
-               "sequence_parallel = true\n",
-               {"mesh.sequence_parallel = true is built on train.device = cpu only so far"});
   expect_error("[mesh]\ntp = 3\n", {"deck.ini:2: mesh.tp = 3 does not divide model.num_heads = "});
   expect_error("[model]\nvocab_size = 255\n[mesh]\ntp = 2\n",
                {"deck.ini:4: mesh.tp = 2 does not divide model.vocab_size = 255"});

@@ -1,7 +1,8 @@
 // Tensor parallelism on two GPUs (issue 17): heads, MLP columns and the vocabulary split over
 // tp = 2 (the row-parallel outputs and column-parallel input gradients summed over NCCL, the
-// embedding and the cross-entropy vocabulary-parallel) reproduce one GPU's losses and gradient
-// norms (bf16 tolerance), with recompute, one sequence a micro-batch and untied embeddings too;
+// embedding and the cross-entropy vocabulary-parallel), with and without sequence parallelism,
+// reproduce one GPU's losses and gradient norms (bf16 tolerance), with recompute, one sequence
+// a micro-batch and untied embeddings too;
 // checkpoints move between tp 2 and one GPU both ways. Skips unless two GPUs are visible.
 #include <cuda_runtime_api.h>
 
@@ -36,7 +37,16 @@ TEST(TrainTensorParallelCuda, Tp2MatchesOneGpu) {
        {Case{"tp2", {"--mesh.tp=2"}, false},
         Case{"tp2_recompute_micro1",
              {"--mesh.tp=2", "--train.recompute=true", "--train.micro_batch=1"}, false},
-        Case{"tp2_untied", {"--mesh.tp=2", "--model.tie_word_embeddings=false"}, true}}) {
+        Case{"tp2_untied", {"--mesh.tp=2", "--model.tie_word_embeddings=false"}, true},
+        // sequence parallelism: norms and residuals on each rank's half of the rows
+        Case{"tp2_sp", {"--mesh.tp=2", "--mesh.sequence_parallel=true"}, false},
+        Case{"tp2_sp_recompute_micro1",
+             {"--mesh.tp=2", "--mesh.sequence_parallel=true", "--train.recompute=true",
+              "--train.micro_batch=1"},
+             false},
+        Case{"tp2_sp_untied",
+             {"--mesh.tp=2", "--mesh.sequence_parallel=true", "--model.tie_word_embeddings=false"},
+             true}}) {
     SCOPED_TRACE(c.name);
     const auto r = test::run(2, deck(c.name), c.overrides, tmp + "/" + c.name + ".jsonl");
     ASSERT_EQ(r.exit_code, 0) << r.error;
