@@ -395,8 +395,8 @@ std::string report(const Options& o, const PlanDeck& pd) {
   }
   out += fmt::format(
       "\nhost: the rank's trained state in host memory (pageable and offload's pinned staging), "
-      "{}; built: the CUDA back end\nruns this layout today (no: a prediction of a path not built yet: sequence parallelism, pp > 1 "
-      "at dp > 1 or with zb-h1; docs/plan.md). Step times are predictions (docs/plan.md).\n",
+      "{}; built: the CUDA back end\nruns this layout today (no: a prediction of a path not built yet: pp > 1 at dp > 1 or with "
+      "zb-h1; docs/plan.md). Step times are predictions (docs/plan.md).\n",
       unit);
 
   const plan::Layout* best = plan::recommended(all);
@@ -423,8 +423,8 @@ std::string report(const Options& o, const PlanDeck& pd) {
     }
     out += "  deck keys:" + line + "\n";
     if (!best->memory.built) {
-      out += "  note: the CUDA back end does not run this layout yet (sequence parallelism, or a "
-             "pipeline at dp > 1 or with zb-h1): its numbers predict that path\n";
+      out += "  note: the CUDA back end does not run this layout yet (a pipeline at dp > 1 or "
+             "with zb-h1): its numbers predict that path\n";
       if (const plan::Layout* now = plan::recommended(all, /*built_only=*/true)) {
         std::string now_keys;
         for (const std::string& k : plan::deck_keys(*now)) {
