@@ -43,7 +43,8 @@ constexpr const char* kUsage =
     "  --gpus-per-host G   GPUs of one host (topology.gpus_per_host, default 8); tp stays inside\n"
     "                      a host\n"
     "  --tp LIST, --pp LIST  only these tensor / pipeline sizes, e.g. --tp 4,8 (default: all)\n"
-    "  --sequence-parallel plan tp > 1 with sequence parallelism (mesh.sequence_parallel)\n"
+    "  --sequence-parallel plan tp > 1 with sequence parallelism (as the deck's\n"
+    "                      mesh.sequence_parallel = true does)\n"
     "  --all               list the layouts that do not fit too\n"
     "  --section.key=value overrides a deck key, as for training (e.g. --train.micro_batch=2,\n"
     "                      --mesh.pp_schedule=zb-h1, --topology.inter_host_gbps=40)\n"
@@ -317,10 +318,12 @@ std::string report(const Options& o, const PlanDeck& pd) {
       "links    topology.intra_host_gbps = {:g}, topology.inter_host_gbps = {:g} (GB/s bus "
       "bandwidth per GPU)\n",
       topo.intra_host_gbps, topo.inter_host_gbps);
+  // --sequence-parallel, or the deck's mesh.sequence_parallel.
+  const bool sequence_parallel = o.sequence_parallel || d.mesh.sequence_parallel;
   out += fmt::format(
       "pipeline mesh.pp_schedule = {}, mesh.pp_chunks = {} (rows with pp > 1); sequence "
       "parallelism {}\n",
-      pd.pp_schedule, pd.pp_chunks, o.sequence_parallel ? "on (rows with tp > 1)" : "off");
+      pd.pp_schedule, pd.pp_chunks, sequence_parallel ? "on (rows with tp > 1)" : "off");
 
   plan::LayoutSearch search;
   search.model = m;
@@ -328,7 +331,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
   search.seq_len = d.train.seq_len;
   search.global_batch = d.train.global_batch;
   search.grad_reduce_bf16 = d.optim.grad_reduce == "bf16";
-  search.sequence_parallel = o.sequence_parallel;
+  search.sequence_parallel = sequence_parallel;
   search.pp_schedule = pd.pp_schedule;
   search.pp_chunks = pd.pp_chunks;
   search.gpus = o.gpus;
