@@ -396,9 +396,6 @@ void Builder::validate_mesh() {
     need(!deck_.train.recompute, "mesh.pp_schedule",
          "keeps each layer's activations until its weight gradients: not with "
          "train.recompute = true");
-    need(deck_.optim.zero_stage <= 1, "mesh.pp_schedule",
-         "is built with optim.zero_stage 0 and 1 so far (2 and 3 reduce each layer's "
-         "gradients before its weight half)");
   }
   if (m.dp == 0) {
     need(world_ % (m.tp * m.pp) == 0, "mesh.dp",

@@ -16,7 +16,24 @@ Qwen3Stage::Qwen3Stage(const ModelConfig& cfg, int B, int T, bool recompute,
       program_(cfg, B, T, recompute, stage,
                allocate_stage_acts<float>(cfg, B, T, recompute, stage, slots, arena_,
                                           seq_parallel)),
-      slot_(static_cast<std::size_t>(slots)) {}
+      slot_(static_cast<std::size_t>(slots)),
+      owed_(static_cast<std::size_t>(cfg.num_layers) + 2, 0) {}
+
+namespace {
+// The params as an input half sees them: a layer unit's grads_done is owed to the weight half
+// (its projections' gradients are still to come); the others' pass through.
+struct InputHalfUnits : CpuUnits {
+  int num_layers;
+  std::vector<int>* owed;        // [units] the stage's counts
+  std::vector<int>* slot_owed;   // the units this slot's weight half completes
+  void grads_done(int u) {
+    if (u < Qwen3Units{num_layers}.layer(0) || u > Qwen3Units{num_layers}.layer(num_layers - 1))
+      return mp.grads_done(u);
+    ++(*owed)[static_cast<std::size_t>(u)];
+    slot_owed->push_back(u);
+  }
+};
+}  // namespace
 
 
 double Qwen3Stage::forward(ModelParams& mp, int k, const StageBatch& b, const float* x_in,
@@ -64,17 +81,20 @@ void Qwen3Stage::backward_input(ModelParams& mp, int k, const float* dx_in) {
   Slot& s = slot_[k];
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
   ops_.defer_weight_grads(&s.deferred);
-  CpuUnits units{mp};
+  InputHalfUnits units{{mp}, cfg_.num_layers, &owed_, &s.owed_units};
   program_.backward_stage(ops_, units, k, s.inputs.data(), dx_in, /*accumulate=*/true);
   ops_.defer_weight_grads(nullptr);
   s.weights_owed = true;
 }
 
-void Qwen3Stage::backward_weight(int k) {
+void Qwen3Stage::backward_weight(ModelParams& mp, int k) {
   QT_CHECK(k >= 0 && k < slots() && slot_[k].weights_owed,
            "weight gradients of slot {} of {}: no input half", k, slots());
   Slot& s = slot_[k];
   CpuOps::run_deferred(s.deferred);
+  for (const int u : s.owed_units)
+    if (--owed_[static_cast<std::size_t>(u)] == 0) mp.grads_done(u);
+  s.owed_units.clear();
   s.weights_owed = false;
   s.busy = false;
 }

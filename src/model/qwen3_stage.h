@@ -70,9 +70,11 @@ class Qwen3Stage {
   // The backward in two halves (zero-bubble schedules; not with recompute): the input gradient
   // now (input_grad() after it, as backward's), the projections' weight gradients later, from
   // copies of their output gradients and the slot's activations; the slot is free after both.
-  // Norm, embedding and lm head gradients come with the first half.
+  // Norm, embedding and lm head gradients come with the first half. A layer unit's grads_done
+  // (where a sharded store reduces it, ZeRO-2/3) waits for the last weight half owed to it:
+  // the input halves of later micro-batches add to the same gradients meanwhile.
   void backward_input(ModelParams& params, int slot, const float* dx_in);
-  void backward_weight(int slot);
+  void backward_weight(ModelParams& params, int slot);
 
   void set_lora(LoraAdapters* lora) { ops_.set_lora(lora); }
   // Tensor parallelism over `tp` (with sequence parallelism: seq_parallel = tp->size()).
@@ -86,6 +88,7 @@ class Qwen3Stage {
     bool busy = false;  // between forward and backward (its weight half, when split)
     bool weights_owed = false;  // backward_input done, backward_weight not yet
     std::vector<CpuOps::DeferredGrad> deferred;
+    std::vector<int> owed_units;  // layer units whose grads_done waits for this weight half
     bool has_pos = false;
     std::vector<std::int32_t> inputs, pos;  // [B, T] copies for the backward
   };
@@ -97,6 +100,7 @@ class Qwen3Stage {
   CpuOps ops_;
   Qwen3Program<CpuOps> program_;
   std::vector<Slot> slot_;
+  std::vector<int> owed_;  // [units] weight halves each unit's grads_done still waits for
   int vocab_global_ = cfg_.vocab_size;
 };
 

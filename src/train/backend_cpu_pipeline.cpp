@@ -159,7 +159,7 @@ class CpuPipelineBackend final : public TrainBackend {
       } else if (a.op == PipeOp::kBackwardWeight) {
         const int k = ch.slot_of[m];
         QT_CHECK(k >= 0, "weight half of micro-batch {} before its forward", m);
-        st.backward_weight(k);
+        st.backward_weight(state_, k);
         ch.busy[k] = 0;
       } else {
         const int k = ch.slot_of[m];

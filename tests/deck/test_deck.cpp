@@ -393,8 +393,6 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
   expect_error("[mesh]\npp_schedule = gpipe\n", {"deck.ini:2: mesh.pp_schedule = gpipe must be 1f1b or zb-h1"});
   expect_error("[train]\nrecompute = true\n[mesh]\npp_schedule = zb-h1\n",
                {"deck.ini:4: mesh.pp_schedule = zb-h1 keeps each layer's activations", "train.recompute"});
-  expect_error("[optim]\nzero_stage = 2\n[mesh]\npp_schedule = zb-h1\n",
-               {"deck.ini:4: mesh.pp_schedule = zb-h1 is built with optim.zero_stage 0 and 1"});
   expect_error("[mesh]\npp_chunks = 2\n", {"deck.ini:2: mesh.pp_chunks = 2 > 1 interleaves a pipeline: needs mesh.pp > 1"});
   expect_error("[model]\nnum_layers = 2\n[mesh]\npp = 2\npp_chunks = 2\n",
                {"deck.ini:5: mesh.pp_chunks = 2 x mesh.pp = 4 chunks is more than model.num_layers = 2"});

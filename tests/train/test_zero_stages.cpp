@@ -287,6 +287,9 @@ TEST_F(ZeroStages, PipelineReproducesTheSerialRun) {
       // ZB-H1: each backward split, its weight half later (from saved output gradients)
       {"pp2_zb", 2, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1"}},
       {"dp2_pp2_zb_z1", 4, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=1"}},
+      // ZeRO-2/3: each layer's reduce-scatter after the last weight half owed to it
+      {"dp2_pp2_zb_z2", 4, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=2"}},
+      {"dp2_pp2_zb_z3", 4, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=3"}},
       {"tp2_pp2_zb", 4, {"--mesh.pp=2", "--mesh.tp=2", "--mesh.pp_schedule=zb-h1"}},
       // sequence parallelism: each tp rank sends its own rows to its peer of the next stage
       {"tp2_pp2_sp", 4, {"--mesh.pp=2", "--mesh.tp=2", "--mesh.sequence_parallel=true"}},
