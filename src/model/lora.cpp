@@ -177,6 +177,7 @@ LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B
       Slot& s = slots_[static_cast<std::size_t>(l) * kNumLoraTargets + t];
       s.on = true;
       std::tie(s.in, s.out) = lora_target_dims(cfg, t);
+      s.in_global = s.in;
       s.a = layout_.find(lora_param_name(l, t, 'A')).offset;
       s.b = layout_.find(lora_param_name(l, t, 'B')).offset;
       s.xa.resize(static_cast<std::size_t>(N_) * lora.r);
@@ -192,7 +193,18 @@ LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B
   dxd_.resize(N * max_in);
 }
 
-const float* LoraAdapters::dropped(int layer, int target, const float* x, int in) {
+void LoraAdapters::set_tensor_parallel(int tp, int rank) {
+  for (std::size_t k = 0; k < slots_.size(); ++k) {
+    Slot& s = slots_[k];
+    const int t = static_cast<int>(k % kNumLoraTargets);
+    const bool row_parallel = t == kLoraO || t == kLoraDown;
+    s.in_global = row_parallel ? s.in * tp : s.in;
+    s.col0 = row_parallel ? s.in * rank : 0;
+  }
+}
+
+const float* LoraAdapters::dropped(int layer, int target, const Slot& s, const float* x) {
+  const int in = s.in;
   const double p = lora_.dropout;
   if (p <= 0) return x;
   const float keep_scale = static_cast<float>(1.0 / (1.0 - p));
@@ -200,7 +212,8 @@ const float* LoraAdapters::dropped(int layer, int target, const float* x, int in
   for (int n = 0; n < N_; ++n) {
     // Token t of the sequence with index g in the data order.
     const std::uint64_t g = static_cast<std::uint64_t>(first_sample_ + n / T_);
-    const std::uint64_t first = (g * T_ + n % T_) * static_cast<std::uint64_t>(in);
+    const std::uint64_t first =
+        (g * T_ + n % T_) * static_cast<std::uint64_t>(s.in_global) + static_cast<std::uint64_t>(s.col0);
     const std::size_t row = static_cast<std::size_t>(n) * in;
     for (int i = 0; i < in; ++i) {
       const float m = rng::uniform(stream, first + i) >= p ? keep_scale : 0.0f;
@@ -216,7 +229,7 @@ void LoraAdapters::forward(int layer, int target, const float* x, float* y, int 
   if (!s.on) return;
   QT_CHECK(params_ != nullptr, "LoRA forward without adapter weights (bind() first)");
   const int r = lora_.r;
-  const float* xd = dropped(layer, target, x, s.in);
+  const float* xd = dropped(layer, target, s, x);
   // xa[N, r] = xd[N, in] A[r, in]^T
   cpu::gemm<float>(false, true, N_, r, s.in, 1.0f, xd, s.in, params_ + s.a, s.in, 0.0f, s.xa.data(),
                    r);
@@ -233,7 +246,7 @@ void LoraAdapters::backward(int layer, int target, const float* x, const float* 
            "LoRA backward without adapter weights and gradients (bind() first)");
   const int r = lora_.r, N = N_;
   const float scale = static_cast<float>(scale_);
-  const float* xd = dropped(layer, target, x, s.in);  // the forward's mask again
+  const float* xd = dropped(layer, target, s, x);  // the forward's mask again
   const float* A = params_ + s.a;                     // [r, in]
   const float* B = params_ + s.b;                     // [out, r]
   const int ld = lddy > 0 ? lddy : s.out;

@@ -59,6 +59,12 @@ class LoraAdapters {
     seed_ = seed, first_sample_ = first_sample;
   }
 
+  // Tensor parallelism: these are the adapters of tp rank `rank`'s local model (the
+  // constructor's cfg is tp_local_config's). A row-parallel projection's (o_proj, down_proj)
+  // input holds this rank's columns [rank x in, (rank + 1) x in) of the global one, so its
+  // dropout masks are those columns of the global masks (the same draws as without tp).
+  void set_tensor_parallel(int tp, int rank);
+
   // True when projection `target` has adapters (in every layer: all layers adapt the same).
   bool adapts(int target) const { return slots_[target].on; }
   // y[N, out] += scale * drop(x) A^T B^T for x [N, in]; keeps drop(x) A^T [N, r] for backward.
@@ -75,12 +81,13 @@ class LoraAdapters {
   struct Slot {  // one adapted projection of one layer
     bool on = false;
     int in = 0, out = 0;
+    int in_global = 0, col0 = 0;  // the dropout masks' row width and this input's first column
     std::size_t a = 0, b = 0;  // offsets of A and B in the adapter buffer
     std::vector<float> xa;     // [N, r] drop(x) A^T of the last forward
   };
   // x with the dropout mask of (layer, target) applied, into xd_ ([N, in], the mask times
   // 1 / (1 - p) into mask_); returns x itself when dropout is off.
-  const float* dropped(int layer, int target, const float* x, int in);
+  const float* dropped(int layer, int target, const Slot& s, const float* x);
 
   ModelConfig cfg_;
   LoraConfig lora_;

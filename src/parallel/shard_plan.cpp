@@ -109,8 +109,7 @@ bool ShardSpec::replicated_over_dim(MeshDim d) const {
 }
 
 TpRole tp_role(const std::string& name) {
-  auto ends = [&name](const char* tail) {
-    const std::string t(tail);
+  auto ends = [&name](const std::string& t) {
     return name.size() >= t.size() && name.compare(name.size() - t.size(), t.size(), t) == 0;
   };
   for (const char* c : {"q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
@@ -118,6 +117,18 @@ TpRole tp_role(const std::string& name) {
     if (ends(c)) return TpRole::kColumn;
   if (ends("o_proj.weight") || ends("down_proj.weight")) return TpRole::kRow;
   if (ends("q_norm.weight") || ends("k_norm.weight")) return TpRole::kPartial;
+  // LoRA adapters follow their base projection (A [r, in], B [out, r]): beside a
+  // column-parallel one, B holds its rows and A is whole with a gradient partial over tp (each
+  // rank's rows of B see part of it); beside a row-parallel one, A holds its columns and B is
+  // whole with a partial gradient.
+  for (const char* c : {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}) {
+    if (ends(std::string(c) + ".lora_A.weight")) return TpRole::kPartial;
+    if (ends(std::string(c) + ".lora_B.weight")) return TpRole::kColumn;
+  }
+  for (const char* r : {"o_proj", "down_proj"}) {
+    if (ends(std::string(r) + ".lora_A.weight")) return TpRole::kRow;
+    if (ends(std::string(r) + ".lora_B.weight")) return TpRole::kPartial;
+  }
   return TpRole::kReplicated;
 }
 

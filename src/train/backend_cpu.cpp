@@ -28,10 +28,13 @@ class CpuBackend final : public TrainBackend {
         global_layout_(deck.model),
         model_(tp_local_config(deck.model, tp_), deck.train.micro_batch, deck.train.seq_len,
                deck.train.recompute, seq_parallel_),
-        lora_(deck.lora.enabled() ? std::make_unique<LoraAdapters>(deck.model, deck.lora,
+        lora_(deck.lora.enabled() ? std::make_unique<LoraAdapters>(model_.config(), deck.lora,
                                                                    deck.train.micro_batch,
                                                                    deck.train.seq_len)
                                   : nullptr),
+        global_lora_layout_(lora_ ? lora_layout(deck.model, deck.lora)
+                                  : ParamLayout(std::vector<std::pair<std::string,
+                                                                      std::vector<std::int64_t>>>{})),
         state_(lora_ ? plan_one_unit(lora_->layout(), "adapters", mesh.shape(),
                                      deck.optim.zero_stage)
                      : plan_qwen3(model_.config(), model_.layout(), mesh.shape(),
@@ -44,12 +47,21 @@ class CpuBackend final : public TrainBackend {
                                               deck.train.seq_len, deck.train.recompute,
                                               seq_parallel_)),
         seed_(deck.train.seed) {
-    QT_CHECK(tp_ == 1 || !lora_, "LoRA with tensor parallelism is not built");
     if (lora_) model_.set_lora(lora_.get());
     if (tp_ > 1) {
       model_.set_tensor_parallel(&mesh.tp());
-      tp_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), state_.plan(),
-                                        mesh.tp().rank());
+      if (!lora_) {
+        tp_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), state_.plan(),
+                                          mesh.tp().rank());
+      } else {  // the frozen base and the adapters, each through its own plan's split
+        lora_->set_tensor_parallel(tp_, mesh.tp().rank());
+        base_plan_ = std::make_unique<ShardPlan>(
+            plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0));
+        tp_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), *base_plan_,
+                                          mesh.tp().rank());
+        lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), state_.plan(),
+                                            mesh.tp().rank());
+      }
     }
   }
 
@@ -66,20 +78,24 @@ class CpuBackend final : public TrainBackend {
     return d;
   }
   const ParamLayout& trained_layout() const override {
-    return lora_ ? lora_->layout() : global_layout_;
+    return lora_ ? global_lora_layout_ : global_layout_;
   }
   std::vector<FlatPiece> model_pieces() override {
-    if (lora_) return {{Range{0, base_.size()}, base_.data()}};
+    if (lora_)
+      return global_pieces(tp_map_.get(),
+                           std::vector<FlatPiece>{{Range{0, base_.size()}, base_.data()}},
+                           /*writing=*/false);
     return trained_pieces();
   }
+  // The trained state's pieces: the model's through tp_map_, or the adapters' through lora_map_.
   std::vector<FlatPiece> trained_pieces() override {
-    return global_pieces(tp_map_.get(), state_.param_pieces(), /*writing=*/false);
+    return global_pieces(trained_map(), state_.param_pieces(), /*writing=*/false);
   }
   std::vector<StatePiece> checkpoint_pieces() override {
-    return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
+    return global_pieces(trained_map(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
-    return global_targets(tp_map_.get(), state_.checkpoint_targets());
+    return global_targets(trained_map(), state_.checkpoint_targets());
   }
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
   void push_state() override {}  // the host buffers are the live state
@@ -110,12 +126,17 @@ class CpuBackend final : public TrainBackend {
   }
 
  private:
+  const TpMap* trained_map() const { return lora_ ? lora_map_.get() : tp_map_.get(); }
+
   int tp_;                              // mesh.tp
   int seq_parallel_;                    // mesh.tp with sequence parallelism, else 1
   ParamLayout global_layout_;           // the model's (the local one is model_.layout())
   Qwen3Model model_;                    // with tp > 1 the tp rank's local part
   std::unique_ptr<LoraAdapters> lora_;  // null without [lora]
-  std::unique_ptr<TpMap> tp_map_;       // local -> global pieces with tp > 1, else null
+  ParamLayout global_lora_layout_;      // with [lora]: the adapters' of the global model
+  std::unique_ptr<TpMap> tp_map_;       // the model's local -> global pieces with tp > 1
+  std::unique_ptr<ShardPlan> base_plan_;  // [lora] with tp > 1: the frozen base's split
+  std::unique_ptr<TpMap> lora_map_;     // [lora] with tp > 1: the adapters' local -> global
   ShardedState state_;                  // the trained parameters: the model, or the adapters
   std::vector<float> base_;             // with [lora]: the frozen model [numel], else empty
   bool offload_;

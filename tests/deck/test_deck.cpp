@@ -382,8 +382,8 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
   expect_error("[mesh]\ntp = 3\n", {"deck.ini:2: mesh.tp = 3 does not divide model.num_heads = "});
   expect_error("[model]\nvocab_size = 255\n[mesh]\ntp = 2\n",
                {"deck.ini:4: mesh.tp = 2 does not divide model.vocab_size = 255"});
-  expect_error("[lora]\nr = 4\n[mesh]\ntp = 2\n",
-               {"deck.ini:4: mesh.tp = 2: LoRA ([lora] r > 0) under tensor parallelism is not built yet"});
+  expect_error("[train]\ndevice = cuda\n[model]\nhead_dim = 64\n[lora]\nr = 4\n[mesh]\ntp = 2\n",
+               {"mesh.tp = 2: LoRA ([lora] r > 0) under tensor parallelism is built on train.device = cpu only"});
   expect_error("[train]\ndevice = cuda\n[mesh]\npp = 2\ndp = 2\n", {}, 4,
                {"mesh.pp = 2: pipeline parallelism on train.device = cuda runs with mesh.dp = 1"});
   expect_error("[train]\ndevice = cuda\n[mesh]\npp = 2\npp_schedule = zb-h1\n",

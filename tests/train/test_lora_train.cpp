@@ -191,6 +191,35 @@ TEST_F(LoraTraining, MeshIndependentResumableAndRefusesMismatches) {
       << onto.error;
 }
 
+// Under tensor parallelism the adapters follow their base projection's split (B by rows beside
+// q/k/v and gate/up, A by columns beside o and down; the whole factors' gradients summed over
+// tp), and a row-parallel projection's dropout masks are the columns of the serial run's: tp 2,
+// with and without sequence parallelism, gives the serial losses (dropout 0.1 on), and its
+// checkpoint (global tensors) continues on one rank as the serial run does.
+TEST_F(LoraTraining, TensorParallelFollowsTheBaseSplit) {
+  auto one = run(1, deck_text(path("a")), {}, path("a.jsonl"));
+  ASSERT_EQ(one.exit_code, 0) << one.error;
+  ASSERT_EQ(one.steps.size(), 12u);
+  for (const auto& [name, extra] :
+       std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"tp2", {"--mesh.tp=2"}},
+           {"tp2_sp", {"--mesh.tp=2", "--mesh.sequence_parallel=true"}}}) {
+    SCOPED_TRACE(name);
+    auto tp = run(2, deck_text(path(name)), extra, path(name + ".jsonl"));
+    ASSERT_EQ(tp.exit_code, 0) << tp.error;
+    ASSERT_EQ(tp.steps.size(), 12u);
+    EXPECT_LT(test::max_rel_loss_diff(tp.steps, one.steps), 1e-5);
+  }
+  auto rest = run(1, deck_text(path("r")),
+                  {"--checkpoint.resume=" + path("tp2/step_00000006.h5")}, path("r.jsonl"));
+  ASSERT_EQ(rest.exit_code, 0) << rest.error;
+  ASSERT_EQ(rest.steps.size(), 6u);
+  EXPECT_EQ(rest.steps.front().step, 7);
+  for (std::size_t i = 0; i < rest.steps.size(); ++i)
+    EXPECT_NEAR(rest.steps[i].loss, one.steps[6 + i].loss, 1e-5 * one.steps[6 + i].loss)
+        << "step " << rest.steps[i].step;
+}
+
 float round_bf16(float x) { return hf::bf16_to_f32(hf::f32_to_bf16(x)); }
 
 // Exports of a LoRA checkpoint: adapter files exactly as stored, and the merge bit for bit the
