@@ -391,8 +391,6 @@ void Builder::validate_mesh() {
     }
   }
   need(m.pp_chunks == 1 || m.pp > 1, "mesh.pp_chunks", "> 1 interleaves a pipeline: needs mesh.pp > 1");
-  need(m.pp_chunks == 1 || m.pp_schedule == "1f1b", "mesh.pp_chunks",
-       "> 1 (interleaved 1F1B) is built with mesh.pp_schedule = 1f1b only so far");
   if (m.pp_schedule == "zb-h1") {  // the weight halves read the layers' activations later
     need(!deck_.train.recompute, "mesh.pp_schedule",
          "keeps each layer's activations until its weight gradients: not with "

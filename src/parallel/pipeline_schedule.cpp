@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <deque>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -97,11 +98,66 @@ PipeSchedule interleaved(const PipeScheduleConfig& cfg) {
   return out;
 }
 
+// Interleaved with split backwards: the forwards and input halves in interleaved 1F1B's order
+// (each backward's input half where the backward was); each input half's weight half waits in a
+// queue and runs where the stage's next forward or input half is not ready yet (its bubble, found
+// by running the lists with unit costs), once max_weights_waiting (default P - s) wait, and at
+// the end.
+PipeSchedule interleaved_split(const PipeScheduleConfig& cfg) {
+  PipeScheduleConfig whole = cfg;
+  whole.split_backward = false;
+  const PipeSchedule order = interleaved(whole);
+  const int P = cfg.stages, M = cfg.micro_batches, K = P * cfg.virtual_chunks;
+  const PipeCosts costs;
+  Finish fin(K, M);
+  PipeSchedule out(P);
+  std::vector<std::size_t> next(P, 0);
+  std::vector<std::deque<PipeAction>> owed(P);  // weight halves waiting, oldest first
+  std::vector<double> free_at(P, 0.0);
+  const int total = K * M * 3;
+  int placed = 0;
+  double t = 0;
+  while (placed < total) {
+    for (int s = 0; s < P; ++s) {
+      if (free_at[s] > t) continue;
+      const std::size_t waiting = cfg.max_weights_waiting > 0 ? cfg.max_weights_waiting : P - s;
+      // A weight half in the queue is ready: its input half has finished (the stage is free).
+      std::optional<PipeAction> pick;
+      if (owed[s].size() < waiting && next[s] < order[s].size()) {
+        PipeAction a = order[s][next[s]];
+        if (a.op == PipeOp::kBackward) a.op = PipeOp::kBackwardInput;
+        if (ready_at(a, fin, K) <= t) pick = a;
+      }
+      if (!pick && !owed[s].empty()) pick = owed[s].front();
+      if (!pick) continue;
+      const PipeAction a = *pick;
+      if (a.op == PipeOp::kBackwardWeight) {
+        owed[s].pop_front();
+      } else {
+        ++next[s];
+        if (a.op == PipeOp::kBackwardInput)
+          owed[s].push_back({PipeOp::kBackwardWeight, a.chunk, a.micro_batch});
+      }
+      const double end = t + cost_of(a.op, costs);
+      record(a, end, fin);
+      out[s].push_back(a);
+      free_at[s] = end;
+      ++placed;
+    }
+    double later = kNever;
+    for (double f : free_at)
+      if (f > t) later = std::min(later, f);
+    QT_CHECK(later < kNever || placed == total, "interleaved split scheduler stuck at t = {}", t);
+    t = later;
+  }
+  return out;
+}
+
 }  // namespace
 
 PipeSchedule schedule(const PipeScheduleConfig& cfg) {
   check(cfg);
-  if (cfg.virtual_chunks != 1) return interleaved(cfg);
+  if (cfg.virtual_chunks != 1) return cfg.split_backward ? interleaved_split(cfg) : interleaved(cfg);
   const int P = cfg.stages, M = cfg.micro_batches, K = P * cfg.virtual_chunks;
   const PipeOp back = cfg.split_backward ? PipeOp::kBackwardInput : PipeOp::kBackward;
   const PipeCosts costs;

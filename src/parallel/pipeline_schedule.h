@@ -56,8 +56,9 @@ using PipeSchedule = std::vector<std::vector<PipeAction>>;
 // step: ZB-H1 splits the backwards and lets P weight halves wait; pp_chunks > 1 interleaves.
 PipeScheduleConfig schedule_config(const MeshShape& mesh, int micro_batches);
 
-// virtual_chunks > 1: interleaved 1F1B in Megatron's order (whole backwards only; micro-batches
-// a multiple of the stages, else std::invalid_argument).
+// virtual_chunks > 1: interleaved 1F1B in Megatron's order (micro-batches a multiple of the
+// stages, else std::invalid_argument); with split backwards its forwards and input halves in that
+// order, each weight half where the stage would wait (or when max_weights_waiting wait).
 PipeSchedule schedule(const PipeScheduleConfig& cfg);
 
 // Unit costs of the actions, for the simulation (a forward, a whole backward, its two halves).

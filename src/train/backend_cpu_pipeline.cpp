@@ -74,8 +74,8 @@ class CpuPipelineBackend final : public TrainBackend {
         state_(plan_, layout_, deck.optim, mesh.dp(), deck.train.steps, &mesh.tp(), &share_),
         pp_(mesh.pp()),
         dx_(n_ * H_),
-        schedule_name_(V_ > 1 ? "interleaved 1F1B"
-                              : mesh.shape().pp_schedule == "zb-h1" ? "ZB-H1" : "1F1B") {
+        schedule_name_(mesh.shape().pp_schedule == "zb-h1" ? (V_ > 1 ? "interleaved ZB-H1" : "ZB-H1")
+                                                           : (V_ > 1 ? "interleaved 1F1B" : "1F1B")) {
     if (tp_ > 1) {
       for (Chunk& c : chunks_) {
         c.stage->set_tensor_parallel(&mesh.tp());

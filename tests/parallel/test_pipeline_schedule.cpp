@@ -107,7 +107,7 @@ TEST(PipelineSchedule, InterleavedListsSimulate) {
   EXPECT_LT(r.bubble, 0.5);
   EXPECT_EQ(schedule(cfg), s);  // this hand-written list is Megatron's order for P = V = M = 2
   EXPECT_THROW(schedule({2, 3, 2, false}), std::invalid_argument);  // M not a multiple of P
-  EXPECT_THROW(schedule({2, 2, 2, true}), std::invalid_argument);   // split backwards
+  EXPECT_THROW(schedule({2, 3, 2, true}), std::invalid_argument);   // split backwards too
 }
 
 // Interleaved 1F1B runs without deadlock, every action once, with less bubble than 1F1B:
@@ -125,6 +125,26 @@ TEST(PipelineSchedule, InterleavingShrinksTheBubble) {
         const double want = double(P - 1) / (V * M + P - 1);
         EXPECT_NEAR(r.bubble, want, 1e-9) << "P " << P << " V " << V << " M " << M;
         EXPECT_LT(r.bubble, one.bubble);
+        ++checked;
+      }
+  EXPECT_EQ(checked, 18);
+}
+
+// Interleaving with split backwards (ZB-H1's weight halves in the interleaved order's bubbles):
+// every list runs without deadlock, holds each action once, and its bubble is below interleaved
+// 1F1B's with the same costs (a whole backward = its two halves).
+TEST(PipelineSchedule, InterleavedSplitBackwardsFillTheBubble) {
+  int checked = 0;
+  for (int P : {2, 3, 4})
+    for (int V : {2, 3})
+      for (int M : {P, 2 * P, 4 * P}) {
+        const PipeCosts costs{1.0 / V, 2.0 / V, 1.0 / V, 1.0 / V};
+        PipeScheduleConfig split{P, M, V, true};
+        split.max_weights_waiting = P;
+        const PipeSimulation zb = simulate(schedule(split), split, costs);
+        const PipeScheduleConfig whole{P, M, V, false};
+        const PipeSimulation one_f_one_b = simulate(schedule(whole), whole, costs);
+        EXPECT_LT(zb.bubble, one_f_one_b.bubble) << "P " << P << " V " << V << " M " << M;
         ++checked;
       }
   EXPECT_EQ(checked, 18);

@@ -322,6 +322,10 @@ TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
       {"pp4_1f1b", 4, {"--mesh.pp=4"}},
       {"pp4_zb", 4, {"--mesh.pp=4", "--mesh.pp_schedule=zb-h1"}},
       {"pp2_v2", 2, {"--mesh.pp=2", "--mesh.pp_chunks=2"}},
+      // interleaved with split backwards: weight halves in the interleaved order's bubbles
+      {"pp2_v2_zb", 2, {"--mesh.pp=2", "--mesh.pp_chunks=2", "--mesh.pp_schedule=zb-h1"}},
+      {"dp2_pp2_v2_zb_z3", 4,
+       {"--mesh.pp=2", "--mesh.pp_chunks=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=3"}},
       {"dp2_pp2_v2_z3", 4, {"--mesh.pp=2", "--mesh.pp_chunks=2", "--optim.zero_stage=3"}},
       {"tp2_pp2_v2", 4, {"--mesh.pp=2", "--mesh.pp_chunks=2", "--mesh.tp=2"}},
       {"tp2_pp2_v2_sp", 4,
