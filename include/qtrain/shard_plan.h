@@ -42,6 +42,11 @@ struct ShardSpec {
   // update (q_norm and k_norm under tensor parallelism: each tp rank sees its own heads; with
   // sequence parallelism the other norms too: each tp rank sees its own rows).
   std::vector<MeshDim> partial_over;
+  // Sharded over tp by groups of this many consecutive tp ranks holding the same rows (k_proj
+  // and v_proj when the model has fewer key/value heads than tp ranks: tp rank r holds kv head
+  // r / tp_replicas); the gradient is then partial over the group only (each rank's query heads),
+  // and rank r % tp_replicas == 0's copy is the one checkpoints and the norm take.
+  int tp_replicas = 1;
 
   bool replicated_over_dim(MeshDim d) const;
 };
@@ -97,9 +102,10 @@ TpRole tp_role(const std::string& name);
 
 // Collective-free and deterministic: every rank computes the same plan. Checks that the layout is
 // the model's (embedding, layers, norm, lm head in flat order). With mesh.tp > 1, `layout` is the
-// tp rank's local layout (parallel/tensor_parallel.h) and `cfg` the local config.
+// tp rank's local layout (parallel/tensor_parallel.h) and `cfg` the local config; kv_replicas:
+// the tp ranks sharing each key/value head (tp_kv_replicas), 1 when tp divides them.
 ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const MeshShape& mesh,
-                     int zero_stage);
+                     int zero_stage, int kv_replicas = 1);
 // The decoder layers of each of mesh.pp x mesh.pp_chunks pipeline chunks, as [chunks + 1]
 // boundaries (chunk c runs layers [b[c], b[c + 1]) on stage c % pp): mesh.pp_layers when given,
 // else balanced by FLOPs a token (a layer's projections each; the lm head on the last chunk).

@@ -360,10 +360,17 @@ void Builder::validate_mesh() {
   need(m.dp >= 0, "mesh.dp", "must be >= 1, or 0 for auto");
   for (const char* k : {"mesh.tp", "mesh.pp", "mesh.ep"}) need(ival(k) >= 1, k, "must be >= 1");
   if (m.tp > 1) {  // tensor parallelism (parallel/tensor_parallel.h): heads and MLP columns split
-    for (const char* k : {"model.num_heads", "model.num_kv_heads", "model.intermediate_size",
-                          "model.vocab_size"})
+    for (const char* k : {"model.num_heads", "model.intermediate_size", "model.vocab_size"})
       need(ival(k) % m.tp == 0, "mesh.tp", "does not divide {} = {} (each tp rank takes an equal "
            "share)", k, ival(k));
+    // Fewer kv heads than tp ranks: each kv head on tp / num_kv_heads ranks (Megatron's way).
+    const int kv = ival("model.num_kv_heads");
+    need(kv % m.tp == 0 || m.tp % kv == 0, "mesh.tp", "neither divides nor is a multiple of "
+         "model.num_kv_heads = {} (each tp rank takes an equal share of the key/value heads, or "
+         "tp / num_kv_heads ranks share one)", kv);
+    need(kv % m.tp == 0 || (deck_.train.device == "cpu" && deck_.lora.r == 0), "mesh.tp",
+         "is more than model.num_kv_heads = {}: tp ranks sharing a key/value head are built on "
+         "train.device = cpu without [lora] only so far", kv);
     need(deck_.lora.r == 0 || deck_.train.device == "cpu", "mesh.tp",
          ": LoRA ([lora] r > 0) under tensor parallelism is built on train.device = cpu only so "
          "far; set mesh.tp = 1");

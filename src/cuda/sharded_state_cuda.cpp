@@ -46,6 +46,9 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
                             tp_.device->size() == plan.tp),
            "plan for tp {} without tp communicators of that size", plan.tp);
   QT_CHECK(pipe.held.empty() || nccl == nullptr, "a pipeline stage's state at dp {}", plan.dp);
+  for (const ShardSpec& s : plan.specs)
+    QT_CHECK(s.tp_replicas == 1, "kv heads shared by tp ranks are not built on CUDA (the deck "
+             "checks it)");
   auto held = [&pipe](std::size_t u) {
     return pipe.held.empty() ||
            std::binary_search(pipe.held.begin(), pipe.held.end(), static_cast<int>(u));

@@ -181,9 +181,27 @@ void ShardedState::reduce_partial_over_tp(int u, float* grads) {
   if (!tp_) return;
   const ParamUnit& pu = plan_.units[u];
   for (std::size_t i : pu.params) {
-    if (plan_.specs[i].partial_over.empty()) continue;
+    const ShardSpec& spec = plan_.specs[i];
+    if (spec.partial_over.empty()) continue;
     const ParamInfo& p = layout_.params()[i];
-    tp_->all_reduce(grads + (p.offset - pu.range.begin), p.numel, DType::kF32, ReduceOp::kSum);
+    float* g = grads + (p.offset - pu.range.begin);
+    if (spec.tp_replicas == 1) {
+      tp_->all_reduce(g, p.numel, DType::kF32, ReduceOp::kSum);
+      continue;
+    }
+    // Summed over the group of tp ranks sharing these rows only, in rank order (the same bits
+    // on each of them): every rank's copy, gathered.
+    const std::size_t n = p.numel;
+    std::vector<float> all(n * static_cast<std::size_t>(tp_->size()));
+    tp_->all_gather(g, all.data(), n, DType::kF32);
+    const std::size_t first = static_cast<std::size_t>(tp_->rank() / spec.tp_replicas *
+                                                       spec.tp_replicas);
+    for (std::size_t k = 0; k < n; ++k) {
+      float sum = 0;
+      for (std::size_t j = 0; j < static_cast<std::size_t>(spec.tp_replicas); ++j)
+        sum += all[(first + j) * n + k];
+      g[k] = sum;
+    }
   }
 }
 
@@ -195,8 +213,10 @@ double ShardedState::sum_squares(int u, Range own, const float* g) const {
     const std::size_t lo = std::max(own.begin, p.offset);
     const std::size_t hi = std::min(own.end, p.offset + p.numel);
     if (lo >= hi) continue;
-    // A copy replicated over tp: counted by tp rank 0 only.
+    // A copy replicated over tp: counted by tp rank 0 only; one shared by a group of tp ranks
+    // (tp_replicas) by the group's first.
     if (tp_ && tp_->rank() != 0 && plan_.specs[i].replicated_over_dim(MeshDim::kTp)) continue;
+    if (tp_ && tp_->rank() % plan_.specs[i].tp_replicas != 0) continue;
     for (std::size_t k = lo; k < hi; ++k) {
       const double x = g[k - own.begin];
       sumsq += x * x;

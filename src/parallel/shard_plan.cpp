@@ -133,9 +133,22 @@ TpRole tp_role(const std::string& name) {
 }
 
 ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const MeshShape& mesh,
-                     int zero_stage) {
+                     int zero_stage, int kv_replicas) {
   ShardPlan plan = plan_base(layout, mesh, zero_stage);
   const auto& ps = layout.params();
+  QT_CHECK(kv_replicas >= 1 && mesh.tp % kv_replicas == 0, "kv heads shared by {} of {} tp ranks",
+           kv_replicas, mesh.tp);
+  if (kv_replicas > 1)  // a kv head's rows on tp / kv_replicas ranks' groups
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      const std::string& n = ps[i].name;
+      if (n.find("k_proj.weight") == std::string::npos &&
+          n.find("v_proj.weight") == std::string::npos)
+        continue;
+      ShardSpec& s = plan.specs[i];
+      s.global_shape[0] = ps[i].shape[0] * (mesh.tp / kv_replicas);
+      s.tp_replicas = kv_replicas;
+      s.partial_over = {MeshDim::kTp};
+    }
   const std::size_t per_layer = 11;  // ln1, q, k, v, o, q_norm, k_norm, ln2, gate, up, down
   const std::size_t L = static_cast<std::size_t>(cfg.num_layers);
   const std::size_t head = cfg.tie_word_embeddings ? 1 : 2;  // norm [, lm_head]

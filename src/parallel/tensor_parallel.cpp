@@ -9,15 +9,20 @@
 
 namespace qt {
 
+int tp_kv_replicas(const ModelConfig& cfg, int tp) {
+  return tp > cfg.num_kv_heads ? tp / cfg.num_kv_heads : 1;
+}
+
 ModelConfig tp_local_config(const ModelConfig& cfg, int tp) {
-  QT_CHECK(tp >= 1 && cfg.num_heads % tp == 0 && cfg.num_kv_heads % tp == 0 &&
+  QT_CHECK(tp >= 1 && cfg.num_heads % tp == 0 &&
+               (cfg.num_kv_heads % tp == 0 || tp % cfg.num_kv_heads == 0) &&
                cfg.intermediate_size % tp == 0 && cfg.vocab_size % tp == 0,
-           "tp {} must divide the heads {}, the key/value heads {}, the MLP width {} and the "
-           "vocabulary {}",
-           tp, cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, cfg.vocab_size);
+           "tp {} must divide the heads {}, the MLP width {} and the vocabulary {}, and divide or "
+           "be a multiple of the key/value heads {}",
+           tp, cfg.num_heads, cfg.intermediate_size, cfg.vocab_size, cfg.num_kv_heads);
   ModelConfig c = cfg;
   c.num_heads /= tp;
-  c.num_kv_heads /= tp;
+  c.num_kv_heads /= tp / tp_kv_replicas(cfg, tp);  // one kv head a rank when tp exceeds them
   c.intermediate_size /= tp;
   c.vocab_size /= tp;
   return c;
@@ -52,8 +57,10 @@ std::vector<TpMap::Segment> TpMap::segments(Range r, bool writing) const {
       if (writing && tp_rank_ != 0 && spec.replicated_over_dim(MeshDim::kTp)) continue;
       out.push_back({lo, g0 + at, hi - lo});
     } else if (spec.axis == 0) {  // rows t * rows_local ...: one contiguous global range
+      // (tp_replicas ranks in a row share one block: its first writes it)
+      if (writing && tp_rank_ % spec.tp_replicas != 0) continue;
       const std::size_t block = static_cast<std::size_t>(L.numel);
-      out.push_back({lo, g0 + tp_rank_ * block + at, hi - lo});
+      out.push_back({lo, g0 + (tp_rank_ / spec.tp_replicas) * block + at, hi - lo});
     } else {  // columns t * cols_local ... of every row: a global range per row
       const std::size_t cols = static_cast<std::size_t>(L.shape[1]);
       const std::size_t global_cols = static_cast<std::size_t>(gs[i].shape[1]);

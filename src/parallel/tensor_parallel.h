@@ -22,8 +22,11 @@
 namespace qt {
 
 // The model of one tp rank: num_heads, num_kv_heads, intermediate_size and vocab_size divided by
-// tp (which must divide each: the deck checks it with a clear message).
+// tp (which must divide each: the deck checks it with a clear message), except that with more tp
+// ranks than key/value heads (tp a multiple of them) each rank holds one kv head, shared by
+// tp_kv_replicas consecutive ranks (Megatron's replication; the plan's ShardSpec::tp_replicas).
 ModelConfig tp_local_config(const ModelConfig& cfg, int tp);
+int tp_kv_replicas(const ModelConfig& cfg, int tp);
 
 class TpMap {
  public:

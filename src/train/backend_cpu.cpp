@@ -38,7 +38,7 @@ class CpuBackend final : public TrainBackend {
         state_(lora_ ? plan_one_unit(lora_->layout(), "adapters", mesh.shape(),
                                      deck.optim.zero_stage)
                      : plan_qwen3(model_.config(), model_.layout(), mesh.shape(),
-                                  deck.optim.zero_stage),
+                                  deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_)),
                lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps,
                &mesh.tp()),
         base_(lora_ ? model_.layout().numel() : 0, 0.0f),

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -84,13 +85,15 @@ void expect_serial(const std::vector<StepRecord>& got, const std::vector<StepRec
 }
 
 // The parameters of a checkpoint, whole, on every world rank.
-std::vector<float> read_params(const std::string& path, bool tied) {
+// kv_heads: the model's key/value heads when not the tiny preset's (0).
+std::vector<float> read_params(const std::string& path, bool tied, int kv_heads = 0) {
   auto world = std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
   MeshShape shape;
   shape.dp = world->size();
   Mesh mesh(shape, world);
   ModelConfig m = *model_preset("tiny");
   m.tie_word_embeddings = tied;
+  if (kv_heads > 0) m.num_kv_heads = kv_heads;
   const ParamLayout layout(m);
   std::vector<float> params(layout.numel());
   checkpoint_read(path, mesh, layout, StateTargets{{{Range{0, layout.numel()}, params.data()}}, {}, {}}, m);
@@ -130,12 +133,13 @@ class ZeroStages : public ::testing::Test {
   // Runs a case and checks its losses, norms and final parameters (tied, 2 layers) against the
   // serial run's.
   void check_against_serial(const Case& c, const RunResult& serial,
-                            const std::vector<float>& want) {
+                            const std::vector<float>& want, int kv_heads = 0) {
     SCOPED_TRACE(c.name);
     const RunResult r = train(c.name, c.ranks, c.overrides);
     ASSERT_EQ(r.steps.size(), 10u);
     const double params =
-        rel_norm_diff(read_params(path(std::string(c.name) + "/step_00000010.h5"), true), want);
+        rel_norm_diff(read_params(path(std::string(c.name) + "/step_00000010.h5"), true, kv_heads),
+                      want);
     if (test::world_rank() == 0)
       std::printf("%s: losses within %.3g, gradient norms %.3g (first %.3g), parameters %.3g of "
                   "the serial run\n",
@@ -250,6 +254,46 @@ TEST_F(ZeroStages, TensorParallelReproducesTheSerialRun) {
     EXPECT_LT(rel_norm_diff(read_params(path(std::string(name) + "/step_00000010.h5"), false),
                             read_params(path("serial_untied/step_00000010.h5"), false)),
               kParamTol);
+  }
+}
+
+// More tp ranks than key/value heads (Megatron's replication): with one kv head at tp 2, and two
+// at tp 4, each rank holds its group's kv head, whose k/v projection gradients are summed over
+// the group only; alone, with ZeRO-3 over dp, with sequence parallelism; its checkpoint (global
+// tensors, one copy of each kv head) resumes serially and the reverse.
+TEST_F(ZeroStages, TensorParallelSharesKeyValueHeads) {
+  const std::string sp = "--mesh.sequence_parallel=true";
+  for (const int kv : {1, 2}) {
+    const std::string heads = "--model.num_kv_heads=" + std::to_string(kv);
+    const std::string tag = "kv" + std::to_string(kv) + "_";
+    const RunResult serial = train(tag + "serial", 1, {heads});
+    const std::vector<float> want = read_params(path(tag + "serial/step_00000010.h5"), true, kv);
+    const std::string tp = "--mesh.tp=" + std::to_string(2 * kv);  // two ranks a kv head
+    std::vector<std::string> names;
+    std::vector<Case> cases;
+    for (const auto& [name, ranks, extra] :
+         std::vector<std::tuple<std::string, int, std::vector<std::string>>>{
+             {"tp", 2 * kv, {}}, {"tp_sp", 2 * kv, {sp}}, {"dp2_tp_z3", 4 * kv, {"--optim.zero_stage=3"}}}) {
+      if (ranks > 4) continue;  // CI's ranks
+      names.push_back(tag + name);
+      std::vector<std::string> o = {heads, tp};
+      o.insert(o.end(), extra.begin(), extra.end());
+      cases.push_back({names.back().c_str(), ranks, o});
+    }
+    for (std::size_t i = 0; i < cases.size(); ++i) {
+      cases[i].name = names[i].c_str();
+      check_against_serial(cases[i], serial, want, kv);
+    }
+    if (kv != 1) continue;
+    const RunResult to_serial = train(tag + "to_serial", 1,
+                                      {heads, "--checkpoint.resume=" + path(tag + "tp/step_00000005.h5")});
+    const RunResult to_tp = train(tag + "to_tp", 2,
+                                  {heads, tp, "--checkpoint.resume=" + path(tag + "serial/step_00000005.h5")});
+    for (const RunResult* r : {&to_serial, &to_tp}) {
+      ASSERT_EQ(r->steps.size(), 5u);
+      EXPECT_EQ(r->steps.front().step, 6);
+      expect_serial(r->steps, serial.steps, 6);
+    }
   }
 }
 
