@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdio>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "model/qwen3.h"
@@ -277,6 +279,70 @@ TEST(TensorParallel, PlanAndMapCoverTheGlobalLayoutOnce) {
           EXPECT_EQ(mine[lo.offset + r * cols + c],
                     values[go.offset + r * gcols + static_cast<std::size_t>(t) * cols + c])
               << "o_proj (" << r << ", " << c << ") on tp rank " << t;
+    }
+    EXPECT_EQ(std::count(written.begin(), written.end(), 1),
+              static_cast<std::ptrdiff_t>(written.size()));
+  }
+}
+
+// More tp ranks than key/value heads (Megatron's replication): each rank holds one kv head, tp
+// rank t the head t / R of R = tp / num_kv_heads ranks, whose query heads all belong to it; the
+// plan marks k/v sharded in groups of R with their gradients partial over tp; reading gives the
+// group's ranks the head's rows, writing lets only the group's first write them (each global
+// element once over tp).
+TEST(TensorParallel, KeyValueHeadsSharedByTpRanks) {
+  for (const auto& [kv, tp] : std::vector<std::pair<int, int>>{{1, 2}, {2, 4}, {1, 4}, {2, 2}}) {
+    SCOPED_TRACE("kv heads " + std::to_string(kv) + ", tp " + std::to_string(tp));
+    ModelConfig g = tiny(false);
+    g.num_kv_heads = kv;
+    const int R = tp_kv_replicas(g, tp);
+    EXPECT_EQ(R, tp > kv ? tp / kv : 1);
+    const ModelConfig l = tp_local_config(g, tp);
+    EXPECT_EQ(l.num_kv_heads, tp > kv ? 1 : kv / tp);
+    EXPECT_EQ(l.num_heads * tp, g.num_heads);
+    const ParamLayout global(g), local(l);
+    MeshShape mesh;
+    mesh.tp = tp;
+    const ShardPlan plan = plan_qwen3(l, local, mesh, 0, R);
+    for (std::size_t i = 0; i < plan.specs.size(); ++i) {
+      const ShardSpec& s = plan.specs[i];
+      const std::string& name = local.params()[i].name;
+      const bool kv_proj = name.find("k_proj.weight") != std::string::npos ||
+                           name.find("v_proj.weight") != std::string::npos;
+      EXPECT_EQ(s.global_shape, global.params()[i].shape) << name;
+      EXPECT_EQ(s.tp_replicas, kv_proj ? R : 1) << name;
+      const bool partial = tp_role(name) == TpRole::kPartial || (kv_proj && R > 1);
+      EXPECT_EQ(!s.partial_over.empty(), partial) << name;
+    }
+    std::vector<int> written(global.numel(), 0);
+    std::vector<float> values(global.numel());
+    for (std::size_t k = 0; k < values.size(); ++k) values[k] = static_cast<float>(k);
+    const int group = g.num_heads / g.num_kv_heads;  // query heads a kv head
+    for (int t = 0; t < tp; ++t) {
+      // GQA stays consistent: rank t's query heads [t nh_l, (t + 1) nh_l) use its kv heads.
+      const int kv_first = t * l.num_heads / group, kv_last = ((t + 1) * l.num_heads - 1) / group;
+      EXPECT_EQ(kv_first, t / R * l.num_kv_heads) << "tp rank " << t;
+      EXPECT_EQ(kv_last, (t / R + 1) * l.num_kv_heads - 1) << "tp rank " << t;
+      const TpMap map(global, local, plan, t);
+      for (const TpMap::Segment& seg : map.segments(Range{0, local.numel()}, true))
+        for (std::size_t k = 0; k < seg.count; ++k) ++written[seg.global + k];
+      std::vector<float> mine(local.numel(), -1.0f);
+      const std::vector<FlatPiece> whole = {{Range{0, local.numel()}, mine.data()}};
+      for (const FlatPiece& p : map.to_global(whole, false))
+        for (std::size_t k = 0; k < p.range.size(); ++k) p.data[k] = values[p.range.begin + k];
+      EXPECT_EQ(std::count(mine.begin(), mine.end(), -1.0f), 0) << "tp rank " << t;
+      // k_proj [kv_l hd, H]: the rows of kv heads [t / R kv_l, ...); q_proj: query heads t nh_l ...
+      for (const auto& [tensor, block] :
+           {std::pair{"model.layers.1.self_attn.k_proj.weight", t / R},
+            std::pair{"model.layers.0.self_attn.v_proj.weight", t / R},
+            std::pair{"model.layers.1.self_attn.q_proj.weight", t}}) {
+        const ParamInfo& lo = local.find(tensor);
+        const ParamInfo& go = global.find(tensor);
+        for (std::size_t k = 0; k < lo.numel; ++k)
+          ASSERT_EQ(mine[lo.offset + k],
+                    values[go.offset + static_cast<std::size_t>(block) * lo.numel + k])
+              << tensor << " element " << k << " on tp rank " << t;
+      }
     }
     EXPECT_EQ(std::count(written.begin(), written.end(), 1),
               static_cast<std::ptrdiff_t>(written.size()));

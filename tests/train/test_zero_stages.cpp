@@ -259,35 +259,35 @@ TEST_F(ZeroStages, TensorParallelReproducesTheSerialRun) {
 
 // More tp ranks than key/value heads (Megatron's replication): with one kv head at tp 2, and two
 // at tp 4, each rank holds its group's kv head, whose k/v projection gradients are summed over
-// the group only; alone, with ZeRO-3 over dp, with sequence parallelism; its checkpoint (global
-// tensors, one copy of each kv head) resumes serially and the reverse.
+// the group only; alone, with sequence parallelism, with ZeRO-1 and 3 over dp and in a pipeline
+// (1F1B, and ZB-H1 at ZeRO-2: the per-unit reduction); its checkpoint (global tensors, one copy
+// of each kv head) resumes serially and the reverse. Cases of more ranks than the world's skip.
 TEST_F(ZeroStages, TensorParallelSharesKeyValueHeads) {
-  const std::string sp = "--mesh.sequence_parallel=true";
   for (const int kv : {1, 2}) {
     const std::string heads = "--model.num_kv_heads=" + std::to_string(kv);
     const std::string tag = "kv" + std::to_string(kv) + "_";
     const RunResult serial = train(tag + "serial", 1, {heads});
     const std::vector<float> want = read_params(path(tag + "serial/step_00000010.h5"), true, kv);
     const std::string tp = "--mesh.tp=" + std::to_string(2 * kv);  // two ranks a kv head
-    std::vector<std::string> names;
-    std::vector<Case> cases;
-    for (const auto& [name, ranks, extra] :
+    for (const auto& [name, dp_pp, extra] :
          std::vector<std::tuple<std::string, int, std::vector<std::string>>>{
-             {"tp", 2 * kv, {}}, {"tp_sp", 2 * kv, {sp}}, {"dp2_tp_z3", 4 * kv, {"--optim.zero_stage=3"}}}) {
-      if (ranks > 4) continue;  // CI's ranks
-      names.push_back(tag + name);
+             {"tp", 1, {}},
+             {"tp_sp", 1, {"--mesh.sequence_parallel=true"}},
+             {"dp2_tp_z1", 2, {"--optim.zero_stage=1"}},
+             {"dp2_tp_z3", 2, {"--optim.zero_stage=3"}},
+             {"pp2_tp", 2, {"--mesh.pp=2"}},
+             {"pp2_tp_zb_z2", 2,
+              {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=2"}}}) {
+      const int ranks = 2 * kv * dp_pp;
+      if (ranks > test::world_size()) continue;
+      const std::string dir = tag + name;
       std::vector<std::string> o = {heads, tp};
       o.insert(o.end(), extra.begin(), extra.end());
-      cases.push_back({names.back().c_str(), ranks, o});
+      check_against_serial({dir.c_str(), ranks, o}, serial, want, kv);
     }
-    for (std::size_t i = 0; i < cases.size(); ++i) {
-      cases[i].name = names[i].c_str();
-      check_against_serial(cases[i], serial, want, kv);
-    }
-    if (kv != 1) continue;
     const RunResult to_serial = train(tag + "to_serial", 1,
                                       {heads, "--checkpoint.resume=" + path(tag + "tp/step_00000005.h5")});
-    const RunResult to_tp = train(tag + "to_tp", 2,
+    const RunResult to_tp = train(tag + "to_tp", 2 * kv,
                                   {heads, tp, "--checkpoint.resume=" + path(tag + "serial/step_00000005.h5")});
     for (const RunResult* r : {&to_serial, &to_tp}) {
       ASSERT_EQ(r->steps.size(), 5u);
