@@ -97,8 +97,9 @@ const std::vector<KeySpec>& key_table() {
         spec("mesh", "dp", &D::mesh, &S::dp, "ranks",
              "Data-parallel ranks; 0 = auto (world size / (tp x pp))"),
         spec("mesh", "tp", &D::mesh, &S::tp, "ranks",
-             "Tensor-parallel ranks: heads and MLP columns split over them (train.device = cpu "
-             "only so far; must divide model.num_heads, num_kv_heads and intermediate_size)"),
+             "Tensor-parallel ranks: heads, MLP columns and vocabulary split over them (must "
+             "divide model.num_heads, intermediate_size and vocab_size, and divide num_kv_heads "
+             "or, on train.device = cpu, be a multiple of it)"),
         spec("mesh", "sequence_parallel", &D::mesh, &S::sequence_parallel, "",
              "With mesh.tp > 1: norms and residual adds on 1/tp of each micro-batch's rows, "
              "block inputs all-gathered and outputs reduce-scattered over tp (true | false)"),

@@ -190,7 +190,9 @@ void ShardedState::reduce_partial_over_tp(int u, float* grads) {
       continue;
     }
     // Summed over the group of tp ranks sharing these rows only, in rank order (the same bits
-    // on each of them): every rank's copy, gathered.
+    // on each of them): every rank's copy, gathered. Cost: tp copies of the tensor (one kv
+    // head's [head_dim, H]) move and sit in scratch where a group communicator would move
+    // tp_replicas; small beside the layer's all-reduces.
     const std::size_t n = p.numel;
     std::vector<float> all(n * static_cast<std::size_t>(tp_->size()));
     tp_->all_gather(g, all.data(), n, DType::kF32);
