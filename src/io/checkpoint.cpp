@@ -175,9 +175,9 @@ std::uint64_t write_metadata(hid_t file, const ParamLayout& layout, const TrainS
     write_attr_string(file, "lora_base_init_abs", lora->base.init_abs);
     write_attr_u64(file, "lora_base_seed", lora->base.seed);
   }
+  const Handle gcpl = untimed_gcpl();
   for (const char* gname : {"params", "optim", "optim/exp_avg", "optim/exp_avg_sq"}) {
-    Handle grp =
-        QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT), close_group);
+    Handle grp = QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, gcpl, H5P_DEFAULT), close_group);
   }
   const auto& ps = layout.params();
   const std::size_t nt = ps.size();

@@ -62,7 +62,11 @@ std::string try_image(std::size_t reserve, const std::function<std::uint64_t(hid
     H5FD_file_image_callbacks_t cb = {image_malloc,     image_memcpy,     image_realloc, image_free,
                                       image_udata_copy, image_udata_free, &capture};
     QT_CHECK_HDF5(H5Pset_file_image_callbacks(fapl, &cb));
-    Handle file = QT_H5_OPEN(H5Fcreate("qtrain-metadata-image", H5F_ACC_TRUNC, H5P_DEFAULT, fapl),
+    // No object times (HDF5 records them by default, to the second): the same state gives the
+    // same bytes whenever it is written.
+    Handle fcpl = QT_H5_OPEN(H5Pcreate(H5P_FILE_CREATE), close_plist);
+    QT_CHECK_HDF5(H5Pset_obj_track_times(fcpl, 0));
+    Handle file = QT_H5_OPEN(H5Fcreate("qtrain-metadata-image", H5F_ACC_TRUNC, fcpl, fapl),
                              close_file);
     first = populate(file);
     QT_CHECK_HDF5(file.close());
@@ -116,7 +120,14 @@ Handle early_contiguous_dcpl() {
   QT_CHECK_HDF5(H5Pset_layout(dcpl, H5D_CONTIGUOUS));
   QT_CHECK_HDF5(H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY));
   QT_CHECK_HDF5(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
+  QT_CHECK_HDF5(H5Pset_obj_track_times(dcpl, 0));  // no times: the same values, the same bytes
   return dcpl;
+}
+
+Handle untimed_gcpl() {
+  Handle gcpl = QT_H5_OPEN(H5Pcreate(H5P_GROUP_CREATE), close_plist);
+  QT_CHECK_HDF5(H5Pset_obj_track_times(gcpl, 0));
+  return gcpl;
 }
 
 std::uint64_t dataset_offset(hid_t dataset) {

@@ -23,6 +23,8 @@ namespace qt::h5 {
 
 // Dataset creation properties of such files: contiguous, space allocated at creation, no fill.
 Handle early_contiguous_dcpl();
+// Group creation without object modification times (files of the same state are byte-equal).
+Handle untimed_gcpl();
 
 // The byte offset of a dataset's values in its file (created with early_contiguous_dcpl()).
 std::uint64_t dataset_offset(hid_t dataset);
