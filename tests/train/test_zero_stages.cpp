@@ -391,8 +391,8 @@ TEST_F(ZeroStages, FourPipelineStagesReproduceTheSerialRun) {
 }
 
 // (dp, tp, pp, ZeRO) = (2, 2, 2, 3) on eight ranks (its own CTest entry, train_pipeline_np8),
-// with and without sequence parallelism: the serial losses and parameters, and its checkpoint
-// resumes serially and the reverse.
+// with and without sequence parallelism, 1F1B and ZB-H1: the serial losses and parameters, and
+// its checkpoint resumes serially and the reverse.
 TEST_F(ZeroStages, PipelineWithTensorParallelOnEightRanks) {
   if (test::world_size() < 8) GTEST_SKIP() << "needs mpiexec -n 8 (train_pipeline_np8)";
   const RunResult serial = train("serial", 1, {});
@@ -402,6 +402,12 @@ TEST_F(ZeroStages, PipelineWithTensorParallelOnEightRanks) {
   sp.push_back("--mesh.sequence_parallel=true");
   check_against_serial({"dp2_tp2_pp2_z3", 8, mesh}, serial, want);
   check_against_serial({"dp2_tp2_pp2_z3_sp", 8, sp}, serial, want);
+  // ZB-H1: each layer's tp reductions and reduce-scatter after its last weight half owed
+  std::vector<std::string> zb = mesh, zb_sp = sp;
+  zb.push_back("--mesh.pp_schedule=zb-h1");
+  zb_sp.push_back("--mesh.pp_schedule=zb-h1");
+  check_against_serial({"dp2_tp2_pp2_zb_z3", 8, zb}, serial, want);
+  check_against_serial({"dp2_tp2_pp2_zb_z3_sp", 8, zb_sp}, serial, want);
   const RunResult to_serial =
       train("to_serial", 1, {"--checkpoint.resume=" + path("dp2_tp2_pp2_z3/step_00000005.h5")});
   std::vector<std::string> back = mesh;
