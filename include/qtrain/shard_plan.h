@@ -112,8 +112,9 @@ ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const Me
 // The same for the global model and a tp rank's (tp divides every term). {0, L} at pp 1.
 std::vector<int> pipeline_layer_bounds(const ModelConfig& cfg, const MeshShape& mesh);
 
-// Every tensor of `layout` in one unit named `name` (e.g. LoRA adapters), replicated over dp.
+// Every tensor of `layout` in one unit named `name` (e.g. LoRA adapters), replicated over dp;
+// kv_replicas as plan_qwen3's (the k/v adapters' B factors share their kv head's rows).
 ShardPlan plan_one_unit(const ParamLayout& layout, const std::string& name, const MeshShape& mesh,
-                        int zero_stage);
+                        int zero_stage, int kv_replicas = 1);
 
 }  // namespace qt

@@ -369,9 +369,9 @@ void Builder::validate_mesh() {
     need(kv % m.tp == 0 || m.tp % kv == 0, "mesh.tp", "neither divides nor is a multiple of "
          "model.num_kv_heads = {} (each tp rank takes an equal share of the key/value heads, or "
          "tp / num_kv_heads ranks share one)", kv);
-    need(kv % m.tp == 0 || (deck_.train.device == "cpu" && deck_.lora.r == 0), "mesh.tp",
+    need(kv % m.tp == 0 || deck_.train.device == "cpu", "mesh.tp",
          "is more than model.num_kv_heads = {}: tp ranks sharing a key/value head are built on "
-         "train.device = cpu without [lora] only so far", kv);
+         "train.device = cpu only so far", kv);
     need(deck_.lora.r == 0 || deck_.train.device == "cpu", "mesh.tp",
          ": LoRA ([lora] r > 0) under tensor parallelism is built on train.device = cpu only so "
          "far; set mesh.tp = 1");

@@ -64,8 +64,25 @@ ParamUnit make_unit(const ParamLayout& layout, std::string name, std::size_t fir
   return u;
 }
 
-ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_stage) {
+bool ends_with(const std::string& name, const std::string& tail) {
+  return name.size() >= tail.size() &&
+         name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+}
+
+// Rows of the key/value projections (their LoRA B factors too): one kv head's on each tp rank.
+bool holds_kv_rows(const std::string& name) {
+  for (const char* t : {"k_proj.weight", "v_proj.weight", "k_proj.lora_B.weight",
+                        "v_proj.lora_B.weight"})
+    if (ends_with(name, t)) return true;
+  return false;
+}
+
+// kv_replicas > 1: tp ranks in groups of that many share a kv head (tp_kv_replicas).
+ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_stage,
+                    int kv_replicas) {
   QT_CHECK(zero_stage >= 0 && zero_stage <= 3, "ZeRO stage {}", zero_stage);
+  QT_CHECK(kv_replicas >= 1 && mesh.tp % kv_replicas == 0, "kv heads shared by {} of {} tp ranks",
+           kv_replicas, mesh.tp);
   QT_CHECK(mesh.ep == 1, "the sharding plan knows dp, tp and pp so far (ep {})", mesh.ep);
   ShardPlan plan;
   plan.dp = mesh.dp;
@@ -93,6 +110,11 @@ ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_s
           if (mesh.seq_parallel() > 1) s.partial_over = {MeshDim::kTp};
           s.replicated_over.push_back(MeshDim::kTp);
           break;
+      }
+      if (kv_replicas > 1 && holds_kv_rows(p.name)) {  // the kv head's rows on its group
+        s.global_shape[0] = p.shape[0] * (mesh.tp / kv_replicas);
+        s.tp_replicas = kv_replicas;
+        s.partial_over = {MeshDim::kTp};  // each rank's query heads' part, summed over the group
       }
     }
     plan.specs.push_back(std::move(s));
@@ -134,21 +156,8 @@ TpRole tp_role(const std::string& name) {
 
 ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const MeshShape& mesh,
                      int zero_stage, int kv_replicas) {
-  ShardPlan plan = plan_base(layout, mesh, zero_stage);
+  ShardPlan plan = plan_base(layout, mesh, zero_stage, kv_replicas);
   const auto& ps = layout.params();
-  QT_CHECK(kv_replicas >= 1 && mesh.tp % kv_replicas == 0, "kv heads shared by {} of {} tp ranks",
-           kv_replicas, mesh.tp);
-  if (kv_replicas > 1)  // a kv head's rows on tp / kv_replicas ranks' groups
-    for (std::size_t i = 0; i < ps.size(); ++i) {
-      const std::string& n = ps[i].name;
-      if (n.find("k_proj.weight") == std::string::npos &&
-          n.find("v_proj.weight") == std::string::npos)
-        continue;
-      ShardSpec& s = plan.specs[i];
-      s.global_shape[0] = ps[i].shape[0] * (mesh.tp / kv_replicas);
-      s.tp_replicas = kv_replicas;
-      s.partial_over = {MeshDim::kTp};
-    }
   const std::size_t per_layer = 11;  // ln1, q, k, v, o, q_norm, k_norm, ln2, gate, up, down
   const std::size_t L = static_cast<std::size_t>(cfg.num_layers);
   const std::size_t head = cfg.tie_word_embeddings ? 1 : 2;  // norm [, lm_head]
@@ -185,8 +194,8 @@ std::vector<int> pipeline_layer_bounds(const ModelConfig& cfg, const MeshShape& 
 }
 
 ShardPlan plan_one_unit(const ParamLayout& layout, const std::string& name, const MeshShape& mesh,
-                        int zero_stage) {
-  ShardPlan plan = plan_base(layout, mesh, zero_stage);
+                        int zero_stage, int kv_replicas) {
+  ShardPlan plan = plan_base(layout, mesh, zero_stage, kv_replicas);
   plan.units.push_back(make_unit(layout, name, 0, layout.params().size(), mesh.dp));
   return plan;
 }

@@ -36,7 +36,7 @@ class CpuBackend final : public TrainBackend {
                                   : ParamLayout(std::vector<std::pair<std::string,
                                                                       std::vector<std::int64_t>>>{})),
         state_(lora_ ? plan_one_unit(lora_->layout(), "adapters", mesh.shape(),
-                                     deck.optim.zero_stage)
+                                     deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_))
                      : plan_qwen3(model_.config(), model_.layout(), mesh.shape(),
                                   deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_)),
                lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps,
@@ -56,7 +56,8 @@ class CpuBackend final : public TrainBackend {
       } else {  // the frozen base and the adapters, each through its own plan's split
         lora_->set_tensor_parallel(tp_, mesh.tp().rank());
         base_plan_ = std::make_unique<ShardPlan>(
-            plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0));
+            plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0,
+                       tp_kv_replicas(deck.model, tp_)));
         tp_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), *base_plan_,
                                           mesh.tp().rank());
         lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), state_.plan(),

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "model/lora.h"
 #include "model/qwen3.h"
 #include "optim/sharded_state.h"
 #include "parallel/tensor_parallel.h"
@@ -343,6 +344,61 @@ TEST(TensorParallel, KeyValueHeadsSharedByTpRanks) {
                     values[go.offset + static_cast<std::size_t>(block) * lo.numel + k])
               << tensor << " element " << k << " on tp rank " << t;
       }
+    }
+    EXPECT_EQ(std::count(written.begin(), written.end(), 1),
+              static_cast<std::ptrdiff_t>(written.size()));
+  }
+}
+
+// The LoRA adapters with kv heads shared by tp ranks: the k/v adapters' B factors [kv_l hd, r]
+// follow their base projection (tp_replicas, partial over tp, rank t reading kv head t / R's
+// rows, the group's first writing them); their A factors stay whole (partial over all of tp).
+TEST(TensorParallel, KeyValueAdaptersFollowTheSharedHeads) {
+  LoraConfig lc;
+  lc.r = 2;
+  lc.targets = "all-linear";
+  for (const auto& [kv, tp] : std::vector<std::pair<int, int>>{{1, 2}, {1, 4}, {2, 4}}) {
+    SCOPED_TRACE("kv heads " + std::to_string(kv) + ", tp " + std::to_string(tp));
+    ModelConfig g = tiny(false);
+    g.num_kv_heads = kv;
+    const int R = tp_kv_replicas(g, tp);
+    const ModelConfig l = tp_local_config(g, tp);
+    const ParamLayout global = lora_layout(g, lc), local = lora_layout(l, lc);
+    MeshShape mesh;
+    mesh.tp = tp;
+    const ShardPlan plan = plan_one_unit(local, "adapters", mesh, 0, R);
+    int shared = 0;
+    for (std::size_t i = 0; i < plan.specs.size(); ++i) {
+      const ShardSpec& s = plan.specs[i];
+      const std::string& name = local.params()[i].name;
+      const bool kv_b = name.find("k_proj.lora_B") != std::string::npos ||
+                        name.find("v_proj.lora_B") != std::string::npos;
+      shared += kv_b;
+      EXPECT_EQ(s.global_shape, global.params()[i].shape) << name;
+      EXPECT_EQ(s.tp_replicas, kv_b ? R : 1) << name;
+      EXPECT_EQ(!s.partial_over.empty(), kv_b || tp_role(name) == TpRole::kPartial) << name;
+    }
+    EXPECT_EQ(shared, 2 * g.num_layers);  // k and v a layer
+    std::vector<int> written(global.numel(), 0);
+    std::vector<float> values(global.numel());
+    for (std::size_t k = 0; k < values.size(); ++k) values[k] = static_cast<float>(k);
+    const std::string k_b = "base_model.model.model.layers.1.self_attn.k_proj.lora_B.weight";
+    for (int t = 0; t < tp; ++t) {
+      const TpMap map(global, local, plan, t);
+      for (const TpMap::Segment& seg : map.segments(Range{0, local.numel()}, true))
+        for (std::size_t k = 0; k < seg.count; ++k) ++written[seg.global + k];
+      std::vector<float> mine(local.numel(), -1.0f);
+      const std::vector<FlatPiece> whole = {{Range{0, local.numel()}, mine.data()}};
+      for (const FlatPiece& p : map.to_global(whole, false))
+        for (std::size_t k = 0; k < p.range.size(); ++k) p.data[k] = values[p.range.begin + k];
+      EXPECT_EQ(std::count(mine.begin(), mine.end(), -1.0f), 0) << "tp rank " << t;
+      const ParamInfo& lo = local.find(k_b);
+      const ParamInfo& go = global.find(k_b);
+      ASSERT_EQ(lo.shape[0], l.head_dim);  // one kv head's rows
+      for (std::size_t k = 0; k < lo.numel; ++k)
+        ASSERT_EQ(mine[lo.offset + k],
+                  values[go.offset + static_cast<std::size_t>(t / R) * lo.numel + k])
+            << k_b << " element " << k << " on tp rank " << t;
     }
     EXPECT_EQ(std::count(written.begin(), written.end(), 1),
               static_cast<std::ptrdiff_t>(written.size()));

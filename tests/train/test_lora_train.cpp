@@ -220,6 +220,34 @@ TEST_F(LoraTraining, TensorParallelFollowsTheBaseSplit) {
         << "step " << rest.steps[i].step;
 }
 
+// One key/value head at tp 2: both ranks hold its k/v projections and their adapters (B by the
+// head's rows, summed over the two ranks; A whole, summed over tp as usual), so tp 2 gives the
+// serial losses, with and without sequence parallelism, and checkpoints move both ways between
+// tp 2 and one rank. Fails if the B factors' gradients are not summed (the copies drift apart).
+TEST_F(LoraTraining, TensorParallelSharesKeyValueHeadAdapters) {
+  const std::string heads = "--model.num_kv_heads=1";
+  auto one = run(1, deck_text(path("a")), {heads}, path("a.jsonl"));
+  ASSERT_EQ(one.exit_code, 0) << one.error;
+  ASSERT_EQ(one.steps.size(), 12u);
+  for (const auto& [name, extra] :
+       std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"tp2", {heads, "--mesh.tp=2"}},
+           {"tp2_sp", {heads, "--mesh.tp=2", "--mesh.sequence_parallel=true"}},
+           {"to_tp2", {heads, "--mesh.tp=2", "--checkpoint.resume=" + path("a/step_00000006.h5")}},
+           {"to_one", {heads, "--checkpoint.resume=" + path("tp2/step_00000006.h5")}}}) {
+    SCOPED_TRACE(name);
+    const bool resumed = name.rfind("to_", 0) == 0;
+    auto r = run(name == "to_one" ? 1 : 2, deck_text(path(name)), extra, path(name + ".jsonl"));
+    ASSERT_EQ(r.exit_code, 0) << r.error;
+    ASSERT_EQ(r.steps.size(), resumed ? 6u : 12u);
+    const std::size_t first = resumed ? 6 : 0;
+    EXPECT_EQ(r.steps.front().step, static_cast<long>(first) + 1);
+    for (std::size_t i = 0; i < r.steps.size(); ++i)
+      EXPECT_NEAR(r.steps[i].loss, one.steps[first + i].loss, 1e-5 * one.steps[first + i].loss)
+          << "step " << r.steps[i].step;
+  }
+}
+
 float round_bf16(float x) { return hf::bf16_to_f32(hf::f32_to_bf16(x)); }
 
 // Exports of a LoRA checkpoint: adapter files exactly as stored, and the merge bit for bit the
