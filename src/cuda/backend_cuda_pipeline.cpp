@@ -142,6 +142,8 @@ class CudaPipelineBackend final : public TrainBackend {
       const std::size_t n = plan_.units[0].range.size();
       tied_other_ = arena_.allocate<float>(std::min(n, kTiedPiece));
     }
+    if (tp_ > 1)
+      tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
     activations_ = static_cast<double>(arena_.used() - before) + batch_.bytes();
     QT_CHECK_CUDA(cudaDeviceSynchronize());
   }
@@ -153,14 +155,11 @@ class CudaPipelineBackend final : public TrainBackend {
                                   device_, d.name, d.sm_count, state_.describe(), s_, P_);
     int slots = 0;
     for (const auto& c : chunks_) {
-      const StageRange& r = c->program->stage();
-      out += fmt::format(" layers {}..{}{}{}", r.first_layer, r.last_layer - 1,
-                         r.has_embedding ? " with the embedding" : "",
-                         r.has_head ? " with the final norm and lm head" : "");
+      out += qt::describe(c->program->stage());
       slots += c->program->slots();
     }
     out += fmt::format(", {} over {} micro-batches ({} activation slots)",
-                       V_ > 1 ? "interleaved 1F1B" : "1F1B", M_, slots);
+                       schedule_name(deck_.mesh), M_, slots);
     if (tied_copy()) out += " (and a copy of the tied embedding)";
     if (tp_ > 1) out += "; " + describe_tp(local_cfg_, tp_, sp_ > 1);
     return out + fmt::format("; arena {} ({} used after set-up)",
@@ -169,13 +168,13 @@ class CudaPipelineBackend final : public TrainBackend {
   }
   // Global coordinates (TpMap under tensor parallelism).
   std::vector<FlatPiece> model_pieces() override {
-    return global_pieces(tp_map(), state_.param_pieces(), /*writing=*/false);
+    return global_pieces(tp_map_.get(), state_.param_pieces(), /*writing=*/false);
   }
   std::vector<StatePiece> checkpoint_pieces() override {
-    return global_pieces(tp_map(), state_.checkpoint_pieces(), /*writing=*/true);
+    return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
-    return global_targets(tp_map(), state_.checkpoint_targets());
+    return global_targets(tp_map_.get(), state_.checkpoint_targets());
   }
   void push_state() override { state_.push(stream_.get()); }
   void pull_state() override { state_.pull(stream_.get()); }
@@ -273,11 +272,6 @@ class CudaPipelineBackend final : public TrainBackend {
       if (plan_.units[u].stage == s_ || (tied_copy() && u == 0)) held.push_back(static_cast<int>(u));
     return held;
   }
-  const TpMap* tp_map() {
-    if (tp_ > 1 && !tp_map_)
-      tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, nccl_tp_->rank());
-    return tp_map_.get();
-  }
 
   // The compute stream waits for `e` (recorded on a channel; a no-op if never recorded).
   void wait(const cuda::Event& e) {
@@ -348,7 +342,7 @@ class CudaPipelineBackend final : public TrainBackend {
   cuda::NcclComm* channel_[kChannels] = {};
   std::unique_ptr<cuda::CudaOps> ops_;  // shared by the chunks (one stream, one action at a time)
   std::vector<std::unique_ptr<Chunk>> chunks_;
-  std::unique_ptr<TpMap> tp_map_;       // made on first use with tp > 1
+  std::unique_ptr<TpMap> tp_map_;       // local -> global pieces with tp > 1, else null
   cuda::Event ready_, landed_;
   float* tied_other_ = nullptr;  // [min(embedding, kTiedPiece)] the peer's piece
   double activations_ = 0;

@@ -59,6 +59,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "qtrain/error.h"
@@ -157,6 +158,13 @@ struct StageRange {
     return {first, last, first == 0, last == L};
   }
 };
+
+// " layers a..b with the embedding ..." for a back end's description.
+inline std::string describe(const StageRange& st) {
+  return " layers " + std::to_string(st.first_layer) + ".." + std::to_string(st.last_layer - 1) +
+         (st.has_embedding ? " with the embedding" : "") +
+         (st.has_head ? " with the final norm and lm head" : "");
+}
 
 // Checks that `st` is a stage of `c`'s model: 0 <= first < last <= L (first == last only for a
 // model without layers), the ends where they belong.

@@ -305,6 +305,12 @@ PipeScheduleConfig schedule_config(const MeshShape& mesh, int micro_batches) {
   return c;
 }
 
+const char* schedule_name(const MeshShape& mesh) {
+  const bool split = mesh.pp_schedule == "zb-h1", interleaved = mesh.pp_chunks > 1;
+  if (split) return interleaved ? "interleaved ZB-H1" : "ZB-H1";
+  return interleaved ? "interleaved 1F1B" : "1F1B";
+}
+
 int activation_slots(const std::vector<PipeAction>& actions, int chunk) {
   int now = 0, peak = 1;
   for (const PipeAction& a : actions) {

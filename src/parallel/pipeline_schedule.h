@@ -55,6 +55,8 @@ using PipeSchedule = std::vector<std::vector<PipeAction>>;
 // The schedule of a mesh's pipeline (mesh.pp, pp_chunks, pp_schedule) over M micro-batches a
 // step: ZB-H1 splits the backwards and lets P weight halves wait; pp_chunks > 1 interleaves.
 PipeScheduleConfig schedule_config(const MeshShape& mesh, int micro_batches);
+// Its name: "1F1B", "ZB-H1", "interleaved 1F1B" or "interleaved ZB-H1".
+const char* schedule_name(const MeshShape& mesh);
 
 // virtual_chunks > 1: interleaved 1F1B in Megatron's order (micro-batches a multiple of the
 // stages, else std::invalid_argument); with split backwards its forwards and input halves in that

@@ -75,8 +75,7 @@ class CpuPipelineBackend final : public TrainBackend {
         state_(plan_, layout_, deck.optim, mesh.dp(), deck.train.steps, &mesh.tp(), &share_),
         pp_(mesh.pp()),
         dx_(n_ * H_),
-        schedule_name_(mesh.shape().pp_schedule == "zb-h1" ? (V_ > 1 ? "interleaved ZB-H1" : "ZB-H1")
-                                                           : (V_ > 1 ? "interleaved 1F1B" : "1F1B")) {
+        schedule_name_(schedule_name(mesh.shape())) {
     if (tp_ > 1) {
       for (Chunk& c : chunks_) {
         c.stage->set_tensor_parallel(&mesh.tp());
@@ -93,10 +92,7 @@ class CpuPipelineBackend final : public TrainBackend {
     std::string d = fmt::format("cpu: fp32 reference (OpenBLAS); {}; this is stage {} of {}:",
                                 state_.plan().describe(), s_, P_);
     for (const Chunk& c : chunks_) {
-      const StageRange& r = c.stage->stage();
-      d += fmt::format(" layers {}..{}{}{}", r.first_layer, r.last_layer - 1,
-                       r.has_embedding ? " with the embedding" : "",
-                       r.has_head ? " with the final norm and lm head" : "");
+      d += qt::describe(c.stage->stage());
     }
     int slots = 0;
     for (const Chunk& c : chunks_) slots += c.stage->slots();

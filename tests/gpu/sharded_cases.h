@@ -2,6 +2,7 @@
 // with the CUDA attention's head_dim, 20 steps, and the comparison with a reference run.
 #pragma once
 
+#include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -60,5 +61,24 @@ constexpr double kShardedTol = 5e-3;
 // Gradient norms: bf16 gradients summed in another order; a norm of part of the micro-batches
 // would be off by tens of percent.
 constexpr double kShardedNormTol = 3e-2;
+
+// GPUs this process sees (0 when CUDA cannot count them; the error is cleared).
+inline int visible_gpus() {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return gpus;
+}
+
+// A run of `name` against its reference: it ran its 20 steps, and its losses and gradient norms
+// are within the bf16 tolerances above.
+inline void expect_matches(const char* name, const RunResult& r, const RunResult& want) {
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  ASSERT_EQ(r.steps.size(), 20u);
+  EXPECT_LT(worst_loss_diff(name, r, want), kShardedTol);
+  EXPECT_LT(worst_norm_diff(name, r, want), kShardedNormTol);
+}
 
 }  // namespace qt::test

@@ -4,8 +4,6 @@
 // reproduce one GPU's losses and gradient norms (bf16 tolerance), with recompute, one sequence
 // a micro-batch and untied embeddings too;
 // checkpoints move between tp 2 and one GPU both ways. Skips unless two GPUs are visible.
-#include <cuda_runtime_api.h>
-
 #include <filesystem>
 
 #include "gpu_test.h"
@@ -15,11 +13,7 @@ namespace qt {
 namespace {
 
 TEST(TrainTensorParallelCuda, Tp2MatchesOneGpu) {
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
-    cudaGetLastError();
-    GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
-  }
+  if (const int gpus = test::visible_gpus(); gpus < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("cuda-tp2");
   auto deck = [&](const std::string& d) { return test::sharded_deck(tmp + "/" + d); };
@@ -49,11 +43,7 @@ TEST(TrainTensorParallelCuda, Tp2MatchesOneGpu) {
              true}}) {
     SCOPED_TRACE(c.name);
     const auto r = test::run(2, deck(c.name), c.overrides, tmp + "/" + c.name + ".jsonl");
-    ASSERT_EQ(r.exit_code, 0) << r.error;
-    ASSERT_EQ(r.steps.size(), 20u);
-    const auto& want = c.untied ? ref_untied : ref;
-    EXPECT_LT(test::worst_loss_diff(c.name, r, want), test::kShardedTol);
-    EXPECT_LT(test::worst_norm_diff(c.name, r, want), test::kShardedNormTol);
+    test::expect_matches(c.name, r, c.untied ? ref_untied : ref);
   }
   // Checkpoints hold global tensors: tp 2's continues on one GPU, one GPU's at tp 2.
   const auto to_one = test::run(1, deck("tp2_to_one"),

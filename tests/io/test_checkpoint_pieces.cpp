@@ -344,6 +344,12 @@ TEST_F(CheckpointPieces, LoadAcrossWorldSizes) {
   }
 }
 
+// A file's bytes.
+std::string bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
 TEST_F(CheckpointPieces, FlatApiAndPiecesMakeTheSameFile) {
   const ParamLayout layout(m_);
   const int P = world_size(), r = world_rank();
@@ -359,10 +365,6 @@ TEST_F(CheckpointPieces, FlatApiAndPiecesMakeTheSameFile) {
                            "flat-API file read by pieces");
   read_flat_and_compare(pieces, *mesh_, m_, s_, Range{0, n_});
   if (r == 0) {
-    auto bytes = [](const std::string& p) {
-      std::ifstream f(p, std::ios::binary);
-      return std::string(std::istreambuf_iterator<char>(f), {});
-    };
     const std::string a = bytes(flat), b = bytes(pieces);
     EXPECT_GT(a.size(), 3 * 4 * n_);
     EXPECT_TRUE(a == b) << "the files of the flat API and of pieces differ";
@@ -379,10 +381,6 @@ TEST_F(CheckpointPieces, SameStateSameBytesAnySecond) {
   std::this_thread::sleep_for(std::chrono::milliseconds(1100));
   write_pieces(b, *mesh_, zero_pieces(layout, true, P, r, 1));
   if (r == 0) {
-    auto bytes = [](const std::string& p) {
-      std::ifstream f(p, std::ios::binary);
-      return std::string(std::istreambuf_iterator<char>(f), {});
-    };
     EXPECT_TRUE(bytes(a) == bytes(b)) << "the files differ: object times in the file?";
   }
 }
