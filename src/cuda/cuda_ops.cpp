@@ -312,11 +312,9 @@ void CudaOps::lm_head_loss(const bf16* xf_in, const bf16* lm_head, float* g_lm_h
     // Vocabulary-parallel: every rank's log-sum-exp and target logits of the chunk's rows, then
     // the gradient over this rank's columns; dx partial over tp (summed while dW runs).
     cross_entropy_vp_partial(vp_part_, logits_, targets + r0, rows, V, vocab_begin_, s_);
-    tp_ready_.record(s_);
-    tp_->wait_event(tp_ready_.get());
-    tp_->all_gather_async(vp_part_, vp_parts_, 2 * static_cast<std::size_t>(rows), DType::kF32);
-    tp_done_.record(tp_->stream());
-    QT_CHECK_CUDA(cudaStreamWaitEvent(s_, tp_done_.get(), 0));
+    tp_run([&] {
+      tp_->all_gather_async(vp_part_, vp_parts_, 2 * static_cast<std::size_t>(rows), DType::kF32);
+    });
     cross_entropy_vp_finish(losses_, chunk_lse_, vp_targets_, vp_parts_, tp_->size(),
                             targets + r0, rows, V, vocab_begin_, loss_sum_, s_);
     cross_entropy_backward(logits_, logits_, chunk_lse_, vp_targets_, scale, rows, V, s_);
