@@ -84,9 +84,13 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclC
     vp_parts_ = arena.allocate<float>(2 * static_cast<std::size_t>(chunk_) * tp_->size());
     vp_targets_ = arena.allocate<std::int32_t>(chunk_);
   }
+  if (tp_)
+    for (int i = 0; i < tp_->size(); ++i) landed_.push_back(std::make_unique<Event>());
   if (sp_) {
-    rows_full_ = arena.allocate<bf16>(static_cast<std::size_t>(N_) * cfg.hidden_size);
-    xf_full_ = arena.allocate<bf16>(static_cast<std::size_t>(N_) * cfg.hidden_size);
+    const std::size_t NH = static_cast<std::size_t>(N_) * cfg.hidden_size;
+    rows_full_ = arena.allocate<bf16>(NH);
+    xf_full_ = arena.allocate<bf16>(NH);
+    parts_ = arena.allocate<bf16>(NH / seq_parallel * (seq_parallel - 1));
   }
 }
 
@@ -116,47 +120,6 @@ void CudaOps::scatter_rows(bf16* local, const bf16* y, int rows, int cols, cudaE
   tp_run([&] { tp_->reduce_scatter_async(y, local, part, DType::kBF16, ReduceOp::kSum); }, after);
 }
 
-cudaEvent_t CudaOps::take_dx_event(const bf16* dx) {
-  const cudaEvent_t e = dx == dx_pending_ ? dx_done_.get() : nullptr;
-  dx_pending_ = nullptr;
-  return e;
-}
-
-bf16* CudaOps::tp_block_input(bf16* full, bf16* x, int rows, int cols) {
-  if (!sp_) return x;
-  gather_rows(full, x, rows, cols);
-  return full;
-}
-
-bf16* CudaOps::tp_block_input_backward(bf16* local, bf16* dx, int rows, int cols) {
-  if (!tp_) return dx;
-  // Right after dx's GEMM when the last linear_backward made it: the weight gradient's GEMM,
-  // enqueued since, runs beside the reduction.
-  const cudaEvent_t after = take_dx_event(dx);
-  if (sp_) {
-    scatter_rows(local, dx, rows, cols, after);
-    return local;
-  }
-  tp_all_reduce(dx, static_cast<std::size_t>(rows) * cols, DType::kBF16, after);
-  return dx;
-}
-
-bf16* CudaOps::tp_block_output(bf16* local, bf16* y, int rows, int cols) {
-  if (!tp_) return y;
-  if (sp_) {
-    scatter_rows(local, y, rows, cols);
-    return local;
-  }
-  tp_all_reduce(y, static_cast<std::size_t>(rows) * cols, DType::kBF16);
-  return y;
-}
-
-bf16* CudaOps::tp_block_output_backward(bf16* full, bf16* dy, int rows, int cols) {
-  if (!sp_) return dy;
-  gather_rows(full, dy, rows, cols);
-  return full;
-}
-
 void CudaOps::begin(cudaStream_t s, const std::int32_t* pos) {
   s_ = s;
   pos_ = pos;
@@ -171,11 +134,15 @@ double CudaOps::take_loss() {
 }
 
 void CudaOps::linear(bf16* y, const bf16* x, const bf16* w, int N, int in, int out) {
+  QT_CHECK(ahead_.y == nullptr || ahead_.y == y, "tp_block_output_ahead names another output");
+  if (ahead_.y) return linear_reduced(y, x, w, N, in, out);
+  if (gathered_) return linear_gathered(y, x, w, N, in, out);
   linear_forward(y, x, w, N, in, out, s_);
 }
 
 void CudaOps::linear_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
                               int N, int in, int out, bool acc) {
+  if (gathered_) return linear_backward_gathered(dx, dw, dy, x, w, N, in, out, acc);
   if (tp_ && dx != nullptr) {  // dx first, marked, so that its reduction can start early
     cuda::linear_backward(dx, nullptr, dy, x, w, N, in, out, s_, acc);
     dx_done_.record(s_);

@@ -20,12 +20,22 @@
 // and reduce-scatter its row-parallel output (and the reverse in the backward), the embedding
 // reduce-scatters its rows, and the lm head gathers the final norm's rows and reduce-scatters its
 // input gradient.
+//
+// The tp collectives of a block overlap its GEMMs (cuda_ops_tp.cpp; without LoRA): a
+// row-parallel GEMM (o, down; announced by tp_block_output_ahead) runs in row pieces, each
+// piece all-reduced, or with sequence parallelism sent to the rank that owns its rows, while the
+// next piece computes; sequence parallelism's gathers (a block's normed input, the gradient of a
+// row-parallel output) arrive rank by rank over point-to-point calls and the GEMM that reads them
+// runs on each rank's rows as they land, its own first; a column-parallel input gradient is
+// reduced beside the weight-gradient GEMM.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "cuda/device.h"
 #include "cuda/nccl_comm.h"
@@ -104,6 +114,7 @@ class CudaOps : public NoCollectives {
   bf16* tp_block_input_backward(bf16* local, bf16* dx, int rows, int cols);
   bf16* tp_block_output(bf16* local, bf16* y, int rows, int cols);
   bf16* tp_block_output_backward(bf16* full, bf16* dy, int rows, int cols);
+  void tp_block_output_ahead(bf16* local, bf16* y, int rows, int cols);
 
  private:
   ModelConfig cfg_;
@@ -143,6 +154,30 @@ class CudaOps : public NoCollectives {
   void scatter_rows(bf16* local, const bf16* y, int rows, int cols, cudaEvent_t after = nullptr);
   // The event after dx's GEMM when the last linear_backward made dx (and forgets it), else null.
   cudaEvent_t take_dx_event(const bf16* dx);
+
+  // The overlap of tp collectives with GEMMs (cuda_ops_tp.cpp).
+  struct Ahead {                 // tp_block_output_ahead: the next linear into y reduces it
+    bf16* local = nullptr;       // sp: [rows / tp, cols] this rank's rows of the sum
+    bf16* y = nullptr;           // [rows, cols] partial over tp
+  };
+  Ahead ahead_;
+  bf16* reduced_ = nullptr;      // the linear reduced this y: tp_block_output only returns
+  const bf16* gathered_ = nullptr;  // sp: [N, cols] whose other ranks' rows are still landing
+  std::vector<std::unique_ptr<Event>> landed_;  // [tp] rows of rank (r - i) mod tp landed
+  bf16* parts_ = nullptr;        // sp: [tp - 1, N / tp, H] the other ranks' partial rows of mine
+  // sp: full [rows, cols] = the ranks' x [rows / tp, cols]: this rank's copied, the others' sent
+  // and received pairwise, marking landed_; the next GEMM reads full (gathered_).
+  void start_gather(bf16* full, const bf16* x, int rows, int cols);
+  // Runs gemm(first row, rows) over the blocks of gathered_ rows as they land (this rank's
+  // first); the stream has waited for every block when it returns.
+  template <class Gemm>
+  void over_landed_rows(Gemm gemm);
+  // linear and linear_backward over a gathered x or dy (gathered_), block by block.
+  void linear_gathered(bf16* y, const bf16* x, const bf16* w, int N, int in, int out);
+  void linear_backward_gathered(bf16* dx, float* dw, const bf16* dy, const bf16* x,
+                                const bf16* w, int N, int in, int out, bool acc);
+  // y = x w^T summed over tp (in place, or sp: into ahead_.local) in row pieces.
+  void linear_reduced(bf16* y, const bf16* x, const bf16* w, int N, int in, int out);
 };
 
 }  // namespace qt::cuda

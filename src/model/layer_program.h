@@ -100,6 +100,11 @@ struct NoCollectives {
   A* tp_block_output(A* /*local*/, A* y, int /*rows*/, int /*cols*/) {
     return y;
   }
+  // Just before that GEMM, with tp_block_output's arguments: the next linear writes y, which
+  // tp_block_output then reduces, so a back end may run the GEMM in row pieces and reduce each
+  // piece while the next one computes (the CUDA back end; tp_block_output still follows).
+  template <class A>
+  void tp_block_output_ahead(A* /*local*/, A* /*y*/, int /*rows*/, int /*cols*/) {}
   template <class A>
   A* tp_block_output_backward(A* /*full*/, A* dy, int /*rows*/, int /*cols*/) {
     return dy;
@@ -338,6 +343,7 @@ void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
   ops.qk_norm_rope(a.k, a.k_rstd, a.qkv_raw + Q, QKV, w.k_norm, cfg.num_kv_heads);
   ops.copy_columns(a.v, KV, a.qkv_raw + Q + KV, QKV, N, KV);
   ops.attention(l, a.att, a.lse, a.q, a.k, a.v);
+  ops.tp_block_output_ahead(io.tmp_local, io.tmp, N, H);
   ops.linear(io.tmp, a.att, w.wo, N, Q, H);
   ops.lora(l, LoraSite::kO, a.att, io.tmp);
   const auto* o = ops.tp_block_output(io.tmp_local, io.tmp, N, H);  // [Nl, H]
@@ -347,6 +353,7 @@ void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
   ops.linear(a.gu, ln2, w.w_gate, N, H, 2 * I);  // w_gate, w_up: one [2I, H]
   ops.lora(l, LoraSite::kGateUp, ln2, a.gu);
   ops.swiglu(a.h, a.gu, N, I);
+  ops.tp_block_output_ahead(io.tmp_local, io.tmp, N, H);
   ops.linear(io.tmp, a.h, w.w_down, N, I, H);
   ops.lora(l, LoraSite::kDown, a.h, io.tmp);
   const auto* down = ops.tp_block_output(io.tmp_local, io.tmp, N, H);  // [Nl, H]
