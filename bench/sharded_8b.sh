@@ -9,11 +9,14 @@
 #            run zero3 in the same call to compare
 #   pp:      N GPUs, mesh.pp = N (pipeline, dp 1), mesh.pp_chunks = CHUNKS (default 1: 1F1B),
 #            GLOBAL sequences a step (default 8 micro-batches), no recompute; no baseline
+# MODEL (default qwen3-8b) and LAYERS (default: all) run another preset or a slice of it with its
+# real layer shapes (e.g. MODEL=qwen3-32b LAYERS=24: the Qwen3-32B slice of issue 17).
 # Synthetic tokens, no checkpoints. Prints tokens/s per GPU, model TFLOP/s and MFU
 # (bench/summarize_throughput.py's FLOP count, against PEAK TFLOP/s, default 989: H100/H200 bf16
 # dense), and the arena's peak.
 #   usage: bench/sharded_8b.sh BUILD_DIR OUT_DIR zero3|offload|tp|pp [N] [extra qtrain options...]
-#   BASELINE=0: qtrain only; STEPS: qtrain steps (default 30 for zero3, 6 for offload)
+#   BASELINE=0: qtrain only; STEPS: qtrain steps (default 30 for zero3, 6 for offload); GLOBAL:
+#   sequences a step (zero3 and tp: default N, one micro-batch of one sequence a GPU)
 # Run it on the GPU machine from the repository root with the runtime kit in .kit (docs/cuda.md).
 set -uo pipefail
 build=${1:?build dir}; out=${2:?output dir}; mode=${3:?zero3, offload, tp or pp}; n=${4:-2}
@@ -21,9 +24,9 @@ shift $(( $# < 4 ? $# : 4 ))
 [[ $mode == offload ]] && n=1
 mkdir -p "$out"
 if [[ $mode == zero3 ]]; then
-  steps=${STEPS:-30}; micro=1; global=$n; extra=(--optim.zero_stage=3)
+  steps=${STEPS:-30}; micro=1; global=${GLOBAL:-$n}; extra=(--optim.zero_stage=3)
 elif [[ $mode == tp ]]; then
-  steps=${STEPS:-30}; micro=1; global=$n; extra=(--mesh.tp="$n" --optim.zero_stage="${ZERO:-0}")
+  steps=${STEPS:-30}; micro=1; global=${GLOBAL:-$n}; extra=(--mesh.tp="$n" --optim.zero_stage="${ZERO:-0}")
   BASELINE=0
 elif [[ $mode == pp ]]; then
   steps=${STEPS:-20}; micro=1; global=${GLOBAL:-8}
@@ -32,14 +35,17 @@ elif [[ $mode == pp ]]; then
 else
   steps=${STEPS:-6}; micro=1; global=16; extra=(--optim.zero_stage=3 --optim.offload=cpu)
 fi
-tag=qwen3-8b-$mode-np$n
+model=${MODEL:-qwen3-8b}; spec=$model
+layers=(); [[ -n ${LAYERS:-} ]] && { layers=(--model.num_layers="$LAYERS"); spec=$model:$LAYERS; }
+tag=${spec/:/-L}-$mode-np$n
+[[ $spec != qwen3-8b ]] && BASELINE=0  # the FSDP2 baseline runs the whole Qwen3-8B only
 ( source .kit/kit-env.sh
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-  mpirun -np "$n" --bind-to none "$build/bin/qtrain" inputs/qwen3-0.6b.ini --model.preset=qwen3-8b \
+  mpirun -np "$n" --bind-to none "$build/bin/qtrain" inputs/qwen3-0.6b.ini --model.preset="$model" \
     --train.device=cuda --train.seq_len=4096 --train.micro_batch=$micro --train.global_batch=$global \
     --train.steps="$steps" --train.recompute=false --data.source=synthetic --checkpoint.every=-1 \
     --checkpoint.resume=none --log.every=1 --log.metrics="$out/$tag.jsonl" --optim.warmup_steps=2 \
-    "${extra[@]}" "$@" ) >"$out/$tag.log" 2>&1 || echo "qtrain $tag failed: see $out/$tag.log"
+    "${layers[@]}" "${extra[@]}" "$@" ) >"$out/$tag.log" 2>&1 || echo "qtrain $tag failed: see $out/$tag.log"
 grep -E "^step|error|back end" "$out/$tag.log" | tail -4
 if [[ ${BASELINE:-1} != 0 ]]; then
   if [[ $mode == zero3 ]]; then
@@ -52,11 +58,11 @@ if [[ ${BASELINE:-1} != 0 ]]; then
   cat "$out/fsdp2-$tag.json" || true
   tail -3 "$out/fsdp2-$tag.err"
 fi
-PYTHONPATH=bench python3 - "$out" "$tag" "$n" "${PEAK:-989}" <<'PY'
+PYTHONPATH=bench python3 - "$out" "$tag" "$n" "${PEAK:-989}" "$spec" <<'PY'
 import json, os, sys
 from summarize_throughput import arena_peak_gib, flops_per_token
-out, tag, n, peak = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
-fpt = flops_per_token("qwen3-8b", 4096)
+out, tag, n, peak, spec = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+fpt = flops_per_token(spec, 4096)
 steps = [json.loads(l) for l in open(f"{out}/{tag}.jsonl")]
 late = [s["tokens_per_s"] for s in steps[2:]] or [steps[-1]["tokens_per_s"]]
 tps = sum(late) / len(late) / n

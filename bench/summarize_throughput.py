@@ -23,6 +23,8 @@ PRESETS = {  # hidden, intermediate, layers, heads, kv heads (qwen3-spec.md 1.1)
     "qwen3-1.7b": (2048, 6144, 28, 16, 8),
     "qwen3-4b": (2560, 9728, 36, 32, 8),
     "qwen3-8b": (4096, 12288, 36, 32, 8),
+    "qwen3-14b": (5120, 17408, 40, 40, 8),
+    "qwen3-32b": (5120, 25600, 64, 64, 8),
 }
 VOCAB, HEAD_DIM = 151936, 128
 

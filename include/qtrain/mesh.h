@@ -39,6 +39,9 @@ struct MeshShape {
   // norms and the residual adds on its N / tp rows of a micro-batch's N; the blocks' inputs are
   // all-gathered and their outputs reduce-scattered over tp. Nothing with tp = 1.
   bool sequence_parallel = false;
+  // With tp > 1 on GPUs: each block's tp collectives run in pieces beside its GEMMs
+  // (cuda/cuda_ops.h); false: each after its GEMM, whole.
+  bool tp_overlap = true;
   int world() const { return dp * tp * pp; }
   // The tp ranks sequence parallelism splits a micro-batch's rows over: tp, or 1 (off).
   int seq_parallel() const { return sequence_parallel && tp > 1 ? tp : 1; }

@@ -103,6 +103,9 @@ const std::vector<KeySpec>& key_table() {
         spec("mesh", "sequence_parallel", &D::mesh, &S::sequence_parallel, "",
              "With mesh.tp > 1: norms and residual adds on 1/tp of each micro-batch's rows, "
              "block inputs all-gathered and outputs reduce-scattered over tp (true | false)"),
+        spec("mesh", "tp_overlap", &D::mesh, &S::tp_overlap, "",
+             "With mesh.tp > 1 on train.device = cuda: each block's tp collectives run in "
+             "pieces beside its GEMMs (true | false: each whole, after its GEMM)"),
         spec("mesh", "pp", &D::mesh, &S::pp, "ranks",
              "Pipeline stages, each a range of layers (train.device = cpu only so far)"),
         spec("mesh", "pp_schedule", &D::mesh, &S::pp_schedule, "",

@@ -61,7 +61,8 @@ class CudaBackend final : public TrainBackend {
     const std::size_t before_model = arena_.used();
     model_ = std::make_unique<cuda::Qwen3Cuda>(local_cfg_, deck.train.micro_batch,
                                                deck.train.seq_len, arena_, deck.train.recompute,
-                                               nccl_tp_, mesh.shape().seq_parallel());
+                                               nccl_tp_, mesh.shape().seq_parallel(),
+                                               mesh.shape().tp_overlap);
     if (tp_ > 1)
       tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();

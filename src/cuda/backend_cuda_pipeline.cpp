@@ -116,7 +116,7 @@ class CudaPipelineBackend final : public TrainBackend {
       channel_[ch] = &cuda::nccl(mesh, MeshDim::kPp, ch);  // collective: every stage, in order
     const std::size_t before = arena_.used();
     ops_ = std::make_unique<cuda::CudaOps>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
-                                           arena_, nccl_tp_, sp_);
+                                           arena_, nccl_tp_, sp_, mesh.shape().tp_overlap);
     const std::vector<PipeAction>& mine = actions_[static_cast<std::size_t>(s_)];
     std::vector<int> asked;
     for (int v = 0; v < V_; ++v) {

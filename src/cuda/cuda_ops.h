@@ -21,7 +21,7 @@
 // reduce-scatters its rows, and the lm head gathers the final norm's rows and reduce-scatters its
 // input gradient.
 //
-// The tp collectives of a block overlap its GEMMs (cuda_ops_tp.cpp; without LoRA): a
+// The tp collectives of a block overlap its GEMMs (cuda_ops_tp.cpp; mesh.tp_overlap, no LoRA): a
 // row-parallel GEMM (o, down; announced by tp_block_output_ahead) runs in row pieces, each
 // piece all-reduced, or with sequence parallelism sent to the rank that owns its rows, while the
 // next piece computes; sequence parallelism's gathers (a block's normed input, the gradient of a
@@ -56,8 +56,9 @@ class CudaOps : public NoCollectives {
   // Buffers for micro-batches of B x T tokens from `arena` (which must outlive this). tp: the
   // tensor-parallel group (cfg is then its rank's local model), or null. seq_parallel: tp's
   // size for sequence parallelism (the program's activations allocated with it), else 1.
+  // tp_overlap: the tp collectives in pieces beside the GEMMs (below), else each whole.
   CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp = nullptr,
-          int seq_parallel = 1);
+          int seq_parallel = 1, bool tp_overlap = true);
   // Forward only, for the KV-cache decoder (generate/kv_decoder_cuda.cpp): the layer ops over
   // any number of rows (set_rows), RoPE tables for positions [0, rope_len), and none of the
   // buffers of the backward, the lm head or the loss (the decoder runs its own head).
@@ -160,6 +161,7 @@ class CudaOps : public NoCollectives {
     bf16* local = nullptr;       // sp: [rows / tp, cols] this rank's rows of the sum
     bf16* y = nullptr;           // [rows, cols] partial over tp
   };
+  bool overlap_ = true;           // mesh.tp_overlap
   Ahead ahead_;
   bf16* reduced_ = nullptr;      // the linear reduced this y: tp_block_output only returns
   const bf16* gathered_ = nullptr;  // sp: [N, cols] whose other ranks' rows are still landing

@@ -24,7 +24,10 @@ cudaEvent_t CudaOps::take_dx_event(const bf16* dx) {
 
 bf16* CudaOps::tp_block_input(bf16* full, bf16* x, int rows, int cols) {
   if (!sp_) return x;
-  start_gather(full, x, rows, cols);  // the q/k/v or gate/up GEMM reads it as it lands
+  if (overlap_)
+    start_gather(full, x, rows, cols);  // the q/k/v or gate/up GEMM reads it as it lands
+  else
+    gather_rows(full, x, rows, cols);
   return full;
 }
 
@@ -43,7 +46,7 @@ bf16* CudaOps::tp_block_input_backward(bf16* local, bf16* dx, int rows, int cols
 
 void CudaOps::tp_block_output_ahead(bf16* local, bf16* y, int, int) {
   // With LoRA the adapter adds to y after the GEMM: the reduction waits for both (below).
-  if (tp_ && !lora_) ahead_ = {local, y};
+  if (tp_ && overlap_ && !lora_) ahead_ = {local, y};
 }
 
 bf16* CudaOps::tp_block_output(bf16* local, bf16* y, int rows, int cols) {
@@ -62,7 +65,10 @@ bf16* CudaOps::tp_block_output(bf16* local, bf16* y, int rows, int cols) {
 
 bf16* CudaOps::tp_block_output_backward(bf16* full, bf16* dy, int rows, int cols) {
   if (!sp_) return dy;
-  start_gather(full, dy, rows, cols);  // the o or down input-gradient GEMM reads it as it lands
+  if (overlap_)
+    start_gather(full, dy, rows, cols);  // the o or down input-gradient GEMM reads it as it lands
+  else
+    gather_rows(full, dy, rows, cols);
   return full;
 }
 

@@ -42,8 +42,8 @@ const ModelConfig& checked(const ModelConfig& cfg) {
 }  // namespace
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute,
-                     NcclComm* tp, int seq_parallel)
-    : ops_(checked(cfg), B, T, arena, tp, seq_parallel),
+                     NcclComm* tp, int seq_parallel, bool tp_overlap)
+    : ops_(checked(cfg), B, T, arena, tp, seq_parallel, tp_overlap),
       program_(cfg, B, T, recompute,
                allocate_acts<bf16>(cfg, B, T, recompute, arena, seq_parallel)) {}
 

@@ -75,9 +75,9 @@ class Qwen3Cuda {
   // buffers first (about a third more compute, activation memory of one layer instead of L).
   // The results are bitwise those of the run without recompute. tp: the tensor-parallel group
   // (cfg is then this rank's local model, tp_local_config; cuda_ops.h), or null; seq_parallel:
-  // tp's size with sequence parallelism, else 1.
+  // tp's size with sequence parallelism, else 1; tp_overlap: mesh.tp_overlap (cuda_ops.h).
   Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute = false,
-            NcclComm* tp = nullptr, int seq_parallel = 1);
+            NcclComm* tp = nullptr, int seq_parallel = 1, bool tp_overlap = true);
 
   const ParamLayout& layout() const { return program_.layout(); }
 
