@@ -420,8 +420,10 @@ void Builder::validate_mesh() {
        m.dp, m.tp, m.pp, m.world(), world_);
   need(m.dp % m.ep == 0, "mesh.ep", "does not divide mesh.dp = {}", m.dp);
   if (m.pp > 1 && deck_.train.device == "cuda") {  // cuda/backend_cuda_pipeline.cpp
-    need(m.dp == 1, "mesh.pp", ": pipeline parallelism on train.device = cuda runs with "
-         "mesh.dp = 1 so far (mesh.dp = {}); use train.device = cpu, or no pipeline", m.dp);
+    need(m.dp == 1 || deck_.optim.zero_stage <= 1, "mesh.pp",
+         ": pipeline parallelism on train.device = cuda with mesh.dp = {} runs optim.zero_stage "
+         "0 or 1 so far (optim.zero_stage = {}); use ZeRO-1, mesh.dp = 1 or train.device = cpu",
+         m.dp, deck_.optim.zero_stage);
     need(m.pp_schedule == "1f1b", "mesh.pp_schedule", ": zb-h1 is built on train.device = cpu "
          "only so far; use 1f1b (interleaved with mesh.pp_chunks > 1) on cuda");
   }

@@ -1,4 +1,4 @@
-// The CUDA back end with pipeline parallelism (mesh.pp > 1; dp 1 so far; issue 17): each pp rank
+// The CUDA back end with pipeline parallelism (mesh.pp > 1; issue 17): each pp rank
 // runs one stage of the model, the layer program over CudaOps for its chunks (chunk c of the
 // plan's pp x pp_chunks on stage c % pp; the embedding in the first chunk, the final norm, lm
 // head and loss in the last), over ShardedCudaState holding only that stage's units. A step
@@ -22,7 +22,9 @@
 // A tied embedding lives on the first stage and, as a copy, on the last: before each step the
 // two add each other's gradients (a + b and b + a: the same bits), so AdamW keeps the copies
 // equal; the first stage's counts in the gradient norm. The loss and the norm are summed over
-// pp. With mesh.tp > 1 each stage is split over its tp group (cuda_ops.h).
+// pp. With mesh.tp > 1 each stage is split over its tp group (cuda_ops.h). With mesh.dp > 1 each
+// stage's state reduces its gradients over its dp group in the step (ZeRO-0: all-reduce, ZeRO-1:
+// reduce-scatter and the updated shards all-gathered), after the tied copies are summed.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -103,12 +105,14 @@ class CudaPipelineBackend final : public TrainBackend {
         arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         nccl_tp_(tp_ > 1 ? &cuda::nccl(mesh, MeshDim::kTp) : nullptr),
-        state_(plan_, local_layout_, deck.optim, mesh.dp(), nullptr, arena_,
+        nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
+        state_(plan_, local_layout_, deck.optim, mesh.dp(), nccl_dp_, arena_,
                cuda::offload_threads(mesh), {}, {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_},
                {held_units(), tied_copy() ? 0 : -1, &mesh.pp()}),
         batch_(M_ * deck.train.micro_batch, deck.train.seq_len, arena_),
         pp_(mesh.pp()) {
-    QT_CHECK(mesh.shape().dp == 1, "the CUDA pipeline runs at dp 1 (the deck checks it)");
+    QT_CHECK(mesh.shape().dp == 1 || deck.optim.zero_stage <= 1,
+             "the CUDA pipeline at dp > 1 runs ZeRO-0 or 1 (the deck checks it)");
     QT_CHECK(mesh.shape().pp_schedule == "1f1b", "ZB-H1 is not built on CUDA (the deck checks it)");
     check_channel_order(actions_, P_, V_);
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
@@ -336,6 +340,7 @@ class CudaPipelineBackend final : public TrainBackend {
   cuda::Stream stream_;       // the compute stream
   void* gemm_ws_;
   cuda::NcclComm* nccl_tp_;   // the mesh's tp communicator; null at tp 1
+  cuda::NcclComm* nccl_dp_;   // the stage's dp group; null at dp 1
   cuda::ShardedCudaState state_;
   cuda::BatchBuffers batch_;  // the step's micro-batches, [M x B, T] each
   MpiComm& pp_;

@@ -45,7 +45,8 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   QT_CHECK(plan.tp == 1 || (tp_.host && tp_.device && tp_.host->size() == plan.tp &&
                             tp_.device->size() == plan.tp),
            "plan for tp {} without tp communicators of that size", plan.tp);
-  QT_CHECK(pipe.held.empty() || nccl == nullptr, "a pipeline stage's state at dp {}", plan.dp);
+  QT_CHECK(pipe.held.empty() || nccl == nullptr || zero_ <= 1,
+           "a pipeline stage's state at dp {} with ZeRO-{} (the deck checks it)", plan.dp, zero_);
   for (const ShardSpec& s : plan.specs)
     QT_CHECK(s.tp_replicas == 1, "kv heads shared by tp ranks are not built on CUDA (the deck "
              "checks it)");
@@ -487,7 +488,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
   if (nccl_) {
     if (zero_ <= 1)  // units whose last micro-batch did not reduce them (LoRA's adapters)
       for (std::size_t u = 0; u < units_.size(); ++u)
-        if (!reduced_[u]) reduce_whole(static_cast<int>(u), s);
+        if (!reduced_[u] && units_[u].held) reduce_whole(static_cast<int>(u), s);
     nccl_->synchronize();  // every reduction, add and sum of squares has landed
   }
   OptimStepStats st;

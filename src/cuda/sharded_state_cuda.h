@@ -61,9 +61,10 @@ struct TpComms {
   NcclComm* device = nullptr;
 };
 
-// A pipeline stage's part (mesh.pp > 1; dp 1 so far): the units it holds (the others get no
-// buffers and no elements), a held unit the gradient norm leaves out (the last stage's copy of a
-// tied embedding: the first stage's counts), and the pp group the norm is summed over.
+// A pipeline stage's part (mesh.pp > 1; at dp > 1 with ZeRO-0 or 1, whose reductions over dp
+// all run in step()): the units it holds (the others get no buffers and no elements), a held
+// unit the gradient norm leaves out (the last stage's copy of a tied embedding: the first
+// stage's counts), and the pp group the norm is summed over.
 struct PipelineHold {
   std::vector<int> held;  // ascending; empty: every unit (no pipeline)
   int uncounted = -1;

@@ -268,7 +268,7 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   MemoryPlan p;
   // What the CUDA back end runs today: tp (and sequence parallelism) at any dp, pp at dp 1 with
   // whole backwards (src/cuda/backend_cuda_pipeline.cpp).
-  p.built = in.mesh.pp == 1 || (dp == 1 && in.mesh.pp_schedule == "1f1b");
+  p.built = in.mesh.pp == 1 || ((dp == 1 || in.zero_stage <= 1) && in.mesh.pp_schedule == "1f1b");
   p.stage = s;
   p.slots = st.max_slots();
   u128 params = 0, grads = 0, optimizer = blk(kAdamWSegmentBytes * tensors),  // segments_

@@ -398,8 +398,8 @@ std::string report(const Options& o, const PlanDeck& pd) {
   }
   out += fmt::format(
       "\nhost: the rank's trained state in host memory (pageable and offload's pinned staging), "
-      "{}; built: the CUDA back end\nruns this layout today (no: a prediction of a path not built yet: pp > 1 at dp > 1 or with "
-      "zb-h1; docs/plan.md). Step times are predictions (docs/plan.md).\n",
+      "{}; built: the CUDA back end\nruns this layout today (no: a prediction of a path not built yet: pp > 1 at dp > 1 with "
+      "ZeRO-2 or 3, or with zb-h1; docs/plan.md). Step times are predictions (docs/plan.md).\n",
       unit);
 
   const plan::Layout* best = plan::recommended(all);

@@ -400,8 +400,13 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
                        "model.num_kv_heads = 4"});
   expect_error("[train]\ndevice = cuda\n[model]\nnum_kv_heads = 1\n[mesh]\ntp = 2\n",
                {"mesh.tp = 2 is more than model.num_kv_heads = 1", "train.device = cpu only"});
-  expect_error("[train]\ndevice = cuda\n[mesh]\npp = 2\ndp = 2\n", {}, 4,
-               {"mesh.pp = 2: pipeline parallelism on train.device = cuda runs with mesh.dp = 1"});
+  EXPECT_EQ(parse("[train]\ndevice = cuda\n[model]\nhead_dim = 64\n[mesh]\npp = 2\ndp = 2\n"
+                  "[optim]\nzero_stage = 1\n", {}, 4)
+                .mesh.dp,
+            2);
+  expect_error("[train]\ndevice = cuda\n[mesh]\npp = 2\ndp = 2\n[optim]\nzero_stage = 2\n", {}, 4,
+               {"mesh.pp = 2: pipeline parallelism on train.device = cuda with mesh.dp = 2 runs "
+                "optim.zero_stage 0 or 1 so far (optim.zero_stage = 2)"});
   expect_error("[train]\ndevice = cuda\n[mesh]\npp = 2\npp_schedule = zb-h1\n",
                {"mesh.pp_schedule = zb-h1: zb-h1 is built on train.device = cpu only so far"});
   expect_error("[model]\nnum_layers = 2\n[mesh]\npp = 3\n",

@@ -133,7 +133,10 @@ TEST(PlanPipeline, TinyStagesByHand) {
   EXPECT_EQ(peak.gpu(), std::max(p0.gpu(), p1.gpu()));
   EXPECT_TRUE(peak.built);  // a 1F1B pipeline at dp 1 runs on CUDA
   MemoryPlanInput dp2 = tiny_input(2, 1, 2);
-  EXPECT_FALSE(memory_plan(dp2).built);  // not yet at dp > 1: a prediction
+  dp2.zero_stage = 1;
+  EXPECT_TRUE(memory_plan(dp2).built);  // at dp > 1 with ZeRO-0 or 1
+  dp2.zero_stage = 2;
+  EXPECT_FALSE(memory_plan(dp2).built);  // not yet with ZeRO-2 or 3: a prediction
 }
 
 // Interleaving and ZB-H1 hold more micro-batches on the first stage than 1F1B's P.

@@ -1,0 +1,62 @@
+// Pipeline parallelism combined on four GPUs (issue 17): two stages, each over a dp group of two
+// (ZeRO-0 and 1: each stage's gradients reduced over its dp group in the step; interleaved with
+// untied embeddings too) or over a tp group of two (with and without sequence parallelism),
+// reproduce one GPU's losses and gradient norms (bf16 tolerance); a checkpoint of (dp, pp) =
+// (2, 2) continues on one GPU. Skips unless four GPUs are visible.
+#include <filesystem>
+
+#include "gpu_test.h"
+#include "sharded_cases.h"
+
+namespace qt {
+namespace {
+
+TEST(TrainPipelineCuda, Pp2WithDp2OrTp2MatchesOneGpu) {
+  if (const int gpus = test::visible_gpus(); gpus < 4) GTEST_SKIP() << "needs 4 GPUs, found " << gpus;
+  ASSERT_EQ(test::world_size(), 4);
+  const std::string tmp = test::shared_temp_dir("cuda-pp2x2");
+  // Four layers, lr 1e-3, as test_train_pp_cuda_np2.cpp (which says why).
+  auto deck = [&](const std::string& d) { return test::sharded_deck(tmp + "/" + d); };
+  const std::vector<std::string> four = {"--model.num_layers=4", "--optim.lr=1e-3"};
+  auto with = [&](std::vector<std::string> o) {
+    o.insert(o.begin(), four.begin(), four.end());
+    return o;
+  };
+  const auto ref = test::run(1, deck("one"), four, tmp + "/one.jsonl");
+  ASSERT_EQ(ref.exit_code, 0) << ref.error;
+  const auto ref_untied = test::run(1, deck("one_untied"),
+                                    with({"--model.tie_word_embeddings=false"}),
+                                    tmp + "/one_untied.jsonl");
+  ASSERT_EQ(ref_untied.exit_code, 0) << ref_untied.error;
+  struct Case {
+    const char* name;
+    std::vector<std::string> overrides;
+    bool untied;
+  };
+  for (const Case& c :
+       {Case{"dp2_pp2_zero1", {"--mesh.dp=2", "--mesh.pp=2", "--optim.zero_stage=1"}, false},
+        Case{"dp2_pp2_zero0", {"--mesh.dp=2", "--mesh.pp=2", "--optim.zero_stage=0"}, false},
+        Case{"dp2_pp2_v2_untied",
+             {"--mesh.dp=2", "--mesh.pp=2", "--mesh.pp_chunks=2", "--optim.zero_stage=1",
+              "--model.tie_word_embeddings=false"},
+             true},
+        Case{"tp2_pp2", {"--mesh.dp=1", "--mesh.tp=2", "--mesh.pp=2"}, false},
+        Case{"tp2_pp2_sp",
+             {"--mesh.dp=1", "--mesh.tp=2", "--mesh.pp=2", "--mesh.sequence_parallel=true"},
+             false}}) {
+    SCOPED_TRACE(c.name);
+    const auto r = test::run(4, deck(c.name), with(c.overrides), tmp + "/" + c.name + ".jsonl");
+    test::expect_matches(c.name, r, c.untied ? ref_untied : ref);
+  }
+  const auto to_one = test::run(
+      1, deck("dp2_pp2_to_one"),
+      with({"--checkpoint.resume=" + tmp + "/dp2_pp2_zero1/step_00000010.h5"}),
+      tmp + "/dp2_pp2_to_one.jsonl");
+  ASSERT_EQ(to_one.exit_code, 0) << to_one.error;
+  EXPECT_LT(test::worst_loss_diff("(dp, pp) = (2, 2) checkpoint resumed on one GPU", to_one, ref, 11),
+            test::kShardedTol);
+  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+}
+
+}  // namespace
+}  // namespace qt
