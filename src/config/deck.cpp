@@ -424,8 +424,6 @@ void Builder::validate_mesh() {
          ": pipeline parallelism on train.device = cuda with mesh.dp = {} runs optim.zero_stage "
          "0 or 1 so far (optim.zero_stage = {}); use ZeRO-1, mesh.dp = 1 or train.device = cpu",
          m.dp, deck_.optim.zero_stage);
-    need(m.pp_schedule == "1f1b", "mesh.pp_schedule", ": zb-h1 is built on train.device = cpu "
-         "only so far; use 1f1b (interleaved with mesh.pp_chunks > 1) on cuda");
   }
   need(m.ep == 1, "mesh.ep", ": expert parallelism is not built yet (only dp is); set it to 1");
 }

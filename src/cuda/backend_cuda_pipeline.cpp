@@ -110,10 +110,11 @@ class CudaPipelineBackend final : public TrainBackend {
                cuda::offload_threads(mesh), {}, {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_},
                {held_units(), tied_copy() ? 0 : -1, &mesh.pp()}),
         batch_(M_ * deck.train.micro_batch, deck.train.seq_len, arena_),
-        pp_(mesh.pp()) {
+        pp_(mesh.pp()),
+        zb_(mesh.shape().pp_schedule == "zb-h1") {
     QT_CHECK(mesh.shape().dp == 1 || deck.optim.zero_stage <= 1,
              "the CUDA pipeline at dp > 1 runs ZeRO-0 or 1 (the deck checks it)");
-    QT_CHECK(mesh.shape().pp_schedule == "1f1b", "ZB-H1 is not built on CUDA (the deck checks it)");
+    QT_CHECK(!zb_ || !deck.train.recompute, "ZB-H1 without recompute (the deck checks it)");
     check_channel_order(actions_, P_, V_);
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
     for (int ch = 0; ch < (V_ > 1 ? kChannels : kActivationsWrap); ++ch)
@@ -134,6 +135,7 @@ class CudaPipelineBackend final : public TrainBackend {
                                     deck.train.recompute, range, slots, arena_, sp_));
       ch->busy.assign(slots, 0);
       for (int k = 0; k < slots; ++k) ch->sent.push_back(std::make_unique<cuda::Event>());
+      if (zb_) defer_storage(*ch, range.last_layer - range.first_layer);
       ch->slot_of.assign(M_, -1);
       const std::vector<int> us = ch->program->stage_units();
       asked.insert(asked.end(), us.begin(), us.end());
@@ -149,6 +151,8 @@ class CudaPipelineBackend final : public TrainBackend {
     if (tp_ > 1)
       tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
     activations_ = static_cast<double>(arena_.used() - before) + batch_.bytes();
+    for (std::size_t i = 0; i < 2 * mine.size() + 1; ++i)
+      marks_.push_back(std::make_unique<cuda::Event>(/*timing=*/true));
     QT_CHECK_CUDA(cudaDeviceSynchronize());
   }
 
@@ -205,6 +209,8 @@ class CudaPipelineBackend final : public TrainBackend {
     ops_->begin(s, nullptr);  // the loss sum starts; positions per action below
     (void)state_.begin_micro_batch(false, false);  // gradients added in place (zero_grads)
     cuda::StreamUnits units{state_, s};
+    marks_[0]->record(s);
+    std::size_t mark = 1;  // each action's compute between marks_[mark] and marks_[mark + 1]
     for (const PipeAction& a : actions_[static_cast<std::size_t>(s_)]) {
       const int m = a.micro_batch, c = a.chunk;
       Chunk& ch = *chunks_.at(static_cast<std::size_t>(c / P_));
@@ -220,28 +226,49 @@ class CudaPipelineBackend final : public TrainBackend {
         ch.slot_of[m] = k;
         wait(*ch.sent[k]);  // the slot's last output has left
         if (c > 0) receive(prog.stage_input(k), activation_into(c, P_), prev);
+        marks_[mark]->record(s);
         prog.forward_stage(*ops_, units, k, inputs, c > 0 ? prog.stage_input(k) : nullptr);
         if (prog.stage().has_head)
           prog.head_forward_backward(*ops_, units, batch_.targets() + off, loss_scale,
                                      /*accumulate=*/true, k);
+        marks_[mark + 1]->record(s);
         if (c < C - 1) send(prog.stage_output(k), activation_into(c + 1, P_), next, *ch.sent[k]);
+      } else if (a.op == PipeOp::kBackwardWeight) {
+        const int k = ch.slot_of[m];
+        QT_CHECK(k >= 0 && ch.busy[k], "weight half of micro-batch {} before its input half", m);
+        marks_[mark]->record(s);
+        ops_->run_deferred(ch.deferred[k]);
+        marks_[mark + 1]->record(s);
+        ch.busy[k] = 0;
       } else {
-        QT_CHECK(a.op == PipeOp::kBackward, "split backwards are not built on CUDA");
         const int k = ch.slot_of[m];
         QT_CHECK(k >= 0, "backward of micro-batch {} before its forward", m);
         wait(ch.grad_sent);  // the last input gradient has left: its buffer is rewritten now
         if (c < C - 1) receive(prog.input_grad(), gradient_into(c, P_), next);
+        marks_[mark]->record(s);
+        const bool split = a.op == PipeOp::kBackwardInput;  // the slot waits for its weight half
+        if (split) ops_->defer_weight_grads(&ch.deferred[k]);
         prog.backward_stage(*ops_, units, k, inputs, c < C - 1 ? prog.input_grad() : nullptr,
                             /*accumulate=*/true);
-        ch.busy[k] = 0;
+        ops_->defer_weight_grads(nullptr);
+        marks_[mark + 1]->record(s);
+        if (!split) ch.busy[k] = 0;
         if (c > 0) send(prog.input_grad(), gradient_into(c - 1, P_), prev, ch.grad_sent);
       }
+      mark += 2;
     }
     const double loss = ops_->take_loss();  // waits for the compute stream
     for (cuda::NcclComm* ch : channel_)
       if (ch) ch->synchronize();
+    // The share of this step the compute stream waited (from its start to its last action's
+    // end), averaged over the stages.
+    double busy_ms = 0;
+    for (std::size_t i = 1; i < mark; i += 2) busy_ms += marks_[i + 1]->elapsed_ms_since(*marks_[i]);
+    const double span_ms = marks_[mark - 1]->elapsed_ms_since(*marks_[0]);
+    idle_ = pp_.sum(span_ms > 0 ? 1.0 - busy_ms / span_ms : 0.0) / P_;
     return pp_.sum(loss);  // the last stage's, on every stage
   }
+  double pipeline_idle() const override { return idle_; }
 
   OptimStepStats optimizer_step(std::int64_t step) override {
     if (local_cfg_.tie_word_embeddings) sum_tied_copies();
@@ -266,7 +293,28 @@ class CudaPipelineBackend final : public TrainBackend {
     std::vector<std::unique_ptr<cuda::Event>> sent;  // [slots] the slot's output has left
     cuda::Event grad_sent;                      // the input gradient has left
     std::vector<int> slot_of;                   // [M] the slot of each micro-batch, or -1
+    std::vector<cuda::CudaOps::DeferredGrads> deferred;  // [slots] ZB-H1's weight halves owed
   };
+
+  // ZB-H1: each slot's queue of deferred weight gradients, reading the slot's activations in
+  // place (allocate_stage_acts lays each slot's buffers out as one stretch, slot after slot,
+  // then the shared scratch) and copies of the output gradients held in the shared scratch: o's
+  // and down's [N, H] and q/k/v's [N, Q + 2 KV] a layer.
+  void defer_storage(Chunk& ch, int layers) {
+    const Qwen3Program<cuda::CudaOps>& prog = *ch.program;
+    const int first = prog.stage().first_layer, slots = prog.slots();
+    const std::size_t per_slot = static_cast<std::size_t>(layers) * N_ *
+                                 (local_cfg_.q_dim() + 2 * local_cfg_.kv_dim() + 2 * H_);
+    ch.deferred.resize(static_cast<std::size_t>(slots));
+    for (int k = 0; k < slots; ++k) {
+      cuda::CudaOps::DeferredGrads& q = ch.deferred[static_cast<std::size_t>(k)];
+      q.keep_begin = prog.acts(k).x[first];
+      q.keep_end = k + 1 < slots ? static_cast<const void*>(prog.acts(k + 1).x[first])
+                                 : static_cast<const void*>(prog.acts(0).tmp);
+      q.store = arena_.allocate<bf16>(per_slot);
+      q.capacity = per_slot;
+    }
+  }
 
   bool tied_copy() const { return local_cfg_.tie_word_embeddings && s_ == P_ - 1; }
   // The plan's units of this stage (and a tied copy), ascending.
@@ -351,6 +399,10 @@ class CudaPipelineBackend final : public TrainBackend {
   cuda::Event ready_, landed_;
   float* tied_other_ = nullptr;  // [min(embedding, kTiedPiece)] the peer's piece
   double activations_ = 0;
+  bool zb_;                      // mesh.pp_schedule = zb-h1: split backwards
+  std::vector<std::unique_ptr<cuda::Event>> marks_;  // [2 x actions + 1] timing: start, then
+                                                     // each action's compute begin and end
+  double idle_ = -1;             // the last step's pipeline_idle()
 };
 
 }  // namespace

@@ -141,17 +141,44 @@ void CudaOps::linear(bf16* y, const bf16* x, const bf16* w, int N, int in, int o
   linear_forward(y, x, w, N, in, out, s_);
 }
 
+// dx first: with tp marked, so that its reduction runs beside the weight gradient's GEMM.
 void CudaOps::linear_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
                               int N, int in, int out, bool acc) {
-  if (gathered_) return linear_backward_gathered(dx, dw, dy, x, w, N, in, out, acc);
-  if (tp_ && dx != nullptr) {  // dx first, marked, so that its reduction can start early
-    cuda::linear_backward(dx, nullptr, dy, x, w, N, in, out, s_, acc);
-    dx_done_.record(s_);
-    dx_pending_ = dx;
-    cuda::linear_backward(nullptr, dw, dy, x, w, N, in, out, s_, acc);
-    return;
+  if (gathered_) {
+    input_grad_gathered(dx, dy, w, N, in, out);
+  } else if (dx != nullptr) {
+    cuda::linear_backward(dx, nullptr, dy, nullptr, w, N, in, out, s_);
+    if (tp_) {
+      dx_done_.record(s_);
+      dx_pending_ = dx;
+    }
   }
-  cuda::linear_backward(dx, dw, dy, x, w, N, in, out, s_, acc);
+  weight_grad(dw, dy, x, N, in, out, acc);
+}
+
+void CudaOps::weight_grad(float* dw, const bf16* dy, const bf16* x, int N, int in, int out,
+                          bool acc) {
+  if (dw == nullptr) return;
+  if (defer_ == nullptr) return cuda::linear_backward(nullptr, dw, dy, x, nullptr, N, in, out, s_, acc);
+  DeferredGrads& q = *defer_;
+  const std::size_t n = static_cast<std::size_t>(N) * out;
+  const auto at = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  if (at(dy) < at(q.keep_begin) || at(dy) >= at(q.keep_end)) {  // scratch the next ops rewrite
+    QT_CHECK(q.used + n <= q.capacity, "deferred weight gradients need more than {} elements",
+             q.capacity);
+    QT_CHECK_CUDA(cudaMemcpyAsync(q.store + q.used, dy, n * sizeof(bf16),
+                                  cudaMemcpyDeviceToDevice, s_));
+    dy = q.store + q.used;
+    q.used += n;
+  }
+  q.gemms.push_back({dw, dy, x, N, in, out, acc});
+}
+
+void CudaOps::run_deferred(DeferredGrads& q) {
+  for (const DeferredGrads::Gemm& g : q.gemms)
+    cuda::linear_backward(nullptr, g.dw, g.dy, g.x, nullptr, g.N, g.in, g.out, s_, g.acc);
+  q.gemms.clear();
+  q.used = 0;
 }
 
 void CudaOps::qk_norm_rope(bf16* out, float* rstd, const bf16* x, int ld, const bf16* w,

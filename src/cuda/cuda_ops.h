@@ -108,6 +108,27 @@ class CudaOps : public NoCollectives {
   void lora_backward(int l, LoraSite site, const bf16* x, const bf16* dy, bf16* dx);
   void lm_head_loss(const bf16* xf, const bf16* lm_head, float* g_lm_head,
                     const std::int32_t* targets, float scale, bf16* dxf, bool acc);
+  // ZB-H1's split backward (a pipeline stage runs the program's backward unchanged): while a
+  // queue is set, linear_backward enqueues dx only and queues its weight gradient, which reads x
+  // later in place (a slot's activations: no recompute with ZB-H1) and dy in place when it lies
+  // in [keep_begin, keep_end) (the slot's activations: gate/up's gradient written over gu),
+  // else from a copy in the queue's store. run_deferred enqueues the queued GEMMs in order on
+  // the current stream and empties the queue.
+  struct DeferredGrads {
+    bf16* store = nullptr;               // [capacity] copies of dy
+    std::size_t capacity = 0, used = 0;  // elements
+    const void* keep_begin = nullptr;    // dy read in place inside [keep_begin, keep_end)
+    const void* keep_end = nullptr;
+    struct Gemm {
+      float* dw;
+      const bf16 *dy, *x;
+      int N, in, out;
+      bool acc;
+    };
+    std::vector<Gemm> gemms;
+  };
+  void defer_weight_grads(DeferredGrads* queue) { defer_ = queue; }
+  void run_deferred(DeferredGrads& queue);
   // Tensor parallelism's hooks (layer_program.h's NoCollectives has the contract): the sums
   // over tp in place, or with sequence parallelism the gathers into `full` and the
   // reduce-scatters into `local`; nothing without tp. Each returns what the next op reads.
@@ -174,10 +195,13 @@ class CudaOps : public NoCollectives {
   // first); the stream has waited for every block when it returns.
   template <class Gemm>
   void over_landed_rows(Gemm gemm);
-  // linear and linear_backward over a gathered x or dy (gathered_), block by block.
+  // linear over a gathered x, and linear_backward's dx (if not null) over a gathered dy
+  // (gathered_), block by block.
   void linear_gathered(bf16* y, const bf16* x, const bf16* w, int N, int in, int out);
-  void linear_backward_gathered(bf16* dx, float* dw, const bf16* dy, const bf16* x,
-                                const bf16* w, int N, int in, int out, bool acc);
+  void input_grad_gathered(bf16* dx, const bf16* dy, const bf16* w, int N, int in, int out);
+  // dw (+)= dy^T x now, or queued when deferring (defer_weight_grads).
+  void weight_grad(float* dw, const bf16* dy, const bf16* x, int N, int in, int out, bool acc);
+  DeferredGrads* defer_ = nullptr;
   // y = x w^T summed over tp (in place, or sp: into ahead_.local) in row pieces.
   void linear_reduced(bf16* y, const bf16* x, const bf16* w, int N, int in, int out);
 };

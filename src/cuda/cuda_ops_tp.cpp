@@ -112,15 +112,14 @@ void CudaOps::linear_gathered(bf16* y, const bf16* x, const bf16* w, int N, int 
   });
 }
 
-void CudaOps::linear_backward_gathered(bf16* dx, float* dw, const bf16* dy, const bf16* x,
-                                       const bf16* w, int N, int in, int out, bool acc) {
+void CudaOps::input_grad_gathered(bf16* dx, const bf16* dy, const bf16* w, int N, int in,
+                                  int out) {
   QT_CHECK(dy == gathered_ && N == N_, "a gathered output gradient is read by the GEMM right "
            "after it");
   const std::size_t i = in, o = out;
   over_landed_rows([&](int r0, int rows) {
-    if (dx) cuda::linear_backward(dx + r0 * i, nullptr, dy + r0 * o, x, w, rows, in, out, s_);
-  });
-  cuda::linear_backward(nullptr, dw, dy, x, w, N, in, out, s_, acc);  // every row landed
+    if (dx) cuda::linear_backward(dx + r0 * i, nullptr, dy + r0 * o, nullptr, w, rows, in, out, s_);
+  });  // every row landed: the weight gradient may read dy
 }
 
 // Without sequence parallelism: kReducePieces row pieces, each all-reduced in place after its

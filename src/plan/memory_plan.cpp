@@ -58,7 +58,7 @@ u128 embedding_backward_ws(u128 N) { return 4 * blk(4 * N) + blk(8 * N) + (u128{
 // KV = nkv x hd, I, V; Ns: the rows of the residual stream and norms (N / tp with sequence
 // parallelism, else N).
 u128 activation_bytes(const ModelConfig& m, const StageParts& st, u128 B, u128 T, bool recompute,
-                      u128 Ns, bool sp) {
+                      u128 Ns, bool sp, bool zb) {
   const u128 N = B * T, H = m.hidden_size, Q = m.q_dim(), KV = m.kv_dim();
   const u128 I = m.intermediate_size, V = m.vocab_size, L = m.num_layers;
   const u128 nh = m.num_heads, nkv = m.num_kv_heads, hd = m.head_dim;
@@ -83,6 +83,9 @@ u128 activation_bytes(const ModelConfig& m, const StageParts& st, u128 B, u128 T
     // through its output), and without recompute the LayerActs of its layers.
     b += k * (layers + 1) * (2 * blk(2 * Ns * H) + blk(4 * Ns));
     b += (recompute ? 1 : k * layers) * layer + scratch;
+    // ZB-H1: each slot's deferred weight gradients keep copies of the output gradients that
+    // live in the scratch: o's and down's [N, H] and q/k/v's [N, Q + 2 KV] a layer.
+    if (zb) b += k * blk(2 * layers * N * (Q + 2 * KV + 2 * H));
     if (u128(c.last) == L && k > 1) b += k * blk(2 * N * H);  // dhead: a slot's own d ln[L]
   }
   if (st.head) {
@@ -268,7 +271,7 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   MemoryPlan p;
   // What the CUDA back end runs today: tp (and sequence parallelism) at any dp, pp at dp 1 with
   // whole backwards (src/cuda/backend_cuda_pipeline.cpp).
-  p.built = in.mesh.pp == 1 || ((dp == 1 || in.zero_stage <= 1) && in.mesh.pp_schedule == "1f1b");
+  p.built = in.mesh.pp == 1 || dp == 1 || in.zero_stage <= 1;
   p.stage = s;
   p.slots = st.max_slots();
   u128 params = 0, grads = 0, optimizer = blk(kAdamWSegmentBytes * tensors),  // segments_
@@ -334,7 +337,9 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   p.grads = checked(grads, "gradients");
   p.optimizer = checked(optimizer, "optimizer state");
   p.activations = checked(
-      activation_bytes(m, st, in.micro_batch, in.seq_len, in.recompute, Ns, sp), "activations");
+      activation_bytes(m, st, in.micro_batch, in.seq_len, in.recompute, Ns, sp,
+                       in.mesh.pp > 1 && in.mesh.pp_schedule == "zb-h1"),
+      "activations");
   p.workspace = checked(workspace, "workspace");
   p.host = checked(host, "host state");
   p.host_pinned = checked(pinned, "pinned host staging");

@@ -65,7 +65,7 @@ struct MemoryPlan {
   std::uint64_t host_pinned = 0;  // page-locked host bytes: offload's staging
   bool built = true;              // what the CUDA back end allocates today; false: a prediction
                                   // of a path not built on it yet (pp > 1 at dp > 1 with
-                                  // ZeRO-2 or 3, or with zb-h1)
+                                  // ZeRO-2 or 3)
   int stage = 0;                  // the pipeline stage described
   int slots = 1;                  // micro-batches whose activations it holds at once (the most
                                   // of its chunks')

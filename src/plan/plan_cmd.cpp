@@ -399,7 +399,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
   out += fmt::format(
       "\nhost: the rank's trained state in host memory (pageable and offload's pinned staging), "
       "{}; built: the CUDA back end\nruns this layout today (no: a prediction of a path not built yet: pp > 1 at dp > 1 with "
-      "ZeRO-2 or 3, or with zb-h1; docs/plan.md). Step times are predictions (docs/plan.md).\n",
+      "ZeRO-2 or 3; docs/plan.md). Step times are predictions (docs/plan.md).\n",
       unit);
 
   const plan::Layout* best = plan::recommended(all);
@@ -426,8 +426,8 @@ std::string report(const Options& o, const PlanDeck& pd) {
     }
     out += "  deck keys:" + line + "\n";
     if (!best->memory.built) {
-      out += "  note: the CUDA back end does not run this layout yet (a pipeline at dp > 1 or "
-             "with zb-h1): its numbers predict that path\n";
+      out += "  note: the CUDA back end does not run this layout yet (a pipeline at dp > 1 with "
+             "ZeRO-2 or 3): its numbers predict that path\n";
       if (const plan::Layout* now = plan::recommended(all, /*built_only=*/true)) {
         std::string now_keys;
         for (const std::string& k : plan::deck_keys(*now)) {

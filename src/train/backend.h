@@ -81,6 +81,9 @@ class TrainBackend {
   // Reduces the gradients over dp, clips, and updates the parameters (0-based step index).
   virtual OptimStepStats optimizer_step(std::int64_t step) = 0;
 
+  // The last step's pipeline bubble: the share of the step each stage's compute waited,
+  // averaged over the stages (the same on every rank), or < 0 when not measured.
+  virtual double pipeline_idle() const { return -1; }
   // Extra fields for the step log (e.g. GPU memory), empty when none.
   virtual std::string memory_report() { return {}; }
   // This rank's peak memory by kind since the start (GPU memory on cuda, host on cpu).

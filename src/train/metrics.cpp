@@ -42,10 +42,13 @@ std::string format_duration(double s) {
 
 void MetricsLog::write(const StepMetrics& m) {
   if (!root_) return;
-  std::printf("step %6lld/%lld | loss %.5f | lr %.3e | grad norm %.4f | %.0f tok/s | %s elapsed | ETA %s%s%s\n",
+  const std::string idle =
+      m.pipeline_idle >= 0 ? fmt::format(" | pipeline idle {:.1f}%", 100 * m.pipeline_idle) : "";
+  std::printf("step %6lld/%lld | loss %.5f | lr %.3e | grad norm %.4f | %.0f tok/s | %s elapsed | ETA %s%s%s%s\n",
               static_cast<long long>(m.step), static_cast<long long>(m.steps), m.loss, m.lr,
               m.grad_norm, m.tokens_per_s, format_duration(m.elapsed_s).c_str(),
-              format_duration(m.eta_s).c_str(), m.memory.empty() ? "" : " | ", m.memory.c_str());
+              format_duration(m.eta_s).c_str(), idle.c_str(), m.memory.empty() ? "" : " | ",
+              m.memory.c_str());
   if (!memory_line_written_) {
     std::printf("peak memory per rank: %s (%s in all)\n", m.peak.describe().c_str(),
                 format_bytes(m.peak.total()).c_str());
@@ -58,6 +61,7 @@ void MetricsLog::write(const StepMetrics& m) {
                       {"tokens_per_s", m.tokens_per_s}, {"elapsed_s", m.elapsed_s},
                       {"eta_s", m.eta_s},         {"tokens", m.tokens}};
   if (!m.memory.empty()) j["memory"] = m.memory;
+  if (m.pipeline_idle >= 0) j["pipeline_idle"] = m.pipeline_idle;
   j["mem_params"] = m.peak.params;
   j["mem_grads"] = m.peak.grads;
   j["mem_optimizer"] = m.peak.optimizer;

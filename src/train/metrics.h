@@ -22,6 +22,8 @@ struct StepMetrics {
   std::int64_t tokens = 0;     // counted tokens consumed by the run so far
   std::string memory;          // back end's memory report (e.g. GPU current/peak), may be empty
   MemorySplit peak;            // the largest rank's peak memory by kind (bytes)
+  double pipeline_idle = -1;   // the last step's pipeline bubble (TrainBackend::pipeline_idle), or
+                               // < 0: none measured
   struct StepTime {            // rank 0's host seconds per step over the last log interval
     double data = 0;           // the batch: sampling and the count of its targets
     double compute = 0;        // the micro-batches' forward and backward
@@ -36,7 +38,8 @@ class MetricsLog {
   MetricsLog(const std::string& path, Comm& world, bool append);
   // The step line (and, on the run's first logged step, a line with the peak memory by kind) on
   // stdout, and the JSON line with every field (mem_params, mem_grads, mem_optimizer,
-  // mem_activations, mem_workspace in bytes; time_data_s, time_compute_s, time_optimizer_s).
+  // mem_activations, mem_workspace in bytes; time_data_s, time_compute_s, time_optimizer_s;
+  // pipeline_idle, a fraction, when measured).
   void write(const StepMetrics& m);
 
  private:

@@ -237,6 +237,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
       sm.eta_s = sm.elapsed_s / static_cast<double>(state.step - first_step) * static_cast<double>(last - state.step);
       sm.tokens = state.tokens_consumed;
       sm.memory = backend->memory_report();
+      sm.pipeline_idle = backend->pipeline_idle();
       const MemorySplit mine = backend->memory_split();
       double peak[5] = {mine.params, mine.grads, mine.optimizer, mine.activations, mine.workspace};
       mesh.world().all_reduce(peak, 5, DType::kF64, ReduceOp::kMax);  // the largest rank's

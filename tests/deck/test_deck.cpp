@@ -407,8 +407,12 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
   expect_error("[train]\ndevice = cuda\n[mesh]\npp = 2\ndp = 2\n[optim]\nzero_stage = 2\n", {}, 4,
                {"mesh.pp = 2: pipeline parallelism on train.device = cuda with mesh.dp = 2 runs "
                 "optim.zero_stage 0 or 1 so far (optim.zero_stage = 2)"});
-  expect_error("[train]\ndevice = cuda\n[mesh]\npp = 2\npp_schedule = zb-h1\n",
-               {"mesh.pp_schedule = zb-h1: zb-h1 is built on train.device = cpu only so far"});
+  EXPECT_EQ(parse("[train]\ndevice = cuda\n[model]\nhead_dim = 64\n[mesh]\npp = 2\n"
+                  "pp_schedule = zb-h1\n").mesh.pp_schedule,
+            "zb-h1");
+  expect_error("[train]\ndevice = cuda\nrecompute = true\n[model]\nhead_dim = 64\n[mesh]\npp = 2\n"
+               "pp_schedule = zb-h1\n",
+               {"mesh.pp_schedule = zb-h1 keeps each layer's activations", "train.recompute"});
   expect_error("[model]\nnum_layers = 2\n[mesh]\npp = 3\n",
                {"deck.ini:4: mesh.pp = 3 is more than model.num_layers = 2"});
   expect_error("[mesh]\npp_schedule = gpipe\n", {"deck.ini:2: mesh.pp_schedule = gpipe must be 1f1b or zb-h1"});

@@ -1,9 +1,13 @@
 // Pipeline parallelism on two GPUs (issue 17): two stages exchanging activations and their
 // gradients over NCCL in 1F1B order (and interleaved 1F1B, two chunks a stage) reproduce one
 // GPU's losses and gradient norms (bf16 tolerance), with recompute and tied and untied
-// embeddings (a tied table's two copies summed before each step); checkpoints move between pp 2
-// and one GPU both ways. Skips unless two GPUs are visible.
+// embeddings (a tied table's two copies summed before each step), and ZB-H1 (input and deferred
+// weight halves; interleaved too), each step's measured bubble logged; checkpoints move between
+// pp 2 and one GPU both ways. Skips unless two GPUs are visible.
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
 
 #include "gpu_test.h"
 #include "sharded_cases.h"
@@ -42,10 +46,23 @@ TEST(TrainPipelineCuda, Pp2MatchesOneGpu) {
              {"--mesh.pp=2", "--train.recompute=true", "--train.micro_batch=1"}, false},
         Case{"pp2_untied", {"--mesh.pp=2", "--model.tie_word_embeddings=false"}, true},
         Case{"pp2_v2", {"--mesh.pp=2", "--mesh.pp_chunks=2"}, false},
-        Case{"pp2_layers_3_1", {"--mesh.pp=2", "--mesh.pp_layers=3,1"}, false}}) {
+        Case{"pp2_layers_3_1", {"--mesh.pp=2", "--mesh.pp_layers=3,1"}, false},
+        // ZB-H1: backwards split into input and (deferred) weight halves
+        Case{"pp2_zb", {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1"}, false},
+        Case{"pp2_zb_untied",
+             {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--model.tie_word_embeddings=false"},
+             true},
+        Case{"pp2_v2_zb", {"--mesh.pp=2", "--mesh.pp_chunks=2", "--mesh.pp_schedule=zb-h1"},
+             false}}) {
     SCOPED_TRACE(c.name);
     const auto r = test::run(2, deck(c.name), with(c.overrides), tmp + "/" + c.name + ".jsonl");
     test::expect_matches(c.name, r, c.untied ? ref_untied : ref);
+    // The measured bubble is logged each step: a share of the step in [0, 1).
+    std::ifstream metrics(tmp + "/" + c.name + ".jsonl");
+    for (std::string line; std::getline(metrics, line);) {
+      const double idle = nlohmann::json::parse(line).value("pipeline_idle", -1.0);
+      EXPECT_TRUE(idle >= 0 && idle < 1) << c.name << ": pipeline_idle " << idle;
+    }
   }
   const auto to_one = test::run(1, deck("pp2_to_one"),
                                 with({"--checkpoint.resume=" + tmp + "/pp2/step_00000010.h5"}),

@@ -1,6 +1,7 @@
 // Pipeline parallelism combined on four GPUs (issue 17): two stages, each over a dp group of two
 // (ZeRO-0 and 1: each stage's gradients reduced over its dp group in the step; interleaved with
-// untied embeddings too) or over a tp group of two (with and without sequence parallelism),
+// untied embeddings too) or over a tp group of two (with and without sequence parallelism), 1F1B
+// and ZB-H1,
 // reproduce one GPU's losses and gradient norms (bf16 tolerance); a checkpoint of (dp, pp) =
 // (2, 2) continues on one GPU. Skips unless four GPUs are visible.
 #include <filesystem>
@@ -43,6 +44,12 @@ TEST(TrainPipelineCuda, Pp2WithDp2OrTp2MatchesOneGpu) {
         Case{"tp2_pp2", {"--mesh.dp=1", "--mesh.tp=2", "--mesh.pp=2"}, false},
         Case{"tp2_pp2_sp",
              {"--mesh.dp=1", "--mesh.tp=2", "--mesh.pp=2", "--mesh.sequence_parallel=true"},
+             false},
+        Case{"dp2_pp2_zb", {"--mesh.dp=2", "--mesh.pp=2", "--mesh.pp_schedule=zb-h1",
+                            "--optim.zero_stage=1"}, false},
+        Case{"tp2_pp2_sp_zb",
+             {"--mesh.dp=1", "--mesh.tp=2", "--mesh.pp=2", "--mesh.sequence_parallel=true",
+              "--mesh.pp_schedule=zb-h1"},
              false}}) {
     SCOPED_TRACE(c.name);
     const auto r = test::run(4, deck(c.name), with(c.overrides), tmp + "/" + c.name + ".jsonl");
