@@ -40,8 +40,9 @@ struct MeshShape {
   // all-gathered and their outputs reduce-scattered over tp. Nothing with tp = 1.
   bool sequence_parallel = false;
   // With tp > 1 on GPUs: each block's tp collectives run in pieces beside its GEMMs
-  // (cuda/cuda_ops.h); false: each after its GEMM, whole.
-  bool tp_overlap = true;
+  // (cuda/cuda_ops.h); false (default: faster on two H200s, docs/performance.md): each after
+  // its GEMM, whole.
+  bool tp_overlap = false;
   int world() const { return dp * tp * pp; }
   // The tp ranks sequence parallelism splits a micro-batch's rows over: tp, or 1 (off).
   int seq_parallel() const { return sequence_parallel && tp > 1 ? tp : 1; }

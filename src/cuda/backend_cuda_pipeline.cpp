@@ -95,7 +95,8 @@ class CudaPipelineBackend final : public TrainBackend {
         N_(static_cast<std::size_t>(deck.train.micro_batch) * deck.train.seq_len),
         sp_(mesh.shape().seq_parallel()),
         H_(deck.model.hidden_size),
-        M_(static_cast<int>(deck.train.global_batch / deck.train.micro_batch)),
+        M_(static_cast<int>(deck.train.global_batch /
+                            (std::int64_t{deck.train.micro_batch} * mesh.shape().dp))),
         tp_(mesh.shape().tp),
         layout_(deck.model),
         local_cfg_(tp_local_config(deck.model, tp_)),
@@ -377,7 +378,7 @@ class CudaPipelineBackend final : public TrainBackend {
   std::size_t N_;       // rows of a micro-batch (B x T)
   int sp_;              // mesh.tp with sequence parallelism (a stage's rows: N / sp), else 1
   std::size_t H_;       // hidden size
-  int M_;               // micro-batches a step
+  int M_;               // micro-batches a step of this dp rank
   int tp_;              // mesh.tp
   ParamLayout layout_;        // the model's (global)
   ModelConfig local_cfg_;     // the tp rank's model (the model's at tp 1)

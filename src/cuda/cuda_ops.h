@@ -58,7 +58,7 @@ class CudaOps : public NoCollectives {
   // size for sequence parallelism (the program's activations allocated with it), else 1.
   // tp_overlap: the tp collectives in pieces beside the GEMMs (below), else each whole.
   CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp = nullptr,
-          int seq_parallel = 1, bool tp_overlap = true);
+          int seq_parallel = 1, bool tp_overlap = false);
   // Forward only, for the KV-cache decoder (generate/kv_decoder_cuda.cpp): the layer ops over
   // any number of rows (set_rows), RoPE tables for positions [0, rope_len), and none of the
   // buffers of the backward, the lm head or the loss (the decoder runs its own head).

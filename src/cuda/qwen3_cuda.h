@@ -77,7 +77,7 @@ class Qwen3Cuda {
   // (cfg is then this rank's local model, tp_local_config; cuda_ops.h), or null; seq_parallel:
   // tp's size with sequence parallelism, else 1; tp_overlap: mesh.tp_overlap (cuda_ops.h).
   Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute = false,
-            NcclComm* tp = nullptr, int seq_parallel = 1, bool tp_overlap = true);
+            NcclComm* tp = nullptr, int seq_parallel = 1, bool tp_overlap = false);
 
   const ParamLayout& layout() const { return program_.layout(); }
 

@@ -539,7 +539,8 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
     QT_CHECK_CUDA(cudaStreamSynchronize(s));  // the gradients are final
     offload_step(qt::adamw_step(cfg_, st.lr, st.clip_scale, step + 1));
     if (shares_updates())
-      for (std::size_t u = 0; u < units_.size(); ++u) share_update(static_cast<int>(u), s);
+      for (std::size_t u = 0; u < units_.size(); ++u)
+        if (units_[u].held) share_update(static_cast<int>(u), s);
   }
   if (shares_updates()) nccl_->synchronize();  // every unit's weights are whole again
   QT_CHECK_CUDA(cudaStreamSynchronize(s));
@@ -617,7 +618,8 @@ void ShardedCudaState::push(cudaStream_t s) {
     QT_CHECK_CUDA(cudaStreamSynchronize(s));
   }
   if (shares_updates()) {
-    for (std::size_t u = 0; u < units_.size(); ++u) share_update(static_cast<int>(u), s);
+    for (std::size_t u = 0; u < units_.size(); ++u)
+      if (units_[u].held) share_update(static_cast<int>(u), s);
     nccl_->synchronize();
   }
 }

@@ -330,10 +330,10 @@ TEST(DeckErrors, InconsistentValues) {
   expect_error("[mesh]\nep = 3\n", {"deck.ini:2:", "mesh.ep = 3", "does not divide mesh.dp = 2"});
 }
 
-// mesh.tp_overlap: on unless the deck turns it off; a bool like every switch.
+// mesh.tp_overlap: off unless the deck turns it on; a bool like every switch.
 TEST(Deck, TpOverlap) {
-  EXPECT_TRUE(parse("[mesh]\ntp = 2\n").mesh.tp_overlap);
-  EXPECT_FALSE(parse("[mesh]\ntp = 2\ntp_overlap = false\n").mesh.tp_overlap);
+  EXPECT_FALSE(parse("[mesh]\ntp = 2\n").mesh.tp_overlap);
+  EXPECT_TRUE(parse("[mesh]\ntp = 2\ntp_overlap = true\n").mesh.tp_overlap);
   expect_error("[mesh]\ntp_overlap = sometimes\n", {"deck.ini:2:", "mesh.tp_overlap"});
 }
 

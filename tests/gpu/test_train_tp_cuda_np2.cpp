@@ -2,8 +2,8 @@
 // tp = 2 (the row-parallel outputs and column-parallel input gradients summed over NCCL, the
 // embedding and the cross-entropy vocabulary-parallel), with and without sequence parallelism,
 // reproduce one GPU's losses and gradient norms (bf16 tolerance), with recompute, one sequence
-// a micro-batch and untied embeddings too, with the collectives beside the GEMMs (mesh.tp_overlap,
-// the default) and without;
+// a micro-batch and untied embeddings too, with the collectives whole after their GEMMs (the
+// default) and in pieces beside them (mesh.tp_overlap);
 // checkpoints move between tp 2 and one GPU both ways. Skips unless two GPUs are visible.
 #include <filesystem>
 
@@ -39,10 +39,10 @@ TEST(TrainTensorParallelCuda, Tp2MatchesOneGpu) {
              {"--mesh.tp=2", "--mesh.sequence_parallel=true", "--train.recompute=true",
               "--train.micro_batch=1"},
              false},
-        // each collective whole, after its GEMM (mesh.tp_overlap = false)
-        Case{"tp2_whole", {"--mesh.tp=2", "--mesh.tp_overlap=false"}, false},
-        Case{"tp2_sp_whole",
-             {"--mesh.tp=2", "--mesh.sequence_parallel=true", "--mesh.tp_overlap=false"}, false},
+        // the collectives in pieces beside the GEMMs (mesh.tp_overlap)
+        Case{"tp2_overlap", {"--mesh.tp=2", "--mesh.tp_overlap=true"}, false},
+        Case{"tp2_sp_overlap",
+             {"--mesh.tp=2", "--mesh.sequence_parallel=true", "--mesh.tp_overlap=true"}, false},
         Case{"tp2_sp_untied",
              {"--mesh.tp=2", "--mesh.sequence_parallel=true", "--model.tie_word_embeddings=false"},
              true}}) {
