@@ -3,11 +3,26 @@
 // plan's pp x pp_chunks on stage c % pp; the embedding in the first chunk, the final norm, lm
 // head and loss in the last), over ShardedCudaState holding only that stage's units. A step
 // runs the stage's list from parallel/pipeline_schedule.h (1F1B, or interleaved 1F1B with
-// mesh.pp_chunks > 1) as the CPU pipeline does (train/backend_cpu_pipeline.cpp):
+// mesh.pp_chunks > 1; ZB-H1 with mesh.pp_schedule = zb-h1, interleaved or not) as the CPU
+// pipeline does (train/backend_cpu_pipeline.cpp):
 //
 //   F(c, m)  chunk c > 0 receives x [N, H] of micro-batch m into its slot; the forward; the last
 //            chunk runs the head and the loss in the forward; c < C - 1 sends its output on
-//   B(c, m)  chunk c < C - 1 receives d x [N, H]; the backward; c > 0 sends d x back
+//   B(c, m)  chunk c < C - 1 receives d x [N, H]; the backward; c > 0 sends d x back; the slot
+//            is free
+//   I(c, m)  as B, with the slot's deferral queue set: each projection's weight-gradient GEMM
+//            is queued (CudaOps::defer_weight_grads), not run; the slot stays busy
+//   W(c, m)  the slot's queued GEMMs (CudaOps::run_deferred); the slot is free
+//
+// A queued GEMM reads x and gate/up's output gradient in the slot's activations (kept until W:
+// ZB-H1 runs without recompute) and o's, down's and q/k/v's output gradients from copies in the
+// slot's own store ([layers x N x (Q + 2 KV + 2 H)] bf16 a slot of each chunk, from the arena at
+// set-up), since the backward's scratch is rewritten by the next layer.
+//
+// Each step measures its bubble: timing events on the compute stream at the start and around
+// each action's compute (after its waits for received buffers); after the step, 1 - (the
+// stages' summed action times) / (P x the longest stage's span from its start to its last
+// action's end), the idle share of the step as simulate() defines it (pipeline_idle()).
 //
 // Everything is enqueued without waiting on the host: the compute stream and one stream per
 // point-to-point channel, ordered by events. A channel is a device communicator of the pp group
@@ -261,12 +276,16 @@ class CudaPipelineBackend final : public TrainBackend {
     const double loss = ops_->take_loss();  // waits for the compute stream
     for (cuda::NcclComm* ch : channel_)
       if (ch) ch->synchronize();
-    // The share of this step the compute stream waited (from its start to its last action's
-    // end), averaged over the stages.
+    // The bubble as simulate() counts it: 1 - (the stages' compute) / (P x the step's span),
+    // the span the longest stage's from its start event to its last action's end (the clocks
+    // of the GPUs differ; the stages start about together, after the last step's collectives
+    // over pp). Milliseconds.
     double busy_ms = 0;
-    for (std::size_t i = 1; i < mark; i += 2) busy_ms += marks_[i + 1]->elapsed_ms_since(*marks_[i]);
-    const double span_ms = marks_[mark - 1]->elapsed_ms_since(*marks_[0]);
-    idle_ = pp_.sum(span_ms > 0 ? 1.0 - busy_ms / span_ms : 0.0) / P_;
+    for (std::size_t i = 1; i < mark; i += 2)
+      busy_ms += marks_[i + 1]->elapsed_ms_since(*marks_[i]);
+    const double span_ms = pp_.max(marks_[mark - 1]->elapsed_ms_since(*marks_[0]));
+    busy_ms = pp_.sum(busy_ms);
+    idle_ = span_ms > 0 ? std::clamp(1.0 - busy_ms / (P_ * span_ms), 0.0, 1.0) : 0.0;
     return pp_.sum(loss);  // the last stage's, on every stage
   }
   double pipeline_idle() const override { return idle_; }
@@ -314,6 +333,7 @@ class CudaPipelineBackend final : public TrainBackend {
                                  : static_cast<const void*>(prog.acts(0).tmp);
       q.store = arena_.allocate<bf16>(per_slot);
       q.capacity = per_slot;
+      q.gemms.reserve(4 * static_cast<std::size_t>(layers));  // down, gate/up, o, q/k/v a layer
     }
   }
 

@@ -70,9 +70,6 @@ auto simplicity(const Layout& r) {
 
 Layouts enumerate_layouts(const LayoutSearch& s) {
   if (s.gpus < 1) fail_user("--gpus {}: at least one GPU", s.gpus);
-  if (s.pp_schedule == "zb-h1" && s.pp_chunks > 1)
-    fail_user("mesh.pp_chunks = {} (interleaved 1F1B) is built with mesh.pp_schedule = 1f1b only",
-              s.pp_chunks);
   Layouts out;
   for (int tp : divisors(s.gpus)) {
     if (!allowed(s.tp, tp)) continue;
@@ -102,8 +99,10 @@ Layouts enumerate_layouts(const LayoutSearch& s) {
             if (off == Offload::kCpu && zero < 2) continue;  // the CUDA back end's rule
             // At dp 1 every ZeRO stage is the same run: ZeRO-0, and ZeRO-2 with offload.
             if (dp == 1 && zero != (off == Offload::kCpu ? 2 : 0)) continue;
-            if (pp > 1 && in.mesh.pp_schedule == "zb-h1" && (recompute || zero >= 2)) {
-              ++out.settings_skipped;  // ZB-H1 keeps activations for the weight halves
+            // ZB-H1 keeps activations for the weight halves, and a unit's gradients until its
+            // last weight half (at dp 1 ZeRO-2/3 keep them whole: offload's rows).
+            if (pp > 1 && in.mesh.pp_schedule == "zb-h1" && (recompute || (zero >= 2 && dp > 1))) {
+              ++out.settings_skipped;
               continue;
             }
             Layout r;

@@ -47,7 +47,8 @@ struct Layout {
 struct Layouts {
   std::vector<Layout> rows;        // fitting first, each group fastest first
   std::vector<Excluded> excluded;  // meshes that cannot run, with the reason
-  int settings_skipped = 0;        // settings a mesh's schedule refuses (zb-h1: recompute, ZeRO-2/3)
+  int settings_skipped = 0;        // settings a mesh's schedule refuses (zb-h1: recompute;
+                                   // ZeRO-2/3 at dp > 1)
 };
 
 // Throws UserError for a model or batch memory_plan refuses whatever the layout.

@@ -143,13 +143,13 @@ void validate(const MemoryPlanInput& in) {
   if (s.pp > 1) {
     if (s.pp_schedule != "1f1b" && s.pp_schedule != "zb-h1")
       fail_user("mesh.pp_schedule = {} must be 1f1b or zb-h1", s.pp_schedule);
-    if (s.pp_chunks > 1 && (s.pp_schedule != "1f1b" || in.micro_batches % s.pp != 0))
-      fail_user("mesh.pp_chunks = {} (interleaved 1F1B) needs mesh.pp_schedule = 1f1b and "
-                "micro-batches a step ({}) a multiple of mesh.pp = {}",
+    if (s.pp_chunks > 1 && in.micro_batches % s.pp != 0)
+      fail_user("mesh.pp_chunks = {} (interleaved 1F1B or ZB-H1) needs micro-batches a step ({}) "
+                "a multiple of mesh.pp = {}",
                 s.pp_chunks, in.micro_batches, s.pp);
-    if (s.pp_schedule == "zb-h1" && (in.recompute || in.zero_stage >= 2))
-      fail_user("mesh.pp_schedule = zb-h1 needs train.recompute = false and optim.zero_stage "
-                "0 or 1");
+    if (s.pp_schedule == "zb-h1" && (in.recompute || (in.zero_stage >= 2 && s.dp > 1)))
+      fail_user("mesh.pp_schedule = zb-h1 needs train.recompute = false, and optim.zero_stage "
+                "0 or 1 at mesh.dp > 1");
   }
   if (in.zero_stage < 0 || in.zero_stage > 3)
     fail_user("the ZeRO stage must be 0, 1, 2 or 3, got {}", in.zero_stage);

@@ -352,7 +352,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
     out += fmt::format("           dp {} x tp {} x pp {}: {}\n", e.dp, e.tp, e.pp, e.why);
   if (all.settings_skipped > 0)
     out += fmt::format("         ({} settings left out: mesh.pp_schedule = zb-h1 needs "
-                       "train.recompute = false and optim.zero_stage 0 or 1)\n",
+                       "train.recompute = false, and optim.zero_stage 0 or 1 at dp > 1)\n",
                        all.settings_skipped);
 
   // GiB, or MiB when every layout needs less than 1 GiB (small test models).

@@ -81,8 +81,9 @@ class TrainBackend {
   // Reduces the gradients over dp, clips, and updates the parameters (0-based step index).
   virtual OptimStepStats optimizer_step(std::int64_t step) = 0;
 
-  // The last step's pipeline bubble: the share of the step each stage's compute waited,
-  // averaged over the stages (the same on every rank), or < 0 when not measured.
+  // The last step's measured pipeline bubble: the share of the step the stages' compute
+  // waited, 1 - busy / (stages x span) as the schedule's simulation counts it (a fraction, the
+  // same on every rank), or < 0 when not measured (only the CUDA pipeline measures it).
   virtual double pipeline_idle() const { return -1; }
   // Extra fields for the step log (e.g. GPU memory), empty when none.
   virtual std::string memory_report() { return {}; }

@@ -421,8 +421,10 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
   expect_error("[mesh]\npp_chunks = 2\n", {"deck.ini:2: mesh.pp_chunks = 2 > 1 interleaves a pipeline: needs mesh.pp > 1"});
   expect_error("[model]\nnum_layers = 2\n[mesh]\npp = 2\npp_chunks = 2\n",
                {"deck.ini:5: mesh.pp_chunks = 2 x mesh.pp = 4 chunks is more than model.num_layers = 2"});
-  // Interleaving with split backwards: the cpu pipeline runs it, cuda does not (zb-h1 there).
+  // Interleaving with split backwards (interleaved ZB-H1): both pipelines run it.
   EXPECT_NO_THROW(parse("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_chunks = 2\npp_schedule = zb-h1\n"));
+  EXPECT_NO_THROW(parse("[train]\ndevice = cuda\n[model]\nhead_dim = 64\nnum_layers = 4\n[mesh]\n"
+                        "pp = 2\npp_chunks = 2\npp_schedule = zb-h1\n"));
   expect_error("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_layers = 1,2\n",
                {"deck.ini:5: mesh.pp_layers = 1,2 gives 3 layers in all, the model has 4"});
   expect_error("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_layers = 4\n",

@@ -2,8 +2,8 @@
 // gradients over NCCL in 1F1B order (and interleaved 1F1B, two chunks a stage) reproduce one
 // GPU's losses and gradient norms (bf16 tolerance), with recompute and tied and untied
 // embeddings (a tied table's two copies summed before each step), and ZB-H1 (input and deferred
-// weight halves; interleaved too), each step's measured bubble logged; checkpoints move between
-// pp 2 and one GPU both ways. Skips unless two GPUs are visible.
+// weight halves; interleaved too; with offload), each step's measured bubble logged;
+// checkpoints move between pp 2 and one GPU both ways. Skips unless two GPUs are visible.
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -53,6 +53,11 @@ TEST(TrainPipelineCuda, Pp2MatchesOneGpu) {
              {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--model.tie_word_embeddings=false"},
              true},
         Case{"pp2_v2_zb", {"--mesh.pp=2", "--mesh.pp_chunks=2", "--mesh.pp_schedule=zb-h1"},
+             false},
+        // ZB-H1 with offload (ZeRO-2 at dp 1: whole gradients on the GPU until the step)
+        Case{"pp2_zb_offload",
+             {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=2",
+              "--optim.offload=cpu"},
              false}}) {
     SCOPED_TRACE(c.name);
     const auto r = test::run(2, deck(c.name), with(c.overrides), tmp + "/" + c.name + ".jsonl");

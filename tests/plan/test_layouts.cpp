@@ -139,6 +139,38 @@ TEST(PlanPipeline, TinyStagesByHand) {
   EXPECT_FALSE(memory_plan(dp2).built);  // not yet with ZeRO-2 or 3: a prediction
 }
 
+// ZB-H1 on CUDA (built at dp 1, interleaved too): the tiny pp 2 of TinyStagesByHand, stage 0
+// holding the schedule's slots (a weight half may wait after its input half: more than 1F1B's
+// 2), each slot x, ln, rstd of layers 0..1 and layer 0's activations as there, and the copies of
+// its layer's o, down and q/k/v output gradients for the deferred weight GEMMs:
+// [N, Q + 2 KV + 2 H] = [16, 64 + 64 + 128] bf16 (cuda/backend_cuda_pipeline.cpp).
+TEST(PlanPipeline, TinyZbH1ByHand) {
+  MemoryPlanInput in = tiny_input(1, 1, 2);
+  const u64 f1b = qt::plan::memory_plan_stage(in, 0).activations;
+  in.mesh.pp_schedule = "zb-h1";
+  const u64 slots = static_cast<u64>(qt::plan::stage_parts(in, 0).chunks[0].slots);
+  EXPECT_GE(slots, 2u);
+  const u64 slot = 2 * (2 * r(16 * 64 * 2) + r(16 * 4)) + 33792;  // x, ln, rstd; the layer
+  const u64 deferred = r(2 * 16 * (64 + 2 * 32 + 2 * 64));
+  EXPECT_EQ(qt::plan::memory_plan_stage(in, 0).activations,
+            f1b + (slots - 2) * slot + slots * deferred);
+  EXPECT_TRUE(memory_plan(in).built);
+  in.model.num_layers = 4;  // interleaved ZB-H1: 2 chunks of a layer a stage
+  in.mesh.pp_chunks = 2;
+  EXPECT_TRUE(memory_plan(in).built);
+  EXPECT_GT(memory_plan(in).activations, 0u);
+  // At dp 1 ZeRO-2 keeps whole gradients (offload's rows run); at dp 2 it is not planned.
+  MemoryPlanInput off = tiny_input(1, 1, 2);
+  off.mesh.pp_schedule = "zb-h1";
+  off.zero_stage = 2;
+  off.offload = Offload::kCpu;
+  EXPECT_TRUE(memory_plan(off).built);
+  off = tiny_input(2, 1, 2);
+  off.mesh.pp_schedule = "zb-h1";
+  off.zero_stage = 2;
+  EXPECT_THROW(memory_plan(off), qt::UserError);
+}
+
 // Interleaving and ZB-H1 hold more micro-batches on the first stage than 1F1B's P.
 TEST(PlanPipeline, SchedulesSetTheSlots) {
   MemoryPlanInput in;
