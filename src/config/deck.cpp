@@ -375,9 +375,6 @@ void Builder::validate_mesh() {
     need(kv % m.tp == 0 || deck_.train.device == "cpu", "mesh.tp",
          "is more than model.num_kv_heads = {}: tp ranks sharing a key/value head are built on "
          "train.device = cpu only so far", kv);
-    need(deck_.lora.r == 0 || deck_.train.device == "cpu", "mesh.tp",
-         ": LoRA ([lora] r > 0) under tensor parallelism is built on train.device = cpu only so "
-         "far; set mesh.tp = 1");
   }
   if (m.pp > 1) {  // pipeline parallelism (train/backend_cpu_pipeline.cpp): layers over stages
     need(m.pp <= ival("model.num_layers"), "mesh.pp",

@@ -192,8 +192,8 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
   // of a uniform job throws alike; a rank that throws alone ends the job from main().
   try {
     if (deck.lora.enabled()) {
-      QT_CHECK(mesh.shape().tp == 1 && mesh.shape().pp == 1,
-               "LoRA with tensor or pipeline parallelism is not built (the deck checks it)");
+      QT_CHECK(mesh.shape().pp == 1,
+               "LoRA with pipeline parallelism is not built (the deck checks it)");
       return make_cuda_lora_backend(deck, mesh);
     }
     if (mesh.shape().pp > 1) return make_cuda_pipeline_backend(deck, mesh);

@@ -12,6 +12,18 @@
 // optimizer step: one all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1), fp32 or bf16 on the wire
 // (optim.grad_reduce). Then clipping and the fused AdamW over the adapters, with the CPU LoRA
 // back end's weight-decay rule (each tensor's ParamInfo::weight_decay).
+//
+// With mesh.tp > 1 (as the CPU back end, train/backend_cpu.cpp) the base is the tp rank's local
+// model (tp_local_config: its bf16 weights [local numel]) and the adapters are the local model's,
+// split as their base projection (cuda/lora_cuda.h, tp_role): the adapter plan is made for the
+// local adapter layout over the whole mesh, so the state sums the factors whose gradients are
+// partial over tp (A beside q/k/v and gate/up, B beside o and down) on the tp communicator after
+// the dp reduction, and counts the replicated factors in the gradient norm on tp rank 0 only
+// (summed over tp). Two TpMaps turn local pieces into global ones: the base's (for
+// initialisation and model.init) and the adapters' (checkpoints hold global PEFT tensors, so any
+// tp resumes any other). The model's tp hooks (cuda_ops.h) sum the row-parallel outputs and the
+// column-parallel input gradients with the adapters' terms included; with LoRA the row-parallel
+// GEMMs are not split into pieces (tp_block_output_ahead is ignored).
 #include <fmt/format.h>
 #include <memory>
 #include <vector>
@@ -23,8 +35,10 @@
 #include "cuda/qwen3_cuda.h"
 #include "cuda/sharded_state_cuda.h"
 #include "cuda/training_buffers.h"
+#include "model/lora.h"
 #include "ops/cuda/convert.cuh"
 #include "ops/cuda/gemm.cuh"
+#include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 #include "qtrain/shard_plan.h"
 #include "train/backend.h"
@@ -38,50 +52,79 @@ class CudaLoraBackend final : public TrainBackend {
   CudaLoraBackend(const Deck& deck, Mesh& mesh)
       : device_(cuda::select_device(mesh.local_rank())),
         deck_(deck),
+        tp_(mesh.shape().tp),
         layout_(deck.model),
+        local_cfg_(tp_local_config(deck.model, tp_)),
+        local_layout_(local_cfg_),
+        global_lora_layout_(lora_layout(deck.model, deck.lora)),
         arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
-        base_(arena_.allocate<cuda::bf16>(layout_.numel())),
-        lora_(std::make_unique<cuda::LoraCuda>(deck.model, deck.lora, deck.train.micro_batch,
+        base_(arena_.allocate<cuda::bf16>(local_layout_.numel())),
+        lora_(std::make_unique<cuda::LoraCuda>(local_cfg_, deck.lora, deck.train.micro_batch,
                                                deck.train.seq_len, arena_)),
-        plan_(plan_one_unit(lora_->layout(), "adapters", mesh.shape(), deck.optim.zero_stage)),
+        plan_(plan_one_unit(lora_->layout(), "adapters", mesh.shape(), deck.optim.zero_stage,
+                            tp_kv_replicas(deck.model, tp_))),
         nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
-        state_(plan_, lora_->layout(), deck.optim, mesh.dp(), nccl_dp_, arena_),
+        nccl_tp_(tp_ > 1 ? &cuda::nccl(mesh, MeshDim::kTp) : nullptr),
+        state_(plan_, lora_->layout(), deck.optim, mesh.dp(), nccl_dp_, arena_, 1, {},
+               {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_}),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {
     const int B = deck.train.micro_batch, T = deck.train.seq_len;
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
     const std::size_t before_model = arena_.used();
-    model_ = std::make_unique<cuda::Qwen3Cuda>(deck.model, B, T, arena_, deck.train.recompute);
+    model_ = std::make_unique<cuda::Qwen3Cuda>(local_cfg_, B, T, arena_, deck.train.recompute,
+                                               nccl_tp_, mesh.shape().seq_parallel(),
+                                               mesh.shape().tp_overlap);
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     model_->set_lora(lora_.get());
     lora_->bind(state_.unit_weights(0), state_.unit_grads(0));  // whole at ZeRO-0 and 1
-    host_params_.assign(layout_.numel(), 0.0f);
+    if (tp_ > 1) {  // the frozen base and the adapters, each through its own plan's split
+      lora_->set_tensor_parallel(tp_, mesh.tp().rank());
+      base_plan_ = std::make_unique<ShardPlan>(plan_qwen3(
+          local_cfg_, local_layout_, mesh.shape(), 0, tp_kv_replicas(deck.model, tp_)));
+      base_map_ = std::make_unique<TpMap>(layout_, local_layout_, *base_plan_, mesh.tp().rank());
+      lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), plan_,
+                                          mesh.tp().rank());
+    }
+    host_params_.assign(local_layout_.numel(), 0.0f);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
   }
 
+  // The global layouts: checkpoints, initialisation and imports see global tensors.
   const ParamLayout& layout() const override { return layout_; }
-  const ParamLayout& trained_layout() const override { return lora_->layout(); }
+  const ParamLayout& trained_layout() const override { return global_lora_layout_; }
   std::string describe() const override {
     const cuda::DeviceInfo d = cuda::device_info(device_);
     return fmt::format(
         "cuda: GPU {} ({}, {} SMs), bf16 compute; LoRA: bf16 base frozen ({}, no gradients, "
-        "moments or fp32 copy), {} adapter parameters trained ({}); arena {} ({} used after "
+        "moments or fp32 copy), {} adapter parameters trained ({}){}; arena {} ({} used after "
         "set-up)",
-        device_, d.name, d.sm_count, cuda::format_bytes(layout_.numel() * 2),
-        lora_->layout().numel(), state_.describe(), cuda::format_bytes(arena_.capacity()),
-        cuda::format_bytes(arena_.used()));
+        device_, d.name, d.sm_count, cuda::format_bytes(local_layout_.numel() * 2),
+        lora_->layout().numel(), state_.describe(),
+        tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_, deck_.mesh.sequence_parallel) : "",
+        cuda::format_bytes(arena_.capacity()), cuda::format_bytes(arena_.used()));
   }
+  // Global coordinates through the base's and the adapters' TpMaps (null without tp).
   std::vector<FlatPiece> model_pieces() override {
-    return {{Range{0, layout_.numel()}, host_params_.data()}};
+    return global_pieces(base_map_.get(),
+                         std::vector<FlatPiece>{{Range{0, host_params_.size()},
+                                                 host_params_.data()}},
+                         /*writing=*/false);
   }
-  std::vector<FlatPiece> trained_pieces() override { return state_.param_pieces(); }
-  std::vector<StatePiece> checkpoint_pieces() override { return state_.checkpoint_pieces(); }
-  StateTargets checkpoint_targets() override { return state_.checkpoint_targets(); }
+  std::vector<FlatPiece> trained_pieces() override {
+    return global_pieces(lora_map_.get(), state_.param_pieces(), /*writing=*/false);
+  }
+  std::vector<StatePiece> checkpoint_pieces() override {
+    return global_pieces(lora_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
+  }
+  StateTargets checkpoint_targets() override {
+    return global_targets(lora_map_.get(), state_.checkpoint_targets());
+  }
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
 
   void push_state() override {
     // The base: fp32 on the host to bf16 on the GPU, one staging block at a time.
-    cuda::upload_as_bf16(base_, host_params_.data(), layout_.numel(), arena_, stream_.get());
+    cuda::upload_as_bf16(base_, host_params_.data(), host_params_.size(), arena_, stream_.get());
     state_.push(stream_.get());
   }
   // The adapters and their moments; the base never changes.
@@ -100,7 +143,8 @@ class CudaLoraBackend final : public TrainBackend {
                                     stream_.get(), {}, pos);
   }
 
-  // The adapters report no units to the state: it reduces their gradients here.
+  // The adapters report no units to the state: it reduces their gradients here (over dp, then
+  // the factors partial over tp summed over tp).
   OptimStepStats optimizer_step(std::int64_t step) override {
     return state_.step(step, deck_.train.steps, stream_.get());
   }
@@ -110,7 +154,7 @@ class CudaLoraBackend final : public TrainBackend {
   // buffers) as workspace.
   MemorySplit memory_split() override {
     MemorySplit m = state_.bytes();
-    m.params += 2.0 * static_cast<double>(layout_.numel());
+    m.params += 2.0 * static_cast<double>(local_layout_.numel());
     m.activations = activations_;
     m.workspace = std::max(0.0, static_cast<double>(arena_.peak()) - m.total());
     return m;
@@ -121,19 +165,27 @@ class CudaLoraBackend final : public TrainBackend {
   // (streams, events, arenas belong to the device that was current when they were made).
   int device_;
   const Deck& deck_;
-  ParamLayout layout_;  // the base model's
+  int tp_;                          // mesh.tp
+  ParamLayout layout_;              // the base model's (global)
+  ModelConfig local_cfg_;           // the tp rank's model (the model's at tp 1)
+  ParamLayout local_layout_;        // its layout: the base's on this rank
+  ParamLayout global_lora_layout_;  // the adapters' of the global model (checkpoints)
   cuda::DeviceArena arena_;
   cuda::Stream stream_;
   void* gemm_ws_;
-  cuda::bf16* base_;  // [numel] frozen base weights, bf16
-  std::unique_ptr<cuda::LoraCuda> lora_;
-  ShardPlan plan_;            // one unit: every adapter
+  cuda::bf16* base_;  // [local numel] frozen base weights, bf16
+  std::unique_ptr<cuda::LoraCuda> lora_;  // the local model's adapters (lora_->layout())
+  ShardPlan plan_;            // one unit: every adapter of the local layout, over the mesh
   cuda::NcclComm* nccl_dp_;  // the mesh's dp communicator; null at dp 1
+  cuda::NcclComm* nccl_tp_;  // the mesh's tp communicator; null at tp 1
   cuda::ShardedCudaState state_;  // the adapters: master weights, gradients, bf16 copy, moments
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;
+  std::unique_ptr<ShardPlan> base_plan_;  // tp > 1: the frozen base's split
+  std::unique_ptr<TpMap> base_map_;       // tp > 1: the base's local -> global pieces
+  std::unique_ptr<TpMap> lora_map_;       // tp > 1: the adapters' local -> global pieces
   std::int64_t first_sample_ = 0;
-  std::vector<float> host_params_;  // [numel] the fp32 base as loaded (host only)
+  std::vector<float> host_params_;  // [local numel] the fp32 base as loaded (host only)
   double activations_ = 0;          // bytes of Qwen3Cuda's buffers and the micro-batch's
 };
 

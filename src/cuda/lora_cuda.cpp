@@ -49,6 +49,7 @@ LoraCuda::LoraCuda(const ModelConfig& cfg, const LoraConfig& lora, int B, int T,
       s.target = t;
       std::tie(s.in, s.out) = lora_target_dims(cfg, t);
       s.col = col[t];
+      s.in_global = s.in;
       s.a = layout_.find(lora_param_name(l, t, 'A')).offset;
       s.b = layout_.find(lora_param_name(l, t, 'B')).offset;
       s.xa = arena.allocate<bf16>(N * lora.r);
@@ -58,6 +59,16 @@ LoraCuda::LoraCuda(const ModelConfig& cfg, const LoraConfig& lora, int B, int T,
   }
   gy_ = arena.allocate<bf16>(N * lora.r);
   if (lora.dropout > 0) xd_ = arena.allocate<bf16>(N * max_in);
+}
+
+void LoraCuda::set_tensor_parallel(int tp, int rank) {
+  QT_CHECK(tp >= 1 && rank >= 0 && rank < tp, "tp rank {} of {}", rank, tp);
+  for (std::vector<Slot>& site : slots_)
+    for (Slot& s : site) {
+      const bool row_parallel = s.target == kLoraO || s.target == kLoraDown;
+      s.in_global = row_parallel ? s.in * tp : s.in;
+      s.col0 = row_parallel ? s.in * rank : 0;
+    }
 }
 
 bool LoraCuda::adapts(LoraSite site) const { return !slots(0, site).empty(); }
@@ -73,18 +84,20 @@ int LoraCuda::width(LoraSite site) const {
   }
 }
 
-LoraDropoutKey LoraCuda::dropout_key(int layer, int target) const {
+LoraDropoutKey LoraCuda::dropout_key(int layer, const Slot& slot) const {
   LoraDropoutKey key;
-  key.stream = lora_dropout_stream(seed_, layer, target);
+  key.stream = lora_dropout_stream(seed_, layer, slot.target);
   key.first_row = first_sample_ * T_;
   key.p = lora_.dropout;
   key.keep_scale = static_cast<float>(1.0 / (1.0 - lora_.dropout));
+  key.row_width = slot.in_global;
+  key.col0 = slot.col0;
   return key;
 }
 
 const bf16* LoraCuda::dropped(int layer, const Slot& slot, const bf16* x, cudaStream_t s) {
   if (lora_.dropout <= 0) return x;
-  lora_dropout_forward(xd_, x, N_, slot.in, dropout_key(layer, slot.target), s);
+  lora_dropout_forward(xd_, x, N_, slot.in, dropout_key(layer, slot), s);
   return xd_;
 }
 
@@ -123,7 +136,7 @@ void LoraCuda::backward(int layer, LoraSite site, const bf16* x, const bf16* dy,
     } else {
       // d xd = scale * g A (into xd_, no longer needed), then through the mask into dx.
       gemm(false, false, N, slot.in, r, scale_, gy_, r, A, slot.in, 0.f, xd_, slot.in, s);
-      lora_dropout_backward(dx, xd_, N, slot.in, dropout_key(layer, slot.target), s);
+      lora_dropout_backward(dx, xd_, N, slot.in, dropout_key(layer, slot), s);
     }
   }
 }

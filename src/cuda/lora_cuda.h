@@ -12,6 +12,17 @@
 //   kO:      x = attention [N, Q], y = [N, H]
 //   kGateUp: x = rmsnorm 2 [N, H], y = [gate | up] [N, 2 I]
 //   kDown:   x = swiglu [N, I],    y = [N, H]
+//
+// Tensor parallelism (cfg is then the tp rank's local model, tp_local_config): the adapters
+// follow their base projection's split (tp_role in include/qtrain/shard_plan.h). Beside q/k/v
+// and gate/up (column-parallel) B [out/tp, r] holds the rank's rows and A is whole: xa is the
+// same on every rank, dA and dx are partial over tp (dA summed by the optimizer state, dx by
+// the program's tp_block_input_backward hook with the base's). Beside o and down (row-parallel)
+// A [r, in/tp] holds the rank's columns and B is whole: xa = x_t A_t^T and so y's adapter term
+// are partial over tp, summed by tp_block_output with the base GEMM's partial output (no
+// collective of their own), and dB = scale dy^T xa_t is partial too (summed by the state);
+// g = dy B, dA and dx are exact. The row-parallel input's dropout masks are the columns of the
+// serial run's masks that the rank holds (set_tensor_parallel), so every mesh drops alike.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -50,6 +61,11 @@ class LoraCuda {
     seed_ = seed, first_sample_ = first_sample;
   }
 
+  // These are tp rank `rank`'s adapters of tp ranks (the constructor's cfg is its local model):
+  // a row-parallel target's input is columns [rank x in, (rank + 1) x in) of the global input,
+  // so its dropout masks are those columns of the global masks. tp 1: nothing changes.
+  void set_tensor_parallel(int tp, int rank);
+
   // True when some target of `site` is adapted.
   bool adapts(LoraSite site) const;
   // y += scale * drop(x) A^T B^T for every adapted target of the site, into its columns of y;
@@ -65,6 +81,8 @@ class LoraCuda {
     int target = -1;
     int in = 0, out = 0;
     int col = 0;               // first column of the target in the site's fused output
+    int in_global = 0;         // the dropout masks' row width (in, or in x tp: row-parallel)
+    int col0 = 0;              // the mask column of this input's column 0
     std::size_t a = 0, b = 0;  // offsets of A and B in the layout
     bf16* xa = nullptr;        // [N, r] drop(x) A^T of the last forward
   };
@@ -73,7 +91,7 @@ class LoraCuda {
     return slots_[static_cast<std::size_t>(layer) * 4 + static_cast<int>(site)];
   }
   int width(LoraSite site) const;  // columns of the site's fused output (its row stride)
-  LoraDropoutKey dropout_key(int layer, int target) const;
+  LoraDropoutKey dropout_key(int layer, const Slot& slot) const;
   // x with slot's dropout mask applied (into xd_), or x itself when dropout is off.
   const bf16* dropped(int layer, const Slot& slot, const bf16* x, cudaStream_t s);
 

@@ -2,7 +2,8 @@
 // engine (fp32) on the same bf16-representable base weights and adapters: the whole model's loss
 // and every adapter gradient, for several target sets, dropout 0 and 0.1, tied and untied,
 // plain and packed rows. Activation recompute must give the same bits, and so must a second
-// pass. The dropout kernel is checked bit for bit against the CPU's masks.
+// pass. The dropout kernel is checked bit for bit against the CPU's masks (a tensor-parallel
+// row-parallel input's columns of them too).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -36,6 +37,9 @@ struct DropoutCase {
   double p;
   std::int64_t first_sample;
   int layer, target;
+  // Tensor parallelism's row-parallel input: columns [col0, col0 + in) of mask rows of `width`
+  // elements (0: in).
+  int width = 0, col0 = 0;
 };
 
 class LoraDropoutKernel : public ::testing::TestWithParam<DropoutCase> {};
@@ -52,14 +56,17 @@ TEST_P(LoraDropoutKernel, MatchesTheCpuMaskBitForBit) {
     dx[i] = bf16_bits(static_cast<float>(std::normal_distribution<double>(0, 1)(rng)));
   }
   const std::uint64_t seed = rng();
-  // The CPU's rule (LoraAdapters::dropped): row n is token n % T of sequence first + n / T.
+  // The CPU's rule (LoraAdapters::dropped): row n is token n % T of sequence first + n / T, its
+  // mask row `width` wide, of which the input holds columns [col0, col0 + in).
   const std::uint64_t stream = lora_dropout_stream(seed, k.layer, k.target);
   const float keep_scale = static_cast<float>(1.0 / (1.0 - k.p));
   std::vector<std::uint16_t> want_xd(n), want_dx(n);
   std::size_t kept = 0;
   for (int row = 0; row < k.N; ++row) {
     const std::uint64_t g = static_cast<std::uint64_t>(k.first_sample + row / k.T);
-    const std::uint64_t first = (g * k.T + row % k.T) * static_cast<std::uint64_t>(k.in);
+    const std::uint64_t first =
+        (g * k.T + row % k.T) * static_cast<std::uint64_t>(k.width > 0 ? k.width : k.in) +
+        static_cast<std::uint64_t>(k.col0);
     for (int i = 0; i < k.in; ++i) {
       const std::size_t e = static_cast<std::size_t>(row) * k.in + i;
       const float m = rng::uniform(stream, first + i) >= k.p ? keep_scale : 0.0f;
@@ -74,6 +81,8 @@ TEST_P(LoraDropoutKernel, MatchesTheCpuMaskBitForBit) {
   key.first_row = k.first_sample * k.T;
   key.p = k.p;
   key.keep_scale = keep_scale;
+  key.row_width = k.width;
+  key.col0 = k.col0;
   auto* bx = reinterpret_cast<cuda::bf16*>(gx.get());
   cuda::lora_dropout_forward(reinterpret_cast<cuda::bf16*>(gxd.get()), bx, k.N, k.in, key, nullptr);
   cuda::lora_dropout_backward(reinterpret_cast<cuda::bf16*>(gdx.get()),
@@ -93,7 +102,10 @@ INSTANTIATE_TEST_SUITE_P(Cases, LoraDropoutKernel,
                          ::testing::Values(DropoutCase{192, 96, 128, 0.1, 0, 0, kLoraQ},
                                            DropoutCase{200, 64, 256, 0.5, 12345, 3, kLoraDown},
                                            DropoutCase{7, 3, 1024, 0.05, 1LL << 33, 27, kLoraUp},
-                                           DropoutCase{64, 64, 8, 0.9, 5, 1, kLoraO}));
+                                           DropoutCase{64, 64, 8, 0.9, 5, 1, kLoraO},
+                                           // tp 4's rank 2 of down_proj's input
+                                           DropoutCase{128, 64, 64, 0.1, 9, 2, kLoraDown, 256,
+                                                       128}));
 
 // ---- The whole model: CUDA LoRA against the CPU LoRA engine --------------------------------------
 
