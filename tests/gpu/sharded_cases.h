@@ -1,5 +1,5 @@
-// Shared by the ZeRO-2/3 and offload GPU tests (test_train_sharded_cuda_np1/np2): a small model
-// with the CUDA attention's head_dim, 20 steps, and the comparison with a reference run.
+// Shared by the sharded, tensor- and pipeline-parallel GPU tests: a small model with the CUDA
+// attention's head_dim, 20 steps, and the comparison with a reference run.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -79,6 +79,30 @@ inline void expect_matches(const char* name, const RunResult& r, const RunResult
   ASSERT_EQ(r.steps.size(), 20u);
   EXPECT_LT(worst_loss_diff(name, r, want), kShardedTol);
   EXPECT_LT(worst_norm_diff(name, r, want), kShardedNormTol);
+}
+
+// The pipeline tests' model (test_train_pp_cuda_np2/np4): four layers (two stages of two, or two
+// chunks of one on each stage) and lr 1e-3. At the deck's 3e-3 this model's gradient norm spikes
+// (4x at steps 9 and 12), and a tied table's gradient, summed in another order than on one GPU
+// (its head and embedding halves on two stages), leaves the last bits of step 8 amplified to 7%
+// of a norm by step 13 (untied: bit for bit).
+inline std::vector<std::string> four_layers(std::vector<std::string> overrides = {}) {
+  overrides.insert(overrides.begin(), {"--model.num_layers=4", "--optim.lr=1e-3"});
+  return overrides;
+}
+
+// One GPU's runs of that model in tmp/one and tmp/one_untied, the references of the cases.
+struct PipelineRefs {
+  RunResult tied, untied;
+};
+inline PipelineRefs pipeline_refs(const std::string& tmp) {
+  PipelineRefs r;
+  r.tied = run(1, sharded_deck(tmp + "/one"), four_layers(), tmp + "/one.jsonl");
+  EXPECT_EQ(r.tied.exit_code, 0) << r.tied.error;
+  r.untied = run(1, sharded_deck(tmp + "/one_untied"),
+                 four_layers({"--model.tie_word_embeddings=false"}), tmp + "/one_untied.jsonl");
+  EXPECT_EQ(r.untied.exit_code, 0) << r.untied.error;
+  return r;
 }
 
 }  // namespace qt::test

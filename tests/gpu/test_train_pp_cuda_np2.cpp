@@ -19,22 +19,11 @@ TEST(TrainPipelineCuda, Pp2MatchesOneGpu) {
   if (const int gpus = test::visible_gpus(); gpus < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("cuda-pp2");
-  // Four layers: two stages of two, or two chunks of one on each stage. lr 1e-3: at the deck's
-  // 3e-3 this model's gradient norm spikes (4x at steps 9 and 12), and a tied table's gradient,
-  // summed in another order than on one GPU (its head and embedding halves on two stages),
-  // leaves the last bits of step 8 amplified to 7% of a norm by step 13 (untied: bit for bit).
   auto deck = [&](const std::string& d) { return test::sharded_deck(tmp + "/" + d); };
-  const std::vector<std::string> four = {"--model.num_layers=4", "--optim.lr=1e-3"};
-  auto with = [&](std::vector<std::string> o) {
-    o.insert(o.begin(), four.begin(), four.end());
-    return o;
-  };
-  const auto ref = test::run(1, deck("one"), four, tmp + "/one.jsonl");
-  ASSERT_EQ(ref.exit_code, 0) << ref.error;
-  const auto ref_untied = test::run(1, deck("one_untied"),
-                                    with({"--model.tie_word_embeddings=false"}),
-                                    tmp + "/one_untied.jsonl");
-  ASSERT_EQ(ref_untied.exit_code, 0) << ref_untied.error;
+  const auto with = test::four_layers;  // test::four_layers says why
+  const test::PipelineRefs refs = test::pipeline_refs(tmp);
+  ASSERT_FALSE(HasFailure());
+  const test::RunResult &ref = refs.tied, &ref_untied = refs.untied;
   struct Case {
     const char* name;
     std::vector<std::string> overrides;

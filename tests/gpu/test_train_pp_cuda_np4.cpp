@@ -16,19 +16,11 @@ TEST(TrainPipelineCuda, Pp2WithDp2OrTp2MatchesOneGpu) {
   if (const int gpus = test::visible_gpus(); gpus < 4) GTEST_SKIP() << "needs 4 GPUs, found " << gpus;
   ASSERT_EQ(test::world_size(), 4);
   const std::string tmp = test::shared_temp_dir("cuda-pp2x2");
-  // Four layers, lr 1e-3, as test_train_pp_cuda_np2.cpp (which says why).
   auto deck = [&](const std::string& d) { return test::sharded_deck(tmp + "/" + d); };
-  const std::vector<std::string> four = {"--model.num_layers=4", "--optim.lr=1e-3"};
-  auto with = [&](std::vector<std::string> o) {
-    o.insert(o.begin(), four.begin(), four.end());
-    return o;
-  };
-  const auto ref = test::run(1, deck("one"), four, tmp + "/one.jsonl");
-  ASSERT_EQ(ref.exit_code, 0) << ref.error;
-  const auto ref_untied = test::run(1, deck("one_untied"),
-                                    with({"--model.tie_word_embeddings=false"}),
-                                    tmp + "/one_untied.jsonl");
-  ASSERT_EQ(ref_untied.exit_code, 0) << ref_untied.error;
+  const auto with = test::four_layers;  // test::four_layers says why
+  const test::PipelineRefs refs = test::pipeline_refs(tmp);
+  ASSERT_FALSE(HasFailure());
+  const test::RunResult &ref = refs.tied, &ref_untied = refs.untied;
   struct Case {
     const char* name;
     std::vector<std::string> overrides;
