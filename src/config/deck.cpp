@@ -497,10 +497,25 @@ void Builder::validate_lora() {
   need(l.r >= 0, "lora.r", "must be >= 0 (0 = LoRA off)");
   need(l.alpha > 0, "lora.alpha", "must be > 0");
   need(l.dropout >= 0 && l.dropout < 1, "lora.dropout", "must be in [0, 1)");
+  std::vector<int> targets;
   try {
-    parse_lora_targets(l.targets, "");
+    targets = parse_lora_targets(l.targets, "");
   } catch (const UserError& e) {
     need(false, "lora.targets", "{}", e.what());  // ": unknown target ..."
+  }
+  if (l.r == 0 || l.dropout == 0 || deck_.train.device != "cuda") return;
+  // The GPU's dropout masks go 8 bf16 at a time over each adapter's input row (this tp rank's
+  // columns of o_proj's and down_proj's).
+  const ModelConfig& m = deck_.model;
+  const int tp = deck_.mesh.tp;
+  for (const int t : targets) {
+    const std::string name = kLoraTargets[t];
+    const bool o = name == "o_proj", down = name == "down_proj";
+    const int in = o ? m.q_dim() / tp : down ? m.intermediate_size / tp : m.hidden_size;
+    need(in % 8 == 0, "lora.dropout", "> 0 on train.device = cuda needs the input width of each "
+         "adapter a multiple of 8; {} reads {} columns a tp rank{}", name, in,
+         o ? " (model.num_heads x model.head_dim / mesh.tp)"
+           : down ? " (model.intermediate_size / mesh.tp)" : " (model.hidden_size)");
   }
 }
 

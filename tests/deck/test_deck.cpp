@@ -330,6 +330,21 @@ TEST(DeckErrors, InconsistentValues) {
   expect_error("[mesh]\nep = 3\n", {"deck.ini:2:", "mesh.ep = 3", "does not divide mesh.dp = 2"});
 }
 
+// LoRA dropout on the GPU masks 8 columns at a time: each targeted adapter's input width (a tp
+// rank's share for o_proj and down_proj) must be a multiple of 8; untargeted sites do not count.
+TEST(Deck, LoraDropoutWidthsOnCuda) {
+  const std::string model = "[train]\ndevice = cuda\n[model]\nhead_dim = 64\nintermediate_size = 260\n";
+  const std::string lora = "[lora]\nr = 4\ndropout = 0.1\n";
+  EXPECT_EQ(parse(model + lora + "[mesh]\ntp = 2\n").lora.r, 4);  // q, k, v, o: 128 and 128
+  expect_error(model + lora + "targets = q_proj,down_proj\n[mesh]\ntp = 2\n",
+               {"lora.dropout = 0.1 > 0 on train.device = cuda needs the input width of each "
+                "adapter a multiple of 8; down_proj reads 130 columns a tp rank "
+                "(model.intermediate_size / mesh.tp)"});
+  EXPECT_EQ(parse(model + "[lora]\nr = 4\ndropout = 0\ntargets = down_proj\n[mesh]\ntp = 2\n")
+                .lora.r,
+            4);  // no dropout: any width
+}
+
 // mesh.tp_overlap: off unless the deck turns it on; a bool like every switch.
 TEST(Deck, TpOverlap) {
   EXPECT_FALSE(parse("[mesh]\ntp = 2\n").mesh.tp_overlap);
