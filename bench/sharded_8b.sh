@@ -13,7 +13,7 @@
 # real layer shapes (e.g. MODEL=qwen3-32b LAYERS=24: the Qwen3-32B slice of issue 17).
 # Synthetic tokens, no checkpoints. Prints tokens/s per GPU, model TFLOP/s and MFU
 # (bench/summarize_throughput.py's FLOP count, against PEAK TFLOP/s, default 989: H100/H200 bf16
-# dense), and the arena's peak.
+# dense), the arena's peak and, for pp, the mean measured bubble (the step log's pipeline idle).
 #   usage: bench/sharded_8b.sh BUILD_DIR OUT_DIR zero3|offload|tp|pp [N] [extra qtrain options...]
 #   BASELINE=0: qtrain only; STEPS: qtrain steps (default 30 for zero3, 6 for offload); GLOBAL:
 #   sequences a step (zero3 and tp: default N, one micro-batch of one sequence a GPU)
@@ -66,8 +66,10 @@ fpt = flops_per_token(spec, 4096)
 steps = [json.loads(l) for l in open(f"{out}/{tag}.jsonl")]
 late = [s["tokens_per_s"] for s in steps[2:]] or [steps[-1]["tokens_per_s"]]
 tps = sum(late) / len(late) / n
+idle = [s["pipeline_idle"] for s in steps[2:] if "pipeline_idle" in s]
+bubble = f", pipeline idle {100 * sum(idle) / len(idle):.1f}% (mean of steps 3+)" if idle else ""
 print(f"qtrain {tag}: {tps:.0f} tokens/s per GPU, {tps * fpt / 1e12:.0f} TFLOP/s, "
-      f"MFU {100 * tps * fpt / 1e12 / peak:.1f}%, arena peak {arena_peak_gib(steps):.1f} GiB")
+      f"MFU {100 * tps * fpt / 1e12 / peak:.1f}%, arena peak {arena_peak_gib(steps):.1f} GiB{bubble}")
 path = f"{out}/fsdp2-{tag}.json"
 if os.path.exists(path) and os.path.getsize(path) > 0:
     b = json.load(open(path))
