@@ -85,13 +85,13 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclC
     vp_parts_ = arena.allocate<float>(2 * static_cast<std::size_t>(chunk_) * tp_->size());
     vp_targets_ = arena.allocate<std::int32_t>(chunk_);
   }
-  if (tp_)
+  if (tp_ && overlap_)
     for (int i = 0; i < tp_->size(); ++i) landed_.push_back(std::make_unique<Event>());
   if (sp_) {
     const std::size_t NH = static_cast<std::size_t>(N_) * cfg.hidden_size;
     rows_full_ = arena.allocate<bf16>(NH);
     xf_full_ = arena.allocate<bf16>(NH);
-    parts_ = arena.allocate<bf16>(NH / seq_parallel * (seq_parallel - 1));
+    if (overlap_) parts_ = arena.allocate<bf16>(NH / seq_parallel * (seq_parallel - 1));
   }
 }
 

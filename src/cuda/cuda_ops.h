@@ -187,7 +187,8 @@ class CudaOps : public NoCollectives {
   bf16* reduced_ = nullptr;      // the linear reduced this y: tp_block_output only returns
   const bf16* gathered_ = nullptr;  // sp: [N, cols] whose other ranks' rows are still landing
   std::vector<std::unique_ptr<Event>> landed_;  // [tp] rows of rank (r - i) mod tp landed
-  bf16* parts_ = nullptr;        // sp: [tp - 1, N / tp, H] the other ranks' partial rows of mine
+  bf16* parts_ = nullptr;        // sp with overlap_: [tp - 1, N / tp, H] the other ranks' partial
+                                 // rows of mine
   // sp: full [rows, cols] = the ranks' x [rows / tp, cols]: this rank's copied, the others' sent
   // and received pairwise, marking landed_; the next GEMM reads full (gathered_).
   void start_gather(bf16* full, const bf16* x, int rows, int cols);
