@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "check.h"
+#include "ops/moe_block.h"
 #include "ops/moe_experts.h"
 
 namespace qt {
@@ -99,6 +100,67 @@ TEST(ops_moe_experts, BackwardAgainstFiniteDifferences) {
                               cast<float>(c.down).data(), c.N, c.H, c.Im, c.E, c.k);
   QT_EXPECT_CLOSE(dxf, dx.values(), kTolF32);
   QT_EXPECT_CLOSE(dguf, dgate_up, kTolF32);
+}
+
+
+// The whole sparse block (ops/moe_block.h): CE-like r . y plus aux_coef x the load-balancing
+// loss, against finite differences in x and every weight. The router's logits are kept apart
+// (gate rows a_e u + noise with spaced a_e, tokens +-u + noise) so that no step changes a pick.
+TEST(ops_moe_block, BackwardAgainstFiniteDifferences) {
+  auto rng = test_rng();
+  const MoeShape s{6, 5, 3, 5, 2, true};
+  Vec u = random_f32_exact(s.H, rng);
+  const double norm = std::sqrt(dot(u, u));
+  for (double& v : u) v /= norm;
+  std::vector<int> perm(s.E);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  std::uniform_real_distribution<double> noise(-0.01, 0.01);
+  Vec gate(s.E * s.H), x(s.N * s.H);
+  for (int e = 0; e < s.E; ++e)
+    for (int a = 0; a < s.H; ++a) gate[e * s.H + a] = static_cast<float>(perm[e] * u[a] + noise(rng));
+  for (int t = 0; t < s.N; ++t)
+    for (int a = 0; a < s.H; ++a)
+      x[t * s.H + a] = static_cast<float>((t % 2 ? -1.0 : 1.0) * u[a] + noise(rng));
+  Vec gate_up = random_f32_exact(s.E * 2 * s.Im * s.H, rng), down = random_f32_exact(s.E * s.H * s.Im, rng);
+  const Vec r = random_f32_exact(s.N * s.H, rng);
+  const double coef = 0.1;  // large, so that the aux term's gradient counts in the comparison
+  std::vector<int> picks;
+  auto loss = [&] {
+    Vec y(s.N * s.H), probs(s.N * s.E), w(s.N * s.k);
+    std::vector<int> idx(s.N * s.k);
+    moe_block_forward<double>(y.data(), probs.data(), idx.data(), w.data(), x.data(), gate.data(),
+                              gate_up.data(), down.data(), s);
+    if (picks.empty()) picks = idx;
+    EXPECT_EQ(idx, picks);  // the step changed no pick
+    RouterBalance b(s.E);
+    router_balance_add<double>(b, probs.data(), idx.data(), s.N, s.k);
+    return dot(r, y) + coef * router_aux_loss(b);
+  };
+  (void)loss();  // the picks
+  Vec y(s.N * s.H), probs(s.N * s.E), w(s.N * s.k);
+  std::vector<int> idx(s.N * s.k);
+  moe_block_forward<double>(y.data(), probs.data(), idx.data(), w.data(), x.data(), gate.data(),
+                            gate_up.data(), down.data(), s);
+  RouterBalance b(s.E);
+  router_balance_add<double>(b, probs.data(), idx.data(), s.N, s.k);
+  Guarded<double> dx(s.N * s.H);
+  Vec dgate(gate.size(), 0.0), dgate_up(gate_up.size(), 0.0), ddown(down.size(), 0.0);
+  moe_block_backward<double>(dx.data(), dgate.data(), dgate_up.data(), ddown.data(), r.data(),
+                             x.data(), probs.data(), idx.data(), w.data(), gate.data(),
+                             gate_up.data(), down.data(), s, &b, coef);
+  QT_EXPECT_CLOSE(dx.values(), fd_grad(x, loss), kTolFd);
+  QT_EXPECT_CLOSE(dgate, fd_grad(gate, loss), kTolFd);
+  QT_EXPECT_CLOSE(dgate_up, fd_grad(gate_up, loss), kTolFd);
+  QT_EXPECT_CLOSE(ddown, fd_grad(down, loss), kTolFd);
+  EXPECT_TRUE(dx.guards_intact());
+  // Without the aux term the router's gradient differs: the term is not a no-op.
+  Vec dgate_plain(gate.size(), 0.0), scratch_gu(gate_up.size(), 0.0), scratch_d(down.size(), 0.0);
+  Vec dx_plain(s.N * s.H);
+  moe_block_backward<double>(dx_plain.data(), dgate_plain.data(), scratch_gu.data(),
+                             scratch_d.data(), r.data(), x.data(), probs.data(), idx.data(),
+                             w.data(), gate.data(), gate_up.data(), down.data(), s);
+  EXPECT_GT(rel_err(dgate_plain, dgate), 1e-4);
 }
 
 }  // namespace
