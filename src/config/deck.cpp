@@ -3,7 +3,7 @@
 // Boost.Program_options reads both sources into one variables_map, the command line stored
 // first so that it wins. Program_options reports no line numbers, so ini::scan maps every file
 // key to its line and every error can say file:line (or "(command line)"). Every key lives in
-// ONE table (key_table) that drives parsing, --help, the resolved deck and the docs test.
+// ONE table (config/key_table.cpp) that drives parsing, --help, the resolved deck and the docs test.
 #include "qtrain/deck.h"
 
 #include "parallel/pipeline_schedule.h"
@@ -23,6 +23,7 @@
 #include "config/deck_keys.h"
 #include "config/field_text.h"
 #include "config/ini_lines.h"
+#include "config/key_table.h"
 #include "config/suggest.h"
 #include "hf/config.h"
 #include "qtrain/error.h"
@@ -32,191 +33,7 @@ namespace qt {
 namespace {
 
 namespace po = boost::program_options;
-
-const std::vector<std::string> kSections = {"model", "mesh",       "train", "optim",   "lora",
-                                            "data",  "checkpoint", "log",   "topology"};
-const std::vector<std::string> kDataSources = {"synthetic", "file"};
-const std::vector<std::string> kPackings = {"concat", "packed", "padded"};
-const std::vector<std::string> kDevices = {"cpu", "cuda"};
-
-struct KeySpec {
-  std::string key;      // "section.key"
-  std::string unit;     // empty when dimensionless
-  std::string meaning;  // one line for --help and deck_keys()
-  std::function<FieldRef(Deck&)> field;
-};
-
-template <class Part, class T>
-KeySpec spec(const char* section, const char* name, Part Deck::*part, T Part::*member,
-             std::string unit, std::string meaning) {
-  return {std::string(section) + "." + name, std::move(unit), std::move(meaning),
-          [part, member](Deck& d) -> FieldRef { return &((d.*part).*member); }};
-}
-
-// The one table of keys, in section order. model.preset comes first: it is applied before the
-// other model keys, which override it.
-const std::vector<KeySpec>& key_table() {
-  static const std::vector<KeySpec> table = [] {
-    using D = Deck;
-    using M = ModelConfig;
-    using S = MeshShape;
-    using T = TrainConfig;
-    using O = OptimConfig;
-    using Lo = LoraConfig;
-    using Da = DataConfig;
-    using C = CheckpointConfig;
-    using L = LogConfig;
-    using To = TopologyConfig;
-    return std::vector<KeySpec>{
-        spec("model", "preset", &D::model, &M::preset, "",
-             "Model preset (" + join(model_preset_names(), " | ") +
-                 "); sets every model key, which the keys below override"),
-        KeySpec{"model.init", "path",
-                "Hugging Face model directory to start from (config.json + safetensors); its "
-                "config.json sets every model key; empty = initialise from train.seed",
-                [](Deck& d) -> FieldRef { return &d.model_init; }},
-        spec("model", "vocab_size", &D::model, &M::vocab_size, "tokens", "Vocabulary size V"),
-        spec("model", "hidden_size", &D::model, &M::hidden_size, "", "Hidden size H"),
-        spec("model", "intermediate_size", &D::model, &M::intermediate_size, "",
-             "SwiGLU MLP width I"),
-        spec("model", "num_layers", &D::model, &M::num_layers, "", "Decoder layers L"),
-        spec("model", "num_heads", &D::model, &M::num_heads, "", "Query heads"),
-        spec("model", "num_kv_heads", &D::model, &M::num_kv_heads, "",
-             "Key/value heads (GQA); must divide num_heads"),
-        spec("model", "head_dim", &D::model, &M::head_dim, "", "Width of one head; even"),
-        spec("model", "rope_theta", &D::model, &M::rope_theta, "", "RoPE base frequency"),
-        spec("model", "rms_norm_eps", &D::model, &M::rms_norm_eps, "",
-             "Epsilon inside every RMSNorm"),
-        spec("model", "tie_word_embeddings", &D::model, &M::tie_word_embeddings, "",
-             "lm_head shares the embedding matrix (true | false)"),
-        spec("model", "initializer_range", &D::model, &M::initializer_range, "",
-             "Standard deviation of the normal initialisation of weights"),
-        spec("model", "max_position_embeddings", &D::model, &M::max_position_embeddings,
-             "tokens", "Longest sequence the model allows; train.seq_len must not exceed it"),
-
-        spec("mesh", "dp", &D::mesh, &S::dp, "ranks",
-             "Data-parallel ranks; 0 = auto (world size / (tp x pp))"),
-        spec("mesh", "tp", &D::mesh, &S::tp, "ranks",
-             "Tensor-parallel ranks: heads, MLP columns and vocabulary split over them (must "
-             "divide model.num_heads, intermediate_size and vocab_size, and divide num_kv_heads "
-             "or, on train.device = cpu, be a multiple of it)"),
-        spec("mesh", "sequence_parallel", &D::mesh, &S::sequence_parallel, "",
-             "With mesh.tp > 1: norms and residual adds on 1/tp of each micro-batch's rows, "
-             "block inputs all-gathered and outputs reduce-scattered over tp (true | false)"),
-        spec("mesh", "tp_overlap", &D::mesh, &S::tp_overlap, "",
-             "With mesh.tp > 1 on train.device = cuda: each block's tp collectives run in "
-             "pieces beside its GEMMs (true | false: each whole, after its GEMM)"),
-        spec("mesh", "pp", &D::mesh, &S::pp, "ranks",
-             "Pipeline stages, each a range of layers (both back ends)"),
-        spec("mesh", "pp_schedule", &D::mesh, &S::pp_schedule, "",
-             "Pipeline schedule: 1f1b | zb-h1 (zero bubble: backward split in two; cpu, cuda)"),
-        spec("mesh", "pp_chunks", &D::mesh, &S::pp_chunks, "chunks",
-             "Model chunks a pipeline stage runs; > 1: interleaved 1F1B (or ZB-H1)"),
-        spec("mesh", "pp_layers", &D::mesh, &S::pp_layers, "layers",
-             "Layers of each pipeline chunk, a comma list; empty: balanced by cost"),
-        spec("mesh", "ep", &D::mesh, &S::ep, "ranks",
-             "Expert-parallel ranks, dividing dp (only 1 is built)"),
-
-        spec("train", "seq_len", &D::train, &T::seq_len, "tokens", "Tokens per sequence T"),
-        spec("train", "micro_batch", &D::train, &T::micro_batch, "sequences",
-             "Sequences per micro-batch on each dp rank"),
-        spec("train", "global_batch", &D::train, &T::global_batch, "sequences",
-             "Sequences per optimizer step over all dp ranks; a multiple of micro_batch x dp"),
-        spec("train", "steps", &D::train, &T::steps, "steps",
-             "Optimizer steps of the whole run (the schedule's horizon)"),
-        spec("train", "stop_at", &D::train, &T::stop_at, "steps",
-             "Stop after this step, checkpointing first; 0 = run to train.steps"),
-        spec("train", "seed", &D::train, &T::seed, "",
-             "Seed of initialisation, data order and synthetic data"),
-        spec("train", "recompute", &D::train, &T::recompute, "",
-             "Recompute each layer's activations in backward (true | false)"),
-        spec("train", "device", &D::train, &T::device, "",
-             "Back end: cpu (fp32 reference) | cuda (bf16 compute, fp32 master weights; one GPU per rank)"),
-
-        spec("optim", "lr", &D::optim, &O::lr, "", "Peak learning rate (AdamW)"),
-        spec("optim", "min_lr", &D::optim, &O::min_lr, "",
-             "Learning rate at the end of the decay; at most lr"),
-        spec("optim", "warmup_steps", &D::optim, &O::warmup_steps, "steps",
-             "Linear warm-up from 0 to lr"),
-        spec("optim", "schedule", &D::optim, &O::schedule, "",
-             "Decay after warm-up: " + join(schedule_names(), " | ")),
-        spec("optim", "beta1", &D::optim, &O::beta1, "", "AdamW first-moment decay, in [0, 1)"),
-        spec("optim", "beta2", &D::optim, &O::beta2, "", "AdamW second-moment decay, in [0, 1)"),
-        spec("optim", "eps", &D::optim, &O::eps, "", "AdamW epsilon"),
-        spec("optim", "weight_decay", &D::optim, &O::weight_decay, "",
-             "Decoupled weight decay (AdamW)"),
-        spec("optim", "grad_clip", &D::optim, &O::grad_clip, "",
-             "Clip the global gradient L2 norm to this; 0 disables clipping"),
-        spec("optim", "zero_stage", &D::optim, &O::zero_stage, "",
-             "ZeRO over dp: 0 replicated; 1 optimizer state sharded; 2 + gradients; 3 + "
-             "parameters (gathered per layer)"),
-        spec("optim", "offload", &D::optim, &O::offload, "",
-             "Master weights and AdamW moments in host memory, AdamW on the host: none | cpu"),
-        spec("optim", "grad_reduce", &D::optim, &O::grad_reduce, "",
-             "dtype of the dp gradient reduction: fp32 | bf16 (bf16: cuda only, half the traffic)"),
-        spec("optim", "reduce_bucket_mb", &D::optim, &O::reduce_bucket_mb, "MiB",
-             "not used (gradients are reduced a unit at a time); kept for older decks"),
-
-        spec("lora", "r", &D::lora, &Lo::r, "",
-             "LoRA rank; 0 = off (the whole model trains); > 0: only adapters train, base frozen"),
-        spec("lora", "alpha", &D::lora, &Lo::alpha, "", "LoRA scale numerator: scale = alpha / r"),
-        spec("lora", "dropout", &D::lora, &Lo::dropout, "",
-             "Dropout on the adapters' input, in [0, 1)"),
-        spec("lora", "targets", &D::lora, &Lo::targets, "",
-             "Projections adapted: comma list of q_proj, k_proj, v_proj, o_proj, gate_proj, "
-             "up_proj, down_proj, or all-linear"),
-
-        spec("data", "source", &D::data, &Da::source, "",
-             "Training data: " + join(kDataSources, " | ")),
-        spec("data", "path", &D::data, &Da::path, "path",
-             "Token file (HDF5, docs/data.md) when source = file"),
-        spec("data", "packing", &D::data, &Da::packing, "",
-             "Documents in windows: " + join(kPackings, " | ") + " (docs/data.md, Packing)"),
-        spec("data", "synthetic_branching", &D::data, &Da::synthetic_branching, "tokens",
-             "Synthetic Markov chain: successors per token, 1..vocab_size"),
-
-        spec("checkpoint", "dir", &D::checkpoint, &C::dir, "path", "Directory of checkpoints"),
-        spec("checkpoint", "every", &D::checkpoint, &C::every, "steps",
-             "Steps between checkpoints; 0 = only at the end; -1 = none at all (benchmarks)"),
-        spec("checkpoint", "keep", &D::checkpoint, &C::keep, "checkpoints",
-             "Newest complete checkpoints kept; older ones are deleted"),
-        spec("checkpoint", "resume", &D::checkpoint, &C::resume, "",
-             "auto (newest in dir, if any) | none | path of a checkpoint file"),
-
-        spec("log", "every", &D::log, &L::every, "steps", "Steps between log lines"),
-        spec("log", "metrics", &D::log, &L::metrics, "path",
-             "JSON-lines metrics file written by rank 0; empty disables it"),
-
-        spec("topology", "gpus_per_host", &D::topology, &To::gpus_per_host, "GPUs",
-             "GPUs (ranks) of one host; tensor parallelism stays inside one (qtrain plan)"),
-        spec("topology", "intra_host_gbps", &D::topology, &To::intra_host_gbps, "GB/s",
-             "All-reduce bus bandwidth per GPU within a host (NVLink), for qtrain plan"),
-        spec("topology", "inter_host_gbps", &D::topology, &To::inter_host_gbps, "GB/s",
-             "All-reduce bus bandwidth per GPU across hosts (network), for qtrain plan"),
-    };
-  }();
-  return table;
-}
-
-const KeySpec* find_spec(const std::string& key) {
-  for (const KeySpec& s : key_table()) {
-    if (s.key == key) return &s;
-  }
-  return nullptr;
-}
-
-std::vector<std::string> all_keys() {
-  std::vector<std::string> out;
-  for (const KeySpec& s : key_table()) out.push_back(s.key);
-  return out;
-}
-
-// The deck before any key is read: the struct defaults, except mesh.dp = 0 (auto).
-Deck deck_defaults() {
-  Deck d;
-  d.mesh.dp = 0;
-  return d;
-}
+using namespace config;  // the key table and the value lists
 
 struct Origin {
   enum class Kind { kDefault, kFile, kCommandLine };
@@ -766,39 +583,6 @@ Deck parse_deck(int argc, const char* const* argv, int world_size) {
   text << in.rdbuf();
   if (in.bad()) fail_user("deck file {}: read error", path);
   return parse_deck_text(text.str(), path, overrides, world_size);
-}
-
-std::vector<DeckKeyInfo> deck_keys() {
-  Deck d = deck_defaults();
-  std::vector<DeckKeyInfo> out;
-  for (const KeySpec& s : key_table()) {
-    out.push_back({s.key, s.unit, s.meaning, format_value(s.field(d))});
-  }
-  return out;
-}
-
-std::string deck_help() {
-  std::string out =
-      "usage: qtrain [--section.key=value ...] deck.ini\n"
-      "       mpiexec -n N qtrain [--section.key=value ...] deck.ini\n"
-      "       qtrain --help | --version\n"
-      "\n"
-      "A deck is an INI file of [section] headers and `key = value` lines; `#` starts a\n"
-      "comment. A --section.key=value on the command line wins over the file. Unknown keys\n"
-      "and bad values are errors (exit code 2). docs/decks.md describes every key.\n"
-      "Keys, with their defaults (the [model] defaults are the tiny preset's):\n";
-  std::string section;
-  for (const DeckKeyInfo& k : deck_keys()) {
-    std::string sec = k.key.substr(0, k.key.find('.'));
-    if (sec != section) {
-      out += "\n[" + sec + "]\n";
-      section = sec;
-    }
-    out += fmt::format("  {} = {}{}\n      {}\n", k.key,
-                       k.default_value.empty() ? "\"\"" : k.default_value,
-                       k.unit.empty() ? "" : "  [" + k.unit + "]", k.meaning);
-  }
-  return out;
 }
 
 }  // namespace qt
