@@ -182,7 +182,7 @@ class CudaOps : public NoCollectives {
     bf16* local = nullptr;       // sp: [rows / tp, cols] this rank's rows of the sum
     bf16* y = nullptr;           // [rows, cols] partial over tp
   };
-  bool overlap_ = true;           // mesh.tp_overlap
+  bool overlap_ = false;          // mesh.tp_overlap
   Ahead ahead_;
   bf16* reduced_ = nullptr;      // the linear reduced this y: tp_block_output only returns
   const bf16* gathered_ = nullptr;  // sp: [N, cols] whose other ranks' rows are still landing
