@@ -15,6 +15,7 @@
 #include "config/deck_keys.h"
 #include "qtrain/deck.h"
 #include "qtrain/error.h"
+#include "qtrain/shard_plan.h"
 #include "support/random.h"
 
 namespace {
@@ -656,9 +657,12 @@ TEST(DeckDocs, Qwen3_32bDeckFitsFourNodesOfEightGpus) {
                             32);
   EXPECT_EQ(d.model.num_layers, 64);
   EXPECT_EQ(d.model.hidden_size, 5120);
-  EXPECT_EQ(d.mesh.dp, 4);  // tp 8 inside each node, dp 4 over the nodes
-  EXPECT_EQ(d.mesh.tp, 8);
-  EXPECT_EQ(d.mesh.pp, 1);
+  EXPECT_EQ(d.mesh.dp, 4);  // dp 4 x tp 4 (inside a node) x pp 2, the planner's fastest
+  EXPECT_EQ(d.mesh.tp, 4);
+  EXPECT_EQ(d.mesh.pp, 2);
+  EXPECT_EQ(d.mesh.pp_schedule, "1f1b");
+  // The split its comments state: the embedding and layers 0-32, then layers 33-63 and the head.
+  EXPECT_EQ(qt::pipeline_layer_bounds(d.model, d.mesh), (std::vector<int>{0, 33, 64}));
   EXPECT_EQ(d.optim.zero_stage, 1);
   EXPECT_EQ(d.train.device, "cuda");
   EXPECT_FALSE(d.train.recompute);

@@ -44,7 +44,7 @@ expect() {
   done
 }
 
-layout='^layout   world 32 = pp 1 x dp 4 x tp 8 \(tp innermost\); optim\.zero_stage = 1; train\.device = cuda$'
+layout='^layout   world 32 = pp 2 x dp 4 x tp 4 \(tp innermost\); optim\.zero_stage = 1; train\.device = cuda$'
 job='^job      4 nodes x 8 ranks per node = 32 ranks, one GPU each'
 numa='^numa     GPU NUMA nodes 0,0,0,0,1,1,1,1 \(QTRAIN_GPU_NUMA\)$'
 expect slurm_srun 0 env DRY_RUN=1 bash scripts/slurm/qwen3_32b.sh -- "$job" "$layout" "$numa" \
@@ -56,12 +56,12 @@ expect slurm_mpirun 0 env QTRAIN_LAUNCHER=mpirun bash scripts/slurm/qwen3_32b.sh
 expect pbs 0 env DRY_RUN=1 bash scripts/pbs/qwen3_32b.pbs -- "$job" "$layout" "$numa" \
   "^command  mpirun -np 32 --map-by ppr:4:numa --bind-to numa $tmp/qtrain inputs/qwen3_32b\.ini$" \
   '^rerun    SIGUSR1 300 s before the walltime'
-expect pbs_args 0 env DRY_RUN=1 QTRAIN_ARGS="--optim.lr=2e-5 --mesh.tp=8" bash scripts/pbs/qwen3_32b.pbs -- \
-  '^layout   world 32 = pp 1 x dp 4 x tp 8 ' "--optim\.lr=2e-5 --mesh\.tp=8$"
-expect slurm_tp_across_nodes 2 bash scripts/slurm/qwen3_32b.sh --dry-run --mesh.dp=2 --mesh.tp=16 -- \
+expect pbs_args 0 env DRY_RUN=1 QTRAIN_ARGS="--optim.lr=2e-5 --mesh.tp=8 --mesh.pp=1" bash scripts/pbs/qwen3_32b.pbs -- \
+  '^layout   world 32 = pp 1 x dp 4 x tp 8 ' "--optim\.lr=2e-5 --mesh\.tp=8 --mesh\.pp=1$"
+expect slurm_tp_across_nodes 2 bash scripts/slurm/qwen3_32b.sh --dry-run --mesh.dp=2 --mesh.tp=16 --mesh.pp=1 -- \
   '^error    mesh\.tp = 16 does not divide the 8 ranks per node'
 expect pbs_world 2 bash scripts/pbs/qwen3_32b.pbs --dry-run --mesh.dp=16 -- \
-  '^error    mesh\.dp x mesh\.tp x mesh\.pp = 16 x 8 x 1 is not the job.s 32 ranks'
+  '^error    mesh\.dp x mesh\.tp x mesh\.pp = 16 x 4 x 2 is not the job.s 32 ranks'
 
 [ "$fail" -eq 0 ] && echo PASS
 exit "$fail"
