@@ -1,4 +1,5 @@
-// Architecture of a Qwen3 dense model (../shared/docs/qwen3-spec.md, section 1.1).
+// Architecture of a Qwen3 model, dense or Qwen3-MoE (../shared/docs/qwen3-spec.md, section 1.1;
+// the MoE fields keep transformers' Qwen3MoeConfig names).
 #pragma once
 
 #include <cstdint>
@@ -22,13 +23,29 @@ struct ModelConfig {
   bool tie_word_embeddings = true;
   double initializer_range = 0.02;
   int max_position_embeddings = 40960;
+  // Qwen3-MoE (num_experts > 0): layer l is a sparse block of num_experts experts of width
+  // moe_intermediate_size, num_experts_per_tok a token, unless l is in mlp_only_layers or
+  // (l + 1) % decoder_sparse_step != 0 (then a dense MLP of intermediate_size).
+  int num_experts = 0;                 // E; 0: a dense model
+  int num_experts_per_tok = 8;         // k
+  int moe_intermediate_size = 768;     // Im
+  bool norm_topk_prob = true;          // renormalise the k routing weights to sum 1
+  int decoder_sparse_step = 1;
+  std::vector<int> mlp_only_layers;    // ascending layer indices
+  double router_aux_loss_coef = 0.001; // weight of the load-balancing loss in the objective
 
   int q_dim() const { return num_heads * head_dim; }
   int kv_dim() const { return num_kv_heads * head_dim; }
+  bool is_moe() const { return num_experts > 0; }
+  // Layer l is a sparse (MoE) block (transformers' rule, qwen3-spec.md 1.1 notes).
+  bool is_moe_layer(int l) const;
+  int num_moe_layers() const;
   // Total parameter count, by the spec's formula (section 1.3).
   std::int64_t num_params() const;
   // The same in double, which cannot overflow: for checks of sizes before they are allocated.
   double num_params_f64() const;
+  // Parameters a token runs through: the MoE layers' experts counted k of E (the router whole).
+  double active_params_f64() const;
 };
 
 // The named presets; nullopt for an unknown name.

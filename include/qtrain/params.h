@@ -24,9 +24,14 @@ struct ParamInfo {
   bool weight_decay = true;          // false for norm weights (1-D)
 };
 
-// Flat-buffer offsets of one decoder layer's parameters.
+// Flat-buffer offsets of one decoder layer's parameters: a dense MLP's w_gate, w_up, w_down, or a
+// sparse block's (moe) router [E, H], experts_gate_up [E, 2 Im, H] and experts_down [E, H, Im]
+// (the other set 0).
 struct LayerOffsets {
-  std::size_t ln1, wq, wk, wv, wo, q_norm, k_norm, ln2, w_gate, w_up, w_down;
+  std::size_t ln1 = 0, wq = 0, wk = 0, wv = 0, wo = 0, q_norm = 0, k_norm = 0, ln2 = 0;
+  std::size_t w_gate = 0, w_up = 0, w_down = 0;
+  bool moe = false;
+  std::size_t router = 0, experts_gate_up = 0, experts_down = 0;
 };
 
 // Flat-buffer offsets of a whole model's parameters. lm_head is the embedding's offset when the

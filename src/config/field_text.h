@@ -12,7 +12,9 @@
 namespace qt {
 
 // Where in a Deck one key's value lives.
-using FieldRef = std::variant<int*, std::uint64_t*, double*, bool*, std::string*, Schedule*>;
+// std::vector<int>: a comma list of integers ("1, 5"; empty: none).
+using FieldRef = std::variant<int*, std::uint64_t*, double*, bool*, std::string*, Schedule*,
+                              std::vector<int>*>;
 
 // The value as a deck writes it (doubles: the shortest text that reads back exactly).
 std::string format_value(FieldRef f);

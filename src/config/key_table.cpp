@@ -60,6 +60,23 @@ const std::vector<KeySpec>& key_table() {
              "Standard deviation of the normal initialisation of weights"),
         spec("model", "max_position_embeddings", &D::model, &M::max_position_embeddings,
              "tokens", "Longest sequence the model allows; train.seq_len must not exceed it"),
+        spec("model", "num_experts", &D::model, &M::num_experts, "",
+             "Qwen3-MoE: routed experts E of each sparse layer; 0 = a dense model"),
+        spec("model", "num_experts_per_tok", &D::model, &M::num_experts_per_tok, "",
+             "Qwen3-MoE: experts k each token is routed to (1 <= k <= num_experts)"),
+        spec("model", "moe_intermediate_size", &D::model, &M::moe_intermediate_size, "",
+             "Qwen3-MoE: SwiGLU width Im of one expert"),
+        spec("model", "norm_topk_prob", &D::model, &M::norm_topk_prob, "",
+             "Qwen3-MoE: renormalise a token's k routing weights to sum 1"),
+        spec("model", "decoder_sparse_step", &D::model, &M::decoder_sparse_step, "layers",
+             "Qwen3-MoE: layer l is sparse when (l + 1) is a multiple of it (and l is not in "
+             "mlp_only_layers)"),
+        spec("model", "mlp_only_layers", &D::model, &M::mlp_only_layers, "",
+             "Qwen3-MoE: comma list of layers (from 0) that keep a dense MLP of "
+             "intermediate_size; empty: none"),
+        spec("model", "router_aux_loss_coef", &D::model, &M::router_aux_loss_coef, "",
+             "Qwen3-MoE: weight of the load-balancing loss (transformers' aux loss, averaged "
+             "over a step's micro-batches) in the objective; 0 = none"),
 
         spec("mesh", "dp", &D::mesh, &S::dp, "ranks",
              "Data-parallel ranks; 0 = auto (world size / (tp x pp))"),

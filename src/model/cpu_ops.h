@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/layer_program.h"
+#include "ops/moe_router.h"
 #include "qtrain/comm.h"
 #include "qtrain/model_config.h"
 
@@ -129,6 +130,22 @@ class CpuOps : public NoCollectives {
                              const std::int32_t* targets, float scale, float* dxf);
   double take_loss() const { return loss_; }
 
+  // Qwen3-MoE (layer_program.h's contract; src/model/cpu_ops_moe.cpp). aux_scale: the weight of
+  // this micro-batch's load-balancing loss in the step's objective (model.router_aux_loss_coef
+  // over the step's micro-batches on all dp ranks; 0: none, the default).
+  void set_moe_aux_scale(float aux_scale) { aux_scale_ = aux_scale; }
+  void moe_begin();
+  void moe(int l, float* y, float* probs, int* idx, float* rw, const float* x, const float* router,
+           const float* gate_up, const float* down, bool stats);
+  void moe_backward(int l, float* dx, float* g_router, float* g_gate_up, float* g_down,
+                    const float* dy, const float* x, const float* probs, const int* idx,
+                    const float* rw, const float* router, const float* gate_up,
+                    const float* down, bool acc);
+  // The load-balancing loss of the last micro-batch's forward (k for a balanced router; 0 for
+  // a dense model), and its statistics.
+  double moe_aux_loss() const;
+  const cpu::RouterBalance& moe_balance() const { return balance_; }
+
  private:
   // The projections of a LoRA site, each with its first column in the site's fused output.
   struct SiteTarget {
@@ -163,6 +180,8 @@ class CpuOps : public NoCollectives {
   // to its backward, and the embedding's or the head's full rows before they are scattered.
   float *xf_full_ = nullptr, *rows_full_ = nullptr;  // [N, H]
   double loss_ = 0;
+  cpu::RouterBalance balance_{0};  // the micro-batch's, pooled over its MoE layers (moe_begin)
+  float aux_scale_ = 0;
 };
 
 }  // namespace qt

@@ -56,6 +56,15 @@
 //   lm_head_loss_forward(xf, lm_head, targets) / lm_head_loss_backward(xf, lm_head, g_lm_head,
 //       targets, scale, dxf): the same in two calls (the CPU keeps the logits between them)
 //   take_loss()                                         the summed loss of this micro-batch
+// Qwen3-MoE (model.num_experts > 0; qwen3-spec.md 3), a sparse layer's block in place of the MLP:
+//   moe_begin()                                         a micro-batch's forward starts: its
+//       load-balancing statistics (pooled over the MoE layers, as transformers) restart
+//   moe(l, y, probs, idx, rw, x, router, gate_up, down, stats)   y [N, H] = the routed experts of
+//       x [N, H]; writes the router's probs [N, E], idx [N, k] and routing weights rw [N, k];
+//       stats: add them to the micro-batch's statistics (false when recomputing)
+//   moe_backward(l, dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw, router, gate_up,
+//       down, acc)                                      dx [N, H] written; with the statistics
+//       of the whole micro-batch, the load-balancing loss's gradient joins the router's
 #pragma once
 
 #include <cstdint>
@@ -121,8 +130,13 @@ struct LayerActs {
   float* lse;              // [B, nh, T]
   A *x_mid, *ln2;          // [Nl, H] (Qwen3Acts::rows)
   float* rstd2;            // [Nl]
-  A* gu;                   // [N, 2I]
-  A* h;                    // [N, I]
+  A* gu;                   // [N, 2I] (dense layers)
+  A* h;                    // [N, I] (dense layers)
+  // A sparse (MoE) layer's router output: probabilities [N, E], the k experts of each row
+  // [N, k] and their routing weights [N, k] (null in dense layers).
+  A* moe_probs = nullptr;
+  int* moe_idx = nullptr;
+  A* moe_w = nullptr;
   // Sequence parallelism: ln1 and ln2 gathered over tp, the column-parallel GEMMs' inputs, kept
   // for their weight gradients (null without: those read ln and ln2 themselves).
   A* ln1_full = nullptr;   // [N, H]
@@ -196,7 +210,12 @@ std::vector<Qwen3Acts<A>> allocate_stage_acts(const ModelConfig& c, int B, int T
                                               int seq_parallel = 1) {
   const std::size_t N = static_cast<std::size_t>(B) * T, H = c.hidden_size, Q = c.q_dim();
   const std::size_t KV = c.kv_dim(), I = c.intermediate_size, L = c.num_layers;
+  const std::size_t E = c.num_experts, K = c.num_experts_per_tok;
   check_stage(c, st);
+  // The layers of the stage: a dense one needs gu, h and the scratch dh; a sparse one the router
+  // output. With recompute the one shared LayerActs serves both kinds.
+  bool any_dense = false, any_moe = false;
+  for (int l = st.first_layer; l < st.last_layer; ++l) (c.is_moe_layer(l) ? any_moe : any_dense) = true;
   QT_CHECK(slots >= 1, "{} activation slots", slots);
   QT_CHECK(seq_parallel >= 1 && N % static_cast<std::size_t>(seq_parallel) == 0,
            "{} rows split over {} sequence-parallel ranks", N, seq_parallel);
@@ -234,8 +253,17 @@ std::vector<Qwen3Acts<A>> allocate_stage_acts(const ModelConfig& c, int B, int T
       la.x_mid = alloc.template allocate<A>(Nl * H);
       la.ln2 = alloc.template allocate<A>(Nl * H);
       la.rstd2 = alloc.template allocate<float>(Nl);
-      la.gu = alloc.template allocate<A>(N * 2 * I);
-      la.h = alloc.template allocate<A>(N * I);
+      const bool dense = recompute ? any_dense : !c.is_moe_layer(static_cast<int>(i));
+      const bool moe = recompute ? any_moe : c.is_moe_layer(static_cast<int>(i));
+      if (dense) {
+        la.gu = alloc.template allocate<A>(N * 2 * I);
+        la.h = alloc.template allocate<A>(N * I);
+      }
+      if (moe) {
+        la.moe_probs = alloc.template allocate<A>(N * E);
+        la.moe_idx = alloc.template allocate<int>(N * K);
+        la.moe_w = alloc.template allocate<A>(N * K);
+      }
       if (sp) {
         la.ln1_full = alloc.template allocate<A>(N * H);
         la.ln2_full = alloc.template allocate<A>(N * H);
@@ -247,7 +275,7 @@ std::vector<Qwen3Acts<A>> allocate_stage_acts(const ModelConfig& c, int B, int T
   a.dx = alloc.template allocate<A>(Nl * H);
   a.dtmp = alloc.template allocate<A>(N * H);
   a.dln = alloc.template allocate<A>(N * H);
-  a.dh = alloc.template allocate<A>(N * I);
+  a.dh = any_dense ? alloc.template allocate<A>(N * I) : nullptr;
   a.datt = alloc.template allocate<A>(N * Q);
   a.dq = alloc.template allocate<A>(N * Q);
   a.dk = alloc.template allocate<A>(N * KV);
@@ -283,15 +311,20 @@ inline void check_fused_layout(const ModelConfig& cfg, const ModelOffsets& off) 
   const std::size_t Q = cfg.q_dim(), KV = cfg.kv_dim(), H = cfg.hidden_size;
   const std::size_t I = cfg.intermediate_size;
   for (const LayerOffsets& o : off.layers)
-    QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && o.w_up == o.w_gate + I * H,
+    QT_CHECK(o.wk == o.wq + Q * H && o.wv == o.wk + KV * H && (o.moe || o.w_up == o.w_gate + I * H),
              "q/k/v_proj and gate/up_proj must be adjacent in the parameter layout");
 }
 
 // Layer l's tensors inside its unit's buffer (weights or gradients; a null unit gives nulls).
-// wq is [QKV, H] (wq, wk, wv adjacent), w_gate [2I, H] (w_gate, w_up adjacent).
+// wq is [QKV, H] (wq, wk, wv adjacent), w_gate [2I, H] (w_gate, w_up adjacent). A sparse layer
+// has router [E, H], experts_gate_up [E, 2 Im, H] and experts_down [E, H, Im] instead of w_gate
+// and w_down (null).
 template <class T>
 struct LayerTensors {
   T *ln1, *wq, *wo, *q_norm, *k_norm, *ln2, *w_gate, *w_down;
+  T* router = nullptr;
+  T* experts_gate_up = nullptr;
+  T* experts_down = nullptr;
 };
 
 // The residual stream in and out of one layer's forward, and its scratch. The training program
@@ -311,6 +344,9 @@ struct LayerIO {
   // reduce-scattered block output [Nl, H]. Without: 0 (Nl = N) and null.
   int rows = 0;
   A* tmp_local = nullptr;
+  // A sparse layer adds its router output to the micro-batch's load statistics (not when
+  // recomputing, nor in a decoder).
+  bool moe_stats = false;
 };
 
 // res_out = res_in + x [N, H] through the optional op residual_add (see the contract).
@@ -348,14 +384,24 @@ void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
   ops.lora(l, LoraSite::kO, a.att, io.tmp);
   const auto* o = ops.tp_block_output(io.tmp_local, io.tmp, N, H);  // [Nl, H]
   ops.residual_rmsnorm(a.x_mid, a.ln2, a.rstd2, io.x_in, o, w.ln2, Nl);
-  // MLP block: x_out = x_mid + down(silu(gate(ln2)) * up(ln2)), then the next norm
+  // MLP block: x_out = x_mid + down(silu(gate(ln2)) * up(ln2)), then the next norm; in a
+  // sparse layer the routed experts' weighted sum instead
   auto* ln2 = ops.tp_block_input(a.ln2_full, a.ln2, N, H);  // [N, H]
-  ops.linear(a.gu, ln2, w.w_gate, N, H, 2 * I);  // w_gate, w_up: one [2I, H]
-  ops.lora(l, LoraSite::kGateUp, ln2, a.gu);
-  ops.swiglu(a.h, a.gu, N, I);
-  ops.tp_block_output_ahead(io.tmp_local, io.tmp, N, H);
-  ops.linear(io.tmp, a.h, w.w_down, N, I, H);
-  ops.lora(l, LoraSite::kDown, a.h, io.tmp);
+  if (w.router) {
+    if constexpr (requires { ops.moe_begin(); }) {
+      ops.moe(l, io.tmp, a.moe_probs, a.moe_idx, a.moe_w, ln2, w.router, w.experts_gate_up,
+              w.experts_down, io.moe_stats);
+    } else {
+      QT_CHECK(false, "this back end has no Qwen3-MoE block");
+    }
+  } else {
+    ops.linear(a.gu, ln2, w.w_gate, N, H, 2 * I);  // w_gate, w_up: one [2I, H]
+    ops.lora(l, LoraSite::kGateUp, ln2, a.gu);
+    ops.swiglu(a.h, a.gu, N, I);
+    ops.tp_block_output_ahead(io.tmp_local, io.tmp, N, H);
+    ops.linear(io.tmp, a.h, w.w_down, N, I, H);
+    ops.lora(l, LoraSite::kDown, a.h, io.tmp);
+  }
   const auto* down = ops.tp_block_output(io.tmp_local, io.tmp, N, H);  // [Nl, H]
   if (next_norm)
     ops.residual_rmsnorm(io.x_out, io.ln_out, io.rstd_out, a.x_mid, down, next_norm, Nl);
@@ -367,6 +413,10 @@ void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
 // units (the KV-cache decoders).
 template <class T>
 LayerTensors<T> layer_tensors(const LayerOffsets& o, T* flat) {
+  if (o.moe)
+    return {flat + o.ln1,    flat + o.wq,  flat + o.wo,          flat + o.q_norm,
+            flat + o.k_norm, flat + o.ln2, nullptr,              nullptr,
+            flat + o.router, flat + o.experts_gate_up, flat + o.experts_down};
   return {flat + o.ln1,    flat + o.wq,  flat + o.wo,     flat + o.q_norm,
           flat + o.k_norm, flat + o.ln2, flat + o.w_gate, flat + o.w_down};
 }
@@ -450,6 +500,8 @@ class Qwen3Program {
     }
     // The stage's first norm: its first layer's ln1, or the final norm (no layers).
     const int entry = first < last ? unit_.layer(first) : st_.has_head ? Hd : -1;
+    if constexpr (requires { ops.moe_begin(); })
+      if (cfg_.is_moe()) ops.moe_begin();
     if (entry >= 0) ops.rmsnorm(a.ln[first], a.rstd[first], a.x[first], norm_of(units, entry), Nl);
     for (int l = first; l < last; ++l) {
       const int u = unit_.layer(l);
@@ -526,7 +578,7 @@ class Qwen3Program {
       const LayerTensors<const W> w = tensors(l, units.weights(u));
       // Recomputing rewrites x[l + 1], ln[l + 1] and rstd[l + 1] with the same values; layer
       // l + 1's backward, their last reader, came before it. It reads the next unit's norm.
-      if (recompute_) layer_forward(ops, l, w, n >= 0 ? norm_of(units, n) : nullptr);
+      if (recompute_) layer_forward(ops, l, w, n >= 0 ? norm_of(units, n) : nullptr, true);
       if (n >= 0) units.release(n);
       layer_backward(ops, l, w, tensors(l, units.grads(u)));
       units.grads_done(u);
@@ -586,6 +638,11 @@ class Qwen3Program {
   LayerTensors<T> tensors(int l, T* unit) const {
     const LayerOffsets& o = off_.layers[l];
     const int u = unit_.layer(l);
+    if (o.moe)
+      return {at(u, unit, o.ln1),    at(u, unit, o.wq),     at(u, unit, o.wo),
+              at(u, unit, o.q_norm), at(u, unit, o.k_norm), at(u, unit, o.ln2),
+              nullptr,               nullptr,               at(u, unit, o.router),
+              at(u, unit, o.experts_gate_up), at(u, unit, o.experts_down)};
     return {at(u, unit, o.ln1),    at(u, unit, o.wq),  at(u, unit, o.wo),
             at(u, unit, o.q_norm), at(u, unit, o.k_norm), at(u, unit, o.ln2),
             at(u, unit, o.w_gate), at(u, unit, o.w_down)};
@@ -601,9 +658,12 @@ class Qwen3Program {
 
   // next_norm: the input norm weight of layer l + 1, or the final norm's after the last layer,
   // or null at a stage's end.
-  void layer_forward(Ops& ops, int l, const LayerTensors<const W>& w, const W* next_norm) {
-    const LayerIO<A> io{a_->x[l],          a_->ln[l], a_->x[l + 1], a_->ln[l + 1],
-                        a_->rstd[l + 1],   a_->tmp,   Nl_,          a_->tmp_local};
+  // recomputing: the backward's second forward (the load statistics are not added again).
+  void layer_forward(Ops& ops, int l, const LayerTensors<const W>& w, const W* next_norm,
+                     bool recomputing = false) {
+    const LayerIO<A> io{a_->x[l],        a_->ln[l], a_->x[l + 1], a_->ln[l + 1],
+                        a_->rstd[l + 1], a_->tmp,   Nl_,          a_->tmp_local,
+                        !recomputing};
     qwen3_layer_forward(ops, cfg_, l, N_, w, next_norm, io, layer_acts(l));
   }
   // A hook's output buffer: `p` with sequence parallelism, else null (the hooks work in place).
@@ -635,13 +695,20 @@ class Qwen3Program {
     auto past = [depth](Depth d, A* dx) { return depth > d ? dx : nullptr; };
     // MLP block; dx holds d x_out and becomes d x_mid. gu is overwritten by its gradient.
     const A* dy = ops.tp_block_output_backward(sp_only(a_->dtmp), a_->dx, N, H);  // [N, H]
-    ops.linear_backward(past(kDown, a_->dh), g.w_down, dy, a.h, w.w_down, N, I, H, acc);
-    ops.lora_backward(l, LoraSite::kDown, a.h, dy, past(kDown, a_->dh));
-    if (depth == kDown) return;
-    ops.swiglu_backward(a.gu, a_->dh, a.gu, N, I);
-    ops.linear_backward(past(kGateUp, a_->dln), g.w_gate, a.gu, ln2, w.w_gate, N, H, 2 * I, acc);
-    ops.lora_backward(l, LoraSite::kGateUp, ln2, a.gu, past(kGateUp, a_->dln));
-    if (depth == kGateUp) return;
+    if (w.router) {  // a sparse layer (no LoRA sites: the deck refuses LoRA on MoE models)
+      if constexpr (requires { ops.moe_begin(); })
+        ops.moe_backward(l, a_->dln, g.router, g.experts_gate_up, g.experts_down, dy, ln2,
+                         a.moe_probs, a.moe_idx, a.moe_w, w.router, w.experts_gate_up,
+                         w.experts_down, acc);
+    } else {
+      ops.linear_backward(past(kDown, a_->dh), g.w_down, dy, a.h, w.w_down, N, I, H, acc);
+      ops.lora_backward(l, LoraSite::kDown, a.h, dy, past(kDown, a_->dh));
+      if (depth == kDown) return;
+      ops.swiglu_backward(a.gu, a_->dh, a.gu, N, I);
+      ops.linear_backward(past(kGateUp, a_->dln), g.w_gate, a.gu, ln2, w.w_gate, N, H, 2 * I, acc);
+      ops.lora_backward(l, LoraSite::kGateUp, ln2, a.gu, past(kGateUp, a_->dln));
+      if (depth == kGateUp) return;
+    }
     const A* dln = ops.tp_block_input_backward(sp_only(a_->tmp_local), a_->dln, N, H);  // [Nl, H]
     ops.residual_rmsnorm_backward(a_->dx, g.ln2, dln, a.x_mid, w.ln2, a.rstd2, Nl, acc);
     // attention block; dx holds d x_mid and becomes d x_in.

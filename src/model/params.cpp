@@ -43,9 +43,17 @@ ParamLayout::ParamLayout(const ModelConfig& c) {
     o.q_norm = add(p + "self_attn.q_norm.weight", {hd});
     o.k_norm = add(p + "self_attn.k_norm.weight", {hd});
     o.ln2 = add(p + "post_attention_layernorm.weight", {H});
-    o.w_gate = add(p + "mlp.gate_proj.weight", {I, H});
-    o.w_up = add(p + "mlp.up_proj.weight", {I, H});
-    o.w_down = add(p + "mlp.down_proj.weight", {H, I});
+    if (c.is_moe_layer(l)) {  // transformers 5's runtime names (qwen3-spec.md 6.2)
+      const std::int64_t E = c.num_experts, Im = c.moe_intermediate_size;
+      o.moe = true;
+      o.router = add(p + "mlp.gate.weight", {E, H});
+      o.experts_gate_up = add(p + "mlp.experts.gate_up_proj", {E, 2 * Im, H});
+      o.experts_down = add(p + "mlp.experts.down_proj", {E, H, Im});
+    } else {
+      o.w_gate = add(p + "mlp.gate_proj.weight", {I, H});
+      o.w_up = add(p + "mlp.up_proj.weight", {I, H});
+      o.w_down = add(p + "mlp.down_proj.weight", {H, I});
+    }
     m.layers.push_back(o);
   }
   m.norm = add("model.norm.weight", {H});

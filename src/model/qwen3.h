@@ -1,4 +1,4 @@
-// Qwen3 dense model on the CPU: the layer program (model/layer_program.h) over CpuOps in fp32,
+// Qwen3 model (dense or MoE) on the CPU: the layer program (model/layer_program.h) over CpuOps in fp32,
 // exactly the math of ../shared/docs/qwen3-spec.md section 2.
 #pragma once
 
@@ -84,6 +84,11 @@ class Qwen3Model {
     ops_.set_tp(tp);
     vocab_global_ = cfg_.vocab_size * (tp ? tp->size() : 1);
   }
+
+  // Qwen3-MoE: the weight of each micro-batch's load-balancing loss in the objective (CpuOps::
+  // set_moe_aux_scale), and the last forward's loss (k when balanced; 0 for a dense model).
+  void set_moe_aux_scale(float scale) { ops_.set_moe_aux_scale(scale); }
+  double moe_aux_loss() const { return ops_.moe_aux_loss(); }
 
   // [B*T, V] logits of the last forward (valid until backward).
   const float* logits() const { return ops_.logits(); }

@@ -85,6 +85,9 @@ class TrainBackend {
   // waited, 1 - busy / (stages x span) as the schedule's simulation counts it (a fraction, the
   // same on every rank), or < 0 when not measured (only the CUDA pipeline measures it).
   virtual double pipeline_idle() const { return -1; }
+  // Qwen3-MoE: the load-balancing losses of the micro-batches since zero_grads, summed (each k
+  // when balanced); < 0 for a dense model.
+  virtual double moe_aux_loss_sum() const { return -1; }
   // Extra fields for the step log (e.g. GPU memory), empty when none.
   virtual std::string memory_report() { return {}; }
   // This rank's peak memory by kind since the start (GPU memory on cuda, host on cpu).

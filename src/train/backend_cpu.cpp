@@ -48,6 +48,11 @@ class CpuBackend final : public TrainBackend {
                                               seq_parallel_)),
         seed_(deck.train.seed) {
     if (lora_) model_.set_lora(lora_.get());
+    // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
+    // ranks): the objective averages it over the step as the cross-entropy over its tokens.
+    if (deck.model.is_moe())
+      model_.set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
+                                                  deck.train.micro_batch / deck.train.global_batch));
     if (tp_ > 1) {
       model_.set_tensor_parallel(&mesh.tp());
       if (!lora_) {
@@ -101,7 +106,11 @@ class CpuBackend final : public TrainBackend {
   void set_first_sample(std::int64_t first) override { first_sample_ = first; }
   void push_state() override {}  // the host buffers are the live state
   void pull_state() override {}
-  void zero_grads() override { state_.zero_grads(); }
+  void zero_grads() override {
+    state_.zero_grads();
+    aux_sum_ = 0;
+  }
+  double moe_aux_loss_sum() const override { return model_.config().is_moe() ? aux_sum_ : -1; }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
     if (lora_) {  // one unit, whole at ZeRO 0 and 1: bound for the whole micro-batch
@@ -112,6 +121,7 @@ class CpuBackend final : public TrainBackend {
       return loss;
     }
     const double loss = model_.forward(state_, inputs, targets, positions);
+    aux_sum_ += model_.moe_aux_loss();
     model_.backward(state_, loss_scale);
     return loss;
   }
@@ -130,6 +140,7 @@ class CpuBackend final : public TrainBackend {
   const TpMap* trained_map() const { return lora_ ? lora_map_.get() : tp_map_.get(); }
 
   int tp_;                              // mesh.tp
+  double aux_sum_ = 0;                  // moe_aux_loss_sum()
   int seq_parallel_;                    // mesh.tp with sequence parallelism, else 1
   ParamLayout global_layout_;           // the model's (the local one is model_.layout())
   Qwen3Model model_;                    // with tp > 1 the tp rank's local part

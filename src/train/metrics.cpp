@@ -43,7 +43,8 @@ std::string format_duration(double s) {
 void MetricsLog::write(const StepMetrics& m) {
   if (!root_) return;
   const std::string idle =
-      m.pipeline_idle >= 0 ? fmt::format(" | pipeline idle {:.1f}%", 100 * m.pipeline_idle) : "";
+      (m.aux_loss >= 0 ? fmt::format(" | aux {:.4f}", m.aux_loss) : "") +
+      (m.pipeline_idle >= 0 ? fmt::format(" | pipeline idle {:.1f}%", 100 * m.pipeline_idle) : "");
   std::printf("step %6lld/%lld | loss %.5f | lr %.3e | grad norm %.4f | %.0f tok/s | %s elapsed | ETA %s%s%s%s\n",
               static_cast<long long>(m.step), static_cast<long long>(m.steps), m.loss, m.lr,
               m.grad_norm, m.tokens_per_s, format_duration(m.elapsed_s).c_str(),
@@ -62,6 +63,7 @@ void MetricsLog::write(const StepMetrics& m) {
                       {"eta_s", m.eta_s},         {"tokens", m.tokens}};
   if (!m.memory.empty()) j["memory"] = m.memory;
   if (m.pipeline_idle >= 0) j["pipeline_idle"] = m.pipeline_idle;
+  if (m.aux_loss >= 0) j["aux_loss"] = m.aux_loss;
   j["mem_params"] = m.peak.params;
   j["mem_grads"] = m.peak.grads;
   j["mem_optimizer"] = m.peak.optimizer;

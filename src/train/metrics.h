@@ -24,6 +24,8 @@ struct StepMetrics {
   MemorySplit peak;            // the largest rank's peak memory by kind (bytes)
   double pipeline_idle = -1;   // the last step's pipeline bubble (TrainBackend::pipeline_idle), or
                                // < 0: none measured
+  double aux_loss = -1;        // Qwen3-MoE: the step's mean load-balancing loss (k when
+                               // balanced), or < 0: a dense model
   struct StepTime {            // rank 0's host seconds per step over the last log interval
     double data = 0;           // the batch: sampling and the count of its targets
     double compute = 0;        // the micro-batches' forward and backward
@@ -39,7 +41,7 @@ class MetricsLog {
   // The step line (and, on the run's first logged step, a line with the peak memory by kind) on
   // stdout, and the JSON line with every field (mem_params, mem_grads, mem_optimizer,
   // mem_activations, mem_workspace in bytes; time_data_s, time_compute_s, time_optimizer_s;
-  // pipeline_idle, a fraction, when measured).
+  // pipeline_idle, a fraction, when measured; aux_loss for Qwen3-MoE).
   void write(const StepMetrics& m);
 
  private:

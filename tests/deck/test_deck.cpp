@@ -587,6 +587,38 @@ TEST(ModelPresets, ParameterCountsMatchTheSpecTable) {
   EXPECT_FALSE(qt::model_preset("qwen3-7b").has_value());
 }
 
+TEST(ModelPresets, MoeParameterCountsMatchTheSpecTable) {
+  struct Row {
+    const char* name;
+    std::int64_t total;
+    double active;
+  };
+  for (const Row& r : {Row{"qwen3-30b-a3b", 30532122624LL, 3353032704.0},
+                       Row{"qwen3-235b-a22b", 235093634560LL, 22190763520.0}}) {
+    auto m = qt::model_preset(r.name);
+    ASSERT_TRUE(m.has_value()) << r.name;
+    EXPECT_EQ(m->num_params(), r.total) << r.name;
+    EXPECT_EQ(m->active_params_f64(), r.active) << r.name;
+    EXPECT_EQ(m->num_experts, 128);
+    EXPECT_EQ(m->num_experts_per_tok, 8);
+    EXPECT_EQ(m->num_kv_heads, 4);
+    EXPECT_TRUE(m->norm_topk_prob);
+    EXPECT_EQ(m->num_moe_layers(), m->num_layers);
+  }
+  // transformers' rule for the dense layers among sparse ones.
+  qt::ModelConfig c;
+  c.num_layers = 6;
+  c.num_experts = 4;
+  c.decoder_sparse_step = 2;
+  c.mlp_only_layers = {3};
+  std::vector<int> sparse;
+  for (int l = 0; l < c.num_layers; ++l)
+    if (c.is_moe_layer(l)) sparse.push_back(l);
+  EXPECT_EQ(sparse, (std::vector<int>{1, 5}));
+  c.num_experts = 0;
+  EXPECT_FALSE(c.is_moe_layer(1));
+}
+
 TEST(ModelPresets, TinyIsTheStructDefault) {
   auto t = qt::model_preset("tiny");
   ASSERT_TRUE(t.has_value());
@@ -598,7 +630,7 @@ TEST(ModelPresets, TinyIsTheStructDefault) {
   EXPECT_EQ(d.num_params(), 256 * 64 + 2 * (attn + 2 * 64 + 3 * 64 * 192) + 64);
   std::vector<std::string> names = qt::model_preset_names();
   EXPECT_EQ(names.front(), "tiny");
-  EXPECT_EQ(names.size(), 7u);
+  EXPECT_EQ(names.size(), 9u);
 }
 
 TEST(DeckDocs, HelpListsEveryKeyWithItsDefault) {

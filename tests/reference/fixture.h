@@ -37,6 +37,18 @@ struct Fixture {
     }
     return v;
   }
+  // An integer array attribute (empty when absent).
+  std::vector<std::int64_t> attr_list(const char* name) const {
+    std::vector<std::int64_t> v;
+    hid_t a = H5Aopen(file, name, H5P_DEFAULT);
+    if (a < 0) return v;
+    hid_t s = H5Aget_space(a);
+    v.resize(static_cast<std::size_t>(H5Sget_simple_extent_npoints(s)));
+    H5Sclose(s);
+    if (H5Aread(a, H5T_NATIVE_INT64, v.data()) < 0) v.clear();
+    H5Aclose(a);
+    return v;
+  }
   std::vector<std::int64_t> shape(const std::string& name) const {
     hid_t d = H5Dopen2(file, name.c_str(), H5P_DEFAULT);
     if (d < 0) return {};
@@ -70,6 +82,16 @@ struct Fixture {
     c.rope_theta = attr("rope_theta");
     c.rms_norm_eps = attr("rms_norm_eps");
     c.tie_word_embeddings = attr("tie_word_embeddings") != 0;
+    if (!std::isnan(attr("num_experts"))) {  // Qwen3-MoE (make_moe_fixtures.py)
+      c.num_experts = static_cast<int>(attr("num_experts"));
+      c.num_experts_per_tok = static_cast<int>(attr("num_experts_per_tok"));
+      c.moe_intermediate_size = static_cast<int>(attr("moe_intermediate_size"));
+      c.norm_topk_prob = attr("norm_topk_prob") != 0;
+      c.decoder_sparse_step = static_cast<int>(attr("decoder_sparse_step"));
+      c.router_aux_loss_coef = attr("router_aux_loss_coef");
+      for (std::int64_t l : attr_list("mlp_only_layers"))  // [-1]: none (h5py has no empty list)
+        if (l >= 0) c.mlp_only_layers.push_back(static_cast<int>(l));
+    }
     return c;
   }
 

@@ -1,0 +1,53 @@
+// CpuOps' Qwen3-MoE block (layer_program.h's moe contract): the fp32 reference ops of
+// ops/moe_block.h over the N rows of a micro-batch, and the micro-batch's load-balancing
+// statistics (qwen3-spec.md 3.3: pooled over every MoE layer's tokens, then multiplied).
+#include <algorithm>
+
+#include "model/cpu_ops.h"
+#include "ops/moe_block.h"
+#include "qtrain/error.h"
+
+namespace qt {
+
+namespace {
+cpu::MoeShape moe_shape(const ModelConfig& c, int N) {
+  return {N, c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
+          c.norm_topk_prob};
+}
+}  // namespace
+
+void CpuOps::moe_begin() { balance_ = cpu::RouterBalance(cfg_.num_experts); }
+
+void CpuOps::moe(int /*l*/, float* y, float* probs, int* idx, float* rw, const float* x,
+                 const float* router, const float* gate_up, const float* down, bool stats) {
+  QT_CHECK(tp_ == nullptr, "the MoE block under tensor parallelism is not built");
+  const cpu::MoeShape s = moe_shape(cfg_, N_);
+  cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s);
+  if (stats) {
+    QT_CHECK(static_cast<int>(balance_.count.size()) == s.E, "moe before moe_begin");
+    cpu::router_balance_add(balance_, probs, idx, s.N, s.k);
+  }
+}
+
+void CpuOps::moe_backward(int /*l*/, float* dx, float* g_router, float* g_gate_up, float* g_down,
+                          const float* dy, const float* x, const float* probs, const int* idx,
+                          const float* rw, const float* router, const float* gate_up,
+                          const float* down, bool acc) {
+  const cpu::MoeShape s = moe_shape(cfg_, N_);
+  QT_CHECK(g_router && g_gate_up && g_down, "a frozen MoE block (LoRA on MoE is not built)");
+  const std::size_t E = s.E, H = s.H, Im = s.Im;
+  if (!acc) {  // the block adds into its gradients
+    std::fill(g_router, g_router + E * H, 0.0f);
+    std::fill(g_gate_up, g_gate_up + E * 2 * Im * H, 0.0f);
+    std::fill(g_down, g_down + E * H * Im, 0.0f);
+  }
+  const bool aux = aux_scale_ != 0 && balance_.tokens > 0;
+  cpu::moe_block_backward(dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw, router,
+                          gate_up, down, s, aux ? &balance_ : nullptr, aux_scale_);
+}
+
+double CpuOps::moe_aux_loss() const {
+  return balance_.tokens > 0 ? cpu::router_aux_loss(balance_) : 0.0;
+}
+
+}  // namespace qt
