@@ -124,6 +124,9 @@ void validate(const MemoryPlanInput& in) {
   if (std::min({m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
                 m.num_kv_heads, m.head_dim}) < 1)
     fail_user("every model size must be >= 1");
+  if (m.is_moe())
+    fail_user("model.num_experts = {}: the planner does not model Qwen3-MoE layers yet (issue 18)",
+              m.num_experts);
   if (s.ep != 1) fail_user("mesh.ep = {}: expert parallelism is not modelled; set it to 1", s.ep);
   if (s.dp < 1) fail_user("the data-parallel size must be >= 1, got {}", s.dp);
   if (s.tp < 1 || s.pp < 1 || s.pp_chunks < 1)

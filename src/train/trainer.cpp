@@ -85,6 +85,13 @@ int run_training(const Deck& deck, Mesh& mesh) {
                 model_name.c_str(), static_cast<long long>(layout.numel()),
                 deck.model.num_layers, deck.model.hidden_size, deck.model.num_heads,
                 deck.model.num_kv_heads, deck.model.vocab_size);
+    if (deck.model.is_moe())
+      std::printf("moe: %d of %d layers sparse, %d experts of width %d, %d a token%s; %.4g "
+                  "parameters active a token; load-balancing loss weight %g\n",
+                  deck.model.num_moe_layers(), deck.model.num_layers, deck.model.num_experts,
+                  deck.model.moe_intermediate_size, deck.model.num_experts_per_tok,
+                  deck.model.norm_topk_prob ? " (weights renormalised)" : "",
+                  deck.model.active_params_f64(), deck.model.router_aux_loss_coef);
     if (lora)
       std::printf("lora: r %d, alpha %g (scale %g), dropout %g, targets %s: %lld trainable "
                   "parameters (%.3g%% of the model), base frozen\n",

@@ -401,6 +401,43 @@ TEST(DeckErrors, Lora) {
   expect_error("[lora]\nrank = 8\n", {"deck.ini:2:", "unknown key lora.rank"});
 }
 
+TEST(Deck, MoeKeys) {
+  const Deck d = parse("[model]\nnum_experts = 8\nnum_experts_per_tok = 2\n"
+                       "moe_intermediate_size = 32\nmlp_only_layers = 1\n"
+                       "norm_topk_prob = false\nrouter_aux_loss_coef = 0.01\n");
+  EXPECT_TRUE(d.model.is_moe());
+  EXPECT_EQ(d.model.mlp_only_layers, (std::vector<int>{1}));
+  EXPECT_FALSE(d.model.is_moe_layer(1));
+  EXPECT_TRUE(d.model.is_moe_layer(0));
+  EXPECT_FALSE(d.model.norm_topk_prob);
+  const Deck e = parse("[model]\nnum_layers = 6\nnum_experts = 4\nnum_experts_per_tok = 1\n"
+                       "mlp_only_layers = 0, 3 ,5\n");
+  EXPECT_EQ(e.model.mlp_only_layers, (std::vector<int>{0, 3, 5}));
+  EXPECT_EQ(e.model.num_moe_layers(), 3);
+  EXPECT_EQ(parse("").model.num_experts, 0);  // dense by default
+  EXPECT_TRUE(parse("[model]\nmlp_only_layers =\n").model.mlp_only_layers.empty());
+}
+
+TEST(DeckErrors, Moe) {
+  const std::string moe = "[model]\nnum_experts = 4\nnum_experts_per_tok = 2\n";
+  expect_error("[model]\nnum_experts = -1\n", {"deck.ini:2:", "model.num_experts = -1", ">= 0"});
+  expect_error("[model]\nnum_experts = 4\nnum_experts_per_tok = 5\n",
+               {"model.num_experts_per_tok = 5", "[1, model.num_experts = 4]"});
+  expect_error(moe + "moe_intermediate_size = 0\n", {"model.moe_intermediate_size = 0", ">= 1"});
+  expect_error(moe + "decoder_sparse_step = 0\n", {"model.decoder_sparse_step = 0", ">= 1"});
+  expect_error(moe + "mlp_only_layers = 2\n", {"model.mlp_only_layers = 2", "layer 2",
+                                                "model.num_layers - 1 = 1"});
+  expect_error(moe + "mlp_only_layers = 1, 0\n", {"model.mlp_only_layers", "ascending"});
+  expect_error(moe + "mlp_only_layers = 1,,0\n", {"model.mlp_only_layers", "empty item"});
+  expect_error(moe + "mlp_only_layers = one\n", {"model.mlp_only_layers", "item 'one'"});
+  expect_error(moe + "router_aux_loss_coef = -0.1\n", {"model.router_aux_loss_coef", ">= 0"});
+  expect_error(moe + "head_dim = 64\n[train]\ndevice = cuda\n",
+               {"train.device = cuda", "Qwen3-MoE", "cpu"});
+  expect_error(moe + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE"});
+  expect_error(moe + "[mesh]\npp = 2\n", {"mesh.pp = 2", "Qwen3-MoE"});
+  expect_error(moe + "[lora]\nr = 4\n", {"lora.r = 4", "Qwen3-MoE"});
+}
+
 TEST(DeckErrors, ParallelismNotBuiltYet) {
   expect_error("[mesh]\ntp = 3\n", {"deck.ini:2: mesh.tp = 3 does not divide model.num_heads = "});
   expect_error("[model]\nvocab_size = 255\n[mesh]\ntp = 2\n",
@@ -667,7 +704,7 @@ TEST(DeckDocs, ExampleDecksParse) {
     // File decks name a token file that need not exist here, an empty file stands in (the parser
     // checks that it is readable, not what it holds); a model directory to fine-tune neither:
     // the preset stands in.
-    // The 32B job's deck fixes its mesh of 32 ranks (dp 4 x tp 8).
+    // The 32B job's deck fixes its mesh of 32 ranks (dp 4 x tp 4 x pp 2).
     const std::vector<int> worlds =
         e.path().stem() == "qwen3_32b" ? std::vector<int>{32} : std::vector<int>{1, 2, 4};
     for (int world : worlds) {
