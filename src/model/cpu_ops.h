@@ -145,6 +145,10 @@ class CpuOps : public NoCollectives {
   // a dense model), and its statistics.
   double moe_aux_loss() const;
   const cpu::RouterBalance& moe_balance() const { return balance_; }
+  // Token-slots routed to each expert of each sparse layer since the last clear_moe_load():
+  // [sparse layers in order][E], as doubles (the forwards that counted statistics).
+  const std::vector<double>& moe_load() const { return load_; }
+  void clear_moe_load() { std::fill(load_.begin(), load_.end(), 0.0); }
 
  private:
   // The projections of a LoRA site, each with its first column in the site's fused output.
@@ -182,6 +186,8 @@ class CpuOps : public NoCollectives {
   double loss_ = 0;
   cpu::RouterBalance balance_{0};  // the micro-batch's, pooled over its MoE layers (moe_begin)
   float aux_scale_ = 0;
+  std::vector<double> load_;       // moe_load(), sized at the first sparse layer
+  std::vector<int> moe_index_;     // [L] a layer's place among the sparse layers, or -1
 };
 
 }  // namespace qt

@@ -18,7 +18,7 @@ cpu::MoeShape moe_shape(const ModelConfig& c, int N) {
 
 void CpuOps::moe_begin() { balance_ = cpu::RouterBalance(cfg_.num_experts); }
 
-void CpuOps::moe(int /*l*/, float* y, float* probs, int* idx, float* rw, const float* x,
+void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float* x,
                  const float* router, const float* gate_up, const float* down, bool stats) {
   QT_CHECK(tp_ == nullptr, "the MoE block under tensor parallelism is not built");
   const cpu::MoeShape s = moe_shape(cfg_, N_);
@@ -26,6 +26,13 @@ void CpuOps::moe(int /*l*/, float* y, float* probs, int* idx, float* rw, const f
   if (stats) {
     QT_CHECK(static_cast<int>(balance_.count.size()) == s.E, "moe before moe_begin");
     cpu::router_balance_add(balance_, probs, idx, s.N, s.k);
+    if (moe_index_.empty()) {
+      for (int i = 0, n = 0; i < cfg_.num_layers; ++i)
+        moe_index_.push_back(cfg_.is_moe_layer(i) ? n++ : -1);
+      load_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()) * s.E, 0.0);
+    }
+    double* load = load_.data() + static_cast<std::size_t>(moe_index_.at(l)) * s.E;
+    for (std::size_t j = 0; j < static_cast<std::size_t>(s.N) * s.k; ++j) load[idx[j]] += 1;
   }
 }
 

@@ -89,6 +89,9 @@ class Qwen3Model {
   // set_moe_aux_scale), and the last forward's loss (k when balanced; 0 for a dense model).
   void set_moe_aux_scale(float scale) { ops_.set_moe_aux_scale(scale); }
   double moe_aux_loss() const { return ops_.moe_aux_loss(); }
+  // Token-slots routed to each expert since clear_moe_load(): [sparse layers][E] (CpuOps).
+  const std::vector<double>& moe_load() const { return ops_.moe_load(); }
+  void clear_moe_load() { ops_.clear_moe_load(); }
 
   // [B*T, V] logits of the last forward (valid until backward).
   const float* logits() const { return ops_.logits(); }

@@ -88,6 +88,9 @@ class TrainBackend {
   // Qwen3-MoE: the load-balancing losses of the micro-batches since zero_grads, summed (each k
   // when balanced); < 0 for a dense model.
   virtual double moe_aux_loss_sum() const { return -1; }
+  // Qwen3-MoE: token-slots routed to each expert since zero_grads, [sparse layers][E] flat;
+  // empty for a dense model.
+  virtual std::vector<double> moe_load() const { return {}; }
   // Extra fields for the step log (e.g. GPU memory), empty when none.
   virtual std::string memory_report() { return {}; }
   // This rank's peak memory by kind since the start (GPU memory on cuda, host on cpu).

@@ -109,7 +109,9 @@ class CpuBackend final : public TrainBackend {
   void zero_grads() override {
     state_.zero_grads();
     aux_sum_ = 0;
+    model_.clear_moe_load();
   }
+  std::vector<double> moe_load() const override { return model_.moe_load(); }
   double moe_aux_loss_sum() const override { return model_.config().is_moe() ? aux_sum_ : -1; }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cerrno>
 #include <cstdio>
@@ -40,10 +41,36 @@ std::string format_duration(double s) {
   return fmt::format("{}s", t);
 }
 
+ExpertLoadSummary summarize_expert_load(const std::vector<double>& load, int experts) {
+  ExpertLoadSummary s;
+  if (experts < 1) return s;
+  for (std::size_t at = 0; at + experts <= load.size(); at += experts) {
+    double sum = 0, sq = 0, hi = 0;
+    for (int e = 0; e < experts; ++e) {
+      sum += load[at + e];
+      hi = std::max(hi, load[at + e]);
+    }
+    const double mean = sum / experts;
+    for (int e = 0; e < experts; ++e) sq += (load[at + e] - mean) * (load[at + e] - mean);
+    s.cv.push_back(mean > 0 ? std::sqrt(sq / experts) / mean : 0.0);
+    s.max_over_mean.push_back(mean > 0 ? hi / mean : 0.0);
+  }
+  return s;
+}
+
 void MetricsLog::write(const StepMetrics& m) {
   if (!root_) return;
+  const ExpertLoadSummary load = summarize_expert_load(m.expert_load, m.num_experts);
+  std::string experts;
+  if (!load.cv.empty()) {
+    double mean_cv = 0;
+    for (double c : load.cv) mean_cv += c / static_cast<double>(load.cv.size());
+    experts = fmt::format(" | expert load cv {:.3f} (worst layer {:.3f}), max/mean {:.2f}", mean_cv,
+                          *std::max_element(load.cv.begin(), load.cv.end()),
+                          *std::max_element(load.max_over_mean.begin(), load.max_over_mean.end()));
+  }
   const std::string idle =
-      (m.aux_loss >= 0 ? fmt::format(" | aux {:.4f}", m.aux_loss) : "") +
+      (m.aux_loss >= 0 ? fmt::format(" | aux {:.4f}", m.aux_loss) : "") + experts +
       (m.pipeline_idle >= 0 ? fmt::format(" | pipeline idle {:.1f}%", 100 * m.pipeline_idle) : "");
   std::printf("step %6lld/%lld | loss %.5f | lr %.3e | grad norm %.4f | %.0f tok/s | %s elapsed | ETA %s%s%s%s\n",
               static_cast<long long>(m.step), static_cast<long long>(m.steps), m.loss, m.lr,
@@ -64,6 +91,15 @@ void MetricsLog::write(const StepMetrics& m) {
   if (!m.memory.empty()) j["memory"] = m.memory;
   if (m.pipeline_idle >= 0) j["pipeline_idle"] = m.pipeline_idle;
   if (m.aux_loss >= 0) j["aux_loss"] = m.aux_loss;
+  if (!load.cv.empty()) {
+    nlohmann::json tokens = nlohmann::json::array();
+    for (std::size_t at = 0; at < m.expert_load.size(); at += m.num_experts)
+      tokens.push_back(std::vector<double>(m.expert_load.begin() + at,
+                                           m.expert_load.begin() + at + m.num_experts));
+    j["expert_tokens"] = tokens;
+    j["expert_cv"] = load.cv;
+    j["expert_max_over_mean"] = load.max_over_mean;
+  }
   j["mem_params"] = m.peak.params;
   j["mem_grads"] = m.peak.grads;
   j["mem_optimizer"] = m.peak.optimizer;

@@ -26,12 +26,21 @@ struct StepMetrics {
                                // < 0: none measured
   double aux_loss = -1;        // Qwen3-MoE: the step's mean load-balancing loss (k when
                                // balanced), or < 0: a dense model
+  int num_experts = 0;         // Qwen3-MoE: E; with expert_load [sparse layers x E], the step's
+  std::vector<double> expert_load;  // token-slots routed to each expert, all dp ranks
   struct StepTime {            // rank 0's host seconds per step over the last log interval
     double data = 0;           // the batch: sampling and the count of its targets
     double compute = 0;        // the micro-batches' forward and backward
     double optimizer = 0;      // the optimizer step (reduction, norm, update, gathers it waits for)
   } time;
 };
+
+// The balance of each sparse layer's expert load: the coefficient of variation (population std /
+// mean) and max / mean of the tokens per expert; load [layers x experts] flat.
+struct ExpertLoadSummary {
+  std::vector<double> cv, max_over_mean;  // [layers]
+};
+ExpertLoadSummary summarize_expert_load(const std::vector<double>& load, int experts);
 
 class MetricsLog {
  public:
@@ -41,7 +50,9 @@ class MetricsLog {
   // The step line (and, on the run's first logged step, a line with the peak memory by kind) on
   // stdout, and the JSON line with every field (mem_params, mem_grads, mem_optimizer,
   // mem_activations, mem_workspace in bytes; time_data_s, time_compute_s, time_optimizer_s;
-  // pipeline_idle, a fraction, when measured; aux_loss for Qwen3-MoE).
+  // pipeline_idle, a fraction, when measured; for Qwen3-MoE aux_loss and, per sparse layer,
+  // expert_tokens, expert_cv and expert_max_over_mean; the step line adds the mean and the worst
+  // layer's cv and the largest max / mean).
   void write(const StepMetrics& m);
 
  private:

@@ -250,6 +250,11 @@ int run_training(const Deck& deck, Mesh& mesh) {
       sm.memory = backend->memory_report();
       sm.pipeline_idle = backend->pipeline_idle();
       sm.aux_loss = aux_loss;
+      sm.expert_load = backend->moe_load();  // this step's, summed over dp
+      if (!sm.expert_load.empty()) {
+        dp.all_reduce(sm.expert_load.data(), sm.expert_load.size(), DType::kF64, ReduceOp::kSum);
+        sm.num_experts = deck.model.num_experts;
+      }
       const MemorySplit mine = backend->memory_split();
       double peak[5] = {mine.params, mine.grads, mine.optimizer, mine.activations, mine.workspace};
       mesh.world().all_reduce(peak, 5, DType::kF64, ReduceOp::kMax);  // the largest rank's

@@ -48,6 +48,7 @@ std::string deck_text() {
 struct MoeStep {
   long step;
   double loss, aux, norm;
+  std::vector<std::vector<double>> tokens;  // [sparse layers][E] token-slots routed
 };
 std::vector<MoeStep> read_moe_metrics(const std::string& path) {
   std::vector<MoeStep> out;
@@ -57,7 +58,10 @@ std::vector<MoeStep> read_moe_metrics(const std::string& path) {
     const auto j = nlohmann::json::parse(line);
     out.push_back({j["step"].get<long>(), j["loss"].get<double>(),
                    j.contains("aux_loss") ? j["aux_loss"].get<double>() : NAN,
-                   j["grad_norm"].get<double>()});
+                   j["grad_norm"].get<double>(),
+                   j.contains("expert_tokens")
+                       ? j["expert_tokens"].get<std::vector<std::vector<double>>>()
+                       : std::vector<std::vector<double>>{}});
   }
   return out;
 }
@@ -103,6 +107,14 @@ TEST_F(MoeTraining, DpAndEveryZeroStageReproduceTheSerialRun) {
   for (const MoeStep& s : serial) {  // k = 2 for a balanced router; at least 1 (k / E ... E)
     EXPECT_GE(s.aux, 1.0);
     EXPECT_LT(s.aux, 8.0);
+    // The deck's two sparse layers each route 8 sequences x 32 tokens x k = 2 token-slots.
+    ASSERT_EQ(s.tokens.size(), 2u) << "step " << s.step;
+    for (const std::vector<double>& layer : s.tokens) {
+      ASSERT_EQ(layer.size(), 8u);
+      double sum = 0;
+      for (double t : layer) sum += t;
+      EXPECT_EQ(sum, 512.0) << "step " << s.step;
+    }
   }
   struct Case {
     const char* name;
@@ -125,6 +137,16 @@ TEST_F(MoeTraining, DpAndEveryZeroStageReproduceTheSerialRun) {
     EXPECT_LT(loss, kTol);
     EXPECT_LT(aux, kTol);
     EXPECT_LT(norm, kNormTol);
+    // The load summed over dp: the serial run's (a near tie may move a token-slot or two).
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      ASSERT_EQ(got[i].tokens.size(), serial[i].tokens.size());
+      for (std::size_t l = 0; l < got[i].tokens.size(); ++l) {
+        double moved = 0;
+        for (std::size_t e = 0; e < got[i].tokens[l].size(); ++e)
+          moved += std::abs(got[i].tokens[l][e] - serial[i].tokens[l][e]);
+        EXPECT_LE(moved, 4.0) << "step " << got[i].step << " layer " << l;
+      }
+    }
   }
   // The load-balancing loss pools a micro-batch's tokens (as transformers pools a forward's), so
   // another micro_batch is another objective: dp 2 with micro_batch 1 matches the serial run
