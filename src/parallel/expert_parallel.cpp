@@ -1,0 +1,167 @@
+// Expert parallelism on the CPU reference (parallel/expert_parallel.h).
+#include "parallel/expert_parallel.h"
+
+#include <algorithm>
+#include <numeric>
+
+#include "ops/linear.h"
+#include "ops/moe_experts.h"
+#include "qtrain/error.h"
+
+namespace qt {
+
+namespace {
+// The offsets of consecutive blocks of `counts`.
+std::vector<std::size_t> offsets(const std::vector<std::size_t>& counts) {
+  std::vector<std::size_t> at(counts.size(), 0);
+  for (std::size_t p = 1; p < counts.size(); ++p) at[p] = at[p - 1] + counts[p - 1];
+  return at;
+}
+std::vector<std::size_t> scaled(const std::vector<std::size_t>& v, std::size_t f) {
+  std::vector<std::size_t> out(v);
+  for (std::size_t& x : out) x *= f;
+  return out;
+}
+}  // namespace
+
+ExpertDispatch::ExpertDispatch(Comm& ep, int experts, int hidden, int moe_width)
+    : ep_(ep), e_(experts), h_(hidden), im_(moe_width) {
+  QT_CHECK(experts > 0 && experts % ep.size() == 0, "{} experts over {} expert-parallel ranks",
+           experts, ep.size());
+  el_ = experts / ep.size();
+}
+
+void ExpertDispatch::exchange(const float* send, float* recv, bool forward_direction) {
+  const std::size_t H = h_;
+  if (forward_direction)
+    ep_.all_to_all_v(send, scaled(send_rows_, H), scaled(send_at_, H), recv, scaled(recv_rows_, H),
+                     scaled(recv_at_, H), DType::kF32);
+  else
+    ep_.all_to_all_v(send, scaled(recv_rows_, H), scaled(recv_at_, H), recv, scaled(send_rows_, H),
+                     scaled(send_at_, H), DType::kF32);
+}
+
+void ExpertDispatch::forward(float* out, const float* x, const int* idx, int N, int k,
+                             const float* gate_up, const float* down) {
+  const int P = ep_.size();
+  const std::size_t H = h_;
+  nk_ = N * k;
+  // Each slot row's owner; rows go out grouped by owner, in slot order within a group.
+  send_rows_.assign(P, 0);
+  for (int i = 0; i < nk_; ++i) {
+    QT_CHECK(idx[i] >= 0 && idx[i] < e_, "expert {} of {}", idx[i], e_);
+    ++send_rows_[idx[i] / el_];
+  }
+  send_at_ = offsets(send_rows_);
+  std::vector<std::size_t> next = send_at_;
+  pos_.resize(nk_);
+  std::vector<float> send_x(nk_ * H);
+  std::vector<int> send_ids(nk_);
+  for (int i = 0; i < nk_; ++i) {
+    const int owner = idx[i] / el_;
+    const std::size_t at = next[owner]++;
+    pos_[i] = at;
+    std::copy(x + (i / k) * H, x + (i / k + 1) * H, send_x.begin() + at * H);
+    send_ids[at] = idx[i] - owner * el_;
+  }
+  // The counts, then the rows and their local expert ids.
+  std::vector<std::int64_t> mine(send_rows_.begin(), send_rows_.end()), theirs(P);
+  std::vector<std::size_t> ones(P, 1), iota(P);
+  std::iota(iota.begin(), iota.end(), 0);
+  ep_.all_to_all_v(mine.data(), ones, iota, theirs.data(), ones, iota, DType::kI64);
+  recv_rows_.assign(theirs.begin(), theirs.end());
+  recv_at_ = offsets(recv_rows_);
+  const std::size_t R = recv_at_.back() + recv_rows_.back();
+  recv_x_.resize(R * H);
+  recv_ids_.resize(R);
+  exchange(send_x.data(), recv_x_.data(), true);
+  ep_.all_to_all_v(send_ids.data(), send_rows_, send_at_, recv_ids_.data(), recv_rows_, recv_at_,
+                   DType::kI32);
+  // This rank's experts over the rows it received (weight 1: the sender weighs them).
+  std::vector<float> ones_w(R, 1.0f), y(R * H);
+  cpu::moe_experts_forward(y.data(), recv_x_.data(), recv_ids_.data(), ones_w.data(), gate_up,
+                           down, static_cast<int>(R), h_, im_, el_, 1);
+  std::vector<float> back(static_cast<std::size_t>(nk_) * H);
+  exchange(y.data(), back.data(), false);
+  for (int i = 0; i < nk_; ++i)
+    std::copy(back.begin() + pos_[i] * H, back.begin() + (pos_[i] + 1) * H, out + i * H);
+}
+
+void ExpertDispatch::backward(float* dx_slot, const float* dout, const float* gate_up,
+                              const float* down, float* g_gate_up, float* g_down) {
+  const std::size_t H = h_, R = recv_ids_.size();
+  std::vector<float> send(static_cast<std::size_t>(nk_) * H), dy(R * H);
+  for (int i = 0; i < nk_; ++i) std::copy(dout + i * H, dout + (i + 1) * H, send.begin() + pos_[i] * H);
+  exchange(send.data(), dy.data(), true);
+  std::vector<float> ones_w(R, 1.0f), dw(R), dx(R * H);
+  cpu::moe_experts_backward(dx.data(), dw.data(), g_gate_up, g_down, dy.data(), recv_x_.data(),
+                            recv_ids_.data(), ones_w.data(), gate_up, down, static_cast<int>(R),
+                            h_, im_, el_, 1);
+  exchange(dx.data(), send.data(), false);
+  for (int i = 0; i < nk_; ++i)
+    std::copy(send.begin() + pos_[i] * H, send.begin() + (pos_[i] + 1) * H, dx_slot + i * H);
+}
+
+namespace {
+// A token's slots in ascending expert order (the order the serial experts add them).
+std::vector<int> slots_by_expert(const int* idx, int t, int k) {
+  std::vector<int> j(k);
+  std::iota(j.begin(), j.end(), 0);
+  std::sort(j.begin(), j.end(), [&](int a, int b) { return idx[t * k + a] < idx[t * k + b]; });
+  return j;
+}
+}  // namespace
+
+void moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
+                          const float* x, const float* gate, const float* gate_up,
+                          const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch) {
+  const std::size_t H = s.H;
+  std::vector<float> logits(static_cast<std::size_t>(s.N) * s.E);  // [N, E]
+  cpu::linear_forward(logits.data(), x, gate, s.N, s.H, s.E);
+  cpu::router_forward(probs, idx, w, logits.data(), s.N, s.E, s.k, s.norm_topk);
+  dispatch.forward(slot_out, x, idx, s.N, s.k, gate_up, down);
+  for (int t = 0; t < s.N; ++t) {  // y[t] = sum_j w[t, j] out[t, j]
+    float* yt = y + t * H;
+    std::fill(yt, yt + H, 0.0f);
+    for (int j : slots_by_expert(idx, t, s.k)) {
+      const float wj = w[t * s.k + j];
+      const float* o = slot_out + (static_cast<std::size_t>(t) * s.k + j) * H;
+      for (std::size_t c = 0; c < H; ++c) yt[c] += wj * o[c];
+    }
+  }
+}
+
+void moe_block_backward_ep(float* dx, float* dgate, float* dgate_up, float* ddown, const float* dy,
+                           const float* x, const float* probs, const int* idx, const float* w,
+                           const float* slot_out, const float* gate, const float* gate_up,
+                           const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
+                           const cpu::RouterBalance* balance, float aux_coef) {
+  const std::size_t H = s.H, NK = static_cast<std::size_t>(s.N) * s.k;
+  // d w[t, j] = dy[t] . out[t, j]; d out[t, j] = w[t, j] dy[t]
+  std::vector<float> dw(NK), dout(NK * H), dx_slot(NK * H);
+  for (std::size_t i = 0; i < NK; ++i) {
+    const float* dyt = dy + (i / s.k) * H;
+    double dot = 0;
+    for (std::size_t c = 0; c < H; ++c) {
+      dot += static_cast<double>(dyt[c]) * slot_out[i * H + c];
+      dout[i * H + c] = w[i] * dyt[c];
+    }
+    dw[i] = static_cast<float>(dot);
+  }
+  dispatch.backward(dx_slot.data(), dout.data(), gate_up, down, dgate_up, ddown);
+  for (int t = 0; t < s.N; ++t) {
+    float* dxt = dx + t * H;
+    std::fill(dxt, dxt + H, 0.0f);
+    for (int j : slots_by_expert(idx, t, s.k)) {
+      const float* d = dx_slot.data() + (static_cast<std::size_t>(t) * s.k + j) * H;
+      for (std::size_t c = 0; c < H; ++c) dxt[c] += d[c];
+    }
+  }
+  std::vector<float> dlogits(static_cast<std::size_t>(s.N) * s.E), dx_gate(s.N * H);
+  cpu::router_backward(dlogits.data(), dw.data(), probs, idx, s.N, s.E, s.k, s.norm_topk);
+  if (balance) cpu::router_aux_backward(dlogits.data(), *balance, probs, s.N, aux_coef);
+  cpu::linear_backward(dx_gate.data(), dgate, dlogits.data(), x, gate, s.N, s.H, s.E);
+  for (std::size_t i = 0; i < dx_gate.size(); ++i) dx[i] += dx_gate[i];
+}
+
+}  // namespace qt

@@ -1,0 +1,61 @@
+// Expert parallelism on the CPU reference (issue 18): a sparse block's experts split over an ep
+// group of P ranks, rank r holding experts [r El, (r + 1) El), El = E / P (its gate_up [El, 2 Im,
+// H] and down [El, H, Im] are rows of the global tensors). Every rank routes its own tokens
+// with the whole router; each (token, slot) row travels to the rank owning its expert
+// (all-to-all with counts), runs there, and its output comes back; the owner keeps the rows it
+// received for the backward, which travels the same way. Dropless: every row is sent.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "ops/moe_block.h"
+#include "qtrain/comm.h"
+
+namespace qt {
+
+// One sparse layer's exchange: what forward sent and received, kept for backward.
+class ExpertDispatch {
+ public:
+  // experts: E of the whole model; the group's size must divide it.
+  ExpertDispatch(Comm& ep, int experts, int hidden, int moe_width);
+
+  int local_experts() const { return el_; }
+  int first_expert() const { return el_ * ep_.rank(); }
+
+  // out [N k, H] written: row t k + j is expert idx[t, j]'s output for token t (x [N, H]),
+  // unweighted. gate_up, down: this rank's experts.
+  void forward(float* out, const float* x, const int* idx, int N, int k, const float* gate_up,
+               const float* down);
+  // dx_slot [N k, H] written: each slot row's input gradient from its expert, given dout [N k, H]
+  // (the gradient of forward's out); this rank's experts' gradients accumulated (+=). Weights
+  // as forward's.
+  void backward(float* dx_slot, const float* dout, const float* gate_up, const float* down,
+                float* g_gate_up, float* g_down);
+
+ private:
+  // rows [n, H] in send order <-> the peers' rows in receive order (counts in rows).
+  void exchange(const float* send, float* recv, bool forward_direction);
+
+  Comm& ep_;
+  int e_, el_, h_, im_;
+  int nk_ = 0;                                // rows this rank routed (N k)
+  std::vector<std::size_t> pos_;              // [N k] a slot row's place in the send order
+  std::vector<std::size_t> send_rows_, send_at_, recv_rows_, recv_at_;  // [P] rows
+  std::vector<float> recv_x_;                 // [R, H] the rows received, kept for backward
+  std::vector<int> recv_ids_;                 // [R] their local expert
+};
+
+// The sparse block with its experts over `dispatch` (ops/moe_block.h's math; s.E the whole
+// model's experts). slot_out [N k, H]: the experts' outputs, written by forward and read by
+// backward. y and dx written; dgate and this rank's expert gradients accumulated (+=).
+void moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
+                          const float* x, const float* gate, const float* gate_up,
+                          const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch);
+void moe_block_backward_ep(float* dx, float* dgate, float* dgate_up, float* ddown, const float* dy,
+                           const float* x, const float* probs, const int* idx, const float* w,
+                           const float* slot_out, const float* gate, const float* gate_up,
+                           const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
+                           const cpu::RouterBalance* balance = nullptr, float aux_coef = 0);
+
+}  // namespace qt
