@@ -77,8 +77,10 @@ struct ModelField {
   double d;
 };
 
+// A Qwen3-MoE model adds its architecture (router_aux_loss_coef, an objective setting, may
+// change between runs); mlp_only_layers is a string attribute beside them (moe_layers_text).
 std::vector<ModelField> model_fields(const ModelConfig& m) {
-  return {{"vocab_size", true, m.vocab_size, 0},
+  std::vector<ModelField> f = {{"vocab_size", true, m.vocab_size, 0},
           {"hidden_size", true, m.hidden_size, 0},
           {"intermediate_size", true, m.intermediate_size, 0},
           {"num_layers", true, m.num_layers, 0},
@@ -88,6 +90,21 @@ std::vector<ModelField> model_fields(const ModelConfig& m) {
           {"rope_theta", false, 0, m.rope_theta},
           {"rms_norm_eps", false, 0, m.rms_norm_eps},
           {"tie_word_embeddings", true, m.tie_word_embeddings ? 1 : 0, 0}};
+  if (m.is_moe())
+    f.insert(f.end(), {{"num_experts", true, m.num_experts, 0},
+                       {"num_experts_per_tok", true, m.num_experts_per_tok, 0},
+                       {"moe_intermediate_size", true, m.moe_intermediate_size, 0},
+                       {"norm_topk_prob", true, m.norm_topk_prob ? 1 : 0, 0},
+                       {"decoder_sparse_step", true, m.decoder_sparse_step, 0}});
+  return f;
+}
+
+// mlp_only_layers as the deck writes it ("1, 5"; empty: none).
+std::string moe_layers_text(const ModelConfig& m) {
+  std::string s;
+  for (std::size_t i = 0; i < m.mlp_only_layers.size(); ++i)
+    s += (i ? ", " : "") + std::to_string(m.mlp_only_layers[i]);
+  return s;
 }
 
 // Rank 0 creates the checkpoint's directory and checks that its file system has `bytes` free;
@@ -166,6 +183,7 @@ std::uint64_t write_metadata(hid_t file, const ParamLayout& layout, const TrainS
     else
       write_attr_f64(file, f.name, f.d);
   }
+  if (model.is_moe()) write_attr_string(file, "mlp_only_layers", moe_layers_text(model));
   if (lora) {
     write_attr_i64(file, "lora_r", lora->config.r);
     write_attr_f64(file, "lora_alpha", lora->config.alpha);
@@ -430,13 +448,31 @@ std::string read_root(hid_t file, const std::string& path, const ModelConfig& mo
   if (!version || *version != kFormatVersion)
     return fmt::format("checkpoint {}: format_version is {}, this qtrain reads version {}", path,
                        version ? std::to_string(*version) : std::string("missing"), kFormatVersion);
+  // A dense checkpoint has no num_experts attribute (and was written before MoE existed).
+  const std::int64_t experts = h5::try_read_attr_i64(file, "num_experts").value_or(0);
+  if (experts != model.num_experts) {
+    mismatch = true;
+    return fmt::format("checkpoint {} does not match the deck's model: model.num_experts is {} in "
+                       "the checkpoint but {} in the deck",
+                       path, experts, model.num_experts);
+  }
+  if (model.is_moe()) {
+    const std::string layers = h5::try_read_attr_string(file, "mlp_only_layers").value_or("?");
+    if (layers != moe_layers_text(model)) {
+      mismatch = true;
+      return fmt::format("checkpoint {} does not match the deck's model: model.mlp_only_layers "
+                         "is '{}' in the checkpoint but '{}' in the deck",
+                         path, layers, moe_layers_text(model));
+    }
+  }
   for (const ModelField& f : model_fields(model)) {
     std::string have, want;
     if (f.integer) {
       auto v = h5::try_read_attr_i64(file, f.name);
       if (!v) return fmt::format("checkpoint {}: root attribute {} is missing", path, f.name);
       if (*v == f.i) continue;
-      const bool boolean = std::strcmp(f.name, "tie_word_embeddings") == 0;
+      const bool boolean = std::strcmp(f.name, "tie_word_embeddings") == 0 ||
+                           std::strcmp(f.name, "norm_topk_prob") == 0;
       have = boolean ? (*v != 0 ? "true" : "false") : std::to_string(*v);
       want = boolean ? (f.i != 0 ? "true" : "false") : std::to_string(f.i);
     } else {

@@ -177,5 +177,34 @@ TEST_F(MoeTraining, CheckpointOfDp2Zero3ResumesSerially) {
   EXPECT_LT(worst(got, serial, [](const MoeStep& s) { return s.loss; }), kTol);
 }
 
+// A checkpoint records the MoE architecture: resuming it with another one is an error naming the
+// key, never a silent load of same-shaped tensors (k or the renormalisation change no shape).
+TEST_F(MoeTraining, CheckpointRefusesAnotherMoeArchitecture) {
+  train("z1", 2, {"--optim.zero_stage=1", "--train.stop_at=5"});
+  const std::string ckpt = tmp_ + "/z1/step_00000005.h5";
+  struct Case {
+    std::vector<std::string> ov;
+    std::string says;
+  };
+  for (const Case& c :
+       {Case{{"--model.num_experts_per_tok=1"}, "model.num_experts_per_tok is 2 in the checkpoint but 1"},
+        Case{{"--model.norm_topk_prob=false"}, "model.norm_topk_prob is true in the checkpoint but false"},
+        Case{{"--model.mlp_only_layers=0"}, "model.mlp_only_layers is '1' in the checkpoint but '0'"},
+        Case{{"--model.num_experts=0"}, "model.num_experts is 8 in the checkpoint but 0"}}) {
+    std::vector<std::string> ov = c.ov;
+    ov.insert(ov.end(), {"--checkpoint.resume=" + ckpt, "--checkpoint.dir=" + tmp_ + "/other",
+                         "--train.steps=10"});
+    const RunResult r = run(1, deck_text(), ov, tmp_ + "/other.jsonl");
+    EXPECT_EQ(r.exit_code, 2) << c.says;
+    EXPECT_NE(r.error.find(c.says), std::string::npos) << r.error;
+  }
+  // The load-balancing weight is an objective setting, not the architecture: it may change.
+  const RunResult ok = run(1, deck_text(),
+                           {"--checkpoint.resume=" + ckpt, "--checkpoint.dir=" + tmp_ + "/ok",
+                            "--train.steps=6", "--model.router_aux_loss_coef=0.1"},
+                           tmp_ + "/ok.jsonl");
+  EXPECT_EQ(ok.exit_code, 0) << ok.error;
+}
+
 }  // namespace
 }  // namespace qt
