@@ -240,7 +240,9 @@ void Builder::validate_mesh() {
          "0 or 1 so far (optim.zero_stage = {}); use ZeRO-1, mesh.dp = 1 or train.device = cpu",
          m.dp, deck_.optim.zero_stage);
   }
-  need(m.ep == 1, "mesh.ep", ": expert parallelism is not built yet (only dp is); set it to 1");
+  need(m.ep == 1 || deck_.model.is_moe(), "mesh.ep",
+       "> 1 splits a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: set "
+       "mesh.ep = 1");
 }
 
 void Builder::validate_train_optim() {
@@ -426,6 +428,8 @@ void Builder::validate_moe() {
   need(deck_.mesh.tp == 1, "mesh.tp", "> 1 {}; set mesh.tp = 1", later);
   need(deck_.mesh.pp == 1, "mesh.pp", "> 1 {}; set mesh.pp = 1", later);
   need(deck_.lora.r == 0, "lora.r", "> 0 (LoRA) {}; set lora.r = 0", later);
+  need(m.num_experts % deck_.mesh.ep == 0, "mesh.ep", "does not divide model.num_experts = {} "
+       "(each expert-parallel rank takes an equal share)", m.num_experts);
 }
 
 std::string resolved_text(Deck& d, int world) {

@@ -99,7 +99,8 @@ const std::vector<KeySpec>& key_table() {
         spec("mesh", "pp_layers", &D::mesh, &S::pp_layers, "layers",
              "Layers of each pipeline chunk, a comma list; empty: balanced by cost"),
         spec("mesh", "ep", &D::mesh, &S::ep, "ranks",
-             "Expert-parallel ranks, dividing dp (only 1 is built)"),
+             "Expert-parallel ranks for a Qwen3-MoE model: each computes num_experts / ep of "
+             "the experts; divides mesh.dp and model.num_experts"),
 
         spec("train", "seq_len", &D::train, &T::seq_len, "tokens", "Tokens per sequence T"),
         spec("train", "micro_batch", &D::train, &T::micro_batch, "sequences",

@@ -15,6 +15,7 @@
 namespace qt {
 
 class LoraAdapters;
+class ExpertDispatch;
 
 // Zero-filled host buffers with stable addresses (the program's activations on the CPU); with
 // counting_only, counts the bytes and hands out nothing (for the memory check before allocating).
@@ -134,6 +135,12 @@ class CpuOps : public NoCollectives {
   // this micro-batch's load-balancing loss in the step's objective (model.router_aux_loss_coef
   // over the step's micro-batches on all dp ranks; 0: none, the default).
   void set_moe_aux_scale(float aux_scale) { aux_scale_ = aux_scale; }
+  // Expert parallelism over `ep` (null or one rank: none): each sparse layer's (token, slot)
+  // rows go to the rank owning their expert and back (parallel/expert_parallel.h), so a rank
+  // computes only its E / ep experts. The expert tensors stay whole in the layout; a rank's
+  // gradient is zero outside its experts, and the dp reduction sums each expert's over the
+  // ranks holding it (the expert-data-parallel group).
+  void set_expert_parallel(Comm* ep);
   void moe_begin();
   void moe(int l, float* y, float* probs, int* idx, float* rw, const float* x, const float* router,
            const float* gate_up, const float* down, bool stats);
@@ -188,6 +195,11 @@ class CpuOps : public NoCollectives {
   float aux_scale_ = 0;
   std::vector<double> load_;       // moe_load(), sized at the first sparse layer
   std::vector<int> moe_index_;     // [L] a layer's place among the sparse layers, or -1
+  Comm* ep_ = nullptr;             // set_expert_parallel
+  // Expert parallelism: each sparse layer's exchange and its experts' outputs [N k, H], from
+  // its forward to its backward.
+  std::vector<std::shared_ptr<ExpertDispatch>> dispatch_;  // [L]
+  std::vector<std::vector<float>> slot_out_;               // [L]
 };
 
 }  // namespace qt

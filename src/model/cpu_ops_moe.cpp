@@ -5,6 +5,7 @@
 
 #include "model/cpu_ops.h"
 #include "ops/moe_block.h"
+#include "parallel/expert_parallel.h"
 #include "qtrain/error.h"
 
 namespace qt {
@@ -16,13 +17,36 @@ cpu::MoeShape moe_shape(const ModelConfig& c, int N) {
 }
 }  // namespace
 
+void CpuOps::set_expert_parallel(Comm* ep) {
+  ep_ = ep && ep->size() > 1 ? ep : nullptr;
+  dispatch_.clear();
+  slot_out_.clear();
+  if (!ep_) return;
+  QT_CHECK(cfg_.num_experts % ep_->size() == 0, "{} experts over {} expert-parallel ranks",
+           cfg_.num_experts, ep_->size());
+  dispatch_.resize(cfg_.num_layers);
+  slot_out_.resize(cfg_.num_layers);
+  for (int l = 0; l < cfg_.num_layers; ++l)
+    if (cfg_.is_moe_layer(l))
+      dispatch_[l] = std::make_shared<ExpertDispatch>(*ep_, cfg_.num_experts, cfg_.hidden_size,
+                                                      cfg_.moe_intermediate_size);
+}
+
 void CpuOps::moe_begin() { balance_ = cpu::RouterBalance(cfg_.num_experts); }
 
 void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float* x,
                  const float* router, const float* gate_up, const float* down, bool stats) {
   QT_CHECK(tp_ == nullptr, "the MoE block under tensor parallelism is not built");
   const cpu::MoeShape s = moe_shape(cfg_, N_);
-  cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s);
+  if (ep_) {  // this rank's experts: rows [first, first + El) of the expert tensors
+    ExpertDispatch& d = *dispatch_.at(l);
+    const std::size_t first = d.first_expert(), H = s.H, Im = s.Im;
+    slot_out_[l].resize(static_cast<std::size_t>(s.N) * s.k * H);
+    moe_block_forward_ep(y, probs, idx, rw, slot_out_[l].data(), x, router,
+                         gate_up + first * 2 * Im * H, down + first * H * Im, s, d);
+  } else {
+    cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s);
+  }
   if (stats) {
     QT_CHECK(static_cast<int>(balance_.count.size()) == s.E, "moe before moe_begin");
     cpu::router_balance_add(balance_, probs, idx, s.N, s.k);
@@ -36,7 +60,7 @@ void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float
   }
 }
 
-void CpuOps::moe_backward(int /*l*/, float* dx, float* g_router, float* g_gate_up, float* g_down,
+void CpuOps::moe_backward(int l, float* dx, float* g_router, float* g_gate_up, float* g_down,
                           const float* dy, const float* x, const float* probs, const int* idx,
                           const float* rw, const float* router, const float* gate_up,
                           const float* down, bool acc) {
@@ -49,6 +73,14 @@ void CpuOps::moe_backward(int /*l*/, float* dx, float* g_router, float* g_gate_u
     std::fill(g_down, g_down + E * H * Im, 0.0f);
   }
   const bool aux = aux_scale_ != 0 && balance_.tokens > 0;
+  if (ep_) {  // only this rank's experts get gradients here (the others' stay as they are)
+    ExpertDispatch& d = *dispatch_.at(l);
+    const std::size_t first = d.first_expert(), gu = 2 * Im * H, dn = H * Im;
+    moe_block_backward_ep(dx, g_router, g_gate_up + first * gu, g_down + first * dn, dy, x, probs,
+                          idx, rw, slot_out_[l].data(), router, gate_up + first * gu,
+                          down + first * dn, s, d, aux ? &balance_ : nullptr, aux_scale_);
+    return;
+  }
   cpu::moe_block_backward(dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw, router,
                           gate_up, down, s, aux ? &balance_ : nullptr, aux_scale_);
 }

@@ -83,7 +83,10 @@ ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_s
   QT_CHECK(zero_stage >= 0 && zero_stage <= 3, "ZeRO stage {}", zero_stage);
   QT_CHECK(kv_replicas >= 1 && mesh.tp % kv_replicas == 0, "kv heads shared by {} of {} tp ranks",
            kv_replicas, mesh.tp);
-  QT_CHECK(mesh.ep == 1, "the sharding plan knows dp, tp and pp so far (ep {})", mesh.ep);
+  // mesh.ep does not enter (yet): expert parallelism splits the experts' compute, not their
+  // storage (CpuOps::set_expert_parallel); ZeRO shards the expert tensors over dp like every
+  // unit, and a rank's gradient is zero outside its experts, so the dp reduction sums each
+  // expert's gradient over the expert-data-parallel ranks that computed it.
   ShardPlan plan;
   plan.dp = mesh.dp;
   plan.tp = mesh.tp;

@@ -436,6 +436,10 @@ TEST(DeckErrors, Moe) {
   expect_error(moe + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE"});
   expect_error(moe + "[mesh]\npp = 2\n", {"mesh.pp = 2", "Qwen3-MoE"});
   expect_error(moe + "[lora]\nr = 4\n", {"lora.r = 4", "Qwen3-MoE"});
+  expect_error("[model]\nnum_experts = 6\nnum_experts_per_tok = 2\n[mesh]\nep = 4\n"
+               "[train]\nglobal_batch = 16\n",
+               {}, 4, {"mesh.ep = 4", "does not divide model.num_experts = 6"});
+  EXPECT_EQ(parse(moe + "[mesh]\nep = 2\n").mesh.ep, 2);  // experts split over the 2 dp ranks
 }
 
 TEST(DeckErrors, ParallelismNotBuiltYet) {
@@ -493,7 +497,7 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
   expect_error("[mesh]\npp_layers = 2\n", {"deck.ini:2: mesh.pp_layers = 2 splits a pipeline: needs mesh.pp > 1"});
   expect_error("[lora]\nr = 4\n[mesh]\npp = 2\n",
                {"deck.ini:4: mesh.pp = 2: LoRA ([lora] r > 0) in a pipeline is not built yet"});
-  expect_error("[mesh]\nep = 2\n", {"deck.ini:2:", "mesh.ep = 2", "expert parallelism is not built yet"});
+  expect_error("[mesh]\nep = 2\n", {"deck.ini:2:", "mesh.ep = 2", "this model is dense"});
 }
 
 TEST(DeckErrors, DataAndResumeFiles) {

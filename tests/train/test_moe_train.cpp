@@ -40,8 +40,7 @@ std::uint64_t run_seed() {
 
 std::string deck_text() {
   std::ifstream in(std::string(QT_INPUTS_DIR) + "/tiny-moe.ini");
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  return text;
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 // The step's (loss, aux_loss, grad_norm) of a metrics file.
@@ -66,6 +65,73 @@ std::vector<MoeStep> read_moe_metrics(const std::string& path) {
   return out;
 }
 
+// Largest relative difference of a field at the steps both runs logged in [from, to]; infinity
+// when a value is not finite or no step is shared.
+template <class F>
+double worst(const std::vector<MoeStep>& a, const std::vector<MoeStep>& b, F field,
+             long from = 0, long to = 1L << 40) {
+  double w = -1;
+  for (const MoeStep& x : a)
+    for (const MoeStep& y : b)
+      if (x.step == y.step && x.step >= from && x.step <= to) {
+        if (!std::isfinite(field(x))) return INFINITY;
+        w = std::max(w, std::abs(field(x) - field(y)) / std::abs(field(y)));
+      }
+  return w < 0 ? INFINITY : w;
+}
+
+// The last n steps of a run.
+std::vector<MoeStep> tail(const std::vector<MoeStep>& v, std::size_t n) {
+  return {v.end() - static_cast<std::ptrdiff_t>(std::min(n, v.size())), v.end()};
+}
+
+// The first step whose expert load differs from the serial run's, or a step past both runs.
+// Top-k routing is discontinuous: where two experts' scores tie within fp32 rounding, another
+// mesh's sums (in another order) may pick the other expert, and from that step the runs differ
+// by more than rounding (about one 4-rank run in eight did, with the deck's 10 steps).
+long first_flip(const std::vector<MoeStep>& a, const std::vector<MoeStep>& b) {
+  long flip = 1L << 40;
+  for (const MoeStep& x : a)
+    for (const MoeStep& y : b)
+      if (x.step == y.step && x.tokens != y.tokens) flip = std::min(flip, x.step);
+  return flip;
+}
+
+// A mesh's run against the serial one: every step's loss and load-balancing loss within 1e-5
+// and gradient norm within 1e-4 until the routing first differs (first_flip); after it, within
+// 1e-3 (1e-2 the norms): one token-slot routed elsewhere, not a wrong model.
+constexpr double kFlipTol = 1e-3, kFlipNormTol = 1e-2;
+void expect_like_serial(const std::vector<MoeStep>& got, const std::vector<MoeStep>& serial,
+                        const std::string& name) {
+  ASSERT_EQ(got.size(), serial.size()) << name;
+  ASSERT_FALSE(got.empty()) << name;
+  const long flip = first_flip(got, serial);
+  auto loss = [](const MoeStep& s) { return s.loss; };
+  auto aux = [](const MoeStep& s) { return s.aux; };
+  auto norm = [](const MoeStep& s) { return s.norm; };
+  if (flip > got.front().step) {
+    const long to = flip - 1;
+    const double l = worst(got, serial, loss, 0, to), a = worst(got, serial, aux, 0, to);
+    const double n = worst(got, serial, norm, 0, to);
+    if (test::world_rank() == 0)
+      std::printf("%s: steps to %ld: losses within %.3g, aux losses %.3g, gradient norms %.3g of "
+                  "the serial run\n", name.c_str(), std::min(to, got.back().step), l, a, n);
+    EXPECT_LT(l, kTol) << name;
+    EXPECT_LT(a, kTol) << name;
+    EXPECT_LT(n, kNormTol) << name;
+  }
+  if (flip <= got.back().step) {
+    const double l = worst(got, serial, loss, flip), a = worst(got, serial, aux, flip);
+    const double n = worst(got, serial, norm, flip);
+    if (test::world_rank() == 0)
+      std::printf("%s: the routing differs from step %ld (a near tie): losses within %.3g, aux "
+                  "losses %.3g, gradient norms %.3g after it\n", name.c_str(), flip, l, a, n);
+    EXPECT_LT(l, kFlipTol) << name;
+    EXPECT_LT(a, kFlipTol) << name;
+    EXPECT_LT(n, kFlipNormTol) << name;
+  }
+}
+
 class MoeTraining : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -87,18 +153,6 @@ class MoeTraining : public ::testing::Test {
   std::string tmp_;
 };
 
-// Largest relative difference of a field at the steps both runs logged.
-template <class F>
-double worst(const std::vector<MoeStep>& a, const std::vector<MoeStep>& b, F field) {
-  double w = -1;
-  for (const MoeStep& x : a)
-    for (const MoeStep& y : b)
-      if (x.step == y.step) {
-        if (!std::isfinite(field(x))) return INFINITY;
-        w = std::max(w, std::abs(field(x) - field(y)) / std::abs(field(y)));
-      }
-  return w < 0 ? INFINITY : w;
-}
 
 TEST_F(MoeTraining, DpAndEveryZeroStageReproduceTheSerialRun) {
   const std::vector<MoeStep> serial = train("serial", 1, {"--optim.zero_stage=0"});
@@ -126,37 +180,55 @@ TEST_F(MoeTraining, DpAndEveryZeroStageReproduceTheSerialRun) {
                         Case{"dp2_z3", {"--optim.zero_stage=3"}},
                         Case{"dp2_z3_recompute", {"--optim.zero_stage=3", "--train.recompute=true"}}}) {
     SCOPED_TRACE(c.name);
-    const std::vector<MoeStep> got = train(c.name, 2, c.ov);
-    ASSERT_EQ(got.size(), 10u);
-    const double loss = worst(got, serial, [](const MoeStep& s) { return s.loss; });
-    const double aux = worst(got, serial, [](const MoeStep& s) { return s.aux; });
-    const double norm = worst(got, serial, [](const MoeStep& s) { return s.norm; });
-    if (test::world_rank() == 0)
-      std::printf("%s: losses within %.3g, aux losses %.3g, gradient norms %.3g of the serial run\n",
-                  c.name, loss, aux, norm);
-    EXPECT_LT(loss, kTol);
-    EXPECT_LT(aux, kTol);
-    EXPECT_LT(norm, kNormTol);
-    // The load summed over dp: the serial run's (a near tie may move a token-slot or two).
-    for (std::size_t i = 0; i < got.size(); ++i) {
-      ASSERT_EQ(got[i].tokens.size(), serial[i].tokens.size());
-      for (std::size_t l = 0; l < got[i].tokens.size(); ++l) {
-        double moved = 0;
-        for (std::size_t e = 0; e < got[i].tokens[l].size(); ++e)
-          moved += std::abs(got[i].tokens[l][e] - serial[i].tokens[l][e]);
-        EXPECT_LE(moved, 4.0) << "step " << got[i].step << " layer " << l;
-      }
-    }
+    expect_like_serial(train(c.name, 2, c.ov), serial, c.name);
   }
   // The load-balancing loss pools a micro-batch's tokens (as transformers pools a forward's), so
   // another micro_batch is another objective: dp 2 with micro_batch 1 matches the serial run
   // with micro_batch 1, not the one above.
   const std::vector<MoeStep> serial1 = train("serial_micro1", 1, {"--train.micro_batch=1"});
   const std::vector<MoeStep> dp2 = train("dp2_micro1", 2, {"--train.micro_batch=1"});
-  ASSERT_EQ(dp2.size(), 10u);
-  EXPECT_LT(worst(dp2, serial1, [](const MoeStep& s) { return s.loss; }), kTol);
-  EXPECT_LT(worst(dp2, serial1, [](const MoeStep& s) { return s.aux; }), kTol);
+  expect_like_serial(dp2, serial1, "dp2_micro1");
   EXPECT_GT(worst(serial1, serial, [](const MoeStep& s) { return s.aux; }), 1e-4);
+}
+
+TEST_F(MoeTraining, ExpertParallelReproducesTheSerialRun) {
+  const std::vector<MoeStep> serial = train("serial", 1, {});
+  for (int zero : {0, 1, 3}) {
+    const std::string name = "ep2_z" + std::to_string(zero);
+    expect_like_serial(train(name, 2, {"--mesh.ep=2", "--optim.zero_stage=" + std::to_string(zero)}),
+                       serial, name.c_str());
+  }
+  expect_like_serial(train("ep2_recompute", 2, {"--mesh.ep=2", "--train.recompute=true"}), serial,
+                     "ep2_recompute");
+  // A checkpoint written at ep 2 resumes at ep 1 (experts are global tensors).
+  train("ep2_stop", 2, {"--mesh.ep=2", "--optim.zero_stage=1", "--train.stop_at=5"});
+  const RunResult r = run(1, deck_text(),
+                          {"--checkpoint.resume=" + tmp_ + "/ep2_stop/step_00000005.h5",
+                           "--checkpoint.dir=" + tmp_ + "/ep1_resumed", "--train.steps=10",
+                           "--log.every=1", "--train.seed=" + std::to_string(run_seed())},
+                          tmp_ + "/ep1_resumed.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  const std::vector<MoeStep> resumed = read_moe_metrics(tmp_ + "/ep1_resumed.jsonl");
+  ASSERT_EQ(resumed.size(), 5u);
+  expect_like_serial(resumed, tail(serial, 5), "ep2 -> ep1");
+}
+
+// mpiexec -n 4 (ctest train_moe_np4): ep 4 and ep 2 x expert-dp 2.
+TEST_F(MoeTraining, ExpertParallelOnFourRanks) {
+  if (test::world_size() < 4) GTEST_SKIP() << "needs mpiexec -n 4 (ctest train_moe_np4 runs it)";
+  const std::vector<MoeStep> serial = train("serial", 1, {});
+  expect_like_serial(train("ep4_z1", 4, {"--mesh.ep=4", "--optim.zero_stage=1"}), serial, "ep4_z1");
+  expect_like_serial(train("ep2_dp4_z3", 4, {"--mesh.ep=2", "--optim.zero_stage=3"}), serial,
+                     "ep2_dp4_z3");
+  // A checkpoint written at ep 4 resumes at ep 1.
+  train("ep4_stop", 4, {"--mesh.ep=4", "--train.stop_at=5"});
+  const RunResult r = run(1, deck_text(),
+                          {"--checkpoint.resume=" + tmp_ + "/ep4_stop/step_00000005.h5",
+                           "--checkpoint.dir=" + tmp_ + "/ep1_resumed", "--train.steps=10",
+                           "--log.every=1", "--train.seed=" + std::to_string(run_seed())},
+                          tmp_ + "/ep1_resumed.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  expect_like_serial(read_moe_metrics(tmp_ + "/ep1_resumed.jsonl"), tail(serial, 5), "ep4 -> ep1");
 }
 
 TEST_F(MoeTraining, CheckpointOfDp2Zero3ResumesSerially) {
@@ -174,7 +246,7 @@ TEST_F(MoeTraining, CheckpointOfDp2Zero3ResumesSerially) {
   const std::vector<MoeStep> got = read_moe_metrics(tmp_ + "/resumed.jsonl");
   ASSERT_EQ(got.size(), 5u);
   EXPECT_EQ(got.front().step, 6);
-  EXPECT_LT(worst(got, serial, [](const MoeStep& s) { return s.loss; }), kTol);
+  expect_like_serial(got, tail(serial, 5), "dp2 z3 -> serial");
 }
 
 // A checkpoint records the MoE architecture: resuming it with another one is an error naming the
