@@ -127,7 +127,9 @@ class Builder {
 
 // model.init: the directory's config.json defines the model. Every architecture key that the
 // deck sets, itself or through model.preset, must agree with it (a contradiction names both);
-// model.initializer_range, unused when weights are loaded, may differ.
+// model.initializer_range, unused when weights are loaded, and model.router_aux_loss_coef, the
+// objective's (docs/moe.md: 0 is transformers' default objective), may differ when given. The
+// other Qwen3-MoE keys are compared only for a Qwen3-MoE config.json (a dense one has none).
 void Builder::resolve_init(bool preset_given) {
   const std::string dir = deck_.model_init;
   if (dir.empty()) return;
@@ -146,6 +148,7 @@ void Builder::resolve_init(bool preset_given) {
   const std::string config = (std::filesystem::path(dir) / "config.json").string();
   for (const hf::ConfigKey& k : hf::config_keys()) {
     if (!preset_given && !given(k.deck)) continue;
+    if ((k.moe && !hf.is_moe()) || (k.objective && given(k.deck))) continue;
     const std::string mine = format_value(find_spec(k.deck)->field(deck_));
     const std::string theirs = format_value(find_spec(k.deck)->field(from_hf));
     need(mine == theirs, k.deck,
@@ -155,6 +158,7 @@ void Builder::resolve_init(bool preset_given) {
   }
   hf.preset = preset_given ? deck_.model.preset : "";
   if (given("model.initializer_range")) hf.initializer_range = deck_.model.initializer_range;
+  if (given("model.router_aux_loss_coef")) hf.router_aux_loss_coef = deck_.model.router_aux_loss_coef;
   deck_.model = hf;
   init_resolved_ = true;
 }

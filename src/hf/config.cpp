@@ -1,6 +1,7 @@
 // config.json of a Hugging Face Qwen3 model <-> ModelConfig (see config.h, docs/finetune.md).
 #include "hf/config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -15,14 +16,30 @@ namespace {
 
 using json = nlohmann::json;
 
-// transformers' Qwen3Config defaults (5.x; the same in 4.51+) for keys a config.json may omit.
+// transformers' Qwen3Config defaults (5.x; the same in 4.51+) for keys a config.json may omit;
+// Qwen3MoeConfig's are the same but for head_dim (below).
 constexpr int kDefaultHeadDim = 128;
 constexpr double kDefaultRopeTheta = 10000.0;
 constexpr double kDefaultRmsNormEps = 1e-6;
 constexpr int kDefaultMaxPositions = 32768;
 constexpr double kDefaultInitializerRange = 0.02;
 
+// Qwen3MoeConfig's defaults (transformers 5.17) for the Qwen3-MoE keys a config.json may omit.
+constexpr int kMoeDefaultExperts = 128;
+constexpr int kMoeDefaultPerTok = 8;
+constexpr int kMoeDefaultIntermediate = 768;
+constexpr int kMoeDefaultSparseStep = 1;
+constexpr bool kMoeDefaultNormTopk = false;
+constexpr double kMoeDefaultAuxCoef = 0.001;
+
 bool present(const json& j, const char* key) { return j.contains(key) && !j[key].is_null(); }
+
+bool get_bool(const json& j, const char* key, const std::string& where, bool dflt) {
+  if (!present(j, key)) return dflt;
+  if (!j[key].is_boolean())
+    fail_user("{}: \"{}\" is {}, expected true or false", where, key, j[key].dump());
+  return j[key].get<bool>();
+}
 
 int get_int(const json& j, const char* key, const std::string& where, std::optional<int> dflt) {
   if (!present(j, key)) {
@@ -64,6 +81,52 @@ std::optional<double> plain_rope(const json& r, const char* key, const std::stri
   return theta;
 }
 
+// A Qwen3-MoE config.json's keys (qwen3-spec.md 1.1; Qwen3MoeConfig's defaults when absent).
+void read_moe(const json& j, const std::string& where, ModelConfig& c) {
+  // num_experts in the Hub's files and transformers 4.x's; transformers 5 writes its alias
+  // num_local_experts.
+  std::optional<int> experts;
+  for (const char* key : {"num_experts", "num_local_experts"}) {
+    if (!present(j, key)) continue;
+    const int v = get_int(j, key, where, std::nullopt);
+    if (experts && *experts != v)
+      fail_user("{}: num_experts {} and num_local_experts {} disagree", where, *experts, v);
+    experts = v;
+  }
+  c.num_experts = experts.value_or(kMoeDefaultExperts);
+  c.num_experts_per_tok = get_int(j, "num_experts_per_tok", where, kMoeDefaultPerTok);
+  c.moe_intermediate_size = get_int(j, "moe_intermediate_size", where, kMoeDefaultIntermediate);
+  c.decoder_sparse_step = get_int(j, "decoder_sparse_step", where, kMoeDefaultSparseStep);
+  c.norm_topk_prob = get_bool(j, "norm_topk_prob", where, kMoeDefaultNormTopk);
+  get_bool(j, "output_router_logits", where, false);  // checked only: see config.h
+  c.router_aux_loss_coef = kMoeDefaultAuxCoef;
+  if (present(j, "router_aux_loss_coef")) {
+    const json& v = j["router_aux_loss_coef"];
+    if (!v.is_number() || !(v.get<double>() >= 0) || !std::isfinite(v.get<double>()))
+      fail_user("{}: \"router_aux_loss_coef\" is {}, expected a number >= 0", where, v.dump());
+    c.router_aux_loss_coef = v.get<double>();
+  }
+  // mlp_only_layers: a list of layer indices (null: none); transformers tests membership, so
+  // order and repeats do not matter: kept sorted, each once.
+  c.mlp_only_layers.clear();
+  if (present(j, "mlp_only_layers")) {
+    const json& v = j["mlp_only_layers"];
+    bool ok = v.is_array();
+    for (const json& x : v) ok = ok && x.is_number_integer();
+    if (!ok) fail_user("{}: \"mlp_only_layers\" is {}, expected a list of layer indices", where, v.dump());
+    for (const json& x : v) {
+      const std::int64_t l = x.get<std::int64_t>();
+      if (l < 0 || l >= c.num_layers)
+        fail_user("{}: \"mlp_only_layers\" lists layer {}; the model's layers are 0 .. {}", where,
+                  l, c.num_layers - 1);
+      c.mlp_only_layers.push_back(static_cast<int>(l));
+    }
+    std::sort(c.mlp_only_layers.begin(), c.mlp_only_layers.end());
+    c.mlp_only_layers.erase(std::unique(c.mlp_only_layers.begin(), c.mlp_only_layers.end()),
+                            c.mlp_only_layers.end());
+  }
+}
+
 }  // namespace
 
 const std::vector<ConfigKey>& config_keys() {
@@ -79,6 +142,13 @@ const std::vector<ConfigKey>& config_keys() {
       {"model.rms_norm_eps", "rms_norm_eps"},
       {"model.tie_word_embeddings", "tie_word_embeddings"},
       {"model.max_position_embeddings", "max_position_embeddings"},
+      {"model.num_experts", "num_experts"},
+      {"model.num_experts_per_tok", "num_experts_per_tok", true},
+      {"model.moe_intermediate_size", "moe_intermediate_size", true},
+      {"model.norm_topk_prob", "norm_topk_prob", true},
+      {"model.decoder_sparse_step", "decoder_sparse_step", true},
+      {"model.mlp_only_layers", "mlp_only_layers", true},
+      {"model.router_aux_loss_coef", "router_aux_loss_coef", true, true},
   };
   return keys;
 }
@@ -92,15 +162,19 @@ ModelConfig parse_config(const std::string& text, const std::string& where, Conf
   }
   if (!j.is_object()) fail_user("{}: not a JSON object", where);
 
-  // Which model: model_type "qwen3" and, when listed, the Qwen3ForCausalLM architecture.
-  const std::string kWant = "qtrain reads Qwen3 dense models (model_type \"qwen3\", Qwen3ForCausalLM)";
+  // Which model: model_type "qwen3" or "qwen3_moe" and, when listed, its architecture.
+  const std::string kWant =
+      "qtrain reads Qwen3 models: model_type \"qwen3\" (Qwen3ForCausalLM) or \"qwen3_moe\" "
+      "(Qwen3MoeForCausalLM)";
   if (!present(j, "model_type")) fail_user("{}: key \"model_type\" is missing; {}", where, kWant);
-  if (!j["model_type"].is_string() || j["model_type"].get<std::string>() != "qwen3")
-    fail_user("{}: model_type is {}; {}", where, j["model_type"].dump(), kWant);
+  const json& type = j["model_type"];
+  const bool moe = type == "qwen3_moe";
+  if (type != "qwen3" && !moe) fail_user("{}: model_type is {}; {}", where, type.dump(), kWant);
   if (present(j, "architectures")) {
+    const char* arch = moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM";
     const json& a = j["architectures"];
     bool ok = a.is_array() && !a.empty();
-    for (const json& x : a) ok = ok && x.is_string() && x.get<std::string>() == "Qwen3ForCausalLM";
+    for (const json& x : a) ok = ok && x == arch;
     if (!ok) fail_user("{}: architectures is {}; {}", where, a.dump(), kWant);
   }
 
@@ -131,20 +205,17 @@ ModelConfig parse_config(const std::string& text, const std::string& where, Conf
   c.num_layers = get_int(j, "num_hidden_layers", where, std::nullopt);
   c.num_heads = get_int(j, "num_attention_heads", where, std::nullopt);
   c.num_kv_heads = get_int(j, "num_key_value_heads", where, c.num_heads);
-  c.head_dim = get_int(j, "head_dim", where, kDefaultHeadDim);
+  // Qwen3MoeConfig has no head_dim: transformers' MoE model takes config.json's, else
+  // hidden_size // num_attention_heads (qwen3-spec.md 1.1 notes), and so does qtrain.
+  c.head_dim = get_int(j, "head_dim", where,
+                       moe ? c.hidden_size / c.num_heads : kDefaultHeadDim);
   c.max_position_embeddings = get_int(j, "max_position_embeddings", where, kDefaultMaxPositions);
   c.rms_norm_eps = present(j, "rms_norm_eps") ? get_double(j["rms_norm_eps"], "rms_norm_eps", where)
                                               : kDefaultRmsNormEps;
   c.initializer_range = present(j, "initializer_range")
                             ? get_double(j["initializer_range"], "initializer_range", where)
                             : kDefaultInitializerRange;
-  c.tie_word_embeddings = false;
-  if (present(j, "tie_word_embeddings")) {
-    if (!j["tie_word_embeddings"].is_boolean())
-      fail_user("{}: \"tie_word_embeddings\" is {}, expected true or false", where,
-                j["tie_word_embeddings"].dump());
-    c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
-  }
+  c.tie_word_embeddings = get_bool(j, "tie_word_embeddings", where, false);
   // RoPE: rope_theta at the top (transformers 4.x, the Hub's Qwen3 files) or inside
   // rope_parameters (transformers 5.x); rope_scaling, when set, must be plain RoPE too.
   std::optional<double> theta;
@@ -157,6 +228,7 @@ ModelConfig parse_config(const std::string& text, const std::string& where, Conf
     if (t) theta = t;
   }
   c.rope_theta = theta.value_or(kDefaultRopeTheta);
+  if (moe) read_moe(j, where, c);
 
   validate_model(c, where);
   if (extras) {
@@ -189,6 +261,25 @@ void validate_model(const ModelConfig& c, const std::string& where) {
        {std::pair{"rope_theta", c.rope_theta}, std::pair{"rms_norm_eps", c.rms_norm_eps}})
     if (!(v > 0) || !std::isfinite(v))
       fail_user("{}: {} is {}, expected a positive number", where, name, v);
+  if (c.num_experts == 0) return;
+  // Qwen3-MoE: k of E experts, a sparse layer's width, which layers are dense.
+  for (const auto& [name, v] : {std::pair{"num_experts", c.num_experts},
+                                std::pair{"num_experts_per_tok", c.num_experts_per_tok},
+                                std::pair{"moe_intermediate_size", c.moe_intermediate_size},
+                                std::pair{"decoder_sparse_step", c.decoder_sparse_step}})
+    if (v < 1) fail_user("{}: {} is {}, expected a positive integer", where, name, v);
+  if (c.num_experts_per_tok > c.num_experts)
+    fail_user("{}: num_experts_per_tok {} is more than num_experts {}", where,
+              c.num_experts_per_tok, c.num_experts);
+  for (std::size_t i = 0; i < c.mlp_only_layers.size(); ++i) {
+    const int l = c.mlp_only_layers[i];
+    if (l < 0 || l >= c.num_layers || (i > 0 && l <= c.mlp_only_layers[i - 1]))
+      fail_user("{}: mlp_only_layers lists layer {}; expected ascending layers of 0 .. {}, each "
+                "once", where, l, c.num_layers - 1);
+  }
+  if (!(c.router_aux_loss_coef >= 0) || !std::isfinite(c.router_aux_loss_coef))
+    fail_user("{}: router_aux_loss_coef is {}, expected a number >= 0", where,
+              c.router_aux_loss_coef);
 }
 
 ModelConfig read_config(const std::string& dir, ConfigExtras* extras) {
@@ -211,11 +302,14 @@ ConfigExtras default_extras(const ModelConfig& cfg) {
 }
 
 nlohmann::ordered_json make_config_json(const ModelConfig& c, const ConfigExtras& extras) {
+  // Keys in the order of Qwen's own files; a Qwen3-MoE model's as Qwen3-30B-A3B's config.json.
+  const bool moe = c.is_moe();
   nlohmann::ordered_json j;
-  j["architectures"] = {"Qwen3ForCausalLM"};
+  j["architectures"] = {moe ? "Qwen3MoeForCausalLM" : "Qwen3ForCausalLM"};
   j["attention_bias"] = false;
   j["attention_dropout"] = 0.0;
   j["bos_token_id"] = extras.bos_token_id;
+  if (moe) j["decoder_sparse_step"] = c.decoder_sparse_step;
   j["dtype"] = "bfloat16";
   j["eos_token_id"] = extras.eos_token_id;
   j["head_dim"] = c.head_dim;
@@ -225,14 +319,26 @@ nlohmann::ordered_json make_config_json(const ModelConfig& c, const ConfigExtras
   j["intermediate_size"] = c.intermediate_size;
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["max_window_layers"] = c.num_layers;
-  j["model_type"] = "qwen3";
+  if (moe) j["mlp_only_layers"] = c.mlp_only_layers;
+  j["model_type"] = moe ? "qwen3_moe" : "qwen3";
+  if (moe) {
+    j["moe_intermediate_size"] = c.moe_intermediate_size;
+    j["norm_topk_prob"] = c.norm_topk_prob;
+  }
   j["num_attention_heads"] = c.num_heads;
+  if (moe) {
+    j["num_experts"] = c.num_experts;  // transformers 5 reads it as num_local_experts too
+    j["num_experts_per_tok"] = c.num_experts_per_tok;
+  }
   j["num_hidden_layers"] = c.num_layers;
   j["num_key_value_heads"] = c.num_kv_heads;
+  // As the official configs: transformers then trains without the load-balancing loss.
+  if (moe) j["output_router_logits"] = false;
   if (!extras.pad_token_id.is_null()) j["pad_token_id"] = extras.pad_token_id;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_scaling"] = nullptr;
   j["rope_theta"] = c.rope_theta;
+  if (moe) j["router_aux_loss_coef"] = c.router_aux_loss_coef;
   j["sliding_window"] = nullptr;
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["torch_dtype"] = "bfloat16";  // transformers 4.x's name of dtype

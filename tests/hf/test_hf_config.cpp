@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,29 @@ const char* kTransformers5 = R"({
   "tie_word_embeddings": false, "transformers_version": "5.17.0", "use_cache": false,
   "use_sliding_window": false, "vocab_size": 128
 })";
+
+// Qwen/Qwen3-30B-A3B's config.json: the keys of Qwen's MoE files (transformers 4.51 style), the
+// values of qwen3-spec.md's table.
+const char* kQwen3_30B_A3B = R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+  "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+  "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+  "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+  "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+  "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+  "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_scaling": null,
+  "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": null,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+  "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+})";
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
 
 void expect_user_error(const std::function<void()>& f, const std::vector<std::string>& parts) {
   try {
@@ -147,7 +171,11 @@ TEST(HfConfigErrors, OtherModelsAndFeatures) {
     expect_user_error([&] { parse_config(text, "m/config.json"); }, parts);
   };
   bad(with(R"("model_type": "qwen3")", R"("model_type": "llama")"), {"m/config.json", "model_type", "\"llama\"", "Qwen3"});
-  bad(with(R"("model_type": "qwen3")", R"("model_type": "qwen3_moe")"), {"qwen3_moe"});
+  bad(with(R"("model_type": "qwen3")", R"("model_type": "qwen3_moe")"),
+      {"architectures is [\"Qwen3ForCausalLM\"]", "\"qwen3_moe\" (Qwen3MoeForCausalLM)"});
+  bad(with(R"("model_type": "qwen3")", R"("model_type": "mixtral")",
+           with(R"(["Qwen3ForCausalLM"])", R"(["MixtralForCausalLM"])")),
+      {"model_type is \"mixtral\"", "qtrain reads Qwen3 models"});
   bad(with(R"(["Qwen3ForCausalLM"])", R"(["Qwen3ForSequenceClassification"])"), {"architectures"});
   bad(with(R"("rope_scaling": null)", R"("rope_scaling": {"rope_type": "yarn", "factor": 4.0})"),
       {"rope_scaling", "yarn", "plain RoPE"});
@@ -170,6 +198,146 @@ TEST(HfConfigErrors, OtherModelsAndFeatures) {
   bad(base.substr(0, 40), {"m/config.json", "not valid JSON"});
   std::string no_vocab = with(R"("vocab_size": 151936)", R"("other": 1)");
   bad(no_vocab, {"\"vocab_size\" is missing"});
+}
+
+// ---- Qwen3-MoE -------------------------------------------------------------------------------
+
+TEST(HfConfigMoe, ReadsQwen3MoeHubConfig) {
+  ConfigExtras x;
+  const ModelConfig c = parse_config(kQwen3_30B_A3B, "config.json", &x);
+  const ModelConfig want = *model_preset("qwen3-30b-a3b");
+  EXPECT_EQ(c.num_experts, 128);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.moe_intermediate_size, 768);
+  EXPECT_TRUE(c.norm_topk_prob);
+  EXPECT_EQ(c.decoder_sparse_step, 1);
+  EXPECT_TRUE(c.mlp_only_layers.empty());
+  EXPECT_EQ(c.router_aux_loss_coef, 0.001);
+  EXPECT_EQ(c.head_dim, 128);  // not 2048 / 32
+  EXPECT_EQ(c.num_kv_heads, 4);
+  EXPECT_EQ(c.num_moe_layers(), 48);
+  EXPECT_EQ(c.num_params(), want.num_params());
+  EXPECT_EQ(c.num_params(), 30'532'122'624);  // qwen3-spec.md's table
+  EXPECT_EQ(x.eos_token_id, 151645);
+}
+
+// transformers 5.17's save_pretrained: num_local_experts, rope_parameters (make_moe_fixtures.py).
+TEST(HfConfigMoe, ReadsTransformers5MoeConfigs) {
+  const ModelConfig a =
+      read_config(std::string(QT_MOE_FIXTURE_DIR) + "/moe_norm_topk_hf");
+  EXPECT_EQ(a.num_experts, 6);
+  EXPECT_EQ(a.num_experts_per_tok, 2);
+  EXPECT_EQ(a.moe_intermediate_size, 16);
+  EXPECT_TRUE(a.norm_topk_prob);
+  EXPECT_EQ(a.mlp_only_layers, std::vector<int>{1});
+  EXPECT_EQ(a.router_aux_loss_coef, 0.05);
+  EXPECT_EQ(a.head_dim, 16);
+  EXPECT_EQ(a.rope_theta, 10000.0);
+  EXPECT_FALSE(a.tie_word_embeddings);
+  const ModelConfig b =
+      read_config(std::string(QT_MOE_FIXTURE_DIR) + "/moe_no_norm_topk_tied_hf");
+  EXPECT_FALSE(b.norm_topk_prob);
+  EXPECT_EQ(b.decoder_sparse_step, 2);
+  EXPECT_TRUE(b.mlp_only_layers.empty());
+  EXPECT_TRUE(b.tie_word_embeddings);
+  EXPECT_EQ(b.num_moe_layers(), 1);  // layer 1 of 0 .. 2
+}
+
+const char* kMinimalMoe = R"({"model_type": "qwen3_moe", "vocab_size": 100, "hidden_size": 64,
+    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4})";
+
+// Keys a file omits take Qwen3MoeConfig's defaults; head_dim hidden / heads, as transformers'
+// MoE model (a dense config's default is 128).
+TEST(HfConfigMoe, DefaultsFollowTransformers) {
+  const ModelConfig c = parse_config(kMinimalMoe, "c.json");
+  EXPECT_EQ(c.head_dim, 16);
+  EXPECT_EQ(c.num_experts, 128);
+  EXPECT_EQ(c.num_experts_per_tok, 8);
+  EXPECT_EQ(c.moe_intermediate_size, 768);
+  EXPECT_FALSE(c.norm_topk_prob);  // Qwen3MoeConfig's default (Qwen's files set true)
+  EXPECT_EQ(c.decoder_sparse_step, 1);
+  EXPECT_TRUE(c.mlp_only_layers.empty());
+  EXPECT_EQ(c.router_aux_loss_coef, 0.001);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.num_kv_heads, 4);
+  // mlp_only_layers in any order and with repeats is the same model; null is none.
+  std::string t = kMinimalMoe;
+  t.insert(t.size() - 1, R"(, "num_experts": 4, "num_experts_per_tok": 2, "mlp_only_layers": [1, 0, 1])");
+  EXPECT_EQ(parse_config(t, "c.json").mlp_only_layers, (std::vector<int>{0, 1}));
+  t = kMinimalMoe;
+  t.insert(t.size() - 1, R"(, "num_local_experts": 4, "num_experts": 4, "mlp_only_layers": null, "num_experts_per_tok": 4)");
+  const ModelConfig d = parse_config(t, "c.json");
+  EXPECT_EQ(d.num_experts, 4);
+  EXPECT_TRUE(d.mlp_only_layers.empty());
+}
+
+TEST(HfConfigMoe, RoundTripsThroughConfigJson) {
+  std::mt19937_64 rng(test::test_seed());
+  for (int rep = 0; rep < 50; ++rep) {
+    ModelConfig c = *model_preset("qwen3-30b-a3b");
+    c.preset = "";
+    c.num_layers = 1 + static_cast<int>(rng() % 12);
+    c.num_experts = 1 + static_cast<int>(rng() % 160);
+    c.num_experts_per_tok = 1 + static_cast<int>(rng() % c.num_experts);
+    c.moe_intermediate_size = 1 + static_cast<int>(rng() % 2000);
+    c.norm_topk_prob = rng() & 1;
+    c.decoder_sparse_step = 1 + static_cast<int>(rng() % 3);
+    c.mlp_only_layers.clear();
+    for (int l = 0; l < c.num_layers; ++l)
+      if (rng() % 4 == 0) c.mlp_only_layers.push_back(l);
+    c.router_aux_loss_coef = rep == 0 ? 0.0 : std::uniform_real_distribution<double>(0, 0.1)(rng);
+    c.tie_word_embeddings = rng() & 1;
+    const nlohmann::ordered_json j = make_config_json(c, default_extras(c));
+    EXPECT_EQ(j["architectures"][0], "Qwen3MoeForCausalLM");
+    EXPECT_EQ(j["model_type"], "qwen3_moe");
+    EXPECT_EQ(j["output_router_logits"], false);
+    EXPECT_EQ(j["num_experts"], c.num_experts);
+    EXPECT_EQ(j["head_dim"], 128);
+    const ModelConfig d = parse_config(j.dump(2), "round.json");
+    EXPECT_EQ(d.num_layers, c.num_layers);
+    EXPECT_EQ(d.num_experts, c.num_experts);
+    EXPECT_EQ(d.num_experts_per_tok, c.num_experts_per_tok);
+    EXPECT_EQ(d.moe_intermediate_size, c.moe_intermediate_size);
+    EXPECT_EQ(d.norm_topk_prob, c.norm_topk_prob);
+    EXPECT_EQ(d.decoder_sparse_step, c.decoder_sparse_step);
+    EXPECT_EQ(d.mlp_only_layers, c.mlp_only_layers);
+    EXPECT_EQ(d.router_aux_loss_coef, c.router_aux_loss_coef);
+    EXPECT_EQ(d.tie_word_embeddings, c.tie_word_embeddings);
+    EXPECT_EQ(d.num_params(), c.num_params());
+  }
+  // A dense model's config.json has no MoE key.
+  const nlohmann::ordered_json dense = make_config_json(ModelConfig{}, {});
+  for (const char* k : {"num_experts", "mlp_only_layers", "output_router_logits", "norm_topk_prob"})
+    EXPECT_FALSE(dense.contains(k)) << k;
+}
+
+TEST(HfConfigMoe, Errors) {
+  const std::string base = kQwen3_30B_A3B;
+  auto with = [&](const std::string& from, const std::string& to) {
+    std::string s = base;
+    const auto at = s.find(from);
+    EXPECT_NE(at, std::string::npos) << from;
+    return s.replace(at, from.size(), to);
+  };
+  auto bad = [&](const std::string& text, const std::vector<std::string>& parts) {
+    expect_user_error([&] { parse_config(text, "m/config.json"); }, parts);
+  };
+  bad(with(R"(["Qwen3MoeForCausalLM"])", R"(["Qwen3ForCausalLM"])"),
+      {"m/config.json", "architectures is [\"Qwen3ForCausalLM\"]", "\"qwen3\" (Qwen3ForCausalLM)"});
+  bad(with(R"("num_experts_per_tok": 8)", R"("num_experts_per_tok": 129)"),
+      {"num_experts_per_tok 129 is more than num_experts 128"});
+  bad(with(R"("num_experts": 128)", R"("num_experts": 128, "num_local_experts": 64)"),
+      {"num_experts 128 and num_local_experts 64 disagree"});
+  bad(with(R"("num_experts": 128)", R"("num_experts": 0)"), {"\"num_experts\" is 0", "positive integer"});
+  bad(with(R"("mlp_only_layers": [])", R"("mlp_only_layers": [3, 48])"),
+      {"\"mlp_only_layers\" lists layer 48", "0 .. 47"});
+  bad(with(R"("mlp_only_layers": [])", R"("mlp_only_layers": "1")"), {"mlp_only_layers", "list of layer"});
+  bad(with(R"("norm_topk_prob": true)", R"("norm_topk_prob": 1)"), {"norm_topk_prob", "true or false"});
+  bad(with(R"("router_aux_loss_coef": 0.001)", R"("router_aux_loss_coef": -1)"),
+      {"router_aux_loss_coef", ">= 0"});
+  bad(with(R"("moe_intermediate_size": 768)", R"("moe_intermediate_size": 0)"),
+      {"moe_intermediate_size", "positive integer"});
+  bad(with(R"("use_sliding_window": false)", R"("use_sliding_window": true)"), {"use_sliding_window"});
 }
 
 // ---- the deck: model.init -------------------------------------------------------------------
@@ -237,6 +405,34 @@ TEST_F(HfDeck, MissingDirectoryOrAnotherModel) {
       "num_attention_heads": 2, "head_dim": 3})";
   expect_user_error([&] { parse("[model]\ninit = " + model_ + "\n"); },
                     {"deck.ini:2:", "model.init", "config.json: head_dim is 3", "even"});
+}
+
+// A Qwen3-MoE model.init: its MoE keys define the deck's model and are compared like the others;
+// router_aux_loss_coef, the objective's weight, may be set; a dense config.json ignores MoE keys.
+TEST_F(HfDeck, Qwen3MoeConfigJsonDefinesTheModel) {
+  const std::string moe = std::string(QT_MOE_FIXTURE_DIR) + "/moe_norm_topk_hf";
+  Deck d = parse("[model]\ninit = " + moe + "\n[train]\nseq_len = 16\n");
+  EXPECT_EQ(d.model.num_experts, 6);
+  EXPECT_EQ(d.model.num_experts_per_tok, 2);
+  EXPECT_EQ(d.model.moe_intermediate_size, 16);
+  EXPECT_TRUE(d.model.norm_topk_prob);
+  EXPECT_EQ(d.model.mlp_only_layers, std::vector<int>{1});
+  EXPECT_EQ(d.model.router_aux_loss_coef, 0.05);
+  Deck e = parse("[model]\ninit = " + moe + "\nnum_experts = 6\nmlp_only_layers = 1\n"
+                 "router_aux_loss_coef = 0\n[train]\nseq_len = 16\n");
+  EXPECT_EQ(e.model.router_aux_loss_coef, 0.0);
+  expect_user_error([&] { parse("[model]\ninit = " + moe + "\nnum_experts = 8\n"); },
+                    {"deck.ini:3:", "model.num_experts = 8", "contradicts", "num_experts = 6"});
+  expect_user_error([&] { parse("[model]\ninit = " + moe + "\nmlp_only_layers = 0, 1\n"); },
+                    {"model.mlp_only_layers = 0, 1", "contradicts", "mlp_only_layers = 1"});
+  expect_user_error([&] { parse("[model]\ninit = " + moe + "\nnorm_topk_prob = false\n"); },
+                    {"model.norm_topk_prob = false", "norm_topk_prob = true"});
+  // A MoE deck against a dense directory: num_experts says so.
+  expect_user_error([&] { parse("[model]\ninit = " + model_ + "\nnum_experts = 4\n"); },
+                    {"model.num_experts = 4", "contradicts", "num_experts = 0"});
+  // A dense directory: a MoE key of the deck means nothing, as without model.init.
+  Deck f = parse("[model]\ninit = " + model_ + "\nnum_experts_per_tok = 4\n[train]\nseq_len = 16\n");
+  EXPECT_FALSE(f.model.is_moe());
 }
 
 }  // namespace
