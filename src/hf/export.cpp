@@ -18,6 +18,7 @@
 #include "config/ini_lines.h"
 #include "hf/export_dir.h"
 #include "hf/lora_export.h"
+#include "hf/moe_weights.h"
 #include "hf/safetensors.h"
 #include "hf/weights.h"
 #include "io/hdf5_util.h"
@@ -50,6 +51,26 @@ constexpr const char* kUsage =
     "  A LoRA run's checkpoint exports as PEFT's adapter_model.safetensors + adapter_config.json;\n"
     "  --merge                instead, the base model with the adapters merged (W + scale * B A)\n";
 
+// "1, 5" (the checkpoint's mlp_only_layers attribute; "" none) as layer indices.
+std::vector<int> parse_layer_list(const std::string& text, const std::string& where) {
+  std::vector<int> out;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    std::size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    std::string item = text.substr(at, end - at);
+    item.erase(0, item.find_first_not_of(' '));
+    item.erase(item.find_last_not_of(' ') + 1);
+    int v = 0;
+    const auto r = std::from_chars(item.data(), item.data() + item.size(), v);
+    if (item.empty() || r.ec != std::errc() || r.ptr != item.data() + item.size())
+      fail_user("{} = '{}' is not a list of layers (corrupt checkpoint?)", where, text);
+    out.push_back(v);
+    at = end + 1;
+  }
+  return out;
+}
+
 std::string read_text(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
   if (!in) fail_user("cannot read {}", p.string());
@@ -81,8 +102,10 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
   auto i64 = [&](const char* name) {
     auto v = h5::try_read_attr_i64(file, name);
     if (!v) fail_user("checkpoint {}: root attribute {} is missing", path, name);
-    // Sizes become ints: 1 .. 2^31 - 1 (tie_word_embeddings 0 or 1).
-    const std::int64_t lo = std::strcmp(name, "tie_word_embeddings") == 0 ? 0 : 1;
+    // Sizes become ints: 1 .. 2^31 - 1 (the flags tie_word_embeddings and norm_topk_prob 0 too).
+    const bool flag =
+        std::strcmp(name, "tie_word_embeddings") == 0 || std::strcmp(name, "norm_topk_prob") == 0;
+    const std::int64_t lo = flag ? 0 : 1;
     if (std::strcmp(name, "step") != 0 && (*v < lo || *v > std::numeric_limits<int>::max()))
       fail_user("checkpoint {}: root attribute {} = {} is out of range (corrupt checkpoint?)", path,
                 name, *v);
@@ -106,6 +129,17 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
   c.rope_theta = f64("rope_theta");
   c.rms_norm_eps = f64("rms_norm_eps");
   m.step = i64("step");
+  // A Qwen3-MoE model's architecture (io/checkpoint.cpp); a dense checkpoint has no num_experts.
+  if (h5::try_read_attr_i64(file, "num_experts")) {
+    c.num_experts = static_cast<int>(i64("num_experts"));
+    c.num_experts_per_tok = static_cast<int>(i64("num_experts_per_tok"));
+    c.moe_intermediate_size = static_cast<int>(i64("moe_intermediate_size"));
+    c.norm_topk_prob = i64("norm_topk_prob") != 0;
+    c.decoder_sparse_step = static_cast<int>(i64("decoder_sparse_step"));
+    const std::string layers = h5::try_read_attr_string(file, "mlp_only_layers").value_or("");
+    c.mlp_only_layers = parse_layer_list(layers, fmt::format("checkpoint {}: root attribute "
+                                                             "mlp_only_layers", path));
+  }
   validate_model(c, fmt::format("checkpoint {}", path));
   if (h5::try_read_attr_i64(file, "lora_r")) {  // a LoRA run's checkpoint
     LoraCheckpointInfo l;
@@ -121,8 +155,9 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
     parse_lora_targets(l.config.targets, fmt::format("checkpoint {}: lora_targets", path));
     m.lora = l;
   }
-  // max_position_embeddings, initializer_range and init are not root attributes: the stored
-  // resolved deck has them (the struct defaults stand in when a key is absent).
+  // max_position_embeddings, initializer_range, router_aux_loss_coef and init are not root
+  // attributes: the stored resolved deck has them (the struct defaults stand in when a key is
+  // absent).
   const std::string deck = h5::try_read_attr_string(file, "deck").value_or("");
   ini::Scan scan;
   try {
@@ -140,6 +175,9 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
       c.max_position_embeddings = iv;
     if (e.key == "model.initializer_range" && std::from_chars(b, end, dv).ec == std::errc() && dv > 0)
       c.initializer_range = dv;
+    if (e.key == "model.router_aux_loss_coef" && std::from_chars(b, end, dv).ec == std::errc() &&
+        dv >= 0 && std::isfinite(dv))
+      c.router_aux_loss_coef = dv;
   }
   return m;
 }
@@ -196,12 +234,7 @@ InitDirSearch find_init_dir(const CheckpointModel& cm, const std::string& base) 
 
 std::string tried_text(const InitDirSearch& s) { return fmt::format("{}", fmt::join(s.tried, ", ")); }
 
-double param_count(const ModelConfig& c) {
-  const double H = c.hidden_size, V = c.vocab_size, I = c.intermediate_size, Q = c.q_dim(),
-               KV = c.kv_dim(), hd = c.head_dim;
-  const double layer = 2 * H + 2 * hd + 2 * Q * H + 2 * KV * H + 3 * I * H;  // as ParamLayout
-  return V * H * (c.tie_word_embeddings ? 1 : 2) + H + c.num_layers * layer;
-}
+double param_count(const ModelConfig& c) { return c.num_params_f64(); }  // dense or MoE
 
 HostMemoryNeed weights_memory_need(const CheckpointModel& cm, bool model) {
   const double P = model ? param_count(cm.cfg) : 0;
@@ -261,17 +294,34 @@ std::vector<std::string> write_model_dir(const std::string& dir, const ModelConf
   write_text(d / "config.json", make_config_json(cfg, extras).dump(2) + "\n");
   if (!generation_config.empty()) write_text(d / "generation_config.json", generation_config);
 
+  // The file tensors in model order: a parameter under its own name, a Qwen3-MoE layer's fused
+  // experts as the per-expert tensors that checkpoints hold (moe_weights.h), each a slice of
+  // its expert's row.
+  std::vector<StTensorOut> tensors;
+  for (const ParamInfo& p : layout.params()) {
+    const auto per_expert = expert_file_tensors(p);
+    if (per_expert.empty()) {
+      tensors.push_back({p.name, StDType::kBF16, p.shape, nullptr, params + p.offset});
+      continue;
+    }
+    const float* at = params + p.offset;
+    for (const auto& row : per_expert)
+      for (const FileTensor& t : row) {
+        tensors.push_back({t.name, StDType::kBF16, t.shape, nullptr, at});
+        at += t.numel();
+      }
+  }
   // Shards as transformers cuts them: tensors in model order, a new shard when the next tensor
   // would push the current one past the limit (a tensor larger than the limit gets its own).
-  std::vector<std::vector<const ParamInfo*>> shards(1);
+  std::vector<std::vector<const StTensorOut*>> shards(1);
   std::uint64_t cur = 0, total = 0;
-  for (const ParamInfo& p : layout.params()) {
-    const std::uint64_t b = p.numel * 2;  // bf16
+  for (const StTensorOut& t : tensors) {
+    const std::uint64_t b = t.bytes();
     if (!shards.back().empty() && cur + b > max_shard_bytes) {
       shards.emplace_back();
       cur = 0;
     }
-    shards.back().push_back(&p);
+    shards.back().push_back(&t);
     cur += b;
     total += b;
   }
@@ -282,14 +332,9 @@ std::vector<std::string> write_model_dir(const std::string& dir, const ModelConf
     const std::string name =
         n == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, n);
     std::vector<StTensorOut> out;
-    for (const ParamInfo* p : shards[i]) {
-      StTensorOut t;
-      t.name = p->name;
-      t.dtype = StDType::kBF16;
-      t.shape = p->shape;
-      t.f32 = params + p->offset;
-      out.push_back(std::move(t));
-      weight_map[p->name] = name;
+    for (const StTensorOut* t : shards[i]) {
+      out.push_back(*t);
+      weight_map[t->name] = name;
     }
     write_safetensors((d / name).string(), out, {{"format", "pt"}});
     files.push_back(name);

@@ -48,7 +48,8 @@ std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> w
 
 // Writes the model files (config.json, generation_config.json unless `generation_config` is
 // empty, the safetensors shards and, for more than one shard, the index) into the existing
-// directory `dir`. Serial. Returns the names of the weight files.
+// directory `dir`; a Qwen3-MoE layer's experts per expert, as checkpoints name them
+// (hf/moe_weights.h). Serial. Returns the names of the weight files.
 std::vector<std::string> write_model_dir(const std::string& dir, const ModelConfig& cfg,
                                          const ParamLayout& layout, const float* params,
                                          std::uint64_t max_shard_bytes, const ConfigExtras& extras,

@@ -11,6 +11,7 @@
 #include <set>
 #include <sstream>
 
+#include "hf/moe_weights.h"
 #include "qtrain/error.h"
 
 namespace qt::hf {
@@ -115,58 +116,132 @@ std::vector<RowSlice> all_rows(const ParamLayout& layout, float* params) {
   return out;
 }
 
+namespace {
+
+// Where a layout parameter's values are in the directory's files: the tensor of its own name
+// and shape, or (rows not empty) a Qwen3-MoE layer's experts stored per expert, row e of the
+// parameter being the concatenation of the file tensors rows[e] (moe_weights.h).
+struct Source {
+  std::vector<std::vector<FileTensor>> rows;
+};
+
+// Matches every parameter of `layout` with the tensors of `w`, in layout order. UserError for a
+// missing, unexpected, wrongly shaped or typed tensor, or experts stored both fused and per expert.
+std::vector<Source> match_tensors(const HfWeights& w, const ParamLayout& layout,
+                                  bool tied_embeddings, const std::string& dir) {
+  std::vector<Source> sources;
+  std::set<std::string> used;
+  std::vector<std::string> missing, unexpected;
+  auto take = [&](const std::string& name, const std::vector<std::int64_t>& shape) {
+    const HfWeights::Entry* e = w.find(name);
+    if (!e) {
+      missing.push_back(name);
+      return;
+    }
+    if (e->tensor->shape != shape)
+      fail_user("{}: tensor {} has shape {}, the model of config.json needs {}", e->file->path(),
+                name, shape_text(e->tensor->shape), shape_text(shape));
+    if (!st_dtype_is_float_readable(e->tensor->dtype))
+      fail_user("{}: tensor {} has dtype {}; qtrain reads BF16, F16 and F32 weights",
+                e->file->path(), name, st_dtype_name(e->tensor->dtype));
+    used.insert(name);
+  };
+  for (const ParamInfo& p : layout.params()) {
+    Source s;
+    auto per_expert = expert_file_tensors(p);
+    if (!per_expert.empty() && !w.find(p.name)) {  // experts per expert, as checkpoints hold them
+      s.rows = std::move(per_expert);
+      for (const auto& row : s.rows)
+        for (const FileTensor& t : row) take(t.name, t.shape);
+    } else {  // the parameter's own name (experts fused): no per-expert copy may be there too
+      take(p.name, p.shape);
+      for (const auto& row : per_expert)
+        for (const FileTensor& t : row)
+          if (const HfWeights::Entry* e = w.find(t.name))
+            fail_user("{}: tensor {} holds experts that {} holds too (fused); a layer's experts "
+                      "must be stored once, fused or per expert",
+                      e->file->path(), t.name, p.name);
+    }
+    sources.push_back(std::move(s));
+  }
+  for (const auto& [name, e] : w.tensors()) {
+    if (name == "lm_head.weight" && tied_embeddings) continue;  // tied: ignored (load_params)
+    if (!used.contains(name)) unexpected.push_back(name);
+  }
+  const auto experts_in = [](const std::vector<std::string>& names) {
+    return std::any_of(names.begin(), names.end(), is_expert_file_tensor);
+  };
+  if (!missing.empty())
+    fail_user("{}: {} tensor{} of the model {} missing: {}{}", dir, missing.size(),
+              missing.size() == 1 ? "" : "s", missing.size() == 1 ? "is" : "are",
+              name_list(missing),
+              experts_in(missing)
+                  ? " (a sparse layer's experts are read per expert, mlp.experts.{e}.gate_proj, "
+                    "up_proj and down_proj.weight, or fused, mlp.experts.gate_up_proj [E, 2 Im, "
+                    "H] and mlp.experts.down_proj [E, H, Im])"
+                  : "");
+  if (!unexpected.empty())
+    fail_user("{}: {} unexpected tensor{} that a Qwen3 model of this config.json does not have: "
+              "{}{}", dir, unexpected.size(), unexpected.size() == 1 ? "" : "s",
+              name_list(unexpected),
+              experts_in(unexpected)
+                  ? " (config.json's num_experts, mlp_only_layers and decoder_sparse_step say "
+                    "which layers are sparse and how many experts they have)"
+                  : "");
+  return sources;
+}
+
+// Rows [r0, r1) of file tensor `name` into `out`, refusing a non-finite value.
+void read_finite(const HfWeights& w, const std::string& dir, const std::string& name,
+                 std::int64_t r0, std::int64_t r1, float* out) {
+  w.read_rows(name, r0, r1, out);
+  const HfWeights::Entry* e = w.find(name);
+  const std::size_t per_row = static_cast<std::size_t>(e->tensor->row_elems());
+  const std::size_t n = static_cast<std::size_t>(r1 - r0) * per_row;
+  for (std::size_t i = 0; i < n; ++i)
+    if (!std::isfinite(out[i]))
+      fail_user("{}: tensor {} holds a non-finite value ({}) at element {}", dir, name, out[i],
+                static_cast<std::size_t>(r0) * per_row + i);
+}
+
+}  // namespace
+
 std::string load_params(const std::string& dir, const ParamLayout& layout,
                         const std::vector<RowSlice>& slices, bool tied_embeddings, Comm& world) {
   // 1. Open and check names, shapes and dtypes. Every rank reads the same files, so verdicts
   //    agree; agree() still guards against one rank's I/O failure hanging the others.
   std::unique_ptr<HfWeights> w;
+  std::vector<Source> sources;  // [layout.params().size()]
   std::string err, line;
   try {
     w = std::make_unique<HfWeights>(dir);
-    std::vector<std::string> missing, unexpected;
-    for (const ParamInfo& p : layout.params()) {
-      const HfWeights::Entry* e = w->find(p.name);
-      if (!e) {
-        missing.push_back(p.name);
-        continue;
-      }
-      if (e->tensor->shape != p.shape)
-        fail_user("{}: tensor {} has shape {}, the model of config.json needs {}", e->file->path(),
-                  p.name, shape_text(e->tensor->shape), shape_text(p.shape));
-      if (!st_dtype_is_float_readable(e->tensor->dtype))
-        fail_user("{}: tensor {} has dtype {}; qtrain reads BF16, F16 and F32 weights",
-                  e->file->path(), p.name, st_dtype_name(e->tensor->dtype));
-    }
-    for (const auto& [name, e] : w->tensors()) {
-      if (name == "lm_head.weight" && tied_embeddings) continue;  // tied: ignored (below)
-      bool known = false;
-      for (const ParamInfo& p : layout.params()) known = known || p.name == name;
-      if (!known) unexpected.push_back(name);
-    }
-    if (!missing.empty())
-      fail_user("{}: {} tensor{} of the model {} missing: {}", dir, missing.size(),
-                missing.size() == 1 ? "" : "s", missing.size() == 1 ? "is" : "are",
-                name_list(missing));
-    if (!unexpected.empty())
-      fail_user("{}: {} unexpected tensor{} that a Qwen3 model of this config.json does not have: "
-                "{}", dir, unexpected.size(), unexpected.size() == 1 ? "" : "s", name_list(unexpected));
+    sources = match_tensors(*w, layout, tied_embeddings, dir);
     line = fmt::format("{} ({})", dir, w->describe());
   } catch (const UserError& e) {
     err = e.what();
   }
   agree(world, err);
 
-  // 2. Read the rows this rank needs; refuse non-finite weights.
+  // 2. Read the rows this rank needs; refuse non-finite weights. A per-expert parameter's row
+  //    is its expert's file tensors, whole, one after the other.
+  std::map<std::string, std::size_t> index;  // parameter name -> its place in the layout
+  for (std::size_t i = 0; i < layout.params().size(); ++i) index[layout.params()[i].name] = i;
   try {
     for (const RowSlice& s : slices) {
-      w->read_rows(s.param->name, s.row_begin, s.row_end, s.dst);
-      const std::size_t n = static_cast<std::size_t>(s.row_end - s.row_begin) *
-                            (s.param->numel / static_cast<std::size_t>(s.param->shape[0]));
-      for (std::size_t i = 0; i < n; ++i)
-        if (!std::isfinite(s.dst[i]))
-          fail_user("{}: tensor {} holds a non-finite value ({}) at element {}", dir,
-                    s.param->name, s.dst[i],
-                    static_cast<std::size_t>(s.row_begin) * (s.param->numel / s.param->shape[0]) + i);
+      const auto found = index.find(s.param->name);
+      QT_CHECK(found != index.end(), "{}: a slice of {}, not a parameter of the layout", dir,
+               s.param->name);
+      const std::size_t i = found->second;
+      if (sources[i].rows.empty()) {
+        read_finite(*w, dir, s.param->name, s.row_begin, s.row_end, s.dst);
+        continue;
+      }
+      float* at = s.dst;
+      for (std::int64_t r = s.row_begin; r < s.row_end; ++r)
+        for (const FileTensor& t : sources[i].rows[static_cast<std::size_t>(r)]) {
+          read_finite(*w, dir, t.name, 0, t.shape[0], at);
+          at += t.numel();
+        }
     }
   } catch (const UserError& e) {
     err = e.what();

@@ -54,7 +54,9 @@ std::vector<RowSlice> all_rows(const ParamLayout& layout, float* params);
 
 // Collective over `world`. Checks the directory's tensors against `layout` (a missing,
 // unexpected, wrongly shaped or wrongly typed tensor is a UserError naming it, thrown on every
-// rank alike) and reads `slices`. lm_head.weight in a model with tied embeddings is ignored, as
+// rank alike) and reads `slices`. A Qwen3-MoE layer's experts may be stored per expert (the
+// checkpoint names) or fused (the layout's names), not both (hf/moe_weights.h); a row of a fused
+// expert parameter is one expert. lm_head.weight in a model with tied embeddings is ignored, as
 // transformers does; rank 0 warns when it differs from model.embed_tokens.weight. Returns a line
 // for the log.
 std::string load_params(const std::string& dir, const ParamLayout& layout,

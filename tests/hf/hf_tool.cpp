@@ -1,8 +1,9 @@
 // Helper for tests/reference/hf_export_check.py (run on the GPU machine, where transformers is):
 //   qtrain_hf_tool logits <hf_dir> <input.safetensors> <output.safetensors>
-//       imports <hf_dir> as `[model] init` does, runs the CPU engine (fp32) on "input_ids"
-//       (I64 or I32 [B, T]) and writes "logits" (F32 [B, T, V]) and "loss" (F32 scalar: mean
-//       cross-entropy of each token predicting the next, transformers' labels = input_ids).
+//       imports <hf_dir> as `[model] init` does (dense or Qwen3-MoE), runs the CPU engine (fp32)
+//       on "input_ids" (I64 or I32 [B, T]) and writes "logits" (F32 [B, T, V]) and "loss" (F32
+//       scalar: mean cross-entropy of each token predicting the next, transformers' labels =
+//       input_ids; a MoE model's load-balancing loss is not in it, as transformers' default).
 //   qtrain_hf_tool lora-logits <checkpoint.h5> <input.safetensors> <output.safetensors>
 //       the same for a LoRA run's checkpoint: its base (model.init or seed) with its adapters
 //       applied (dropout off, as peft in eval mode); tests/reference/lora_peft_check.py
