@@ -22,21 +22,10 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::run;
+using test::run_seed;
 using test::RunResult;
 
 constexpr double kTol = 1e-5, kNormTol = 1e-4;
-
-std::uint64_t run_seed() {
-  static const std::uint64_t seed = [] {
-    std::uint64_t s = test::test_seed() % 1000000007;
-    MPI_Bcast(&s, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-    if (test::world_rank() == 0)
-      std::printf("train.seed = %llu (rank 0's QT_TEST_SEED mod 1000000007)\n",
-                  static_cast<unsigned long long>(s));
-    return s;
-  }();
-  return seed;
-}
 
 std::string deck_text() {
   std::ifstream in(std::string(QT_INPUTS_DIR) + "/tiny-moe.ini");

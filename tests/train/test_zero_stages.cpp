@@ -28,6 +28,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::run;
+using test::run_seed;
 using test::RunResult;
 using test::StepRecord;
 
@@ -37,19 +38,6 @@ using test::StepRecord;
 // taken before any update, differs only by the order of its sums.
 constexpr double kTol = 1e-5;
 constexpr double kNormTol = 1e-4, kFirstNormTol = 1e-6, kParamTol = 1e-4;
-
-// A fresh training seed every run (printed; QT_TEST_SEED repeats one), the same on every rank.
-std::uint64_t run_seed() {
-  static const std::uint64_t seed = [] {
-    std::uint64_t s = test::test_seed() % 1000000007;
-    MPI_Bcast(&s, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-    if (test::world_rank() == 0)
-      std::printf("train.seed = %llu (rank 0's QT_TEST_SEED mod 1000000007)\n",
-                  static_cast<unsigned long long>(s));
-    return s;
-  }();
-  return seed;
-}
 
 std::string deck_text(const std::string& dir) {
   return "[model]\npreset = tiny\n"

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -19,9 +20,23 @@
 #include "qtrain/error.h"
 #include "qtrain/mesh.h"
 #include "support/mpi_world.h"
+#include "support/random.h"
 #include "train/trainer.h"
 
 namespace qt::test {
+
+// A fresh training seed every run (printed; QT_TEST_SEED repeats one), the same on every rank.
+inline std::uint64_t run_seed() {
+  static const std::uint64_t seed = [] {
+    std::uint64_t s = test_seed() % 1000000007;
+    MPI_Bcast(&s, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
+    if (world_rank() == 0)
+      std::printf("train.seed = %llu (rank 0's QT_TEST_SEED mod 1000000007)\n",
+                  static_cast<unsigned long long>(s));
+    return s;
+  }();
+  return seed;
+}
 
 struct StepRecord {
   long step;
