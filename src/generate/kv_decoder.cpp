@@ -125,6 +125,11 @@ const float* KvDecoder::append(std::span<const std::int32_t> ids, bool all_logit
   k_rstd_.resize(N * cfg_.num_kv_heads);
   gu_.resize(N * 2 * I);
   h_.resize(N * I);
+  if (cfg_.is_moe()) {
+    moe_probs_.resize(N * cfg_.num_experts);
+    moe_w_.resize(N * cfg_.num_experts_per_tok);
+    moe_idx_.resize(N * cfg_.num_experts_per_tok);
+  }
 
   KvCpuOps& ops = *ops_;
   ops.set_rows(1, n);
@@ -140,7 +145,8 @@ const float* KvDecoder::append(std::span<const std::int32_t> ids, bool all_logit
     LayerActs<float> a{qkv_.data(),         q_rstd_.data(), k_rstd_.data(), q_.data(),
                        k_.data() + rows * KV, v_.data() + rows * KV, att_.data(),
                        nullptr,             x_.data(),      ln_.data(),     rstd_.data(),
-                       gu_.data(),          h_.data()};
+                       gu_.data(),          h_.data(),      moe_probs_.data(), moe_idx_.data(),
+                       moe_w_.data()};
     const float* next_norm = l + 1 < L ? P_ + off_.layers[l + 1].ln1 : P_ + off_.norm;
     qwen3_layer_forward(ops, cfg_, l, n, layer_tensors(off_.layers[l], P_), next_norm, io, a);
   }

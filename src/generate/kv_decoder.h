@@ -72,6 +72,8 @@ class KvDecoder final : public Decoder {
   std::vector<float> qkv_, q_, att_;    // [n, QKV], [n, Q], [n, Q]
   std::vector<float> q_rstd_, k_rstd_;  // [n * nh], [n * nkv]
   std::vector<float> gu_, h_;           // [n, 2I], [n, I]
+  std::vector<float> moe_probs_, moe_w_;  // Qwen3-MoE's router output: [n, E], [n, k]
+  std::vector<int> moe_idx_;              // [n, k]
   std::vector<float> logits_;           // [n or 1, V]
 };
 

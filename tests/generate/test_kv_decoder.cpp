@@ -25,13 +25,15 @@ struct Case {
   const char* name;
   int heads, kv_heads, head_dim;
   bool tied;
+  int experts = 0;  // Qwen3-MoE: 6 experts, 2 a token, layer 1 dense
 };
 
 // GQA 2 (4 query heads on 2 kv heads), head_dim 64 and 128, tied and untied lm head.
 const Case kCases[] = {{"gqa2_hd64_tied", 4, 2, 64, true},
                        {"gqa2_hd64_untied", 4, 2, 64, false},
                        {"gqa2_hd128_tied", 4, 2, 128, true},
-                       {"gqa2_hd128_untied", 4, 2, 128, false}};
+                       {"gqa2_hd128_untied", 4, 2, 128, false},
+                       {"moe_gqa2_hd64_untied", 4, 2, 64, false, 6}};
 
 ModelConfig config(const Case& k) {
   ModelConfig c;
@@ -44,6 +46,13 @@ ModelConfig config(const Case& k) {
   c.head_dim = k.head_dim;
   c.tie_word_embeddings = k.tied;
   c.rope_theta = 10000.0;
+  if (k.experts > 0) {
+    c.num_layers = 3;
+    c.num_experts = k.experts;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 24;
+    c.mlp_only_layers = {1};
+  }
   return c;
 }
 
