@@ -41,6 +41,30 @@ std::string join(const std::vector<std::string>& v, const char* sep) {
   return out;
 }
 
+std::string format_comma_list(const std::vector<int>& v) {
+  std::string out;
+  for (std::size_t i = 0; i < v.size(); ++i) out += fmt::format("{}{}", i ? ", " : "", v[i]);
+  return out;
+}
+
+std::vector<int> parse_comma_list(const std::string& raw, const std::string& what) {
+  std::vector<int> list;
+  std::size_t at = 0;
+  while (raw.find_first_not_of(" \t", at) != std::string::npos) {
+    const std::size_t comma = std::min(raw.find(',', at), raw.size());
+    std::string item = raw.substr(at, comma - at);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    if (item.empty()) fail_user("{} is not a comma list of integers (an empty item)", what);
+    int v = 0;
+    parse_integer(item, &v, what + " (item '" + item + "')");
+    list.push_back(v);
+    at = comma + 1;
+    if (comma == raw.size()) break;
+  }
+  return list;
+}
+
 std::vector<std::string> schedule_names() {
   std::vector<std::string> out;
   for (Schedule s : kSchedules) out.push_back(schedule_name(s));
@@ -58,9 +82,7 @@ std::string format_value(FieldRef f) {
         } else if constexpr (std::is_same_v<V, std::string>) {
           return *p;
         } else if constexpr (std::is_same_v<V, std::vector<int>>) {
-          std::string out;
-          for (std::size_t i = 0; i < p->size(); ++i) out += fmt::format("{}{}", i ? ", " : "", (*p)[i]);
-          return out;
+          return format_comma_list(*p);
         } else {
           return fmt::format("{}", *p);  // doubles: shortest text that reads back exactly
         }
@@ -112,21 +134,7 @@ void assign_value(FieldRef f, const std::string& raw, const std::string& what) {
           }
           fail_user("{} is not a schedule: {}", what, join(schedule_names(), " | "));
         } else if constexpr (std::is_same_v<V, std::vector<int>>) {
-          std::vector<int> list;
-          std::size_t at = 0;
-          while (raw.find_first_not_of(" \t", at) != std::string::npos) {
-            const std::size_t comma = std::min(raw.find(',', at), raw.size());
-            std::string item = raw.substr(at, comma - at);
-            item.erase(0, item.find_first_not_of(" \t"));
-            item.erase(item.find_last_not_of(" \t") + 1);
-            if (item.empty()) fail_user("{} is not a comma list of integers (an empty item)", what);
-            int v = 0;
-            parse_integer(item, &v, what + " (item '" + item + "')");
-            list.push_back(v);
-            at = comma + 1;
-            if (comma == raw.size()) break;
-          }
-          *p = std::move(list);
+          *p = parse_comma_list(raw, what);
         } else {
           // A '#' would start a comment in the resolved deck; a line break would split it.
           if (raw.find_first_of("#\n\r") != std::string::npos) {

@@ -25,6 +25,10 @@ std::string format_value(FieldRef f);
 void assign_value(FieldRef f, const std::string& raw, const std::string& what);
 
 std::string join(const std::vector<std::string>& v, const char* sep);
+// A comma list of integers as decks write it ("1, 5"; "" for none) and back; `what` starts the
+// UserError of a bad item (an empty one, or not an integer).
+std::string format_comma_list(const std::vector<int>& v);
+std::vector<int> parse_comma_list(const std::string& raw, const std::string& what);
 std::vector<std::string> schedule_names();  // every Schedule, as decks spell them
 
 }  // namespace qt

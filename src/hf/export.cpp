@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "config/field_text.h"
 #include "config/ini_lines.h"
 #include "hf/export_dir.h"
 #include "hf/lora_export.h"
@@ -50,26 +51,6 @@ constexpr const char* kUsage =
     "                         the working or home directory)\n"
     "  A LoRA run's checkpoint exports as PEFT's adapter_model.safetensors + adapter_config.json;\n"
     "  --merge                instead, the base model with the adapters merged (W + scale * B A)\n";
-
-// "1, 5" (the checkpoint's mlp_only_layers attribute; "" none) as layer indices.
-std::vector<int> parse_layer_list(const std::string& text, const std::string& where) {
-  std::vector<int> out;
-  std::size_t at = 0;
-  while (at < text.size()) {
-    std::size_t end = text.find(',', at);
-    if (end == std::string::npos) end = text.size();
-    std::string item = text.substr(at, end - at);
-    item.erase(0, item.find_first_not_of(' '));
-    item.erase(item.find_last_not_of(' ') + 1);
-    int v = 0;
-    const auto r = std::from_chars(item.data(), item.data() + item.size(), v);
-    if (item.empty() || r.ec != std::errc() || r.ptr != item.data() + item.size())
-      fail_user("{} = '{}' is not a list of layers (corrupt checkpoint?)", where, text);
-    out.push_back(v);
-    at = end + 1;
-  }
-  return out;
-}
 
 std::string read_text(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -137,8 +118,8 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
     c.norm_topk_prob = i64("norm_topk_prob") != 0;
     c.decoder_sparse_step = static_cast<int>(i64("decoder_sparse_step"));
     const std::string layers = h5::try_read_attr_string(file, "mlp_only_layers").value_or("");
-    c.mlp_only_layers = parse_layer_list(layers, fmt::format("checkpoint {}: root attribute "
-                                                             "mlp_only_layers", path));
+    c.mlp_only_layers = parse_comma_list(
+        layers, fmt::format("checkpoint {}: root attribute mlp_only_layers = '{}'", path, layers));
   }
   validate_model(c, fmt::format("checkpoint {}", path));
   if (h5::try_read_attr_i64(file, "lora_r")) {  // a LoRA run's checkpoint

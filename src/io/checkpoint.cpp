@@ -19,6 +19,7 @@
 #include <filesystem>
 #include <regex>
 
+#include "config/field_text.h"
 #include "io/hdf5_util.h"
 #include "io/parallel_file.h"
 #include "io/redistribute.h"
@@ -78,7 +79,8 @@ struct ModelField {
 };
 
 // A Qwen3-MoE model adds its architecture (router_aux_loss_coef, an objective setting, may
-// change between runs); mlp_only_layers is a string attribute beside them (moe_layers_text).
+// change between runs); mlp_only_layers is a string attribute beside them ("1, 5", as decks
+// write it: format_comma_list).
 std::vector<ModelField> model_fields(const ModelConfig& m) {
   std::vector<ModelField> f = {{"vocab_size", true, m.vocab_size, 0},
           {"hidden_size", true, m.hidden_size, 0},
@@ -97,14 +99,6 @@ std::vector<ModelField> model_fields(const ModelConfig& m) {
                        {"norm_topk_prob", true, m.norm_topk_prob ? 1 : 0, 0},
                        {"decoder_sparse_step", true, m.decoder_sparse_step, 0}});
   return f;
-}
-
-// mlp_only_layers as the deck writes it ("1, 5"; empty: none).
-std::string moe_layers_text(const ModelConfig& m) {
-  std::string s;
-  for (std::size_t i = 0; i < m.mlp_only_layers.size(); ++i)
-    s += (i ? ", " : "") + std::to_string(m.mlp_only_layers[i]);
-  return s;
 }
 
 // Rank 0 creates the checkpoint's directory and checks that its file system has `bytes` free;
@@ -183,7 +177,8 @@ std::uint64_t write_metadata(hid_t file, const ParamLayout& layout, const TrainS
     else
       write_attr_f64(file, f.name, f.d);
   }
-  if (model.is_moe()) write_attr_string(file, "mlp_only_layers", moe_layers_text(model));
+  if (model.is_moe())
+    write_attr_string(file, "mlp_only_layers", format_comma_list(model.mlp_only_layers));
   if (lora) {
     write_attr_i64(file, "lora_r", lora->config.r);
     write_attr_f64(file, "lora_alpha", lora->config.alpha);
@@ -458,11 +453,12 @@ std::string read_root(hid_t file, const std::string& path, const ModelConfig& mo
   }
   if (model.is_moe()) {
     const std::string layers = h5::try_read_attr_string(file, "mlp_only_layers").value_or("?");
-    if (layers != moe_layers_text(model)) {
+    const std::string want = format_comma_list(model.mlp_only_layers);
+    if (layers != want) {
       mismatch = true;
       return fmt::format("checkpoint {} does not match the deck's model: model.mlp_only_layers "
                          "is '{}' in the checkpoint but '{}' in the deck",
-                         path, layers, moe_layers_text(model));
+                         path, layers, want);
     }
   }
   for (const ModelField& f : model_fields(model)) {

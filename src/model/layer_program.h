@@ -409,16 +409,28 @@ void qwen3_layer_forward(Ops& ops, const ModelConfig& cfg, int l, int N,
     residual_add(ops, io.x_out, a.x_mid, down, Nl);
 }
 
+// A layer's tensors from its flat offsets, each through at(offset) (a dense layer's MLP or a
+// sparse layer's router and experts; the other set null).
+template <class T, class At>
+LayerTensors<T> layer_tensors_at(const LayerOffsets& o, At at) {
+  LayerTensors<T> t{at(o.ln1),    at(o.wq),  at(o.wo), at(o.q_norm),
+                    at(o.k_norm), at(o.ln2), nullptr,  nullptr};
+  if (o.moe) {
+    t.router = at(o.router);
+    t.experts_gate_up = at(o.experts_gate_up);
+    t.experts_down = at(o.experts_down);
+  } else {
+    t.w_gate = at(o.w_gate);
+    t.w_down = at(o.w_down);
+  }
+  return t;
+}
+
 // Layer l's tensors in a flat buffer of the whole model (ParamLayout order), for callers without
 // units (the KV-cache decoders).
 template <class T>
 LayerTensors<T> layer_tensors(const LayerOffsets& o, T* flat) {
-  if (o.moe)
-    return {flat + o.ln1,    flat + o.wq,  flat + o.wo,          flat + o.q_norm,
-            flat + o.k_norm, flat + o.ln2, nullptr,              nullptr,
-            flat + o.router, flat + o.experts_gate_up, flat + o.experts_down};
-  return {flat + o.ln1,    flat + o.wq,  flat + o.wo,     flat + o.q_norm,
-          flat + o.k_norm, flat + o.ln2, flat + o.w_gate, flat + o.w_down};
+  return layer_tensors_at<T>(o, [flat](std::size_t off) { return flat + off; });
 }
 
 // The Qwen3 model over Ops (the contract above) for micro-batches of B x T tokens, or one
@@ -636,16 +648,9 @@ class Qwen3Program {
   }
   template <class T>
   LayerTensors<T> tensors(int l, T* unit) const {
-    const LayerOffsets& o = off_.layers[l];
     const int u = unit_.layer(l);
-    if (o.moe)
-      return {at(u, unit, o.ln1),    at(u, unit, o.wq),     at(u, unit, o.wo),
-              at(u, unit, o.q_norm), at(u, unit, o.k_norm), at(u, unit, o.ln2),
-              nullptr,               nullptr,               at(u, unit, o.router),
-              at(u, unit, o.experts_gate_up), at(u, unit, o.experts_down)};
-    return {at(u, unit, o.ln1),    at(u, unit, o.wq),  at(u, unit, o.wo),
-            at(u, unit, o.q_norm), at(u, unit, o.k_norm), at(u, unit, o.ln2),
-            at(u, unit, o.w_gate), at(u, unit, o.w_down)};
+    return layer_tensors_at<T>(off_.layers[l],
+                               [&](std::size_t off) { return at(u, unit, off); });
   }
   LayerActs<A>& layer_acts(int l) { return a_->layer[recompute_ ? 0 : l]; }
   // The slot the next ops use (every entry point selects its own first).

@@ -48,9 +48,9 @@ class CpuBackend final : public TrainBackend {
                                               seq_parallel_)),
         seed_(deck.train.seed) {
     if (lora_) model_.set_lora(lora_.get());
+    if (deck.model.is_moe() && mesh.shape().ep > 1) model_.set_expert_parallel(&mesh.ep());
     // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
     // ranks): the objective averages it over the step as the cross-entropy over its tokens.
-    if (deck.model.is_moe() && mesh.shape().ep > 1) model_.set_expert_parallel(&mesh.ep());
     if (deck.model.is_moe())
       model_.set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
                                                   deck.train.micro_batch / deck.train.global_batch));

@@ -221,10 +221,6 @@ int run_training(const Deck& deck, Mesh& mesh) {
     end_phase(optimizer_s);
     ++steps_since_log;
     const double loss = counted > 0 ? dp.sum(loss_sum) / static_cast<double>(counted) : 0.0;
-    // Qwen3-MoE: the mean load-balancing loss of the step's micro-batches on every dp rank.
-    double aux_sum = backend->moe_aux_loss_sum();
-    const double aux_loss =
-        aux_sum >= 0 ? dp.sum(aux_sum) / static_cast<double>(micro_steps * dp.size()) : -1;
     state.step = step + 1;
     state.samples_consumed += tc.global_batch;
     state.tokens_consumed += counted;
@@ -249,7 +245,10 @@ int run_training(const Deck& deck, Mesh& mesh) {
       sm.tokens = state.tokens_consumed;
       sm.memory = backend->memory_report();
       sm.pipeline_idle = backend->pipeline_idle();
-      sm.aux_loss = aux_loss;
+      // Qwen3-MoE: the mean load-balancing loss of the step's micro-batches on every dp rank.
+      const double aux_sum = backend->moe_aux_loss_sum();
+      sm.aux_loss =
+          aux_sum >= 0 ? dp.sum(aux_sum) / static_cast<double>(micro_steps * dp.size()) : -1;
       sm.expert_load = backend->moe_load();  // this step's, summed over dp
       if (!sm.expert_load.empty()) {
         dp.all_reduce(sm.expert_load.data(), sm.expert_load.size(), DType::kF64, ReduceOp::kSum);
