@@ -21,6 +21,7 @@
 #include "hf/export.h"
 #include "hf/safetensors.h"
 #include "hf/weights.h"
+#include "hf_test_util.h"
 #include "io/hdf5_util.h"
 #include "model/qwen3.h"
 #include "qtrain/checkpoint.h"
@@ -36,19 +37,11 @@ namespace {
 namespace fs = std::filesystem;
 using test::shared_temp_dir;
 using test::world_rank;
-
-std::shared_ptr<MpiComm> world_comm() {
-  return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
-}
-
-// One seed for all ranks: the tests need identical data everywhere.
-std::uint64_t shared_seed() {
-  std::uint64_t s = test::test_seed();
-  MPI_Bcast(&s, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  return s;
-}
-
-float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+using test_util::barrier;
+using test_util::expect_error_everywhere;
+using test_util::round_bf16;
+using test_util::shared_seed;
+using test_util::world_comm;
 
 // Bitwise equality of the layout's elements of `got` with the bf16 rounding of `src`.
 void expect_bf16_of(const ParamLayout& layout, const std::vector<float>& got,
@@ -87,20 +80,6 @@ std::string read_file(const fs::path& p) {
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
-}
-
-void barrier() { MPI_Barrier(MPI_COMM_WORLD); }
-
-// Runs `f` on every rank, expecting a UserError whose text holds every part, on every rank.
-void expect_error_everywhere(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no error";
-  } catch (const UserError& e) {
-    const std::string m = e.what();
-    for (const std::string& p : parts) EXPECT_NE(m.find(p), std::string::npos) << "'" << p << "' not in: " << m;
-  }
-  barrier();
 }
 
 TEST(HfExport, ShardedDirectoryWithIndexLoadsBack) {
@@ -338,7 +317,7 @@ TEST(HfExport, TrainingFromTheExportEqualsResumingTheRoundedWeights) {
 
 // ---- import errors ---------------------------------------------------------------------------
 
-class HfImportErrors : public ::testing::Test {
+class HfImportErrors : public test_util::ImportErrorFixture {
  protected:
   void SetUp() override {
     dir_ = shared_temp_dir("hf-bad");
@@ -346,39 +325,10 @@ class HfImportErrors : public ::testing::Test {
     layout_ = std::make_unique<ParamLayout>(cfg_);
     src_ = random_params(*layout_, 5);
   }
-  void TearDown() override {
-    barrier();
-    if (world_rank() == 0) fs::remove_all(dir_);
-  }
-  // The model's tensors as BF16, edited by `edit`, in one model.safetensors under dir_/name.
-  std::string model_dir(const std::string& name, const std::function<void(std::vector<StTensorOut>&)>& edit) {
-    const std::string d = dir_ + "/" + name;
-    if (world_rank() == 0) {
-      fs::create_directories(d);
-      std::ofstream(d + "/config.json") << make_config_json(cfg_, {}).dump();
-      std::vector<StTensorOut> ts;
-      for (const ParamInfo& p : layout_->params())
-        ts.push_back({p.name, StDType::kBF16, p.shape, nullptr, src_.data() + p.offset});
-      edit(ts);
-      write_safetensors(d + "/model.safetensors", ts, {{"format", "pt"}});
-    }
-    barrier();
-    return d;
-  }
   void load(const std::string& d) {
     std::vector<float> got(layout_->numel());
     load_params(d, *layout_, all_rows(*layout_, got.data()), cfg_.tie_word_embeddings, *world_comm());
   }
-  static void erase(std::vector<StTensorOut>& ts, const std::string& name) {
-    std::erase_if(ts, [&](const StTensorOut& t) { return t.name == name; });
-  }
-  static StTensorOut& find(std::vector<StTensorOut>& ts, const std::string& name) {
-    return *std::find_if(ts.begin(), ts.end(), [&](const StTensorOut& t) { return t.name == name; });
-  }
-  std::string dir_;
-  ModelConfig cfg_;
-  std::unique_ptr<ParamLayout> layout_;
-  std::vector<float> src_;
 };
 
 TEST_F(HfImportErrors, MissingUnexpectedMisshapenMistyped) {

@@ -24,6 +24,7 @@
 #include "hf/moe_weights.h"
 #include "hf/safetensors.h"
 #include "hf/weights.h"
+#include "hf_test_util.h"
 #include "model/qwen3.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/deck.h"
@@ -40,20 +41,11 @@ namespace {
 namespace fs = std::filesystem;
 using test::shared_temp_dir;
 using test::world_rank;
-
-std::shared_ptr<MpiComm> world_comm() {
-  return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
-}
-
-void barrier() { MPI_Barrier(MPI_COMM_WORLD); }
-
-std::uint64_t shared_seed() {
-  std::uint64_t s = test::test_seed();
-  MPI_Bcast(&s, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD);
-  return s;
-}
-
-float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
+using test_util::barrier;
+using test_util::expect_error_everywhere;
+using test_util::round_bf16;
+using test_util::shared_seed;
+using test_util::world_comm;
 
 // Layers 0 and 2 sparse (4 experts of width 8, 2 a token), layer 1 dense (mlp_only_layers).
 // H = 32 != Im, 2 Im: a transposed expert has another shape.
@@ -124,18 +116,6 @@ std::map<std::string, std::vector<std::int64_t>> file_tensors(const std::string&
       for (const StTensor& t : file.tensors()) out[t.name] = t.shape;
     }
   return out;
-}
-
-void expect_error_everywhere(const std::function<void()>& f, const std::vector<std::string>& parts) {
-  try {
-    f();
-    ADD_FAILURE() << "no error";
-  } catch (const UserError& e) {
-    const std::string m = e.what();
-    for (const std::string& p : parts)
-      EXPECT_NE(m.find(p), std::string::npos) << "'" << p << "' not in: " << m;
-  }
-  barrier();
 }
 
 TEST(HfMoe, ExpertFileTensorsSplitTheFusedRows) {
@@ -404,7 +384,7 @@ INSTANTIATE_TEST_SUITE_P(Transformers, HfMoeFixture,
 
 // ---- import errors -------------------------------------------------------------------------
 
-class HfMoeImportErrors : public ::testing::Test {
+class HfMoeImportErrors : public test_util::ImportErrorFixture {
  protected:
   void SetUp() override {
     dir_ = shared_temp_dir("hf-moe-bad");
@@ -412,48 +392,25 @@ class HfMoeImportErrors : public ::testing::Test {
     layout_ = std::make_unique<ParamLayout>(cfg_);
     src_ = bf16_params(*layout_, 11);
   }
-  void TearDown() override {
-    barrier();
-    if (world_rank() == 0) fs::remove_all(dir_);
-  }
-  // The model's file tensors (per expert) as BF16, edited by `edit`, in dir_/name.
-  std::string model_dir(const std::string& name,
-                        const std::function<void(std::vector<StTensorOut>&)>& edit) {
-    const std::string d = dir_ + "/" + name;
-    if (world_rank() == 0) {
-      fs::create_directories(d);
-      std::ofstream(d + "/config.json") << make_config_json(cfg_, {}).dump();
-      std::vector<StTensorOut> ts;
-      for (const ParamInfo& p : layout_->params()) {
-        const auto per_expert = expert_file_tensors(p);
-        if (per_expert.empty()) {
-          ts.push_back({p.name, StDType::kBF16, p.shape, nullptr, src_.data() + p.offset});
-          continue;
-        }
-        const float* at = src_.data() + p.offset;
-        for (const auto& row : per_expert)
-          for (const FileTensor& t : row) {
-            ts.push_back({t.name, StDType::kBF16, t.shape, nullptr, at});
-            at += t.numel();
-          }
+  // The model's file tensors: the experts one by one (transformers' names).
+  std::vector<StTensorOut> file_tensors() const override {
+    std::vector<StTensorOut> ts;
+    for (const ParamInfo& p : layout_->params()) {
+      const auto per_expert = expert_file_tensors(p);
+      if (per_expert.empty()) {
+        ts.push_back({p.name, StDType::kBF16, p.shape, nullptr, src_.data() + p.offset});
+        continue;
       }
-      edit(ts);
-      write_safetensors(d + "/model.safetensors", ts, {{"format", "pt"}});
+      const float* at = src_.data() + p.offset;
+      for (const auto& row : per_expert)
+        for (const FileTensor& t : row) {
+          ts.push_back({t.name, StDType::kBF16, t.shape, nullptr, at});
+          at += t.numel();
+        }
     }
-    barrier();
-    return d;
+    return ts;
   }
   void load(const std::string& d) { load_all(d, *layout_, false); }
-  static void erase(std::vector<StTensorOut>& ts, const std::string& name) {
-    std::erase_if(ts, [&](const StTensorOut& t) { return t.name == name; });
-  }
-  static StTensorOut& find(std::vector<StTensorOut>& ts, const std::string& name) {
-    return *std::find_if(ts.begin(), ts.end(), [&](const StTensorOut& t) { return t.name == name; });
-  }
-  std::string dir_;
-  ModelConfig cfg_;
-  std::unique_ptr<ParamLayout> layout_;
-  std::vector<float> src_;
 };
 
 TEST_F(HfMoeImportErrors, MissingMisshapenDuplicateUnexpected) {
