@@ -194,9 +194,6 @@ void Builder::validate_mesh() {
     need(kv % m.tp == 0 || m.tp % kv == 0, "mesh.tp", "neither divides nor is a multiple of "
          "model.num_kv_heads = {} (each tp rank takes an equal share of the key/value heads, or "
          "tp / num_kv_heads ranks share one)", kv);
-    need(kv % m.tp == 0 || deck_.train.device == "cpu", "mesh.tp",
-         "is more than model.num_kv_heads = {}: tp ranks sharing a key/value head are built on "
-         "train.device = cpu only so far", kv);
   }
   if (m.pp > 1) {  // pipeline parallelism (train/backend_cpu_pipeline.cpp): layers over stages
     need(m.pp <= ival("model.num_layers"), "mesh.pp",

@@ -47,9 +47,12 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
            "plan for tp {} without tp communicators of that size", plan.tp);
   QT_CHECK(pipe.held.empty() || nccl == nullptr || zero_ <= 1,
            "a pipeline stage's state at dp {} with ZeRO-{} (the deck checks it)", plan.dp, zero_);
-  for (const ShardSpec& s : plan.specs)
-    QT_CHECK(s.tp_replicas == 1, "kv heads shared by tp ranks are not built on CUDA (the deck "
-             "checks it)");
+  for (const ShardSpec& s : plan.specs) {
+    QT_CHECK(s.tp_replicas == 1 || (tp_.device && tp_.device->size() % s.tp_replicas == 0),
+             "kv heads shared by {} tp ranks without a tp group of a multiple of that size",
+             s.tp_replicas);
+    kv_replicas_ = std::max(kv_replicas_, s.tp_replicas);
+  }
   auto held = [&pipe](std::size_t u) {
     return pipe.held.empty() ||
            std::binary_search(pipe.held.begin(), pipe.held.end(), static_cast<int>(u));
@@ -111,22 +114,35 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   }
   // What the norm counts of each shard, and what tp sums of each own range.
   const bool count_replicated = tp_.host == nullptr || tp_.host->rank() == 0;
-  std::size_t sums = 0;
+  const int tp_rank = tp_.host ? tp_.host->rank() : 0;
+  std::size_t sums = 0, max_shared = 0;
   for (std::size_t i = 0; i < units_.size(); ++i) {
     const Unit& u = units_[i];
     sumsq_at_.push_back(sums);
     counted_.push_back(!u.held || static_cast<int>(i) == pipe.uncounted ? std::vector<Range>{}
                        : count_replicated
                            ? std::vector<Range>{Range{0, u.shard.size()}}
-                           : tensor_ranges(u.shard, [](const ShardSpec& x) {
-                               return !x.replicated_over_dim(MeshDim::kTp);
+                           : tensor_ranges(u.shard, [tp_rank](const ShardSpec& x) {
+                               // a kv head's rows: by the first of the ranks sharing it
+                               return !x.replicated_over_dim(MeshDim::kTp) &&
+                                      tp_rank % x.tp_replicas == 0;
                              }));
     sums += counted_.back().size();
     partial_.push_back(tp_.device ? tensor_ranges(u.own, [](const ShardSpec& x) {
-                                      return !x.partial_over.empty();
+                                      return !x.partial_over.empty() && x.tp_replicas == 1;
                                     })
                                   : std::vector<Range>{});
+    shared_.push_back(tp_.device ? tensor_ranges(u.own, [](const ShardSpec& x) {
+                                     return x.tp_replicas > 1;
+                                   })
+                                 : std::vector<Range>{});
+    std::size_t n = 0;
+    for (const Range& r : shared_.back()) n += r.size();
+    max_shared = std::max(max_shared, n);
   }
+  if (max_shared > 0)  // [tp, a unit's shared kv rows]: every tp rank's partial gradients
+    shared_gathered_ =
+        arena.allocate<float>(max_shared * static_cast<std::size_t>(tp_.device->size()));
   sumsq_at_.push_back(sums);
   unit_sumsq_ = arena.allocate<double>(std::max<std::size_t>(sums, 1));
   const ParamUnit& embed = plan_.units[0];
@@ -404,11 +420,44 @@ void ShardedCudaState::take_sum_of_squares(int u, cudaStream_t s, void* ws) {
     tp_done_.record(tp_.device->stream());
     QT_CHECK_CUDA(cudaStreamWaitEvent(s, tp_done_.get(), 0));
   }
+  if (!shared_[u].empty()) sum_shared_kv_rows(u, s);
   const std::vector<Range>& parts = counted_[static_cast<std::size_t>(u)];
   for (std::size_t k = 0; k < parts.size(); ++k)
     grad_norm_squared(unit_sumsq_ + sumsq_at_[u] + k, shard_grads(u) + parts[k].begin,
                       parts[k].size(), ws, s);
   summed_[u] = 1;
+}
+
+// A kv head's rows shared by kv_replicas_ consecutive tp ranks (fewer kv heads than tp ranks):
+// each holds its query heads' part of their gradient, summed over the group only, in rank order
+// (the same bits on each). Every tp rank's part is gathered (tp x the rows, where a group
+// communicator would move kv_replicas_ x; small beside a layer's all-reduces), then added up.
+void ShardedCudaState::sum_shared_kv_rows(int u, cudaStream_t s) {
+  const std::vector<Range>& parts = shared_[u];
+  std::size_t n = 0;
+  for (const Range& r : parts) n += r.size();
+  const std::size_t tp = static_cast<std::size_t>(tp_.device->size());
+  float* g = own_grads(u);
+  tp_ready_.record(s);
+  tp_.device->wait_event(tp_ready_.get());
+  tp_.device->group_start();
+  for (std::size_t k = 0, at = 0; k < parts.size(); at += parts[k].size(), ++k)
+    tp_.device->all_gather_async(g + parts[k].begin, shared_gathered_ + at * tp, parts[k].size(),
+                                 DType::kF32);
+  tp_.device->group_end();
+  tp_done_.record(tp_.device->stream());
+  QT_CHECK_CUDA(cudaStreamWaitEvent(s, tp_done_.get(), 0));
+  const std::size_t first = static_cast<std::size_t>(tp_.device->rank() / kv_replicas_ *
+                                                     kv_replicas_);
+  for (std::size_t k = 0, at = 0; k < parts.size(); at += parts[k].size(), ++k) {
+    const std::size_t m = parts[k].size();
+    const float* all = shared_gathered_ + at * tp;  // [tp, m]
+    float* out = g + parts[k].begin;
+    QT_CHECK_CUDA(cudaMemcpyAsync(out, all + first * m, m * sizeof(float),
+                                  cudaMemcpyDeviceToDevice, s));
+    for (std::size_t j = 1; j < static_cast<std::size_t>(kv_replicas_); ++j)
+      add_f32(out, all + (first + j) * m, m, s);
+  }
 }
 
 const float* ShardedCudaState::shard_grads(int u) const {

@@ -54,8 +54,10 @@ struct EmbeddingRows {
 
 // Tensor parallelism's part in the step (plan.tp > 1; the plan and layout are then the tp rank's
 // local ones): gradients partial over tp (ShardSpec::partial_over: q_norm, k_norm) are summed on
-// `device` once final, and the gradient norm counts tensors replicated over tp on tp rank 0 only
-// and is summed over `host`. Both null without tensor parallelism.
+// `device` once final, those of kv heads shared by tp ranks (ShardSpec::tp_replicas > 1) over
+// the ranks sharing them; the gradient norm counts tensors replicated over tp on tp rank 0 only,
+// shared kv heads on the first rank of their group, and is summed over `host`. Both null without
+// tensor parallelism.
 struct TpComms {
   Comm* host = nullptr;
   NcclComm* device = nullptr;
@@ -199,6 +201,12 @@ class ShardedCudaState final : public UnitSource {
   // the tensors replicated over tp), their first entry in unit_sumsq_, and the parts of its own
   // range partial over tp. Ranges relative to the shard's and own's begin.
   std::vector<std::vector<Range>> counted_, partial_;
+  // Per unit: the parts of its own range holding kv heads shared by kv_replicas_ tp ranks (fewer
+  // kv heads than tp ranks), summed over those ranks only (sum_shared_kv_rows).
+  std::vector<std::vector<Range>> shared_;
+  int kv_replicas_ = 1;
+  float* shared_gathered_ = nullptr;  // [tp, the largest unit's shared rows]
+  void sum_shared_kv_rows(int u, cudaStream_t s);
   std::vector<std::size_t> sumsq_at_;
   TpComms tp_;
   Event tp_ready_, tp_done_;

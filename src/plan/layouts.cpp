@@ -31,7 +31,8 @@ std::string why_not(const LayoutSearch& s, int dp, int tp, int pp) {
                                {"model.num_kv_heads", m.num_kv_heads},
                                {"model.intermediate_size", m.intermediate_size},
                                {"model.vocab_size", m.vocab_size}})
-    if (n % tp != 0) return fmt::format("mesh.tp = {} does not divide {} = {}", tp, key, n);
+    if (n % tp != 0 && !(key == std::string("model.num_kv_heads") && tp % n == 0))
+      return fmt::format("mesh.tp = {} does not divide {} = {}", tp, key, n);
   const int G = s.topology.gpus_per_host;
   if (tp > G)
     return fmt::format("mesh.tp = {} is more than the {} GPUs of one host "

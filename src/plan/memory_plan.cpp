@@ -136,7 +136,7 @@ void validate(const MemoryPlanInput& in) {
                                {"model.num_kv_heads", m.num_kv_heads},
                                {"model.intermediate_size", m.intermediate_size},
                                {"model.vocab_size", m.vocab_size}})
-    if (n % s.tp != 0)
+    if (n % s.tp != 0 && !(key == std::string("model.num_kv_heads") && s.tp % n == 0))
       fail_user("mesh.tp = {} does not divide {} = {} (each tp rank takes an equal share)", s.tp,
                 key, n);
   if (s.pp * s.pp_chunks > m.num_layers)

@@ -143,5 +143,30 @@ TEST(LoraTrainCudaTp2, ReproducesOneGpu) {
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }
 
+// One kv head shared by both tp ranks: its base rows and the k/v adapters' B factors on both,
+// their gradients summed over the pair.
+TEST(LoraTrainCudaTp2, SharedKvHeadReproducesOneGpu) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
+    cudaGetLastError();
+    GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
+  }
+  ASSERT_EQ(test::world_size(), 2);
+  const std::string tmp = test::shared_temp_dir("cuda-lora-tp2-kv1");
+  const std::string kv1 = "--model.num_kv_heads=1";
+  auto one = test::run(1, deck_text(tmp + "/one"), {kv1}, tmp + "/one.jsonl");
+  ASSERT_EQ(one.exit_code, 0) << one.error;
+  const auto r = test::run(2, deck_text(tmp + "/tp2"), {kv1, "--mesh.tp=2"}, tmp + "/tp2.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.error;
+  ASSERT_EQ(r.steps.size(), 16u);
+  const Diffs d = diffs(r, one);
+  if (test::world_rank() == 0)
+    std::printf("LoRA tp2, one shared kv head, vs 1 GPU: worst relative loss difference %.3e, "
+                "gradient norm (steps 1-3) %.3e\n", d.loss, d.norm);
+  EXPECT_LT(d.loss, 5e-3);
+  EXPECT_LT(d.norm, 2e-2);
+  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+}
+
 }  // namespace
 }  // namespace qt

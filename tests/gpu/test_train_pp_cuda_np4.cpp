@@ -1,7 +1,7 @@
 // Pipeline parallelism combined on four GPUs (issue 17): two stages, each over a dp group of two
 // (ZeRO-0 and 1: each stage's gradients reduced over its dp group in the step; interleaved with
 // untied embeddings too) or over a tp group of two (with and without sequence parallelism), 1F1B
-// and ZB-H1,
+// and ZB-H1; tp 4 with each of the 2 kv heads shared by 2 ranks;
 // reproduce one GPU's losses and gradient norms (bf16 tolerance); a checkpoint of (dp, pp) =
 // (2, 2) continues on one GPU. Skips unless four GPUs are visible.
 #include <filesystem>
@@ -54,6 +54,26 @@ TEST(TrainPipelineCuda, Pp2WithDp2OrTp2MatchesOneGpu) {
   ASSERT_EQ(to_one.exit_code, 0) << to_one.error;
   EXPECT_LT(test::worst_loss_diff("(dp, pp) = (2, 2) checkpoint resumed on one GPU", to_one, ref, 11),
             test::kShardedTol);
+  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+}
+
+// tp 4 over the model's 2 kv heads: each shared by a pair of ranks, its k/v gradients summed
+// over the pair only (not over all four), with and without sequence parallelism.
+TEST(TrainTensorParallelCuda, Tp4SharedKvHeadsMatchOneGpu) {
+  if (const int gpus = test::visible_gpus(); gpus < 4) GTEST_SKIP() << "needs 4 GPUs, found " << gpus;
+  ASSERT_EQ(test::world_size(), 4);
+  const std::string tmp = test::shared_temp_dir("cuda-tp4-kv2");
+  auto deck = [&](const std::string& d) { return test::sharded_deck(tmp + "/" + d); };
+  const auto ref = test::run(1, deck("one"), test::four_layers(), tmp + "/one.jsonl");
+  ASSERT_EQ(ref.exit_code, 0) << ref.error;
+  for (const auto& [name, overrides] :
+       {std::pair<const char*, std::vector<std::string>>{"tp4", {"--mesh.tp=4"}},
+        {"tp4_sp", {"--mesh.tp=4", "--mesh.sequence_parallel=true"}}}) {
+    SCOPED_TRACE(name);
+    const auto r = test::run(4, deck(name), test::four_layers(overrides),
+                             tmp + "/" + name + ".jsonl");
+    test::expect_matches(name, r, ref);
+  }
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }
 

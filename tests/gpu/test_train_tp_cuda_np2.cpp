@@ -4,7 +4,8 @@
 // reproduce one GPU's losses and gradient norms (bf16 tolerance), with recompute, one sequence
 // a micro-batch and untied embeddings too, with the collectives whole after their GEMMs (the
 // default) and in pieces beside them (mesh.tp_overlap);
-// checkpoints move between tp 2 and one GPU both ways. Skips unless two GPUs are visible.
+// checkpoints move between tp 2 and one GPU both ways; one kv head shared by the two tp ranks.
+// Skips unless two GPUs are visible.
 #include <filesystem>
 
 #include "gpu_test.h"
@@ -62,6 +63,33 @@ TEST(TrainTensorParallelCuda, Tp2MatchesOneGpu) {
                                tmp + "/one_to_tp2.jsonl");
   ASSERT_EQ(to_tp.exit_code, 0) << to_tp.error;
   EXPECT_LT(test::worst_loss_diff("one GPU's checkpoint resumed at tp 2", to_tp, ref, 11),
+            test::kShardedTol);
+  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+}
+
+// Fewer key/value heads than tp ranks (one kv head, tp 2): both ranks hold the head, each its
+// query heads' part of the k/v gradients, summed over the two; the checkpoint holds the head once.
+TEST(TrainTensorParallelCuda, SharedKvHeadMatchesOneGpu) {
+  if (const int gpus = test::visible_gpus(); gpus < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
+  ASSERT_EQ(test::world_size(), 2);
+  const std::string tmp = test::shared_temp_dir("cuda-tp2-kv1");
+  auto deck = [&](const std::string& d) { return test::sharded_deck(tmp + "/" + d); };
+  const std::string kv1 = "--model.num_kv_heads=1";
+  const auto ref = test::run(1, deck("one"), {kv1}, tmp + "/one.jsonl");
+  ASSERT_EQ(ref.exit_code, 0) << ref.error;
+  for (const auto& [name, overrides] :
+       {std::pair<const char*, std::vector<std::string>>{"tp2", {kv1, "--mesh.tp=2"}},
+        {"tp2_sp_recompute", {kv1, "--mesh.tp=2", "--mesh.sequence_parallel=true",
+                              "--train.recompute=true"}}}) {
+    SCOPED_TRACE(name);
+    const auto r = test::run(2, deck(name), overrides, tmp + "/" + name + ".jsonl");
+    test::expect_matches(name, r, ref);
+  }
+  const auto to_one = test::run(1, deck("tp2_to_one"),
+                                {kv1, "--checkpoint.resume=" + tmp + "/tp2/step_00000010.h5"},
+                                tmp + "/tp2_to_one.jsonl");
+  ASSERT_EQ(to_one.exit_code, 0) << to_one.error;
+  EXPECT_LT(test::worst_loss_diff("tp 2 checkpoint (shared kv head) on one GPU", to_one, ref, 11),
             test::kShardedTol);
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }

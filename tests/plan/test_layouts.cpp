@@ -266,8 +266,8 @@ TEST(PlanLayouts, EnumerationDividesAndExplains) {
   for (const qt::plan::Layout& row : all.rows) {
     const qt::MeshShape& m = row.in.mesh;
     EXPECT_EQ(m.dp * m.tp * m.pp, 8);
-    EXPECT_EQ(4 % m.tp, 0);  // tiny's heads; kv heads 2
-    EXPECT_EQ(2 % m.tp, 0);
+    EXPECT_EQ(4 % m.tp, 0);  // tiny's heads; kv heads 2: divided, or shared by tp / 2 ranks
+    EXPECT_TRUE(2 % m.tp == 0 || m.tp % 2 == 0);
     EXPECT_LE(m.pp, 2);
     EXPECT_EQ(row.in.micro_batches * m.dp, 8);
     EXPECT_EQ(row.fits, row.memory.gpu() <= s.usable);
@@ -278,7 +278,7 @@ TEST(PlanLayouts, EnumerationDividesAndExplains) {
       if (e.dp == dp && e.tp == tp && e.pp == pp) return e.why;
     return std::string("(not excluded)");
   };
-  EXPECT_EQ(reason(2, 4, 1), "mesh.tp = 4 does not divide model.num_kv_heads = 2");
+  EXPECT_EQ(reason(2, 4, 1), "(not excluded)");  // each kv head on 2 of the 4 tp ranks
   EXPECT_EQ(reason(1, 8, 1), "mesh.tp = 8 does not divide model.num_heads = 4");
   EXPECT_EQ(reason(2, 1, 4), "mesh.pp = 4 is more than model.num_layers = 2");
   EXPECT_EQ(reason(1, 2, 4), "mesh.pp = 4 is more than model.num_layers = 2");
