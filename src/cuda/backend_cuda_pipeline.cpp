@@ -43,6 +43,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <vector>
 
@@ -116,7 +118,8 @@ class CudaPipelineBackend final : public TrainBackend {
         layout_(deck.model),
         local_cfg_(tp_local_config(deck.model, tp_)),
         local_layout_(local_cfg_),
-        plan_(plan_qwen3(local_cfg_, local_layout_, mesh.shape(), deck.optim.zero_stage)),
+        plan_(plan_qwen3(local_cfg_, local_layout_, mesh.shape(), deck.optim.zero_stage,
+                         tp_kv_replicas(deck.model, tp_))),
         actions_(schedule(schedule_config(mesh.shape(), M_))),
         arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
@@ -169,6 +172,9 @@ class CudaPipelineBackend final : public TrainBackend {
     activations_ = static_cast<double>(arena_.used() - before) + batch_.bytes();
     for (std::size_t i = 0; i < 2 * mine.size() + 1; ++i)
       marks_.push_back(std::make_unique<cuda::Event>(/*timing=*/true));
+    if (const char* prefix = std::getenv("QTRAIN_PIPELINE_TIMELINE");
+        prefix != nullptr && *prefix != '\0' && mesh.dp().rank() == 0 && mesh.tp().rank() == 0)
+      timeline_ = fmt::format("{}.stage{}.jsonl", prefix, s_);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
   }
 
@@ -286,9 +292,33 @@ class CudaPipelineBackend final : public TrainBackend {
     const double span_ms = pp_.max(marks_[mark - 1]->elapsed_ms_since(*marks_[0]));
     busy_ms = pp_.sum(busy_ms);
     idle_ = span_ms > 0 ? std::clamp(1.0 - busy_ms / (P_ * span_ms), 0.0, 1.0) : 0.0;
+    if (!timeline_.empty()) write_timeline();
+    ++steps_run_;
     return pp_.sum(loss);  // the last stage's, on every stage
   }
   double pipeline_idle() const override { return idle_; }
+
+  // QTRAIN_PIPELINE_TIMELINE=prefix: the first dp and tp rank of each stage appends one JSON line
+  // a step to prefix.stage<s>.jsonl: each action's op, chunk, micro-batch and compute start and
+  // end in ms from the stage's step start (bench/pipeline_timeline.py reads them).
+  void write_timeline() {
+    std::FILE* f = std::fopen(timeline_.c_str(), "a");
+    if (f == nullptr) fail_user("QTRAIN_PIPELINE_TIMELINE: cannot append to {}", timeline_);
+    std::string line = fmt::format("{{\"step\": {}, \"stage\": {}, \"actions\": [", steps_run_,
+                                   s_);
+    std::size_t mark = 1;
+    for (const PipeAction& a : actions_[static_cast<std::size_t>(s_)]) {
+      static constexpr const char* kOp[] = {"F", "B", "I", "W"};
+      line += fmt::format("{}[\"{}\", {}, {}, {:.4f}, {:.4f}]", mark > 1 ? ", " : "",
+                          kOp[static_cast<int>(a.op)], a.chunk, a.micro_batch,
+                          marks_[mark]->elapsed_ms_since(*marks_[0]),
+                          marks_[mark + 1]->elapsed_ms_since(*marks_[0]));
+      mark += 2;
+    }
+    line += "]}\n";
+    std::fputs(line.c_str(), f);
+    std::fclose(f);
+  }
 
   OptimStepStats optimizer_step(std::int64_t step) override {
     if (local_cfg_.tie_word_embeddings) sum_tied_copies();
@@ -424,6 +454,8 @@ class CudaPipelineBackend final : public TrainBackend {
   std::vector<std::unique_ptr<cuda::Event>> marks_;  // [2 x actions + 1] timing: start, then
                                                      // each action's compute begin and end
   double idle_ = -1;             // the last step's pipeline_idle()
+  std::string timeline_;         // QTRAIN_PIPELINE_TIMELINE's file of this stage, or empty
+  long steps_run_ = 0;
 };
 
 }  // namespace
