@@ -58,8 +58,9 @@ TEST(TrainPipelineCuda, Pp2WithDp2OrTp2MatchesOneGpu) {
 }
 
 // tp 4 over the model's 2 kv heads: each shared by a pair of ranks, its k/v gradients summed
-// over the pair only (not over all four), with and without sequence parallelism.
-TEST(TrainTensorParallelCuda, Tp4SharedKvHeadsMatchOneGpu) {
+// over the pair only (not over all four), with and without sequence parallelism; tp 2 x pp 2
+// over one kv head.
+TEST(TrainTensorParallelCuda, SharedKvHeadsMatchOneGpu) {
   if (const int gpus = test::visible_gpus(); gpus < 4) GTEST_SKIP() << "needs 4 GPUs, found " << gpus;
   ASSERT_EQ(test::world_size(), 4);
   const std::string tmp = test::shared_temp_dir("cuda-tp4-kv2");
@@ -74,6 +75,15 @@ TEST(TrainTensorParallelCuda, Tp4SharedKvHeadsMatchOneGpu) {
                              tmp + "/" + name + ".jsonl");
     test::expect_matches(name, r, ref);
   }
+  // One kv head shared by a tp pair in each of two pipeline stages.
+  const std::string kv1 = "--model.num_kv_heads=1";
+  const auto ref_kv1 = test::run(1, deck("one_kv1"), test::four_layers({kv1}),
+                                 tmp + "/one_kv1.jsonl");
+  ASSERT_EQ(ref_kv1.exit_code, 0) << ref_kv1.error;
+  const auto r = test::run(4, deck("tp2_pp2_kv1"),
+                           test::four_layers({kv1, "--mesh.tp=2", "--mesh.pp=2"}),
+                           tmp + "/tp2_pp2_kv1.jsonl");
+  test::expect_matches("tp2_pp2_kv1", r, ref_kv1);
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }
 
