@@ -38,6 +38,8 @@ void CpuOps::moe_begin() { balance_ = cpu::RouterBalance(cfg_.num_experts); }
 void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float* x,
                  const float* router, const float* gate_up, const float* down, bool stats) {
   QT_CHECK(tp_ == nullptr, "the MoE block under tensor parallelism is not built");
+  QT_CHECK(ep_ || cfg_.expert_shards == 1, "{} of {} experts stored here without the ep group",
+           cfg_.local_experts(), cfg_.num_experts);
   const cpu::MoeShape s = moe_shape(cfg_, N_);
   if (ep_) {  // gate_up, down: this rank's experts, rows [first, first + El) of the global ones
     ExpertDispatch& d = *dispatch_.at(l);
