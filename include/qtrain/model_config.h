@@ -33,10 +33,16 @@ struct ModelConfig {
   int decoder_sparse_step = 1;
   std::vector<int> mlp_only_layers;    // ascending layer indices
   double router_aux_loss_coef = 0.001; // weight of the load-balancing loss in the objective
+  // Not an architecture key: the local model of an expert-parallel rank (ep_local_config,
+  // parallel/expert_parallel.h) stores E / expert_shards experts of each sparse layer, placed
+  // after the head in its ParamLayout (one unit each in the plan). 1 for every model a deck, a
+  // checkpoint or a Hugging Face directory describes.
+  int expert_shards = 1;
 
   int q_dim() const { return num_heads * head_dim; }
   int kv_dim() const { return num_kv_heads * head_dim; }
   bool is_moe() const { return num_experts > 0; }
+  int local_experts() const { return num_experts / expert_shards; }  // experts stored here
   // Layer l is a sparse (MoE) block (transformers' rule, qwen3-spec.md 1.1 notes).
   bool is_moe_layer(int l) const;
   int num_moe_layers() const;

@@ -25,8 +25,9 @@ struct ParamInfo {
 };
 
 // Flat-buffer offsets of one decoder layer's parameters: a dense MLP's w_gate, w_up, w_down, or a
-// sparse block's (moe) router [E, H], experts_gate_up [E, 2 Im, H] and experts_down [E, H, Im]
-// (the other set 0).
+// sparse block's (moe) router [E, H], experts_gate_up [El, 2 Im, H] and experts_down [El, H, Im]
+// (the other set 0). El = E, right after the router, except in an expert-parallel rank's local
+// layout (ModelConfig::expert_shards > 1): El = E / expert_shards, after the head.
 struct LayerOffsets {
   std::size_t ln1 = 0, wq = 0, wk = 0, wv = 0, wo = 0, q_norm = 0, k_norm = 0, ln2 = 0;
   std::size_t w_gate = 0, w_up = 0, w_down = 0;
@@ -57,6 +58,7 @@ class ParamLayout {
 
  private:
   std::size_t add(std::string name, std::vector<std::int64_t> shape);  // returns its offset
+  void add_experts(const ModelConfig& c, int l, LayerOffsets& o);      // layer l's two tensors
 
   std::vector<ParamInfo> params_;
   std::size_t numel_ = 0;

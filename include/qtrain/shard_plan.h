@@ -5,8 +5,12 @@
 // Two things are planned:
 //   - ShardSpec, per parameter: its global shape, which mesh dimension shards it along which
 //     axis (tensor parallelism: q/k/v and gate/up along their rows, o and down along their
-//     columns; expert parallelism will add experts), and over which dimensions its copies are
-//     replicated (so that the gradient norm counts it once).
+//     columns; expert parallelism: the experts along axis 0 over ep), and over which dimensions
+//     its copies are replicated (so that the gradient norm counts it once).
+// Under expert parallelism (mesh.ep > 1) the layout is the ep rank's local one
+// (ParamLayout(ep_local_config(cfg, ep)), parallel/expert_parallel.h): each sparse layer's
+// experts, E / ep of them, are a unit of their own after the head, whose ZeRO shards spread over
+// the expert-data-parallel group (Mesh::edp(), dp / ep ranks) instead of dp.
 // Under tensor parallelism the layout the plan is made for is the tp rank's local one
 // (ParamLayout(tp_local_config(cfg, tp)), parallel/tensor_parallel.h): the units and ZeRO shards
 // below are ranges of it.
@@ -52,15 +56,18 @@ struct ShardSpec {
 };
 
 struct ParamUnit {
-  std::string name;                 // "embed", "layers.3", "head", "adapters"
+  std::string name;                 // "embed", "layers.3", "head", "experts.3", "adapters"
   Range range;                      // flat range of the layout
+  // The group the unit's ZeRO shards spread over and its gradients are summed over: dp, or
+  // for an expert unit the expert-data-parallel group (kEdp); dp: that group's size.
+  MeshDim group = MeshDim::kDp;
   int dp = 1;                       // ranks the unit's ZeRO shards spread over
   std::size_t chunk = 0;            // ZeRO shard length: ceil(range.size() / dp); >= 1
   std::vector<std::size_t> params;  // indices into layout.params(), in flat order
   int stage = 0;                    // the pipeline stage that holds it (mesh.pp > 1)
 
   std::size_t padded() const { return chunk * dp; }  // range.size() rounded up to dp shards
-  Range shard(int dp_rank) const;                      // the flat range dp rank r owns
+  Range shard(int dp_rank) const;  // the flat range rank r of the unit's group owns
 };
 
 struct ShardPlan {
@@ -78,19 +85,24 @@ struct ShardPlan {
   std::vector<ShardSpec> specs;  // [layout.params().size()]
   std::vector<ParamUnit> units;  // in flat order; together they cover the layout exactly
 
-  // The flat ranges dp rank r owns: one per unit (some may be empty).
-  std::vector<Range> owned(int dp_rank) const;
+  // The flat ranges rank r owns: one per unit (some may be empty); r is the rank in each unit's
+  // group (dp, or expert-dp for expert units).
+  std::vector<Range> owned(int rank) const;
+
   // One line per unit kind, for the start-up banner.
   std::string describe() const;
 };
 
 // The units of a Qwen3 model's plan, by role: unit 0 the embedding, 1 + l decoder layer l,
-// L + 1 the head (final norm, and lm_head unless tied to the embedding).
+// L + 1 the head (final norm, and lm_head unless tied to the embedding); in an expert-parallel
+// rank's local layout (ModelConfig::expert_shards > 1) then L + 2 + m the experts of the m-th
+// sparse layer (the layer unit keeps its router).
 struct Qwen3Units {
   int num_layers = 0;
   int embed() const { return 0; }
   int layer(int l) const { return 1 + l; }
   int head() const { return num_layers + 1; }
+  int experts(int m) const { return num_layers + 2 + m; }
 };
 
 // How tensor parallelism splits a Qwen3 tensor, by its name (Megatron's split): q/k/v_proj,
@@ -101,9 +113,11 @@ enum class TpRole { kColumn, kRow, kPartial, kReplicated };
 TpRole tp_role(const std::string& name);
 
 // Collective-free and deterministic: every rank computes the same plan. Checks that the layout is
-// the model's (embedding, layers, norm, lm head in flat order). With mesh.tp > 1, `layout` is the
-// tp rank's local layout (parallel/tensor_parallel.h) and `cfg` the local config; kv_replicas:
-// the tp ranks sharing each key/value head (tp_kv_replicas), 1 when tp divides them.
+// the model's (embedding, layers, norm, lm head [, experts] in flat order). With mesh.tp > 1,
+// `layout` is the tp rank's local layout (parallel/tensor_parallel.h) and `cfg` the local config;
+// kv_replicas: the tp ranks sharing each key/value head (tp_kv_replicas), 1 when tp divides them.
+// A MoE model at mesh.ep > 1 needs the ep rank's local config and layout (cfg.expert_shards =
+// mesh.ep); a local config with mesh.ep = 1 is planned for dp 1 only (the program's unit ranges).
 ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const MeshShape& mesh,
                      int zero_stage, int kv_replicas = 1);
 // The decoder layers of each of mesh.pp x mesh.pp_chunks pipeline chunks, as [chunks + 1]

@@ -137,9 +137,8 @@ class CpuOps : public NoCollectives {
   void set_moe_aux_scale(float aux_scale) { aux_scale_ = aux_scale; }
   // Expert parallelism over `ep` (null or one rank: none): each sparse layer's (token, slot)
   // rows go to the rank owning their expert and back (parallel/expert_parallel.h), so a rank
-  // computes only its E / ep experts. The expert tensors stay whole in the layout; a rank's
-  // gradient is zero outside its experts, and the dp reduction sums each expert's over the
-  // ranks holding it (the expert-data-parallel group).
+  // computes only its E / ep experts, which are all it stores: the config must be the ep rank's
+  // local one (ep_local_config: expert_shards = ep), whose expert tensors are [E / ep, ...].
   void set_expert_parallel(Comm* ep);
   void moe_begin();
   void moe(int l, float* y, float* probs, int* idx, float* rw, const float* x, const float* router,

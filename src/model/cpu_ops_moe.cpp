@@ -21,9 +21,10 @@ void CpuOps::set_expert_parallel(Comm* ep) {
   ep_ = ep && ep->size() > 1 ? ep : nullptr;
   dispatch_.clear();
   slot_out_.clear();
+  QT_CHECK(cfg_.expert_shards == (ep_ ? ep_->size() : 1),
+           "experts stored over {} ranks (the ep rank's local config) computed over {}",
+           cfg_.expert_shards, ep_ ? ep_->size() : 1);
   if (!ep_) return;
-  QT_CHECK(cfg_.num_experts % ep_->size() == 0, "{} experts over {} expert-parallel ranks",
-           cfg_.num_experts, ep_->size());
   dispatch_.resize(cfg_.num_layers);
   slot_out_.resize(cfg_.num_layers);
   for (int l = 0; l < cfg_.num_layers; ++l)
@@ -37,13 +38,13 @@ void CpuOps::moe_begin() { balance_ = cpu::RouterBalance(cfg_.num_experts); }
 void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float* x,
                  const float* router, const float* gate_up, const float* down, bool stats) {
   QT_CHECK(tp_ == nullptr, "the MoE block under tensor parallelism is not built");
+  QT_CHECK(ep_ || cfg_.expert_shards == 1, "{} of {} experts stored here without the ep group",
+           cfg_.local_experts(), cfg_.num_experts);
   const cpu::MoeShape s = moe_shape(cfg_, N_);
-  if (ep_) {  // this rank's experts: rows [first, first + El) of the expert tensors
+  if (ep_) {  // gate_up, down: this rank's experts, rows [first, first + El) of the global ones
     ExpertDispatch& d = *dispatch_.at(l);
-    const std::size_t first = d.first_expert(), H = s.H, Im = s.Im;
-    slot_out_[l].resize(static_cast<std::size_t>(s.N) * s.k * H);
-    moe_block_forward_ep(y, probs, idx, rw, slot_out_[l].data(), x, router,
-                         gate_up + first * 2 * Im * H, down + first * H * Im, s, d);
+    slot_out_[l].resize(static_cast<std::size_t>(s.N) * s.k * s.H);
+    moe_block_forward_ep(y, probs, idx, rw, slot_out_[l].data(), x, router, gate_up, down, s, d);
   } else {
     cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s);
   }
@@ -66,19 +67,18 @@ void CpuOps::moe_backward(int l, float* dx, float* g_router, float* g_gate_up, f
                           const float* down, bool acc) {
   const cpu::MoeShape s = moe_shape(cfg_, N_);
   QT_CHECK(g_router && g_gate_up && g_down, "a frozen MoE block (LoRA on MoE is not built)");
-  const std::size_t E = s.E, H = s.H, Im = s.Im;
+  // The experts stored here: all E, or this ep rank's El.
+  const std::size_t E = s.E, El = cfg_.local_experts(), H = s.H, Im = s.Im;
   if (!acc) {  // the block adds into its gradients
     std::fill(g_router, g_router + E * H, 0.0f);
-    std::fill(g_gate_up, g_gate_up + E * 2 * Im * H, 0.0f);
-    std::fill(g_down, g_down + E * H * Im, 0.0f);
+    std::fill(g_gate_up, g_gate_up + El * 2 * Im * H, 0.0f);
+    std::fill(g_down, g_down + El * H * Im, 0.0f);
   }
   const bool aux = aux_scale_ != 0 && balance_.tokens > 0;
-  if (ep_) {  // only this rank's experts get gradients here (the others' stay as they are)
-    ExpertDispatch& d = *dispatch_.at(l);
-    const std::size_t first = d.first_expert(), gu = 2 * Im * H, dn = H * Im;
-    moe_block_backward_ep(dx, g_router, g_gate_up + first * gu, g_down + first * dn, dy, x, probs,
-                          idx, rw, slot_out_[l].data(), router, gate_up + first * gu,
-                          down + first * dn, s, d, aux ? &balance_ : nullptr, aux_scale_);
+  if (ep_) {
+    moe_block_backward_ep(dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw,
+                          slot_out_[l].data(), router, gate_up, down, s, *dispatch_.at(l),
+                          aux ? &balance_ : nullptr, aux_scale_);
     return;
   }
   cpu::moe_block_backward(dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw, router,

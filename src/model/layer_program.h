@@ -19,7 +19,10 @@
 // block's ops (issue 18). Parameters come unit by unit (the units of the sharding plan) from a Units
 // object: weights(u), grads(u), release(u), grads_done(u), and take_embedding_rows(dx, ids, N)
 // (true: the store took an untied embedding's gradient as its N rows instead of grads(E) and
-// grads_done(E); model/model_params.h: CpuUnits; cuda/qwen3_cuda.h: UnitSource).
+// grads_done(E); model/model_params.h: CpuUnits; cuda/qwen3_cuda.h: UnitSource). In an expert-
+// parallel rank's local model (ModelConfig::expert_shards > 1) a sparse layer's experts are a unit
+// of their own (Qwen3Units::experts), asked for beside the layer's; otherwise they sit in the
+// layer's unit, after its router.
 //
 // Shapes: N = B*T rows, H hidden, Q = nh*hd, KV = nkv*hd, QKV = Q + 2 KV, I intermediate,
 // V vocabulary.
@@ -61,7 +64,8 @@
 //       load-balancing statistics (pooled over the MoE layers, as transformers) restart
 //   moe(l, y, probs, idx, rw, x, router, gate_up, down, stats)   y [N, H] = the routed experts of
 //       x [N, H]; writes the router's probs [N, E], idx [N, k] and routing weights rw [N, k];
-//       stats: add them to the micro-batch's statistics (false when recomputing)
+//       stats: add them to the micro-batch's statistics (false when recomputing); gate_up
+//       [El, 2 Im, H] and down [El, H, Im] are the experts stored here (El = E / expert_shards)
 //   moe_backward(l, dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw, router, gate_up,
 //       down, acc)                                      dx [N, H] written; with the statistics
 //       of the whole micro-batch, the load-balancing loss's gradient joins the router's
@@ -457,6 +461,10 @@ class Qwen3Program {
         slots_(std::move(slots)) {
     check_fused_layout(cfg, off_);
     check_stage(cfg, st_);
+    // An ep rank's local model keeps each sparse layer's experts in a unit of their own.
+    experts_unit_.assign(cfg.num_layers, -1);
+    for (int l = 0, m = 0; l < cfg.num_layers && cfg.expert_shards > 1; ++l)
+      if (cfg.is_moe_layer(l)) experts_unit_[l] = unit_.experts(m++);
     QT_CHECK(!slots_.empty() && slots_[0].x.size() == off_.layers.size() + 1,
              "activations of another model");
     Nl_ = slots_[0].rows;
@@ -483,6 +491,8 @@ class Qwen3Program {
     if (st_.has_embedding || (st_.has_head && cfg_.tie_word_embeddings)) u.push_back(unit_.embed());
     for (int l = st_.first_layer; l < st_.last_layer; ++l) u.push_back(unit_.layer(l));
     if (st_.has_head) u.push_back(unit_.head());
+    for (int l = st_.first_layer; l < st_.last_layer; ++l)
+      if (experts_unit_[l] >= 0) u.push_back(experts_unit_[l]);
     return u;
   }
 
@@ -516,10 +526,12 @@ class Qwen3Program {
       if (cfg_.is_moe()) ops.moe_begin();
     if (entry >= 0) ops.rmsnorm(a.ln[first], a.rstd[first], a.x[first], norm_of(units, entry), Nl);
     for (int l = first; l < last; ++l) {
-      const int u = unit_.layer(l);
+      const int u = unit_.layer(l), xu = experts_unit_[l];
       const W* next_norm = ends_stage(l) ? nullptr : norm_of(units, next(l));
-      layer_forward(ops, l, tensors(l, units.weights(u)), next_norm);
+      const W* experts = xu >= 0 ? units.weights(xu) : nullptr;
+      layer_forward(ops, l, tensors(l, units.weights(u), experts), next_norm);
       units.release(u);
+      if (xu >= 0) units.release(xu);
     }
   }
   // [Nl, H] x[first] of a slot, where a receive may write before forward_stage (non-first stage).
@@ -586,13 +598,19 @@ class Qwen3Program {
       ops.copy_columns(a.dx, H, dx_in, H, Nl, H);
     }
     for (int l = last - 1; l >= first; --l) {
-      const int u = unit_.layer(l), n = ends_stage(l) ? -1 : next(l);
-      const LayerTensors<const W> w = tensors(l, units.weights(u));
+      const int u = unit_.layer(l), n = ends_stage(l) ? -1 : next(l), xu = experts_unit_[l];
+      const W* experts = xu >= 0 ? units.weights(xu) : nullptr;
+      const LayerTensors<const W> w = tensors(l, units.weights(u), experts);
       // Recomputing rewrites x[l + 1], ln[l + 1] and rstd[l + 1] with the same values; layer
       // l + 1's backward, their last reader, came before it. It reads the next unit's norm.
       if (recompute_) layer_forward(ops, l, w, n >= 0 ? norm_of(units, n) : nullptr, true);
       if (n >= 0) units.release(n);
-      layer_backward(ops, l, w, tensors(l, units.grads(u)));
+      float* g_experts = xu >= 0 ? units.grads(xu) : nullptr;
+      layer_backward(ops, l, w, tensors(l, units.grads(u), g_experts));
+      if (xu >= 0) {  // the experts' gradients are complete before the layer's router's
+        units.grads_done(xu);
+        units.release(xu);
+      }
       units.grads_done(u);
     }
     if (first < last) units.release(unit_.layer(first));
@@ -646,11 +664,15 @@ class Qwen3Program {
         u == unit_.head() ? off_.norm : off_.layers[static_cast<std::size_t>(u - 1)].ln1;
     return at(u, units.weights(u), off);
   }
+  // Layer l's tensors in its unit's buffer, and its experts in theirs when they are a unit of
+  // their own (experts_unit_).
   template <class T>
-  LayerTensors<T> tensors(int l, T* unit) const {
-    const int u = unit_.layer(l);
-    return layer_tensors_at<T>(off_.layers[l],
-                               [&](std::size_t off) { return at(u, unit, off); });
+  LayerTensors<T> tensors(int l, T* unit, T* experts = nullptr) const {
+    const int u = unit_.layer(l), xu = experts_unit_[l];
+    return layer_tensors_at<T>(off_.layers[l], [&](std::size_t off) {
+      return xu >= 0 && off >= plan_.units[xu].range.begin ? at(xu, experts, off)
+                                                            : at(u, unit, off);
+    });
   }
   LayerActs<A>& layer_acts(int l) { return a_->layer[recompute_ ? 0 : l]; }
   // The slot the next ops use (every entry point selects its own first).
@@ -740,6 +762,7 @@ class Qwen3Program {
   ModelOffsets off_ = layout_.model_offsets();
   ShardPlan plan_;
   Qwen3Units unit_;
+  std::vector<int> experts_unit_;  // [L] the unit of layer l's experts, or -1: in the layer's
   int N_;  // rows of a micro-batch: B x T
   int Nl_;  // rows of the residual stream: N, or N / tp with sequence parallelism
   bool recompute_;

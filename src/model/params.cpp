@@ -27,7 +27,16 @@ ParamLayout::ParamLayout(
   for (const auto& [name, shape] : tensors) add(name, shape);
 }
 
+void ParamLayout::add_experts(const ModelConfig& c, int l, LayerOffsets& o) {
+  const std::string p = fmt::format("model.layers.{}.mlp.experts.", l);
+  const std::int64_t El = c.local_experts(), H = c.hidden_size, Im = c.moe_intermediate_size;
+  o.experts_gate_up = add(p + "gate_up_proj", {El, 2 * Im, H});
+  o.experts_down = add(p + "down_proj", {El, H, Im});
+}
+
 ParamLayout::ParamLayout(const ModelConfig& c) {
+  QT_CHECK(c.expert_shards >= 1 && (!c.is_moe() || c.num_experts % c.expert_shards == 0),
+           "{} experts stored over {} expert-parallel ranks", c.num_experts, c.expert_shards);
   const std::int64_t H = c.hidden_size, I = c.intermediate_size, V = c.vocab_size;
   const std::int64_t Q = c.q_dim(), KV = c.kv_dim(), hd = c.head_dim;
   ModelOffsets m;
@@ -44,11 +53,9 @@ ParamLayout::ParamLayout(const ModelConfig& c) {
     o.k_norm = add(p + "self_attn.k_norm.weight", {hd});
     o.ln2 = add(p + "post_attention_layernorm.weight", {H});
     if (c.is_moe_layer(l)) {  // transformers 5's runtime names (qwen3-spec.md 6.2)
-      const std::int64_t E = c.num_experts, Im = c.moe_intermediate_size;
       o.moe = true;
-      o.router = add(p + "mlp.gate.weight", {E, H});
-      o.experts_gate_up = add(p + "mlp.experts.gate_up_proj", {E, 2 * Im, H});
-      o.experts_down = add(p + "mlp.experts.down_proj", {E, H, Im});
+      o.router = add(p + "mlp.gate.weight", {c.num_experts, H});
+      if (c.expert_shards == 1) add_experts(c, l, o);
     } else {
       o.w_gate = add(p + "mlp.gate_proj.weight", {I, H});
       o.w_up = add(p + "mlp.up_proj.weight", {I, H});
@@ -58,6 +65,10 @@ ParamLayout::ParamLayout(const ModelConfig& c) {
   }
   m.norm = add("model.norm.weight", {H});
   m.lm_head = c.tie_word_embeddings ? m.embed : add("lm_head.weight", {V, H});
+  // An expert-parallel rank's local model: its experts of each sparse layer after the head.
+  if (c.expert_shards > 1)
+    for (int l = 0; l < c.num_layers; ++l)
+      if (m.layers[l].moe) add_experts(c, l, m.layers[l]);
   model_ = std::move(m);
 }
 

@@ -17,18 +17,22 @@ double bytes_of(const std::vector<float>& x) { return 4.0 * static_cast<double>(
 
 ShardedState::ShardedState(const ShardPlan& plan, const ParamLayout& layout,
                            const OptimConfig& cfg, Comm& dp, int total_steps, Comm* tp,
-                           const PipelineShare* pipe)
+                           const PipelineShare* pipe, Comm* edp)
     : plan_(plan),
       layout_(layout),
       cfg_(cfg),
       dp_(dp),
       tp_(plan.tp > 1 ? tp : nullptr),
+      edp_(edp),
       total_steps_(total_steps),
-      zero_(plan.zero_stage),
-      rank_(dp.rank()) {
+      zero_(plan.zero_stage) {
   QT_CHECK(plan.dp == dp.size(), "plan for dp {} on a dp communicator of {}", plan.dp, dp.size());
   QT_CHECK(plan.tp == 1 || (tp != nullptr && tp->size() == plan.tp),
            "plan for tp {} without a tp communicator of that size", plan.tp);
+  for (const ParamUnit& u : plan.units)
+    QT_CHECK(u.group == MeshDim::kDp || (u.group == MeshDim::kEdp && edp && edp->size() == u.dp),
+             "unit {} over {} ranks of {} without that communicator", u.name, u.dp,
+             mesh_dim_name(u.group));
   units_.resize(plan_.units.size());
   held_.assign(units_.size(), pipe ? 0 : 1);
   if (pipe) {
@@ -44,7 +48,7 @@ ShardedState::ShardedState(const ShardPlan& plan, const ParamLayout& layout,
     if (!held(i)) continue;
     const ParamUnit& pu = plan_.units[i];
     Unit& u = units_[i];
-    const std::size_t own = pu.shard(rank_).size();
+    const std::size_t own = pu.shard(rank(i)).size();
     u.params.assign(zero_ == 3 ? pu.chunk : pu.padded(), 0.0f);
     if (zero_ <= 1) u.grads.assign(pu.padded(), 0.0f);
     if (zero_ >= 1) u.grad_shard.assign(pu.chunk, 0.0f);
@@ -74,7 +78,7 @@ void ShardedState::acquire(int u) {
   if (zero_ < 3 || !x.gathered.empty()) return;  // held already (the head, a tied embedding)
   const ParamUnit& pu = plan_.units[u];
   x.gathered.resize(pu.padded());
-  dp_.all_gather(x.params.data(), x.gathered.data(), pu.chunk, DType::kF32);
+  group(u).all_gather(x.params.data(), x.gathered.data(), pu.chunk, DType::kF32);
   note_peak();
 }
 
@@ -87,10 +91,10 @@ void ShardedState::grads_done(int u) {
   Unit& x = units_[u];
   QT_CHECK(!x.grads.empty(), "grads_done() of unit {} without gradients", plan_.units[u].name);
   reduce_partial_over_tp(u, x.grads.data());
-  // This micro-batch's gradients of the unit, summed over dp, added to the own shard's.
+  // This micro-batch's gradients of the unit, summed over its group, added to the own shard's.
   const std::size_t chunk = plan_.units[u].chunk;
   reduced_.resize(std::max(reduced_.size(), chunk));
-  dp_.reduce_scatter(x.grads.data(), reduced_.data(), chunk, DType::kF32, ReduceOp::kSum);
+  group(u).reduce_scatter(x.grads.data(), reduced_.data(), chunk, DType::kF32, ReduceOp::kSum);
   for (std::size_t i = 0; i < chunk; ++i) x.grad_shard[i] += reduced_[i];
   free_vector(x.grads);
 }
@@ -103,7 +107,7 @@ void ShardedState::zero_grads() {
 }
 
 Range ShardedState::updated(int u) const {
-  return zero_ == 0 ? plan_.units[u].range : plan_.units[u].shard(rank_);
+  return zero_ == 0 ? plan_.units[u].range : plan_.units[u].shard(rank(u));
 }
 
 float* ShardedState::updated_params(int u) {
@@ -135,24 +139,25 @@ void ShardedState::update(int u, const AdamWStep& s) {
 OptimStepStats ShardedState::step(std::int64_t step) {
   OptimStepStats st;
   st.lr = lr_at(cfg_, total_steps_, step);
-  const bool many = dp_.size() > 1;
   // 1. Reduce: every rank ends with the summed gradients of what it updates.
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (!held(u)) continue;
     Unit& x = units_[u];
     if (zero_ <= 1) reduce_partial_over_tp(static_cast<int>(u), x.grads.data());
-    if (zero_ == 0 && many)
-      dp_.all_reduce(x.grads.data(), plan_.units[u].range.size(), DType::kF32, ReduceOp::kSum);
+    if (zero_ == 0 && group(u).size() > 1)
+      group(u).all_reduce(x.grads.data(), plan_.units[u].range.size(), DType::kF32,
+                          ReduceOp::kSum);
     if (zero_ == 1)
-      dp_.reduce_scatter(x.grads.data(), x.grad_shard.data(), x.grad_shard.size(), DType::kF32,
+      group(u).reduce_scatter(x.grads.data(), x.grad_shard.data(), x.grad_shard.size(), DType::kF32,
                          ReduceOp::kSum);
   }
-  // 2. The global norm: each element once, summed by its owner.
+  // 2. The global norm: each element once, summed by its owner (an expert unit's owners over dp
+  // are its ep ranks' expert-dp owners, each of its own experts).
   double sumsq = 0;
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (!held(u) || static_cast<int>(u) == copy_) continue;  // a tied copy: its original counts
     const ParamUnit& pu = plan_.units[u];
-    const Range own = pu.shard(rank_);
+    const Range own = pu.shard(rank(u));
     const float* g = zero_ == 0 ? units_[u].grads.data() + (own.begin - pu.range.begin)
                                 : units_[u].grad_shard.data();
     sumsq += sum_squares(static_cast<int>(u), own, g);
@@ -168,10 +173,10 @@ OptimStepStats ShardedState::step(std::int64_t step) {
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (!held(u)) continue;
     update(static_cast<int>(u), s);
-    if ((zero_ == 1 || zero_ == 2) && many) {
+    if ((zero_ == 1 || zero_ == 2) && group(u).size() > 1) {
       const ParamUnit& pu = plan_.units[u];
       float* whole = units_[u].params.data();  // rank r's shard already sits at r * chunk
-      dp_.all_gather(whole + pu.chunk * rank_, whole, pu.chunk, DType::kF32);
+      group(u).all_gather(whole + pu.chunk * rank(u), whole, pu.chunk, DType::kF32);
     }
   }
   return st;
@@ -232,7 +237,7 @@ std::vector<FlatPiece> ShardedState::param_pieces() {
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (!held(u)) continue;
     const ParamUnit& pu = plan_.units[u];
-    const Range r = zero_ == 3 ? pu.shard(rank_) : pu.range;
+    const Range r = zero_ == 3 ? pu.shard(rank(u)) : pu.range;
     if (r.size() > 0) out.push_back({r, units_[u].params.data()});
   }
   return out;
@@ -243,7 +248,7 @@ std::vector<StatePiece> ShardedState::checkpoint_pieces() {
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (!held(u) || static_cast<int>(u) == copy_) continue;  // a tied copy: the original writes
     const ParamUnit& pu = plan_.units[u];
-    const Range own = pu.shard(rank_);
+    const Range own = pu.shard(rank(u));
     if (own.size() == 0) continue;
     const std::size_t in_unit = own.begin - pu.range.begin;
     const Unit& x = units_[u];

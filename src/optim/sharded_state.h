@@ -17,6 +17,10 @@
 // then each owner updates its shard with adamw_update (optim/adamw_math.h), the same element
 // math at every stage; ZeRO-1 and 2 all-gather each updated unit, ZeRO-0 updates everything on
 // every rank. Buffers of whole units are padded to dp shards (unit.padded()); padding stays zero.
+// An expert unit (ParamUnit::group kEdp, expert parallelism) does all of this over the
+// expert-data-parallel communicator instead of dp: its ranks hold the same experts, and the
+// other ep ranks of the dp group hold other experts, so summing the norm over dp still counts
+// every element once.
 #pragma once
 
 #include <cstdint>
@@ -51,12 +55,15 @@ struct StateBytes {
 
 class ShardedState final : public ModelParams {
  public:
-  // plan.dp must be dp.size(). The parameters start at zero: fill param_pieces() before use.
+  // plan.dp must be dp.size(); edp: the expert-data-parallel communicator, needed when the plan
+  // has expert units (its size their dp). The parameters start at zero: fill param_pieces()
+  // before use.
   // Under tensor parallelism (plan.tp > 1) `layout` is the tp rank's local one and `tp` its tp
   // communicator: gradients that are partial over tp (ShardSpec::partial_over) are summed over
   // it before the update, and the gradient norm counts tensors replicated over tp once.
   ShardedState(const ShardPlan& plan, const ParamLayout& layout, const OptimConfig& cfg, Comm& dp,
-               int total_steps, Comm* tp = nullptr, const PipelineShare* pipe = nullptr);
+               int total_steps, Comm* tp = nullptr, const PipelineShare* pipe = nullptr,
+               Comm* edp = nullptr);
 
   // ModelParams.
   const float* params(int unit) override;
@@ -110,6 +117,9 @@ class ShardedState final : public ModelParams {
   double sum_squares(int u, Range own, const float* g) const;
   void note_peak();
   bool held(std::size_t u) const { return held_[u] != 0; }
+  // The communicator unit u is sharded and reduced over (dp or edp), and this rank's place in it.
+  Comm& group(std::size_t u) const { return plan_.units[u].group == MeshDim::kEdp ? *edp_ : dp_; }
+  int rank(std::size_t u) const { return group(u).rank(); }
 
   ShardPlan plan_;
   const ParamLayout& layout_;
@@ -117,11 +127,11 @@ class ShardedState final : public ModelParams {
   Comm& dp_;
   Comm* tp_;  // null without tensor parallelism
   Comm* pp_ = nullptr;     // null without pipeline parallelism
+  Comm* edp_;              // null without expert units
   std::vector<char> held_;  // [units]: this stage holds it
   int copy_ = -1;           // PipelineShare::copy
   int total_steps_;
   int zero_;
-  int rank_;
   std::vector<Unit> units_;
   std::vector<float> reduced_;  // ZeRO 2/3: one unit's reduce-scatter result [largest chunk]
   StateBytes peak_;

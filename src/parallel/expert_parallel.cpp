@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <numeric>
+#include <string>
+#include <unordered_map>
 
 #include "ops/linear.h"
 #include "ops/moe_experts.h"
@@ -23,6 +25,48 @@ std::vector<std::size_t> scaled(const std::vector<std::size_t>& v, std::size_t f
   return out;
 }
 }  // namespace
+
+ModelConfig ep_local_config(const ModelConfig& cfg, int ep) {
+  QT_CHECK(ep >= 1 && cfg.expert_shards == 1, "ep_local_config: ep {} of a config stored over {}",
+           ep, cfg.expert_shards);
+  if (!cfg.is_moe() || ep == 1) return cfg;
+  QT_CHECK(cfg.num_experts % ep == 0, "mesh.ep = {} must divide the {} experts", ep,
+           cfg.num_experts);
+  ModelConfig c = cfg;
+  c.expert_shards = ep;
+  return c;
+}
+
+EpMap::EpMap(const ParamLayout& global, const ParamLayout& local, int ep_rank) {
+  const auto& gs = global.params();
+  std::unordered_map<std::string, std::size_t> at;  // global tensor index by name
+  for (std::size_t i = 0; i < gs.size(); ++i) at.emplace(gs[i].name, i);
+  QT_CHECK(gs.size() == local.params().size(), "EpMap: {} global tensors, {} local", gs.size(),
+           local.params().size());
+  for (const ParamInfo& p : local.params()) {
+    const auto it = at.find(p.name);
+    QT_CHECK(it != at.end(), "EpMap: local tensor {} is not the global model's", p.name);
+    const ParamInfo& g = gs[it->second];
+    // Experts: [El, ...] rows of [E, ...], El dividing E; every other tensor whole.
+    const bool rows = p.shape != g.shape;
+    QT_CHECK(p.shape.size() == g.shape.size() &&
+                 (!rows || (p.shape[0] > 0 && g.shape[0] % p.shape[0] == 0 &&
+                            std::equal(p.shape.begin() + 1, p.shape.end(), g.shape.begin() + 1))),
+             "EpMap: local tensor {} does not divide the global one by rows", p.name);
+    QT_CHECK(!rows || ep_rank < g.shape[0] / p.shape[0], "EpMap: ep rank {} of {} for {}",
+             ep_rank, g.shape[0] / p.shape[0], p.name);
+    places_.push_back({p.offset, p.numel, g.offset + (rows ? ep_rank * p.numel : 0)});
+  }
+}
+
+std::vector<LayoutMap::Segment> EpMap::segments(Range r, bool) const {
+  std::vector<Segment> out;
+  for (const Place& p : places_) {
+    const std::size_t lo = std::max(r.begin, p.local), hi = std::min(r.end, p.local + p.numel);
+    if (lo < hi) out.push_back({lo, p.global + (lo - p.local), hi - lo});
+  }
+  return out;
+}
 
 ExpertDispatch::ExpertDispatch(Comm& ep, int experts, int hidden, int moe_width)
     : ep_(ep), e_(experts), h_(hidden), im_(moe_width) {

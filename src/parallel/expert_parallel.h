@@ -4,15 +4,42 @@
 // with the whole router; each (token, slot) row travels to the rank owning its expert
 // (all-to-all with counts), runs there, and its output comes back; the owner keeps the rows it
 // received for the backward, which travels the same way. Dropless: every row is sent.
+//
+// Storage: rank r's local model (ep_local_config) holds only those rows, each sparse layer's
+// experts after the head in its layout and a unit of their own in the plan (sharded and reduced
+// over the expert-data-parallel group); EpMap places them in the global tensors [E, ...].
 #pragma once
 
 #include <cstddef>
 #include <vector>
 
 #include "ops/moe_block.h"
+#include "parallel/layout_map.h"
 #include "qtrain/comm.h"
+#include "qtrain/model_config.h"
+#include "qtrain/params.h"
 
 namespace qt {
+
+// The model an ep rank stores: cfg with expert_shards = ep (ep must divide num_experts; the deck
+// checks it with a clear message). A dense model or ep = 1: cfg itself.
+ModelConfig ep_local_config(const ModelConfig& cfg, int ep);
+
+// An ep rank's local layout (ParamLayout(ep_local_config(cfg, ep))) in the global one: its
+// experts of layer l, [El, ...] after the head, are rows [r El, (r + 1) El) of the global
+// tensor; every other tensor is whole. Nothing is left out when writing: each element a rank
+// holds is owned (ZeRO) by one rank of its group, and the ep ranks hold different experts.
+class EpMap final : public LayoutMap {
+ public:
+  EpMap(const ParamLayout& global, const ParamLayout& local, int ep_rank);
+  std::vector<Segment> segments(Range r, bool writing) const override;
+
+ private:
+  struct Place {
+    std::size_t local, numel, global;  // the local tensor's offset and size, where it goes
+  };
+  std::vector<Place> places_;  // [local tensors], in local flat order
+};
 
 // One sparse layer's exchange: what forward sent and received, kept for backward.
 class ExpertDispatch {

@@ -18,10 +18,10 @@ Range ParamUnit::shard(int dp_rank) const {
   return Range{range.begin + lo, range.begin + hi};
 }
 
-std::vector<Range> ShardPlan::owned(int dp_rank) const {
+std::vector<Range> ShardPlan::owned(int rank) const {
   std::vector<Range> out;
   out.reserve(units.size());
-  for (const ParamUnit& u : units) out.push_back(u.shard(dp_rank));
+  for (const ParamUnit& u : units) out.push_back(u.shard(rank));
   return out;
 }
 
@@ -34,6 +34,13 @@ std::string ShardPlan::describe() const {
   std::string d = fmt::format("ZeRO-{} over dp {} ({}), {} units, the largest {} parameters",
                               zero_stage, dp, what[std::clamp(zero_stage, 0, 3)], units.size(),
                               largest);
+  int experts = 0, edp = 1;
+  for (const ParamUnit& u : units)
+    if (u.group == MeshDim::kEdp) ++experts, edp = u.dp;
+  if (experts > 0)
+    d += fmt::format("; each sparse layer's experts a unit of their own ({}), this rank's share "
+                     "of them sharded over expert-dp {}",
+                     experts, edp);
   if (pp > 1) {
     d += pp_chunks > 1 ? fmt::format("; pipeline chunks (stage {}) of layers", "c % " +
                                                                              std::to_string(pp))
@@ -83,10 +90,6 @@ ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_s
   QT_CHECK(zero_stage >= 0 && zero_stage <= 3, "ZeRO stage {}", zero_stage);
   QT_CHECK(kv_replicas >= 1 && mesh.tp % kv_replicas == 0, "kv heads shared by {} of {} tp ranks",
            kv_replicas, mesh.tp);
-  // mesh.ep does not enter (yet): expert parallelism splits the experts' compute, not their
-  // storage (CpuOps::set_expert_parallel); ZeRO shards the expert tensors over dp like every
-  // unit, and a rank's gradient is zero outside its experts, so the dp reduction sums each
-  // expert's gradient over the expert-data-parallel ranks that computed it.
   ShardPlan plan;
   plan.dp = mesh.dp;
   plan.tp = mesh.tp;
@@ -161,25 +164,67 @@ ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const Me
                      int zero_stage, int kv_replicas) {
   ShardPlan plan = plan_base(layout, mesh, zero_stage, kv_replicas);
   const auto& ps = layout.params();
-  const std::size_t per_layer = 11;  // ln1, q, k, v, o, q_norm, k_norm, ln2, gate, up, down
-  const std::size_t L = static_cast<std::size_t>(cfg.num_layers);
-  const std::size_t head = cfg.tie_word_embeddings ? 1 : 2;  // norm [, lm_head]
-  QT_CHECK(ps.size() == 1 + per_layer * L + head && ps.front().name == "model.embed_tokens.weight",
+  const ModelOffsets& off = layout.model_offsets();
+  const int L = cfg.num_layers, shards = cfg.expert_shards;
+  QT_CHECK(static_cast<int>(off.layers.size()) == L && !ps.empty() &&
+               ps.front().name == "model.embed_tokens.weight",
            "plan_qwen3: the layout is not the model's ({} tensors)", ps.size());
-  plan.units.push_back(make_unit(layout, "embed", 0, 1, mesh.dp));
-  for (std::size_t l = 0; l < L; ++l)
-    plan.units.push_back(make_unit(layout, fmt::format("layers.{}", l), 1 + per_layer * l,
-                                   1 + per_layer * (l + 1), mesh.dp));
-  plan.units.push_back(make_unit(layout, "head", 1 + per_layer * L, ps.size(), mesh.dp));
-  QT_CHECK(ps[1 + per_layer * L].name == "model.norm.weight", "plan_qwen3: {} where the final "
-           "norm belongs", ps[1 + per_layer * L].name);
+  // Experts stored split (shards > 1) need the mesh's ep, or a dp-1 plan of unit ranges.
+  QT_CHECK(!cfg.is_moe() || mesh.ep == shards || (shards > 1 && mesh.ep == 1 && mesh.dp == 1),
+           "plan_qwen3: mesh.ep = {} for a layout of experts stored over {} ranks "
+           "(ep_local_config)", mesh.ep, shards);
+  // The tensor index at flat offset `o` (offsets ascend with the index).
+  auto index_at = [&](std::size_t o) {
+    auto it = std::lower_bound(ps.begin(), ps.end(), o,
+                               [](const ParamInfo& p, std::size_t x) { return p.offset < x; });
+    QT_CHECK(it != ps.end() && it->offset == o, "plan_qwen3: no tensor at offset {}", o);
+    return static_cast<std::size_t>(it - ps.begin());
+  };
+  const std::size_t head = index_at(off.norm);
+  std::vector<std::size_t> first(L + 1, head);  // each layer's first tensor, then the head's
+  for (int l = 0; l < L; ++l) first[l] = index_at(off.layers[l].ln1);
+  std::vector<int> sparse;  // layers whose experts are units of their own
+  if (shards > 1)
+    for (int l = 0; l < L; ++l)
+      if (off.layers[l].moe) sparse.push_back(l);
+  const std::size_t head_end =
+      sparse.empty() ? ps.size() : index_at(off.layers[sparse.front()].experts_gate_up);
+  plan.units.push_back(make_unit(layout, "embed", 0, L > 0 ? first[0] : head, mesh.dp));
+  for (int l = 0; l < L; ++l)
+    plan.units.push_back(make_unit(layout, fmt::format("layers.{}", l), first[l], first[l + 1],
+                                   mesh.dp));
+  plan.units.push_back(make_unit(layout, "head", head, head_end, mesh.dp));
+  QT_CHECK(ps[head].name == "model.norm.weight", "plan_qwen3: {} where the final norm belongs",
+           ps[head].name);
+  // Each sparse layer's experts (gate_up, down): rows [r El, (r + 1) El) of the global tensors on
+  // ep rank r, replicated over (and ZeRO-sharded over) the expert-data-parallel group.
+  const int edp = mesh.dp / mesh.ep;
+  for (int l : sparse) {
+    const std::size_t i = index_at(off.layers[l].experts_gate_up);
+    ParamUnit u = make_unit(layout, fmt::format("experts.{}", l), i, i + 2, edp);
+    u.group = MeshDim::kEdp;
+    for (std::size_t t : u.params) {
+      ShardSpec& spec = plan.specs[t];
+      spec.sharded_by = MeshDim::kEp;
+      spec.axis = 0;
+      spec.global_shape[0] *= shards;
+      spec.replicated_over = {MeshDim::kEdp};
+    }
+    plan.units.push_back(std::move(u));
+  }
+  QT_CHECK(plan.units.back().range.end == layout.numel(), "plan_qwen3: tensors after the {}",
+           plan.units.back().name);
   plan.pp_chunks = mesh.pp > 1 ? mesh.pp_chunks : 1;
   plan.stage_layers = pipeline_layer_bounds(cfg, mesh);
   if (mesh.pp > 1) {
+    const Qwen3Units units{L};
     for (int c = 0; c + 1 < static_cast<int>(plan.stage_layers.size()); ++c)
       for (int l = plan.stage_layers[c]; l < plan.stage_layers[c + 1]; ++l)
-        plan.units[1 + l].stage = c % mesh.pp;
-    plan.units.back().stage = mesh.pp - 1;  // the head; the embedding stays on stage 0
+        plan.units[units.layer(l)].stage = c % mesh.pp;
+    plan.units[units.head()].stage = mesh.pp - 1;  // the embedding stays on stage 0
+    for (std::size_t m = 0; m < sparse.size(); ++m)  // a layer's experts on its stage
+      plan.units[units.experts(static_cast<int>(m))].stage =
+          plan.units[units.layer(sparse[m])].stage;
   }
   return plan;
 }

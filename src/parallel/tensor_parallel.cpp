@@ -75,45 +75,6 @@ std::vector<TpMap::Segment> TpMap::segments(Range r, bool writing) const {
   return out;
 }
 
-std::vector<FlatPiece> TpMap::to_global(const std::vector<FlatPiece>& local, bool writing) const {
-  std::vector<FlatPiece> out;
-  for (const FlatPiece& p : local)
-    for (const Segment& s : segments(p.range, writing))
-      out.push_back({Range{s.global, s.global + s.count}, p.data + (s.local - p.range.begin)});
-  return out;
-}
-
-std::vector<StatePiece> TpMap::to_global(const std::vector<StatePiece>& local,
-                                         bool writing) const {
-  std::vector<StatePiece> out;
-  auto at = [](const float* base, std::size_t k) { return base ? base + k : nullptr; };
-  for (const StatePiece& p : local)
-    for (const Segment& s : segments(p.range, writing)) {
-      const std::size_t k = s.local - p.range.begin;
-      out.push_back({Range{s.global, s.global + s.count}, at(p.params, k), at(p.exp_avg, k),
-                     at(p.exp_avg_sq, k)});
-    }
-  return out;
-}
-
-StateTargets TpMap::to_global(const StateTargets& local) const {
-  return {to_global(local.params, false), to_global(local.exp_avg, false),
-          to_global(local.exp_avg_sq, false)};
-}
-
-std::vector<FlatPiece> global_pieces(const TpMap* map, std::vector<FlatPiece> local, bool writing) {
-  return map ? map->to_global(local, writing) : local;
-}
-
-std::vector<StatePiece> global_pieces(const TpMap* map, std::vector<StatePiece> local,
-                                      bool writing) {
-  return map ? map->to_global(local, writing) : local;
-}
-
-StateTargets global_targets(const TpMap* map, StateTargets local) {
-  return map ? map->to_global(local) : local;
-}
-
 std::string describe_tp(const ModelConfig& local, int tp, bool sequence_parallel) {
   return fmt::format("tensor parallel over {} ranks: each runs {} query and {} key/value heads "
                      "and {} MLP columns{}",

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "qtrain/checkpoint.h"
+#include "parallel/layout_map.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
 #include "qtrain/shard_plan.h"
@@ -28,14 +28,8 @@ namespace qt {
 ModelConfig tp_local_config(const ModelConfig& cfg, int tp);
 int tp_kv_replicas(const ModelConfig& cfg, int tp);
 
-class TpMap {
+class TpMap final : public LayoutMap {
  public:
-  // A contiguous run of `count` elements at `local` in the local layout and `global` in the
-  // global one.
-  struct Segment {
-    std::size_t local, global, count;
-  };
-
   // global: the model's layout; local: ParamLayout(tp_local_config(cfg, tp)); plan: made for
   // the local layout; tp_rank: this rank's index in its tp group.
   TpMap(const ParamLayout& global, const ParamLayout& local, const ShardPlan& plan, int tp_rank);
@@ -43,13 +37,7 @@ class TpMap {
   // The segments of the local flat range r, in local order. writing: leave out tensors
   // replicated over tp unless this is tp rank 0, so that over all ranks a checkpoint gets each
   // global element once.
-  std::vector<Segment> segments(Range r, bool writing) const;
-
-  // The same pieces in global coordinates (data pointers advanced to each segment).
-  std::vector<FlatPiece> to_global(const std::vector<FlatPiece>& local, bool writing) const;
-  std::vector<StatePiece> to_global(const std::vector<StatePiece>& local, bool writing) const;
-  // A checkpoint read's targets (everything held, replicated tensors too).
-  StateTargets to_global(const StateTargets& local) const;
+  std::vector<Segment> segments(Range r, bool writing) const override;
 
  private:
   const ParamLayout& global_;
@@ -57,13 +45,6 @@ class TpMap {
   const ShardPlan& plan_;
   int tp_rank_;
 };
-
-// Pieces in global coordinates: through `map`, or as they are without tensor parallelism (null:
-// the local layout is the global one). For the CPU back ends' state, with or without tp.
-std::vector<FlatPiece> global_pieces(const TpMap* map, std::vector<FlatPiece> local, bool writing);
-std::vector<StatePiece> global_pieces(const TpMap* map, std::vector<StatePiece> local,
-                                      bool writing);
-StateTargets global_targets(const TpMap* map, StateTargets local);
 
 // "tensor parallel over tp ranks: each runs ..." for a back end's description (local: the tp
 // rank's model, tp_local_config), with sequence parallelism or without.

@@ -3,7 +3,9 @@
 // (no gradients, no moments) and the driver trains the adapters, one unit. With mesh.tp > 1 the
 // model and the driver hold the tp rank's local part (parallel/tensor_parallel.h) and every
 // piece of state leaves and enters in global coordinates (TpMap); mesh.sequence_parallel splits
-// the model's residual stream over tp too (model/layer_program.h).
+// the model's residual stream over tp too (model/layer_program.h). With mesh.ep > 1 they hold
+// the ep rank's experts only (parallel/expert_parallel.h: ep_local_config, EpMap), each sparse
+// layer's a unit sharded and reduced over the expert-data-parallel group.
 #include <fmt/format.h>
 
 #include <memory>
@@ -12,6 +14,7 @@
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "optim/sharded_state.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 #include "train/backend.h"
@@ -26,8 +29,8 @@ class CpuBackend final : public TrainBackend {
       : tp_(mesh.shape().tp),
         seq_parallel_(mesh.shape().seq_parallel()),
         global_layout_(deck.model),
-        model_(tp_local_config(deck.model, tp_), deck.train.micro_batch, deck.train.seq_len,
-               deck.train.recompute, seq_parallel_),
+        model_(ep_local_config(tp_local_config(deck.model, tp_), mesh.shape().ep),
+               deck.train.micro_batch, deck.train.seq_len, deck.train.recompute, seq_parallel_),
         lora_(deck.lora.enabled() ? std::make_unique<LoraAdapters>(model_.config(), deck.lora,
                                                                    deck.train.micro_batch,
                                                                    deck.train.seq_len)
@@ -40,7 +43,7 @@ class CpuBackend final : public TrainBackend {
                      : plan_qwen3(model_.config(), model_.layout(), mesh.shape(),
                                   deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_)),
                lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps,
-               &mesh.tp()),
+               &mesh.tp(), nullptr, &mesh.edp()),
         base_(lora_ ? model_.layout().numel() : 0, 0.0f),
         offload_(deck.optim.offload == "cpu"),
         activations_(Qwen3Model::buffer_bytes(model_.config(), deck.train.micro_batch,
@@ -48,7 +51,11 @@ class CpuBackend final : public TrainBackend {
                                               seq_parallel_)),
         seed_(deck.train.seed) {
     if (lora_) model_.set_lora(lora_.get());
-    if (deck.model.is_moe() && mesh.shape().ep > 1) model_.set_expert_parallel(&mesh.ep());
+    if (deck.model.is_moe() && mesh.shape().ep > 1) {
+      QT_CHECK(tp_ == 1 && !lora_, "expert parallelism with tensor parallelism or LoRA");
+      model_.set_expert_parallel(&mesh.ep());
+      model_map_ = std::make_unique<EpMap>(global_layout_, model_.layout(), mesh.ep().rank());
+    }
     // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
     // ranks): the objective averages it over the step as the cross-entropy over its tokens.
     if (deck.model.is_moe())
@@ -57,15 +64,15 @@ class CpuBackend final : public TrainBackend {
     if (tp_ > 1) {
       model_.set_tensor_parallel(&mesh.tp());
       if (!lora_) {
-        tp_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), state_.plan(),
-                                          mesh.tp().rank());
+        model_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), state_.plan(),
+                                             mesh.tp().rank());
       } else {  // the frozen base and the adapters, each through its own plan's split
         lora_->set_tensor_parallel(tp_, mesh.tp().rank());
         base_plan_ = std::make_unique<ShardPlan>(
             plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0,
                        tp_kv_replicas(deck.model, tp_)));
-        tp_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), *base_plan_,
-                                          mesh.tp().rank());
+        model_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), *base_plan_,
+                                             mesh.tp().rank());
         lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), state_.plan(),
                                             mesh.tp().rank());
       }
@@ -89,12 +96,13 @@ class CpuBackend final : public TrainBackend {
   }
   std::vector<FlatPiece> model_pieces() override {
     if (lora_)
-      return global_pieces(tp_map_.get(),
+      return global_pieces(model_map_.get(),
                            std::vector<FlatPiece>{{Range{0, base_.size()}, base_.data()}},
                            /*writing=*/false);
     return trained_pieces();
   }
-  // The trained state's pieces: the model's through tp_map_, or the adapters' through lora_map_.
+  // The trained state's pieces: the model's through model_map_, or the adapters' through
+  // lora_map_.
   std::vector<FlatPiece> trained_pieces() override {
     return global_pieces(trained_map(), state_.param_pieces(), /*writing=*/false);
   }
@@ -140,7 +148,9 @@ class CpuBackend final : public TrainBackend {
   }
 
  private:
-  const TpMap* trained_map() const { return lora_ ? lora_map_.get() : tp_map_.get(); }
+  const LayoutMap* trained_map() const {
+    return lora_ ? static_cast<const LayoutMap*>(lora_map_.get()) : model_map_.get();
+  }
 
   int tp_;                              // mesh.tp
   double aux_sum_ = 0;                  // moe_aux_loss_sum()
@@ -149,7 +159,8 @@ class CpuBackend final : public TrainBackend {
   Qwen3Model model_;                    // with tp > 1 the tp rank's local part
   std::unique_ptr<LoraAdapters> lora_;  // null without [lora]
   ParamLayout global_lora_layout_;      // with [lora]: the adapters' of the global model
-  std::unique_ptr<TpMap> tp_map_;       // the model's local -> global pieces with tp > 1
+  std::unique_ptr<LayoutMap> model_map_;  // the model's local -> global pieces: TpMap with
+                                          // tp > 1, EpMap with ep > 1, else null
   std::unique_ptr<ShardPlan> base_plan_;  // [lora] with tp > 1: the frozen base's split
   std::unique_ptr<TpMap> lora_map_;     // [lora] with tp > 1: the adapters' local -> global
   ShardedState state_;                  // the trained parameters: the model, or the adapters

@@ -1,8 +1,10 @@
-// Qwen3-MoE training on the CPU reference (issue 18) under mpiexec -n 2: the tiny MoE deck
-// (inputs/tiny-moe.ini: sparse and dense layers mixed, the load-balancing loss on) at dp 2 with
-// every ZeRO stage and with recompute reproduces the serial run's losses, load-balancing losses
-// and gradient norms over 10 steps; a checkpoint written at dp 2, ZeRO-3 resumes serially on the
-// uninterrupted run's losses. (Expert parallelism, the next step, must reproduce these too.)
+// Qwen3-MoE training on the CPU reference (issue 18) under mpiexec -n 2 (and -n 4 for the
+// four-rank meshes): the tiny MoE deck (inputs/tiny-moe.ini: sparse and dense layers mixed, the
+// load-balancing loss on) at dp 2 with every ZeRO stage and with recompute, and at ep 2 and 4
+// (each rank storing only its experts), reproduces the serial run's losses, load-balancing losses
+// and gradient norms over 10 steps; checkpoints move between dp, ZeRO and ep sizes (ep 2 -> 1,
+// 1 -> 2, 4 -> 1, 2 -> 4) on the uninterrupted run's losses; an ep 2 rank holds the memory of its
+// experts only; `qtrain export` of an ep 2 checkpoint writes every expert.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,6 +16,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include "hf/export.h"
+#include "hf/weights.h"
+#include "qtrain/params.h"
+#include "support/compare.h"
 #include "support/random.h"
 #include "training_harness.h"
 
@@ -37,6 +43,7 @@ struct MoeStep {
   long step;
   double loss, aux, norm;
   std::vector<std::vector<double>> tokens;  // [sparse layers][E] token-slots routed
+  double mem_params, mem_optimizer;         // bytes, the largest rank's peak
 };
 std::vector<MoeStep> read_moe_metrics(const std::string& path) {
   std::vector<MoeStep> out;
@@ -49,7 +56,8 @@ std::vector<MoeStep> read_moe_metrics(const std::string& path) {
                    j["grad_norm"].get<double>(),
                    j.contains("expert_tokens")
                        ? j["expert_tokens"].get<std::vector<std::vector<double>>>()
-                       : std::vector<std::vector<double>>{}});
+                       : std::vector<std::vector<double>>{},
+                   j["mem_params"].get<double>(), j["mem_optimizer"].get<double>()});
   }
   return out;
 }
@@ -139,6 +147,19 @@ class MoeTraining : public ::testing::Test {
     EXPECT_EQ(r.exit_code, 0) << name << ": " << r.error;
     return read_moe_metrics(tmp_ + "/" + name + ".jsonl");
   }
+  // A run of `ranks` resumed from the step-5 checkpoint of run `from`, to step 10.
+  std::vector<MoeStep> resume(const std::string& name, int ranks, const std::string& from,
+                              std::vector<std::string> ov) {
+    ov.insert(ov.end(), {"--checkpoint.resume=" + tmp_ + "/" + from + "/step_00000005.h5",
+                         "--checkpoint.dir=" + tmp_ + "/" + name, "--train.steps=10",
+                         "--log.every=1", "--train.seed=" + std::to_string(run_seed())});
+    const RunResult r = run(ranks, deck_text(), ov, tmp_ + "/" + name + ".jsonl");
+    EXPECT_EQ(r.exit_code, 0) << name << ": " << r.error;
+    const std::vector<MoeStep> got = read_moe_metrics(tmp_ + "/" + name + ".jsonl");
+    EXPECT_EQ(got.size(), 5u) << name;
+    if (!got.empty()) EXPECT_EQ(got.front().step, 6) << name;
+    return got;
+  }
   std::string tmp_;
 };
 
@@ -182,24 +203,81 @@ TEST_F(MoeTraining, DpAndEveryZeroStageReproduceTheSerialRun) {
 
 TEST_F(MoeTraining, ExpertParallelReproducesTheSerialRun) {
   const std::vector<MoeStep> serial = train("serial", 1, {});
-  for (int zero : {0, 1, 3}) {
+  for (int zero : {0, 1, 2, 3}) {
     const std::string name = "ep2_z" + std::to_string(zero);
     expect_like_serial(train(name, 2, {"--mesh.ep=2", "--optim.zero_stage=" + std::to_string(zero)}),
                        serial, name.c_str());
   }
   expect_like_serial(train("ep2_recompute", 2, {"--mesh.ep=2", "--train.recompute=true"}), serial,
                      "ep2_recompute");
-  // A checkpoint written at ep 2 resumes at ep 1 (experts are global tensors).
-  train("ep2_stop", 2, {"--mesh.ep=2", "--optim.zero_stage=1", "--train.stop_at=5"});
-  const RunResult r = run(1, deck_text(),
-                          {"--checkpoint.resume=" + tmp_ + "/ep2_stop/step_00000005.h5",
-                           "--checkpoint.dir=" + tmp_ + "/ep1_resumed", "--train.steps=10",
-                           "--log.every=1", "--train.seed=" + std::to_string(run_seed())},
-                          tmp_ + "/ep1_resumed.jsonl");
-  ASSERT_EQ(r.exit_code, 0) << r.error;
-  const std::vector<MoeStep> resumed = read_moe_metrics(tmp_ + "/ep1_resumed.jsonl");
-  ASSERT_EQ(resumed.size(), 5u);
-  expect_like_serial(resumed, tail(serial, 5), "ep2 -> ep1");
+  // Checkpoints hold each layer's experts as one global tensor: one written at ep 2 resumes at
+  // ep 1, and the serial run's resumes at ep 2.
+  expect_like_serial(resume("ep1_resumed", 1, "ep2_z1", {}), tail(serial, 5), "ep2 -> ep1");
+  expect_like_serial(resume("ep2_resumed", 2, "serial", {"--mesh.ep=2", "--optim.zero_stage=3"}),
+                     tail(serial, 5), "ep1 -> ep2");
+}
+
+// An ep 2 rank stores half the experts: at ZeRO-0 (every rank holds every unit whole) its AdamW
+// moments are the whole model's less the other rank's experts, exactly, and its parameters the
+// same within the padding of its units to dp shards; dp 2 without ep stores what the serial run
+// does. The sizes are the deck's arithmetic, written out here.
+TEST_F(MoeTraining, ExpertParallelRankStoresOnlyItsExperts) {
+  const std::vector<MoeStep> serial = train("serial", 1, {"--optim.zero_stage=0"});
+  const std::vector<MoeStep> dp2 = train("dp2", 2, {"--optim.zero_stage=0"});
+  const std::vector<MoeStep> ep2 = train("ep2", 2, {"--mesh.ep=2", "--optim.zero_stage=0"});
+  ASSERT_FALSE(serial.empty());
+  ASSERT_FALSE(dp2.empty());
+  ASSERT_FALSE(ep2.empty());
+  // inputs/tiny-moe.ini: 2 sparse layers of E = 8 experts, each [2 Im, H] + [H, Im] with
+  // Im = 32, H = 64; an ep 2 rank lacks 4 of each layer's 8.
+  const double absent = 2.0 * 4 * (2 * 32 * 64 + 64 * 32);  // parameters
+  const double units = 7;  // embedding, 3 layers, head, 2 expert units: each padded < 1 element
+  EXPECT_EQ(dp2.back().mem_optimizer, serial.back().mem_optimizer);
+  EXPECT_EQ(serial.back().mem_optimizer - ep2.back().mem_optimizer, 2 * 4 * absent);  // m and v
+  const double saved = serial.back().mem_params - ep2.back().mem_params;
+  EXPECT_LE(saved, 4 * absent);
+  EXPECT_GE(saved, 4 * (absent - units));
+  if (test::world_rank() == 0)
+    std::printf("ep 2: %.0f bytes of parameters and %.0f of moments a rank fewer than serial "
+                "(%.0f experts' parameters absent)\n", saved,
+                serial.back().mem_optimizer - ep2.back().mem_optimizer, absent);
+}
+
+// `qtrain export` of an ep 2 run's checkpoint writes every expert of every sparse layer: each
+// equals, as far as bf16 keeps it, the serial run's export at the same step.
+TEST_F(MoeTraining, ExportOfAnExpertParallelRunHasEveryExpert) {
+  train("serial", 1, {"--train.stop_at=5"});
+  train("ep2", 2, {"--mesh.ep=2", "--optim.zero_stage=3", "--train.stop_at=5"});
+  auto world = std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
+  const hf::CheckpointModel cm = hf::read_checkpoint_model(tmp_ + "/ep2/step_00000005.h5");
+  const ParamLayout layout(cm.cfg);
+  std::vector<std::vector<float>> got;
+  for (const char* run_name : {"serial", "ep2"}) {
+    hf::ExportOptions o;
+    o.checkpoint = tmp_ + "/" + run_name + "/step_00000005.h5";
+    o.out_dir = tmp_ + "/" + run_name + "_hf";
+    hf::export_checkpoint(o, world);
+    got.emplace_back(layout.numel(), NAN);
+    hf::load_params(o.out_dir, layout, hf::all_rows(layout, got.back().data()),
+                    cm.cfg.tie_word_embeddings, *world);
+  }
+  int experts = 0;
+  for (int l = 0; l < cm.cfg.num_layers; ++l) {
+    if (!cm.cfg.is_moe_layer(l)) continue;
+    for (const char* t : {"gate_up_proj", "down_proj"}) {
+      const ParamInfo& p = layout.find("model.layers." + std::to_string(l) + ".mlp.experts." + t);
+      const std::size_t per = p.numel / static_cast<std::size_t>(p.shape[0]);
+      for (std::size_t e = 0; e < static_cast<std::size_t>(p.shape[0]); ++e) {
+        const std::size_t at = p.offset + e * per;
+        const std::vector<float> want(got[0].begin() + at, got[0].begin() + at + per);
+        const std::vector<float> mine(got[1].begin() + at, got[1].begin() + at + per);
+        EXPECT_LT(test::rel_error(mine, want), 1e-3) << p.name << " expert " << e;
+        ++experts;
+      }
+    }
+  }
+  EXPECT_EQ(experts, 2 * 2 * 8);  // 2 sparse layers, 2 tensors, 8 experts
+  EXPECT_LT(test::rel_error(got[1], got[0]), 1e-3);  // and everything else
 }
 
 // mpiexec -n 4 (ctest train_moe_np4): ep 4 and ep 2 x expert-dp 2.
@@ -209,33 +287,17 @@ TEST_F(MoeTraining, ExpertParallelOnFourRanks) {
   expect_like_serial(train("ep4_z1", 4, {"--mesh.ep=4", "--optim.zero_stage=1"}), serial, "ep4_z1");
   expect_like_serial(train("ep2_dp4_z3", 4, {"--mesh.ep=2", "--optim.zero_stage=3"}), serial,
                      "ep2_dp4_z3");
-  // A checkpoint written at ep 4 resumes at ep 1.
-  train("ep4_stop", 4, {"--mesh.ep=4", "--train.stop_at=5"});
-  const RunResult r = run(1, deck_text(),
-                          {"--checkpoint.resume=" + tmp_ + "/ep4_stop/step_00000005.h5",
-                           "--checkpoint.dir=" + tmp_ + "/ep1_resumed", "--train.steps=10",
-                           "--log.every=1", "--train.seed=" + std::to_string(run_seed())},
-                          tmp_ + "/ep1_resumed.jsonl");
-  ASSERT_EQ(r.exit_code, 0) << r.error;
-  expect_like_serial(read_moe_metrics(tmp_ + "/ep1_resumed.jsonl"), tail(serial, 5), "ep4 -> ep1");
+  // Checkpoints move between ep sizes: ep 4 -> 1 and ep 2 -> 4.
+  expect_like_serial(resume("ep1_resumed", 1, "ep4_z1", {}), tail(serial, 5), "ep4 -> ep1");
+  expect_like_serial(resume("ep4_resumed", 4, "ep2_dp4_z3", {"--mesh.ep=4", "--optim.zero_stage=2"}),
+                     tail(serial, 5), "ep2 -> ep4");
 }
 
 TEST_F(MoeTraining, CheckpointOfDp2Zero3ResumesSerially) {
   const std::vector<MoeStep> serial = train("serial", 1, {});
   train("z3", 2, {"--optim.zero_stage=3", "--train.stop_at=5"});
-  std::vector<std::string> resume = {"--optim.zero_stage=0"};
-  // Resume from the dp 2 run's checkpoint into a run of its own directory.
-  resume.push_back("--checkpoint.resume=" + tmp_ + "/z3/step_00000005.h5");
-  std::vector<std::string> ov = resume;
-  ov.insert(ov.end(), {"--train.steps=10", "--log.every=1", "--checkpoint.every=5",
-                       "--checkpoint.dir=" + tmp_ + "/resumed",
-                       "--train.seed=" + std::to_string(run_seed())});
-  const RunResult r = run(1, deck_text(), ov, tmp_ + "/resumed.jsonl");
-  ASSERT_EQ(r.exit_code, 0) << r.error;
-  const std::vector<MoeStep> got = read_moe_metrics(tmp_ + "/resumed.jsonl");
-  ASSERT_EQ(got.size(), 5u);
-  EXPECT_EQ(got.front().step, 6);
-  expect_like_serial(got, tail(serial, 5), "dp2 z3 -> serial");
+  expect_like_serial(resume("resumed", 1, "z3", {"--optim.zero_stage=0"}), tail(serial, 5),
+                     "dp2 z3 -> serial");
 }
 
 // A checkpoint records the MoE architecture: resuming it with another one is an error naming the

@@ -1,0 +1,128 @@
+// Expert storage per expert-parallel rank (issue 18): an ep rank's local layout holds E / ep
+// experts of each sparse layer (the router whole), the plan makes each sparse layer's experts a
+// unit of their own over the expert-data-parallel group, and EpMap puts the local experts at
+// their rows of the global tensors. The expected sizes are the config's arithmetic, written out
+// here, not the layout's code.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "parallel/expert_parallel.h"
+#include "qtrain/params.h"
+#include "qtrain/shard_plan.h"
+
+namespace qt {
+namespace {
+
+// Three layers, the middle one dense: two sparse layers of E = 8 experts of width Im = 12.
+ModelConfig moe_model(bool tied) {
+  ModelConfig m = *model_preset("tiny");
+  m.num_layers = 3;
+  m.num_experts = 8;
+  m.num_experts_per_tok = 2;
+  m.moe_intermediate_size = 12;
+  m.mlp_only_layers = {1};
+  m.tie_word_embeddings = tied;
+  return m;
+}
+
+TEST(ExpertStorage, LocalLayoutHoldsTheRanksExpertsOnly) {
+  for (bool tied : {true, false})
+    for (int ep : {1, 2, 4, 8}) {
+      SCOPED_TRACE("ep " + std::to_string(ep) + (tied ? " tied" : " untied"));
+      const ModelConfig g = moe_model(tied);
+      const ModelConfig c = ep_local_config(g, ep);
+      const ParamLayout global(g), local(c);
+      const std::size_t H = 64, Im = 12, E = 8, sparse = 2;  // moe_model's, written out
+      const std::size_t per_expert = 2 * Im * H + H * Im;     // gate_up + down
+      EXPECT_EQ(global.numel() - local.numel(), sparse * (E - E / ep) * per_expert);
+      // The router stays whole; the experts are this rank's rows.
+      EXPECT_EQ(local.find("model.layers.0.mlp.gate.weight").shape,
+                (std::vector<std::int64_t>{8, 64}));
+      EXPECT_EQ(local.find("model.layers.2.mlp.experts.gate_up_proj").shape,
+                (std::vector<std::int64_t>{8 / ep, 24, 64}));
+      EXPECT_EQ(local.find("model.layers.2.mlp.experts.down_proj").shape,
+                (std::vector<std::int64_t>{8 / ep, 64, 12}));
+      if (ep > 1)  // after the head
+        EXPECT_GT(local.find("model.layers.0.mlp.experts.gate_up_proj").offset,
+                  local.find("model.norm.weight").offset);
+      else  // the global layout: right after the router
+        EXPECT_EQ(local.find("model.layers.0.mlp.experts.gate_up_proj").offset,
+                  local.find("model.layers.0.mlp.gate.weight").offset + E * H);
+    }
+}
+
+TEST(ExpertStorage, ExpertUnitsAreShardedOverExpertDp) {
+  const ModelConfig g = moe_model(false);
+  for (int ep : {2, 4})
+    for (int dp : {ep, 2 * ep}) {
+      SCOPED_TRACE("ep " + std::to_string(ep) + " dp " + std::to_string(dp));
+      const ModelConfig c = ep_local_config(g, ep);
+      const ParamLayout local(c);
+      MeshShape mesh;
+      mesh.dp = dp;
+      mesh.ep = ep;
+      const ShardPlan plan = plan_qwen3(c, local, mesh, 3);
+      const Qwen3Units units{3};
+      ASSERT_EQ(plan.units.size(), 3u + 2 + 2);  // embed, 3 layers, head, 2 expert units
+      std::size_t next = 0;
+      for (const ParamUnit& u : plan.units) {  // contiguous, in flat order, covering all
+        EXPECT_EQ(u.range.begin, next) << u.name;
+        next = u.range.end;
+      }
+      EXPECT_EQ(next, local.numel());
+      for (int m : {0, 1}) {
+        const ParamUnit& u = plan.units[units.experts(m)];
+        EXPECT_EQ(u.name, m == 0 ? "experts.0" : "experts.2");
+        EXPECT_EQ(u.group, MeshDim::kEdp);
+        EXPECT_EQ(u.dp, dp / ep);
+        EXPECT_EQ(u.range.size(), static_cast<std::size_t>(8 / ep) * 3 * 12 * 64);
+        for (std::size_t t : u.params) {
+          EXPECT_EQ(plan.specs[t].sharded_by, MeshDim::kEp);
+          EXPECT_EQ(plan.specs[t].global_shape[0], 8);
+        }
+      }
+      for (int u = 0; u <= units.head(); ++u) EXPECT_EQ(plan.units[u].group, MeshDim::kDp);
+      // The layer keeps its router: ln1, q, k, v, o, q_norm, k_norm, ln2, router.
+      EXPECT_EQ(plan.units[units.layer(0)].params.size(), 9u);
+      EXPECT_EQ(plan.units[units.layer(1)].params.size(), 11u);  // dense
+    }
+}
+
+// Over the ep ranks, the local layouts mapped to the global one cover every expert element
+// once, at its expert's rows, and every other element once per rank.
+TEST(ExpertStorage, EpMapPlacesEachRanksExpertsAtTheirGlobalRows) {
+  const ModelConfig g = moe_model(true);
+  const ParamLayout global(g);
+  for (int ep : {2, 4}) {
+    SCOPED_TRACE("ep " + std::to_string(ep));
+    const ParamLayout local(ep_local_config(g, ep));
+    std::vector<int> seen(global.numel(), 0);
+    for (int r = 0; r < ep; ++r) {
+      const EpMap map(global, local, r);
+      for (const LayoutMap::Segment& s : map.segments(Range{0, local.numel()}, true)) {
+        for (std::size_t i = 0; i < s.count; ++i) ++seen[s.global + i];
+        ASSERT_LE(s.global + s.count, global.numel());
+      }
+      // Expert e of this rank, element j, is global expert r El + e's element j.
+      const std::size_t El = 8 / ep, per = 2 * 12 * 64;
+      const ParamInfo& lt = local.find("model.layers.2.mlp.experts.gate_up_proj");
+      const ParamInfo& gt = global.find("model.layers.2.mlp.experts.gate_up_proj");
+      const std::size_t e = El - 1, j = 5;
+      const auto segs = map.segments(Range{lt.offset + e * per + j, lt.offset + e * per + j + 1},
+                                     true);
+      ASSERT_EQ(segs.size(), 1u);
+      EXPECT_EQ(segs[0].global, gt.offset + (r * El + e) * per + j);
+    }
+    for (const ParamInfo& p : global.params()) {
+      const bool expert = p.name.find("mlp.experts.") != std::string::npos;
+      for (std::size_t i = p.offset; i < p.offset + p.numel; ++i)
+        ASSERT_EQ(seen[i], expert ? 1 : ep) << p.name << " element " << i - p.offset;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace qt
