@@ -37,7 +37,9 @@ class TpMap {
   };
 
   // global: the model's layout; local: ParamLayout(tp_local_config(cfg, tp)); plan: made for
-  // the local layout; tp_rank: this rank's index in its tp group.
+  // the local layout; tp_rank: this rank's index in its tp group. The local layout may hold
+  // only some of the global one's tensors (a pipeline stage's LoRA adapters), found by name in
+  // the same order; with tp = 1 the map then only moves them to their global offsets.
   TpMap(const ParamLayout& global, const ParamLayout& local, const ShardPlan& plan, int tp_rank);
 
   // The segments of the local flat range r, in local order. writing: leave out tensors
@@ -56,6 +58,7 @@ class TpMap {
   const ParamLayout& local_;
   const ShardPlan& plan_;
   int tp_rank_;
+  std::vector<std::size_t> global_of_;  // [local tensors] the index of each in global_
 };
 
 // Pieces in global coordinates: through `map`, or as they are without tensor parallelism (null:
