@@ -169,6 +169,16 @@ void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* ada
   }
 }
 
+ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora,
+                        const std::vector<std::pair<int, int>>& layer_ranges) {
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors;
+  for (const auto& [first, last] : layer_ranges) {
+    const ParamLayout part = lora_layout(cfg, lora, first, last);
+    for (const ParamInfo& p : part.params()) tensors.push_back({p.name, p.shape});
+  }
+  return ParamLayout(tensors);
+}
+
 LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B, int T,
                            int first_layer, int last_layer, int slots)
     : cfg_(cfg),

@@ -30,6 +30,10 @@ ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora);
 // model's layer numbers).
 ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora, int first_layer,
                         int last_layer);
+// The same for each of the layer ranges [first, last) in turn (a pipeline stage's chunks,
+// ascending).
+ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora,
+                        const std::vector<std::pair<int, int>>& layer_ranges);
 // PEFT's initialisation: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform_ with a = sqrt(5)),
 // B = 0, so the adapted model starts as the base. Value i of A depends on (seed, name, i) only.
 void lora_init(const ParamLayout& layout, std::uint64_t seed, float* adapters);

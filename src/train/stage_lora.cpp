@@ -7,12 +7,9 @@ namespace qt {
 
 ParamLayout StageLora::stage_layout(const ModelConfig& local, const LoraConfig& lora,
                                     const std::vector<ChunkLayers>& chunks) {
-  std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors;
-  for (const ChunkLayers& c : chunks) {
-    const ParamLayout chunk = lora_layout(local, lora, c.first_layer, c.last_layer);
-    for (const ParamInfo& p : chunk.params()) tensors.push_back({p.name, p.shape});
-  }
-  return ParamLayout(tensors);
+  std::vector<std::pair<int, int>> ranges;
+  for (const ChunkLayers& c : chunks) ranges.push_back({c.first_layer, c.last_layer});
+  return lora_layout(local, lora, ranges);
 }
 
 StageLora::StageLora(const Deck& deck, const ModelConfig& local, const ShardPlan& model_plan,
