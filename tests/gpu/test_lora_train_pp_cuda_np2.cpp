@@ -53,7 +53,8 @@ Diffs diffs(const test::RunResult& got, const test::RunResult& ref, long from = 
 }
 
 TEST(LoraTrainPipelineCuda, Pp2MatchesOneGpu) {
-  if (const int gpus = test::visible_gpus(); gpus < 2) GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
+  if (const int gpus = test::visible_gpus(); gpus < 2)
+    GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("cuda-lora-pp2");
   auto one = test::run(1, deck_text(tmp + "/one"), {}, tmp + "/one.jsonl");

@@ -1,9 +1,9 @@
 // LoRA in a pipeline on the CPU back end (issue 17), whole trainings under mpiexec -n 4 on a
 // 4-layer tiny model with dropout on: each stage trains the adapters of its own layers over the
 // frozen base of its units. Every pipeline mesh (1F1B, ZB-H1, interleaved, recompute, an uneven
-// split, dp 2, tp 2, four stages, an untied lm head) gives the serial run's losses and adapters; a pipeline's checkpoint holds the
-// global adapter tensors, so it resumes without the pipeline (and the reverse) on the serial
-// run's losses, and its PEFT export is the serial run's.
+// split, dp 2, tp 2, four stages, an untied lm head) gives the serial run's losses and adapters;
+// a pipeline's checkpoint holds the global adapter tensors, so it resumes without the pipeline
+// (and the reverse) on the serial run's losses, and its PEFT export is the serial run's.
 #include <gtest/gtest.h>
 
 #include <cmath>
