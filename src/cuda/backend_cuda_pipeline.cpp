@@ -332,7 +332,7 @@ class CudaPipelineBackend final : public TrainBackend {
         const int k = static_cast<int>(free - ch.busy.begin());
         ch.busy[k] = 1;
         ch.slot_of[m] = k;
-        if (lora_) lora_->select_slot(slot_base(c) + k);
+        if (lora_) lora_->select_slot(k);
         wait(*ch.sent[k]);  // the slot's last output has left
         if (c > 0) receive(prog.stage_input(k), activation_into(c, P_), prev);
         marks_[mark]->record(s);
@@ -352,7 +352,7 @@ class CudaPipelineBackend final : public TrainBackend {
       } else {
         const int k = ch.slot_of[m];
         QT_CHECK(k >= 0, "backward of micro-batch {} before its forward", m);
-        if (lora_) lora_->select_slot(slot_base(c) + k);
+        if (lora_) lora_->select_slot(k);
         wait(ch.grad_sent);  // the last input gradient has left: its buffer is rewritten now
         if (c < C - 1) receive(prog.input_grad(), gradient_into(c, P_), next);
         marks_[mark]->record(s);
@@ -432,22 +432,20 @@ class CudaPipelineBackend final : public TrainBackend {
     }
   }
 
-  // [lora]: one LoraCuda over the stage's chunks' layers, an xa slot per activation slot of
-  // every chunk (chunk v's slot k is slot_base(v P + s) + k).
+  // [lora]: one LoraCuda over the stage's chunks' layers, with an xa a layer for each activation
+  // slot of the chunk holding it (the chunks' layers differ: slot k of each is LoRA's slot k).
   std::unique_ptr<cuda::LoraCuda> make_lora(const Deck& deck) {
     const std::vector<PipeAction>& mine = actions_[static_cast<std::size_t>(s_)];
     std::vector<std::pair<int, int>> ranges;
-    int slots = 0;
+    int slots = 1;
     for (int v = 0; v < V_; ++v) {
       const int c = v * P_ + s_;
       ranges.push_back({plan_.stage_layers[c], plan_.stage_layers[c + 1]});
-      slot_base_.push_back(slots);
-      slots += activation_slots(mine, c);
+      slots = std::max(slots, activation_slots(mine, c));
     }
     return std::make_unique<cuda::LoraCuda>(local_cfg_, deck.lora, deck.train.micro_batch,
                                             deck.train.seq_len, arena_, ranges, slots);
   }
-  int slot_base(int chunk) const { return slot_base_.at(static_cast<std::size_t>(chunk / P_)); }
 
   bool tied_copy() const { return local_cfg_.tie_word_embeddings && s_ == P_ - 1; }
   // The plan's units of this stage (and a tied copy), ascending.
@@ -522,7 +520,6 @@ class CudaPipelineBackend final : public TrainBackend {
   void* gemm_ws_;
   cuda::NcclComm* nccl_tp_;   // the mesh's tp communicator; null at tp 1
   cuda::NcclComm* nccl_dp_;   // the stage's dp group; null at dp 1
-  std::vector<int> slot_base_;  // [lora]: [chunks] each chunk's first xa slot (make_lora)
   std::unique_ptr<cuda::LoraCuda> lora_;  // [lora]: the stage's adapters, else null
   ShardPlan lora_plan_;                   // [lora]: lora_->layout() as one unit
   cuda::ShardedCudaState state_;  // the trained parameters: the stage's units, or its adapters
