@@ -202,8 +202,6 @@ void Builder::validate_mesh() {
     need(m.pp * m.pp_chunks <= ival("model.num_layers"), "mesh.pp_chunks",
          "x mesh.pp = {} chunks is more than model.num_layers = {} (each chunk runs at least one "
          "layer)", m.pp * m.pp_chunks, ival("model.num_layers"));
-    need(deck_.lora.r == 0, "mesh.pp", ": LoRA ([lora] r > 0) in a pipeline is not built yet; set "
-         "mesh.pp = 1");
   }
   need(m.pp_schedule == "1f1b" || m.pp_schedule == "zb-h1", "mesh.pp_schedule",
        "must be 1f1b or zb-h1");

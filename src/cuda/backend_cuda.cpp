@@ -192,12 +192,9 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
   // A model too large for the GPU is the user's to change, not an internal failure. Every rank
   // of a uniform job throws alike; a rank that throws alone ends the job from main().
   try {
-    if (deck.lora.enabled()) {
-      QT_CHECK(mesh.shape().pp == 1,
-               "LoRA with pipeline parallelism is not built (the deck checks it)");
-      return make_cuda_lora_backend(deck, mesh);
-    }
+    // A pipeline (with [lora] too: backend_cuda_pipeline.cpp trains each stage's adapters).
     if (mesh.shape().pp > 1) return make_cuda_pipeline_backend(deck, mesh);
+    if (deck.lora.enabled()) return make_cuda_lora_backend(deck, mesh);
     return std::make_unique<CudaBackend>(deck, mesh);
   } catch (const cuda::OutOfMemory& e) {
     fail_user("the run does not fit the GPU ({}): make it smaller with train.micro_batch, "

@@ -40,6 +40,15 @@
 // pp. With mesh.tp > 1 each stage is split over its tp group (cuda_ops.h). With mesh.dp > 1 each
 // stage's state reduces its gradients over its dp group in the step (ZeRO-0: all-reduce, ZeRO-1:
 // reduce-scatter and the updated shards all-gathered), after the tied copies are summed.
+//
+// With [lora] (as the CPU pipeline, train/backend_cpu_pipeline.cpp, and the one-stage LoRA
+// back end, backend_cuda_lora.cpp) the stage holds its units of the base as frozen bf16 weights
+// only (FrozenUnits: no gradients, no master copy; the tied embedding on both ends, read from
+// the same weights) and trains the adapters of its chunks' layers: one LoraCuda over those
+// layer ranges (an xa a slot), bound to ShardedCudaState's one unit (ZeRO-0 or 1; reduced over
+// dp in the step, the norm summed over pp). Each action keys the dropout masks with its
+// micro-batch's first sequence and selects its slot's xa; ZB-H1's weight halves are empty (no
+// base weight gradients). A TpMap takes the stage's adapters to the global PEFT tensors.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -51,11 +60,13 @@
 #include "cuda/check.h"
 #include "cuda/cuda_ops.h"
 #include "cuda/device.h"
+#include "cuda/lora_cuda.h"
 #include "cuda/nccl_comm.h"
 #include "cuda/qwen3_cuda.h"
 #include "cuda/sharded_state_cuda.h"
 #include "cuda/training_buffers.h"
 #include "ops/cuda/convert.cuh"
+#include "model/lora.h"
 #include "ops/cuda/gemm.cuh"
 #include "parallel/pipeline_schedule.h"
 #include "parallel/tensor_parallel.h"
@@ -101,6 +112,49 @@ void check_channel_order(const PipeSchedule& all, int P, int V) {
                "pipeline channel {} from stage {}: sends and receives in different orders", ch, s);
 }
 
+// With [lora]: a stage's units of the frozen base, bf16 on the GPU (no gradients), and their fp32
+// values on the host as loaded (initialisation, model.init), uploaded by push().
+class FrozenUnits final : public cuda::UnitSource {
+ public:
+  FrozenUnits(const ShardPlan& plan, const std::vector<int>& held, cuda::DeviceArena& arena)
+      : at_(plan.units.size(), nullptr) {
+    for (const int u : held) {
+      const Range r = plan.units[static_cast<std::size_t>(u)].range;
+      at_[static_cast<std::size_t>(u)] = arena.allocate<bf16>(r.size());
+      host_.push_back({u, r, std::vector<float>(r.size(), 0.0f)});
+      bytes_ += 2.0 * static_cast<double>(r.size());
+    }
+  }
+  const bf16* weights(int u, cudaStream_t) override {
+    const bf16* w = at_.at(static_cast<std::size_t>(u));
+    QT_CHECK(w != nullptr, "base unit {} is not held by this stage", u);
+    return w;
+  }
+  float* grads(int, cudaStream_t) override { return nullptr; }  // frozen
+  // The held units' host values, in the local layout.
+  std::vector<FlatPiece> host_pieces() {
+    std::vector<FlatPiece> out;
+    for (Host& h : host_) out.push_back({h.range, h.values.data()});
+    return out;
+  }
+  void push(cuda::DeviceArena& arena, cudaStream_t s) {
+    for (Host& h : host_)
+      cuda::upload_as_bf16(at_[static_cast<std::size_t>(h.unit)], h.values.data(),
+                           h.values.size(), arena, s);
+  }
+  double bytes() const { return bytes_; }
+
+ private:
+  struct Host {
+    int unit;
+    Range range;                // in the local layout
+    std::vector<float> values;  // [range size]
+  };
+  std::vector<bf16*> at_;  // [units] each held unit's bf16 weights, or null
+  std::vector<Host> host_;
+  double bytes_ = 0;
+};
+
 class CudaPipelineBackend final : public TrainBackend {
  public:
   CudaPipelineBackend(const Deck& deck, Mesh& mesh)
@@ -125,9 +179,15 @@ class CudaPipelineBackend final : public TrainBackend {
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         nccl_tp_(tp_ > 1 ? &cuda::nccl(mesh, MeshDim::kTp) : nullptr),
         nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
-        state_(plan_, local_layout_, deck.optim, mesh.dp(), nccl_dp_, arena_,
-               cuda::offload_threads(mesh), {}, {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_},
-               {held_units(), tied_copy() ? 0 : -1, &mesh.pp()}),
+        lora_(deck.lora.enabled() ? make_lora(deck) : nullptr),
+        lora_plan_(lora_ ? plan_one_unit(lora_->layout(), "adapters", mesh.shape(),
+                                         deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_))
+                         : ShardPlan{}),
+        state_(lora_ ? lora_plan_ : plan_, lora_ ? lora_->layout() : local_layout_, deck.optim,
+               mesh.dp(), nccl_dp_, arena_, cuda::offload_threads(mesh), {},
+               {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_},
+               lora_ ? cuda::PipelineHold{{0}, -1, &mesh.pp()}
+                     : cuda::PipelineHold{held_units(), tied_copy() ? 0 : -1, &mesh.pp()}),
         batch_(M_ * deck.train.micro_batch, deck.train.seq_len, arena_),
         pp_(mesh.pp()),
         zb_(mesh.shape().pp_schedule == "zb-h1") {
@@ -138,6 +198,8 @@ class CudaPipelineBackend final : public TrainBackend {
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
     for (int ch = 0; ch < (V_ > 1 ? kChannels : kActivationsWrap); ++ch)
       channel_[ch] = &cuda::nccl(mesh, MeshDim::kPp, ch);  // collective: every stage, in order
+    // [lora]: the frozen base of the stage's units (parameters, not activations).
+    if (lora_) frozen_ = std::make_unique<FrozenUnits>(plan_, held_units(), arena_);
     const std::size_t before = arena_.used();
     ops_ = std::make_unique<cuda::CudaOps>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
                                            arena_, nccl_tp_, sp_, mesh.shape().tp_overlap);
@@ -154,7 +216,8 @@ class CudaPipelineBackend final : public TrainBackend {
                                     deck.train.recompute, range, slots, arena_, sp_));
       ch->busy.assign(slots, 0);
       for (int k = 0; k < slots; ++k) ch->sent.push_back(std::make_unique<cuda::Event>());
-      if (zb_) defer_storage(*ch, range.last_layer - range.first_layer);
+      if (zb_ && !lora_) defer_storage(*ch, range.last_layer - range.first_layer);
+      if (zb_ && lora_) ch->deferred.resize(static_cast<std::size_t>(slots));  // stay empty
       ch->slot_of.assign(M_, -1);
       const std::vector<int> us = ch->program->stage_units();
       asked.insert(asked.end(), us.begin(), us.end());
@@ -163,7 +226,14 @@ class CudaPipelineBackend final : public TrainBackend {
     std::sort(asked.begin(), asked.end());
     asked.erase(std::unique(asked.begin(), asked.end()), asked.end());
     QT_CHECK(asked == held_units(), "the plan's units of stage {} are not its programs'", s_);
-    if (tied_copy() || (s_ == 0 && local_cfg_.tie_word_embeddings)) {
+    if (lora_) {  // the adapters: whole at ZeRO-0 and 1
+      lora_->bind(state_.unit_weights(0), state_.unit_grads(0));
+      if (tp_ > 1) lora_->set_tensor_parallel(tp_, mesh.tp().rank());
+      ops_->set_lora(lora_.get());
+      global_lora_layout_ = std::make_unique<ParamLayout>(lora_layout(deck.model, deck.lora));
+      lora_map_ = std::make_unique<TpMap>(*global_lora_layout_, lora_->layout(), lora_plan_,
+                                          mesh.tp().rank());
+    } else if (tied_copy() || (s_ == 0 && local_cfg_.tie_word_embeddings)) {
       const std::size_t n = plan_.units[0].range.size();
       tied_other_ = arena_.allocate<float>(std::min(n, kTiedPiece));
     }
@@ -192,21 +262,39 @@ class CudaPipelineBackend final : public TrainBackend {
                        schedule_name(deck_.mesh), M_, slots);
     if (tied_copy()) out += " (and a copy of the tied embedding)";
     if (tp_ > 1) out += "; " + describe_tp(local_cfg_, tp_, sp_ > 1);
+    if (lora_)
+      out += fmt::format("; LoRA: bf16 base frozen ({}, no gradients, moments or fp32 copy), the "
+                         "{} adapter parameters of this stage's layers trained",
+                         cuda::format_bytes(static_cast<std::size_t>(frozen_->bytes())),
+                         lora_->layout().numel());
     return out + fmt::format("; arena {} ({} used after set-up)",
                              cuda::format_bytes(arena_.capacity()),
                              cuda::format_bytes(arena_.used()));
   }
-  // Global coordinates (TpMap under tensor parallelism).
+  // Global coordinates (TpMap under tensor parallelism; a stage's adapters always).
   std::vector<FlatPiece> model_pieces() override {
-    return global_pieces(tp_map_.get(), state_.param_pieces(), /*writing=*/false);
+    return global_pieces(tp_map_.get(), lora_ ? frozen_->host_pieces() : state_.param_pieces(),
+                         /*writing=*/false);
+  }
+  const ParamLayout& trained_layout() const override {
+    return lora_ ? *global_lora_layout_ : layout_;
+  }
+  std::vector<FlatPiece> trained_pieces() override {
+    if (!lora_) return model_pieces();
+    return lora_map_->to_global(state_.param_pieces(), /*writing=*/false);
   }
   std::vector<StatePiece> checkpoint_pieces() override {
+    if (lora_) return lora_map_->to_global(state_.checkpoint_pieces(), /*writing=*/true);
     return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
+    if (lora_) return lora_map_->to_global(state_.checkpoint_targets());
     return global_targets(tp_map_.get(), state_.checkpoint_targets());
   }
-  void push_state() override { state_.push(stream_.get()); }
+  void push_state() override {
+    if (frozen_) frozen_->push(arena_, stream_.get());  // the base never changes after this
+    state_.push(stream_.get());
+  }
   void pull_state() override { state_.pull(stream_.get()); }
   void zero_grads() override {
     state_.begin_step();
@@ -230,7 +318,7 @@ class CudaPipelineBackend final : public TrainBackend {
     }
     ops_->begin(s, nullptr);  // the loss sum starts; positions per action below
     (void)state_.begin_micro_batch(false, false);  // gradients added in place (zero_grads)
-    cuda::StreamUnits units{state_, s};
+    cuda::StreamUnits units{frozen_ ? static_cast<cuda::UnitSource&>(*frozen_) : state_, s};
     marks_[0]->record(s);
     std::size_t mark = 1;  // each action's compute between marks_[mark] and marks_[mark + 1]
     for (const PipeAction& a : actions_[static_cast<std::size_t>(s_)]) {
@@ -240,12 +328,17 @@ class CudaPipelineBackend final : public TrainBackend {
       const std::size_t off = N_ * static_cast<std::size_t>(m);
       const std::int32_t* inputs = batch_.inputs() + off;
       ops_->set_positions(pos ? pos + off : nullptr);
+      // Micro-batch m's dropout masks, in its forward and again in its backward.
+      if (lora_)
+        lora_->set_dropout_key(deck_.train.seed,
+                               mb.first_sample + std::int64_t{m} * deck_.train.micro_batch);
       if (a.op == PipeOp::kForward) {
         const auto free = std::find(ch.busy.begin(), ch.busy.end(), 0);
         QT_CHECK(free != ch.busy.end(), "no free activation slot for micro-batch {}", m);
         const int k = static_cast<int>(free - ch.busy.begin());
         ch.busy[k] = 1;
         ch.slot_of[m] = k;
+        if (lora_) lora_->select_slot(k);
         wait(*ch.sent[k]);  // the slot's last output has left
         if (c > 0) receive(prog.stage_input(k), activation_into(c, P_), prev);
         marks_[mark]->record(s);
@@ -265,6 +358,7 @@ class CudaPipelineBackend final : public TrainBackend {
       } else {
         const int k = ch.slot_of[m];
         QT_CHECK(k >= 0, "backward of micro-batch {} before its forward", m);
+        if (lora_) lora_->select_slot(k);
         wait(ch.grad_sent);  // the last input gradient has left: its buffer is rewritten now
         if (c < C - 1) receive(prog.input_grad(), gradient_into(c, P_), next);
         marks_[mark]->record(s);
@@ -321,12 +415,13 @@ class CudaPipelineBackend final : public TrainBackend {
   }
 
   OptimStepStats optimizer_step(std::int64_t step) override {
-    if (local_cfg_.tie_word_embeddings) sum_tied_copies();
+    if (local_cfg_.tie_word_embeddings && !lora_) sum_tied_copies();  // (a frozen base: none)
     return state_.step(step, deck_.train.steps, stream_.get());
   }
   std::string memory_report() override { return cuda::memory_report(arena_); }
   MemorySplit memory_split() override {
     MemorySplit m = state_.bytes();
+    if (frozen_) m.params += frozen_->bytes();
     m.activations = activations_;
     m.workspace = std::max(0.0, static_cast<double>(arena_.peak()) - m.total());
     return m;
@@ -365,6 +460,21 @@ class CudaPipelineBackend final : public TrainBackend {
       q.capacity = per_slot;
       q.gemms.reserve(4 * static_cast<std::size_t>(layers));  // down, gate/up, o, q/k/v a layer
     }
+  }
+
+  // [lora]: one LoraCuda over the stage's chunks' layers, with an xa a layer for each activation
+  // slot of the chunk holding it (the chunks' layers differ: slot k of each is LoRA's slot k).
+  std::unique_ptr<cuda::LoraCuda> make_lora(const Deck& deck) {
+    const std::vector<PipeAction>& mine = actions_[static_cast<std::size_t>(s_)];
+    std::vector<std::pair<int, int>> ranges;
+    int slots = 1;
+    for (int v = 0; v < V_; ++v) {
+      const int c = v * P_ + s_;
+      ranges.push_back({plan_.stage_layers[c], plan_.stage_layers[c + 1]});
+      slots = std::max(slots, activation_slots(mine, c));
+    }
+    return std::make_unique<cuda::LoraCuda>(local_cfg_, deck.lora, deck.train.micro_batch,
+                                            deck.train.seq_len, arena_, ranges, slots);
   }
 
   bool tied_copy() const { return local_cfg_.tie_word_embeddings && s_ == P_ - 1; }
@@ -440,13 +550,18 @@ class CudaPipelineBackend final : public TrainBackend {
   void* gemm_ws_;
   cuda::NcclComm* nccl_tp_;   // the mesh's tp communicator; null at tp 1
   cuda::NcclComm* nccl_dp_;   // the stage's dp group; null at dp 1
-  cuda::ShardedCudaState state_;
+  std::unique_ptr<cuda::LoraCuda> lora_;  // [lora]: the stage's adapters, else null
+  ShardPlan lora_plan_;                   // [lora]: lora_->layout() as one unit
+  cuda::ShardedCudaState state_;  // the trained parameters: the stage's units, or its adapters
   cuda::BatchBuffers batch_;  // the step's micro-batches, [M x B, T] each
   MpiComm& pp_;
   cuda::NcclComm* channel_[kChannels] = {};
   std::unique_ptr<cuda::CudaOps> ops_;  // shared by the chunks (one stream, one action at a time)
   std::vector<std::unique_ptr<Chunk>> chunks_;
   std::unique_ptr<TpMap> tp_map_;       // local -> global pieces with tp > 1, else null
+  std::unique_ptr<FrozenUnits> frozen_;  // [lora]: the stage's frozen base, else null
+  std::unique_ptr<ParamLayout> global_lora_layout_;  // [lora]: the model's adapters
+  std::unique_ptr<TpMap> lora_map_;      // [lora]: the stage's adapters -> the global ones
   cuda::Event ready_, landed_;
   float* tied_other_ = nullptr;  // [min(embedding, kTiedPiece)] the peer's piece
   double activations_ = 0;

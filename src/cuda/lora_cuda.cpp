@@ -34,31 +34,42 @@ LoraSite site_of(int target) {
 }  // namespace
 
 LoraCuda::LoraCuda(const ModelConfig& cfg, const LoraConfig& lora, int B, int T,
-                   DeviceArena& arena)
-    : cfg_(cfg), lora_(lora), layout_(lora_layout(cfg, lora)), T_(T), N_(B * T),
-      scale_(static_cast<float>(lora.scale())) {
+                   DeviceArena& arena, const std::vector<std::pair<int, int>>& layer_ranges,
+                   int slots)
+    : cfg_(cfg), lora_(lora), layout_(lora_layout(cfg, lora, layer_ranges)), T_(T), N_(B * T),
+      first_layer_(layer_ranges.empty() ? 0 : layer_ranges.front().first),
+      slots_in_flight_(slots), scale_(static_cast<float>(lora.scale())) {
+  QT_CHECK(!layer_ranges.empty() && slots >= 1, "LoRA adapters of {} layer ranges, {} slots",
+           layer_ranges.size(), slots);
   const int Q = cfg.q_dim(), KV = cfg.kv_dim(), I = cfg.intermediate_size;
   // Column of each target in its site's fused output (Qwen3Cuda's qkv_raw and gu rows).
   const std::array<int, kNumLoraTargets> col = {0, Q, Q + KV, 0, 0, I, 0};
   slots_.resize(static_cast<std::size_t>(cfg.num_layers) * 4);
   const std::size_t N = N_;
   int max_in = 0;
-  for (int l = 0; l < cfg.num_layers; ++l) {
-    for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
-      Slot s;
-      s.target = t;
-      std::tie(s.in, s.out) = lora_target_dims(cfg, t);
-      s.col = col[t];
-      s.in_global = s.in;
-      s.a = layout_.find(lora_param_name(l, t, 'A')).offset;
-      s.b = layout_.find(lora_param_name(l, t, 'B')).offset;
-      s.xa = arena.allocate<bf16>(N * lora.r);
-      max_in = std::max(max_in, s.in);
-      slots_[static_cast<std::size_t>(l) * 4 + static_cast<int>(site_of(t))].push_back(s);
+  for (const auto& [first, last] : layer_ranges) {
+    for (int l = first; l < last; ++l) {
+      for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
+        Slot s;
+        s.target = t;
+        std::tie(s.in, s.out) = lora_target_dims(cfg, t);
+        s.col = col[t];
+        s.in_global = s.in;
+        s.a = layout_.find(lora_param_name(l, t, 'A')).offset;
+        s.b = layout_.find(lora_param_name(l, t, 'B')).offset;
+        s.xa = arena.allocate<bf16>(static_cast<std::size_t>(slots) * N * lora.r);
+        max_in = std::max(max_in, s.in);
+        slots_[static_cast<std::size_t>(l) * 4 + static_cast<int>(site_of(t))].push_back(s);
+      }
     }
   }
   gy_ = arena.allocate<bf16>(N * lora.r);
   if (lora.dropout > 0) xd_ = arena.allocate<bf16>(N * max_in);
+}
+
+void LoraCuda::select_slot(int slot) {
+  QT_CHECK(slot >= 0 && slot < slots_in_flight_, "LoRA slot {} of {}", slot, slots_in_flight_);
+  xa_at_ = static_cast<std::size_t>(slot) * N_ * lora_.r;
 }
 
 void LoraCuda::set_tensor_parallel(int tp, int rank) {
@@ -71,7 +82,7 @@ void LoraCuda::set_tensor_parallel(int tp, int rank) {
     }
 }
 
-bool LoraCuda::adapts(LoraSite site) const { return !slots(0, site).empty(); }
+bool LoraCuda::adapts(LoraSite site) const { return !slots(first_layer_, site).empty(); }
 
 int LoraCuda::width(LoraSite site) const {
   switch (site) {
@@ -107,10 +118,10 @@ void LoraCuda::forward(int layer, LoraSite site, const bf16* x, bf16* y, cudaStr
   for (const Slot& slot : slots(layer, site)) {
     const bf16* xd = dropped(layer, slot, x, s);
     // xa[N, r] = xd[N, in] A[r, in]^T
-    gemm(false, true, N_, r, slot.in, 1.f, xd, slot.in, w_ + slot.a, slot.in, 0.f, slot.xa, r, s);
+    bf16* xa = slot.xa + xa_at_;
+    gemm(false, true, N_, r, slot.in, 1.f, xd, slot.in, w_ + slot.a, slot.in, 0.f, xa, r, s);
     // y[N, col:col+out] += scale * xa[N, r] B[out, r]^T
-    gemm(false, true, N_, slot.out, r, scale_, slot.xa, r, w_ + slot.b, r, 1.f, y + slot.col, ld,
-         s);
+    gemm(false, true, N_, slot.out, r, scale_, xa, r, w_ + slot.b, r, 1.f, y + slot.col, ld, s);
   }
 }
 
@@ -122,7 +133,8 @@ void LoraCuda::backward(int layer, LoraSite site, const bf16* x, const bf16* dy,
   for (const Slot& slot : slots(layer, site)) {
     const bf16* dyt = dy + slot.col;  // [N, out], rows ld apart
     // dB[out, r] += scale * dy[N, out]^T xa[N, r]
-    gemm(true, false, slot.out, r, N, scale_, dyt, ld, slot.xa, r, 1.f, g_ + slot.b, r, s);
+    gemm(true, false, slot.out, r, N, scale_, dyt, ld, slot.xa + xa_at_, r, 1.f, g_ + slot.b, r,
+         s);
     // g[N, r] = dy[N, out] B[out, r]
     gemm(false, false, N, r, slot.out, 1.f, dyt, ld, w_ + slot.b, r, 0.f, gy_, r, s);
     // dA[r, in] += scale * g[N, r]^T xd[N, in]   (the forward's mask, regenerated)

@@ -4,7 +4,8 @@
 //   y  += scale * drop(x) A^T B^T                         (forward; xa = drop(x) A^T kept)
 //   dB += scale * dy^T xa,  g = dy B,  dA += scale * g^T drop(x),  dx += scale * drop'(g A)
 // Weights are the bf16 compute copy, gradients fp32 (accumulated, +=); xa [N, r] is kept per
-// layer and target in bf16, the dropout mask is regenerated in the backward, never stored.
+// layer and target (and activation slot) in bf16, the dropout mask is regenerated in the
+// backward, never stored.
 //
 // Qwen3Cuda fuses projections that share an input into one GEMM, so the adapters are called per
 // site: the site's fused output y (and its gradient dy) holds each target's columns.
@@ -30,6 +31,7 @@
 
 #include <array>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "cuda/device.h"
@@ -48,7 +50,13 @@ using qt::LoraSite;  // model/layer_program.h: kQKV, kO, kGateUp, kDown, in forw
 class LoraCuda {
  public:
   // For micro-batches of B sequences of T tokens (N = B*T rows); buffers from `arena`.
-  LoraCuda(const ModelConfig& cfg, const LoraConfig& lora, int B, int T, DeviceArena& arena);
+  LoraCuda(const ModelConfig& cfg, const LoraConfig& lora, int B, int T, DeviceArena& arena)
+      : LoraCuda(cfg, lora, B, T, arena, {{0, cfg.num_layers}}, 1) {}
+  // The adapters of the layer ranges [first, last) only (a pipeline stage's chunks, ascending:
+  // layout() is lora_layout's of those ranges; other layers are not adapted), for `slots`
+  // micro-batches in flight between their forward and backward (select_slot).
+  LoraCuda(const ModelConfig& cfg, const LoraConfig& lora, int B, int T, DeviceArena& arena,
+           const std::vector<std::pair<int, int>>& layer_ranges, int slots);
 
   const ParamLayout& layout() const { return layout_; }
 
@@ -60,6 +68,10 @@ class LoraCuda {
   void set_dropout_key(std::uint64_t seed, std::int64_t first_sample) {
     seed_ = seed, first_sample_ = first_sample;
   }
+
+  // The micro-batch of the next forward or backward is the one in activation slot `slot` (of
+  // the constructor's `slots`): each slot keeps its own xa between them.
+  void select_slot(int slot);
 
   // These are tp rank `rank`'s adapters of tp ranks (the constructor's cfg is its local model):
   // a row-parallel target's input is columns [rank x in, (rank + 1) x in) of the global input,
@@ -84,7 +96,7 @@ class LoraCuda {
     int in_global = 0;         // the dropout masks' row width (in, or in x tp: row-parallel)
     int col0 = 0;              // the mask column of this input's column 0
     std::size_t a = 0, b = 0;  // offsets of A and B in the layout
-    bf16* xa = nullptr;        // [N, r] drop(x) A^T of the last forward
+    bf16* xa = nullptr;        // [slots, N, r] drop(x) A^T of each slot's last forward
   };
   // The adapted slots of one site of one layer (at most 3).
   const std::vector<Slot>& slots(int layer, LoraSite site) const {
@@ -99,6 +111,9 @@ class LoraCuda {
   LoraConfig lora_;
   ParamLayout layout_;
   int T_, N_;
+  int first_layer_;           // the first adapted layer (adapts() looks there)
+  int slots_in_flight_;       // select_slot's range
+  std::size_t xa_at_ = 0;     // the selected slot's offset in each Slot::xa
   float scale_;
   std::vector<std::vector<Slot>> slots_;  // [layer * 4 + site]
   const bf16* w_ = nullptr;

@@ -110,10 +110,17 @@ std::pair<int, int> lora_target_dims(const ModelConfig& c, int target) {
 }
 
 ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora) {
+  return lora_layout(cfg, lora, 0, cfg.num_layers);
+}
+
+ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora, int first_layer,
+                        int last_layer) {
   QT_CHECK(lora.r > 0, "lora_layout with r = {}", lora.r);
+  QT_CHECK(0 <= first_layer && first_layer < last_layer && last_layer <= cfg.num_layers,
+           "LoRA layers [{}, {}) of a model of {}", first_layer, last_layer, cfg.num_layers);
   const std::vector<int> targets = parse_lora_targets(lora.targets, "lora.targets");
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors;
-  for (int l = 0; l < cfg.num_layers; ++l) {
+  for (int l = first_layer; l < last_layer; ++l) {
     for (int t : targets) {
       const auto [in, out] = lora_target_dims(cfg, t);
       tensors.push_back({lora_param_name(l, t, 'A'), {lora.r, in}});
@@ -162,17 +169,32 @@ void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* ada
   }
 }
 
-LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B, int T)
+ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora,
+                        const std::vector<std::pair<int, int>>& layer_ranges) {
+  std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors;
+  for (const auto& [first, last] : layer_ranges) {
+    const ParamLayout part = lora_layout(cfg, lora, first, last);
+    for (const ParamInfo& p : part.params()) tensors.push_back({p.name, p.shape});
+  }
+  return ParamLayout(tensors);
+}
+
+LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B, int T,
+                           int first_layer, int last_layer, int slots)
     : cfg_(cfg),
       lora_(lora),
-      layout_(lora_layout(cfg, lora)),
+      layout_(lora_layout(cfg, lora, first_layer, last_layer)),
       B_(B),
       T_(T),
       N_(B * T),
+      first_layer_(first_layer),
+      last_layer_(last_layer),
+      slots_in_flight_(slots),
       scale_(lora.scale()) {
+  QT_CHECK(slots >= 1, "LoRA adapters for {} micro-batches in flight", slots);
   slots_.resize(static_cast<std::size_t>(cfg.num_layers) * kNumLoraTargets);
   int max_in = 0;
-  for (int l = 0; l < cfg.num_layers; ++l) {
+  for (int l = first_layer; l < last_layer; ++l) {
     for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
       Slot& s = slots_[static_cast<std::size_t>(l) * kNumLoraTargets + t];
       s.on = true;
@@ -180,7 +202,7 @@ LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B
       s.in_global = s.in;
       s.a = layout_.find(lora_param_name(l, t, 'A')).offset;
       s.b = layout_.find(lora_param_name(l, t, 'B')).offset;
-      s.xa.resize(static_cast<std::size_t>(N_) * lora.r);
+      s.xa.resize(static_cast<std::size_t>(slots) * N_ * lora.r);
       max_in = std::max(max_in, s.in);
     }
   }
@@ -191,6 +213,11 @@ LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B
   }
   g_.resize(N * lora.r);
   dxd_.resize(N * max_in);
+}
+
+void LoraAdapters::select_slot(int slot) {
+  QT_CHECK(slot >= 0 && slot < slots_in_flight_, "LoRA slot {} of {}", slot, slots_in_flight_);
+  xa_at_ = static_cast<std::size_t>(slot) * N_ * lora_.r;
 }
 
 void LoraAdapters::set_tensor_parallel(int tp, int rank) {
@@ -231,10 +258,10 @@ void LoraAdapters::forward(int layer, int target, const float* x, float* y, int 
   const int r = lora_.r;
   const float* xd = dropped(layer, target, s, x);
   // xa[N, r] = xd[N, in] A[r, in]^T
-  cpu::gemm<float>(false, true, N_, r, s.in, 1.0f, xd, s.in, params_ + s.a, s.in, 0.0f, s.xa.data(),
-                   r);
+  float* xa = s.xa.data() + xa_at_;
+  cpu::gemm<float>(false, true, N_, r, s.in, 1.0f, xd, s.in, params_ + s.a, s.in, 0.0f, xa, r);
   // y[N, out] += scale * xa[N, r] B[out, r]^T
-  cpu::gemm<float>(false, true, N_, s.out, r, static_cast<float>(scale_), s.xa.data(), r,
+  cpu::gemm<float>(false, true, N_, s.out, r, static_cast<float>(scale_), xa, r,
                    params_ + s.b, r, 1.0f, y, ldy > 0 ? ldy : s.out);
 }
 
@@ -251,8 +278,8 @@ void LoraAdapters::backward(int layer, int target, const float* x, const float* 
   const float* B = params_ + s.b;                     // [out, r]
   const int ld = lddy > 0 ? lddy : s.out;
   // dB[out, r] += scale * dy[N, out]^T xa[N, r]
-  cpu::gemm<float>(true, false, s.out, r, N, scale, dy, ld, s.xa.data(), r, 1.0f, grads_ + s.b,
-                   r);
+  cpu::gemm<float>(true, false, s.out, r, N, scale, dy, ld, s.xa.data() + xa_at_, r, 1.0f,
+                   grads_ + s.b, r);
   // g[N, r] = dy[N, out] B[out, r]
   cpu::gemm<float>(false, false, N, r, s.out, 1.0f, dy, ld, B, r, 0.0f, g_.data(), r);
   // dA[r, in] += scale * g[N, r]^T xd[N, in]

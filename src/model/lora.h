@@ -26,6 +26,14 @@ std::string lora_param_name(int layer, int target, char which);
 std::pair<int, int> lora_target_dims(const ModelConfig& cfg, int target);
 // The adapter layout: per layer, per target in kLoraTargets order, A [r, in] then B [out, r].
 ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora);
+// The same for layers [first_layer, last_layer) only (a pipeline chunk's; names keep the
+// model's layer numbers).
+ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora, int first_layer,
+                        int last_layer);
+// The same for each of the layer ranges [first, last) in turn (a pipeline stage's chunks,
+// ascending).
+ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora,
+                        const std::vector<std::pair<int, int>>& layer_ranges);
 // PEFT's initialisation: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform_ with a = sqrt(5)),
 // B = 0, so the adapted model starts as the base. Value i of A depends on (seed, name, i) only.
 void lora_init(const ParamLayout& layout, std::uint64_t seed, float* adapters);
@@ -42,7 +50,13 @@ void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* ada
 class LoraAdapters {
  public:
   // Adapters for micro-batches of B sequences of T tokens (N = B*T rows).
-  LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B, int T);
+  LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B, int T)
+      : LoraAdapters(cfg, lora, B, T, 0, cfg.num_layers, 1) {}
+  // Those of layers [first_layer, last_layer) only (a pipeline chunk's: layout() is
+  // lora_layout's of that range; the other layers' projections are not adapted), for `slots`
+  // micro-batches in flight between their forward and backward (select_slot).
+  LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B, int T, int first_layer,
+               int last_layer, int slots);
 
   const LoraConfig& config() const { return lora_; }
   const ParamLayout& layout() const { return layout_; }
@@ -58,6 +72,13 @@ class LoraAdapters {
   void set_dropout_key(std::uint64_t seed, std::int64_t first_sample) {
     seed_ = seed, first_sample_ = first_sample;
   }
+
+  int first_layer() const { return first_layer_; }
+  int last_layer() const { return last_layer_; }
+  int slots() const { return slots_in_flight_; }
+  // The micro-batch of the next forward or backward is the one in activation slot `slot`: each
+  // slot keeps its own drop(x) A^T between them (a pipeline stage's micro-batches in flight).
+  void select_slot(int slot);
 
   // Tensor parallelism: these are the adapters of tp rank `rank`'s local model (the
   // constructor's cfg is tp_local_config's). A row-parallel projection's (o_proj, down_proj)
@@ -83,7 +104,7 @@ class LoraAdapters {
     int in = 0, out = 0;
     int in_global = 0, col0 = 0;  // the dropout masks' row width and this input's first column
     std::size_t a = 0, b = 0;  // offsets of A and B in the adapter buffer
-    std::vector<float> xa;     // [N, r] drop(x) A^T of the last forward
+    std::vector<float> xa;     // [slots, N, r] drop(x) A^T of each slot's last forward
   };
   // x with the dropout mask of (layer, target) applied, into xd_ ([N, in], the mask times
   // 1 / (1 - p) into mask_); returns x itself when dropout is off.
@@ -93,6 +114,9 @@ class LoraAdapters {
   LoraConfig lora_;
   ParamLayout layout_;
   int B_, T_, N_;
+  int first_layer_, last_layer_;  // the layers adapted
+  int slots_in_flight_;           // micro-batches between forward and backward (select_slot)
+  std::size_t xa_at_ = 0;         // the selected slot's offset in each Slot::xa
   double scale_;
   std::vector<Slot> slots_;  // [layer * kNumLoraTargets + target]
   const float* params_ = nullptr;

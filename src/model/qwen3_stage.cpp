@@ -1,6 +1,7 @@
 // A pipeline stage of Qwen3 on the CPU: the layer program's stage entry points over CpuOps.
 #include "model/qwen3_stage.h"
 
+#include "model/lora.h"
 #include "model/qwen3.h"
 #include "qtrain/error.h"
 
@@ -18,6 +19,17 @@ Qwen3Stage::Qwen3Stage(const ModelConfig& cfg, int B, int T, bool recompute,
                                           seq_parallel)),
       slot_(static_cast<std::size_t>(slots)),
       owed_(static_cast<std::size_t>(cfg.num_layers) + 2, 0) {}
+
+void Qwen3Stage::set_lora(LoraAdapters* lora) {
+  const StageRange& st = program_.stage();
+  QT_CHECK(lora == nullptr || (lora->first_layer() <= st.first_layer &&
+                               st.last_layer <= lora->last_layer() && lora->slots() >= slots()),
+           "LoRA adapters of layers [{}, {}) with {} slots on a stage of layers [{}, {}) with {}",
+           lora->first_layer(), lora->last_layer(), lora->slots(), st.first_layer, st.last_layer,
+           slots());
+  lora_ = lora;
+  ops_.set_lora(lora);
+}
 
 namespace {
 // The params as an input half sees them: a layer unit's grads_done is owed to the weight half
@@ -52,6 +64,7 @@ double Qwen3Stage::forward(ModelParams& mp, int k, const StageBatch& b, const fl
   s.has_pos = b.positions != nullptr;
   if (s.has_pos) s.pos.assign(b.positions, b.positions + N);
   s.busy = true;
+  if (lora_) lora_->select_slot(k);
 
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
   CpuUnits units{mp};
@@ -67,6 +80,7 @@ void Qwen3Stage::backward(ModelParams& mp, int k, const float* dx_in) {
            "backward of slot {} of {}: no forward", k, slots());
   QT_CHECK(program_.stage().has_head || dx_in != nullptr, "a stage backward without d x");
   Slot& s = slot_[k];
+  if (lora_) lora_->select_slot(k);
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
   CpuUnits units{mp};
   program_.backward_stage(ops_, units, k, s.inputs.data(), dx_in, /*accumulate=*/true);
@@ -79,6 +93,7 @@ void Qwen3Stage::backward_input(ModelParams& mp, int k, const float* dx_in) {
            "backward of slot {} of {}: no forward", k, slots());
   QT_CHECK(program_.stage().has_head || dx_in != nullptr, "a stage backward without d x");
   Slot& s = slot_[k];
+  if (lora_) lora_->select_slot(k);
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
   ops_.defer_weight_grads(&s.deferred);
   InputHalfUnits units{{mp}, cfg_.num_layers, &owed_, &s.owed_units};

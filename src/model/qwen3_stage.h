@@ -76,7 +76,11 @@ class Qwen3Stage {
   void backward_input(ModelParams& params, int slot, const float* dx_in);
   void backward_weight(ModelParams& params, int slot);
 
-  void set_lora(LoraAdapters* lora) { ops_.set_lora(lora); }
+  // LoRA adapters beside the stage's projections (the base is then frozen: `params` give no
+  // gradients), covering at least its layers with a slot of drop(x) A^T per activation slot;
+  // each entry point selects the slot's. Their dropout key is the caller's to set per
+  // micro-batch (LoraAdapters::set_dropout_key), before its forward and again before its backward.
+  void set_lora(LoraAdapters* lora);
   // Tensor parallelism over `tp` (with sequence parallelism: seq_parallel = tp->size()).
   void set_tensor_parallel(Comm* tp) {
     ops_.set_tp(tp);
@@ -102,6 +106,7 @@ class Qwen3Stage {
   std::vector<Slot> slot_;
   std::vector<int> owed_;  // [units] weight halves each unit's grads_done still waits for
   int vocab_global_ = cfg_.vocab_size;
+  LoraAdapters* lora_ = nullptr;
 };
 
 }  // namespace qt

@@ -33,13 +33,18 @@ TpMap::TpMap(const ParamLayout& global, const ParamLayout& local, const ShardPla
     : global_(global), local_(local), plan_(plan), tp_rank_(tp_rank) {
   const auto& g = global.params();
   const auto& l = local.params();
-  QT_CHECK(g.size() == l.size() && plan.specs.size() == l.size(),
+  QT_CHECK(g.size() >= l.size() && plan.specs.size() == l.size(),
            "TpMap: {} global tensors, {} local, {} specs", g.size(), l.size(), plan.specs.size());
-  for (std::size_t i = 0; i < l.size(); ++i) {
-    QT_CHECK(g[i].name == l[i].name && g[i].shape == plan.specs[i].global_shape,
-             "TpMap: local tensor {} ({}) does not match the global {}", i, l[i].name, g[i].name);
+  // Each local tensor's global one, by name, in the same order (a forward scan).
+  std::size_t j = 0;
+  for (std::size_t i = 0; i < l.size(); ++i, ++j) {
+    while (j < g.size() && g[j].name != l[i].name) ++j;
+    QT_CHECK(j < g.size() && g[j].shape == plan.specs[i].global_shape,
+             "TpMap: local tensor {} ({}) has no global tensor of its name and shape", i,
+             l[i].name);
     QT_CHECK(!plan.specs[i].sharded_by || l[i].shape.size() == 2, "TpMap: {} sharded but not 2-D",
              l[i].name);
+    global_of_.push_back(j);
   }
 }
 
@@ -52,7 +57,8 @@ std::vector<TpMap::Segment> TpMap::segments(Range r, bool writing) const {
     const std::size_t lo = std::max(r.begin, L.offset), hi = std::min(r.end, L.offset + L.numel);
     if (lo >= hi) continue;
     const ShardSpec& spec = plan_.specs[i];
-    const std::size_t g0 = gs[i].offset, at = lo - L.offset;
+    const ParamInfo& G = gs[global_of_[i]];
+    const std::size_t g0 = G.offset, at = lo - L.offset;
     if (!spec.sharded_by) {
       if (writing && tp_rank_ != 0 && spec.replicated_over_dim(MeshDim::kTp)) continue;
       out.push_back({lo, g0 + at, hi - lo});
@@ -63,7 +69,7 @@ std::vector<TpMap::Segment> TpMap::segments(Range r, bool writing) const {
       out.push_back({lo, g0 + (tp_rank_ / spec.tp_replicas) * block + at, hi - lo});
     } else {  // columns t * cols_local ... of every row: a global range per row
       const std::size_t cols = static_cast<std::size_t>(L.shape[1]);
-      const std::size_t global_cols = static_cast<std::size_t>(gs[i].shape[1]);
+      const std::size_t global_cols = static_cast<std::size_t>(G.shape[1]);
       for (std::size_t pos = lo; pos < hi;) {
         const std::size_t row = (pos - L.offset) / cols, col = (pos - L.offset) % cols;
         const std::size_t n = std::min(hi - pos, cols - col);

@@ -31,7 +31,9 @@ int tp_kv_replicas(const ModelConfig& cfg, int tp);
 class TpMap final : public LayoutMap {
  public:
   // global: the model's layout; local: ParamLayout(tp_local_config(cfg, tp)); plan: made for
-  // the local layout; tp_rank: this rank's index in its tp group.
+  // the local layout; tp_rank: this rank's index in its tp group. The local layout may hold
+  // only some of the global one's tensors (a pipeline stage's LoRA adapters), found by name in
+  // the same order; with tp = 1 the map then only moves them to their global offsets.
   TpMap(const ParamLayout& global, const ParamLayout& local, const ShardPlan& plan, int tp_rank);
 
   // The segments of the local flat range r, in local order. writing: leave out tensors
@@ -44,6 +46,7 @@ class TpMap final : public LayoutMap {
   const ParamLayout& local_;
   const ShardPlan& plan_;
   int tp_rank_;
+  std::vector<std::size_t> global_of_;  // [local tensors] the index of each in global_
 };
 
 // "tensor parallel over tp ranks: each runs ..." for a back end's description (local: the tp

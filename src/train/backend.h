@@ -101,7 +101,8 @@ std::unique_ptr<TrainBackend> make_cpu_backend(const Deck& deck, Mesh& mesh);
 // mesh.pp > 1 on the CPU (src/train/backend_cpu_pipeline.cpp); make_cpu_backend picks it.
 std::unique_ptr<TrainBackend> make_cpu_pipeline_backend(const Deck& deck, Mesh& mesh);
 // Defined by the CUDA back end (src/cuda/); without it, throws UserError saying so. With [lora]
-// it returns make_cuda_lora_backend's (src/cuda/backend_cuda_lora.cpp; CUDA builds only).
+// it returns make_cuda_lora_backend's (src/cuda/backend_cuda_lora.cpp; CUDA builds only), or
+// with mesh.pp > 1 the pipeline's (which trains each stage's adapters).
 std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh);
 std::unique_ptr<TrainBackend> make_cuda_lora_backend(const Deck& deck, Mesh& mesh);
 // mesh.pp > 1 on CUDA (src/cuda/backend_cuda_pipeline.cpp); make_cuda_backend picks it.

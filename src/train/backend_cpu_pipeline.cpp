@@ -26,6 +26,14 @@
 // (parallel/tensor_parallel.h); the pp communicator joins the ranks of one tp index. n is a
 // micro-batch's rows N = B x T, or with mesh.sequence_parallel the tp rank's N / tp (its rows of
 // the residual stream: each tp rank sends its own to its peer of the next stage).
+//
+// With [lora] (train/stage_lora.h) the stage holds its units of the base, frozen (no gradients,
+// no moments; a tied embedding's two copies both read from the model), and trains the adapters
+// of its chunks' layers as one unit of the driver over its dp group (ZeRO 0 or 1; the gradient
+// norm summed over pp). Each action keys the dropout masks with its micro-batch's first sequence
+// and each activation slot keeps its own adapter activations, so the masks and the gradients
+// are the serial run's. ZB-H1 runs too: with no base gradients its weight halves have nothing
+// to do (the adapters' gradients come with the input halves).
 #include <mpi.h>
 
 #include <fmt/format.h>
@@ -42,6 +50,7 @@
 #include "qtrain/error.h"
 #include "qtrain/shard_plan.h"
 #include "train/backend.h"
+#include "train/stage_lora.h"
 
 namespace qt {
 
@@ -63,6 +72,7 @@ class CpuPipelineBackend final : public TrainBackend {
         n_(N_ / static_cast<std::size_t>(mesh.shape().seq_parallel())),
         H_(deck.model.hidden_size),
         M_(deck.train.global_batch / (deck.train.micro_batch * mesh.shape().dp)),
+        B_(deck.train.micro_batch),
         tp_(mesh.shape().tp),
         global_layout_(deck.model),
         local_(tp_local_config(deck.model, tp_)),
@@ -72,10 +82,16 @@ class CpuPipelineBackend final : public TrainBackend {
         actions_(stage_actions(mesh.shape(), M_, s_)),
         chunks_(make_chunks(deck)),
         share_{held_units(), &mesh.pp(), tied_copy() ? Qwen3Units{}.embed() : -1},
-        state_(plan_, layout_, deck.optim, mesh.dp(), deck.train.steps, &mesh.tp(), &share_),
+        lora_(deck.lora.enabled() ? make_lora(deck, mesh) : nullptr),
+        state_(lora_ ? lora_->plan() : plan_, lora_ ? lora_->layout() : layout_, deck.optim,
+               mesh.dp(), deck.train.steps, &mesh.tp(), lora_ ? &lora_->share() : &share_),
         pp_(mesh.pp()),
         dx_(n_ * H_),
-        schedule_name_(schedule_name(mesh.shape())) {
+        schedule_name_(schedule_name(mesh.shape())),
+        seed_(deck.train.seed) {
+    if (lora_)
+      for (std::size_t v = 0; v < chunks_.size(); ++v)
+        chunks_[v].stage->set_lora(&lora_->chunk(static_cast<int>(v)));
     if (tp_ > 1) {
       for (Chunk& c : chunks_) {
         c.stage->set_tensor_parallel(&mesh.tp());
@@ -99,16 +115,30 @@ class CpuPipelineBackend final : public TrainBackend {
     d += fmt::format(", {} over {} micro-batches ({} activation slots)", schedule_name_, M_, slots);
     if (tied_copy()) d += " (and a copy of the tied embedding)";
     if (tp_ > 1) d += "; " + describe_tp(local_, tp_, n_ < N_);
+    if (lora_)
+      d += fmt::format("; LoRA: fp32 base frozen (no gradients or moments), the {} adapter "
+                       "parameters of this stage's layers trained",
+                       lora_->layout().numel());
     return d;
   }
-  // Pieces in global coordinates (TpMap under tensor parallelism).
+  // Pieces in global coordinates (TpMap under tensor parallelism; a stage's adapters always).
   std::vector<FlatPiece> model_pieces() override {
-    return global_pieces(tp_map_.get(), state_.param_pieces(), /*writing=*/false);
+    return global_pieces(tp_map_.get(), lora_ ? lora_->base_pieces() : state_.param_pieces(),
+                         /*writing=*/false);
+  }
+  std::vector<FlatPiece> trained_pieces() override {
+    if (!lora_) return model_pieces();
+    return lora_->map().to_global(state_.param_pieces(), /*writing=*/false);
+  }
+  const ParamLayout& trained_layout() const override {
+    return lora_ ? lora_->global_layout() : global_layout_;
   }
   std::vector<StatePiece> checkpoint_pieces() override {
+    if (lora_) return lora_->map().to_global(state_.checkpoint_pieces(), /*writing=*/true);
     return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
+    if (lora_) return lora_->map().to_global(state_.checkpoint_targets());
     return global_targets(tp_map_.get(), state_.checkpoint_targets());
   }
   void push_state() override {}  // the host buffers are the live state
@@ -130,9 +160,14 @@ class CpuPipelineBackend final : public TrainBackend {
       std::fill(c.slot_of.begin(), c.slot_of.end(), -1);
       std::fill(c.busy.begin(), c.busy.end(), 0);
     }
+    // The stage's parameters: the model's, or the frozen base beside the bound adapters.
+    ModelParams& mp = lora_ ? static_cast<ModelParams&>(*lora_) : state_;
+    if (lora_) lora_->bind(state_.params(0), state_.grads(0));  // one unit, whole at ZeRO 0/1
     double loss = 0;
     for (const PipeAction& a : actions_) {
       const int m = a.micro_batch, c = a.chunk;
+      // Micro-batch m's masks, in its forward and again in its backward.
+      if (lora_) lora_->set_dropout_key(seed_, mb.first_sample + std::int64_t{m} * B_);
       Chunk& ch = chunks_.at(static_cast<std::size_t>(c / P_));
       Qwen3Stage& st = *ch.stage;
       const std::size_t off = N_ * static_cast<std::size_t>(m);
@@ -151,12 +186,12 @@ class CpuPipelineBackend final : public TrainBackend {
           x_in = st.input(k);
           receive(x_in, prev, tag(c, m, 0));
         }
-        loss += st.forward(state_, k, batch, x_in, loss_scale);
+        loss += st.forward(mp, k, batch, x_in, loss_scale);
         if (c < C - 1) send(st.output(k), next, tag(c + 1, m, 0), &ch.fwd_send[k]);
       } else if (a.op == PipeOp::kBackwardWeight) {
         const int k = ch.slot_of[m];
         QT_CHECK(k >= 0, "weight half of micro-batch {} before its forward", m);
-        st.backward_weight(state_, k);
+        st.backward_weight(mp, k);
         ch.busy[k] = 0;
       } else {
         const int k = ch.slot_of[m];
@@ -167,9 +202,9 @@ class CpuPipelineBackend final : public TrainBackend {
           dx_in = dx_.data();
         }
         if (a.op == PipeOp::kBackwardInput) {
-          st.backward_input(state_, k, dx_in);  // the slot waits for its weight half
+          st.backward_input(mp, k, dx_in);  // the slot waits for its weight half
         } else {
-          st.backward(state_, k, dx_in);
+          st.backward(mp, k, dx_in);
           ch.busy[k] = 0;
         }
         if (c > 0) send_copy(st.input_grad(), prev, tag(c - 1, m, 1));
@@ -183,13 +218,13 @@ class CpuPipelineBackend final : public TrainBackend {
   }
 
   OptimStepStats optimizer_step(std::int64_t step) override {
-    if (local_.tie_word_embeddings) sum_tied_copies();
+    if (local_.tie_word_embeddings && !lora_) sum_tied_copies();  // (a frozen base: no gradients)
     return state_.step(step);
   }
   MemorySplit memory_split() override {
     const StateBytes b = state_.peak_bytes();
     MemorySplit m;
-    m.params = b.params;
+    m.params = b.params + (lora_ ? lora_->base_bytes() : 0);
     m.grads = b.grads;
     m.optimizer = b.optimizer;
     for (const Chunk& c : chunks_) m.activations += c.stage->buffer_bytes();
@@ -227,6 +262,15 @@ class CpuPipelineBackend final : public TrainBackend {
       out.push_back(std::move(ch));
     }
     return out;
+  }
+  // The stage's LoRA: its chunks' layers and slots, the held base units (share_'s).
+  std::unique_ptr<StageLora> make_lora(const Deck& deck, Mesh& mesh) const {
+    std::vector<StageLora::ChunkLayers> layers;
+    for (const Chunk& c : chunks_)
+      layers.push_back({c.stage->stage().first_layer, c.stage->stage().last_layer,
+                        c.stage->slots()});
+    return std::make_unique<StageLora>(deck, local_, plan_, share_.held, layers, mesh.shape(),
+                                       &mesh.pp(), mesh.tp().rank());
   }
   // The last stage of a tied model holds a copy of the embedding.
   bool tied_copy() const { return local_.tie_word_embeddings && s_ == P_ - 1; }
@@ -285,6 +329,7 @@ class CpuPipelineBackend final : public TrainBackend {
   std::size_t n_;  // rows of the activations between stages: N, or N / tp (sequence parallel)
   std::size_t H_;
   int M_;                       // micro-batches a step
+  int B_;                       // sequences of a micro-batch
   int tp_;                      // mesh.tp
   ParamLayout global_layout_;   // the model's
   ModelConfig local_;           // the tp rank's part of the model (the model at tp 1)
@@ -294,11 +339,13 @@ class CpuPipelineBackend final : public TrainBackend {
   std::vector<PipeAction> actions_;  // this stage's list of a step
   std::vector<Chunk> chunks_;
   PipelineShare share_;
-  ShardedState state_;
+  std::unique_ptr<StageLora> lora_;  // [lora]: the frozen base and the adapters, else null
+  ShardedState state_;               // the trained parameters: the model's, or the adapters
   MpiComm& pp_;
   std::vector<float> dx_;            // [n, H] a received d x
   std::deque<Pending> grad_sends_;   // stable addresses while in flight
   const char* schedule_name_;
+  std::uint64_t seed_;  // train.seed: keys LoRA's dropout masks
 };
 
 }  // namespace

@@ -494,8 +494,14 @@ TEST(DeckErrors, ParallelismNotBuiltYet) {
   expect_error("[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_layers = 4,0\n",
                {"'0' is not a positive layer count"});
   expect_error("[mesh]\npp_layers = 2\n", {"deck.ini:2: mesh.pp_layers = 2 splits a pipeline: needs mesh.pp > 1"});
-  expect_error("[lora]\nr = 4\n[mesh]\npp = 2\n",
-               {"deck.ini:4: mesh.pp = 2: LoRA ([lora] r > 0) in a pipeline is not built yet"});
+  // LoRA in a pipeline: both back ends run it, every schedule.
+  EXPECT_EQ(parse("[lora]\nr = 4\n[model]\nnum_layers = 4\n[mesh]\npp = 2\npp_chunks = 2\n"
+                  "pp_schedule = zb-h1\n").lora.r, 4);
+  EXPECT_EQ(parse("[train]\ndevice = cuda\n[model]\nhead_dim = 64\n[lora]\nr = 4\n[mesh]\n"
+                  "pp = 2\n").lora.r, 4);
+  // ... at ZeRO 0 or 1, as without the pipeline.
+  expect_error("[lora]\nr = 4\n[mesh]\npp = 2\n[optim]\nzero_stage = 2\n",
+               {"deck.ini:6: optim.zero_stage = 2", "use 0 or 1 with [lora]"});
   expect_error("[mesh]\nep = 2\n", {"deck.ini:2:", "mesh.ep = 2", "this model is dense"});
 }
 

@@ -405,5 +405,59 @@ TEST(TensorParallel, KeyValueAdaptersFollowTheSharedHeads) {
   }
 }
 
+// A pipeline stage's adapters (the layers of its chunks, lora_layout of layer ranges) are some of
+// the model's: TpMap finds each by name, so over every stage and tp rank each global element is
+// written once, and each stage reads its own tensors' values (tp 1: at their global offsets, the
+// row-parallel A factors by columns at tp 2). Fails if the map pairs tensors by index.
+TEST(TensorParallel, PipelineStageAdaptersMapByName) {
+  LoraConfig lc;
+  lc.r = 2;
+  lc.targets = "all-linear";
+  ModelConfig g = tiny(false);
+  g.num_layers = 4;
+  // Interleaved, two chunks a stage: stage 0 runs layers 0 and 2, stage 1 layers 1 and 3.
+  const std::vector<std::vector<std::pair<int, int>>> stages = {{{0, 1}, {2, 3}},
+                                                                {{1, 2}, {3, 4}}};
+  for (int tp : {1, 2}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const ModelConfig l = tp_local_config(g, tp);
+    const ParamLayout global = lora_layout(g, lc);
+    MeshShape mesh;
+    mesh.tp = tp;
+    mesh.pp = 2;
+    std::vector<int> written(global.numel(), 0);
+    std::vector<float> values(global.numel());
+    for (std::size_t k = 0; k < values.size(); ++k) values[k] = static_cast<float>(k);
+    for (std::size_t st = 0; st < stages.size(); ++st) {
+      const ParamLayout local = lora_layout(l, lc, stages[st]);
+      ASSERT_EQ(local.params().size(), global.params().size() / 2);
+      const ShardPlan plan = plan_one_unit(local, "adapters", mesh, 0, 1);
+      const std::string a_down = "base_model.model.model.layers." + std::to_string(2 + st) +
+                                 ".mlp.down_proj.lora_A.weight";  // [r, I / tp], row-parallel
+      for (int t = 0; t < tp; ++t) {
+        const TpMap map(global, local, plan, t);
+        for (const TpMap::Segment& seg : map.segments(Range{0, local.numel()}, true))
+          for (std::size_t k = 0; k < seg.count; ++k) ++written[seg.global + k];
+        std::vector<float> mine(local.numel(), -1.0f);
+        const std::vector<FlatPiece> whole = {{Range{0, local.numel()}, mine.data()}};
+        for (const FlatPiece& p : map.to_global(whole, false))
+          for (std::size_t k = 0; k < p.range.size(); ++k) p.data[k] = values[p.range.begin + k];
+        EXPECT_EQ(std::count(mine.begin(), mine.end(), -1.0f), 0) << "stage " << st;
+        const ParamInfo& lo = local.find(a_down);
+        const ParamInfo& go = global.find(a_down);
+        const std::size_t cols = static_cast<std::size_t>(lo.shape[1]);
+        const std::size_t gcols = static_cast<std::size_t>(go.shape[1]);
+        for (std::size_t r = 0; r < static_cast<std::size_t>(lo.shape[0]); ++r)
+          for (std::size_t c = 0; c < cols; ++c)
+            ASSERT_EQ(mine[lo.offset + r * cols + c],
+                      values[go.offset + r * gcols + static_cast<std::size_t>(t) * cols + c])
+                << a_down << " (" << r << ", " << c << ") on stage " << st << ", tp rank " << t;
+      }
+    }
+    EXPECT_EQ(std::count(written.begin(), written.end(), 1),
+              static_cast<std::ptrdiff_t>(written.size()));
+  }
+}
+
 }  // namespace
 }  // namespace qt
