@@ -93,6 +93,7 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclC
     xf_full_ = arena.allocate<bf16>(NH);
     if (overlap_) parts_ = arena.allocate<bf16>(NH / seq_parallel * (seq_parallel - 1));
   }
+  if (cfg.is_moe()) moe_allocate(arena);
 }
 
 template <class Issue>

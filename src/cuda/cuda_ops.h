@@ -33,6 +33,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -138,7 +139,53 @@ class CudaOps : public NoCollectives {
   bf16* tp_block_output_backward(bf16* full, bf16* dy, int rows, int cols);
   void tp_block_output_ahead(bf16* local, bf16* y, int rows, int cols);
 
+  // Qwen3-MoE (layer_program.h's contract; cuda_ops_moe.cpp), tp = 1, no LoRA, no ep yet. The
+  // router, the routing and the combine are ops/cuda/moe.cuh's kernels, the experts
+  // grouped_gemm.h's GEMMs; a layer's forward copies its experts' row counts to the host once (one
+  // stream synchronisation) and keeps them, with the routing, for the layer's backward, which
+  // recomputes the experts' forward from x (their activations are not kept). aux_scale: the
+  // weight of each micro-batch's load-balancing loss in the objective (CpuOps' the same).
+  void moe_begin();
+  void moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* x, const bf16* router,
+           const bf16* gate_up, const bf16* down, bool stats);
+  void moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, float* g_down,
+                    const bf16* dy, const bf16* x, const float* probs, const int* idx,
+                    const bf16* rw, const bf16* router, const bf16* gate_up, const bf16* down,
+                    bool acc);
+  void set_moe_aux_scale(float aux_scale) { aux_scale_ = aux_scale; }
+  // The load-balancing loss of the micro-batch's forward (k when balanced); waits for the stream.
+  double moe_aux_loss();
+  // Token-slots routed to each expert of each sparse layer since clear_moe_load():
+  // [sparse layers][E] (host counts, exact).
+  const std::vector<double>& moe_load() const { return load_; }
+  void clear_moe_load() { std::fill(load_.begin(), load_.end(), 0.0); }
+
  private:
+  // Qwen3-MoE buffers (cuda_ops_moe.cpp; none for a dense model). Scratch [rows = N k] shared by
+  // the layers; the routing of each sparse layer kept from its forward for its backward.
+  struct MoeLayer {
+    int *pos = nullptr, *pair = nullptr;  // [N k] pair -> expert-ordered row, and back
+    int* counts_host = nullptr;           // [E] pinned: the layer's rows per expert
+  };
+  void moe_allocate(DeviceArena& arena);
+  std::vector<MoeLayer> moe_layers_;      // [L] (empty entries for dense layers)
+  PinnedBuffer moe_counts_host_;          // [sparse layers, E] int
+  int *moe_counts_ = nullptr, *moe_offsets_ = nullptr;  // [E], [E + 1] device
+  void* moe_route_ws_ = nullptr;
+  bf16* moe_logits_ = nullptr;            // [N, E] router logits, then their gradient
+  bf16 *moe_x_ = nullptr, *moe_gu_ = nullptr, *moe_h_ = nullptr;  // [rows, H], [rows, 2Im], [rows, Im]
+  bf16 *moe_out_ = nullptr, *moe_dout_ = nullptr;                 // [rows, H] each
+  bf16* moe_dh_ = nullptr;                // [rows, Im]
+  bf16* moe_dx_gate_ = nullptr;           // [N, H] the router's input gradient
+  float* moe_dw_ = nullptr;               // [N k] d routing weights
+  double* moe_balance_ = nullptr;         // [2, E] device: counts, summed probabilities
+  double moe_tokens_ = 0;                 // the balance's (layer, token) pairs
+  float aux_scale_ = 0;
+  std::vector<double> load_;              // moe_load()
+  // Runs the experts of layer l on moe_x_ (its rows in expert order): moe_out_ = down(swiglu(
+  // gate_up(moe_x_))), leaving gu and h for the backward.
+  void moe_experts_forward(int l, const bf16* gate_up, const bf16* down);
+
   ModelConfig cfg_;
   int B_, T_, N_;
   bool forward_only_ = false;

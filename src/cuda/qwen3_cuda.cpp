@@ -33,7 +33,10 @@ class FlatUnits final : public UnitSource {
 // The flat watermark of forward_backward relies on the order embedding, layers, norm, lm head.
 const ModelConfig& checked(const ModelConfig& cfg) {
   const ModelOffsets off = ParamLayout(cfg).model_offsets();
-  QT_CHECK(off.embed == 0 && off.norm > (cfg.num_layers > 0 ? off.layers.back().w_down : 0) &&
+  const std::size_t last = cfg.num_layers == 0 ? 0
+                           : off.layers.back().moe ? off.layers.back().experts_down
+                                                   : off.layers.back().w_down;
+  QT_CHECK(off.embed == 0 && off.norm > last &&
                (cfg.tie_word_embeddings || off.lm_head > off.norm),
            "unexpected parameter layout order");
   return cfg;
