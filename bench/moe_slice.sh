@@ -7,26 +7,25 @@
 # the active experts only and causal attention halved (bf16 dense peak PEAK_TFLOPS, default 989:
 # H100 SXM).
 #   usage: bench/moe_slice.sh BUILD_DIR OUT_DIR
-#   LAYERS=4 STEPS=20: the slice and qtrain's steps; BASELINE=0: qtrain only; NSYS=1: an nsys
-#   profile of qtrain too (when nsys is on the PATH)
+#   LAYERS=4 STEPS=40: the slice and qtrain's steps (tokens/s: the mean of the second half's log
+#   lines); BASELINE=0: qtrain only
+# The GPU time by kernel group of one step: bench/profile_step.sh BUILD OUT qwen3-30b-a3b:4
+#   --model.router_aux_loss_coef=0 (Nsight Compute; nsys is not on the GPU machine).
 # Run it on the GPU machine from the repository root with the runtime kit in .kit (docs/cuda.md);
 # python runs outside the kit.
 set -uo pipefail
 build=${1:?build dir}; out=${2:?output dir}
-layers=${LAYERS:-4}; steps=${STEPS:-20}
+layers=${LAYERS:-4}; steps=${STEPS:-40}
 mkdir -p "$out"
 qt_args=(inputs/qwen3-0.6b.ini --model.preset=qwen3-30b-a3b --model.num_layers="$layers"
   --model.router_aux_loss_coef=0 --train.device=cuda --train.seq_len=4096 --train.micro_batch=2
   --train.global_batch=2 --train.steps="$steps" --train.recompute=false --data.source=synthetic
-  --checkpoint.every=-1 --checkpoint.resume=none --log.every=5 --optim.warmup_steps=5)
+  --checkpoint.every=-1 --checkpoint.resume=none --log.every=5 --optim.warmup_steps=5
+  --optim.lr=1e-4 --optim.min_lr=1e-4 --optim.weight_decay=0.1)  # the baseline's AdamW
 ( source .kit/kit-env.sh
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   mpirun -np 1 --bind-to none "$build/bin/qtrain" "${qt_args[@]}" --log.metrics="$out/qtrain-moe.jsonl"
-  if [[ ${NSYS:-0} == 1 ]] && command -v nsys >/dev/null; then
-    nsys profile -o "$out/qtrain-moe" --force-overwrite true -t cuda \
-      "$build/bin/qtrain" "${qt_args[@]}" --train.steps=8 --log.metrics="$out/nsys.jsonl" >/dev/null
-    nsys stats -r cuda_gpu_kern_sum -f csv -o "$out/kernels" "$out/qtrain-moe.nsys-rep" >/dev/null
-  fi ) >"$out/qtrain-moe.log" 2>&1 || echo "qtrain failed: see $out/qtrain-moe.log"
+  ) >"$out/qtrain-moe.log" 2>&1 || echo "qtrain failed: see $out/qtrain-moe.log"
 grep -E "^step|error|moe:" "$out/qtrain-moe.log" | tail -4
 if [[ ${BASELINE:-1} != 0 ]]; then
   PYTHONPATH=bench/baselines${PYTHONPATH:+:$PYTHONPATH} python3 bench/baselines/hf_moe_train.py \
@@ -44,7 +43,9 @@ per_layer = H * (Q + 2 * KV) + Q * H + E * H + k * 3 * H * Im
 flops = 6 * (L * per_layer + V * H) + 3 * L * 2 * 2 * T * Q / 2
 def tokens_per_s(path):
     steps = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
-    steps = [s for s in steps if s["step"] > 5]  # past the warm-up
+    last = max((s["step"] for s in steps), default=0)
+    steps = [s for s in steps if s["step"] > last // 2]  # the second half: past the warm-up and
+                                                          # the first GEMM plans of each shape
     return sum(s["tokens_per_s"] for s in steps) / len(steps) if steps else None
 qt = tokens_per_s(f"{out}/qtrain-moe.jsonl")
 hf = None

@@ -18,6 +18,30 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from hf_train import time_training
 
 
+def routing_load(model, a):
+    """The expert load of one more forward on fresh random tokens (the timed steps' kind): the
+    coefficient of variation of the token-slots per expert (population std / mean) averaged over
+    the layers, and the largest max / mean, as qtrain's step log reports them; {} if the router's
+    output is not the (logits, weights, indices) of transformers 5.17."""
+    counts = []
+
+    def hook(_module, _inputs, out):
+        idx = out[-1] if isinstance(out, tuple) else None
+        if idx is not None and idx.dtype in (torch.int64, torch.int32):
+            counts.append(torch.bincount(idx.flatten(), minlength=model.config.num_experts).double())
+
+    hooks = [layer.mlp.gate.register_forward_hook(hook) for layer in model.model.layers]
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 151936, (a.batch, a.seq_len), device="cuda"))
+    for h in hooks:
+        h.remove()
+    if not counts:
+        return {}
+    cv = [float(c.std(unbiased=False) / c.mean()) for c in counts]
+    worst = max(float(c.max() / c.mean()) for c in counts)
+    return {"expert_cv_mean": sum(cv) / len(cv), "expert_max_over_mean": worst}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -40,10 +64,12 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
     n_params = sum(p.numel() for p in model.parameters())
     tokens_per_s, peak, loss = time_training(model, opt, a)
+    load = routing_load(model, a)
     print(json.dumps({"baseline": "pytorch+transformers", "model": "qwen3-30b-a3b", "layers": a.layers,
                       "experts_implementation": getattr(model.config, "_experts_implementation", None),
                       "params": n_params, "seq_len": a.seq_len, "batch": a.batch,
                       "tokens_per_s": tokens_per_s, "peak_mem_gib": peak, "final_loss": loss,
+                      **load,
                       "gpu": torch.cuda.get_device_name()}))
 
 

@@ -6,8 +6,10 @@
 //
 // One host synchronisation per sparse layer's forward: the experts' row counts come to pinned
 // host memory for the per-expert GEMM loop (grouped_gemm.h), and stay there for the layer's
-// backward and the load metrics. The backward recomputes the experts' forward (gather, gate_up,
-// SwiGLU, down) from x into the shared scratch: no per-layer expert activations are kept.
+// backward and the load metrics. The experts' activations (gate/up, SwiGLU and down outputs) are
+// kept per sparse layer for its backward, or with train.recompute in one shared set that the
+// program's recomputed forward of the layer has just written; the input rows in expert order are
+// gathered again in the backward (a copy) rather than kept.
 #include <cstring>
 
 #include "cuda/check.h"
@@ -28,23 +30,30 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   moe_layers_.resize(static_cast<std::size_t>(L));
   moe_counts_host_ = PinnedBuffer(sizeof(int) * static_cast<std::size_t>(cfg_.num_moe_layers()) * E);
   std::memset(moe_counts_host_.as<int>(), 0, moe_counts_host_.bytes());
+  MoeLayer shared;
   for (int l = 0, n = 0; l < L; ++l) {
     if (!cfg_.is_moe_layer(l)) continue;
     MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
     m.pos = arena.allocate<int>(rows);
     m.pair = arena.allocate<int>(rows);
     m.counts_host = moe_counts_host_.as<int>() + static_cast<std::size_t>(n++) * E;
+    if (!moe_recompute_ || shared.gu == nullptr) {
+      shared.gu = arena.allocate<bf16>(rows * 2 * Im);
+      shared.h = arena.allocate<bf16>(rows * Im);
+      shared.out = arena.allocate<bf16>(rows * H);
+    }
+    m.gu = shared.gu;
+    m.h = shared.h;
+    m.out = shared.out;
   }
   moe_counts_ = arena.allocate<int>(E);
   moe_offsets_ = arena.allocate<int>(E + 1);
   moe_route_ws_ = arena.allocate(moe_route_workspace_bytes(static_cast<int>(rows), E));
   moe_logits_ = arena.allocate<bf16>(N * E);
   moe_x_ = arena.allocate<bf16>(rows * H);
-  moe_gu_ = arena.allocate<bf16>(rows * 2 * Im);
-  moe_h_ = arena.allocate<bf16>(rows * Im);
-  moe_out_ = arena.allocate<bf16>(rows * H);
   moe_dout_ = arena.allocate<bf16>(rows * H);
   moe_dh_ = arena.allocate<bf16>(rows * Im);
+  moe_dgu_ = arena.allocate<bf16>(rows * 2 * Im);
   moe_dx_gate_ = arena.allocate<bf16>(N * H);
   moe_dw_ = arena.allocate<float>(rows);
   moe_balance_ = arena.allocate<double>(2 * static_cast<std::size_t>(E));
@@ -55,15 +64,6 @@ void CudaOps::moe_begin() {
   QT_CHECK(moe_balance_ != nullptr, "moe_begin on CudaOps of a dense model");
   QT_CHECK_CUDA(cudaMemsetAsync(moe_balance_, 0, 2 * sizeof(double) * cfg_.num_experts, s_));
   moe_tokens_ = 0;
-}
-
-void CudaOps::moe_experts_forward(int l, const bf16* gate_up, const bf16* down) {
-  const int E = cfg_.num_experts, H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
-  const int rows = N_ * cfg_.num_experts_per_tok;
-  const int* counts = moe_layers_[static_cast<std::size_t>(l)].counts_host;
-  grouped_linear(moe_gu_, moe_x_, gate_up, counts, E, H, 2 * Im, s_);
-  swiglu_forward_strided(moe_h_, moe_gu_, moe_gu_ + Im, 2 * Im, rows, Im, s_);
-  grouped_linear(moe_out_, moe_h_, down, counts, E, Im, H, s_);
 }
 
 void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* x,
@@ -90,9 +90,14 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
     double* load = load_.data() + static_cast<std::size_t>(sparse) * E;
     for (int e = 0; e < E; ++e) load[e] += m.counts_host[e];
   }
+  // The experts: out = down(swiglu(gate_up(x_perm))), kept for the backward.
+  const int Im = cfg_.moe_intermediate_size;
   moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
-  moe_experts_forward(l, gate_up, down);
-  moe_unpermute(y, moe_out_, rw, m.pos, N_, k, H, s_);
+  grouped_linear(m.gu, moe_x_, gate_up, m.counts_host, E, H, 2 * Im, s_);
+  swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, rows, Im, s_);
+  grouped_linear(m.out, m.h, down, m.counts_host, E, Im, H, s_);
+  moe_unpermute(y, m.out, rw, m.pos, N_, k, H, s_);
+  moe_last_ = l;
 }
 
 void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, float* g_down,
@@ -103,17 +108,19 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
   const int Im = cfg_.moe_intermediate_size, rows = N_ * k;
   const MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
-  // The experts' forward again, from x and the routing the forward kept.
+  QT_CHECK(!moe_recompute_ || moe_last_ == l,
+           "moe_backward of layer {} after the forward of layer {}: with recompute the expert "
+           "activations are shared, the layer's forward must come right before", l, moe_last_);
+  // d out = w dy and d w = dot(out, dy); then down, SwiGLU and gate_up backward. The layer's
+  // activations stay intact (a backward may run again on them).
   moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
-  moe_experts_forward(l, gate_up, down);
-  // d out_perm = w dy and d w = dot(out_perm, dy); then down, SwiGLU, gate_up backward.
-  moe_unpermute_backward(moe_dout_, moe_dw_, dy, moe_out_, rw, m.pos, N_, k, H, s_);
-  grouped_linear_backward(moe_dh_, g_down, moe_dout_, moe_h_, down, m.counts_host, E, Im, H, s_,
+  moe_unpermute_backward(moe_dout_, moe_dw_, dy, m.out, rw, m.pos, N_, k, H, s_);
+  grouped_linear_backward(moe_dh_, g_down, moe_dout_, m.h, down, m.counts_host, E, Im, H, s_,
                           acc);
-  swiglu_backward_strided(moe_gu_, moe_gu_ + Im, moe_dh_, moe_gu_, moe_gu_ + Im, 2 * Im, rows, Im,
+  swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,
                           s_);
-  // d x_perm into moe_out_ (dead once d w is made).
-  grouped_linear_backward(moe_out_, g_gate_up, moe_gu_, moe_x_, gate_up, m.counts_host, E, H,
+  // d x_perm into moe_dout_ (dead once d h is made).
+  grouped_linear_backward(moe_dout_, g_gate_up, moe_dgu_, moe_x_, gate_up, m.counts_host, E, H,
                           2 * Im, s_, acc);
   // The router: d logits from d w (and the load-balancing loss, with the micro-batch's counts).
   const bool aux = aux_scale_ != 0 && moe_tokens_ > 0;
@@ -122,7 +129,7 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
   moe_router_backward(moe_logits_, moe_dw_, probs, idx, aux ? moe_balance_ : nullptr, aux_scale,
                       N_, E, k, cfg_.norm_topk_prob, s_);
   cuda::linear_backward(moe_dx_gate_, g_router, moe_logits_, x, router, N_, H, E, s_, acc);
-  moe_permute_backward(dx, moe_out_, moe_dx_gate_, m.pos, N_, k, H, s_);
+  moe_permute_backward(dx, moe_dout_, moe_dx_gate_, m.pos, N_, k, H, s_);
 }
 
 double CudaOps::moe_aux_loss() {

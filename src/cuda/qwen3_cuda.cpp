@@ -46,7 +46,7 @@ const ModelConfig& checked(const ModelConfig& cfg) {
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute,
                      NcclComm* tp, int seq_parallel, bool tp_overlap)
-    : ops_(checked(cfg), B, T, arena, tp, seq_parallel, tp_overlap),
+    : ops_(checked(cfg), B, T, arena, tp, seq_parallel, tp_overlap, recompute),
       program_(cfg, B, T, recompute,
                allocate_acts<bf16>(cfg, B, T, recompute, arena, seq_parallel)) {}
 
