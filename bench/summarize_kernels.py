@@ -22,6 +22,7 @@ def short_name(name: str) -> str:
 GROUPS = [
     ("GEMMs (cuBLASLt)", r"nvjet|cublasLt|gemm|splitKreduce"),
     ("attention", r"attention"),
+    ("MoE router, routing, gather/combine", r"moe_"),
     ("AdamW", r"adamw"),
     ("SwiGLU", r"swiglu"),
     ("RMSNorm (+ norm weight gradients)", r"rmsnorm|column_sum"),

@@ -423,7 +423,15 @@ void Builder::validate_moe() {
        "load-balancing loss)");
   // Not built yet for Qwen3-MoE (issue 18): each names its key.
   const char* later = "is not built for Qwen3-MoE models (model.num_experts > 0) yet";
-  need(deck_.train.device == "cpu", "train.device", "{}: use train.device = cpu", later);
+  if (deck_.train.device == "cuda") {  // cuda/cuda_ops_moe.cpp, ops/cuda/moe.cuh
+    need(deck_.mesh.ep == 1, "mesh.ep", "> 1 (expert parallelism) is not built for Qwen3-MoE on "
+         "train.device = cuda yet; set mesh.ep = 1 or train.device = cpu");
+    need(m.num_experts <= 1024, "model.num_experts", "> 1024 is not supported by train.device "
+         "= cuda (its router keeps a token's experts in shared memory); use train.device = cpu");
+    need(m.num_experts_per_tok <= 32, "model.num_experts_per_tok", "> 32 is not supported by "
+         "train.device = cuda (its router gives each slot a lane of a warp); use train.device = "
+         "cpu");
+  }
   need(deck_.mesh.tp == 1, "mesh.tp", "> 1 {}; set mesh.tp = 1", later);
   need(deck_.mesh.pp == 1, "mesh.pp", "> 1 {}; set mesh.pp = 1", later);
   need(deck_.lora.r == 0, "lora.r", "> 0 (LoRA) {}; set lora.r = 0", later);

@@ -64,6 +64,11 @@ class CudaBackend final : public TrainBackend {
                                                deck.train.seq_len, arena_, deck.train.recompute,
                                                nccl_tp_, mesh.shape().seq_parallel(),
                                                mesh.shape().tp_overlap);
+    // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
+    // ranks), as on the CPU (backend_cpu.cpp).
+    if (deck.model.is_moe())
+      model_->set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
+                                                   deck.train.micro_batch / deck.train.global_batch));
     if (tp_ > 1)
       tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
@@ -99,7 +104,11 @@ class CudaBackend final : public TrainBackend {
     // No memset: the step's first micro-batch writes every gradient (GradWrite::kOverwrite).
     state_.begin_step();
     micro_batch_ = 0;
+    aux_sum_ = 0;
+    model_->clear_moe_load();
   }
+  double moe_aux_loss_sum() const override { return deck_.model.is_moe() ? aux_sum_ : -1; }
+  std::vector<double> moe_load() const override { return model_->moe_load(); }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
     const std::int32_t* pos = batch_.upload(inputs, targets, positions, stream_.get());
@@ -108,8 +117,10 @@ class CudaBackend final : public TrainBackend {
              micro_batches_);
     const auto write = state_.begin_micro_batch(micro_batch_ == 0, micro_batch_ + 1 == micro_batches_);
     ++micro_batch_;
-    return model_->forward_backward(state_, batch_.inputs(), batch_.targets(), loss_scale,
-                                    stream_.get(), pos, write);
+    const double loss = model_->forward_backward(state_, batch_.inputs(), batch_.targets(),
+                                                 loss_scale, stream_.get(), pos, write);
+    if (deck_.model.is_moe()) aux_sum_ += model_->moe_aux_loss();
+    return loss;
   }
   OptimStepStats optimizer_step(std::int64_t step) override {
     const OptimStepStats s = state_.step(step, deck_.train.steps, stream_.get());
@@ -159,6 +170,7 @@ class CudaBackend final : public TrainBackend {
   // index of the next one since zero_grads().
   std::int64_t micro_batches_, micro_batch_ = 0;
   double activations_ = 0;  // bytes of Qwen3Cuda's buffers and the micro-batch's
+  double aux_sum_ = 0;      // moe_aux_loss_sum(): the step's micro-batches so far
   long steps_done_ = 0, profile_begin_ = -1, profile_end_ = -1;
 };
 

@@ -51,7 +51,7 @@ void CudaOps::set_rows(int B, int T, int first_position) {
 }
 
 CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp,
-                 int seq_parallel, bool tp_overlap)
+                 int seq_parallel, bool tp_overlap, bool moe_recompute)
     : cfg_(cfg), B_(B), T_(T), N_(B * T), rope_len_(T), tp_(tp && tp->size() > 1 ? tp : nullptr),
       overlap_(tp_overlap) {
   QT_CHECK(seq_parallel == 1 || (tp_ && tp_->size() == seq_parallel && N_ % seq_parallel == 0),
@@ -93,6 +93,8 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclC
     xf_full_ = arena.allocate<bf16>(NH);
     if (overlap_) parts_ = arena.allocate<bf16>(NH / seq_parallel * (seq_parallel - 1));
   }
+  moe_recompute_ = moe_recompute;
+  if (cfg.is_moe()) moe_allocate(arena);
 }
 
 template <class Issue>

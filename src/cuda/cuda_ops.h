@@ -33,6 +33,7 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -57,8 +58,11 @@ class CudaOps : public NoCollectives {
   // tensor-parallel group (cfg is then its rank's local model), or null. seq_parallel: tp's
   // size for sequence parallelism (the program's activations allocated with it), else 1.
   // tp_overlap: the tp collectives in pieces beside the GEMMs (below), else each whole.
+  // moe_recompute: the program recomputes each layer's forward before its backward
+  // (train.recompute), so a Qwen3-MoE model keeps one shared set of expert activations instead
+  // of one per sparse layer.
   CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp = nullptr,
-          int seq_parallel = 1, bool tp_overlap = false);
+          int seq_parallel = 1, bool tp_overlap = false, bool moe_recompute = false);
   // Forward only, for the KV-cache decoder (generate/kv_decoder_cuda.cpp): the layer ops over
   // any number of rows (set_rows), RoPE tables for positions [0, rope_len), and none of the
   // buffers of the backward, the lm head or the loss (the decoder runs its own head).
@@ -138,7 +142,56 @@ class CudaOps : public NoCollectives {
   bf16* tp_block_output_backward(bf16* full, bf16* dy, int rows, int cols);
   void tp_block_output_ahead(bf16* local, bf16* y, int rows, int cols);
 
+  // Qwen3-MoE (layer_program.h's contract; cuda_ops_moe.cpp), tp = 1, no LoRA, no ep yet. The
+  // router, the routing and the combine are ops/cuda/moe.cuh's kernels, the experts
+  // grouped_gemm.h's GEMMs; a layer's forward copies its experts' row counts to the host once (one
+  // stream synchronisation) and keeps them, with the routing and the experts' activations (gate/up,
+  // SwiGLU and down outputs, in expert order), for the layer's backward. With moe_recompute the
+  // activations are one shared set, which the program's recomputed forward of the layer has just
+  // written when its backward comes (checked). aux_scale: the weight of each micro-batch's
+  // load-balancing loss in the objective (CpuOps' the same).
+  void moe_begin();
+  void moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* x, const bf16* router,
+           const bf16* gate_up, const bf16* down, bool stats);
+  void moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, float* g_down,
+                    const bf16* dy, const bf16* x, const float* probs, const int* idx,
+                    const bf16* rw, const bf16* router, const bf16* gate_up, const bf16* down,
+                    bool acc);
+  void set_moe_aux_scale(float aux_scale) { aux_scale_ = aux_scale; }
+  // The load-balancing loss of the micro-batch's forward (k when balanced); waits for the stream.
+  double moe_aux_loss();
+  // Token-slots routed to each expert of each sparse layer since clear_moe_load():
+  // [sparse layers][E] (host counts, exact).
+  const std::vector<double>& moe_load() const { return load_; }
+  void clear_moe_load() { std::fill(load_.begin(), load_.end(), 0.0); }
+
  private:
+  // Qwen3-MoE buffers (cuda_ops_moe.cpp; none for a dense model). Scratch [rows = N k] shared by
+  // the layers; the routing of each sparse layer kept from its forward for its backward.
+  struct MoeLayer {
+    int *pos = nullptr, *pair = nullptr;  // [N k] pair -> expert-ordered row, and back
+    int* counts_host = nullptr;           // [E] pinned: the layer's rows per expert
+    // The experts' activations in expert order (shared by the layers with moe_recompute_):
+    bf16 *gu = nullptr, *h = nullptr, *out = nullptr;  // [rows, 2Im], [rows, Im], [rows, H]
+  };
+  void moe_allocate(DeviceArena& arena);
+  std::vector<MoeLayer> moe_layers_;      // [L] (empty entries for dense layers)
+  PinnedBuffer moe_counts_host_;          // [sparse layers, E] int
+  int *moe_counts_ = nullptr, *moe_offsets_ = nullptr;  // [E], [E + 1] device
+  void* moe_route_ws_ = nullptr;
+  bf16* moe_logits_ = nullptr;            // [N, E] router logits, then their gradient
+  bf16* moe_x_ = nullptr;                 // [rows, H] the layer's input rows in expert order
+  bf16* moe_dout_ = nullptr;              // [rows, H] d out, then d x_perm
+  bf16 *moe_dh_ = nullptr, *moe_dgu_ = nullptr;  // [rows, Im], [rows, 2Im]
+  bf16* moe_dx_gate_ = nullptr;           // [N, H] the router's input gradient
+  float* moe_dw_ = nullptr;               // [N k] d routing weights
+  double* moe_balance_ = nullptr;         // [2, E] device: counts, summed probabilities
+  double moe_tokens_ = 0;                 // the balance's (layer, token) pairs
+  float aux_scale_ = 0;
+  std::vector<double> load_;              // moe_load()
+  bool moe_recompute_ = false;
+  int moe_last_ = -1;                     // the layer of the last moe() (moe_recompute_)
+
   ModelConfig cfg_;
   int B_, T_, N_;
   bool forward_only_ = false;

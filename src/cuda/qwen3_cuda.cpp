@@ -33,7 +33,10 @@ class FlatUnits final : public UnitSource {
 // The flat watermark of forward_backward relies on the order embedding, layers, norm, lm head.
 const ModelConfig& checked(const ModelConfig& cfg) {
   const ModelOffsets off = ParamLayout(cfg).model_offsets();
-  QT_CHECK(off.embed == 0 && off.norm > (cfg.num_layers > 0 ? off.layers.back().w_down : 0) &&
+  const std::size_t last = cfg.num_layers == 0 ? 0
+                           : off.layers.back().moe ? off.layers.back().experts_down
+                                                   : off.layers.back().w_down;
+  QT_CHECK(off.embed == 0 && off.norm > last &&
                (cfg.tie_word_embeddings || off.lm_head > off.norm),
            "unexpected parameter layout order");
   return cfg;
@@ -43,7 +46,7 @@ const ModelConfig& checked(const ModelConfig& cfg) {
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute,
                      NcclComm* tp, int seq_parallel, bool tp_overlap)
-    : ops_(checked(cfg), B, T, arena, tp, seq_parallel, tp_overlap),
+    : ops_(checked(cfg), B, T, arena, tp, seq_parallel, tp_overlap, recompute),
       program_(cfg, B, T, recompute,
                allocate_acts<bf16>(cfg, B, T, recompute, arena, seq_parallel)) {}
 

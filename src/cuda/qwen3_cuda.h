@@ -120,6 +120,14 @@ class Qwen3Cuda {
   // The flat-layout units of this model (a plan for dp 1: unit ranges do not depend on dp).
   const ShardPlan& units() const { return program_.units(); }
 
+  // Qwen3-MoE (CudaOps' moe ops): the weight of each micro-batch's load-balancing loss in the
+  // objective, the last forward's loss (k when balanced; waits for the stream), and the
+  // token-slots routed to each expert since clear_moe_load() ([sparse layers][E]).
+  void set_moe_aux_scale(float scale) { ops_.set_moe_aux_scale(scale); }
+  double moe_aux_loss() { return ops_.moe_aux_loss(); }
+  const std::vector<double>& moe_load() const { return ops_.moe_load(); }
+  void clear_moe_load() { ops_.clear_moe_load(); }
+
  private:
   CudaOps ops_;
   Qwen3Program<CudaOps> program_;  // the layer program (model/layer_program.h)

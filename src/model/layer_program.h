@@ -63,9 +63,10 @@
 //   moe_begin()                                         a micro-batch's forward starts: its
 //       load-balancing statistics (pooled over the MoE layers, as transformers) restart
 //   moe(l, y, probs, idx, rw, x, router, gate_up, down, stats)   y [N, H] = the routed experts of
-//       x [N, H]; writes the router's probs [N, E], idx [N, k] and routing weights rw [N, k];
-//       stats: add them to the micro-batch's statistics (false when recomputing); gate_up
-//       [El, 2 Im, H] and down [El, H, Im] are the experts stored here (El = E / expert_shards)
+//       x [N, H]; writes the router's probs [N, E] (float), idx [N, k] and routing weights
+//       rw [N, k]; stats: add them to the micro-batch's statistics (false when recomputing);
+//       gate_up [El, 2 Im, H] and down [El, H, Im] are the experts stored here
+//       (El = E / expert_shards)
 //   moe_backward(l, dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw, router, gate_up,
 //       down, acc)                                      dx [N, H] written; with the statistics
 //       of the whole micro-batch, the load-balancing loss's gradient joins the router's
@@ -136,9 +137,10 @@ struct LayerActs {
   float* rstd2;            // [Nl]
   A* gu;                   // [N, 2I] (dense layers)
   A* h;                    // [N, I] (dense layers)
-  // A sparse (MoE) layer's router output: probabilities [N, E], the k experts of each row
-  // [N, k] and their routing weights [N, k] (null in dense layers).
-  A* moe_probs = nullptr;
+  // A sparse (MoE) layer's router output: probabilities [N, E] (fp32 on every back end, as
+  // transformers' softmax), the k experts of each row [N, k] and their routing weights [N, k]
+  // (the activation type: bf16 on CUDA, as transformers); null in dense layers.
+  float* moe_probs = nullptr;
   int* moe_idx = nullptr;
   A* moe_w = nullptr;
   // Sequence parallelism: ln1 and ln2 gathered over tp, the column-parallel GEMMs' inputs, kept
@@ -264,7 +266,7 @@ std::vector<Qwen3Acts<A>> allocate_stage_acts(const ModelConfig& c, int B, int T
         la.h = alloc.template allocate<A>(N * I);
       }
       if (moe) {
-        la.moe_probs = alloc.template allocate<A>(N * E);
+        la.moe_probs = alloc.template allocate<float>(N * E);
         la.moe_idx = alloc.template allocate<int>(N * K);
         la.moe_w = alloc.template allocate<A>(N * K);
       }

@@ -431,8 +431,16 @@ TEST(DeckErrors, Moe) {
   expect_error(moe + "mlp_only_layers = 1,,0\n", {"model.mlp_only_layers", "empty item"});
   expect_error(moe + "mlp_only_layers = one\n", {"model.mlp_only_layers", "item 'one'"});
   expect_error(moe + "router_aux_loss_coef = -0.1\n", {"model.router_aux_loss_coef", ">= 0"});
-  expect_error(moe + "head_dim = 64\n[train]\ndevice = cuda\n",
-               {"train.device = cuda", "Qwen3-MoE", "cpu"});
+  // train.device = cuda: one GPU or dp (cuda/cuda_ops_moe.cpp), not ep; the router's limits.
+  const std::string cuda = "head_dim = 64\n[train]\ndevice = cuda\n";
+  EXPECT_EQ(parse(moe + cuda).train.device, "cuda");
+  expect_error(moe + cuda + "[mesh]\nep = 2\n", {"mesh.ep = 2", "Qwen3-MoE", "train.device = cuda"});
+  expect_error("[model]\nnum_experts = 1025\nnum_experts_per_tok = 2\n" + cuda,
+               {"model.num_experts = 1025", "> 1024", "train.device = cuda"});
+  expect_error("[model]\nnum_experts = 64\nnum_experts_per_tok = 33\n" + cuda,
+               {"model.num_experts_per_tok = 33", "> 32", "train.device = cuda"});
+  expect_error(moe + cuda + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE"});
+  expect_error(moe + cuda + "[lora]\nr = 4\n", {"lora.r = 4", "Qwen3-MoE"});
   expect_error(moe + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE"});
   expect_error(moe + "[mesh]\npp = 2\n", {"mesh.pp = 2", "Qwen3-MoE"});
   expect_error(moe + "[lora]\nr = 4\n", {"lora.r = 4", "Qwen3-MoE"});

@@ -1,0 +1,147 @@
+// CudaOps' Qwen3-MoE block (layer_program.h's moe contract; the CPU oracle is
+// model/cpu_ops_moe.cpp): the router's logits by the GEMM (bf16, as transformers), the router,
+// routing, gather and combine kernels of ops/cuda/moe.cuh, the experts by grouped_gemm.h, and
+// the micro-batch's load-balancing statistics on the device (qwen3-spec.md 3.3: pooled over the
+// sparse layers' tokens, then multiplied).
+//
+// One host synchronisation per sparse layer's forward: the experts' row counts come to pinned
+// host memory for the per-expert GEMM loop (grouped_gemm.h), and stay there for the layer's
+// backward and the load metrics. The experts' activations (gate/up, SwiGLU and down outputs) are
+// kept per sparse layer for its backward, or with train.recompute in one shared set that the
+// program's recomputed forward of the layer has just written; the input rows in expert order are
+// gathered again in the backward (a copy) rather than kept.
+#include <cstring>
+
+#include "cuda/check.h"
+#include "cuda/cuda_ops.h"
+#include "cuda/grouped_gemm.h"
+#include "ops/cuda/gemm.cuh"
+#include "ops/cuda/moe.cuh"
+#include "ops/cuda/swiglu.cuh"
+#include "qtrain/error.h"
+
+namespace qt::cuda {
+
+void CudaOps::moe_allocate(DeviceArena& arena) {
+  QT_CHECK(tp_ == nullptr, "the Qwen3-MoE block under tensor parallelism is not built");
+  const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, L = cfg_.num_layers;
+  const std::size_t N = static_cast<std::size_t>(N_), H = cfg_.hidden_size;
+  const std::size_t Im = cfg_.moe_intermediate_size, rows = N * k;
+  moe_layers_.resize(static_cast<std::size_t>(L));
+  moe_counts_host_ = PinnedBuffer(sizeof(int) * static_cast<std::size_t>(cfg_.num_moe_layers()) * E);
+  std::memset(moe_counts_host_.as<int>(), 0, moe_counts_host_.bytes());
+  MoeLayer shared;
+  for (int l = 0, n = 0; l < L; ++l) {
+    if (!cfg_.is_moe_layer(l)) continue;
+    MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+    m.pos = arena.allocate<int>(rows);
+    m.pair = arena.allocate<int>(rows);
+    m.counts_host = moe_counts_host_.as<int>() + static_cast<std::size_t>(n++) * E;
+    if (!moe_recompute_ || shared.gu == nullptr) {
+      shared.gu = arena.allocate<bf16>(rows * 2 * Im);
+      shared.h = arena.allocate<bf16>(rows * Im);
+      shared.out = arena.allocate<bf16>(rows * H);
+    }
+    m.gu = shared.gu;
+    m.h = shared.h;
+    m.out = shared.out;
+  }
+  moe_counts_ = arena.allocate<int>(E);
+  moe_offsets_ = arena.allocate<int>(E + 1);
+  moe_route_ws_ = arena.allocate(moe_route_workspace_bytes(static_cast<int>(rows), E));
+  moe_logits_ = arena.allocate<bf16>(N * E);
+  moe_x_ = arena.allocate<bf16>(rows * H);
+  moe_dout_ = arena.allocate<bf16>(rows * H);
+  moe_dh_ = arena.allocate<bf16>(rows * Im);
+  moe_dgu_ = arena.allocate<bf16>(rows * 2 * Im);
+  moe_dx_gate_ = arena.allocate<bf16>(N * H);
+  moe_dw_ = arena.allocate<float>(rows);
+  moe_balance_ = arena.allocate<double>(2 * static_cast<std::size_t>(E));
+  load_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()) * E, 0.0);
+}
+
+void CudaOps::moe_begin() {
+  QT_CHECK(moe_balance_ != nullptr, "moe_begin on CudaOps of a dense model");
+  QT_CHECK_CUDA(cudaMemsetAsync(moe_balance_, 0, 2 * sizeof(double) * cfg_.num_experts, s_));
+  moe_tokens_ = 0;
+}
+
+void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* x,
+                  const bf16* router, const bf16* gate_up, const bf16* down, bool stats) {
+  QT_CHECK(moe_balance_ != nullptr && cfg_.is_moe_layer(l), "moe on layer {}, not a sparse one", l);
+  const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
+  const int rows = N_ * k;
+  MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+  cuda::linear_forward(moe_logits_, x, router, N_, H, E, s_);  // [N, E] bf16
+  moe_router_forward(probs, idx, rw, moe_logits_, N_, E, k, cfg_.norm_topk_prob, s_);
+  moe_route(moe_counts_, moe_offsets_, m.pos, m.pair, stats ? moe_balance_ : nullptr, idx, rows,
+            E, moe_route_ws_, s_);
+  if (stats) {
+    moe_probs_colsum(moe_balance_ + E, probs, N_, E, s_);
+    moe_tokens_ += N_;
+  }
+  // The one synchronisation: the per-expert GEMMs need the counts on the host.
+  QT_CHECK_CUDA(cudaMemcpyAsync(m.counts_host, moe_counts_, sizeof(int) * E,
+                                cudaMemcpyDeviceToHost, s_));
+  QT_CHECK_CUDA(cudaStreamSynchronize(s_));
+  if (stats) {
+    int sparse = 0;
+    for (int i = 0; i < l; ++i) sparse += cfg_.is_moe_layer(i) ? 1 : 0;
+    double* load = load_.data() + static_cast<std::size_t>(sparse) * E;
+    for (int e = 0; e < E; ++e) load[e] += m.counts_host[e];
+  }
+  // The experts: out = down(swiglu(gate_up(x_perm))), kept for the backward.
+  const int Im = cfg_.moe_intermediate_size;
+  moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
+  grouped_linear(m.gu, moe_x_, gate_up, m.counts_host, E, H, 2 * Im, s_);
+  swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, rows, Im, s_);
+  grouped_linear(m.out, m.h, down, m.counts_host, E, Im, H, s_);
+  moe_unpermute(y, m.out, rw, m.pos, N_, k, H, s_);
+  moe_last_ = l;
+}
+
+void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, float* g_down,
+                           const bf16* dy, const bf16* x, const float* probs, const int* idx,
+                           const bf16* rw, const bf16* router, const bf16* gate_up,
+                           const bf16* down, bool acc) {
+  QT_CHECK(g_router && g_gate_up && g_down, "a frozen MoE block (LoRA on MoE is not built)");
+  const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
+  const int Im = cfg_.moe_intermediate_size, rows = N_ * k;
+  const MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+  QT_CHECK(!moe_recompute_ || moe_last_ == l,
+           "moe_backward of layer {} after the forward of layer {}: with recompute the expert "
+           "activations are shared, the layer's forward must come right before", l, moe_last_);
+  // d out = w dy and d w = dot(out, dy); then down, SwiGLU and gate_up backward. The layer's
+  // activations stay intact (a backward may run again on them).
+  moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
+  moe_unpermute_backward(moe_dout_, moe_dw_, dy, m.out, rw, m.pos, N_, k, H, s_);
+  grouped_linear_backward(moe_dh_, g_down, moe_dout_, m.h, down, m.counts_host, E, Im, H, s_,
+                          acc);
+  swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,
+                          s_);
+  // d x_perm into moe_dout_ (dead once d h is made).
+  grouped_linear_backward(moe_dout_, g_gate_up, moe_dgu_, moe_x_, gate_up, m.counts_host, E, H,
+                          2 * Im, s_, acc);
+  // The router: d logits from d w (and the load-balancing loss, with the micro-batch's counts).
+  const bool aux = aux_scale_ != 0 && moe_tokens_ > 0;
+  const float aux_scale =
+      aux ? static_cast<float>(aux_scale_ * E / (moe_tokens_ * moe_tokens_)) : 0.f;
+  moe_router_backward(moe_logits_, moe_dw_, probs, idx, aux ? moe_balance_ : nullptr, aux_scale,
+                      N_, E, k, cfg_.norm_topk_prob, s_);
+  cuda::linear_backward(moe_dx_gate_, g_router, moe_logits_, x, router, N_, H, E, s_, acc);
+  moe_permute_backward(dx, moe_dout_, moe_dx_gate_, m.pos, N_, k, H, s_);
+}
+
+double CudaOps::moe_aux_loss() {
+  if (moe_balance_ == nullptr || moe_tokens_ == 0) return 0.0;
+  const int E = cfg_.num_experts;
+  std::vector<double> b(2 * static_cast<std::size_t>(E));
+  QT_CHECK_CUDA(cudaMemcpyAsync(b.data(), moe_balance_, sizeof(double) * b.size(),
+                                cudaMemcpyDeviceToHost, s_));
+  QT_CHECK_CUDA(cudaStreamSynchronize(s_));
+  double s = 0;
+  for (int e = 0; e < E; ++e) s += b[e] * b[E + e];
+  return E * s / (moe_tokens_ * moe_tokens_);
+}
+
+}  // namespace qt::cuda
