@@ -6,13 +6,11 @@
 
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <string>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "gpu_test.h"
+#include "moe_cases.h"
 #include "train/training_harness.h"
 
 namespace qt {
@@ -20,51 +18,20 @@ namespace {
 
 constexpr int kSteps = 12;
 
-std::string deck_text(const std::string& dir) {
-  return "[model]\npreset = tiny\nvocab_size = 256\nhidden_size = 128\nintermediate_size = 256\n"
-         "num_layers = 3\nnum_heads = 4\nnum_kv_heads = 2\nhead_dim = 64\n"
-         "num_experts = 8\nnum_experts_per_tok = 2\nmoe_intermediate_size = 64\n"
-         "mlp_only_layers = 1\nrouter_aux_loss_coef = 0.01\n"
-         "[train]\nseq_len = 64\nmicro_batch = 2\nglobal_batch = 8\nsteps = " +
-         std::to_string(kSteps) + "\nseed = 5\n"
-         "[optim]\nlr = 3e-3\nmin_lr = 3e-4\nwarmup_steps = 3\n"
-         "[data]\nsource = synthetic\n"
-         "[checkpoint]\ndir = " + dir + "\nevery = 1000\nresume = none\n"
-         "[log]\nevery = 1\n";
-}
-
-struct MoeStep {
-  double loss, aux;
-  std::vector<std::vector<double>> tokens;  // [sparse layers][E]
-};
-
-std::vector<MoeStep> read_moe_metrics(const std::string& path) {
-  std::vector<MoeStep> out;
-  std::ifstream f(path);
-  std::string line;
-  while (std::getline(f, line)) {
-    const auto j = nlohmann::json::parse(line);
-    MoeStep s{j["loss"].get<double>(), j.value("aux_loss", -1.0), {}};
-    if (j.contains("expert_tokens"))
-      s.tokens = j["expert_tokens"].get<std::vector<std::vector<double>>>();
-    out.push_back(s);
-  }
-  return out;
-}
-
 TEST(MoeTrainCuda, FollowsTheCpuReferenceWithAndWithoutRecompute) {
   QT_REQUIRE_GPU();
   const std::string tmp = test::shared_temp_dir("moe-cuda-train");
   std::printf("deck seed 5 (fixed: the data and initialisation)\n");
-  auto cpu = test::run(1, deck_text(tmp + "/cpu"), {"--train.device=cpu"}, tmp + "/cpu.jsonl");
-  auto gpu = test::run(1, deck_text(tmp + "/gpu"), {"--train.device=cuda"}, tmp + "/gpu.jsonl");
-  auto rec = test::run(1, deck_text(tmp + "/rec"), {"--train.device=cuda", "--train.recompute=true"},
-                       tmp + "/rec.jsonl");
+  auto deck = [&](const char* d) { return test::moe_deck(tmp + "/" + d, kSteps); };
+  auto cpu = test::run(1, deck("cpu"), {"--train.device=cpu"}, tmp + "/cpu.jsonl");
+  auto gpu = test::run(1, deck("gpu"), {}, tmp + "/gpu.jsonl");
+  auto rec = test::run(1, deck("rec"), {"--train.recompute=true"}, tmp + "/rec.jsonl");
   ASSERT_EQ(cpu.exit_code, 0) << cpu.error;
   ASSERT_EQ(gpu.exit_code, 0) << gpu.error;
   ASSERT_EQ(rec.exit_code, 0) << rec.error;
-  const auto c = read_moe_metrics(tmp + "/cpu.jsonl"), g = read_moe_metrics(tmp + "/gpu.jsonl");
-  const auto r = read_moe_metrics(tmp + "/rec.jsonl");
+  const auto c = test::read_moe_metrics(tmp + "/cpu.jsonl"),
+             g = test::read_moe_metrics(tmp + "/gpu.jsonl");
+  const auto r = test::read_moe_metrics(tmp + "/rec.jsonl");
   ASSERT_EQ(c.size(), static_cast<std::size_t>(kSteps));
   ASSERT_EQ(g.size(), c.size());
   ASSERT_EQ(r.size(), c.size());
@@ -86,10 +53,11 @@ TEST(MoeTrainCuda, FollowsTheCpuReferenceWithAndWithoutRecompute) {
     EXPECT_EQ(r[i].aux, g[i].aux) << "step " << i + 1;
     EXPECT_EQ(r[i].tokens, g[i].tokens) << "step " << i + 1;
   }
-  std::printf("loss: cpu %.5f -> %.5f, cuda %.5f -> %.5f, worst relative difference %.3e; aux "
-              "cpu %.5f cuda %.5f, worst %.3e\n",
-              c.front().loss, c.back().loss, g.front().loss, g.back().loss, worst_loss,
-              c.back().aux, g.back().aux, worst_aux);
+  std::printf(
+      "loss: cpu %.5f -> %.5f, cuda %.5f -> %.5f, worst relative difference %.3e; aux "
+      "cpu %.5f cuda %.5f, worst %.3e\n",
+      c.front().loss, c.back().loss, g.front().loss, g.back().loss, worst_loss, c.back().aux,
+      g.back().aux, worst_aux);
   EXPECT_LT(worst_loss, 2e-2);
   EXPECT_LT(worst_aux, 2e-2);
   EXPECT_LT(g.back().loss, g.front().loss - 0.3);
