@@ -42,12 +42,14 @@ inline double worst_loss_diff(const char* name, const RunResult& got, const RunR
 }
 
 // The same for the gradient norms (the norm is taken during the backward at dp > 1, unit by unit
-// as each shard's last reduction lands): infinity when a norm is not finite or none is shared.
-inline double worst_norm_diff(const char* name, const RunResult& got, const RunResult& ref) {
+// as each shard's last reduction lands), up to step `until`: infinity when a norm is not finite
+// or none is shared.
+inline double worst_norm_diff(const char* name, const RunResult& got, const RunResult& ref,
+                              long until = 1L << 40) {
   double worst = -1;
   for (const auto& x : got.steps)
     for (const auto& y : ref.steps) {
-      if (x.step != y.step) continue;
+      if (x.step != y.step || x.step > until) continue;
       if (!std::isfinite(x.grad_norm) || !std::isfinite(y.grad_norm)) return INFINITY;
       worst = std::max(worst, std::abs(x.grad_norm - y.grad_norm) / y.grad_norm);
     }
