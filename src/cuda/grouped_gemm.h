@@ -4,8 +4,8 @@
 //
 // The offsets ([groups + 1], device memory, as moe_route writes them) stay on the GPU: each
 // product is one launch of ops/cuda/grouped_gemm.cuh's kernels over all groups, with no host
-// synchronisation; rows = offsets[groups] is the total the caller knows (N k pairs). in and out
-// must be multiples of 8. Host code only.
+// synchronisation; rows = offsets[groups] is the total the caller knows (N k pairs). Host code
+// only.
 #pragma once
 
 #include <cuda_bf16.h>

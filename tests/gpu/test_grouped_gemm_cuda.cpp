@@ -2,7 +2,7 @@
 // against a double-precision host reference on the same bf16 inputs: forward, input gradient and
 // weight gradient (written and accumulated), with the groups' offsets only on the device. Uneven
 // groups: empty ones, single rows, counts that are no multiple of any tile, more groups than a
-// warp scans at once, and in / out that are no multiple of 128 (the tiny models' H = 128,
+// warp scans at once, and in / out that are no multiple of 128 (or of 8) (the tiny models' H = 128,
 // Im = 64; the real H = 2048, Im = 768, 2 Im = 1536). Every output starts as NaN; each group's
 // rows are compared on their own (an empty group's weight gradient must be exactly zero).
 #include <gtest/gtest.h>
@@ -119,6 +119,8 @@ INSTANTIATE_TEST_SUITE_P(
         GroupedCase{64, 128, {3, 0, 0, 200, 1, 64, 65, 127}},    // tiny model down (Im -> H)
         GroupedCase{128, 64, {1, 1, 1, 1, 0, 250}},              // out of 64
         GroupedCase{72, 200, {0, 33, 129, 7, 0, 256}},           // no multiple of 16 / 128
+        GroupedCase{60, 44, {5, 0, 140, 1, 66}},                 // no multiple of 8
+        GroupedCase{13, 7, {3, 129, 0, 1}},                      // odd widths
         GroupedCase{128, 64, uneven(70, 4)},                     // > 32 groups, some empty
         GroupedCase{128, 64, {0, 0, 0, 0}},                      // no rows at all
         GroupedCase{2048, 1536, uneven(6, 8)},                   // 30B-A3B gate_up

@@ -50,9 +50,10 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // An R x C tile (C bf16 a row, swizzled as swz<C>) from g (row-major, leading dimension ld) at
-// rows [row0, row0 + R), columns [col0, col0 + C); rows >= row_end and columns >= col_end (a
-// multiple of 8) are zero-filled.
-template <int R, int C>
+// rows [row0, row0 + R), columns [col0, col0 + C); rows >= row_end and columns >= col_end are
+// zero-filled. ALIGNED (ld and col_end multiples of 8, g 16-byte aligned): 16-byte cp.async;
+// otherwise element by element through registers (the small shapes of the tests' models).
+template <int R, int C, bool ALIGNED>
 __device__ __forceinline__ void load_tile(uint32_t tile, const bf16* g, long long ld, int row0,
                                           int row_end, int col0, int col_end, int tid) {
   constexpr int kChunks = C / 8;
@@ -62,9 +63,19 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const bf16* g, long lon
     const int idx = tid + it * kThreads;
     const int r = idx / kChunks, c = idx % kChunks;
     const int row = row0 + r, col = col0 + c * 8;
-    const bool ok = row < row_end && col < col_end;
-    const bf16* src = ok ? g + row * ld + col : g;
-    cp_async_16(tile + swz<C>(r, c), src, ok);
+    if constexpr (ALIGNED) {
+      const bool ok = row < row_end && col < col_end;
+      const bf16* src = ok ? g + row * ld + col : g;
+      cp_async_16(tile + swz<C>(r, c), src, ok);
+    } else {
+      alignas(16) bf16 v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        v[e] = row < row_end && col + e < col_end ? g[row * ld + col + e] : __float2bfloat16(0.f);
+      const uint4 u = *reinterpret_cast<const uint4*>(v);
+      asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};\n" ::"r"(tile + swz<C>(r, c)),
+                   "r"(u.x), "r"(u.y), "r"(u.z), "r"(u.w));
+    }
   }
 }
 
@@ -98,7 +109,7 @@ __device__ __forceinline__ GroupTile find_group_tile(const int* offsets, int gro
   return {-1, 0};
 }
 
-template <Mode MODE>
+template <Mode MODE, bool ALIGNED>
 __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(void* out_ptr, const bf16* a,
                                                                 const bf16* b,
                                                                 const int* offsets, int groups,
@@ -149,13 +160,13 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(void* out_ptr
     const int k0 = k_begin + kt * kBK;
     const uint32_t sa = s0 + stage * kStageBytes, sb = sa + kTileBytes;
     if constexpr (kAT)
-      load_tile<kBK, kBM>(sa, a, lda, k0, k_end, m0, m_end, tid);
+      load_tile<kBK, kBM, ALIGNED>(sa, a, lda, k0, k_end, m0, m_end, tid);
     else
-      load_tile<kBM, kBK>(sa, a, lda, m0, m_end, k0, k_end, tid);
+      load_tile<kBM, kBK, ALIGNED>(sa, a, lda, m0, m_end, k0, k_end, tid);
     if constexpr (kBT)
-      load_tile<kBK, kBN>(sb, b, ldb, k0, k_end, n0, n_end, tid);
+      load_tile<kBK, kBN, ALIGNED>(sb, b, ldb, k0, k_end, n0, n_end, tid);
     else
-      load_tile<kBN, kBK>(sb, b, ldb, n0, n_end, k0, k_end, tid);
+      load_tile<kBN, kBK, ALIGNED>(sb, b, ldb, n0, n_end, k0, k_end, tid);
   };
 
   float acc[4][4][4] = {};
@@ -208,52 +219,73 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(void* out_ptr
     for (int j = 0; j < 4; ++j) {
       const int col = n0 + warp_n * 32 + j * 8 + 2 * t;
       if (col >= n_end) continue;
+      const bool pair = col + 1 < n_end;  // always when ALIGNED (n_end a multiple of 8)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = m0 + warp_m * 64 + i * 16 + g + 8 * h;
         if (row >= m_end) continue;
         const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
         if constexpr (MODE == Mode::kBackwardWeight) {
-          float2* p = reinterpret_cast<float2*>(static_cast<float*>(out_ptr) +
-                                                static_cast<std::size_t>(group) * out * in +
-                                                static_cast<std::size_t>(row) * in + col);
-          float2 r{v0, v1};
-          if (accumulate) {
-            const float2 o = *p;
-            r.x += o.x;
-            r.y += o.y;
+          float* p = static_cast<float*>(out_ptr) + static_cast<std::size_t>(group) * out * in +
+                     static_cast<std::size_t>(row) * in + col;
+          if constexpr (ALIGNED) {
+            float2 r{v0, v1};
+            if (accumulate) {
+              const float2 o = *reinterpret_cast<const float2*>(p);
+              r.x += o.x;
+              r.y += o.y;
+            }
+            *reinterpret_cast<float2*>(p) = r;
+          } else {
+            p[0] = accumulate ? p[0] + v0 : v0;
+            if (pair) p[1] = accumulate ? p[1] + v1 : v1;
           }
-          *p = r;
         } else {
-          *reinterpret_cast<uint32_t*>(static_cast<bf16*>(out_ptr) +
-                                       static_cast<std::size_t>(row) * N + col) = pack_bf16(v0, v1);
+          bf16* p = static_cast<bf16*>(out_ptr) + static_cast<std::size_t>(row) * N + col;
+          if constexpr (ALIGNED) {
+            *reinterpret_cast<uint32_t*>(p) = pack_bf16(v0, v1);
+          } else {
+            p[0] = __float2bfloat16(v0);
+            if (pair) p[1] = __float2bfloat16(v1);
+          }
         }
       }
     }
 }
 
-void check_args(const char* op, const void* p0, const void* p1, const void* p2,
-                const int* offsets, int groups, int rows, int in, int out) {
-  QT_CUDA_REQUIRE(groups >= 1 && rows >= 0 && in > 0 && out > 0 && in % 8 == 0 && out % 8 == 0,
-                  std::string(op) + ": need groups >= 1, rows >= 0, in and out multiples of 8, got groups=" +
+void check_args(const char* op, const int* offsets, int groups, int rows, int in, int out) {
+  QT_CUDA_REQUIRE(groups >= 1 && rows >= 0 && in > 0 && out > 0 && offsets != nullptr,
+                  std::string(op) + ": need groups >= 1, rows >= 0, in, out > 0 and offsets, got groups=" +
                       std::to_string(groups) + " rows=" + std::to_string(rows) +
                       " in=" + std::to_string(in) + " out=" + std::to_string(out));
-  QT_CUDA_REQUIRE(offsets != nullptr && is_aligned16(p0) && is_aligned16(p1) && is_aligned16(p2),
-                  std::string(op) + ": offsets must be set and the matrices 16-byte aligned");
+}
+
+// The fast path's condition: 16-byte rows and pointers.
+bool aligned(const void* p0, const void* p1, const void* p2, int in, int out) {
+  return in % 8 == 0 && out % 8 == 0 && is_aligned16(p0) && is_aligned16(p1) && is_aligned16(p2);
+}
+
+template <Mode MODE, bool ALIGNED>
+void launch_as(dim3 grid, void* c, const bf16* a, const bf16* b, const int* offsets, int groups,
+               int in, int out, bool accumulate, cudaStream_t stream) {
+  static bool configured = false;  // per instantiation; the attribute is per device function
+  if (!configured) {
+    QT_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, ALIGNED>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    configured = true;
+  }
+  grouped_gemm_kernel<MODE, ALIGNED><<<grid, kThreads, kSmemBytes, stream>>>(
+      c, a, b, offsets, groups, in, out, accumulate);
+  QT_CHECK_LAUNCH();
 }
 
 template <Mode MODE>
 void launch(dim3 grid, void* c, const bf16* a, const bf16* b, const int* offsets, int groups,
             int in, int out, bool accumulate, cudaStream_t stream) {
-  static bool configured = false;  // per instantiation; the attribute is per device function
-  if (!configured) {
-    QT_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_kernel<MODE>,
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    configured = true;
-  }
-  grouped_gemm_kernel<MODE><<<grid, kThreads, kSmemBytes, stream>>>(c, a, b, offsets, groups, in,
-                                                                     out, accumulate);
-  QT_CHECK_LAUNCH();
+  if (aligned(c, a, b, in, out))
+    launch_as<MODE, true>(grid, c, a, b, offsets, groups, in, out, accumulate, stream);
+  else
+    launch_as<MODE, false>(grid, c, a, b, offsets, groups, in, out, accumulate, stream);
 }
 
 // Blocks of the row-grouped products: every (row tile, column tile) pair that can exist.
@@ -268,7 +300,7 @@ unsigned row_grouped_blocks(int rows, int groups, int cols) {
 
 void grouped_gemm_forward(bf16* y, const bf16* x, const bf16* w, const int* offsets, int groups,
                           int rows, int in, int out, cudaStream_t stream) {
-  check_args("grouped_gemm_forward", y, x, w, offsets, groups, rows, in, out);
+  check_args("grouped_gemm_forward", offsets, groups, rows, in, out);
   if (rows == 0) return;
   launch<Mode::kForward>(dim3(row_grouped_blocks(rows, groups, out)), y, x, w, offsets, groups,
                          in, out, false, stream);
@@ -276,7 +308,7 @@ void grouped_gemm_forward(bf16* y, const bf16* x, const bf16* w, const int* offs
 
 void grouped_gemm_backward_data(bf16* dx, const bf16* dy, const bf16* w, const int* offsets,
                                 int groups, int rows, int in, int out, cudaStream_t stream) {
-  check_args("grouped_gemm_backward_data", dx, dy, w, offsets, groups, rows, in, out);
+  check_args("grouped_gemm_backward_data", offsets, groups, rows, in, out);
   if (rows == 0) return;
   launch<Mode::kBackwardData>(dim3(row_grouped_blocks(rows, groups, in)), dx, dy, w, offsets,
                               groups, in, out, false, stream);
@@ -285,7 +317,7 @@ void grouped_gemm_backward_data(bf16* dx, const bf16* dy, const bf16* w, const i
 void grouped_gemm_backward_weight(float* dw, const bf16* dy, const bf16* x, const int* offsets,
                                   int groups, int in, int out, bool accumulate,
                                   cudaStream_t stream) {
-  check_args("grouped_gemm_backward_weight", dw, dy, x, offsets, groups, 0, in, out);
+  check_args("grouped_gemm_backward_weight", offsets, groups, 0, in, out);
   QT_CUDA_REQUIRE(groups <= 65535, "grouped_gemm_backward_weight: groups <= 65535");
   const unsigned tiles = static_cast<unsigned>(((out + kBM - 1) / kBM) * ((in + kBN - 1) / kBN));
   launch<Mode::kBackwardWeight>(dim3(tiles, static_cast<unsigned>(groups)), dw, dy, x, offsets,

@@ -4,9 +4,10 @@
 // row-indexed tensors (offsets [groups + 1] on the device: 0, then the inclusive sums of the
 // counts, as moe_route writes them) and its own weight w[g] [out, in].
 //
-// Requirements (checked, std::invalid_argument): in and out multiples of 8, 16-byte aligned
-// pointers, rows = offsets[groups] (the host knows the total: N k pairs; only the grid's size
-// depends on it). Groups may have any number of rows, zero included.
+// rows = offsets[groups] (the host knows the total: N k pairs; only the grid's size depends on
+// it). Groups may have any number of rows, zero included; any in and out (the fast loads want
+// multiples of 8 and 16-byte aligned pointers; otherwise an element-wise path, for small test
+// shapes). Bad arguments throw std::invalid_argument.
 #pragma once
 
 #include <cuda_bf16.h>
