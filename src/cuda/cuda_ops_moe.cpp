@@ -6,10 +6,10 @@
 //
 // No host synchronisation: the experts' row offsets stay on the device (kept per sparse layer
 // for its backward) and feed the grouped GEMMs (grouped_gemm.h) directly; the load metrics are
-// summed on the device and copied when read. The experts' activations (gate/up, SwiGLU and down outputs) are
-// kept per sparse layer for its backward, or with train.recompute in one shared set that the
-// program's recomputed forward of the layer has just written; the input rows in expert order are
-// gathered again in the backward (a copy) rather than kept.
+// summed on the device and copied when read. The experts' activations (gate/up, SwiGLU and down
+// outputs) are kept per sparse layer for its backward, or with train.recompute in one shared set
+// that the program's recomputed forward of the layer has just written; the input rows in expert
+// order are gathered again in the backward (a copy) rather than kept.
 #include <algorithm>
 
 #include "cuda/check.h"
