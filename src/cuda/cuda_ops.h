@@ -161,23 +161,22 @@ class CudaOps : public NoCollectives {
   // The load-balancing loss of the micro-batch's forward (k when balanced); waits for the stream.
   double moe_aux_loss();
   // Token-slots routed to each expert of each sparse layer since clear_moe_load():
-  // [sparse layers][E] (host counts, exact).
-  const std::vector<double>& moe_load() const { return load_; }
-  void clear_moe_load() { std::fill(load_.begin(), load_.end(), 0.0); }
+  // [sparse layers][E] (exact counts, summed on the device; reading them waits for the stream).
+  const std::vector<double>& moe_load() const;
+  void clear_moe_load();
 
  private:
   // Qwen3-MoE buffers (cuda_ops_moe.cpp; none for a dense model). Scratch [rows = N k] shared by
   // the layers; the routing of each sparse layer kept from its forward for its backward.
   struct MoeLayer {
     int *pos = nullptr, *pair = nullptr;  // [N k] pair -> expert-ordered row, and back
-    int* counts_host = nullptr;           // [E] pinned: the layer's rows per expert
+    int* offsets = nullptr;               // [E + 1] device: the layer's expert row offsets
     // The experts' activations in expert order (shared by the layers with moe_recompute_):
     bf16 *gu = nullptr, *h = nullptr, *out = nullptr;  // [rows, 2Im], [rows, Im], [rows, H]
   };
   void moe_allocate(DeviceArena& arena);
   std::vector<MoeLayer> moe_layers_;      // [L] (empty entries for dense layers)
-  PinnedBuffer moe_counts_host_;          // [sparse layers, E] int
-  int *moe_counts_ = nullptr, *moe_offsets_ = nullptr;  // [E], [E + 1] device
+  int* moe_counts_ = nullptr;             // [E] device: the layer being routed
   void* moe_route_ws_ = nullptr;
   bf16* moe_logits_ = nullptr;            // [N, E] router logits, then their gradient
   bf16* moe_x_ = nullptr;                 // [rows, H] the layer's input rows in expert order
@@ -188,7 +187,8 @@ class CudaOps : public NoCollectives {
   double* moe_balance_ = nullptr;         // [2, E] device: counts, summed probabilities
   double moe_tokens_ = 0;                 // the balance's (layer, token) pairs
   float aux_scale_ = 0;
-  std::vector<double> load_;              // moe_load()
+  double* moe_load_ = nullptr;            // [sparse layers, E] device: moe_load()'s sums
+  mutable std::vector<double> load_;      // moe_load()'s host copy
   bool moe_recompute_ = false;
   int moe_last_ = -1;                     // the layer of the last moe() (moe_recompute_)
 

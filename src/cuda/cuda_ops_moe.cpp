@@ -4,13 +4,13 @@
 // the micro-batch's load-balancing statistics on the device (qwen3-spec.md 3.3: pooled over the
 // sparse layers' tokens, then multiplied).
 //
-// One host synchronisation per sparse layer's forward: the experts' row counts come to pinned
-// host memory for the per-expert GEMM loop (grouped_gemm.h), and stay there for the layer's
-// backward and the load metrics. The experts' activations (gate/up, SwiGLU and down outputs) are
-// kept per sparse layer for its backward, or with train.recompute in one shared set that the
-// program's recomputed forward of the layer has just written; the input rows in expert order are
-// gathered again in the backward (a copy) rather than kept.
-#include <cstring>
+// No host synchronisation: the experts' row offsets stay on the device (kept per sparse layer
+// for its backward) and feed the grouped GEMMs (grouped_gemm.h) directly; the load metrics are
+// summed on the device and copied when read. The experts' activations (gate/up, SwiGLU and down
+// outputs) are kept per sparse layer for its backward, or with train.recompute in one shared set
+// that the program's recomputed forward of the layer has just written; the input rows in expert
+// order are gathered again in the backward (a copy) rather than kept.
+#include <algorithm>
 
 #include "cuda/check.h"
 #include "cuda/cuda_ops.h"
@@ -28,15 +28,13 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   const std::size_t N = static_cast<std::size_t>(N_), H = cfg_.hidden_size;
   const std::size_t Im = cfg_.moe_intermediate_size, rows = N * k;
   moe_layers_.resize(static_cast<std::size_t>(L));
-  moe_counts_host_ = PinnedBuffer(sizeof(int) * static_cast<std::size_t>(cfg_.num_moe_layers()) * E);
-  std::memset(moe_counts_host_.as<int>(), 0, moe_counts_host_.bytes());
   MoeLayer shared;
-  for (int l = 0, n = 0; l < L; ++l) {
+  for (int l = 0; l < L; ++l) {
     if (!cfg_.is_moe_layer(l)) continue;
     MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
     m.pos = arena.allocate<int>(rows);
     m.pair = arena.allocate<int>(rows);
-    m.counts_host = moe_counts_host_.as<int>() + static_cast<std::size_t>(n++) * E;
+    m.offsets = arena.allocate<int>(static_cast<std::size_t>(E) + 1);
     if (!moe_recompute_ || shared.gu == nullptr) {
       shared.gu = arena.allocate<bf16>(rows * 2 * Im);
       shared.h = arena.allocate<bf16>(rows * Im);
@@ -47,7 +45,6 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
     m.out = shared.out;
   }
   moe_counts_ = arena.allocate<int>(E);
-  moe_offsets_ = arena.allocate<int>(E + 1);
   moe_route_ws_ = arena.allocate(moe_route_workspace_bytes(static_cast<int>(rows), E));
   moe_logits_ = arena.allocate<bf16>(N * E);
   moe_x_ = arena.allocate<bf16>(rows * H);
@@ -57,7 +54,25 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   moe_dx_gate_ = arena.allocate<bf16>(N * H);
   moe_dw_ = arena.allocate<float>(rows);
   moe_balance_ = arena.allocate<double>(2 * static_cast<std::size_t>(E));
-  load_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()) * E, 0.0);
+  const std::size_t n_load = static_cast<std::size_t>(cfg_.num_moe_layers()) * E;
+  moe_load_ = arena.allocate<double>(n_load);
+  QT_CHECK_CUDA(cudaMemset(moe_load_, 0, sizeof(double) * n_load));
+  load_.assign(n_load, 0.0);
+}
+
+const std::vector<double>& CudaOps::moe_load() const {
+  if (moe_load_ != nullptr) {
+    QT_CHECK_CUDA(cudaMemcpyAsync(load_.data(), moe_load_, sizeof(double) * load_.size(),
+                                  cudaMemcpyDeviceToHost, s_));
+    QT_CHECK_CUDA(cudaStreamSynchronize(s_));
+  }
+  return load_;
+}
+
+void CudaOps::clear_moe_load() {
+  std::fill(load_.begin(), load_.end(), 0.0);
+  if (moe_load_ != nullptr)
+    QT_CHECK_CUDA(cudaMemsetAsync(moe_load_, 0, sizeof(double) * load_.size(), s_));
 }
 
 void CudaOps::moe_begin() {
@@ -74,28 +89,23 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
   MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
   cuda::linear_forward(moe_logits_, x, router, N_, H, E, s_);  // [N, E] bf16
   moe_router_forward(probs, idx, rw, moe_logits_, N_, E, k, cfg_.norm_topk_prob, s_);
-  moe_route(moe_counts_, moe_offsets_, m.pos, m.pair, stats ? moe_balance_ : nullptr, idx, rows,
+  moe_route(moe_counts_, m.offsets, m.pos, m.pair, stats ? moe_balance_ : nullptr, idx, rows,
             E, moe_route_ws_, s_);
   if (stats) {
     moe_probs_colsum(moe_balance_ + E, probs, N_, E, s_);
     moe_tokens_ += N_;
   }
-  // The one synchronisation: the per-expert GEMMs need the counts on the host.
-  QT_CHECK_CUDA(cudaMemcpyAsync(m.counts_host, moe_counts_, sizeof(int) * E,
-                                cudaMemcpyDeviceToHost, s_));
-  QT_CHECK_CUDA(cudaStreamSynchronize(s_));
   if (stats) {
     int sparse = 0;
     for (int i = 0; i < l; ++i) sparse += cfg_.is_moe_layer(i) ? 1 : 0;
-    double* load = load_.data() + static_cast<std::size_t>(sparse) * E;
-    for (int e = 0; e < E; ++e) load[e] += m.counts_host[e];
+    moe_load_add(moe_load_ + static_cast<std::size_t>(sparse) * E, moe_counts_, E, s_);
   }
   // The experts: out = down(swiglu(gate_up(x_perm))), kept for the backward.
   const int Im = cfg_.moe_intermediate_size;
   moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
-  grouped_linear(m.gu, moe_x_, gate_up, m.counts_host, E, H, 2 * Im, s_);
+  grouped_linear(m.gu, moe_x_, gate_up, m.offsets, E, rows, H, 2 * Im, s_);
   swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, rows, Im, s_);
-  grouped_linear(m.out, m.h, down, m.counts_host, E, Im, H, s_);
+  grouped_linear(m.out, m.h, down, m.offsets, E, rows, Im, H, s_);
   moe_unpermute(y, m.out, rw, m.pos, N_, k, H, s_);
   moe_last_ = l;
 }
@@ -115,13 +125,13 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
   // activations stay intact (a backward may run again on them).
   moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
   moe_unpermute_backward(moe_dout_, moe_dw_, dy, m.out, rw, m.pos, N_, k, H, s_);
-  grouped_linear_backward(moe_dh_, g_down, moe_dout_, m.h, down, m.counts_host, E, Im, H, s_,
+  grouped_linear_backward(moe_dh_, g_down, moe_dout_, m.h, down, m.offsets, E, rows, Im, H, s_,
                           acc);
   swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,
                           s_);
   // d x_perm into moe_dout_ (dead once d h is made).
-  grouped_linear_backward(moe_dout_, g_gate_up, moe_dgu_, moe_x_, gate_up, m.counts_host, E, H,
-                          2 * Im, s_, acc);
+  grouped_linear_backward(moe_dout_, g_gate_up, moe_dgu_, moe_x_, gate_up, m.offsets, E, rows,
+                          H, 2 * Im, s_, acc);
   // The router: d logits from d w (and the load-balancing loss, with the micro-batch's counts).
   const bool aux = aux_scale_ != 0 && moe_tokens_ > 0;
   const float aux_scale =

@@ -235,6 +235,17 @@ void moe_route(int* counts, int* offsets, int* pos, int* pair, double* balance_c
   }
 }
 
+static __global__ void moe_load_add_kernel(double* load, const int* counts, int E) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e < E) load[e] += counts[e];
+}
+
+void moe_load_add(double* load, const int* counts, int E, cudaStream_t stream) {
+  if (E <= 0) return;
+  moe_load_add_kernel<<<ceil_div(E, 256), 256, 0, stream>>>(load, counts, E);
+  QT_CHECK_LAUNCH();
+}
+
 // psum[e] += sum over t of probs[t, e]: 32 experts a block, 8 row strides, summed in a fixed order.
 static __global__ void moe_probs_colsum_kernel(double* psum, const float* probs, int N, int E) {
   __shared__ double part[8][32];

@@ -43,6 +43,9 @@ std::size_t moe_route_workspace_bytes(int n_pairs, int E);
 void moe_route(int* counts, int* offsets, int* pos, int* pair, double* balance_count,
                const int* idx, int n_pairs, int E, void* workspace, cudaStream_t stream);
 
+// load [E] += counts [E] (int to fp64, exact): the load statistics, summed on the device.
+void moe_load_add(double* load, const int* counts, int E, cudaStream_t stream);
+
 // psum [E] += the column sums of probs [N, E] (fp64, in a fixed order).
 void moe_probs_colsum(double* psum, const float* probs, int N, int E, cudaStream_t stream);
 

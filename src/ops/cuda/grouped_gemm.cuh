@@ -1,0 +1,35 @@
+// Grouped GEMMs of the Qwen3-MoE experts on the GPU, one launch for all groups, with the groups'
+// rows read from DEVICE memory (no host synchronisation): bf16 inputs, fp32 accumulation
+// (mma.sync m16n8k16), row-major. Group g owns rows [offsets[g], offsets[g + 1]) of the
+// row-indexed tensors (offsets [groups + 1] on the device: 0, then the inclusive sums of the
+// counts, as moe_route writes them) and its own weight w[g] [out, in].
+//
+// rows = offsets[groups] (the host knows the total: N k pairs; only the grid's size depends on
+// it). Groups may have any number of rows, zero included; any in and out (the fast loads want
+// multiples of 8 and 16-byte aligned pointers; otherwise an element-wise path, for small test
+// shapes). Bad arguments throw std::invalid_argument.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime_api.h>
+
+namespace qt::cuda {
+
+using bf16 = __nv_bfloat16;
+
+// y [rows, out]: group g's rows = x [rows, in] group g's rows * w[g]^T, w [groups, out, in].
+// Written.
+void grouped_gemm_forward(bf16* y, const bf16* x, const bf16* w, const int* offsets, int groups,
+                          int rows, int in, int out, cudaStream_t stream);
+
+// dx [rows, in]: group g's rows = dy [rows, out] group g's rows * w[g]. Written.
+void grouped_gemm_backward_data(bf16* dx, const bf16* dy, const bf16* w, const int* offsets,
+                                int groups, int rows, int in, int out, cudaStream_t stream);
+
+// dw[g] [out, in] (fp32) += dy group g^T * x group g, the sum over the group's rows;
+// accumulate false: written (a group without rows gets zeros), dw not read.
+void grouped_gemm_backward_weight(float* dw, const bf16* dy, const bf16* x, const int* offsets,
+                                  int groups, int in, int out, bool accumulate,
+                                  cudaStream_t stream);
+
+}  // namespace qt::cuda
