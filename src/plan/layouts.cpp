@@ -27,6 +27,10 @@ bool allowed(const std::vector<int>& sizes, int v) {
 // Why the mesh (dp, tp, pp) cannot run the search's model and batch, or "".
 std::string why_not(const LayoutSearch& s, int dp, int tp, int pp) {
   const ModelConfig& m = s.model;
+  if (m.is_moe() && (tp > 1 || pp > 1))  // validate_moe (deck.cpp)
+    return fmt::format("mesh.{} = {}: {} parallelism is not built for Qwen3-MoE models (the deck "
+                       "refuses it)", tp > 1 ? "tp" : "pp", tp > 1 ? tp : pp,
+                       tp > 1 ? "tensor" : "pipeline");
   for (const auto& [key, n] : {std::pair{"model.num_heads", m.num_heads},
                                {"model.num_kv_heads", m.num_kv_heads},
                                {"model.intermediate_size", m.intermediate_size},
@@ -64,7 +68,7 @@ std::string why_not(const LayoutSearch& s, int dp, int tp, int pp) {
 // no recompute.
 auto simplicity(const Layout& r) {
   return std::make_tuple(r.in.offload == Offload::kCpu, r.in.mesh.pp, r.in.mesh.tp,
-                         r.in.zero_stage, r.in.recompute);
+                         r.in.mesh.ep, r.in.zero_stage, r.in.recompute);
 }
 
 }  // namespace
@@ -78,11 +82,29 @@ Layouts enumerate_layouts(const LayoutSearch& s) {
       if (!allowed(s.pp, pp)) continue;
       const int dp = s.gpus / tp / pp;
       if (std::string why = why_not(s, dp, tp, pp); !why.empty()) {
-        out.excluded.push_back({dp, tp, pp, std::move(why)});
+        out.excluded.push_back({dp, tp, pp, 1, std::move(why)});
         continue;
       }
+      // Qwen3-MoE: each expert-parallel size; those the deck refuses are left out with why.
+      std::vector<int> eps = {1};
+      if (s.model.is_moe()) {
+        eps.clear();
+        for (int ep : s.ep.empty() ? divisors(dp) : s.ep) {
+          const int E = s.model.num_experts;
+          if (dp % ep != 0)
+            out.excluded.push_back({dp, tp, pp, ep, fmt::format("mesh.ep = {} does not divide "
+                                                                "mesh.dp = {}", ep, dp)});
+          else if (E % ep != 0)
+            out.excluded.push_back({dp, tp, pp, ep, fmt::format("mesh.ep = {} does not divide "
+                                                                "model.num_experts = {}", ep, E)});
+          else
+            eps.push_back(ep);
+        }
+      }
+      for (int ep : eps) {
       MemoryPlanInput in;
       in.model = s.model;
+      in.mesh.ep = ep;
       in.micro_batch = s.micro_batch;
       in.seq_len = s.seq_len;
       in.mesh.dp = dp;
@@ -117,6 +139,7 @@ Layouts enumerate_layouts(const LayoutSearch& s) {
             r.fits = r.memory.gpu() <= s.usable;
             out.rows.push_back(std::move(r));
           }
+      }
     }
   }
   std::stable_sort(out.rows.begin(), out.rows.end(), [](const Layout& a, const Layout& b) {
@@ -146,6 +169,7 @@ std::vector<std::string> deck_keys(const Layout& r) {
   std::vector<std::string> out = {fmt::format("mesh.dp = {}", m.dp),
                                   fmt::format("mesh.tp = {}", m.tp),
                                   fmt::format("mesh.pp = {}", m.pp)};
+  if (r.in.model.is_moe()) out.push_back(fmt::format("mesh.ep = {}", m.ep));
   if (m.pp > 1) {
     out.push_back(fmt::format("mesh.pp_schedule = {}", m.pp_schedule));
     out.push_back(fmt::format("mesh.pp_chunks = {}", m.pp_chunks));

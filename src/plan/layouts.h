@@ -1,5 +1,6 @@
 // Every way to lay a training run out on N GPUs (`qtrain plan`, docs/plan.md): each
-// (dp, tp, pp) mesh with dp x tp x pp = N that the model and the machine allow, and on each
+// (dp, tp, pp) mesh with dp x tp x pp = N that the model and the machine allow (for Qwen3-MoE
+// tp = pp = 1, with each expert-parallel size ep that divides dp and the experts), and on each
 // every ZeRO stage, offload and recompute setting the CUDA back end runs (at dp 1, where every
 // stage is the same run, ZeRO-0 and ZeRO-2 with offload only); for each its memory
 // (memory_plan.h), whether it fits, and its predicted step time (step_time.h). The recommended
@@ -27,6 +28,9 @@ struct LayoutSearch {
   int pp_chunks = 1;                 // mesh.pp_chunks of the rows with pp > 1
   int gpus = 1;                      // N: the whole job
   std::vector<int> tp, pp;           // the sizes allowed (empty: any)
+  // Qwen3-MoE: the expert-parallel sizes tried on each mesh (empty: every divisor of dp; each
+  // must divide dp and model.num_experts, as the deck requires). Dense models: ep 1 only.
+  std::vector<int> ep;
   TopologyConfig topology;           // gpus_per_host bounds tp; the links time the collectives
   std::uint64_t usable = 0;          // GPU bytes a rank may use (memory_plan's gpu())
 };
@@ -34,6 +38,7 @@ struct LayoutSearch {
 // A (dp, tp, pp) mesh left out, and why (naming the deck keys).
 struct Excluded {
   int dp = 1, tp = 1, pp = 1;
+  int ep = 1;  // Qwen3-MoE: the expert-parallel size left out (1 for a whole mesh)
   std::string why;
 };
 
@@ -55,8 +60,8 @@ struct Layouts {
 Layouts enumerate_layouts(const LayoutSearch& search);
 
 // The fastest row that fits, or null. Rows within 1% of its step time tie; of those the simplest
-// wins: no offload, then fewer pipeline stages, fewer tp ranks, the lower ZeRO stage, no
-// recompute. built_only: among the rows the CUDA back end runs today (MemoryPlan::built).
+// wins: no offload, then fewer pipeline stages, fewer tp ranks, fewer ep ranks, the lower ZeRO
+// stage, no recompute. built_only: among the rows the CUDA back end runs today (MemoryPlan::built).
 const Layout* recommended(const Layouts& layouts, bool built_only = false);
 
 // The deck keys that select a row, "mesh.dp = 4", ... in deck order (mesh, train, optim).

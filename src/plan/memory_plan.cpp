@@ -7,9 +7,11 @@
 #include <stdexcept>
 #include <utility>
 
+#include "parallel/expert_parallel.h"
 #include "parallel/pipeline_schedule.h"
 #include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
+#include "qtrain/params.h"
 #include "qtrain/shard_plan.h"
 
 namespace qt::plan {
@@ -52,6 +54,39 @@ u128 qk_norm_rope_backward_ws(u128 N, u128 heads, u128 hd) {
 // bins, look-back and counters. At the shapes trained here rmsnorm's workspace is the larger.
 u128 embedding_backward_ws(u128 N) { return 4 * blk(4 * N) + blk(8 * N) + (u128{64} << 10); }
 
+// moe_route_workspace_bytes(n_pairs, E) (src/ops/cuda/moe.cu): per-block expert counts
+// [ceil(n_pairs / 256), E] and each pair's rank [n_pairs], int32, each 256-aligned.
+u128 moe_route_ws(u128 pairs, u128 E) { return blk(cdiv(pairs, 256) * E * 4) + blk(pairs * 4); }
+
+// CudaOps::moe_allocate (src/cuda/cuda_ops_moe.cpp), allocation by allocation, for the stage's
+// sparse layers; rows = N x k (token, slot) pairs. m is the rank's model (at ep > 1 the router
+// and the counts still span all E experts; the rows an ep rank's experts receive are taken as
+// N x k, the balanced average: a prediction, the CUDA block does not run at ep > 1).
+u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool recompute) {
+  const u128 E = m.num_experts, k = m.num_experts_per_tok, H = m.hidden_size;
+  const u128 Im = m.moe_intermediate_size, rows = N * k;
+  u128 sparse = 0;
+  for (const StageParts::Chunk& c : st.chunks)
+    for (int l = c.first; l < c.last; ++l) sparse += m.is_moe_layer(l) ? 1 : 0;
+  // Per sparse layer: pos, pair [rows] int32; offsets [E + 1] int32.
+  u128 b = sparse * (2 * blk(4 * rows) + blk(4 * (E + 1)));
+  // The experts' activations gu [rows, 2 Im], h [rows, Im], out [rows, H] bf16: per sparse
+  // layer, or one shared set with recompute (moe_recompute_).
+  b += (recompute ? 1 : sparse) * (blk(2 * rows * 2 * Im) + blk(2 * rows * Im) + blk(2 * rows * H));
+  b += blk(4 * E)                   // moe_counts_ [E] int32
+       + blk(moe_route_ws(rows, E))  // moe_route_ws_
+       + blk(2 * N * E)              // moe_logits_ [N, E] bf16
+       + blk(2 * rows * H)           // moe_x_ [rows, H]
+       + blk(2 * rows * H)           // moe_dout_ [rows, H]
+       + blk(2 * rows * Im)          // moe_dh_ [rows, Im]
+       + blk(2 * rows * 2 * Im)      // moe_dgu_ [rows, 2 Im]
+       + blk(2 * N * H)              // moe_dx_gate_ [N, H]
+       + blk(4 * rows)               // moe_dw_ [rows] fp32
+       + blk(8 * 2 * E)              // moe_balance_ [2 E] double
+       + blk(8 * u128(m.num_moe_layers()) * E);  // moe_load_ [sparse layers of the model, E]
+  return b;
+}
+
 // A stage's activation buffers: Qwen3Cuda's (CudaOps' constructor, src/cuda/cuda_ops.cpp, and
 // allocate_stage_acts, src/model/layer_program.h, one call per chunk) and BatchBuffers
 // (training_buffers.cpp). m is the tp rank's model. N = B x T rows; widths H, Q = nh x hd,
@@ -64,30 +99,48 @@ u128 activation_bytes(const ModelConfig& m, const StageParts& st, u128 B, u128 T
   const u128 nh = m.num_heads, nkv = m.num_kv_heads, hd = m.head_dim;
   u128 b = 3 * blk(4 * N);         // BatchBuffers: inputs, targets, positions [B, T] int32
   b += 2 * blk(4 * (T * hd / 2));  // cos_, sin_ [T, hd/2] fp32
-  const u128 layer =                          // LayerActs, one per layer or one shared (recompute)
+  const u128 common =                        // LayerActs, one per layer or one shared (recompute)
       blk(2 * N * (Q + 2 * KV))               // qkv_raw
       + blk(4 * N * nh) + blk(4 * N * nkv)    // q_rstd, k_rstd
       + blk(2 * N * Q) + 2 * blk(2 * N * KV)  // q, k, v
       + blk(2 * N * Q)                        // att
       + blk(4 * B * nh * T)                   // lse [B, nh, T]
-      + 2 * blk(2 * Ns * H) + blk(4 * Ns)     // x_mid, ln2, rstd2
-      + blk(2 * N * 2 * I) + blk(2 * N * I);  // gu [N, 2I], h [N, I]
-  // The backward's scratch: tmp, dx, dtmp, dln [N, H]; dh [N, I]; datt, dq [N, Q];
-  // dk, dv [N, KV]; dqkv [N, Q + 2 KV]; all bf16. Sequence parallelism adds the all-gathered
-  // norm output [N, H] that the column-parallel GEMMs read (gathered again in the backward).
-  const u128 scratch = 4 * blk(2 * N * H) + blk(2 * N * I) + 2 * blk(2 * N * Q) +
-                       2 * blk(2 * N * KV) + blk(2 * N * (Q + 2 * KV)) + (sp ? blk(2 * N * H) : 0);
+      + 2 * blk(2 * Ns * H) + blk(4 * Ns);    // x_mid, ln2, rstd2
+  const u128 dense_mlp = blk(2 * N * 2 * I) + blk(2 * N * I);  // gu [N, 2I], h [N, I]
+  // A sparse layer's router output instead: moe_probs [N, E] fp32, moe_idx [N, k] int32,
+  // moe_w [N, k] bf16.
+  const u128 E = m.num_experts, K = m.num_experts_per_tok;
+  const u128 router = blk(4 * N * E) + blk(4 * N * K) + blk(2 * N * K);
+  bool any_dense = false, any_moe = false;  // allocate_stage_acts' rule
+  for (const StageParts::Chunk& c : st.chunks)
+    for (int l = c.first; l < c.last; ++l) (m.is_moe_layer(l) ? any_moe : any_dense) = true;
+  // The backward's scratch: tmp, dx, dtmp, dln [N, H]; dh [N, I] (dense layers only); datt, dq
+  // [N, Q]; dk, dv [N, KV]; dqkv [N, Q + 2 KV]; all bf16. Sequence parallelism adds the
+  // all-gathered norm output [N, H] that the column-parallel GEMMs read (gathered again in the
+  // backward).
+  const u128 scratch = 4 * blk(2 * N * H) + (any_dense ? blk(2 * N * I) : 0) +
+                       2 * blk(2 * N * Q) + 2 * blk(2 * N * KV) + blk(2 * N * (Q + 2 * KV)) +
+                       (sp ? blk(2 * N * H) : 0);
   for (const StageParts::Chunk& c : st.chunks) {
     const u128 k = c.slots, layers = c.last - c.first;
     // Each slot: x, ln [Ns, H] bf16 and rstd [Ns] fp32 of layers first..last (the chunk's input
-    // through its output), and without recompute the LayerActs of its layers.
+    // through its output), and without recompute the LayerActs of its layers (dense: gu, h;
+    // sparse: the router's output); with recompute one shared set serving both kinds.
     b += k * (layers + 1) * (2 * blk(2 * Ns * H) + blk(4 * Ns));
-    b += (recompute ? 1 : k * layers) * layer + scratch;
+    if (recompute) {
+      b += common + (any_dense ? dense_mlp : 0) + (any_moe ? router : 0);
+    } else {
+      u128 sparse = 0;
+      for (int l = c.first; l < c.last; ++l) sparse += m.is_moe_layer(l) ? 1 : 0;
+      b += k * (layers * common + (layers - sparse) * dense_mlp + sparse * router);
+    }
+    b += scratch;
     // ZB-H1: each slot's deferred weight gradients keep copies of the output gradients that
     // live in the scratch: o's and down's [N, H] and q/k/v's [N, Q + 2 KV] a layer.
     if (zb) b += k * blk(2 * layers * N * (Q + 2 * KV + 2 * H));
     if (u128(c.last) == L && k > 1) b += k * blk(2 * N * H);  // dhead: a slot's own d ln[L]
   }
+  if (any_moe) b += moe_block_bytes(m, st, N, recompute);
   if (st.head) {
     // The lm head: bf16 logits_ [chunk, V] of 1 GiB at most (chunk rows, at most N), fp32
     // losses_ and chunk_lse_ [chunk], the double loss_sum_.
@@ -124,11 +177,19 @@ void validate(const MemoryPlanInput& in) {
   if (std::min({m.vocab_size, m.hidden_size, m.intermediate_size, m.num_layers, m.num_heads,
                 m.num_kv_heads, m.head_dim}) < 1)
     fail_user("every model size must be >= 1");
-  if (m.is_moe())
-    fail_user("model.num_experts = {}: the planner does not model Qwen3-MoE layers yet (issue 18)",
-              m.num_experts);
-  if (s.ep != 1) fail_user("mesh.ep = {}: expert parallelism is not modelled; set it to 1", s.ep);
   if (s.dp < 1) fail_user("the data-parallel size must be >= 1, got {}", s.dp);
+  if (s.ep < 1) fail_user("mesh.ep must be >= 1, got {}", s.ep);
+  if (s.ep != 1 && !m.is_moe())
+    fail_user("mesh.ep = {}: expert parallelism needs a Qwen3-MoE model (model.num_experts > 0)",
+              s.ep);
+  if (m.is_moe()) {  // the deck's rules (validate_moe)
+    if (s.dp % s.ep != 0) fail_user("mesh.ep = {} does not divide mesh.dp = {}", s.ep, s.dp);
+    if (m.num_experts % s.ep != 0)
+      fail_user("mesh.ep = {} does not divide model.num_experts = {}", s.ep, m.num_experts);
+    if (s.tp != 1 || s.pp != 1)
+      fail_user("mesh.tp = {}, mesh.pp = {}: tensor and pipeline parallelism are not built for "
+                "Qwen3-MoE models; set both to 1", s.tp, s.pp);
+  }
   if (s.tp < 1 || s.pp < 1 || s.pp_chunks < 1)
     fail_user("mesh.tp ({}), mesh.pp ({}) and mesh.pp_chunks ({}) must be >= 1", s.tp, s.pp,
               s.pp_chunks);
@@ -266,15 +327,31 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   const ParamUnits units = param_units(m);
   const bool holds_embed = st.embedding || st.tied_copy;
   const u128 layers = st.layers();
+  // Qwen3-MoE (pp = 1, tp = 1, validate): the real layout of the ep rank's model and its units
+  // of plan_qwen3 (at ep > 1 each sparse layer's experts, E / ep of them, a unit of their own
+  // sharded over edp = dp / ep; at ep = 1 inside their layer's unit).
+  const bool moe = m.is_moe();
+  std::optional<ShardPlan> moe_plan;
+  u128 moe_tensors = 0;
+  if (moe) {
+    const ModelConfig local = ep_local_config(m, in.mesh.ep);
+    const ParamLayout layout(local);
+    moe_plan = plan_qwen3(local, layout, in.mesh, in.zero_stage);
+    moe_tensors = layout.params().size();
+  }
   // One AdamWSegment per tensor held: the embedding, 11 per layer, the final norm and lm head.
-  const u128 tensors = (holds_embed ? 1 : 0) + 11 * layers +
-                       (st.head ? (m.tie_word_embeddings ? 1 : 2) : 0);
-  const u128 held_units = (holds_embed ? 1 : 0) + layers + (st.head ? 1 : 0);
+  const u128 tensors = moe ? moe_tensors
+                           : (holds_embed ? 1 : 0) + 11 * layers +
+                                 (st.head ? (m.tie_word_embeddings ? 1 : 2) : 0);
+  const u128 held_units =
+      moe ? moe_plan->units.size() : (holds_embed ? 1 : 0) + layers + (st.head ? 1 : 0);
 
   MemoryPlan p;
   // What the CUDA back end runs today: tp (and sequence parallelism) at any dp, pp at dp 1 with
   // whole backwards (src/cuda/backend_cuda_pipeline.cpp).
-  p.built = in.mesh.pp == 1 || dp == 1 || in.zero_stage <= 1;
+  // Qwen3-MoE: the CUDA block runs at ep = 1 only (tp = pp = 1, validate).
+  p.built = (in.mesh.pp == 1 || dp == 1 || in.zero_stage <= 1) &&
+            (!in.model.is_moe() || in.mesh.ep == 1);
   p.stage = s;
   p.slots = st.max_slots();
   u128 params = 0, grads = 0, optimizer = blk(kAdamWSegmentBytes * tensors),  // segments_
@@ -288,8 +365,9 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
     const bool scatters = dp > 1;                        // ShardedCudaState::scatters()
     const bool whole_grads = stage <= 1 || dp == 1;      // ShardedCudaState::whole_grads()
     u128 owned = 0, all_padded = 1;
-    auto add = [&](u128 count, u128 unit) {
-      const u128 c = ParamUnits::chunk(unit, dp), padded = c * dp;
+    // gdp: the ranks the unit's ZeRO shards spread over (dp; edp for an expert unit).
+    auto add = [&](u128 count, u128 unit, int gdp) {
+      const u128 c = ParamUnits::chunk(unit, gdp), padded = c * gdp;
       const u128 own = stage == 0 ? unit : std::min(unit, c);
       params += count * blk(2 * (gathers ? c : padded));  // Unit::weights bf16
       // Unit::master [unit at ZeRO-0, else chunk], m, v [own] fp32 (on the host with offload)
@@ -298,13 +376,29 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
       owned += count * own;
       if (count > 0) all_padded = std::max(all_padded, padded);
     };
-    if (holds_embed) add(1, units.embed);
-    add(layers, units.layer);
-    if (st.head) add(1, units.last);
-    // The slots: max_chunk and max_padded over the units after the embedding, which has its own.
-    const u128 rest = std::max<u128>(layers > 0 ? units.layer : 0, st.head ? units.last : 0);
-    const u128 max_chunk = ParamUnits::chunk(rest, dp), max_padded = max_chunk * dp;
-    const u128 embed_chunk = ParamUnits::chunk(units.embed, dp), embed_padded = embed_chunk * dp;
+    u128 max_chunk = 0, max_padded = 0, embed_chunk = 0, embed_padded = 0;
+    if (moe) {
+      // Every unit of plan_qwen3 with its own group; the slots: ShardedCudaState's max_chunk
+      // and max_padded over the units after the embedding, which has its own.
+      const std::vector<ParamUnit>& us = moe_plan->units;
+      for (const ParamUnit& u : us) add(1, u.range.size(), u.dp);
+      max_chunk = max_padded = 1;
+      for (std::size_t i = 1; i < us.size(); ++i) {
+        max_chunk = std::max<u128>(max_chunk, us[i].chunk);
+        max_padded = std::max<u128>(max_padded, us[i].padded());
+      }
+      embed_chunk = us[0].chunk;
+      embed_padded = us[0].padded();
+    } else {
+      if (holds_embed) add(1, units.embed, dp);
+      add(layers, units.layer, dp);
+      if (st.head) add(1, units.last, dp);
+      // The slots: max_chunk and max_padded over the units after the embedding, which has its
+      // own.
+      const u128 rest = std::max<u128>(layers > 0 ? units.layer : 0, st.head ? units.last : 0);
+      max_chunk = ParamUnits::chunk(rest, dp), max_padded = max_chunk * dp;
+      embed_chunk = ParamUnits::chunk(units.embed, dp), embed_padded = embed_chunk * dp;
+    }
     if (gathers) {  // weight_ring_: 3 gathered units; embed_weights_ (a tied embedding stays)
       params += 3 * blk(2 * max_padded);
       if (holds_embed) params += blk(2 * embed_padded);

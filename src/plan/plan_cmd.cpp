@@ -19,6 +19,7 @@
 #include "qtrain/comm.h"
 #include "qtrain/deck.h"
 #include "qtrain/error.h"
+#include "qtrain/params.h"
 
 namespace qt {
 
@@ -43,6 +44,8 @@ constexpr const char* kUsage =
     "  --gpus-per-host G   GPUs of one host (topology.gpus_per_host, default 8); tp stays inside\n"
     "                      a host\n"
     "  --tp LIST, --pp LIST  only these tensor / pipeline sizes, e.g. --tp 4,8 (default: all)\n"
+    "  --ep LIST           Qwen3-MoE: only these expert-parallel sizes (default: every divisor\n"
+    "                      of dp that divides model.num_experts)\n"
     "  --sequence-parallel plan tp > 1 with sequence parallelism (as the deck's\n"
     "                      mesh.sequence_parallel = true does)\n"
     "  --all               list the layouts that do not fit too\n"
@@ -59,7 +62,7 @@ struct Options {
   std::string deck;
   int gpus = 0;
   double gpu_mem_gib = 0;
-  std::vector<int> tp, pp;             // --tp, --pp: allowed sizes (empty: any)
+  std::vector<int> tp, pp, ep;         // --tp, --pp, --ep: allowed sizes (empty: any)
   bool sequence_parallel = false;      // --sequence-parallel
   bool all = false;                    // --all
   std::string pp_schedule, pp_chunks;  // --mesh.pp_schedule, --mesh.pp_chunks (or the deck's)
@@ -142,7 +145,7 @@ Options parse_options(int argc, char** argv) {
       once(key);
       (key == "--all" ? o.all : o.sequence_parallel) = true;
     } else if (key == "--gpus" || key == "--gpu-mem" || key == "--gpus-per-host" ||
-               key == "--tp" || key == "--pp") {
+               key == "--tp" || key == "--pp" || key == "--ep") {
       std::string value;
       if (eq != std::string::npos)
         value = a.substr(eq + 1);
@@ -158,11 +161,14 @@ Options parse_options(int argc, char** argv) {
                                           parse_count(value, "--gpus-per-host", 1'000'000)));
       if (key == "--tp") o.tp = parse_list(value, "--tp");
       if (key == "--pp") o.pp = parse_list(value, "--pp");
+      if (key == "--ep") o.ep = parse_list(value, "--ep");
     } else if (key.rfind("--", 0) == 0 && key.find('.') != std::string::npos) {
       if (eq == std::string::npos) fail_user("{} has no value; write {}=value", a, a);
       if (key == "--mesh.dp") fail_user("--mesh.dp: the plan's data-parallel size is --gpus");
       if (key == "--mesh.tp" || key == "--mesh.pp")
         fail_user("{}: the plan tries every size; pin them with --tp and --pp", key);
+      if (key == "--mesh.ep")
+        fail_user("--mesh.ep: the plan tries every size; pin them with --ep");
       if (key == "--mesh.pp_layers")
         fail_user("--mesh.pp_layers: the plan balances each pipeline's layers by cost");
       if (key == "--mesh.pp_schedule") {
@@ -206,7 +212,7 @@ PlanDeck read_deck(const Options& o) {
     return false;
   };
   args.insert(args.end(), o.overrides.begin(), o.overrides.end());
-  for (const char* kv : {"mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "mesh.pp_chunks=1",
+  for (const char* kv : {"mesh.dp=1", "mesh.tp=1", "mesh.pp=1", "mesh.ep=1", "mesh.pp_chunks=1",
                          "mesh.pp_schedule=1f1b", "mesh.pp_layers="})
     args.push_back(std::string("--") + kv);
   for (const char* kv :
@@ -282,11 +288,13 @@ std::vector<std::string> cuda_limits(const ModelConfig& m) {
   return out;
 }
 
-// "dp  tp  pp zero offload recompute" of a row.
+// "dp  tp  pp zero offload recompute" of a row ("dp  tp  pp  ep ..." for Qwen3-MoE).
 std::string mesh_cells(const plan::Layout& r) {
   const MeshShape& m = r.in.mesh;
-  return fmt::format("{:>4} {:>3} {:>3} {:>4} {:<7} {:<9}", m.dp, m.tp, m.pp, r.in.zero_stage,
-                     plan::offload_name(r.in.offload), r.in.recompute ? "yes" : "no");
+  const std::string ep = r.in.model.is_moe() ? fmt::format(" {:>3}", m.ep) : std::string();
+  return fmt::format("{:>4} {:>3} {:>3}{} {:>4} {:<7} {:<9}", m.dp, m.tp, m.pp, ep,
+                     r.in.zero_stage, plan::offload_name(r.in.offload),
+                     r.in.recompute ? "yes" : "no");
 }
 
 std::string report(const Options& o, const PlanDeck& pd) {
@@ -300,10 +308,22 @@ std::string report(const Options& o, const PlanDeck& pd) {
   const std::string name = !m.preset.empty()       ? m.preset
                            : !d.model_init.empty() ? d.model_init + "/config.json"
                                                    : std::string("[model] keys");
-  out += fmt::format(
-      "model    {}: {} parameters ({}); units: embedding {}, {} layers of {}, final norm{} {}\n",
-      name, grouped(u.total()), short_count(u.total()), grouped(u.embed), u.layers,
-      grouped(u.layer), m.tie_word_embeddings ? " (lm head tied)" : " + lm head", grouped(u.last));
+  if (!m.is_moe()) {
+    out += fmt::format(
+        "model    {}: {} parameters ({}); units: embedding {}, {} layers of {}, final norm{} {}\n",
+        name, grouped(u.total()), short_count(u.total()), grouped(u.embed), u.layers,
+        grouped(u.layer), m.tie_word_embeddings ? " (lm head tied)" : " + lm head",
+        grouped(u.last));
+  } else {
+    const std::uint64_t total = ParamLayout(m).numel();
+    const double experts = 3.0 * m.num_experts * m.hidden_size * m.moe_intermediate_size;
+    out += fmt::format(
+        "model    {}: {} parameters ({}), {:.2f}B active a token; {} of {} layers sparse, each "
+        "with {} experts of width {} ({} a layer), {} a token\n",
+        name, grouped(total), short_count(total), m.active_params_f64() * 1e-9,
+        m.num_moe_layers(), m.num_layers, m.num_experts, m.moe_intermediate_size,
+        short_count(static_cast<std::uint64_t>(experts)), m.num_experts_per_tok);
+  }
   out += fmt::format(
       "batch    train.micro_batch {} x train.seq_len {} tokens, train.global_batch {} sequences "
       "a step, optim.grad_reduce = {}\n",
@@ -337,6 +357,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
   search.gpus = o.gpus;
   search.tp = o.tp;
   search.pp = o.pp;
+  search.ep = o.ep;
   search.topology = topo;
   search.usable = usable;
   const plan::Layouts all = plan::enumerate_layouts(search);
@@ -349,7 +370,8 @@ std::string report(const Options& o, const PlanDeck& pd) {
                      all.excluded.empty() ? "" : fmt::format(", {} cannot:", all.excluded.size()),
                      o.tp.empty() && o.pp.empty() ? "" : " (--tp/--pp given)");
   for (const plan::Excluded& e : all.excluded)
-    out += fmt::format("           dp {} x tp {} x pp {}: {}\n", e.dp, e.tp, e.pp, e.why);
+    out += fmt::format("           dp {} x tp {} x pp {}{}: {}\n", e.dp, e.tp, e.pp,
+                       m.is_moe() ? fmt::format(" x ep {}", e.ep) : std::string(), e.why);
   if (all.settings_skipped > 0)
     out += fmt::format("         ({} settings left out: mesh.pp_schedule = zb-h1 needs "
                        "train.recompute = false, and optim.zero_stage 0 or 1 at dp > 1)\n",
@@ -370,7 +392,8 @@ std::string report(const Options& o, const PlanDeck& pd) {
       "\nLayouts{}, fastest first: peak memory of one rank in {} (the pipeline "
       "stage that needs most), predicted step time\n",
       o.all ? " (those that fit first)" : " that fit", unit);
-  out += "  dp  tp  pp zero offload recompute   params    grads optimizer activations workspace"
+  out += std::string(m.is_moe() ? "  dp  tp  pp  ep" : "  dp  tp  pp") +
+         " zero offload recompute   params    grads optimizer activations workspace"
          "    total fits   step s tokens/s/GPU   MFU bubble  host built\n";
   int listed = 0;
   for (const plan::Layout& r : all.rows) {
@@ -391,9 +414,10 @@ std::string report(const Options& o, const PlanDeck& pd) {
     for (const plan::Layout& r : all.rows)
       if (!r.fits && (!least || r.memory.gpu() < least->memory.gpu())) least = &r;
     out += fmt::format("  ... and {} that do not fit (the least needs {:.2f} {}: dp {} x tp {} x "
-                       "pp {}, ZeRO-{}, offload {}); --all lists them\n",
+                       "pp {}{}, ZeRO-{}, offload {}); --all lists them\n",
                        all.rows.size() - fitting, in_unit(least->memory.gpu()), unit,
                        least->in.mesh.dp, least->in.mesh.tp, least->in.mesh.pp,
+                       m.is_moe() ? fmt::format(" x ep {}", least->in.mesh.ep) : std::string(),
                        least->in.zero_stage, plan::offload_name(least->in.offload));
   }
   out += fmt::format(
@@ -401,6 +425,11 @@ std::string report(const Options& o, const PlanDeck& pd) {
       "{}; built: the CUDA back end\nruns this layout today (no: a prediction of a path not built yet: pp > 1 at dp > 1 with "
       "ZeRO-2 or 3; docs/plan.md). Step times are predictions (docs/plan.md).\n",
       unit);
+  if (m.is_moe())
+    out += "Qwen3-MoE: the CUDA back end runs the sparse block at ep = 1, tp = 1, pp = 1 (any dp "
+           "and ZeRO stage); every\nep > 1 row is a prediction (built: no): its experts E / ep a "
+           "rank sharded over dp / ep, its all-to-alls\ntimed over the links, its dispatch "
+           "buffers not counted (docs/plan.md). tp and pp > 1 are not built for MoE.\n";
 
   const plan::Layout* best = plan::recommended(all);
   if (best) {
@@ -408,7 +437,10 @@ std::string report(const Options& o, const PlanDeck& pd) {
     out += fmt::format(
         "recommended: dp {} x tp {} x pp {}, ZeRO-{}, offload {}, recompute {}: {:.2f} of {:.2f} "
         "{}, {:.3f} s a step, {:.0f} tokens/s per GPU, {:.1f}% MFU (predicted)\n",
-        best->in.mesh.dp, best->in.mesh.tp, best->in.mesh.pp, best->in.zero_stage,
+        best->in.mesh.dp, best->in.mesh.tp,
+        m.is_moe() ? fmt::format("{} x ep {}", best->in.mesh.pp, best->in.mesh.ep)
+                   : std::to_string(best->in.mesh.pp),
+        best->in.zero_stage,
         plan::offload_name(best->in.offload), best->in.recompute ? "on" : "off",
         in_unit(best->memory.gpu()), in_unit(usable), unit, t.total, t.tokens_per_s_per_gpu,
         100 * t.mfu);
@@ -416,6 +448,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
         "  step: compute {:.3f} s, tp {:.3f}, pipeline sends {:.3f}, bubble {:.3f}, dp exposed "
         "{:.3f}, optimizer {:.3f}\n",
         t.compute, t.tp_comm, t.pp_comm, t.bubble, t.dp_exposed, t.optimizer);
+    if (m.is_moe()) out += fmt::format("  ep all-to-all {:.3f} s\n", t.ep_comm);
     std::vector<std::string> keys = plan::deck_keys(*best);
     if (d.optim.grad_reduce == "bf16" && best->in.zero_stage >= 2)
       keys.push_back("optim.grad_reduce = fp32");
@@ -426,8 +459,10 @@ std::string report(const Options& o, const PlanDeck& pd) {
     }
     out += "  deck keys:" + line + "\n";
     if (!best->memory.built) {
-      out += "  note: the CUDA back end does not run this layout yet (a pipeline at dp > 1 with "
-             "ZeRO-2 or 3): its numbers predict that path\n";
+      out += m.is_moe() ? "  note: the CUDA back end does not run this layout yet (expert "
+                          "parallelism, mesh.ep > 1): its numbers predict that path\n"
+                        : "  note: the CUDA back end does not run this layout yet (a pipeline at "
+                          "dp > 1 with ZeRO-2 or 3): its numbers predict that path\n";
       if (const plan::Layout* now = plan::recommended(all, /*built_only=*/true)) {
         std::string now_keys;
         for (const std::string& k : plan::deck_keys(*now)) {
@@ -437,7 +472,10 @@ std::string report(const Options& o, const PlanDeck& pd) {
         out += fmt::format(
             "recommended among the layouts it runs today: dp {} x tp {} x pp {}, ZeRO-{}, offload "
             "{}, recompute {}: {:.2f} {}, {:.3f} s a step, {:.1f}% MFU (predicted)\n  its deck keys:{}\n",
-            now->in.mesh.dp, now->in.mesh.tp, now->in.mesh.pp, now->in.zero_stage,
+            now->in.mesh.dp, now->in.mesh.tp,
+            m.is_moe() ? fmt::format("{} x ep {}", now->in.mesh.pp, now->in.mesh.ep)
+                       : std::to_string(now->in.mesh.pp),
+            now->in.zero_stage,
             plan::offload_name(now->in.offload), now->in.recompute ? "on" : "off",
             in_unit(now->memory.gpu()), unit, now->time.total, 100 * now->time.mfu, now_keys);
       }

@@ -34,6 +34,7 @@ Link link(bool inside_host, const TopologyConfig& topo, const Rates& r) {
 struct StageCost {
   double fwd = 0, bwd_input = 0, bwd_weight = 0;  // compute: F, and B = I + W
   double tp_fwd = 0, tp_bwd = 0;                   // tp collectives, exposed
+  double ep_fwd = 0, ep_bwd = 0;                   // expert all-to-alls, exposed
   double p2p = 0;                                  // one pipeline message, each way
   double dp_fwd = 0, dp_bwd = 0;                   // ZeRO-2/3 beside each micro-batch
   double dp_last = 0;                              // ZeRO-0/1: the whole stage's reduction
@@ -42,9 +43,9 @@ struct StageCost {
   double largest_unit = 0;
   double k = 0;  // Rates::dp_interference
   // A micro-batch's forward and backward with the dp collectives beside them.
-  double f() const { return std::max(fwd + tp_fwd + p2p + k * dp_fwd, dp_fwd); }
+  double f() const { return std::max(fwd + tp_fwd + ep_fwd + p2p + k * dp_fwd, dp_fwd); }
   double b() const {
-    return std::max(bwd_input + bwd_weight + tp_bwd + p2p + k * dp_bwd, dp_bwd);
+    return std::max(bwd_input + bwd_weight + tp_bwd + ep_bwd + p2p + k * dp_bwd, dp_bwd);
   }
 };
 
@@ -71,8 +72,34 @@ StepTime step_time(const MemoryPlanInput& in, const TopologyConfig& topo, const 
   const Link dp_link = link(group_inside_host(tp, dp, world, G), topo, r);
   const Link pp_link = link(world <= G, topo, r);  // some stage boundary crosses hosts otherwise
 
-  // FLOPs a token, forward: a layer's projections, its causal attention, the lm head.
-  const double layer_flops = 2 * H * (Q + 2 * KV) + 2 * Q * H + 6 * H * I;
+  // FLOPs a token, forward: a layer's projections, its causal attention, the lm head. A sparse
+  // layer (Qwen3-MoE) runs its router [E, H] and k experts of width Im instead of the dense MLP
+  // (active parameters only, as ModelConfig::active_params_f64 counts them); layer_flops is the
+  // mean over the model's layers (MoE models run at pp = 1: every stage holds them all).
+  const double E = m.num_experts, K = m.num_experts_per_tok, Im = m.moe_intermediate_size;
+  const double attn_proj_flops = 2 * H * (Q + 2 * KV) + 2 * Q * H;
+  const double sparse_layers = m.is_moe() ? m.num_moe_layers() : 0;
+  const double moe_mlp_flops = 2 * H * E + 6 * H * Im * K;
+  const double layer_flops =
+      m.is_moe() ? attn_proj_flops + ((m.num_layers - sparse_layers) * 6 * H * I +
+                                      sparse_layers * moe_mlp_flops) / m.num_layers
+                 : 2 * H * (Q + 2 * KV) + 2 * Q * H + 6 * H * I;
+  // Expert parallelism (ep > 1): each sparse layer sends its (token, slot) rows [N k, H] bf16 to
+  // the experts' ranks and back (dispatch and combine), in the forward and again in the
+  // backward: 4 all-to-alls a layer, each (ep - 1) / ep of its 2 N k H bytes over the link of
+  // the ep group (ep consecutive dp ranks, tp apart). Not overlapped with the compute.
+  const int ep = mesh.ep;
+  const Link ep_link = link(group_inside_host(tp, ep, world, G), topo, r);
+  const double all_to_all =
+      ep > 1 ? double(ep - 1) / ep * 2 * N * K * H / ep_link.busbw + ep_link.latency : 0;
+  // The rank's parameters: each sparse layer's experts E / ep (3 E H Im elements in all) and
+  // the router [E, H]; at ep > 1 the experts are units of their own (sharded over edp = dp / ep;
+  // timed here as if over dp: the update's share per rank, E / ep / edp = E / dp, is the same).
+  const double experts_per_layer = 3 * E * H * Im;
+  const double moe_layer_params =
+      m.is_moe() ? H + Q * H + 2 * KV * H + H * Q + 2 * m.head_dim + H + E * H +
+                       (ep == 1 ? experts_per_layer : 0)
+                 : 0;
   const double attn_flops = 2 * T * Q;
   const double head_flops = 2 * H * Vl;
   const double act_bytes = 2 * N * H;  // a tp all-reduce's [N, H] bf16 (sp: gather + scatter)
@@ -100,9 +127,21 @@ StepTime step_time(const MemoryPlanInput& in, const TopologyConfig& topo, const 
     }
     if (P > 1) c.p2p = V * pp_link.send(2 * Ns * H);
     const bool holds_embed = st.embedding || st.tied_copy;
+    if (ep > 1) {
+      c.ep_fwd = 2 * sparse_layers * all_to_all;
+      c.ep_bwd = 2 * sparse_layers * all_to_all;
+    }
     c.params = (holds_embed ? units.embed : 0) + layers * double(units.layer) +
                (st.head ? units.last : 0);
     c.largest_unit = std::max<double>(layers > 0 ? units.layer : 0, st.head ? units.last : 0);
+    if (m.is_moe()) {  // every layer on the one stage
+      c.params = (holds_embed ? units.embed : 0) + (layers - sparse_layers) * double(units.layer) +
+                 sparse_layers * (moe_layer_params + (ep > 1 ? experts_per_layer / ep : 0)) +
+                 (st.head ? units.last : 0);
+      c.largest_unit = std::max({sparse_layers < layers ? double(units.layer) : 0.0,
+                                 moe_layer_params, ep > 1 ? experts_per_layer / ep : 0.0,
+                                 st.head ? double(units.last) : 0.0});
+    }
     if (dp > 1) {
       const double n_units = (holds_embed ? 1 : 0) + layers + (st.head ? 1 : 0);
       const double lat = n_units * dp_link.latency;
@@ -147,11 +186,13 @@ StepTime step_time(const MemoryPlanInput& in, const TopologyConfig& topo, const 
   }
   out.compute = M * (crit.fwd + crit.bwd_input + crit.bwd_weight);
   out.tp_comm = M * (crit.tp_fwd + crit.tp_bwd);
+  out.ep_comm = M * (crit.ep_fwd + crit.ep_bwd);
   out.pp_comm = M * 2 * crit.p2p;
   out.bubble = std::max(0.0, makespan - M * (crit.f() + crit.b()));
   // ZeRO-0/1 reduce beside the last backward; ZeRO-2/3's last unit after it.
   const double dp_hidden_behind =
-      std::max(0.0, M * (crit.f() + crit.b()) - out.compute - out.tp_comm - out.pp_comm);
+      std::max(0.0, M * (crit.f() + crit.b()) - out.compute - out.tp_comm - out.ep_comm -
+                        out.pp_comm);
   const double last_overlap =
       in.zero_stage <= 1 ? std::max(0.0, crit.dp_last - crit.b()) +
                                r.dp_interference * std::min(crit.dp_last, crit.b())
@@ -174,17 +215,28 @@ StepTime step_time(const MemoryPlanInput& in, const TopologyConfig& topo, const 
     update += pp_link.send(4 * double(units.embed));
   out.optimizer = update + link(world <= G, topo, r).latency;  // + the gradient norm's sum
 
-  out.total = out.compute + out.tp_comm + out.pp_comm + out.bubble + out.dp_exposed +
-              out.optimizer;
+  out.total = out.compute + out.tp_comm + out.ep_comm + out.pp_comm + out.bubble +
+              out.dp_exposed + out.optimizer;
   const double tokens = double(M) * B * T * dp;
   out.tokens_per_s_per_gpu = tokens / out.total / world;
   // Model FLOPs as bench/summarize_throughput.py counts them: 6 x the parameters in matrix
   // products (the lm head once) + 12 L Q T a token, global sizes.
+  // Qwen3-MoE: a sparse layer's router and k of its E experts (bench/moe_slice.sh's count).
   const ModelConfig& g = in.model;
-  const double n = double(g.num_layers) * (2.0 * g.hidden_size * g.q_dim() +
-                                           2.0 * g.hidden_size * g.kv_dim() +
-                                           3.0 * g.hidden_size * g.intermediate_size) +
-                   double(g.vocab_size) * g.hidden_size;
+  const double g_sparse = g.is_moe() ? g.num_moe_layers() : 0;
+  const double n =
+      !g.is_moe()
+          ? double(g.num_layers) * (2.0 * g.hidden_size * g.q_dim() +
+                                    2.0 * g.hidden_size * g.kv_dim() +
+                                    3.0 * g.hidden_size * g.intermediate_size) +
+                double(g.vocab_size) * g.hidden_size
+          : double(g.num_layers) * (2.0 * g.hidden_size * g.q_dim() +
+                                    2.0 * g.hidden_size * g.kv_dim()) +
+                (g.num_layers - g_sparse) * 3.0 * g.hidden_size * g.intermediate_size +
+                g_sparse * (double(g.num_experts) * g.hidden_size +
+                            3.0 * g.num_experts_per_tok * g.hidden_size *
+                                g.moe_intermediate_size) +
+                double(g.vocab_size) * g.hidden_size;
   const double model_flops = 6 * n + 12.0 * g.num_layers * g.q_dim() * T;
   out.mfu = model_flops * out.tokens_per_s_per_gpu / r.peak_flops;
   return out;

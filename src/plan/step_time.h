@@ -54,6 +54,8 @@ struct StepTime {
   double compute = 0;     // forward and backward of the step's micro-batches (the slowest stage)
   double tp_comm = 0;     // tensor parallelism's all-reduces (sequence parallel: all-gathers and
                           // reduce-scatters), not overlapped
+  double ep_comm = 0;     // expert parallelism's all-to-alls (dispatch and combine), not
+                          // overlapped
   double pp_comm = 0;     // the pipeline's sends of activations and their gradients
   double dp_exposed = 0;  // data-parallel gathers and reductions the compute does not hide
   double bubble = 0;      // pipeline stages idle
