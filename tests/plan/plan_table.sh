@@ -26,8 +26,13 @@ awk -v want="$want" '
     for (i = 1; i < NF; ++i) if ($(i + 1) ~ /^GiB$/ && $(i + 2) == "usable") usable = $i
   }
   /^Layouts/ { mib = ($0 ~ / MiB /) }
+  # Qwen3-MoE tables have an ep column after pp: kept in the key, then dropped from the fields.
+  /^  dp  tp  pp  ep / { moe = 1 }
+  moe && /^ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ +[0-3] +(none|cpu) +(yes|no) / {
+    ep = " ep " $4; $4 = ""; $0 = $0
+  }
   /^ +[0-9]+ +[0-9]+ +[0-9]+ +[0-3] +(none|cpu) +(yes|no) / {
-    key = $1 " " $2 " " $3 " " $4 " " $5 " " $6
+    key = $1 " " $2 " " $3 (moe ? ep : "") " " $4 " " $5 " " $6
     if (key in seen) { print "FAIL: row " key " printed twice"; bad = 1 }
     seen[key] = 1; rows++
     if ($1 * $2 * $3 != gpus) { print "FAIL: row " key ": not " gpus " GPUs"; bad = 1 }
@@ -45,12 +50,15 @@ awk -v want="$want" '
     prev_ok = ok; prev_t = t
   }
   /^recommended: / {
-    # "recommended: dp 4 x tp 2 x pp 4, ZeRO-2, offload none, recompute off: ..."
+    # "recommended: dp 4 x tp 2 x pp 4, ZeRO-2, offload none, recompute off: ..." (Qwen3-MoE:
+    # "pp 1 x ep 8, ZeRO-2, ...")
+    rep = ""
+    if ($10 == "x" && $11 == "ep") { rep = " ep " $12; sub(/,/, "", rep); $10 = $11 = $12 = ""; $0 = $0 }
     pp = $9; sub(/,/, "", pp)
     z = $10; sub(/ZeRO-/, "", z); sub(/,/, "", z)
     off = $12; sub(/,/, "", off)
     rc_ = $14; sub(/:/, "", rc_)
-    rec = $3 " " $6 " " pp " " z " " off " " (rc_ == "on" ? "yes" : "no")
+    rec = $3 " " $6 " " pp rep " " z " " off " " (rc_ == "on" ? "yes" : "no")
   }
   /^nothing fits / { nothing = 1 }
   END {

@@ -1,0 +1,247 @@
+// `qtrain plan` on Qwen3-MoE (src/plan/memory_plan.h, layouts.h, step_time.h): a tiny MoE
+// model's parameter bytes at ep 1 and ep 2, its expert units sharded over edp = dp / ep, and its
+// activation bytes (LayerActs' router buffers, CudaOps::moe_allocate's buffers) worked out by
+// hand from the config, not from the planner's code; the enumeration of ep; the step time's
+// all-to-all; Qwen3-30B-A3B on 8 GPUs of 80 GB.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "plan/layouts.h"
+#include "plan/memory_plan.h"
+#include "plan/step_time.h"
+#include "qtrain/error.h"
+#include "qtrain/model_config.h"
+
+namespace {
+
+using qt::ModelConfig;
+using qt::plan::MemoryPlan;
+using qt::plan::MemoryPlanInput;
+using u64 = std::uint64_t;
+
+constexpr u64 r(u64 bytes) { return (bytes + 255) / 256 * 256; }  // an arena block
+
+// inputs/tiny-moe.ini's model: V 256, H 64, 3 layers, 4 q / 2 kv heads of 16, tied; layers 0
+// and 2 sparse with E = 8 experts of width Im = 32, k = 2 a token; layer 1 dense (I = 128).
+ModelConfig tiny_moe() {
+  ModelConfig m = *qt::model_preset("tiny");
+  m.intermediate_size = 128;
+  m.num_layers = 3;
+  m.num_experts = 8;
+  m.num_experts_per_tok = 2;
+  m.moe_intermediate_size = 32;
+  m.mlp_only_layers = {1};
+  return m;
+}
+
+MemoryPlanInput input(int dp, int ep, int stage, bool recompute = false) {
+  MemoryPlanInput in;
+  in.model = tiny_moe();
+  in.micro_batch = 2;
+  in.seq_len = 8;
+  in.mesh.dp = dp;
+  in.mesh.ep = ep;
+  in.zero_stage = stage;
+  in.recompute = recompute;
+  return in;
+}
+
+// Elements: attention and norms of a layer 64 + 64x64 (q) + 2 x 32x64 (k, v) + 64x64 (o)
+// + 16 + 16 (q/k norm) + 64 = 12448; the dense MLP 3 x 128 x 64 = 24576; a sparse layer's
+// router 8 x 64 = 512 and experts 3 x 8 x 32 x 64 = 49152; embedding 256 x 64; final norm 64.
+constexpr u64 kAttn = 12448, kDenseMlp = 24576, kRouter = 512, kExperts = 49152;
+constexpr u64 kEmbed = 16384, kNorm = 64;
+constexpr u64 kSparse = kAttn + kRouter + kExperts, kDense = kAttn + kDenseMlp;
+// AdamW segments: the embedding, 11 tensors a layer (sparse: norms, q, k, v, o, q/k norm,
+// router, experts' gate_up and down), the final norm.
+constexpr u64 kSegments = r(24 * (1 + 3 * 11 + 1));
+
+TEST(PlanMoe, ParameterCount) {
+  EXPECT_EQ(kEmbed + 2 * kSparse + kDense + kNorm, 177696u);
+  EXPECT_EQ(static_cast<u64>(tiny_moe().num_params()), 177696u);  // the spec's formula agrees
+}
+
+// ep 1, dp 2, ZeRO-1: each layer one unit, experts inside; whole bf16 weights and fp32
+// gradients; master, m and v of rank 0's half of each unit.
+TEST(PlanMoe, Ep1ParameterBytesByHand) {
+  const MemoryPlan p = qt::plan::memory_plan(input(2, 1, 1));
+  EXPECT_TRUE(p.built);
+  EXPECT_EQ(p.params, r(2 * kEmbed) + 2 * r(2 * kSparse) + r(2 * kDense) + r(2 * kNorm));
+  EXPECT_EQ(p.grads, r(4 * kEmbed) + 2 * r(4 * kSparse) + r(4 * kDense) + r(4 * kNorm));
+  EXPECT_EQ(p.optimizer, 3 * (r(4 * kEmbed / 2) + 2 * r(4 * kSparse / 2) + r(4 * kDense / 2) +
+                              r(4 * kNorm / 2)) +
+                             kSegments);
+  EXPECT_EQ(p.host, 12 * (kEmbed + 2 * kSparse + kDense + kNorm) / 2);
+}
+
+// ep 2, dp 2 (edp 1), ZeRO-1: each rank stores 4 of the 8 experts of each sparse layer, a unit
+// of their own (3 x 4 x 32 x 64 = 24576 elements) that no other rank shares: not sharded.
+TEST(PlanMoe, Ep2ParameterBytesByHand) {
+  const u64 layer = kAttn + kRouter, experts = kExperts / 2;
+  const MemoryPlan p = qt::plan::memory_plan(input(2, 2, 1));
+  EXPECT_FALSE(p.built);  // ep > 1: a prediction
+  EXPECT_EQ(p.params, r(2 * kEmbed) + 2 * r(2 * layer) + r(2 * kDense) + r(2 * kNorm) +
+                          2 * r(2 * experts));
+  EXPECT_EQ(p.grads, r(4 * kEmbed) + 2 * r(4 * layer) + r(4 * kDense) + r(4 * kNorm) +
+                         2 * r(4 * experts));
+  EXPECT_EQ(p.optimizer, 3 * (r(4 * kEmbed / 2) + 2 * r(4 * layer / 2) + r(4 * kDense / 2) +
+                              r(4 * kNorm / 2) + 2 * r(4 * experts)) +
+                             kSegments);
+  EXPECT_EQ(p.host, 12 * ((kEmbed + 2 * layer + kDense + kNorm) / 2 + 2 * experts));
+}
+
+// dp 4, ep 2: the expert units shard over edp = 2 (half of the rank's 4 experts each), the rest
+// over dp = 4. A rank updates 1 / 4 of everything, as at ep 1 (E / ep / edp = E / dp).
+TEST(PlanMoe, ExpertUnitsShardOverEdp) {
+  const u64 layer = kAttn + kRouter, experts = kExperts / 2;
+  const MemoryPlan p = qt::plan::memory_plan(input(4, 2, 1));
+  EXPECT_EQ(p.optimizer, 3 * (r(4 * kEmbed / 4) + 2 * r(4 * layer / 4) + r(4 * kDense / 4) +
+                              r(4 * kNorm / 4) + 2 * r(4 * experts / 2)) +
+                             kSegments);
+  EXPECT_EQ(p.host, 12 * ((kEmbed + 2 * layer + kDense + kNorm) / 4 + 2 * experts / 2));
+  EXPECT_EQ(p.host, qt::plan::memory_plan(input(4, 1, 1)).host);
+  // ZeRO-2: the gradients are each unit's shard, plus the ring's two pairs of (the largest
+  // padded unit after the embedding: the dense layer's 37024; the largest shard: an expert
+  // unit's 12288 over edp 2, above the dense layer's 9256 over dp 4), as ShardedCudaState sizes
+  // them (max_padded and max_chunk over the units, each with its own group).
+  const MemoryPlan z2 = qt::plan::memory_plan(input(4, 2, 2));
+  EXPECT_EQ(z2.grads, r(4 * kEmbed / 4) + 2 * r(4 * layer / 4) + r(4 * kDense / 4) +
+                          r(4 * kNorm / 4) + 2 * r(4 * experts / 2) +
+                          2 * (r(4 * kDense) + r(4 * experts / 2)) +  // grad_ring_
+                          r(4 * kEmbed) + r(4 * kEmbed / 4));        // embed_grads_ (tied)
+}
+
+// Activations at B = 2, T = 8 (N = 16 rows, rows = N k = 32 (token, slot) pairs), every buffer
+// by hand: BatchBuffers, Qwen3Cuda's stream and LayerActs (dense: gu, h; sparse: the router's
+// probs [N, E] fp32, idx [N, k] int32, w [N, k] bf16), the scratch (no dh: layer 1's dense MLP
+// needs it: it is there), the lm head, and CudaOps::moe_allocate.
+u64 tiny_moe_activations(bool recompute) {
+  const u64 N = 16, H = 64, Q = 64, KV = 32, I = 128, V = 256, nh = 4, nkv = 2, hd = 16, T = 8;
+  const u64 E = 8, k = 2, Im = 32, rows = N * k, L = 3, sparse = 2;
+  const u64 batch = 3 * r(N * 4);
+  const u64 rope = 2 * r(T * (hd / 2) * 4);
+  const u64 stream = (L + 1) * (2 * r(N * H * 2) + r(N * 4));
+  const u64 common = r(N * (Q + 2 * KV) * 2) + r(N * nh * 4) + r(N * nkv * 4) + r(N * Q * 2) +
+                     2 * r(N * KV * 2) + r(N * Q * 2) + r(2 * nh * T * 4) + 2 * r(N * H * 2) +
+                     r(N * 4);
+  const u64 dense = r(N * 2 * I * 2) + r(N * I * 2);
+  const u64 router = r(N * E * 4) + r(N * k * 4) + r(N * k * 2);
+  const u64 layers = recompute ? common + dense + router : 3 * common + dense + sparse * router;
+  const u64 scratch = 4 * r(N * H * 2) + r(N * I * 2) + 2 * r(N * Q * 2) + 2 * r(N * KV * 2) +
+                      r(N * (Q + 2 * KV) * 2);
+  const u64 lm = r(N * V * 2) + 2 * r(N * 4) + r(8);
+  // moe_allocate: pos, pair [rows], offsets [E + 1] a sparse layer; gu, h, out a sparse layer
+  // (one set with recompute); counts, the routing workspace (one block of 256 pairs: [1, E] and
+  // [rows] int32), logits [N, E], x, dout [rows, H], dh [rows, Im], dgu [rows, 2 Im],
+  // dx_gate [N, H], dw [rows] fp32, balance [2 E] and load [sparse layers, E] double.
+  const u64 experts = r(rows * 2 * Im * 2) + r(rows * Im * 2) + r(rows * H * 2);
+  const u64 moe = sparse * (2 * r(rows * 4) + r((E + 1) * 4)) +
+                  (recompute ? 1 : sparse) * experts + r(E * 4) +
+                  r(r(E * 4) + r(rows * 4)) + r(N * E * 2) + 2 * r(rows * H * 2) +
+                  r(rows * Im * 2) + r(rows * 2 * Im * 2) + r(N * H * 2) + r(rows * 4) +
+                  r(2 * E * 8) + r(sparse * E * 8);
+  return batch + rope + stream + layers + scratch + lm + moe;
+}
+
+TEST(PlanMoe, ActivationsByHand) {
+  EXPECT_EQ(qt::plan::memory_plan(input(1, 1, 0)).activations, tiny_moe_activations(false));
+  EXPECT_EQ(qt::plan::memory_plan(input(1, 1, 0, true)).activations, tiny_moe_activations(true));
+  // The same buffers at every ep (rows = N k: the balanced average an ep rank's experts get).
+  EXPECT_EQ(qt::plan::memory_plan(input(2, 2, 0)).activations, tiny_moe_activations(false));
+}
+
+qt::plan::LayoutSearch tiny_search(int gpus) {
+  qt::plan::LayoutSearch s;
+  s.model = tiny_moe();
+  s.micro_batch = 2;
+  s.seq_len = 8;
+  s.global_batch = 8;
+  s.gpus = gpus;
+  s.usable = u64{1} << 30;
+  return s;
+}
+
+// Each mesh with tp = pp = 1 runs every ep dividing dp and E; tp and pp > 1 are left out (the
+// deck refuses them for MoE), and an ep the deck would refuse is left out with the reason.
+TEST(PlanMoe, EnumerationIncludesEp) {
+  const qt::plan::Layouts all = qt::plan::enumerate_layouts(tiny_search(4));
+  bool seen[5] = {};
+  for (const qt::plan::Layout& row : all.rows) {
+    const qt::MeshShape& m = row.in.mesh;
+    EXPECT_EQ(m.dp, 4);
+    EXPECT_EQ(m.tp * m.pp, 1);
+    ASSERT_TRUE(m.ep == 1 || m.ep == 2 || m.ep == 4);
+    seen[m.ep] = true;
+    EXPECT_EQ(row.memory.built, m.ep == 1);
+    EXPECT_EQ(row.time.ep_comm > 0, m.ep > 1);
+  }
+  EXPECT_TRUE(seen[1] && seen[2] && seen[4]);
+  auto reason = [&](int dp, int tp, int pp, int ep) {
+    for (const qt::plan::Excluded& e : all.excluded)
+      if (e.dp == dp && e.tp == tp && e.pp == pp && e.ep == ep) return e.why;
+    return std::string("(not excluded)");
+  };
+  EXPECT_EQ(reason(2, 2, 1, 1), "mesh.tp = 2: tensor parallelism is not built for Qwen3-MoE "
+                                "models (the deck refuses it)");
+  EXPECT_EQ(reason(2, 1, 2, 1), "mesh.pp = 2: pipeline parallelism is not built for Qwen3-MoE "
+                                "models (the deck refuses it)");
+  // --ep 3 (does not divide dp 4); 6 experts: ep 4 does not divide them.
+  qt::plan::LayoutSearch s = tiny_search(4);
+  s.tp = s.pp = {1};
+  s.ep = {3};
+  const qt::plan::Layouts three = qt::plan::enumerate_layouts(s);
+  EXPECT_TRUE(three.rows.empty());
+  ASSERT_EQ(three.excluded.size(), 1u);
+  EXPECT_EQ(three.excluded[0].ep, 3);
+  EXPECT_EQ(three.excluded[0].why, "mesh.ep = 3 does not divide mesh.dp = 4");
+  s.ep = {};
+  s.model.num_experts = 6;
+  const qt::plan::Layouts six = qt::plan::enumerate_layouts(s);
+  ASSERT_EQ(six.excluded.size(), 1u);
+  EXPECT_EQ(six.excluded[0].ep, 4);
+  EXPECT_EQ(six.excluded[0].why, "mesh.ep = 4 does not divide model.num_experts = 6");
+  for (const qt::plan::Layout& row : six.rows) EXPECT_NE(row.in.mesh.ep, 4);
+  // The planner refuses what the deck refuses.
+  EXPECT_THROW(qt::plan::memory_plan(input(4, 3, 0)), qt::UserError);
+  MemoryPlanInput dense = input(2, 2, 0);
+  dense.model.num_experts = 0;
+  EXPECT_THROW(qt::plan::memory_plan(dense), qt::UserError);
+}
+
+// The all-to-all term: 4 x N k H x 2 bytes x (ep - 1) / ep a sparse layer over the NVLink bus
+// bandwidth (+ a latency each), the only difference in time between ep 2 and ep 4 at ZeRO-0
+// beside the dp terms; and the model FLOPs count the active experts only.
+TEST(PlanMoe, AllToAllTime) {
+  qt::TopologyConfig topo;
+  MemoryPlanInput in = input(4, 2, 0);
+  in.micro_batches = 1;
+  const qt::plan::StepTime t = qt::plan::step_time(in, topo);
+  const double bytes = 2.0 * 16 * 2 * 64, one = 0.5 * bytes / (topo.intra_host_gbps * 1e9) +
+                                                qt::plan::kRates.latency_intra_s;
+  EXPECT_NEAR(t.ep_comm, 2 * 4 * one, 1e-12);  // 2 sparse layers x 4 all-to-alls
+  in.mesh.ep = 1;
+  EXPECT_EQ(qt::plan::step_time(in, topo).ep_comm, 0.0);
+}
+
+// Qwen3-30B-A3B at seq 4096 on 8 GPUs of 80 GB: every ep of 8 is planned and something fits;
+// ZeRO-3 with offload at ep 1 (built today) fits under 40 GiB with recompute.
+TEST(PlanMoe, Qwen3_30bA3bOnEightGpus) {
+  qt::plan::LayoutSearch s;
+  s.model = *qt::model_preset("qwen3-30b-a3b");
+  s.micro_batch = 1;
+  s.seq_len = 4096;
+  s.global_batch = 8;
+  s.gpus = 8;
+  s.usable = (u64{80} << 30) - qt::plan::kGpuMarginBytes;
+  const qt::plan::Layouts all = qt::plan::enumerate_layouts(s);
+  bool built_under_40 = false;
+  for (const qt::plan::Layout& row : all.rows)
+    if (row.memory.built && row.fits && row.memory.gpu() < (u64{40} << 30)) built_under_40 = true;
+  EXPECT_TRUE(built_under_40);
+  EXPECT_NE(qt::plan::recommended(all), nullptr);
+  EXPECT_NE(qt::plan::recommended(all, /*built_only=*/true), nullptr);
+}
+
+}  // namespace
