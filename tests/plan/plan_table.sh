@@ -29,7 +29,7 @@ awk -v want="$want" '
   # Qwen3-MoE tables have an ep column after pp: kept in the key, then dropped from the fields.
   /^  dp  tp  pp  ep / { moe = 1 }
   moe && /^ +[0-9]+ +[0-9]+ +[0-9]+ +[0-9]+ +[0-3] +(none|cpu) +(yes|no) / {
-    ep = " ep " $4; $4 = ""; $0 = $0
+    ep = " ep " $4; $4 = ""; $0 = " " $0
   }
   /^ +[0-9]+ +[0-9]+ +[0-9]+ +[0-3] +(none|cpu) +(yes|no) / {
     key = $1 " " $2 " " $3 (moe ? ep : "") " " $4 " " $5 " " $6
