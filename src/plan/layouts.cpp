@@ -85,6 +85,19 @@ Layouts enumerate_layouts(const LayoutSearch& s) {
         out.excluded.push_back({dp, tp, pp, 1, std::move(why)});
         continue;
       }
+      MemoryPlanInput in;
+      in.model = s.model;
+      in.micro_batch = s.micro_batch;
+      in.seq_len = s.seq_len;
+      in.mesh.dp = dp;
+      in.mesh.tp = tp;
+      in.mesh.pp = pp;
+      if (pp > 1) {
+        in.mesh.pp_schedule = s.pp_schedule;
+        in.mesh.pp_chunks = s.pp_chunks;
+      }
+      in.sequence_parallel = s.sequence_parallel && tp > 1;
+      in.micro_batches = static_cast<int>(s.global_batch / (static_cast<long long>(s.micro_batch) * dp));
       // Qwen3-MoE: each expert-parallel size; those the deck refuses are left out with why.
       std::vector<int> eps = {1};
       if (s.model.is_moe()) {
@@ -102,43 +115,31 @@ Layouts enumerate_layouts(const LayoutSearch& s) {
         }
       }
       for (int ep : eps) {
-      MemoryPlanInput in;
-      in.model = s.model;
-      in.mesh.ep = ep;
-      in.micro_batch = s.micro_batch;
-      in.seq_len = s.seq_len;
-      in.mesh.dp = dp;
-      in.mesh.tp = tp;
-      in.mesh.pp = pp;
-      if (pp > 1) {
-        in.mesh.pp_schedule = s.pp_schedule;
-        in.mesh.pp_chunks = s.pp_chunks;
-      }
-      in.sequence_parallel = s.sequence_parallel && tp > 1;
-      in.micro_batches = static_cast<int>(s.global_batch / (static_cast<long long>(s.micro_batch) * dp));
-      for (Offload off : {Offload::kNone, Offload::kCpu})
-        for (int zero = 0; zero <= 3; ++zero)
-          for (bool recompute : {false, true}) {
-            if (off == Offload::kCpu && zero < 2) continue;  // the CUDA back end's rule
-            // At dp 1 every ZeRO stage is the same run: ZeRO-0, and ZeRO-2 with offload.
-            if (dp == 1 && zero != (off == Offload::kCpu ? 2 : 0)) continue;
-            // ZB-H1 keeps activations for the weight halves, and a unit's gradients until its
-            // last weight half (at dp 1 ZeRO-2/3 keep them whole: offload's rows).
-            if (pp > 1 && in.mesh.pp_schedule == "zb-h1" && (recompute || (zero >= 2 && dp > 1))) {
-              ++out.settings_skipped;
-              continue;
+        in.mesh.ep = ep;
+        for (Offload off : {Offload::kNone, Offload::kCpu})
+          for (int zero = 0; zero <= 3; ++zero)
+            for (bool recompute : {false, true}) {
+              if (off == Offload::kCpu && zero < 2) continue;  // the CUDA back end's rule
+              // At dp 1 every ZeRO stage is the same run: ZeRO-0, and ZeRO-2 with offload.
+              if (dp == 1 && zero != (off == Offload::kCpu ? 2 : 0)) continue;
+              // ZB-H1 keeps activations for the weight halves, and a unit's gradients until its
+              // last weight half (at dp 1 ZeRO-2/3 keep them whole: offload's rows).
+              if (pp > 1 && in.mesh.pp_schedule == "zb-h1" &&
+                  (recompute || (zero >= 2 && dp > 1))) {
+                ++out.settings_skipped;
+                continue;
+              }
+              Layout r;
+              r.in = in;
+              r.in.zero_stage = zero;
+              r.in.offload = off;
+              r.in.recompute = recompute;
+              r.in.grad_reduce_bf16 = s.grad_reduce_bf16 && zero <= 1;
+              r.memory = memory_plan(r.in);
+              r.time = step_time(r.in, s.topology);
+              r.fits = r.memory.gpu() <= s.usable;
+              out.rows.push_back(std::move(r));
             }
-            Layout r;
-            r.in = in;
-            r.in.zero_stage = zero;
-            r.in.offload = off;
-            r.in.recompute = recompute;
-            r.in.grad_reduce_bf16 = s.grad_reduce_bf16 && zero <= 1;
-            r.memory = memory_plan(r.in);
-            r.time = step_time(r.in, s.topology);
-            r.fits = r.memory.gpu() <= s.usable;
-            out.rows.push_back(std::move(r));
-          }
       }
     }
   }

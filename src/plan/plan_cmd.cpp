@@ -10,7 +10,9 @@
 #include <cstdio>
 #include <fstream>
 #include <sstream>
+#include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "config/ini_lines.h"
@@ -363,9 +365,10 @@ std::string report(const Options& o, const PlanDeck& pd) {
   const plan::Layouts all = plan::enumerate_layouts(search);
 
   std::string meshes;
-  int runnable = 0;
+  std::set<std::tuple<int, int, int>> meshes_run;  // (Qwen3-MoE: each mesh once, whatever ep)
   for (const plan::Layout& r : all.rows)
-    if (r.in.zero_stage == 0 && !r.in.recompute) ++runnable;  // one row a mesh
+    meshes_run.insert({r.in.mesh.dp, r.in.mesh.tp, r.in.mesh.pp});
+  const int runnable = static_cast<int>(meshes_run.size());
   out += fmt::format("meshes   dp x tp x pp = {}: {} can run the model{}{}\n", o.gpus, runnable,
                      all.excluded.empty() ? "" : fmt::format(", {} cannot:", all.excluded.size()),
                      o.tp.empty() && o.pp.empty() ? "" : " (--tp/--pp given)");
