@@ -15,7 +15,10 @@
 // layers (the first the embedding, the last the final norm and lm head; a tied embedding's copy
 // too) and the activations of as many micro-batches as its schedule keeps in flight. The CUDA
 // back end runs dp only today: the tp and pp terms predict what it will allocate by the same
-// rules (MemoryPlan::built is false for them).
+// rules (MemoryPlan::built is false for them). ep (Qwen3-MoE): the rank's model is
+// ep_local_config's, its units plan_qwen3's (each sparse layer's E / ep experts a unit of their
+// own over edp = dp / ep), and its activations add the router's buffers and
+// CudaOps::moe_allocate's (memory_plan.cpp, moe_block_bytes); the CUDA block runs at ep = 1 only.
 #pragma once
 
 #include <cstdint>
@@ -37,7 +40,8 @@ struct MemoryPlanInput {
   int micro_batch = 1;               // B: sequences per micro-batch (train.micro_batch)
   int seq_len = 1;                   // T: tokens per sequence (train.seq_len)
   bool recompute = false;            // train.recompute
-  // mesh.dp, tp, pp, pp_schedule, pp_chunks, pp_layers; ep must be 1.
+  // mesh.dp, tp, pp, pp_schedule, pp_chunks, pp_layers; ep (Qwen3-MoE only: dividing dp and
+  // model.num_experts, with tp = pp = 1).
   MeshShape mesh;
   // mesh.sequence_parallel: the residual stream and norms split over tp by rows (tp > 1 only).
   bool sequence_parallel = false;
@@ -72,7 +76,8 @@ struct MemoryPlan {
   std::uint64_t gpu() const { return params + grads + optimizer + activations + workspace; }
 };
 
-// Throws UserError, naming the deck key, for what cannot be planned: ep > 1, a tp that does not
+// Throws UserError, naming the deck key, for what cannot be planned: ep > 1 on a dense model, a
+// Qwen3-MoE model at tp or pp > 1 or an ep not dividing dp or its experts, a tp that does not
 // divide the heads, kv heads, MLP width or vocabulary, more pipeline chunks than layers, a
 // pipeline schedule its settings refuse (as the deck does), a stage outside 0-3, offload below
 // ZeRO-2, a bf16 gradient wire above ZeRO-1, sizes below 1, or a total beyond 2^63 bytes.
