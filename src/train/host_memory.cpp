@@ -55,10 +55,10 @@ HostMemoryNeed training_host_memory(const Deck& deck, int dp) {
     need.keys += ", more GPUs (mesh.tp, mesh.pp, mesh.dp), or fewer ranks per node";
     return need;
   }
-  if (deck.train.device == "cuda" && !deck.lora.enabled() && !c.is_moe()) {
-    // The CUDA back ends' host state as `qtrain plan` models it (src/plan/memory_plan.h): the
-    // fp32 copies for initialisation and checkpoints, or with offload the live master weights and
-    // moments of the rank's shard, and the pinned staging.
+  if (deck.train.device == "cuda" && !deck.lora.enabled()) {
+    // The CUDA back ends' host state as `qtrain plan` models it (src/plan/memory_plan.h; dense
+    // and Qwen3-MoE): the fp32 copies for initialisation and checkpoints, or with offload the
+    // live master weights and moments of the rank's shard, and the pinned staging.
     plan::MemoryPlanInput in;
     in.model = c;
     in.micro_batch = deck.train.micro_batch;
@@ -76,8 +76,8 @@ HostMemoryNeed training_host_memory(const Deck& deck, int dp) {
     return need;
   }
   if (deck.train.device == "cuda") {
-    // Host copies of the trained fp32 state for init, checkpoints and resume (with LoRA, and
-    // for Qwen3-MoE, which the planner does not model yet).
+    // Host copies of the trained fp32 state for init, checkpoints and resume (with LoRA, which
+    // the planner does not model).
     need.bytes = 4 * (model + (deck.lora.enabled() ? trained : 0) + 2 * shard);
     need.what = fmt::format("fp32 host copies of the {} and their AdamW moments", params);
     need.keys += ", optim.zero_stage = 1 or fewer ranks per node";

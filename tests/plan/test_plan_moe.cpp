@@ -2,7 +2,7 @@
 // model's parameter bytes at ep 1 and ep 2, its expert units sharded over edp = dp / ep, and its
 // activation bytes (LayerActs' router buffers, CudaOps::moe_allocate's buffers) worked out by
 // hand from the config, not from the planner's code; the enumeration of ep; the step time's
-// all-to-all; Qwen3-30B-A3B on 8 GPUs of 80 GB.
+// all-to-all; Qwen3-30B-A3B on 8 GPUs of 80 GB, and the trainer's host-memory check of it.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -11,8 +11,10 @@
 #include "plan/layouts.h"
 #include "plan/memory_plan.h"
 #include "plan/step_time.h"
+#include "qtrain/deck.h"
 #include "qtrain/error.h"
 #include "qtrain/model_config.h"
+#include "train/host_memory.h"
 
 namespace {
 
@@ -242,6 +244,21 @@ TEST(PlanMoe, Qwen3_30bA3bOnEightGpus) {
   EXPECT_TRUE(built_under_40);
   EXPECT_NE(qt::plan::recommended(all), nullptr);
   EXPECT_NE(qt::plan::recommended(all, /*built_only=*/true), nullptr);
+}
+
+// The trainer's host-memory check before a Qwen3-MoE run on cuda takes the planner's host state:
+// at dp 8 with ZeRO-3 a rank's fp32 weights and AdamW moments are 12 bytes x 1/8 of Qwen3-30B-A3B's
+// 30,532,122,624 parameters (qwen3-spec.md), not the whole model's, which would refuse the run on
+// any node of 8 GPUs (2.7 TiB).
+TEST(PlanMoe, TrainerHostCheckOfQwen3_30bA3bOnCudaIsTheRanksShard) {
+  const qt::Deck deck = qt::parse_deck_text(
+      "[model]\npreset = qwen3-30b-a3b\n[train]\ndevice = cuda\nseq_len = 4096\n"
+      "micro_batch = 1\nglobal_batch = 8\n[optim]\nzero_stage = 3\n[data]\nsource = synthetic\n",
+      "deck.ini", {}, 8);
+  const double shard = 12.0 * 30532122624.0 / 8;
+  const double bytes = qt::training_host_memory(deck, 8).bytes;
+  EXPECT_GE(bytes, shard);
+  EXPECT_LT(bytes, 1.05 * shard);
 }
 
 }  // namespace
