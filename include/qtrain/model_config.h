@@ -45,7 +45,9 @@ struct ModelConfig {
   int local_experts() const { return num_experts / expert_shards; }  // experts stored here
   // Layer l is a sparse (MoE) block (transformers' rule, qwen3-spec.md 1.1 notes).
   bool is_moe_layer(int l) const;
-  int num_moe_layers() const;
+  // Sparse layers among layers [0, l): layer l's place among them when it is one.
+  int moe_layers_before(int l) const;
+  int num_moe_layers() const { return moe_layers_before(num_layers); }
   // Total parameter count, by the spec's formula (section 1.3).
   std::int64_t num_params() const;
   // The same in double, which cannot overflow: for checks of sizes before they are allocated.

@@ -93,9 +93,9 @@ bool ModelConfig::is_moe_layer(int l) const {
          std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) == mlp_only_layers.end();
 }
 
-int ModelConfig::num_moe_layers() const {
+int ModelConfig::moe_layers_before(int l) const {
   int n = 0;
-  for (int l = 0; l < num_layers; ++l) n += is_moe_layer(l);
+  for (int i = 0; i < l; ++i) n += is_moe_layer(i);
   return n;
 }
 

@@ -94,11 +94,8 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
   if (stats) {
     moe_probs_colsum(moe_balance_ + E, probs, N_, E, s_);
     moe_tokens_ += N_;
-  }
-  if (stats) {
-    int sparse = 0;
-    for (int i = 0; i < l; ++i) sparse += cfg_.is_moe_layer(i) ? 1 : 0;
-    moe_load_add(moe_load_ + static_cast<std::size_t>(sparse) * E, moe_counts_, E, s_);
+    const std::size_t sparse = static_cast<std::size_t>(cfg_.moe_layers_before(l));
+    moe_load_add(moe_load_ + sparse * E, moe_counts_, E, s_);
   }
   // The experts: out = down(swiglu(gate_up(x_perm))), kept for the backward.
   const int Im = cfg_.moe_intermediate_size;

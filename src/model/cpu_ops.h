@@ -193,7 +193,6 @@ class CpuOps : public NoCollectives {
   cpu::RouterBalance balance_{0};  // the micro-batch's, pooled over its MoE layers (moe_begin)
   float aux_scale_ = 0;
   std::vector<double> load_;       // moe_load(), sized at the first sparse layer
-  std::vector<int> moe_index_;     // [L] a layer's place among the sparse layers, or -1
   Comm* ep_ = nullptr;             // set_expert_parallel
   // Expert parallelism: each sparse layer's exchange and its experts' outputs [N k, H], from
   // its forward to its backward.

@@ -51,12 +51,8 @@ void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float
   if (stats) {
     QT_CHECK(static_cast<int>(balance_.count.size()) == s.E, "moe before moe_begin");
     cpu::router_balance_add(balance_, probs, idx, s.N, s.k);
-    if (moe_index_.empty()) {
-      for (int i = 0, n = 0; i < cfg_.num_layers; ++i)
-        moe_index_.push_back(cfg_.is_moe_layer(i) ? n++ : -1);
-      load_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()) * s.E, 0.0);
-    }
-    double* load = load_.data() + static_cast<std::size_t>(moe_index_.at(l)) * s.E;
+    if (load_.empty()) load_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()) * s.E, 0.0);
+    double* load = load_.data() + static_cast<std::size_t>(cfg_.moe_layers_before(l)) * s.E;
     for (std::size_t j = 0; j < static_cast<std::size_t>(s.N) * s.k; ++j) load[idx[j]] += 1;
   }
 }

@@ -15,7 +15,7 @@ int tp_kv_replicas(const ModelConfig& cfg, int tp) {
 
 ModelConfig tp_local_config(const ModelConfig& cfg, int tp) {
   QT_CHECK(tp >= 1 && cfg.num_heads % tp == 0 &&
-               (cfg.num_kv_heads % tp == 0 || tp % cfg.num_kv_heads == 0) &&
+               tp_fits_kv_heads(cfg.num_kv_heads, tp) &&
                cfg.intermediate_size % tp == 0 && cfg.vocab_size % tp == 0,
            "tp {} must divide the heads {}, the MLP width {} and the vocabulary {}, and divide or "
            "be a multiple of the key/value heads {}",

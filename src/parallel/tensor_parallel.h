@@ -26,6 +26,11 @@ namespace qt {
 // ranks than key/value heads (tp a multiple of them) each rank holds one kv head, shared by
 // tp_kv_replicas consecutive ranks (Megatron's replication; the plan's ShardSpec::tp_replicas).
 ModelConfig tp_local_config(const ModelConfig& cfg, int tp);
+// tp splits `kv_heads` key/value heads evenly: it divides them, or is a multiple of them (each
+// head shared by tp / kv_heads ranks).
+inline bool tp_fits_kv_heads(int kv_heads, int tp) {
+  return kv_heads % tp == 0 || tp % kv_heads == 0;
+}
 int tp_kv_replicas(const ModelConfig& cfg, int tp);
 
 class TpMap final : public LayoutMap {

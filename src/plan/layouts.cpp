@@ -7,6 +7,7 @@
 #include <tuple>
 #include <utility>
 
+#include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 
 namespace qt::plan {
@@ -31,12 +32,17 @@ std::string why_not(const LayoutSearch& s, int dp, int tp, int pp) {
     return fmt::format("mesh.{} = {}: {} parallelism is not built for Qwen3-MoE models (the deck "
                        "refuses it)", tp > 1 ? "tp" : "pp", tp > 1 ? tp : pp,
                        tp > 1 ? "tensor" : "pipeline");
-  for (const auto& [key, n] : {std::pair{"model.num_heads", m.num_heads},
-                               {"model.num_kv_heads", m.num_kv_heads},
-                               {"model.intermediate_size", m.intermediate_size},
-                               {"model.vocab_size", m.vocab_size}})
-    if (n % tp != 0 && !(key == std::string("model.num_kv_heads") && tp % n == 0))
-      return fmt::format("mesh.tp = {} does not divide {} = {}", tp, key, n);
+  struct Split {
+    const char* key;
+    int n;
+    bool shared_ok;  // tp may be a multiple of n (kv heads shared by tp / n ranks)
+  };
+  for (const Split& x : {Split{"model.num_heads", m.num_heads, false},
+                         Split{"model.num_kv_heads", m.num_kv_heads, true},
+                         Split{"model.intermediate_size", m.intermediate_size, false},
+                         Split{"model.vocab_size", m.vocab_size, false}})
+    if (x.shared_ok ? !tp_fits_kv_heads(x.n, tp) : x.n % tp != 0)
+      return fmt::format("mesh.tp = {} does not divide {} = {}", tp, x.key, x.n);
   const int G = s.topology.gpus_per_host;
   if (tp > G)
     return fmt::format("mesh.tp = {} is more than the {} GPUs of one host "

@@ -67,7 +67,7 @@ u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool re
   const u128 Im = m.moe_intermediate_size, rows = N * k;
   u128 sparse = 0;
   for (const StageParts::Chunk& c : st.chunks)
-    for (int l = c.first; l < c.last; ++l) sparse += m.is_moe_layer(l) ? 1 : 0;
+    sparse += m.moe_layers_before(c.last) - m.moe_layers_before(c.first);
   // Per sparse layer: pos, pair [rows] int32; offsets [E + 1] int32.
   u128 b = sparse * (2 * blk(4 * rows) + blk(4 * (E + 1)));
   // The experts' activations gu [rows, 2 Im], h [rows, Im], out [rows, H] bf16: per sparse
@@ -130,8 +130,7 @@ u128 activation_bytes(const ModelConfig& m, const StageParts& st, u128 B, u128 T
     if (recompute) {
       b += common + (any_dense ? dense_mlp : 0) + (any_moe ? router : 0);
     } else {
-      u128 sparse = 0;
-      for (int l = c.first; l < c.last; ++l) sparse += m.is_moe_layer(l) ? 1 : 0;
+      const u128 sparse = m.moe_layers_before(c.last) - m.moe_layers_before(c.first);
       b += k * (layers * common + (layers - sparse) * dense_mlp + sparse * router);
     }
     b += scratch;
@@ -193,13 +192,18 @@ void validate(const MemoryPlanInput& in) {
   if (s.tp < 1 || s.pp < 1 || s.pp_chunks < 1)
     fail_user("mesh.tp ({}), mesh.pp ({}) and mesh.pp_chunks ({}) must be >= 1", s.tp, s.pp,
               s.pp_chunks);
-  for (const auto& [key, n] : {std::pair{"model.num_heads", m.num_heads},
-                               {"model.num_kv_heads", m.num_kv_heads},
-                               {"model.intermediate_size", m.intermediate_size},
-                               {"model.vocab_size", m.vocab_size}})
-    if (n % s.tp != 0 && !(key == std::string("model.num_kv_heads") && s.tp % n == 0))
+  struct Split {
+    const char* key;
+    int n;
+    bool shared_ok;  // tp may be a multiple of n (kv heads shared by tp / n ranks)
+  };
+  for (const Split& x : {Split{"model.num_heads", m.num_heads, false},
+                         Split{"model.num_kv_heads", m.num_kv_heads, true},
+                         Split{"model.intermediate_size", m.intermediate_size, false},
+                         Split{"model.vocab_size", m.vocab_size, false}})
+    if (x.shared_ok ? !tp_fits_kv_heads(x.n, s.tp) : x.n % s.tp != 0)
       fail_user("mesh.tp = {} does not divide {} = {} (each tp rank takes an equal share)", s.tp,
-                key, n);
+                x.key, x.n);
   if (s.pp * s.pp_chunks > m.num_layers)
     fail_user("mesh.pp x mesh.pp_chunks = {} x {} chunks is more than model.num_layers = {}",
               s.pp, s.pp_chunks, m.num_layers);

@@ -41,6 +41,22 @@ inline std::uint64_t shared_seed() {
 
 inline float round_bf16(float x) { return bf16_to_f32(f32_to_bf16(x)); }
 
+// The dense model of the import/export tests: V 96, H 32, I 48, 2 layers, 4 q / 2 kv heads of 8.
+inline ModelConfig small_model(bool tied) {
+  ModelConfig c;
+  c.preset = "";
+  c.vocab_size = 96;
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_layers = 2;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 8;
+  c.tie_word_embeddings = tied;
+  c.max_position_embeddings = 512;
+  return c;
+}
+
 // Runs `f` on every rank, expecting a UserError whose text holds every part, on every rank.
 inline void expect_error_everywhere(const std::function<void()>& f,
                                     const std::vector<std::string>& parts) {

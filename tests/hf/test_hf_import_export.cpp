@@ -55,20 +55,7 @@ void expect_bf16_of(const ParamLayout& layout, const std::vector<float>& got,
   }
 }
 
-ModelConfig small_model(bool tied) {
-  ModelConfig c;
-  c.preset = "";
-  c.vocab_size = 96;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_layers = 2;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.tie_word_embeddings = tied;
-  c.max_position_embeddings = 512;
-  return c;
-}
+using test_util::small_model;
 
 std::vector<float> random_params(const ParamLayout& layout, std::uint64_t seed) {
   std::mt19937_64 rng(seed);

@@ -50,16 +50,9 @@ using test_util::world_comm;
 // Layers 0 and 2 sparse (4 experts of width 8, 2 a token), layer 1 dense (mlp_only_layers).
 // H = 32 != Im, 2 Im: a transposed expert has another shape.
 ModelConfig small_moe(bool tied) {
-  ModelConfig c;
-  c.preset = "";
+  ModelConfig c = test_util::small_model(tied);
   c.vocab_size = 64;
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
   c.num_layers = 3;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 8;
-  c.tie_word_embeddings = tied;
   c.max_position_embeddings = 256;
   c.num_experts = 4;
   c.num_experts_per_tok = 2;
