@@ -7,6 +7,7 @@
 
 #include <mpi.h>
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -20,6 +21,27 @@ enum class ReduceOp { kSum, kMax, kMin };
 
 std::size_t dtype_size(DType t);
 const char* dtype_name(DType t);
+
+// The time a communicator's calls took, by kind (Comm::take_times). Sizes follow NCCL's tests:
+// `bytes` is a call's whole buffer (all-reduce: the buffer; reduce-scatter: its input, all ranks'
+// blocks; all-gather: its output; all-to-all: what the rank sends; point to point, broadcast,
+// reduce: the message), and `bus_bytes` that times the algorithm's bus factor on n ranks
+// (all-reduce 2 (n - 1) / n; reduce-scatter, all-gather, all-to-all (n - 1) / n; the others 1),
+// so bus_bytes / seconds is the bus bandwidth, comparable with the link's peak.
+enum class CollectiveKind {
+  kAllReduce, kReduceScatter, kAllGather, kAllToAll, kPointToPoint, kBroadcast, kReduce
+};
+inline constexpr int kNumCollectiveKinds = 7;
+const char* collective_kind_name(CollectiveKind k);  // "all_reduce", ...
+struct CollectiveTime {
+  double seconds = 0;  // summed over calls
+  double bytes = 0;
+  double bus_bytes = 0;
+  double calls = 0;
+};
+using CollectiveTimes = std::array<CollectiveTime, kNumCollectiveKinds>;  // by CollectiveKind
+// Adds one call of `bytes` on `ranks` ranks that took `seconds`.
+void add_call(CollectiveTimes& times, CollectiveKind k, double bytes, int ranks, double seconds);
 
 class Comm {
  public:
@@ -48,6 +70,11 @@ class Comm {
   virtual void recv(void* buf, std::size_t count, DType t, int src, int tag) = 0;
   virtual void broadcast(void* buf, std::size_t count, DType t, int root) = 0;
   virtual void barrier() = 0;
+
+  // The time of this communicator's calls since the last take_times(), which starts the count
+  // again: MPI measures each call's wall time on the host; a device communicator measures its
+  // kernels on its stream (overlapping computation), waiting for the last ones to finish.
+  virtual CollectiveTimes take_times() { return {}; }
 
   // Typed conveniences.
   double sum(double x) {
@@ -102,8 +129,13 @@ class MpiComm final : public Comm {
   void recv(void* buf, std::size_t count, DType t, int src, int tag) override;
   void broadcast(void* buf, std::size_t count, DType t, int root) override;
   void barrier() override;
+  CollectiveTimes take_times() override;
 
  private:
+  // Adds a call's wall time since `start_s` (MPI_Wtime) to times_.
+  void timed(CollectiveKind k, double bytes, double start_s);
+
+  CollectiveTimes times_{};
   MPI_Comm comm_;
   std::string name_;
   bool owned_;

@@ -98,6 +98,16 @@ class Mesh {
   // activations and gradients flow in opposite directions at once).
   Comm& device(MeshDim d, int channel = 0);
 
+  // The time of each communicator's calls since the last take (Comm::take_times), in slots that
+  // are the same on every rank whatever it has made: the device communicators by dimension
+  // ("dp", "tp", "pp", "ep", "edp"; a dimension's channels summed), then the MPI ones ("mpi.world",
+  // "mpi.dp", ...). Not collective; waits for the device communicators' timed calls.
+  struct CommTimes {
+    std::string name;
+    CollectiveTimes times;
+  };
+  std::vector<CommTimes> take_collective_times();
+
   // The start-up banner: the mesh's shape, the topology report (dist/topology.h: hosts, ranks and,
   // with `gpus`, GPUs per host, their links, each rank's NUMA placement; a few lines whatever the
   // job's size) and the warning of tp_across_hosts_warning. Collective; result on rank 0.

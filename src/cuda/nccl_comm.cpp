@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "cuda/check.h"
+#include "cuda/collective_timer.h"
 #include "cuda/device.h"
 #include "runtime/process.h"
 #include "cuda/nccl_check.h"
@@ -52,6 +53,8 @@ bool on_device(const void* p) {
   return a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged;
 }
 
+double bytes_of(std::size_t count, DType t) { return static_cast<double>(count * dtype_size(t)); }
+
 }  // namespace
 
 NcclComm::NcclComm(const MpiComm& mpi, std::string name, double timeout_s, OnTimeout on_timeout)
@@ -59,7 +62,8 @@ NcclComm::NcclComm(const MpiComm& mpi, std::string name, double timeout_s, OnTim
       rank_(mpi.rank()),
       size_(mpi.size()),
       timeout_s_(timeout_s),
-      on_timeout_(on_timeout) {
+      on_timeout_(on_timeout),
+      timer_(std::make_unique<CollectiveTimer>(size_)) {
   if (!(timeout_s_ > 0)) fail_user("NcclComm '{}': timeout must be > 0 s, got {}", name_, timeout_s_);
   setenv("NCCL_NVLS_ENABLE", "0", /*overwrite=*/0);  // NVLink multicast stays off (shared GPUs)
   QT_CHECK_CUDA(cudaGetDevice(&device_));
@@ -216,6 +220,8 @@ void NcclComm::synchronize() {
   last_async_ = Pending{"synchronize", 0, DType::kF32, -1};
 }
 
+CollectiveTimes NcclComm::take_times() { return timer_->take(); }
+
 void NcclComm::wait_event(cudaEvent_t e) { QT_CHECK_CUDA(cudaStreamWaitEvent(stream_, e, 0)); }
 
 void* NcclComm::staging(std::size_t bytes, const Pending& what) {
@@ -250,6 +256,7 @@ void NcclComm::all_reduce_async(void* buf, std::size_t count, DType t, ReduceOp 
   require_buffer(buf, count, what.op, "buf");
   if (count == 0) return;
   require_device(buf, what.op, "buf");
+  const TimedCall timed(*timer_, stream_, CollectiveKind::kAllReduce, bytes_of(count, t));
   enqueued(ncclAllReduce(buf, buf, count, nccl_type(t), nccl_op(op), comm_, stream_), what,
            "ncclAllReduce");
   last_async_ = what;
@@ -262,6 +269,7 @@ void NcclComm::reduce_async(void* buf, std::size_t count, DType t, ReduceOp op, 
   QT_CHECK(root >= 0 && root < size_, "reduce on '{}': root {} of {} ranks", name_, root, size_);
   if (count == 0) return;
   require_device(buf, what.op, "buf");
+  const TimedCall timed(*timer_, stream_, CollectiveKind::kReduce, bytes_of(count, t));
   enqueued(ncclReduce(buf, buf, count, nccl_type(t), nccl_op(op), root, comm_, stream_), what,
            "ncclReduce");
   last_async_ = what;
@@ -270,10 +278,12 @@ void NcclComm::reduce_async(void* buf, std::size_t count, DType t, ReduceOp op, 
 void NcclComm::group_start() {
   check_usable("group_start");
   QT_CHECK_NCCL(ncclGroupStart());
+  timer_->group_begin(stream_);
 }
 
 void NcclComm::group_end() {
   enqueued(ncclGroupEnd(), last_async_, "ncclGroupEnd");
+  timer_->group_end(stream_);
 }
 
 void NcclComm::reduce_scatter_async(const void* send, void* recv, std::size_t count, DType t,
@@ -285,6 +295,8 @@ void NcclComm::reduce_scatter_async(const void* send, void* recv, std::size_t co
   if (count == 0) return;
   require_device(send, what.op, "send");
   require_device(recv, what.op, "recv");
+  const TimedCall timed(*timer_, stream_, CollectiveKind::kReduceScatter,
+                        bytes_of(count * size_, t));
   enqueued(ncclReduceScatter(send, recv, count, nccl_type(t), nccl_op(op), comm_, stream_), what,
            "ncclReduceScatter");
   last_async_ = what;
@@ -298,6 +310,7 @@ void NcclComm::all_gather_async(const void* send, void* recv, std::size_t count,
   if (count == 0) return;
   require_device(send, what.op, "send");
   require_device(recv, what.op, "recv");
+  const TimedCall timed(*timer_, stream_, CollectiveKind::kAllGather, bytes_of(count * size_, t));
   enqueued(ncclAllGather(send, recv, count, nccl_type(t), comm_, stream_), what, "ncclAllGather");
   last_async_ = what;
 }
@@ -315,8 +328,11 @@ void NcclComm::all_reduce(void* buf, std::size_t count, DType t, ReduceOp op) {
   const std::size_t bytes = count * dtype_size(t);
   void* d = staging(bytes, what);
   QT_CHECK_CUDA(cudaMemcpyAsync(d, buf, bytes, cudaMemcpyHostToDevice, stream_));
-  enqueued(ncclAllReduce(d, d, count, nccl_type(t), nccl_op(op), comm_, stream_), what,
-           "ncclAllReduce");
+  {
+    const TimedCall timed(*timer_, stream_, CollectiveKind::kAllReduce, bytes_of(count, t));
+    enqueued(ncclAllReduce(d, d, count, nccl_type(t), nccl_op(op), comm_, stream_), what,
+             "ncclAllReduce");
+  }
   wait_idle(what);  // before the copy back, which blocks the host
   QT_CHECK_CUDA(cudaMemcpyAsync(buf, d, bytes, cudaMemcpyDeviceToHost, stream_));
   wait_idle(what);
@@ -340,9 +356,12 @@ void NcclComm::reduce_scatter(const void* send, void* recv, std::size_t count, D
   const std::size_t in = count * size_ * dtype_size(t), out = count * dtype_size(t);
   char* d = static_cast<char*>(staging(round_up(in, 256) + out, what));
   QT_CHECK_CUDA(cudaMemcpyAsync(d, send, in, cudaMemcpyHostToDevice, stream_));
-  enqueued(ncclReduceScatter(d, d + round_up(in, 256), count, nccl_type(t), nccl_op(op), comm_,
-                             stream_),
-           what, "ncclReduceScatter");
+  {
+    const TimedCall timed(*timer_, stream_, CollectiveKind::kReduceScatter, static_cast<double>(in));
+    enqueued(ncclReduceScatter(d, d + round_up(in, 256), count, nccl_type(t), nccl_op(op), comm_,
+                               stream_),
+             what, "ncclReduceScatter");
+  }
   wait_idle(what);
   QT_CHECK_CUDA(cudaMemcpyAsync(recv, d + round_up(in, 256), out, cudaMemcpyDeviceToHost, stream_));
   wait_idle(what);
@@ -365,8 +384,11 @@ void NcclComm::all_gather(const void* send, void* recv, std::size_t count, DType
   const std::size_t in = count * dtype_size(t), out = count * size_ * dtype_size(t);
   char* d = static_cast<char*>(staging(round_up(in, 256) + out, what));
   QT_CHECK_CUDA(cudaMemcpyAsync(d, send, in, cudaMemcpyHostToDevice, stream_));
-  enqueued(ncclAllGather(d, d + round_up(in, 256), count, nccl_type(t), comm_, stream_), what,
-           "ncclAllGather");
+  {
+    const TimedCall timed(*timer_, stream_, CollectiveKind::kAllGather, static_cast<double>(out));
+    enqueued(ncclAllGather(d, d + round_up(in, 256), count, nccl_type(t), comm_, stream_), what,
+             "ncclAllGather");
+  }
   wait_idle(what);
   QT_CHECK_CUDA(cudaMemcpyAsync(recv, d + round_up(in, 256), out, cudaMemcpyDeviceToHost, stream_));
   wait_idle(what);
@@ -401,6 +423,7 @@ void NcclComm::all_to_all_v(const void* send, const std::vector<std::size_t>& se
         "NcclComm::all_to_all_v on '{}': rank {} sends {} elements to itself but receives {}",
         name_, rank_, send_counts[rank_], recv_counts[rank_]));
   }
+  const TimedCall timed(*timer_, stream_, CollectiveKind::kAllToAll, bytes_of(total, t));
   if (send_counts[rank_] > 0) {
     QT_CHECK_CUDA(cudaMemcpyAsync(r + recv_displs[rank_] * es, s + send_displs[rank_] * es,
                                   send_counts[rank_] * es, cudaMemcpyDeviceToDevice, stream_));
@@ -430,6 +453,7 @@ void NcclComm::point_to_point(bool is_send, const void* buf, std::size_t count, 
   require_buffer(buf, count, what.op, "buf");
   if (count == 0) return;
   require_device(buf, what.op, "buf");
+  const TimedCall timed(*timer_, stream_, CollectiveKind::kPointToPoint, bytes_of(count, t));
   if (is_send)
     enqueued(ncclSend(buf, count, nccl_type(t), peer, comm_, stream_), what, "ncclSend");
   else  // ncclRecv writes buf: it came in as the non-const pointer of recv/recv_async
@@ -473,6 +497,8 @@ void NcclComm::all_to_all_device_async(const void* send, const std::int64_t* d_s
   if (block > 0 && s_at < r_at + n * block && r_at < s_at + n * block)
     throw std::invalid_argument(fmt::format(
         "NcclComm::{} on '{}': recv overlaps send (not in place)", api, name_));
+  const TimedCall timed(*timer_, stream_, CollectiveKind::kAllToAll,
+                        static_cast<double>(n * block));
   // The rank's own count and block: device copies on the same stream.
   QT_CHECK_CUDA(cudaMemcpyAsync(d_recv_counts + rank_, d_send_counts + rank_, sizeof(std::int64_t),
                                 cudaMemcpyDeviceToDevice, stream_));
@@ -518,7 +544,10 @@ void NcclComm::broadcast(void* buf, std::size_t count, DType t, int root) {
   const bool dev = on_device(buf);
   void* d = dev ? buf : staging(bytes, what);
   if (!dev) QT_CHECK_CUDA(cudaMemcpyAsync(d, buf, bytes, cudaMemcpyHostToDevice, stream_));
-  enqueued(ncclBroadcast(d, d, count, nccl_type(t), root, comm_, stream_), what, "ncclBroadcast");
+  {
+    const TimedCall timed(*timer_, stream_, CollectiveKind::kBroadcast, static_cast<double>(bytes));
+    enqueued(ncclBroadcast(d, d, count, nccl_type(t), root, comm_, stream_), what, "ncclBroadcast");
+  }
   wait_idle(what);
   if (!dev) {
     QT_CHECK_CUDA(cudaMemcpyAsync(buf, d, bytes, cudaMemcpyDeviceToHost, stream_));

@@ -20,6 +20,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -29,6 +30,8 @@
 #include "qtrain/mesh.h"
 
 namespace qt::cuda {
+
+class CollectiveTimer;
 
 // Thrown on timeout when the communicator was made with OnTimeout::kThrow (tests); the
 // communicator is aborted and every later call on it throws std::logic_error.
@@ -67,6 +70,9 @@ class NcclComm final : public Comm {
   void recv(void* buf, std::size_t count, DType t, int src, int tag) override;
   void broadcast(void* buf, std::size_t count, DType t, int root) override;
   void barrier() override;
+  // Each call's kernels timed on stream() with CUDA events (cuda/collective_timer.h); a group's
+  // calls count as one of the first call's kind. Waits for the timed calls to finish.
+  CollectiveTimes take_times() override;
 
   // Asynchronous variants (device buffers only): enqueue on stream() and return. Complete them
   // with synchronize(), or order other streams after them with an event recorded on stream().
@@ -141,6 +147,7 @@ class NcclComm final : public Comm {
   DeviceBuffer scratch_;  // host staging and the barrier's word
   Pending last_async_;    // the latest async operation, for synchronize()'s report
   bool aborted_ = false;
+  std::unique_ptr<CollectiveTimer> timer_;
 };
 
 // The mesh's device communicator of dimension d and channel k (Mesh::device), as the NcclComm it

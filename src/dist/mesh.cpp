@@ -115,6 +115,30 @@ Comm& Mesh::device(MeshDim d, int channel) {
   return *c;
 }
 
+std::vector<Mesh::CommTimes> Mesh::take_collective_times() {
+  std::vector<CommTimes> out;
+  for (int d = 0; d < kNumMeshDims; ++d) {
+    CommTimes slot{mesh_dim_name(static_cast<MeshDim>(d)), {}};
+    for (std::unique_ptr<Comm>& c : device_[d]) {
+      if (!c) continue;
+      const CollectiveTimes t = c->take_times();
+      for (int k = 0; k < kNumCollectiveKinds; ++k) {
+        slot.times[k].seconds += t[k].seconds;
+        slot.times[k].bytes += t[k].bytes;
+        slot.times[k].bus_bytes += t[k].bus_bytes;
+        slot.times[k].calls += t[k].calls;
+      }
+    }
+    out.push_back(std::move(slot));
+  }
+  out.push_back({"mpi.world", world_->take_times()});
+  for (int d = 0; d < kNumMeshDims; ++d) {
+    const auto dim = static_cast<MeshDim>(d);
+    out.push_back({fmt::format("mpi.{}", mesh_dim_name(dim)), mpi(dim).take_times()});
+  }
+  return out;
+}
+
 #ifndef QTRAIN_HAVE_CUDA
 std::unique_ptr<Comm> make_device_comm(const MpiComm&, const std::string& name) {
   fail_user("the device communicator of mesh dimension {} needs the CUDA back end; this qtrain "

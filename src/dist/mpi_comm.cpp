@@ -31,6 +31,33 @@ const char* dtype_name(DType t) {
   return "?";
 }
 
+const char* collective_kind_name(CollectiveKind k) {
+  switch (k) {
+    case CollectiveKind::kAllReduce: return "all_reduce";
+    case CollectiveKind::kReduceScatter: return "reduce_scatter";
+    case CollectiveKind::kAllGather: return "all_gather";
+    case CollectiveKind::kAllToAll: return "all_to_all";
+    case CollectiveKind::kPointToPoint: return "send_recv";
+    case CollectiveKind::kBroadcast: return "broadcast";
+    case CollectiveKind::kReduce: return "reduce";
+  }
+  return "?";
+}
+
+void add_call(CollectiveTimes& times, CollectiveKind k, double bytes, int ranks, double seconds) {
+  const double n = ranks, ring = n > 1 ? (n - 1) / n : 0;
+  double factor = 1;
+  if (k == CollectiveKind::kAllReduce) factor = 2 * ring;
+  if (k == CollectiveKind::kReduceScatter || k == CollectiveKind::kAllGather ||
+      k == CollectiveKind::kAllToAll)
+    factor = ring;
+  CollectiveTime& t = times[static_cast<std::size_t>(k)];
+  t.seconds += seconds;
+  t.bytes += bytes;
+  t.bus_bytes += bytes * factor;
+  t.calls += 1;
+}
+
 namespace {
 
 MPI_Datatype mpi_type(DType t) {
@@ -83,25 +110,31 @@ MpiComm::~MpiComm() {
 
 void MpiComm::all_reduce(void* buf, std::size_t count, DType t, ReduceOp op) {
   QT_CHECK(t != DType::kBF16, "bf16 reductions are not supported by the MPI communicator");
+  const double t0 = MPI_Wtime();
   QT_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, buf, as_count(count), mpi_type(t), mpi_op(op), comm_));
+  timed(CollectiveKind::kAllReduce, static_cast<double>(count * dtype_size(t)), t0);
 }
 
 void MpiComm::reduce_scatter(const void* send, void* recv, std::size_t count, DType t,
                              ReduceOp op) {
   QT_CHECK(t != DType::kBF16, "bf16 reductions are not supported by the MPI communicator");
+  const double t0 = MPI_Wtime();
   QT_CHECK_MPI(MPI_Reduce_scatter_block(send, recv, as_count(count), mpi_type(t), mpi_op(op), comm_));
+  timed(CollectiveKind::kReduceScatter, static_cast<double>(count * size_ * dtype_size(t)), t0);
 }
 
 void MpiComm::all_gather(const void* send, void* recv, std::size_t count, DType t) {
   const bool in_place =
       send == static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * count * dtype_size(t);
+  const double t0 = MPI_Wtime();
   if (in_place) {
     QT_CHECK_MPI(MPI_Allgather(MPI_IN_PLACE, 0, MPI_DATATYPE_NULL, recv, as_count(count),
                                mpi_type(t), comm_));
-    return;
+  } else {
+    QT_CHECK_MPI(MPI_Allgather(send, as_count(count), mpi_type(t), recv, as_count(count),
+                               mpi_type(t), comm_));
   }
-  QT_CHECK_MPI(MPI_Allgather(send, as_count(count), mpi_type(t), recv, as_count(count),
-                             mpi_type(t), comm_));
+  timed(CollectiveKind::kAllGather, static_cast<double>(count * size_ * dtype_size(t)), t0);
 }
 
 void MpiComm::all_to_all_v(const void* send, const std::vector<std::size_t>& send_counts,
@@ -114,22 +147,42 @@ void MpiComm::all_to_all_v(const void* send, const std::vector<std::size_t>& sen
            "all_to_all_v needs {} counts and displacements per direction", size_);
   auto sc = as_counts(send_counts), sd = as_counts(send_displs);
   auto rc = as_counts(recv_counts), rd = as_counts(recv_displs);
+  std::size_t sent = 0;
+  for (std::size_t c : send_counts) sent += c;
+  const double t0 = MPI_Wtime();
   QT_CHECK_MPI(MPI_Alltoallv(send, sc.data(), sd.data(), mpi_type(t), recv, rc.data(), rd.data(),
                              mpi_type(t), comm_));
+  timed(CollectiveKind::kAllToAll, static_cast<double>(sent * dtype_size(t)), t0);
 }
 
 void MpiComm::send(const void* buf, std::size_t count, DType t, int dest, int tag) {
+  const double t0 = MPI_Wtime();
   QT_CHECK_MPI(MPI_Send(buf, as_count(count), mpi_type(t), dest, tag, comm_));
+  timed(CollectiveKind::kPointToPoint, static_cast<double>(count * dtype_size(t)), t0);
 }
 
 void MpiComm::recv(void* buf, std::size_t count, DType t, int src, int tag) {
+  const double t0 = MPI_Wtime();
   QT_CHECK_MPI(MPI_Recv(buf, as_count(count), mpi_type(t), src, tag, comm_, MPI_STATUS_IGNORE));
+  timed(CollectiveKind::kPointToPoint, static_cast<double>(count * dtype_size(t)), t0);
 }
 
 void MpiComm::broadcast(void* buf, std::size_t count, DType t, int root) {
+  const double t0 = MPI_Wtime();
   QT_CHECK_MPI(MPI_Bcast(buf, as_count(count), mpi_type(t), root, comm_));
+  timed(CollectiveKind::kBroadcast, static_cast<double>(count * dtype_size(t)), t0);
 }
 
 void MpiComm::barrier() { QT_CHECK_MPI(MPI_Barrier(comm_)); }
+
+void MpiComm::timed(CollectiveKind k, double bytes, double start_s) {
+  add_call(times_, k, bytes, size_, MPI_Wtime() - start_s);
+}
+
+CollectiveTimes MpiComm::take_times() {
+  CollectiveTimes out = times_;
+  times_ = {};
+  return out;
+}
 
 }  // namespace qt

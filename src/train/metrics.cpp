@@ -33,6 +33,27 @@ MetricsLog::MetricsLog(const std::string& path, Comm& world, bool append)
   agree(world, err);
 }
 
+std::vector<StepMetrics::CommTime> take_comm_times(Mesh& mesh, double steps) {
+  const std::vector<Mesh::CommTimes> slots = mesh.take_collective_times();
+  constexpr int kFields = 4;  // seconds, calls, bytes, bus_bytes
+  std::vector<double> flat;
+  for (const Mesh::CommTimes& s : slots)
+    for (const CollectiveTime& t : s.times)
+      flat.insert(flat.end(), {t.seconds, t.calls, t.bytes, t.bus_bytes});
+  mesh.world().all_reduce(flat.data(), flat.size(), DType::kF64, ReduceOp::kMax);
+  std::vector<StepMetrics::CommTime> out;
+  const double n = std::max(1.0, steps);
+  for (std::size_t i = 0; i < slots.size(); ++i)
+    for (int k = 0; k < kNumCollectiveKinds; ++k) {
+      const double* f = flat.data() + (i * kNumCollectiveKinds + k) * kFields;
+      if (f[1] <= 0) continue;
+      out.push_back({fmt::format("{}.{}", slots[i].name,
+                                 collective_kind_name(static_cast<CollectiveKind>(k))),
+                     1e3 * f[0] / n, f[1] / n, 1e-6 * f[2] / n, f[0] > 0 ? 1e-9 * f[3] / f[0] : 0});
+    }
+  return out;
+}
+
 std::string format_duration(double s) {
   if (!std::isfinite(s) || s < 0) return "?";
   const long t = std::lround(s);
@@ -108,6 +129,12 @@ void MetricsLog::write(const StepMetrics& m) {
   j["time_data_s"] = m.time.data;
   j["time_compute_s"] = m.time.compute;
   j["time_optimizer_s"] = m.time.optimizer;
+  if (!m.comm.empty()) {
+    nlohmann::json comm = nlohmann::json::object();
+    for (const StepMetrics::CommTime& c : m.comm)
+      comm[c.name] = {{"ms", c.ms}, {"calls", c.calls}, {"mb", c.mb}, {"bus_gbs", c.bus_gbs}};
+    j["comm"] = comm;
+  }
   file_ << j.dump() << '\n';
   file_.flush();
 }

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "qtrain/comm.h"
+#include "qtrain/mesh.h"
 #include "runtime/memory.h"
 
 namespace qt {
@@ -33,7 +34,20 @@ struct StepMetrics {
     double compute = 0;        // the micro-batches' forward and backward
     double optimizer = 0;      // the optimizer step (reduction, norm, update, gathers it waits for)
   } time;
+  struct CommTime {            // one communicator's calls of one kind, per step over the interval
+    std::string name;          // "<communicator>.<kind>", e.g. "dp.reduce_scatter"
+    double ms = 0;             // the slowest rank's time in them (device: kernel time, overlapping
+                               // computation)
+    double calls = 0, mb = 0;  // calls and MB (10^6 bytes, comm.h's sizes) on that rank
+    double bus_gbs = 0;        // bus bandwidth, GB/s (comm.h's bus_bytes / time)
+  };
+  std::vector<CommTime> comm;  // kinds with calls only
 };
+
+// Every communicator's time per step since the last call, over `steps` steps: the mesh's
+// take_collective_times, the largest value of each figure over the world's ranks. Collective
+// over mesh.world().
+std::vector<StepMetrics::CommTime> take_comm_times(Mesh& mesh, double steps);
 
 // The balance of each sparse layer's expert load: the coefficient of variation (population std /
 // mean) and max / mean of the tokens per expert; load [layers x experts] flat.
@@ -50,7 +64,7 @@ class MetricsLog {
   // The step line (and, on the run's first logged step, a line with the peak memory by kind) on
   // stdout, and the JSON line with every field (mem_params, mem_grads, mem_optimizer,
   // mem_activations, mem_workspace in bytes; time_data_s, time_compute_s, time_optimizer_s;
-  // pipeline_idle, a fraction, when measured; for Qwen3-MoE aux_loss and, per sparse layer,
+  // pipeline_idle, a fraction, when measured; comm, {name: {ms, calls, mb, bus_gbs}} per step; for Qwen3-MoE aux_loss and, per sparse layer,
   // expert_tokens, expert_cv and expert_max_over_mean; the step line adds the mean and the worst
   // layer's cv and the largest max / mean).
   void write(const StepMetrics& m);

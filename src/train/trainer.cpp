@@ -188,6 +188,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
   std::int64_t steps_since_log = 0;
   const std::int64_t first_step = state.step;
 
+  mesh.take_collective_times();  // the step log counts the steps' calls, not the start-up's
   while (state.step < last) {
     const std::int64_t step = state.step;
     auto phase = Clock::now();
@@ -260,6 +261,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
       sm.peak = {peak[0], peak[1], peak[2], peak[3], peak[4]};
       const double n = static_cast<double>(steps_since_log);
       sm.time = {data_s / n, compute_s / n, optimizer_s / n};
+      sm.comm = take_comm_times(mesh, n);
       log.write(sm);
       t_log = Clock::now();
       tokens_since_log = 0;

@@ -139,6 +139,31 @@ TEST(MpiComm, Collectives) {
   w->barrier();
 }
 
+// Each call is counted by kind with NCCL-tests sizes and bus factors; a take starts again.
+TEST(MpiComm, TakeTimesCountsEachCallBySizeAndBusFactor) {
+  MpiComm w(MPI_COMM_WORLD, "timed", false);
+  const int n = w.size();
+  std::vector<float> buf(1000 * n, 1.0f), out(1000 * n);
+  w.all_reduce(buf.data(), 1000, DType::kF32, ReduceOp::kSum);
+  w.all_reduce(buf.data(), 500, DType::kF32, ReduceOp::kSum);
+  w.reduce_scatter(buf.data(), out.data(), 1000, DType::kF32, ReduceOp::kSum);
+  w.all_gather(buf.data(), out.data(), 1000, DType::kF32);
+  CollectiveTimes t = w.take_times();
+  const auto at = [&](CollectiveKind k) { return t[static_cast<std::size_t>(k)]; };
+  const double ring = (n - 1.0) / n;
+  EXPECT_EQ(at(CollectiveKind::kAllReduce).calls, 2);
+  EXPECT_EQ(at(CollectiveKind::kAllReduce).bytes, 6000);
+  EXPECT_DOUBLE_EQ(at(CollectiveKind::kAllReduce).bus_bytes, 6000 * 2 * ring);
+  EXPECT_GT(at(CollectiveKind::kAllReduce).seconds, 0);
+  EXPECT_EQ(at(CollectiveKind::kReduceScatter).bytes, 4000.0 * n);  // the whole input
+  EXPECT_DOUBLE_EQ(at(CollectiveKind::kReduceScatter).bus_bytes, 4000.0 * n * ring);
+  EXPECT_EQ(at(CollectiveKind::kAllGather).bytes, 4000.0 * n);  // the whole output
+  EXPECT_EQ(at(CollectiveKind::kAllToAll).calls, 0);
+  EXPECT_STREQ(collective_kind_name(CollectiveKind::kPointToPoint), "send_recv");
+  t = w.take_times();
+  EXPECT_EQ(at(CollectiveKind::kAllReduce).calls, 0);  // counted from the last take
+}
+
 TEST(Mesh, CommunicatorsGroupTheRightRanks) {
   auto w = world();
   if (w->size() != 4) GTEST_SKIP() << "needs 4 ranks";

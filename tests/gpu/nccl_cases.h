@@ -536,6 +536,35 @@ TEST(Nccl, HostBuffersAreStagedForScalars) {
                std::invalid_argument);
 }
 
+// Each call is timed on the stream by kind with NCCL-tests sizes; a group counts once, of its
+// calls' bytes together; a take starts the count again.
+TEST(Nccl, TakeTimesCountsCallsAndGroups) {
+  QT_REQUIRE_NCCL();
+  const int size = comm().size(), rank = comm().rank();
+  const std::size_t n = std::size_t{1} << 20;
+  test::GuardedBuffer<float> buf(inputs<float>(rank, 800, n * size)), out(n * size);
+  comm().take_times();  // whatever earlier tests left
+  comm().all_reduce_async(buf.get(), n, DType::kF32, ReduceOp::kSum);
+  comm().all_gather_async(buf.get(), out.get(), n, DType::kF32);
+  comm().group_start();
+  comm().send_async(buf.get(), n, DType::kF32, (rank + 1) % size);
+  comm().recv_async(out.get(), n, DType::kF32, (rank + size - 1) % size);
+  comm().group_end();
+  const CollectiveTimes t = comm().take_times();  // waits for them
+  const auto at = [&](CollectiveKind k) { return t[static_cast<std::size_t>(k)]; };
+  const double ring = (size - 1.0) / size;
+  EXPECT_EQ(at(CollectiveKind::kAllReduce).calls, 1);
+  EXPECT_EQ(at(CollectiveKind::kAllReduce).bytes, 4.0 * n);
+  EXPECT_DOUBLE_EQ(at(CollectiveKind::kAllReduce).bus_bytes, 8.0 * n * ring);
+  EXPECT_GT(at(CollectiveKind::kAllReduce).seconds, 0);
+  EXPECT_LT(at(CollectiveKind::kAllReduce).seconds, 10);
+  EXPECT_EQ(at(CollectiveKind::kAllGather).bytes, 4.0 * n * size);  // the whole output
+  EXPECT_EQ(at(CollectiveKind::kPointToPoint).calls, 1);            // one group
+  EXPECT_EQ(at(CollectiveKind::kPointToPoint).bytes, 8.0 * n);      // its send and recv
+  EXPECT_GT(at(CollectiveKind::kPointToPoint).seconds, 0);
+  EXPECT_EQ(comm().take_times()[0].calls, 0);
+}
+
 TEST(Nccl, BarrierAndBadArguments) {
   QT_REQUIRE_NCCL();
   comm().barrier();

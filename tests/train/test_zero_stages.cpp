@@ -493,6 +493,25 @@ TEST_F(ZeroStages, MetricsSplitTheStepTime) {
   EXPECT_LE(data + compute + optimizer, j.at("elapsed_s").get<double>());
 }
 
+// The metrics name each communicator's calls per step: ZeRO-2 reduce-scatters each unit's
+// gradients every micro-batch and all-gathers its updated weights once a step over dp: the same
+// bytes a call each way.
+TEST_F(ZeroStages, MetricsTimeTheCollectives) {
+  train("comm", 2, {"--optim.zero_stage=2", "--train.steps=2", "--log.every=2"});
+  std::ifstream f(path("comm.jsonl"));
+  std::string line, last;
+  while (std::getline(f, line)) last = line;
+  const auto comm = nlohmann::json::parse(last).at("comm");
+  const auto& rs = comm.at("mpi.dp.reduce_scatter");
+  const auto& ag = comm.at("mpi.dp.all_gather");
+  EXPECT_GE(rs.at("calls").get<double>(), 1);
+  EXPECT_GT(rs.at("ms").get<double>(), 0);
+  EXPECT_GT(rs.at("mb").get<double>(), 0);
+  EXPECT_DOUBLE_EQ(rs.at("mb").get<double>() / rs.at("calls").get<double>(),
+                   ag.at("mb").get<double>() / ag.at("calls").get<double>());
+  EXPECT_GT(rs.at("bus_gbs").get<double>(), 0);
+}
+
 // tests/train/fixtures/checkpoint_v1: a checkpoint written before the sharded state, and the
 // losses of the run that wrote it. Resumed at any (dp, ZeRO), it continues that run.
 TEST_F(ZeroStages, CheckpointWrittenBeforeTheShardedStateStillLoads) {
