@@ -4,7 +4,10 @@
 // optim.offload = cpu, on host threads. LoRA has its own back end (backend_cuda_lora.cpp). With
 // mesh.tp > 1 the model and the state are the tp rank's local part (parallel/tensor_parallel.h;
 // the collectives in cuda_ops.h) and every piece of state leaves and enters in global
-// coordinates (TpMap), as on the CPU.
+// coordinates (TpMap), as on the CPU. With mesh.ep > 1 (Qwen3-MoE) they are the ep rank's: E / ep
+// experts of each sparse layer, a unit of their own over the expert-data-parallel group, the
+// tokens' rows sent to their experts' ranks and back (cuda_ops_moe_ep.cpp), and EpMap places
+// those experts in the global tensors.
 //
 // Memory: one DeviceArena per rank takes the GPU's free memory less a margin for NCCL and cuBLASLt
 // at start-up; every buffer comes from it, so the step loop never calls cudaMalloc.
@@ -24,6 +27,7 @@
 #include "cuda/sharded_state_cuda.h"
 #include "cuda/training_buffers.h"
 #include "ops/cuda/gemm.cuh"
+#include "parallel/expert_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "plan/memory_plan.h"
 #include "qtrain/error.h"
@@ -41,7 +45,8 @@ class CudaBackend final : public TrainBackend {
         deck_(deck),
         tp_(mesh.shape().tp),
         layout_(deck.model),
-        local_cfg_(tp_local_config(deck.model, tp_)),
+        ep_(deck.model.is_moe() ? mesh.shape().ep : 1),
+        local_cfg_(ep_local_config(tp_local_config(deck.model, tp_), ep_)),
         local_layout_(local_cfg_),
         plan_(plan_qwen3(local_cfg_, local_layout_, mesh.shape(), deck.optim.zero_stage,
                          tp_kv_replicas(deck.model, tp_))),
@@ -49,12 +54,14 @@ class CudaBackend final : public TrainBackend {
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
         nccl_tp_(tp_ > 1 ? &cuda::nccl(mesh, MeshDim::kTp) : nullptr),
+        nccl_ep_(ep_ > 1 ? &cuda::nccl(mesh, MeshDim::kEp) : nullptr),
+        nccl_edp_(ep_ > 1 ? &cuda::nccl(mesh, MeshDim::kEdp) : nullptr),
         state_(plan_, local_layout_, deck.optim, mesh.dp(), nccl_dp_, arena_,
                cuda::offload_threads(mesh),
                {deck.model.tie_word_embeddings ? 0 : deck.train.micro_batch * deck.train.seq_len,
                 deck.model.hidden_size,
                 std::int64_t{mesh.tp().rank()} * local_cfg_.vocab_size},
-               {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_}),
+               {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_}, {}, nccl_edp_),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_),
         micro_batches_(std::max<std::int64_t>(
             1, deck.train.global_batch / (std::int64_t{deck.train.micro_batch} * mesh.dp().size()))) {
@@ -63,14 +70,16 @@ class CudaBackend final : public TrainBackend {
     model_ = std::make_unique<cuda::Qwen3Cuda>(local_cfg_, deck.train.micro_batch,
                                                deck.train.seq_len, arena_, deck.train.recompute,
                                                nccl_tp_, mesh.shape().seq_parallel(),
-                                               mesh.shape().tp_overlap);
+                                               mesh.shape().tp_overlap, nccl_ep_);
     // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
     // ranks), as on the CPU (backend_cpu.cpp).
     if (deck.model.is_moe())
       model_->set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
                                                    deck.train.micro_batch / deck.train.global_batch));
+    QT_CHECK(tp_ == 1 || ep_ == 1, "expert parallelism with tensor parallelism (the deck refuses it)");
     if (tp_ > 1)
-      tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
+      map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
+    if (ep_ > 1) map_ = std::make_unique<EpMap>(layout_, local_layout_, mesh.ep().rank());
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     read_profile_window();
@@ -83,18 +92,23 @@ class CudaBackend final : public TrainBackend {
                        "set-up)",
                        device_, d.name, d.sm_count, state_.describe(),
                        tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_, deck_.mesh.sequence_parallel)
-                               : "",
+                       : ep_ > 1
+                           ? fmt::format("; expert parallelism over ep {}: {} of {} experts a "
+                                         "sparse layer here, their state over expert-dp {}",
+                                         ep_, local_cfg_.local_experts(), local_cfg_.num_experts,
+                                         deck_.mesh.dp / ep_)
+                           : "",
                        cuda::format_bytes(arena_.capacity()), cuda::format_bytes(arena_.used()));
   }
   // Global coordinates (checkpoints, initialisation and imports see global tensors).
   std::vector<FlatPiece> model_pieces() override {
-    return global_pieces(tp_map_.get(), state_.param_pieces(), /*writing=*/false);
+    return global_pieces(map_.get(), state_.param_pieces(), /*writing=*/false);
   }
   std::vector<StatePiece> checkpoint_pieces() override {
-    return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
+    return global_pieces(map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
-    return global_targets(tp_map_.get(), state_.checkpoint_targets());
+    return global_targets(map_.get(), state_.checkpoint_targets());
   }
   void push_state() override { state_.push(stream_.get()); }
   void pull_state() override { state_.pull(stream_.get()); }
@@ -154,7 +168,8 @@ class CudaBackend final : public TrainBackend {
   const Deck& deck_;
   int tp_;                      // mesh.tp
   ParamLayout layout_;          // the model's (global)
-  ModelConfig local_cfg_;       // the tp rank's model (the model's at tp 1)
+  int ep_;                      // mesh.ep of a Qwen3-MoE model, else 1
+  ModelConfig local_cfg_;       // the tp or ep rank's model (the model's at tp = ep = 1)
   ParamLayout local_layout_;    // its layout: the plan's, the state's and the model's
   ShardPlan plan_;
   cuda::DeviceArena arena_;
@@ -162,10 +177,12 @@ class CudaBackend final : public TrainBackend {
   void* gemm_ws_;
   cuda::NcclComm* nccl_dp_;  // the mesh's dp communicator; null at dp 1
   cuda::NcclComm* nccl_tp_;  // the mesh's tp communicator; null at tp 1
+  cuda::NcclComm* nccl_ep_;  // the mesh's ep and expert-dp communicators; null at ep 1
+  cuda::NcclComm* nccl_edp_;
   cuda::ShardedCudaState state_;
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;
-  std::unique_ptr<TpMap> tp_map_;  // local -> global pieces with tp > 1, else null
+  std::unique_ptr<LayoutMap> map_;  // local -> global pieces: TpMap (tp > 1), EpMap (ep > 1)
   // The micro-batches of a step (the trainer's count: global_batch / (micro_batch x dp)) and the
   // index of the next one since zero_grads().
   std::int64_t micro_batches_, micro_batch_ = 0;

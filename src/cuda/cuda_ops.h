@@ -60,9 +60,11 @@ class CudaOps : public NoCollectives {
   // tp_overlap: the tp collectives in pieces beside the GEMMs (below), else each whole.
   // moe_recompute: the program recomputes each layer's forward before its backward
   // (train.recompute), so a Qwen3-MoE model keeps one shared set of expert activations instead
-  // of one per sparse layer.
+  // of one per sparse layer. ep: the expert-parallel group of a Qwen3-MoE model (mesh.ep > 1;
+  // cfg is then the ep rank's local model, ep_local_config: E / ep experts stored here), or null.
   CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp = nullptr,
-          int seq_parallel = 1, bool tp_overlap = false, bool moe_recompute = false);
+          int seq_parallel = 1, bool tp_overlap = false, bool moe_recompute = false,
+          NcclComm* ep = nullptr);
   // Forward only, for the KV-cache decoder (generate/kv_decoder_cuda.cpp): the layer ops over
   // any number of rows (set_rows), RoPE tables for positions [0, rope_len), and none of the
   // buffers of the backward, the lm head or the loss (the decoder runs its own head).
@@ -142,11 +144,13 @@ class CudaOps : public NoCollectives {
   bf16* tp_block_output_backward(bf16* full, bf16* dy, int rows, int cols);
   void tp_block_output_ahead(bf16* local, bf16* y, int rows, int cols);
 
-  // Qwen3-MoE (layer_program.h's contract; cuda_ops_moe.cpp), tp = 1, no LoRA, no ep yet. The
-  // router, the routing and the combine are ops/cuda/moe.cuh's kernels, the experts
-  // grouped_gemm.h's GEMMs; a layer's forward copies its experts' row counts to the host once (one
-  // stream synchronisation) and keeps them, with the routing and the experts' activations (gate/up,
-  // SwiGLU and down outputs, in expert order), for the layer's backward. With moe_recompute the
+  // Qwen3-MoE (layer_program.h's contract; cuda_ops_moe.cpp), tp = 1, no LoRA. The router, the
+  // routing and the combine are ops/cuda/moe.cuh's kernels, the experts grouped_gemm.h's GEMMs
+  // (their row offsets stay on the device: no host synchronisation at ep 1); a layer keeps the
+  // routing and the experts' activations (gate/up, SwiGLU and down outputs, in expert order) for
+  // its backward. With an ep group the rows travel to their experts' ranks and back
+  // (cuda_ops_moe_ep.cpp: one host synchronisation per sparse layer's forward, for the
+  // all-to-all's counts, kept for the backward and a recomputed forward). With moe_recompute the
   // activations are one shared set, which the program's recomputed forward of the layer has just
   // written when its backward comes (checked). aux_scale: the weight of each micro-batch's
   // load-balancing loss in the objective (CpuOps' the same).
@@ -191,6 +195,42 @@ class CudaOps : public NoCollectives {
   mutable std::vector<double> load_;      // moe_load()'s host copy
   bool moe_recompute_ = false;
   int moe_last_ = -1;                     // the layer of the last moe() (moe_recompute_)
+
+  // Expert parallelism (cuda_ops_moe_ep.cpp; ep_ null without). P = ep size, El = E / P experts
+  // stored here; "send order": this rank's N k rows by global expert (rank p's experts a block);
+  // "received order": by source rank, then local expert; "expert order": by local expert, then
+  // source rank (ops/cuda/moe_ep.cuh). Per sparse layer, from its forward:
+  struct MoeEp {
+    std::vector<std::size_t> send, send_at, recv, recv_at;  // [P] rows to / from each ep rank
+    int received = 0;                 // rows received (sum of recv) <= moe_ep_rows_
+    int* offsets = nullptr;           // [El + 1] device: local expert e's rows in expert order
+    int *to_expert = nullptr, *from_expert = nullptr;  // [moe_ep_rows_] device: the two orders
+    bf16* x = nullptr;                // [moe_ep_rows_, H] received rows in expert order (kept;
+                                      // shared by the layers with moe_recompute_)
+    long forward = -1;                // the micro-batch (moe_forwards_) these counts are of
+  };
+  NcclComm* ep_ = nullptr;
+  std::vector<MoeEp> moe_ep_;         // [L] (empty entries for dense layers)
+  int moe_ep_rows_ = 0;               // the most rows a rank receives: P N min(k, El)
+  int* moe_ep_counts_ = nullptr;      // [P, E] device: the group's routing counts
+  PinnedBuffer moe_ep_host_;          // [P, E] int32: their host copy
+  int* moe_ep_segments_ = nullptr;    // [2 E] moe_ep_recv_order's scratch
+  bf16 *moe_ep_a_ = nullptr, *moe_ep_b_ = nullptr;  // [moe_ep_rows_, H] scratch
+  long moe_forwards_ = 0;             // moe_begin() calls: a micro-batch's forward
+  Event ep_ready_, ep_done_;
+  void moe_ep_allocate(DeviceArena& arena);
+  // Layer l's counts: the group's all-gather, copied to the host (the one synchronisation), the
+  // send and receive counts and the device maps of moe_ep_[l].
+  void moe_ep_counts(int l);
+  // send -> recv over the ep group, [rows, H] bf16: to the experts (send order -> received
+  // order) or back (received -> send order), ordered with the micro-batch's stream by events.
+  void moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool to_experts);
+  // The experts of moe_x_'s rows (send order) on their ranks: layer l's out (send order).
+  void moe_ep_forward(int l, const bf16* gate_up, const bf16* down);
+  // Their backward from moe_dout_ (d out, send order): d x_perm into moe_x_ (send order), this
+  // rank's experts' weight gradients (+= when acc).
+  void moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16* gate_up,
+                       const bf16* down, bool acc);
 
   ModelConfig cfg_;
   int B_, T_, N_;

@@ -4,8 +4,9 @@
 // the micro-batch's load-balancing statistics on the device (qwen3-spec.md 3.3: pooled over the
 // sparse layers' tokens, then multiplied).
 //
-// No host synchronisation: the experts' row offsets stay on the device (kept per sparse layer
-// for its backward) and feed the grouped GEMMs (grouped_gemm.h) directly; the load metrics are
+// No host synchronisation at ep 1: the experts' row offsets stay on the device (kept per sparse
+// layer for its backward) and feed the grouped GEMMs (grouped_gemm.h) directly (with an ep group
+// the all-to-all needs its counts on the host: cuda_ops_moe_ep.cpp); the load metrics are
 // summed on the device and copied when read. The experts' activations (gate/up, SwiGLU and down
 // outputs) are kept per sparse layer for its backward, or with train.recompute in one shared set
 // that the program's recomputed forward of the layer has just written; the input rows in expert
@@ -27,6 +28,13 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, L = cfg_.num_layers;
   const std::size_t N = static_cast<std::size_t>(N_), H = cfg_.hidden_size;
   const std::size_t Im = cfg_.moe_intermediate_size, rows = N * k;
+  QT_CHECK(cfg_.expert_shards == (ep_ ? ep_->size() : 1),
+           "experts stored over {} ranks (the ep rank's local config) computed over {}",
+           cfg_.expert_shards, ep_ ? ep_->size() : 1);
+  // The experts' rows: this rank's N k, or with an ep group the most it can receive.
+  const int El = E / cfg_.expert_shards;
+  if (ep_) moe_ep_rows_ = ep_->size() * N_ * std::min(k, El);
+  const std::size_t ex_rows = ep_ ? static_cast<std::size_t>(moe_ep_rows_) : rows;
   moe_layers_.resize(static_cast<std::size_t>(L));
   MoeLayer shared;
   for (int l = 0; l < L; ++l) {
@@ -36,8 +44,8 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
     m.pair = arena.allocate<int>(rows);
     m.offsets = arena.allocate<int>(static_cast<std::size_t>(E) + 1);
     if (!moe_recompute_ || shared.gu == nullptr) {
-      shared.gu = arena.allocate<bf16>(rows * 2 * Im);
-      shared.h = arena.allocate<bf16>(rows * Im);
+      shared.gu = arena.allocate<bf16>(ex_rows * 2 * Im);
+      shared.h = arena.allocate<bf16>(ex_rows * Im);
       shared.out = arena.allocate<bf16>(rows * H);
     }
     m.gu = shared.gu;
@@ -49,8 +57,8 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   moe_logits_ = arena.allocate<bf16>(N * E);
   moe_x_ = arena.allocate<bf16>(rows * H);
   moe_dout_ = arena.allocate<bf16>(rows * H);
-  moe_dh_ = arena.allocate<bf16>(rows * Im);
-  moe_dgu_ = arena.allocate<bf16>(rows * 2 * Im);
+  moe_dh_ = arena.allocate<bf16>(ex_rows * Im);
+  moe_dgu_ = arena.allocate<bf16>(ex_rows * 2 * Im);
   moe_dx_gate_ = arena.allocate<bf16>(N * H);
   moe_dw_ = arena.allocate<float>(rows);
   moe_balance_ = arena.allocate<double>(2 * static_cast<std::size_t>(E));
@@ -58,6 +66,7 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   moe_load_ = arena.allocate<double>(n_load);
   QT_CHECK_CUDA(cudaMemset(moe_load_, 0, sizeof(double) * n_load));
   load_.assign(n_load, 0.0);
+  if (ep_) moe_ep_allocate(arena);
 }
 
 const std::vector<double>& CudaOps::moe_load() const {
@@ -79,6 +88,7 @@ void CudaOps::moe_begin() {
   QT_CHECK(moe_balance_ != nullptr, "moe_begin on CudaOps of a dense model");
   QT_CHECK_CUDA(cudaMemsetAsync(moe_balance_, 0, 2 * sizeof(double) * cfg_.num_experts, s_));
   moe_tokens_ = 0;
+  ++moe_forwards_;
 }
 
 void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* x,
@@ -97,12 +107,17 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
     const std::size_t sparse = static_cast<std::size_t>(cfg_.moe_layers_before(l));
     moe_load_add(moe_load_ + sparse * E, moe_counts_, E, s_);
   }
-  // The experts: out = down(swiglu(gate_up(x_perm))), kept for the backward.
+  // The experts: out = down(swiglu(gate_up(x_perm))), kept for the backward (with an ep group
+  // on the experts' ranks, out returned in this rank's expert order).
   const int Im = cfg_.moe_intermediate_size;
   moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
-  grouped_linear(m.gu, moe_x_, gate_up, m.offsets, E, rows, H, 2 * Im, s_);
-  swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, rows, Im, s_);
-  grouped_linear(m.out, m.h, down, m.offsets, E, rows, Im, H, s_);
+  if (ep_) {
+    moe_ep_forward(l, gate_up, down);
+  } else {
+    grouped_linear(m.gu, moe_x_, gate_up, m.offsets, E, rows, H, 2 * Im, s_);
+    swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, rows, Im, s_);
+    grouped_linear(m.out, m.h, down, m.offsets, E, rows, Im, H, s_);
+  }
   moe_unpermute(y, m.out, rw, m.pos, N_, k, H, s_);
   moe_last_ = l;
 }
@@ -120,15 +135,21 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
            "activations are shared, the layer's forward must come right before", l, moe_last_);
   // d out = w dy and d w = dot(out, dy); then down, SwiGLU and gate_up backward. The layer's
   // activations stay intact (a backward may run again on them).
-  moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
   moe_unpermute_backward(moe_dout_, moe_dw_, dy, m.out, rw, m.pos, N_, k, H, s_);
-  grouped_linear_backward(moe_dh_, g_down, moe_dout_, m.h, down, m.offsets, E, rows, Im, H, s_,
-                          acc);
-  swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,
-                          s_);
-  // d x_perm into moe_dout_ (dead once d h is made).
-  grouped_linear_backward(moe_dout_, g_gate_up, moe_dgu_, moe_x_, gate_up, m.offsets, E, rows,
-                          H, 2 * Im, s_, acc);
+  const bf16* dx_perm = moe_dout_;  // d x_perm [N k, H] in this rank's expert order
+  if (ep_) {  // the experts on their ranks (their inputs kept there): d x_perm into moe_x_
+    moe_ep_backward(l, g_gate_up, g_down, gate_up, down, acc);
+    dx_perm = moe_x_;
+  } else {
+    moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
+    grouped_linear_backward(moe_dh_, g_down, moe_dout_, m.h, down, m.offsets, E, rows, Im, H,
+                            s_, acc);
+    swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,
+                            s_);
+    // d x_perm into moe_dout_ (dead once d h is made).
+    grouped_linear_backward(moe_dout_, g_gate_up, moe_dgu_, moe_x_, gate_up, m.offsets, E, rows,
+                            H, 2 * Im, s_, acc);
+  }
   // The router: d logits from d w (and the load-balancing loss, with the micro-batch's counts).
   const bool aux = aux_scale_ != 0 && moe_tokens_ > 0;
   const float aux_scale =
@@ -136,7 +157,7 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
   moe_router_backward(moe_logits_, moe_dw_, probs, idx, aux ? moe_balance_ : nullptr, aux_scale,
                       N_, E, k, cfg_.norm_topk_prob, s_);
   cuda::linear_backward(moe_dx_gate_, g_router, moe_logits_, x, router, N_, H, E, s_, acc);
-  moe_permute_backward(dx, moe_dout_, moe_dx_gate_, m.pos, N_, k, H, s_);
+  moe_permute_backward(dx, dx_perm, moe_dx_gate_, m.pos, N_, k, H, s_);
 }
 
 double CudaOps::moe_aux_loss() {

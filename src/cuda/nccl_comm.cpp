@@ -398,6 +398,14 @@ void NcclComm::all_to_all_v(const void* send, const std::vector<std::size_t>& se
                             const std::vector<std::size_t>& send_displs, void* recv,
                             const std::vector<std::size_t>& recv_counts,
                             const std::vector<std::size_t>& recv_displs, DType t) {
+  all_to_all_v_async(send, send_counts, send_displs, recv, recv_counts, recv_displs, t);
+  wait_idle(last_async_);
+}
+
+void NcclComm::all_to_all_v_async(const void* send, const std::vector<std::size_t>& send_counts,
+                                  const std::vector<std::size_t>& send_displs, void* recv,
+                                  const std::vector<std::size_t>& recv_counts,
+                                  const std::vector<std::size_t>& recv_displs, DType t) {
   std::size_t total = 0;
   for (std::size_t c : send_counts) total += c;
   const Pending what{"all_to_all_v (send total)", total, t, -1};
@@ -439,7 +447,7 @@ void NcclComm::all_to_all_v(const void* send, const std::vector<std::size_t>& se
                "ncclRecv");
   }
   enqueued(ncclGroupEnd(), what, "ncclGroupEnd");
-  wait_idle(what);
+  last_async_ = what;
 }
 
 void NcclComm::point_to_point(bool is_send, const void* buf, std::size_t count, DType t, int peer,

@@ -86,6 +86,14 @@ class NcclComm final : public Comm {
   // stage's exchange) run as one batch without deadlock; outside a group each is its own launch.
   void send_async(const void* buf, std::size_t count, DType t, int dest);
   void recv_async(void* buf, std::size_t count, DType t, int src);
+  // Comm::all_to_all_v (counts and displacements in elements, from the host), asynchronous:
+  // enqueued on stream() (one NCCL group: a send and a receive per peer with a count, this
+  // rank's own block a device copy) and never waited for. Expert dispatch with exact counts
+  // (cuda_ops_moe_ep.cpp): the host learns them once per sparse layer.
+  void all_to_all_v_async(const void* send, const std::vector<std::size_t>& send_counts,
+                          const std::vector<std::size_t>& send_displs, void* recv,
+                          const std::vector<std::size_t>& recv_counts,
+                          const std::vector<std::size_t>& recv_displs, DType t);
   // All-to-all whose counts live in device memory (expert dispatch: the router computes them on
   // the GPU), asynchronous: enqueued on stream() and never waited for, so no host sync per layer.
   //   send[size() * capacity]: block p (elements [p * capacity, (p + 1) * capacity)) goes to rank

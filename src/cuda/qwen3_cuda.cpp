@@ -33,9 +33,12 @@ class FlatUnits final : public UnitSource {
 // The flat watermark of forward_backward relies on the order embedding, layers, norm, lm head.
 const ModelConfig& checked(const ModelConfig& cfg) {
   const ModelOffsets off = ParamLayout(cfg).model_offsets();
-  const std::size_t last = cfg.num_layers == 0 ? 0
-                           : off.layers.back().moe ? off.layers.back().experts_down
-                                                   : off.layers.back().w_down;
+  // The last layer's last tensor in its unit (an ep rank's experts sit after the head).
+  const LayerOffsets* back = cfg.num_layers == 0 ? nullptr : &off.layers.back();
+  const std::size_t last = back == nullptr ? 0
+                           : !back->moe                ? back->w_down
+                           : cfg.expert_shards > 1     ? back->router
+                                                       : back->experts_down;
   QT_CHECK(off.embed == 0 && off.norm > last &&
                (cfg.tie_word_embeddings || off.lm_head > off.norm),
            "unexpected parameter layout order");
@@ -45,8 +48,8 @@ const ModelConfig& checked(const ModelConfig& cfg) {
 }  // namespace
 
 Qwen3Cuda::Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute,
-                     NcclComm* tp, int seq_parallel, bool tp_overlap)
-    : ops_(checked(cfg), B, T, arena, tp, seq_parallel, tp_overlap, recompute),
+                     NcclComm* tp, int seq_parallel, bool tp_overlap, NcclComm* ep)
+    : ops_(checked(cfg), B, T, arena, tp, seq_parallel, tp_overlap, recompute, ep),
       program_(cfg, B, T, recompute,
                allocate_acts<bf16>(cfg, B, T, recompute, arena, seq_parallel)) {}
 

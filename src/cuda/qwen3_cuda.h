@@ -75,9 +75,11 @@ class Qwen3Cuda {
   // buffers first (about a third more compute, activation memory of one layer instead of L).
   // The results are bitwise those of the run without recompute. tp: the tensor-parallel group
   // (cfg is then this rank's local model, tp_local_config; cuda_ops.h), or null; seq_parallel:
-  // tp's size with sequence parallelism, else 1; tp_overlap: mesh.tp_overlap (cuda_ops.h).
+  // tp's size with sequence parallelism, else 1; tp_overlap: mesh.tp_overlap (cuda_ops.h). ep:
+  // the expert-parallel group (cfg is then the ep rank's local model, ep_local_config), or null.
   Qwen3Cuda(const ModelConfig& cfg, int B, int T, DeviceArena& arena, bool recompute = false,
-            NcclComm* tp = nullptr, int seq_parallel = 1, bool tp_overlap = false);
+            NcclComm* tp = nullptr, int seq_parallel = 1, bool tp_overlap = false,
+            NcclComm* ep = nullptr);
 
   const ParamLayout& layout() const { return program_.layout(); }
 

@@ -25,7 +25,7 @@ constexpr std::size_t kHostSlice = std::size_t{1} << 20;  // elements per host A
 ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout,
                                    const OptimConfig& cfg, MpiComm& dp, NcclComm* nccl,
                                    DeviceArena& arena, unsigned host_threads, EmbeddingRows rows,
-                                   TpComms tp, PipelineHold pipe)
+                                   TpComms tp, PipelineHold pipe, NcclComm* edp)
     : plan_(plan),
       layout_(layout),
       cfg_(cfg),
@@ -34,6 +34,7 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
       rank_(dp.rank()),
       dp_(dp),
       nccl_(nccl),
+      edp_(edp),
       tp_(plan.tp > 1 ? tp : TpComms{}),
       pp_(pipe.pp),
       uncounted_(pipe.uncounted),
@@ -53,6 +54,15 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
              s.tp_replicas);
     kv_replicas_ = std::max(kv_replicas_, s.tp_replicas);
   }
+  for (const ParamUnit& pu : plan.units)
+    QT_CHECK(pu.group == MeshDim::kDp ||
+                 (pu.group == MeshDim::kEdp && nccl != nullptr && edp && edp->size() == pu.dp),
+             "expert unit {} over an edp group of {} ranks, communicator of {} (dp {})", pu.name,
+             pu.dp, edp ? edp->size() : 0, plan.dp);
+  // ZeRO-3's gather ring prefetches the neighbouring unit u +- 1, which for a layer is not its
+  // expert unit (those sit after the head): not built, the deck refuses it.
+  QT_CHECK(edp == nullptr || nccl == nullptr || zero_ <= 2,
+           "expert units at ZeRO-{} (the deck allows 0 to 2 with mesh.ep > 1)", zero_);
   auto held = [&pipe](std::size_t u) {
     return pipe.held.empty() ||
            std::binary_search(pipe.held.begin(), pipe.held.end(), static_cast<int>(u));
@@ -66,6 +76,7 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   upload(segments_, segs.data(), segs.size() * sizeof(segs[0]));
   norm_ws_ = arena.allocate(grad_norm_workspace_bytes());
   scatter_norm_ws_ = arena.allocate(grad_norm_workspace_bytes());
+  if (edp_) edp_norm_ws_ = arena.allocate(grad_norm_workspace_bytes());
   reduced_.assign(plan_.units.size(), 0);
   summed_.assign(plan_.units.size(), 0);
 
@@ -80,7 +91,7 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
       u.shard = u.own = Range{pu.range.begin, pu.range.begin};
       continue;
     }
-    u.shard = pu.shard(rank_);
+    u.shard = pu.shard(group_rank(static_cast<int>(i)));
     u.own = zero_ == 0 ? pu.range : u.shard;
     const std::size_t nw = gathers() ? pu.chunk : pu.padded();
     std::size_t mark = arena.used();
@@ -158,8 +169,10 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   }
   bytes_.params += static_cast<double>(arena.used() - mark);
   mark = arena.used();
-  if (scatters() && zero_ <= 1 && cfg_.grad_reduce == "bf16")
+  if (scatters() && zero_ <= 1 && cfg_.grad_reduce == "bf16") {
     reduce_stage_ = arena.allocate<bf16>(all_padded);
+    if (edp_) edp_stage_ = arena.allocate<bf16>(all_padded);
+  }
   if (scatters() && zero_ >= 2) {
     for (int k = 0; k < kGradSlots; ++k) {
       grad_ring_.push_back(std::make_unique<Slot>());
@@ -248,9 +261,10 @@ void ShardedCudaState::give_up(Slot& slot) {
 void ShardedCudaState::gather(int u, Slot& slot) {
   slot.unit = u;
   weight_at_[u] = &slot;
-  nccl_->wait_event(slot.free.get());  // the slot's previous unit has been used for the last time
-  nccl_->all_gather_async(units_[u].weights, slot.data, plan_.units[u].chunk, DType::kBF16);
-  slot.ready.record(nccl_->stream());
+  NcclComm& c = comm(u);
+  c.wait_event(slot.free.get());  // the slot's previous unit has been used for the last time
+  c.all_gather_async(units_[u].weights, slot.data, plan_.units[u].chunk, DType::kBF16);
+  slot.ready.record(c.stream());
 }
 
 void ShardedCudaState::prefetch_after(int u) {
@@ -308,20 +322,21 @@ void ShardedCudaState::grads_done(int u, cudaStream_t s) {
   QT_CHECK(slot != nullptr, "grads_done() of unit {} without gradients", plan_.units[u].name);
   Unit& x = units_[u];
   const std::size_t chunk = plan_.units[u].chunk;
+  NcclComm& c = comm(u);
   compute_done_.record(s);
-  nccl_->wait_event(compute_done_.get());
+  c.wait_event(compute_done_.get());
   if (!reduced_[u]) {  // the step's first reduction writes the shard: nothing to zero or add
-    nccl_->reduce_scatter_async(slot->data, x.grad, chunk, DType::kF32, ReduceOp::kSum);
+    c.reduce_scatter_async(slot->data, x.grad, chunk, DType::kF32, ReduceOp::kSum);
     reduced_[u] = 1;
   } else {
-    nccl_->reduce_scatter_async(slot->data, slot->reduced, chunk, DType::kF32, ReduceOp::kSum);
-    add_f32(x.grad, slot->reduced, chunk, nccl_->stream());
+    c.reduce_scatter_async(slot->data, slot->reduced, chunk, DType::kF32, ReduceOp::kSum);
+    add_f32(x.grad, slot->reduced, chunk, c.stream());
   }
-  slot->free.record(nccl_->stream());
+  slot->free.record(c.stream());
   give_up(*slot);
   grad_at_[u] = nullptr;
   if (last_of_step_)  // the shard is final: its norm overlaps the rest of the backward
-    take_sum_of_squares(u, nccl_->stream(), scatter_norm_ws_);
+    take_sum_of_squares(u, c.stream(), comm_norm_ws(u));
   else
     summed_[u] = 0;  // a later micro-batch changes the shard
 }
@@ -329,28 +344,30 @@ void ShardedCudaState::grads_done(int u, cudaStream_t s) {
 void ShardedCudaState::reduce_whole(int u, cudaStream_t s) {
   Unit& x = units_[u];
   const ParamUnit& pu = plan_.units[u];
-  cudaStream_t ns = nccl_->stream();
+  NcclComm& c = comm(u);
+  cudaStream_t ns = c.stream();
   compute_done_.record(s);
-  nccl_->wait_event(compute_done_.get());
-  const bool bf16_wire = reduce_stage_ != nullptr;
+  c.wait_event(compute_done_.get());
+  bf16* stage = comm_stage(u);
+  const bool bf16_wire = stage != nullptr;
   void* buf = x.grad;
   if (bf16_wire) {
-    convert_f32_to_bf16(reduce_stage_, x.grad, pu.padded(), ns);
-    buf = reduce_stage_;
+    convert_f32_to_bf16(stage, x.grad, pu.padded(), ns);
+    buf = stage;
   }
   const DType t = bf16_wire ? DType::kBF16 : DType::kF32;
   const std::size_t at = x.shard.begin - pu.range.begin;  // = rank x chunk (or the unit's end)
   if (zero_ == 0) {
-    nccl_->all_reduce_async(buf, pu.range.size(), t, ReduceOp::kSum);
-    if (bf16_wire) convert_bf16_to_f32(x.grad, reduce_stage_, pu.range.size(), ns);
+    c.all_reduce_async(buf, pu.range.size(), t, ReduceOp::kSum);
+    if (bf16_wire) convert_bf16_to_f32(x.grad, stage, pu.range.size(), ns);
   } else {  // in place: rank r's reduced chunk lands at r x chunk
     char* b = static_cast<char*>(buf);
     const std::size_t es = dtype_size(t);
-    nccl_->reduce_scatter_async(b, b + pu.chunk * rank_ * es, pu.chunk, t, ReduceOp::kSum);
-    if (bf16_wire) convert_bf16_to_f32(x.grad + at, reduce_stage_ + at, x.shard.size(), ns);
+    c.reduce_scatter_async(b, b + pu.chunk * group_rank(u) * es, pu.chunk, t, ReduceOp::kSum);
+    if (bf16_wire) convert_bf16_to_f32(x.grad + at, stage + at, x.shard.size(), ns);
   }
   reduced_[u] = 1;
-  take_sum_of_squares(u, ns, scatter_norm_ws_);
+  take_sum_of_squares(u, ns, comm_norm_ws(u));
 }
 
 bool ShardedCudaState::take_embedding_rows(const bf16* dx, const std::int32_t* ids, int N,
@@ -471,11 +488,12 @@ bf16* ShardedCudaState::updated_weights(int u) {
 }
 
 void ShardedCudaState::share_update(int u, cudaStream_t s) {
+  NcclComm& c = comm(u);
   compute_done_.record(s);
-  nccl_->wait_event(compute_done_.get());
+  c.wait_event(compute_done_.get());
   const std::size_t chunk = plan_.units[u].chunk;
   bf16* whole = units_[u].weights;  // rank r's shard sits at r x chunk
-  nccl_->all_gather_async(whole + chunk * rank_, whole, chunk, DType::kBF16);
+  c.all_gather_async(whole + chunk * group_rank(u), whole, chunk, DType::kBF16);
 }
 
 void ShardedCudaState::host_adamw(int u, const AdamWStep& st, const float* grads, bf16* out) {
@@ -538,7 +556,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
     if (zero_ <= 1)  // units whose last micro-batch did not reduce them (LoRA's adapters)
       for (std::size_t u = 0; u < units_.size(); ++u)
         if (!reduced_[u] && units_[u].held) reduce_whole(static_cast<int>(u), s);
-    nccl_->synchronize();  // every reduction, add and sum of squares has landed
+    synchronize_comms();  // every reduction, add and sum of squares has landed
   }
   OptimStepStats st;
   st.lr = lr_at(cfg_, static_cast<int>(total_steps), step);
@@ -591,7 +609,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
       for (std::size_t u = 0; u < units_.size(); ++u)
         if (units_[u].held) share_update(static_cast<int>(u), s);
   }
-  if (shares_updates()) nccl_->synchronize();  // every unit's weights are whole again
+  if (shares_updates()) synchronize_comms();  // every unit's weights are whole again
   QT_CHECK_CUDA(cudaStreamSynchronize(s));
   return st;
 }
@@ -601,13 +619,13 @@ void ShardedCudaState::prefetch_for_next_step(int u, cudaStream_t s) {
   Slot* slot = u == 0 ? &embed_weights_ : free_slot(weight_ring_);
   if (slot == nullptr) return;
   compute_done_.record(s);  // unit u's update
-  nccl_->wait_event(compute_done_.get());
+  comm(u).wait_event(compute_done_.get());
   gather(u, *slot);
 }
 
 void ShardedCudaState::drop_prefetched() {
   if (!gathers()) return;
-  nccl_->synchronize();
+  synchronize_comms();
   for (Slot*& slot : weight_at_)
     if (slot != nullptr) {
       give_up(*slot);
@@ -669,8 +687,13 @@ void ShardedCudaState::push(cudaStream_t s) {
   if (shares_updates()) {
     for (std::size_t u = 0; u < units_.size(); ++u)
       if (units_[u].held) share_update(static_cast<int>(u), s);
-    nccl_->synchronize();
+    synchronize_comms();
   }
+}
+
+void ShardedCudaState::synchronize_comms() {
+  nccl_->synchronize();
+  if (edp_) edp_->synchronize();
 }
 
 void ShardedCudaState::pull(cudaStream_t s) {

@@ -20,6 +20,11 @@
 // shard holds it), clips, runs AdamW on the elements this rank updates (the fused GPU kernel, or
 // adamw_update on host threads with offload: the same element math) and, at ZeRO-1 and 2,
 // all-gathers each unit's updated bf16 shard right after its update.
+//
+// Expert parallelism (mesh.ep > 1): the plan's expert units (ParamUnit::group kEdp) are sharded,
+// reduced and gathered over the expert-data-parallel group (Mesh::edp(), its own communicator and
+// stream, possibly of one rank), every other unit over dp; the norm still sums over dp (each
+// expert element has one owner in its edp group, and the ep ranks hold different experts).
 #pragma once
 
 #include <cstdint>
@@ -77,10 +82,12 @@ class ShardedCudaState final : public UnitSource {
  public:
   // Collective over dp when nccl is given (dp > 1). Offload (cfg.offload = cpu) needs ZeRO-2 or
   // 3; cfg.grad_reduce = bf16 reduces ZeRO-0/1 gradients in bf16. host_threads: the threads of
-  // offload's AdamW (the cores this rank may use).
+  // offload's AdamW (the cores this rank may use). edp: the expert-data-parallel group's
+  // communicator, needed when the plan has expert units (at dp > 1), else null.
   ShardedCudaState(const ShardPlan& plan, const ParamLayout& layout, const OptimConfig& cfg,
                    MpiComm& dp, NcclComm* nccl, DeviceArena& arena, unsigned host_threads = 1,
-                   EmbeddingRows rows = {}, TpComms tp = {}, PipelineHold pipe = {});
+                   EmbeddingRows rows = {}, TpComms tp = {}, PipelineHold pipe = {},
+                   NcclComm* edp = nullptr);
 
   // UnitSource.
   const bf16* weights(int unit, cudaStream_t s) override;
@@ -141,6 +148,14 @@ class ShardedCudaState final : public UnitSource {
     Event ready, free;         // gather landed (NCCL stream); last reader done
   };
 
+  // Unit u's group (dp, or edp for an expert unit): its communicator, this rank's place in it,
+  // and the norm's workspace and the bf16 reduction stage of that communicator's stream.
+  bool expert(int u) const { return plan_.units[u].group == MeshDim::kEdp; }
+  NcclComm& comm(int u) const { return expert(u) ? *edp_ : *nccl_; }
+  int group_rank(int u) const { return expert(u) ? edp_->rank() : rank_; }
+  void* comm_norm_ws(int u) const { return expert(u) ? edp_norm_ws_ : scatter_norm_ws_; }
+  bf16* comm_stage(int u) const { return expert(u) ? edp_stage_ : reduce_stage_; }
+  void synchronize_comms();  // every reduction and gather of both groups has landed
   bool gathers() const { return zero_ == 3 && nccl_ != nullptr; }
   bool scatters() const { return nccl_ != nullptr; }
   // Gradients kept whole and written by the model in place (ZeRO-0/1, or dp 1).
@@ -184,6 +199,9 @@ class ShardedCudaState final : public UnitSource {
   int zero_, rank_;
   MpiComm& dp_;
   NcclComm* nccl_;
+  NcclComm* edp_ = nullptr;          // expert units' group (null without expert units)
+  void* edp_norm_ws_ = nullptr;      // grad_norm_squared's workspace on edp's stream
+  bf16* edp_stage_ = nullptr;        // reduce_stage_'s twin on edp's stream
   std::vector<Unit> units_;
   std::vector<Slot*> weight_at_, grad_at_;     // [units]: the slot holding it, or null
   std::vector<std::unique_ptr<Slot>> weight_ring_, grad_ring_;

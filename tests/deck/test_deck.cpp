@@ -431,10 +431,26 @@ TEST(DeckErrors, Moe) {
   expect_error(moe + "mlp_only_layers = 1,,0\n", {"model.mlp_only_layers", "empty item"});
   expect_error(moe + "mlp_only_layers = one\n", {"model.mlp_only_layers", "item 'one'"});
   expect_error(moe + "router_aux_loss_coef = -0.1\n", {"model.router_aux_loss_coef", ">= 0"});
-  // train.device = cuda: one GPU or dp (cuda/cuda_ops_moe.cpp), not ep; the router's limits.
+  // train.device = cuda: one GPU, dp, and ep at ZeRO 0-2 (cuda/cuda_ops_moe.cpp,
+  // cuda_ops_moe_ep.cpp); the router's limits.
   const std::string cuda = "head_dim = 64\n[train]\ndevice = cuda\n";
   EXPECT_EQ(parse(moe + cuda).train.device, "cuda");
-  expect_error(moe + cuda + "[mesh]\nep = 2\n", {"mesh.ep = 2", "Qwen3-MoE", "train.device = cuda"});
+  for (int zero = 0; zero <= 2; ++zero)
+    EXPECT_EQ(parse(moe + cuda + "[mesh]\nep = 2\n[optim]\nzero_stage = " +
+                    std::to_string(zero) + "\n")
+                  .mesh.ep,
+              2);
+  EXPECT_EQ(parse(moe + cuda + "[mesh]\nep = 2\n[optim]\nzero_stage = 2\noffload = cpu\n")
+                .optim.offload,
+            "cpu");
+  expect_error(moe + cuda + "[mesh]\nep = 2\n[optim]\nzero_stage = 3\n",
+               {"optim.zero_stage = 3", "with mesh.ep = 2", "train.device = cuda"});
+  expect_error(moe + cuda + "[mesh]\nep = 2\ntp = 2\n", {}, 4,
+               {"mesh.ep = 2", "mesh.tp, mesh.pp", "train.device = cuda"});
+  expect_error(moe + cuda + "[mesh]\nep = 2\npp = 2\n[train]\nglobal_batch = 16\n", {}, 4,
+               {"mesh.ep = 2", "mesh.tp, mesh.pp", "train.device = cuda"});
+  expect_error(moe + cuda + "[mesh]\nep = 2\n[lora]\nr = 4\n",
+               {"mesh.ep = 2", "LoRA", "train.device = cuda"});
   expect_error("[model]\nnum_experts = 1025\nnum_experts_per_tok = 2\n" + cuda,
                {"model.num_experts = 1025", "> 1024", "train.device = cuda"});
   expect_error("[model]\nnum_experts = 64\nnum_experts_per_tok = 33\n" + cuda,

@@ -1,0 +1,159 @@
+// Expert parallelism for CudaOps' Qwen3-MoE block (mesh.ep > 1; cuda_ops.h; the CPU reference is
+// parallel/expert_parallel.cpp, docs/moe.md "Expert parallelism"). Rank r of an ep group of P
+// stores experts [r El, (r + 1) El), El = E / P. Every rank routes its own N tokens with the
+// whole router (cuda_ops_moe.cpp: moe_route orders its N k (token, slot) rows by global expert,
+// so the rows for rank p are one block); the rows travel to their experts' ranks by one
+// all-to-all with exact counts, are put in expert order there (ops/cuda/moe_ep.cuh), run through
+// the local experts' grouped GEMMs, go back in received order by the inverse map and a second
+// all-to-all, and are weighed and summed by the sender as at ep 1. The backward sends d out the
+// same way and d x back; each rank accumulates its own experts' weight gradients (reduced over
+// the expert-data-parallel group by the state, not here).
+//
+// One host synchronisation per sparse layer's forward: NCCL's all-to-all takes its counts from
+// the host, so after routing the group all-gathers its [P, E] routing counts (E int32 a rank) and
+// the host waits for their copy (the ep stream) before it enqueues the rows with exact counts
+// (NcclComm::all_to_all_v_async). The synchronisation-free alternative, whole blocks of the
+// largest possible count (NcclComm::all_to_all_device_async), moves P times the rows and needs
+// P x N k rows of buffer for each peer: it does not scale to ep 8. Megatron's all-to-all token
+// dispatcher makes the same choice. The counts are kept per sparse layer, so the layer's
+// backward and its recomputed forward (train.recompute: the same routing) exchange rows with no
+// further synchronisation.
+//
+// Buffers (from the arena, at set-up): a rank receives at most P N min(k, El) rows, when every
+// rank sends it a row for every slot of every token (a token's k slots name distinct experts,
+// at most El of them here). That bound sizes the kept inputs and SwiGLU activations of each
+// sparse layer ([rows, H], [rows, 2 Im], [rows, Im]: P x the ep 1 sizes when El >= k; one
+// shared set with train.recompute) and the exchange scratch; the returned outputs stay [N k, H].
+#include <algorithm>
+
+#include "cuda/check.h"
+#include "cuda/cuda_ops.h"
+#include "cuda/grouped_gemm.h"
+#include "ops/cuda/moe.cuh"
+#include "ops/cuda/moe_ep.cuh"
+#include "ops/cuda/swiglu.cuh"
+#include "qtrain/error.h"
+
+namespace qt::cuda {
+
+namespace {
+std::vector<std::size_t> prefix(const std::vector<std::size_t>& counts) {
+  std::vector<std::size_t> at(counts.size(), 0);
+  for (std::size_t p = 1; p < counts.size(); ++p) at[p] = at[p - 1] + counts[p - 1];
+  return at;
+}
+std::vector<std::size_t> times(const std::vector<std::size_t>& v, std::size_t f) {
+  std::vector<std::size_t> out(v);
+  for (std::size_t& x : out) x *= f;
+  return out;
+}
+}  // namespace
+
+void CudaOps::moe_ep_allocate(DeviceArena& arena) {
+  const int P = ep_->size(), E = cfg_.num_experts, El = E / P;
+  const std::size_t H = cfg_.hidden_size, rows = static_cast<std::size_t>(moe_ep_rows_);
+  moe_ep_.resize(static_cast<std::size_t>(cfg_.num_layers));
+  bf16* shared_x = nullptr;
+  for (int l = 0; l < cfg_.num_layers; ++l) {
+    if (!cfg_.is_moe_layer(l)) continue;
+    MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
+    e.offsets = arena.allocate<int>(static_cast<std::size_t>(El) + 1);
+    e.to_expert = arena.allocate<int>(rows);
+    e.from_expert = arena.allocate<int>(rows);
+    if (!moe_recompute_ || shared_x == nullptr) shared_x = arena.allocate<bf16>(rows * H);
+    e.x = shared_x;
+  }
+  const std::size_t PE = static_cast<std::size_t>(P) * E;
+  moe_ep_counts_ = arena.allocate<int>(PE);
+  moe_ep_host_ = PinnedBuffer(PE * sizeof(int));
+  moe_ep_segments_ = arena.allocate<int>(2 * static_cast<std::size_t>(E));
+  moe_ep_a_ = arena.allocate<bf16>(rows * H);
+  moe_ep_b_ = arena.allocate<bf16>(rows * H);
+}
+
+void CudaOps::moe_ep_counts(int l) {
+  const int P = ep_->size(), r = ep_->rank(), E = cfg_.num_experts, El = E / P;
+  MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
+  // moe_counts_ [E]: this layer's routing, just made on the micro-batch's stream.
+  ep_ready_.record(s_);
+  ep_->wait_event(ep_ready_.get());
+  ep_->all_gather_async(moe_counts_, moe_ep_counts_, static_cast<std::size_t>(E), DType::kI32);
+  const int* c = moe_ep_host_.as<int>();  // [P, E]
+  QT_CHECK_CUDA(cudaMemcpyAsync(moe_ep_host_.as<int>(), moe_ep_counts_,
+                                sizeof(int) * static_cast<std::size_t>(P) * E,
+                                cudaMemcpyDeviceToHost, ep_->stream()));
+  ep_->synchronize();  // the layer's one host synchronisation (with the communicator's timeout)
+  e.send.assign(P, 0);
+  e.recv.assign(P, 0);
+  for (int p = 0; p < P; ++p)
+    for (int j = 0; j < El; ++j) {
+      e.send[p] += static_cast<std::size_t>(c[static_cast<std::size_t>(r) * E + p * El + j]);
+      e.recv[p] += static_cast<std::size_t>(c[static_cast<std::size_t>(p) * E + r * El + j]);
+    }
+  e.send_at = prefix(e.send);
+  e.recv_at = prefix(e.recv);
+  const std::size_t sent = e.send_at.back() + e.send.back();
+  const std::size_t received = e.recv_at.back() + e.recv.back();
+  QT_CHECK(sent == static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok &&
+               received <= static_cast<std::size_t>(moe_ep_rows_),
+           "layer {}: ep rank {} routes {} rows (expected N k = {}) and receives {} (at most {})",
+           l, r, sent, static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok, received,
+           moe_ep_rows_);
+  e.received = static_cast<int>(received);
+  // The device counts are complete (synchronised above); the next layer's all-gather overwrites
+  // them only after the micro-batch's stream has passed this kernel (ep_ready_ of that layer).
+  moe_ep_recv_order(e.offsets, e.to_expert, e.from_expert, moe_ep_counts_, P, E, r, e.received,
+                    moe_ep_segments_, s_);
+  e.forward = moe_forwards_;
+}
+
+void CudaOps::moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool to_experts) {
+  const std::size_t H = cfg_.hidden_size;
+  ep_ready_.record(s_);  // send is written, recv free
+  ep_->wait_event(ep_ready_.get());
+  if (to_experts)
+    ep_->all_to_all_v_async(send, times(e.send, H), times(e.send_at, H), recv, times(e.recv, H),
+                            times(e.recv_at, H), DType::kBF16);
+  else
+    ep_->all_to_all_v_async(send, times(e.recv, H), times(e.recv_at, H), recv, times(e.send, H),
+                            times(e.send_at, H), DType::kBF16);
+  ep_done_.record(ep_->stream());
+  QT_CHECK_CUDA(cudaStreamWaitEvent(s_, ep_done_.get(), 0));
+}
+
+void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down) {
+  MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+  MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
+  // A recomputed forward of this micro-batch routes the same: its counts stand.
+  if (e.forward != moe_forwards_) moe_ep_counts(l);
+  const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
+  const int R = e.received;
+  moe_ep_exchange(moe_x_, moe_ep_a_, e, /*to_experts=*/true);  // received order
+  moe_permute(e.x, moe_ep_a_, e.from_expert, R, 1, H, s_);      // expert order, kept
+  grouped_linear(m.gu, e.x, gate_up, e.offsets, El, R, H, 2 * Im, s_);
+  swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, R, Im, s_);
+  grouped_linear(moe_ep_b_, m.h, down, e.offsets, El, R, Im, H, s_);
+  moe_permute(moe_ep_a_, moe_ep_b_, e.to_expert, R, 1, H, s_);  // received order
+  moe_ep_exchange(moe_ep_a_, m.out, e, /*to_experts=*/false);   // send order
+}
+
+void CudaOps::moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16* gate_up,
+                              const bf16* down, bool acc) {
+  const MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+  const MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
+  QT_CHECK(e.forward == moe_forwards_, "moe_backward of layer {} without its forward's counts", l);
+  const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
+  const int R = e.received;
+  moe_ep_exchange(moe_dout_, moe_ep_a_, e, /*to_experts=*/true);
+  moe_permute(moe_ep_b_, moe_ep_a_, e.from_expert, R, 1, H, s_);  // d out in expert order
+  grouped_linear_backward(moe_dh_, g_down, moe_ep_b_, m.h, down, e.offsets, El, R, Im, H, s_,
+                          acc);
+  swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, R, Im, s_);
+  // d x in expert order into moe_ep_b_ (dead once d h is made), then received order, then home.
+  grouped_linear_backward(moe_ep_b_, g_gate_up, moe_dgu_, e.x, gate_up, e.offsets, El, R, H,
+                          2 * Im, s_, acc);
+  moe_permute(moe_ep_a_, moe_ep_b_, e.to_expert, R, 1, H, s_);
+  moe_ep_exchange(moe_ep_a_, moe_x_, e, /*to_experts=*/false);
+}
+
+}  // namespace qt::cuda
