@@ -442,8 +442,6 @@ void Builder::validate_moe() {
   need(m.moe_intermediate_size % deck_.mesh.tp == 0, "mesh.tp", "does not divide "
        "model.moe_intermediate_size = {} (each tp rank takes an equal share of every expert's "
        "width)", m.moe_intermediate_size);
-  need(deck_.mesh.tp == 1 || deck_.mesh.ep == 1, "mesh.ep", "> 1 together with mesh.tp = {} "
-       "{}; set mesh.ep = 1 or mesh.tp = 1", deck_.mesh.tp, later);
   need(deck_.lora.r == 0, "lora.r", "> 0 (LoRA) {}; set lora.r = 0", later);
   need(m.num_experts % deck_.mesh.ep == 0, "mesh.ep", "does not divide model.num_experts = {} "
        "(each expert-parallel rank takes an equal share)", m.num_experts);

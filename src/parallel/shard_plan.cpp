@@ -202,7 +202,9 @@ ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const Me
   QT_CHECK(ps[head].name == "model.norm.weight", "plan_qwen3: {} where the final norm belongs",
            ps[head].name);
   // Each sparse layer's experts (gate_up, down): rows [r El, (r + 1) El) of the global tensors on
-  // ep rank r, replicated over (and ZeRO-sharded over) the expert-data-parallel group.
+  // ep rank r, replicated over (and ZeRO-sharded over) the expert-data-parallel group. With
+  // tp > 1 too, each holds its tp rank's columns (plan_base's split, kept in global_shape;
+  // parallel/expert_parallel.h's TpEpMap maps both).
   const int edp = mesh.dp / mesh.ep;
   for (int l : sparse) {
     const std::size_t i = index_at(off.layers[l].experts_gate_up);

@@ -30,7 +30,8 @@
 // program's rule). One message of 2 E + 1 doubles (counts, probability sums, tokens) a
 // micro-batch and direction, tag 2 M C + the activation's. The expert load of the step log is
 // summed over the stages; with mesh.ep > 1 each stage's experts are split over its ep group as
-// the plain CPU back end does (parallel/expert_parallel.h), its expert units over edp.
+// the plain CPU back end does (parallel/expert_parallel.h), its expert units over edp, and with
+// mesh.tp > 1 too each of them by columns over tp.
 //
 // A tied embedding lives on the first stage (the lookup) and, as a copy, on the last (the lm
 // head): before each optimizer step the two exchange their gradients of it and add them (a + b
@@ -115,8 +116,9 @@ class CpuPipelineBackend final : public TrainBackend {
         QT_CHECK(static_cast<std::size_t>(c.stage->rows()) == n_, "stage rows {}, messages of {}",
                  c.stage->rows(), n_);
       }
-      model_map_ = std::make_unique<TpMap>(global_layout_, layout_, plan_, mesh.tp().rank());
     }
+    model_map_ = make_model_map(deck.model, global_layout_, layout_, plan_, mesh.shape(),
+                                mesh.tp().rank(), mesh.ep().rank());
     if (local_.is_moe()) {
       QT_CHECK(!lora_, "LoRA on a Qwen3-MoE model");
       // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches on all
@@ -126,10 +128,6 @@ class CpuPipelineBackend final : public TrainBackend {
       for (Chunk& c : chunks_) {
         c.stage->set_moe_aux_scale(aux_scale);
         if (ep_ > 1) c.stage->set_expert_parallel(&mesh.ep());
-      }
-      if (ep_ > 1) {
-        QT_CHECK(tp_ == 1, "expert parallelism with tensor parallelism in a pipeline");
-        model_map_ = std::make_unique<EpMap>(global_layout_, layout_, mesh.ep().rank());
       }
       stats_msg_.resize(2 * static_cast<std::size_t>(local_.num_experts) + 1);
     }
@@ -154,7 +152,7 @@ class CpuPipelineBackend final : public TrainBackend {
                        lora_->layout().numel());
     return d;
   }
-  // Pieces in global coordinates (TpMap under tensor parallelism; a stage's adapters always).
+  // Pieces in global coordinates (model_map_ under tp or ep; a stage's adapters always).
   std::vector<FlatPiece> model_pieces() override {
     return global_pieces(model_map_.get(), lora_ ? lora_->base_pieces() : state_.param_pieces(),
                          /*writing=*/false);
@@ -429,8 +427,7 @@ class CpuPipelineBackend final : public TrainBackend {
   ModelConfig local_;           // the tp rank's part of the model (the model at tp 1)
   ParamLayout layout_;          // its layout (units keep their ranges in it)
   ShardPlan plan_;              // its units' stages and the layer split
-  std::unique_ptr<LayoutMap> model_map_;  // local -> global pieces: TpMap with tp > 1, EpMap with
-                                      // ep > 1, else null
+  std::unique_ptr<LayoutMap> model_map_;  // local -> global pieces (make_model_map), or null
   std::vector<PipeAction> actions_;  // this stage's list of a step
   std::vector<Chunk> chunks_;
   PipelineShare share_;

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -194,6 +195,61 @@ TEST(ExpertStorage, TensorParallelSplitsEachExpertsWidth) {
     }
     EXPECT_EQ(std::count(written.begin(), written.end(), 1),
               static_cast<std::ptrdiff_t>(written.size()));
+  }
+}
+
+
+// tp 2 x ep 2 and tp 2 x ep 4: rank (t, r) holds experts [r El, (r + 1) El), each with tp rank
+// t's columns; TpEpMap writes every expert element once over the (tp, ep) ranks (every other
+// element once per ep rank, as EpMap), and places the local ones at their global elements.
+TEST(ExpertStorage, TpEpMapPlacesEachRanksExpertColumns) {
+  const ModelConfig g = moe_model(true);
+  const ParamLayout global(g);
+  std::vector<float> values(global.numel());
+  for (std::size_t k = 0; k < values.size(); ++k) values[k] = static_cast<float>(k);
+  const int tp = 2;
+  const std::int64_t Im = 12, Iml = Im / tp, H = 64;
+  for (int ep : {2, 4}) {
+    SCOPED_TRACE("ep " + std::to_string(ep));
+    MeshShape mesh;
+    mesh.tp = tp;
+    mesh.dp = ep;
+    mesh.ep = ep;
+    const ModelConfig l = ep_local_config(tp_local_config(g, tp), ep);
+    const ParamLayout local(l);
+    const ShardPlan plan = plan_qwen3(l, local, mesh, 0);
+    const std::int64_t El = 8 / ep;
+    EXPECT_EQ(local.find("model.layers.0.mlp.experts.gate_up_proj").shape,
+              (std::vector<std::int64_t>{El, 2 * Iml, H}));
+    std::vector<int> written(global.numel(), 0);
+    for (int t = 0; t < tp; ++t)
+      for (int r = 0; r < ep; ++r) {
+        const std::unique_ptr<LayoutMap> map = make_model_map(g, global, local, plan, mesh, t, r);
+        ASSERT_NE(dynamic_cast<const TpEpMap*>(map.get()), nullptr);
+        for (const LayoutMap::Segment& s : map->segments(Range{0, local.numel()}, true))
+          for (std::size_t i = 0; i < s.count; ++i) ++written[s.global + i];
+        std::vector<float> mine(local.numel(), -1.0f);
+        const std::vector<FlatPiece> whole = {{Range{0, local.numel()}, mine.data()}};
+        for (const FlatPiece& p : map->to_global(whole, false))
+          for (std::size_t k = 0; k < p.range.size(); ++k) p.data[k] = values[p.range.begin + k];
+        EXPECT_EQ(std::count(mine.begin(), mine.end(), -1.0f), 0);
+        const ParamInfo& lgu = local.find("model.layers.0.mlp.experts.gate_up_proj");
+        const ParamInfo& ggu = global.find("model.layers.0.mlp.experts.gate_up_proj");
+        const ParamInfo& ldn = local.find("model.layers.0.mlp.experts.down_proj");
+        const ParamInfo& gdn = global.find("model.layers.0.mlp.experts.down_proj");
+        for (std::int64_t e : {std::int64_t{0}, El - 1}) {
+          const std::int64_t ge = r * El + e, i = Iml - 1, h = 3, col = t * Iml + i;
+          EXPECT_EQ(mine[lgu.offset + (e * 2 * Iml + Iml + i) * H + h],
+                    values[ggu.offset + (ge * 2 * Im + Im + col) * H + h]) << "up " << e;
+          EXPECT_EQ(mine[ldn.offset + (e * H + h) * Iml + i],
+                    values[gdn.offset + (ge * H + h) * Im + col]) << "down " << e;
+        }
+      }
+    for (const ParamInfo& p : global.params()) {
+      const bool expert = p.name.find("mlp.experts.") != std::string::npos;
+      for (std::size_t i = p.offset; i < p.offset + p.numel; ++i)
+        ASSERT_EQ(written[i], expert ? 1 : ep) << p.name << " element " << i - p.offset;
+    }
   }
 }
 

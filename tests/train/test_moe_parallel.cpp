@@ -4,10 +4,10 @@
 // serial run's losses, load-balancing losses and gradient norms over 10 steps (1e-5, until a
 // near tie routes a token elsewhere: moe_harness.h) at pp 2 with every schedule (1F1B,
 // interleaved chunks, ZB-H1, recompute), at tp 2 (with and without sequence parallelism), and
-// on four ranks at pp 2 x ep 2 (also interleaved), pp 2 x dp 2, tp 2 x dp 2 and tp 2 x pp 2;
-// every step's expert load counts each sparse layer's token-slots once (summed over the stages,
-// not over tp); checkpoints of pp 2, tp 2 and pp 2 x ep 2 resume serially, and the serial run's
-// at pp 2 and tp 2.
+// on four ranks at pp 2 x ep 2 (also interleaved), pp 2 x dp 2, tp 2 x dp 2, tp 2 x pp 2 and
+// tp 2 x ep 2; every step's expert load counts each sparse layer's token-slots once (summed over
+// the stages, not over tp); checkpoints of pp 2, tp 2, pp 2 x ep 2 and tp 2 x ep 2 resume
+// serially, and the serial run's at pp 2, tp 2 and tp 2 x ep 2.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -139,7 +139,11 @@ TEST_F(MoeParallel, OnFourRanks) {
                   "--optim.zero_stage=3"}},
                 {"pp2_dp2_z2", 4, {"--mesh.pp=2", "--optim.zero_stage=2"}},
                 {"tp2_dp2_z1", 4, {"--mesh.tp=2", "--optim.zero_stage=1"}},
-                {"tp2_pp2_sp", 4, {"--mesh.tp=2", "--mesh.pp=2", "--mesh.sequence_parallel=true"}}},
+                {"tp2_pp2_sp", 4, {"--mesh.tp=2", "--mesh.pp=2", "--mesh.sequence_parallel=true"}},
+                {"tp2_ep2_z3", 4, {"--mesh.tp=2", "--mesh.ep=2", "--optim.zero_stage=3"}},
+                {"tp2_ep2_sp_recompute", 4,
+                 {"--mesh.tp=2", "--mesh.ep=2", "--mesh.sequence_parallel=true",
+                  "--train.recompute=true"}}},
                serial, 2);
   // Interleaved chunks over an ep group, with recompute: each chunk's slots keep their own
   // expert exchanges.
@@ -152,6 +156,13 @@ TEST_F(MoeParallel, OnFourRanks) {
   // serially.
   expect_like_serial(go_resume("pp2_ep2_resumed", 1, "pp2_ep2_z1", {}), tail(serial, 5),
                      "pp2 x ep2 -> serial", kNormTol);
+  // A tp 2 x ep 2 checkpoint (each rank a quarter of every sparse layer's expert weights)
+  // resumes serially, and the serial run's at tp 2 x ep 2.
+  expect_like_serial(go_resume("tp2_ep2_resumed", 1, "tp2_ep2_z3", {}), tail(serial, 5),
+                     "tp2 x ep2 -> serial", kNormTol);
+  expect_like_serial(go_resume("serial_resumed_tp2_ep2", 4, "serial",
+                               {"--mesh.tp=2", "--mesh.ep=2", "--optim.zero_stage=1"}),
+                     tail(serial, 5), "serial -> tp2 x ep2", kNormTol);
 }
 
 }  // namespace
