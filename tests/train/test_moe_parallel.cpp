@@ -1,5 +1,5 @@
 // Qwen3-MoE with pipeline and tensor parallelism on the CPU reference (issue 18) under
-// mpiexec -n 2 (and -n 4 for the four-rank meshes): the tiny MoE deck (inputs/tiny-moe.ini:
+// mpiexec -n 2 (and -n 4 and 8 for the larger meshes): the tiny MoE deck (inputs/tiny-moe.ini:
 // sparse and dense layers mixed, the load-balancing loss on, norm_topk_prob true) reproduces the
 // serial run's losses, load-balancing losses and gradient norms over 10 steps (1e-5, until a
 // near tie routes a token elsewhere: moe_harness.h) at pp 2 with every schedule (1F1B,
@@ -7,7 +7,8 @@
 // on four ranks at pp 2 x ep 2 (also interleaved), pp 2 x dp 2, tp 2 x dp 2, tp 2 x pp 2 and
 // tp 2 x ep 2; every step's expert load counts each sparse layer's token-slots once (summed over
 // the stages, not over tp); checkpoints of pp 2, tp 2, pp 2 x ep 2 and tp 2 x ep 2 resume
-// serially, and the serial run's at pp 2, tp 2 and tp 2 x ep 2.
+// serially, and the serial run's at pp 2, tp 2 and tp 2 x ep 2; on eight ranks pp 2 x tp 2 x
+// ep 2 together.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -163,6 +164,19 @@ TEST_F(MoeParallel, OnFourRanks) {
   expect_like_serial(go_resume("serial_resumed_tp2_ep2", 4, "serial",
                                {"--mesh.tp=2", "--mesh.ep=2", "--optim.zero_stage=1"}),
                      tail(serial, 5), "serial -> tp2 x ep2", kNormTol);
+}
+
+// mpiexec -n 8 (ctest train_moe_parallel_np8): pp 2 x tp 2 x ep 2 (dp 2), sequence parallel,
+// ZeRO-3: every dimension at once; its checkpoint resumes serially.
+TEST_F(MoeParallel, OnEightRanks) {
+  if (test::world_size() < 8) GTEST_SKIP() << "needs mpiexec -n 8 (ctest runs it)";
+  const std::vector<MoeStep> serial = go("serial", 1, {});
+  expect_cases({{"pp2_tp2_ep2_sp_z3", 8,
+                 {"--mesh.pp=2", "--mesh.tp=2", "--mesh.ep=2", "--mesh.sequence_parallel=true",
+                  "--optim.zero_stage=3"}}},
+               serial, 2);
+  expect_like_serial(go_resume("resumed", 1, "pp2_tp2_ep2_sp_z3", {}), tail(serial, 5),
+                     "pp2 x tp2 x ep2 -> serial", kNormTol);
 }
 
 }  // namespace
