@@ -54,6 +54,8 @@ class TpEpMap final : public LayoutMap {
   // cfg: the global model; local: ParamLayout(ep_local_config(tp_local_config(cfg, tp), ep)).
   TpEpMap(const ModelConfig& cfg, const ParamLayout& global, const ParamLayout& local,
           const MeshShape& mesh, int tp_rank, int ep_rank);
+  TpEpMap(const TpEpMap&) = delete;  // tp_ refers to the members before it
+  TpEpMap& operator=(const TpEpMap&) = delete;
   std::vector<Segment> segments(Range r, bool writing) const override;
 
  private:

@@ -3,12 +3,12 @@
 // sparse and dense layers mixed, the load-balancing loss on, norm_topk_prob true) reproduces the
 // serial run's losses, load-balancing losses and gradient norms over 10 steps (1e-5, until a
 // near tie routes a token elsewhere: moe_harness.h) at pp 2 with every schedule (1F1B,
-// interleaved chunks, ZB-H1, recompute), at tp 2 (with and without sequence parallelism), and
-// on four ranks at pp 2 x ep 2 (also interleaved), pp 2 x dp 2, tp 2 x dp 2, tp 2 x pp 2 and
-// tp 2 x ep 2; every step's expert load counts each sparse layer's token-slots once (summed over
-// the stages, not over tp); checkpoints of pp 2, tp 2, pp 2 x ep 2 and tp 2 x ep 2 resume
-// serially, and the serial run's at pp 2, tp 2 and tp 2 x ep 2; on eight ranks pp 2 x tp 2 x
-// ep 2 together.
+// interleaved chunks, ZB-H1, recompute), at tp 2 (with and without sequence parallelism; also
+// with norm_topk_prob false), and on four ranks at pp 2 x ep 2 (also interleaved), pp 2 x dp 2,
+// tp 2 x dp 2, tp 2 x pp 2 and tp 2 x ep 2; every step's expert load counts each sparse layer's
+// token-slots once (summed over the stages, not over tp); checkpoints of pp 2, tp 2, pp 2 x ep 2
+// and tp 2 x ep 2 resume serially, and the serial run's at pp 2, tp 2 and tp 2 x ep 2; on eight
+// ranks pp 2 x tp 2 x ep 2 together.
 #include <gtest/gtest.h>
 
 #include <string>
@@ -117,6 +117,12 @@ TEST_F(MoeParallel, TensorParallelReproducesTheSerialRun) {
                 {"tp2_sp", 2, {"--mesh.tp=2", "--mesh.sequence_parallel=true"}},
                 {"tp2_recompute", 2, {"--mesh.tp=2", "--train.recompute=true"}}},
                serial, 2);
+  // Without the renormalisation the routing weights' gradient takes another path through the
+  // router's backward (still linear in it, so still partial over tp).
+  const std::vector<MoeStep> raw = go("serial_raw", 1, {"--model.norm_topk_prob=false"});
+  expect_cases({{"tp2_sp_raw", 2,
+                 {"--mesh.tp=2", "--mesh.sequence_parallel=true", "--model.norm_topk_prob=false"}}},
+               raw, 2);
 }
 
 // A tp 2 checkpoint holds every expert whole: it resumes serially, the serial run's at tp 2.
