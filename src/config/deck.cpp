@@ -435,10 +435,10 @@ void Builder::validate_moe() {
   // Tensor and pipeline parallelism: the CPU reference only (model/cpu_ops_moe.cpp,
   // train/backend_cpu_pipeline.cpp).
   const bool gpu = deck_.train.device == "cuda";
-  need(deck_.mesh.tp == 1 || !gpu, "mesh.tp", "> 1 {} on train.device = cuda; set mesh.tp = 1 "
-       "or train.device = cpu", later);
-  need(deck_.mesh.pp == 1 || !gpu, "mesh.pp", "> 1 {} on train.device = cuda; set mesh.pp = 1 "
-       "or train.device = cpu", later);
+  need(deck_.mesh.tp == 1 || !gpu, "mesh.tp", "> 1 (tensor parallelism) is not built for "
+       "Qwen3-MoE models on train.device = cuda yet; set mesh.tp = 1 or train.device = cpu");
+  need(deck_.mesh.pp == 1 || !gpu, "mesh.pp", "> 1 (pipeline parallelism) is not built for "
+       "Qwen3-MoE models on train.device = cuda yet; set mesh.pp = 1 or train.device = cpu");
   need(m.moe_intermediate_size % deck_.mesh.tp == 0, "mesh.tp", "does not divide "
        "model.moe_intermediate_size = {} (each tp rank takes an equal share of every expert's "
        "width)", m.moe_intermediate_size);
