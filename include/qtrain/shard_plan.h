@@ -51,6 +51,10 @@ struct ShardSpec {
   // r / tp_replicas); the gradient is then partial over the group only (each rank's query heads),
   // and rank r % tp_replicas == 0's copy is the one checkpoints and the norm take.
   int tp_replicas = 1;
+  // The sharded axis stacks this many tensors, each split over tp on its own: 2 for a Qwen3-MoE
+  // layer's fused experts gate_up_proj [E, 2 Im, H] (gate rows [0, Im), up rows [Im, 2 Im)),
+  // whose local [E, 2 Im/tp, H] holds each expert's gate and up rows of its tp rank.
+  int tp_blocks = 1;
 
   bool replicated_over_dim(MeshDim d) const;
 };
@@ -109,6 +113,11 @@ struct Qwen3Units {
 // gate/up_proj, the embedding and lm_head by rows over tp (the last two: vocabulary-parallel),
 // o_proj and down_proj by columns, q_norm and k_norm replicated with partial gradients, the
 // other norms replicated (with partial gradients too under sequence parallelism: plan_qwen3).
+// Qwen3-MoE: every expert split as the dense MLP (experts.gate_up_proj [E, 2 Im, H] column-wise:
+// axis 1, gate and up each; experts.down_proj [E, H, Im] row-wise: axis 2), the router
+// (mlp.gate.weight) replicated with a partial gradient (each tp rank's routing-weight gradient
+// is its experts' columns' part; model/cpu_ops_moe.cpp). kColumn splits a tensor's
+// second-to-last axis, kRow its last.
 enum class TpRole { kColumn, kRow, kPartial, kReplicated };
 TpRole tp_role(const std::string& name);
 

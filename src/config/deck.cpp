@@ -439,8 +439,16 @@ void Builder::validate_moe() {
          "train.device = cuda (its router gives each slot a lane of a warp); use train.device = "
          "cpu");
   }
-  need(deck_.mesh.tp == 1, "mesh.tp", "> 1 {}; set mesh.tp = 1", later);
-  need(deck_.mesh.pp == 1, "mesh.pp", "> 1 {}; set mesh.pp = 1", later);
+  // Tensor and pipeline parallelism: the CPU reference only (model/cpu_ops_moe.cpp,
+  // train/backend_cpu_pipeline.cpp).
+  const bool gpu = deck_.train.device == "cuda";
+  need(deck_.mesh.tp == 1 || !gpu, "mesh.tp", "> 1 (tensor parallelism) is not built for "
+       "Qwen3-MoE models on train.device = cuda yet; set mesh.tp = 1 or train.device = cpu");
+  need(deck_.mesh.pp == 1 || !gpu, "mesh.pp", "> 1 (pipeline parallelism) is not built for "
+       "Qwen3-MoE models on train.device = cuda yet; set mesh.pp = 1 or train.device = cpu");
+  need(m.moe_intermediate_size % deck_.mesh.tp == 0, "mesh.tp", "does not divide "
+       "model.moe_intermediate_size = {} (each tp rank takes an equal share of every expert's "
+       "width)", m.moe_intermediate_size);
   need(deck_.lora.r == 0, "lora.r", "> 0 (LoRA) {}; set lora.r = 0", later);
   need(m.num_experts % deck_.mesh.ep == 0, "mesh.ep", "does not divide model.num_experts = {} "
        "(each expert-parallel rank takes an equal share)", m.num_experts);

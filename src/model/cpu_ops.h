@@ -139,7 +139,10 @@ class CpuOps : public NoCollectives {
   // rows go to the rank owning their expert and back (parallel/expert_parallel.h), so a rank
   // computes only its E / ep experts, which are all it stores: the config must be the ep rank's
   // local one (ep_local_config: expert_shards = ep), whose expert tensors are [E / ep, ...].
-  void set_expert_parallel(Comm* ep);
+  // slots: the micro-batches in flight between their forward and backward (a pipeline stage's
+  // activation slots), each keeping its own exchanges; select_moe_slot picks the next calls'.
+  void set_expert_parallel(Comm* ep, int slots = 1);
+  void select_moe_slot(int slot);
   void moe_begin();
   void moe(int l, float* y, float* probs, int* idx, float* rw, const float* x, const float* router,
            const float* gate_up, const float* down, bool stats);
@@ -151,6 +154,9 @@ class CpuOps : public NoCollectives {
   // a dense model), and its statistics.
   double moe_aux_loss() const;
   const cpu::RouterBalance& moe_balance() const { return balance_; }
+  // A pipeline stage's backward: the statistics of the whole micro-batch (every stage's sparse
+  // layers, model/qwen3_stage.h), in place of those its own forward collected.
+  void set_moe_balance(const cpu::RouterBalance& b) { balance_ = b; }
   // Token-slots routed to each expert of each sparse layer since the last clear_moe_load():
   // [sparse layers in order][E], as doubles (the forwards that counted statistics).
   const std::vector<double>& moe_load() const { return load_; }
@@ -195,9 +201,10 @@ class CpuOps : public NoCollectives {
   std::vector<double> load_;       // moe_load(), sized at the first sparse layer
   Comm* ep_ = nullptr;             // set_expert_parallel
   // Expert parallelism: each sparse layer's exchange and its experts' outputs [N k, H], from
-  // its forward to its backward.
-  std::vector<std::shared_ptr<ExpertDispatch>> dispatch_;  // [L]
-  std::vector<std::vector<float>> slot_out_;               // [L]
+  // its forward to its backward, for each slot (set_expert_parallel); index slot x L + l.
+  std::vector<std::shared_ptr<ExpertDispatch>> dispatch_;  // [slots x L]
+  std::vector<std::vector<float>> slot_out_;               // [slots x L]
+  int moe_slot_ = 0;                                       // select_moe_slot
 };
 
 }  // namespace qt

@@ -1,6 +1,9 @@
 // CpuOps' Qwen3-MoE block (layer_program.h's moe contract): the fp32 reference ops of
 // ops/moe_block.h over the N rows of a micro-batch, and the micro-batch's load-balancing
-// statistics (qwen3-spec.md 3.3: pooled over every MoE layer's tokens, then multiplied).
+// statistics (qwen3-spec.md 3.3: pooled over every MoE layer's tokens, then multiplied). Under
+// tensor parallelism the router is replicated (every tp rank routes all N rows, gathered with
+// sequence parallelism, the same way) and each expert's width split (moe_backward says what is
+// partial); the program's tp hooks around the block sum its output and input gradient.
 #include <algorithm>
 
 #include "model/cpu_ops.h"
@@ -17,34 +20,44 @@ cpu::MoeShape moe_shape(const ModelConfig& c, int N) {
 }
 }  // namespace
 
-void CpuOps::set_expert_parallel(Comm* ep) {
+void CpuOps::set_expert_parallel(Comm* ep, int slots) {
   ep_ = ep && ep->size() > 1 ? ep : nullptr;
   dispatch_.clear();
   slot_out_.clear();
+  moe_slot_ = 0;
   QT_CHECK(cfg_.expert_shards == (ep_ ? ep_->size() : 1),
            "experts stored over {} ranks (the ep rank's local config) computed over {}",
            cfg_.expert_shards, ep_ ? ep_->size() : 1);
+  QT_CHECK(slots >= 1, "{} slots", slots);
   if (!ep_) return;
-  dispatch_.resize(cfg_.num_layers);
-  slot_out_.resize(cfg_.num_layers);
-  for (int l = 0; l < cfg_.num_layers; ++l)
-    if (cfg_.is_moe_layer(l))
-      dispatch_[l] = std::make_shared<ExpertDispatch>(*ep_, cfg_.num_experts, cfg_.hidden_size,
+  const std::size_t L = static_cast<std::size_t>(cfg_.num_layers);
+  dispatch_.resize(L * static_cast<std::size_t>(slots));
+  slot_out_.resize(dispatch_.size());
+  for (std::size_t i = 0; i < dispatch_.size(); ++i)
+    if (cfg_.is_moe_layer(static_cast<int>(i % L)))
+      dispatch_[i] = std::make_shared<ExpertDispatch>(*ep_, cfg_.num_experts, cfg_.hidden_size,
                                                       cfg_.moe_intermediate_size);
+}
+
+void CpuOps::select_moe_slot(int slot) {
+  if (!ep_) return;  // nothing kept per slot
+  const std::size_t slots = dispatch_.size() / static_cast<std::size_t>(cfg_.num_layers);
+  QT_CHECK(slot >= 0 && static_cast<std::size_t>(slot) < slots, "MoE slot {} of {}", slot, slots);
+  moe_slot_ = slot;
 }
 
 void CpuOps::moe_begin() { balance_ = cpu::RouterBalance(cfg_.num_experts); }
 
 void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float* x,
                  const float* router, const float* gate_up, const float* down, bool stats) {
-  QT_CHECK(tp_ == nullptr, "the MoE block under tensor parallelism is not built");
   QT_CHECK(ep_ || cfg_.expert_shards == 1, "{} of {} experts stored here without the ep group",
            cfg_.local_experts(), cfg_.num_experts);
   const cpu::MoeShape s = moe_shape(cfg_, N_);
   if (ep_) {  // gate_up, down: this rank's experts, rows [first, first + El) of the global ones
-    ExpertDispatch& d = *dispatch_.at(l);
-    slot_out_[l].resize(static_cast<std::size_t>(s.N) * s.k * s.H);
-    moe_block_forward_ep(y, probs, idx, rw, slot_out_[l].data(), x, router, gate_up, down, s, d);
+    const std::size_t i = static_cast<std::size_t>(moe_slot_) * cfg_.num_layers + l;
+    ExpertDispatch& d = *dispatch_.at(i);
+    slot_out_[i].resize(static_cast<std::size_t>(s.N) * s.k * s.H);
+    moe_block_forward_ep(y, probs, idx, rw, slot_out_[i].data(), x, router, gate_up, down, s, d);
   } else {
     cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s);
   }
@@ -70,10 +83,17 @@ void CpuOps::moe_backward(int l, float* dx, float* g_router, float* g_gate_up, f
     std::fill(g_gate_up, g_gate_up + El * 2 * Im * H, 0.0f);
     std::fill(g_down, g_down + El * H * Im, 0.0f);
   }
-  const bool aux = aux_scale_ != 0 && balance_.tokens > 0;
+  // Under tensor parallelism each rank's experts are its columns of every expert's width
+  // (tp_local_config), so y, and from dy everything linear in the experts' outputs, is partial
+  // over tp: the routing weights' gradient (dy . out), the router's logit gradient, hence the
+  // router's weight gradient (partial over tp in the plan) and dx (summed by the program's
+  // tp_block_input_backward). The load-balancing loss's gradient depends on the router alone
+  // (every tp rank routes the same rows alike): tp rank 0 adds it, so the sums count it once.
+  const bool aux = aux_scale_ != 0 && balance_.tokens > 0 && (!tp_ || tp_->rank() == 0);
   if (ep_) {
+    const std::size_t i = static_cast<std::size_t>(moe_slot_) * cfg_.num_layers + l;
     moe_block_backward_ep(dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw,
-                          slot_out_[l].data(), router, gate_up, down, s, *dispatch_.at(l),
+                          slot_out_[i].data(), router, gate_up, down, s, *dispatch_.at(i),
                           aux ? &balance_ : nullptr, aux_scale_);
     return;
   }

@@ -65,10 +65,22 @@ double Qwen3Stage::forward(ModelParams& mp, int k, const StageBatch& b, const fl
   if (s.has_pos) s.pos.assign(b.positions, b.positions + N);
   s.busy = true;
   if (lora_) lora_->select_slot(k);
+  ops_.select_moe_slot(k);
 
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
   CpuUnits units{mp};
   program_.forward_stage(ops_, units, k, s.inputs.data(), x_in);
+  if (cfg_.is_moe()) {  // the running sum of the load statistics, this chunk's layers added
+    if (st.has_embedding) s.moe = cpu::RouterBalance(cfg_.num_experts);
+    const cpu::RouterBalance& mine = ops_.moe_balance();
+    QT_CHECK(s.moe.count.size() == mine.count.size(), "load statistics of {} experts, not {}",
+             s.moe.count.size(), mine.count.size());
+    for (std::size_t e = 0; e < mine.count.size(); ++e) {
+      s.moe.count[e] += mine.count[e];
+      s.moe.psum[e] += mine.psum[e];
+    }
+    s.moe.tokens += mine.tokens;
+  }
   if (!st.has_head) return 0;
   // The head's forward and backward at once (gradients added): its d ln[L] waits in the slot.
   program_.head_forward_backward(ops_, units, b.targets, loss_scale, /*accumulate=*/true, k);
@@ -81,7 +93,9 @@ void Qwen3Stage::backward(ModelParams& mp, int k, const float* dx_in) {
   QT_CHECK(program_.stage().has_head || dx_in != nullptr, "a stage backward without d x");
   Slot& s = slot_[k];
   if (lora_) lora_->select_slot(k);
+  ops_.select_moe_slot(k);
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
+  if (cfg_.is_moe()) ops_.set_moe_balance(s.moe);
   CpuUnits units{mp};
   program_.backward_stage(ops_, units, k, s.inputs.data(), dx_in, /*accumulate=*/true);
   s.busy = false;
@@ -94,7 +108,9 @@ void Qwen3Stage::backward_input(ModelParams& mp, int k, const float* dx_in) {
   QT_CHECK(program_.stage().has_head || dx_in != nullptr, "a stage backward without d x");
   Slot& s = slot_[k];
   if (lora_) lora_->select_slot(k);
+  ops_.select_moe_slot(k);
   ops_.set_positions(s.has_pos ? s.pos.data() : nullptr);
+  if (cfg_.is_moe()) ops_.set_moe_balance(s.moe);
   ops_.defer_weight_grads(&s.deferred);
   InputHalfUnits units{{mp}, cfg_.num_layers, &owed_, &s.owed_units};
   program_.backward_stage(ops_, units, k, s.inputs.data(), dx_in, /*accumulate=*/true);

@@ -87,6 +87,27 @@ class Qwen3Stage {
     vocab_global_ = cfg_.vocab_size * (tp ? tp->size() : 1);
   }
 
+  // Qwen3-MoE. The load-balancing loss pools its statistics over every sparse layer of a
+  // micro-batch before the product (qwen3-spec.md 3.3), so a stage's backward needs those of
+  // the layers on later stages too. They travel with the activations: moe_stats(slot) is the
+  // running sum of the chunks before this one (zero on the first chunk, which sets it; a later
+  // chunk's receive writes it before forward, as input(slot)); forward adds this chunk's sparse
+  // layers, so afterwards it is what the next chunk receives, and on the last chunk the whole
+  // micro-batch's. Before the backward a non-last chunk receives the whole micro-batch's
+  // statistics into it again (sent back beside d x); the backward (or its input half, which
+  // holds the whole MoE backward: the block's weight gradients are not deferred) weighs the
+  // aux loss's gradient with them. A slot keeps its own from forward to backward, so every
+  // schedule (1F1B, interleaved, ZB-H1, recompute, which never counts twice) sees its
+  // micro-batch's.
+  cpu::RouterBalance& moe_stats(int slot) { return slot_.at(slot).moe; }
+  // Load-balancing loss weight and expert parallelism: CpuOps' set_moe_aux_scale and
+  // set_expert_parallel (each slot its own exchanges: several micro-batches are between their
+  // forward and backward). moe_load: this stage's sparse layers' counts (zero rows elsewhere).
+  void set_moe_aux_scale(float aux_scale) { ops_.set_moe_aux_scale(aux_scale); }
+  void set_expert_parallel(Comm* ep) { ops_.set_expert_parallel(ep, slots()); }
+  const std::vector<double>& moe_load() const { return ops_.moe_load(); }
+  void clear_moe_load() { ops_.clear_moe_load(); }
+
  private:
   struct Slot {
     bool busy = false;  // between forward and backward (its weight half, when split)
@@ -95,6 +116,7 @@ class Qwen3Stage {
     std::vector<int> owed_units;  // layer units whose grads_done waits for this weight half
     bool has_pos = false;
     std::vector<std::int32_t> inputs, pos;  // [B, T] copies for the backward
+    cpu::RouterBalance moe{0};  // moe_stats()
   };
 
   ModelConfig cfg_;

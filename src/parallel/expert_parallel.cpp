@@ -68,6 +68,42 @@ std::vector<LayoutMap::Segment> EpMap::segments(Range r, bool) const {
   return out;
 }
 
+namespace {
+// The plan of the tp rank's model at ep 1 (a dp-1, one-stage mesh: TpMap reads only the specs).
+ShardPlan tp_plan(const ModelConfig& cfg, const ParamLayout& tp_layout, const MeshShape& mesh) {
+  MeshShape m;
+  m.tp = mesh.tp;
+  m.sequence_parallel = mesh.sequence_parallel;
+  return plan_qwen3(tp_local_config(cfg, mesh.tp), tp_layout, m, 0, tp_kv_replicas(cfg, mesh.tp));
+}
+}  // namespace
+
+TpEpMap::TpEpMap(const ModelConfig& cfg, const ParamLayout& global, const ParamLayout& local,
+                 const MeshShape& mesh, int tp_rank, int ep_rank)
+    : tp_layout_(tp_local_config(cfg, mesh.tp)),
+      tp_plan_(tp_plan(cfg, tp_layout_, mesh)),
+      ep_(tp_layout_, local, ep_rank),
+      tp_(global, tp_layout_, tp_plan_, tp_rank) {}
+
+std::vector<LayoutMap::Segment> TpEpMap::segments(Range r, bool writing) const {
+  std::vector<Segment> out;
+  for (const Segment& a : ep_.segments(r, writing))
+    for (const Segment& b : tp_.segments(Range{a.global, a.global + a.count}, writing))
+      out.push_back({a.local + (b.local - a.global), b.global, b.count});
+  return out;
+}
+
+std::unique_ptr<LayoutMap> make_model_map(const ModelConfig& cfg, const ParamLayout& global,
+                                          const ParamLayout& local, const ShardPlan& local_plan,
+                                          const MeshShape& mesh, int tp_rank, int ep_rank) {
+  const bool ep = cfg.is_moe() && mesh.ep > 1;
+  if (mesh.tp > 1 && ep)
+    return std::make_unique<TpEpMap>(cfg, global, local, mesh, tp_rank, ep_rank);
+  if (mesh.tp > 1) return std::make_unique<TpMap>(global, local, local_plan, tp_rank);
+  if (ep) return std::make_unique<EpMap>(global, local, ep_rank);
+  return nullptr;
+}
+
 ExpertDispatch::ExpertDispatch(Comm& ep, int experts, int hidden, int moe_width)
     : ep_(ep), e_(experts), h_(hidden), im_(moe_width) {
   QT_CHECK(experts > 0 && experts % ep.size() == 0, "{} experts over {} expert-parallel ranks",

@@ -11,13 +11,17 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "ops/moe_block.h"
 #include "parallel/layout_map.h"
+#include "parallel/tensor_parallel.h"
 #include "qtrain/comm.h"
+#include "qtrain/mesh.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
+#include "qtrain/shard_plan.h"
 
 namespace qt {
 
@@ -40,6 +44,33 @@ class EpMap final : public LayoutMap {
   };
   std::vector<Place> places_;  // [local tensors], in local flat order
 };
+
+// Tensor and expert parallelism together (mesh.tp > 1 and mesh.ep > 1): the (tp, ep) rank's
+// local layout (ep_local_config of tp_local_config) holds El = E / ep experts, each with its tp
+// rank's columns of the width. Its elements go through EpMap into the tp rank's model at ep 1
+// (its experts' rows there), then through TpMap into the global layout.
+class TpEpMap final : public LayoutMap {
+ public:
+  // cfg: the global model; local: ParamLayout(ep_local_config(tp_local_config(cfg, tp), ep)).
+  TpEpMap(const ModelConfig& cfg, const ParamLayout& global, const ParamLayout& local,
+          const MeshShape& mesh, int tp_rank, int ep_rank);
+  TpEpMap(const TpEpMap&) = delete;  // tp_ refers to the members before it
+  TpEpMap& operator=(const TpEpMap&) = delete;
+  std::vector<Segment> segments(Range r, bool writing) const override;
+
+ private:
+  ParamLayout tp_layout_;  // the tp rank's model at ep 1
+  ShardPlan tp_plan_;      // its split over tp (TpMap reads the specs)
+  EpMap ep_;               // local -> tp_layout_
+  TpMap tp_;               // tp_layout_ -> global
+};
+
+// The map of a rank's local model to the global one for the CPU back ends: TpMap (tp > 1),
+// EpMap (ep > 1), TpEpMap (both), or null (neither: the local layout is the global one).
+// local_plan: plan_qwen3's for the local layout (TpMap reads its specs).
+std::unique_ptr<LayoutMap> make_model_map(const ModelConfig& cfg, const ParamLayout& global,
+                                          const ParamLayout& local, const ShardPlan& local_plan,
+                                          const MeshShape& mesh, int tp_rank, int ep_rank);
 
 // One sparse layer's exchange: what forward sent and received, kept for backward.
 class ExpertDispatch {

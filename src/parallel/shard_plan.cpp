@@ -100,12 +100,14 @@ ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_s
     s.global_shape = p.shape;
     s.replicated_over = {MeshDim::kDp};  // ZeRO shards storage, not the tensor's meaning
     if (mesh.tp > 1) {  // the layout is the tp rank's local one
+      const int rank = static_cast<int>(p.shape.size());
       switch (tp_role(p.name)) {
-        case TpRole::kColumn:
-          s.sharded_by = MeshDim::kTp, s.axis = 0, s.global_shape[0] *= mesh.tp;
+        case TpRole::kColumn:  // [out, in] by rows; an experts' [E, out, in] by each's rows
+          s.sharded_by = MeshDim::kTp, s.axis = rank - 2, s.global_shape[rank - 2] *= mesh.tp;
+          if (ends_with(p.name, "experts.gate_up_proj")) s.tp_blocks = 2;  // gate; up
           break;
-        case TpRole::kRow:
-          s.sharded_by = MeshDim::kTp, s.axis = 1, s.global_shape[1] *= mesh.tp;
+        case TpRole::kRow:  // [out, in] by columns; an experts' [E, out, in] by each's columns
+          s.sharded_by = MeshDim::kTp, s.axis = rank - 1, s.global_shape[rank - 1] *= mesh.tp;
           break;
         case TpRole::kPartial:
           s.partial_over = {MeshDim::kTp};
@@ -145,6 +147,9 @@ TpRole tp_role(const std::string& name) {
     if (ends(c)) return TpRole::kColumn;
   if (ends("o_proj.weight") || ends("down_proj.weight")) return TpRole::kRow;
   if (ends("q_norm.weight") || ends("k_norm.weight")) return TpRole::kPartial;
+  if (ends("mlp.experts.gate_up_proj")) return TpRole::kColumn;  // Qwen3-MoE
+  if (ends("mlp.experts.down_proj")) return TpRole::kRow;
+  if (ends("mlp.gate.weight")) return TpRole::kPartial;
   // LoRA adapters follow their base projection (A [r, in], B [out, r]): beside a
   // column-parallel one, B holds its rows and A is whole with a gradient partial over tp (each
   // rank's rows of B see part of it); beside a row-parallel one, A holds its columns and B is
@@ -197,7 +202,9 @@ ShardPlan plan_qwen3(const ModelConfig& cfg, const ParamLayout& layout, const Me
   QT_CHECK(ps[head].name == "model.norm.weight", "plan_qwen3: {} where the final norm belongs",
            ps[head].name);
   // Each sparse layer's experts (gate_up, down): rows [r El, (r + 1) El) of the global tensors on
-  // ep rank r, replicated over (and ZeRO-sharded over) the expert-data-parallel group.
+  // ep rank r, replicated over (and ZeRO-sharded over) the expert-data-parallel group. With
+  // tp > 1 too, each holds its tp rank's columns (plan_base's split, kept in global_shape;
+  // parallel/expert_parallel.h's TpEpMap maps both).
   const int edp = mesh.dp / mesh.ep;
   for (int l : sparse) {
     const std::size_t i = index_at(off.layers[l].experts_gate_up);

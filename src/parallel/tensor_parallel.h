@@ -21,8 +21,10 @@
 
 namespace qt {
 
-// The model of one tp rank: num_heads, num_kv_heads, intermediate_size and vocab_size divided by
-// tp (which must divide each: the deck checks it with a clear message), except that with more tp
+// The model of one tp rank: num_heads, num_kv_heads, intermediate_size, vocab_size and a
+// Qwen3-MoE model's moe_intermediate_size (each expert's width; the experts and the router stay
+// whole in number) divided by tp (which must divide each: the deck checks it with a clear
+// message), except that with more tp
 // ranks than key/value heads (tp a multiple of them) each rank holds one kv head, shared by
 // tp_kv_replicas consecutive ranks (Megatron's replication; the plan's ShardSpec::tp_replicas).
 ModelConfig tp_local_config(const ModelConfig& cfg, int tp);

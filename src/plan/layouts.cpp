@@ -29,9 +29,9 @@ bool allowed(const std::vector<int>& sizes, int v) {
 std::string why_not(const LayoutSearch& s, int dp, int tp, int pp) {
   const ModelConfig& m = s.model;
   if (m.is_moe() && (tp > 1 || pp > 1))  // validate_moe (deck.cpp)
-    return fmt::format("mesh.{} = {}: {} parallelism is not built for Qwen3-MoE models (the deck "
-                       "refuses it)", tp > 1 ? "tp" : "pp", tp > 1 ? tp : pp,
-                       tp > 1 ? "tensor" : "pipeline");
+    return fmt::format("mesh.{} = {}: {} parallelism is not built for Qwen3-MoE models on GPUs "
+                       "(the deck refuses it on train.device = cuda)", tp > 1 ? "tp" : "pp",
+                       tp > 1 ? tp : pp, tp > 1 ? "tensor" : "pipeline");
   struct Split {
     const char* key;
     int n;

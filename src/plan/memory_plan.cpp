@@ -187,7 +187,8 @@ void validate(const MemoryPlanInput& in) {
       fail_user("mesh.ep = {} does not divide model.num_experts = {}", s.ep, m.num_experts);
     if (s.tp != 1 || s.pp != 1)
       fail_user("mesh.tp = {}, mesh.pp = {}: tensor and pipeline parallelism are not built for "
-                "Qwen3-MoE models; set both to 1", s.tp, s.pp);
+                "Qwen3-MoE models on train.device = cuda (the back end planned here); set both "
+                "to 1", s.tp, s.pp);
   }
   if (s.tp < 1 || s.pp < 1 || s.pp_chunks < 1)
     fail_user("mesh.tp ({}), mesh.pp ({}) and mesh.pp_chunks ({}) must be >= 1", s.tp, s.pp,

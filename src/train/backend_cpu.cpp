@@ -5,7 +5,8 @@
 // piece of state leaves and enters in global coordinates (TpMap); mesh.sequence_parallel splits
 // the model's residual stream over tp too (model/layer_program.h). With mesh.ep > 1 they hold
 // the ep rank's experts only (parallel/expert_parallel.h: ep_local_config, EpMap), each sparse
-// layer's a unit sharded and reduced over the expert-data-parallel group.
+// layer's a unit sharded and reduced over the expert-data-parallel group; with both, each of
+// those experts' tp columns (TpEpMap).
 #include <fmt/format.h>
 
 #include <memory>
@@ -52,30 +53,27 @@ class CpuBackend final : public TrainBackend {
         seed_(deck.train.seed) {
     if (lora_) model_.set_lora(lora_.get());
     if (deck.model.is_moe() && mesh.shape().ep > 1) {
-      QT_CHECK(tp_ == 1 && !lora_, "expert parallelism with tensor parallelism or LoRA");
+      QT_CHECK(!lora_, "expert parallelism with LoRA");
       model_.set_expert_parallel(&mesh.ep());
-      model_map_ = std::make_unique<EpMap>(global_layout_, model_.layout(), mesh.ep().rank());
     }
     // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
     // ranks): the objective averages it over the step as the cross-entropy over its tokens.
     if (deck.model.is_moe())
       model_.set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
                                                   deck.train.micro_batch / deck.train.global_batch));
-    if (tp_ > 1) {
-      model_.set_tensor_parallel(&mesh.tp());
-      if (!lora_) {
-        model_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), state_.plan(),
-                                             mesh.tp().rank());
-      } else {  // the frozen base and the adapters, each through its own plan's split
-        lora_->set_tensor_parallel(tp_, mesh.tp().rank());
-        base_plan_ = std::make_unique<ShardPlan>(
-            plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0,
-                       tp_kv_replicas(deck.model, tp_)));
-        model_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), *base_plan_,
-                                             mesh.tp().rank());
-        lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), state_.plan(),
-                                            mesh.tp().rank());
-      }
+    if (tp_ > 1) model_.set_tensor_parallel(&mesh.tp());
+    if (!lora_) {
+      model_map_ = make_model_map(deck.model, global_layout_, model_.layout(), state_.plan(),
+                                  mesh.shape(), mesh.tp().rank(), mesh.ep().rank());
+    } else if (tp_ > 1) {  // the frozen base and the adapters, each through its own plan's split
+      lora_->set_tensor_parallel(tp_, mesh.tp().rank());
+      base_plan_ = std::make_unique<ShardPlan>(
+          plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0,
+                     tp_kv_replicas(deck.model, tp_)));
+      model_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), *base_plan_,
+                                           mesh.tp().rank());
+      lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), state_.plan(),
+                                          mesh.tp().rank());
     }
   }
 
@@ -160,7 +158,8 @@ class CpuBackend final : public TrainBackend {
   std::unique_ptr<LoraAdapters> lora_;  // null without [lora]
   ParamLayout global_lora_layout_;      // with [lora]: the adapters' of the global model
   std::unique_ptr<LayoutMap> model_map_;  // the model's local -> global pieces: TpMap with
-                                          // tp > 1, EpMap with ep > 1, else null
+                                          // tp > 1, EpMap with ep > 1, TpEpMap with both, else
+                                          // null (make_model_map)
   std::unique_ptr<ShardPlan> base_plan_;  // [lora] with tp > 1: the frozen base's split
   std::unique_ptr<TpMap> lora_map_;     // [lora] with tp > 1: the adapters' local -> global
   ShardedState state_;                  // the trained parameters: the model, or the adapters

@@ -18,6 +18,21 @@
 // simulation shows always comes. Tags: 2 (m C + c) for the activation into chunk c, + 1 for
 // its gradient.
 //
+// Qwen3-MoE: the load-balancing loss pools each micro-batch's statistics over all its sparse
+// layers before the product, so every chunk's backward needs those of the chunks after it. They
+// ride with the activations (Qwen3Stage::moe_stats): F(c, m) receives the running sum of chunks
+// < c beside x and sends the sum through chunk c beside its output, so the last chunk ends with
+// the micro-batch's whole statistics (its aux loss, in the step log, is the serial run's); B(c,
+// m) (or I) receives them back beside d x and sends them on beside its own. A chunk's backward
+// of m always follows the last chunk's forward of m in every schedule (its d x comes from
+// there), so the whole statistics are there when needed, whatever the order of 1F1B,
+// interleaved chunks or ZB-H1's halves; recompute does not count a layer twice (the layer
+// program's rule). One message of 2 E + 1 doubles (counts, probability sums, tokens) a
+// micro-batch and direction, tag 2 M C + the activation's. The expert load of the step log is
+// summed over the stages; with mesh.ep > 1 each stage's experts are split over its ep group as
+// the plain CPU back end does (parallel/expert_parallel.h), its expert units over edp, and with
+// mesh.tp > 1 too each of them by columns over tp.
+//
 // A tied embedding lives on the first stage (the lookup) and, as a copy, on the last (the lm
 // head): before each optimizer step the two exchange their gradients of it and add them (a + b
 // on one, b + a on the other: the same bits), so AdamW keeps the copies equal; the first stage's
@@ -45,6 +60,7 @@
 
 #include "model/qwen3_stage.h"
 #include "optim/sharded_state.h"
+#include "parallel/expert_parallel.h"
 #include "parallel/pipeline_schedule.h"
 #include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
@@ -74,8 +90,9 @@ class CpuPipelineBackend final : public TrainBackend {
         M_(deck.train.global_batch / (deck.train.micro_batch * mesh.shape().dp)),
         B_(deck.train.micro_batch),
         tp_(mesh.shape().tp),
+        ep_(deck.model.is_moe() ? mesh.shape().ep : 1),
         global_layout_(deck.model),
-        local_(tp_local_config(deck.model, tp_)),
+        local_(ep_local_config(tp_local_config(deck.model, tp_), ep_)),
         layout_(local_),
         plan_(plan_qwen3(local_, layout_, mesh.shape(), deck.optim.zero_stage,
                          tp_kv_replicas(deck.model, tp_))),
@@ -84,7 +101,8 @@ class CpuPipelineBackend final : public TrainBackend {
         share_{held_units(), &mesh.pp(), tied_copy() ? Qwen3Units{}.embed() : -1},
         lora_(deck.lora.enabled() ? make_lora(deck, mesh) : nullptr),
         state_(lora_ ? lora_->plan() : plan_, lora_ ? lora_->layout() : layout_, deck.optim,
-               mesh.dp(), deck.train.steps, &mesh.tp(), lora_ ? &lora_->share() : &share_),
+               mesh.dp(), deck.train.steps, &mesh.tp(), lora_ ? &lora_->share() : &share_,
+               &mesh.edp()),
         pp_(mesh.pp()),
         dx_(n_ * H_),
         schedule_name_(schedule_name(mesh.shape())),
@@ -98,7 +116,20 @@ class CpuPipelineBackend final : public TrainBackend {
         QT_CHECK(static_cast<std::size_t>(c.stage->rows()) == n_, "stage rows {}, messages of {}",
                  c.stage->rows(), n_);
       }
-      tp_map_ = std::make_unique<TpMap>(global_layout_, layout_, plan_, mesh.tp().rank());
+    }
+    model_map_ = make_model_map(deck.model, global_layout_, layout_, plan_, mesh.shape(),
+                                mesh.tp().rank(), mesh.ep().rank());
+    if (local_.is_moe()) {
+      QT_CHECK(!lora_, "LoRA on a Qwen3-MoE model");
+      // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches on all
+      // dp ranks), as in the plain CPU back end.
+      const float aux_scale = static_cast<float>(deck.model.router_aux_loss_coef *
+                                                 deck.train.micro_batch / deck.train.global_batch);
+      for (Chunk& c : chunks_) {
+        c.stage->set_moe_aux_scale(aux_scale);
+        if (ep_ > 1) c.stage->set_expert_parallel(&mesh.ep());
+      }
+      stats_msg_.resize(2 * static_cast<std::size_t>(local_.num_experts) + 1);
     }
   }
 
@@ -121,9 +152,9 @@ class CpuPipelineBackend final : public TrainBackend {
                        lora_->layout().numel());
     return d;
   }
-  // Pieces in global coordinates (TpMap under tensor parallelism; a stage's adapters always).
+  // Pieces in global coordinates (model_map_ under tp or ep; a stage's adapters always).
   std::vector<FlatPiece> model_pieces() override {
-    return global_pieces(tp_map_.get(), lora_ ? lora_->base_pieces() : state_.param_pieces(),
+    return global_pieces(model_map_.get(), lora_ ? lora_->base_pieces() : state_.param_pieces(),
                          /*writing=*/false);
   }
   std::vector<FlatPiece> trained_pieces() override {
@@ -135,15 +166,23 @@ class CpuPipelineBackend final : public TrainBackend {
   }
   std::vector<StatePiece> checkpoint_pieces() override {
     if (lora_) return lora_->map().to_global(state_.checkpoint_pieces(), /*writing=*/true);
-    return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
+    return global_pieces(model_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
     if (lora_) return lora_->map().to_global(state_.checkpoint_targets());
-    return global_targets(tp_map_.get(), state_.checkpoint_targets());
+    return global_targets(model_map_.get(), state_.checkpoint_targets());
   }
   void push_state() override {}  // the host buffers are the live state
   void pull_state() override {}
-  void zero_grads() override { state_.zero_grads(); }
+  void zero_grads() override {
+    state_.zero_grads();
+    for (Chunk& c : chunks_) c.stage->clear_moe_load();
+    aux_sum_ = 0;
+    load_.clear();
+  }
+  // Qwen3-MoE: summed over the stages by micro_batches (the same on every stage).
+  double moe_aux_loss_sum() const override { return local_.is_moe() ? aux_sum_ : -1; }
+  std::vector<double> moe_load() const override { return load_; }
   double micro_step(const std::int32_t*, const std::int32_t*, const std::int32_t*,
                     float) override {
     QT_CHECK(false, "a pipeline stage runs a step's micro-batches together (micro_batches)");
@@ -156,6 +195,9 @@ class CpuPipelineBackend final : public TrainBackend {
     const int prev = (s_ + P_ - 1) % P_, next = (s_ + 1) % P_;  // the wrap: chunk v P + P - 1 -> (v + 1) P
     // Tags: the activation into chunk c of micro-batch m, 2 (m C + c); its gradient, + 1.
     auto tag = [&](int c, int m, int grad) { return 2 * (m * C + c) + grad; };
+    // A micro-batch's load statistics beside its activation or gradient (Qwen3-MoE).
+    const bool moe = local_.is_moe();
+    auto stats_tag = [&](int c, int m, int grad) { return 2 * M_ * C + tag(c, m, grad); };
     for (Chunk& c : chunks_) {
       std::fill(c.slot_of.begin(), c.slot_of.end(), -1);
       std::fill(c.busy.begin(), c.busy.end(), 0);
@@ -163,7 +205,7 @@ class CpuPipelineBackend final : public TrainBackend {
     // The stage's parameters: the model's, or the frozen base beside the bound adapters.
     ModelParams& mp = lora_ ? static_cast<ModelParams&>(*lora_) : state_;
     if (lora_) lora_->bind(state_.params(0), state_.grads(0));  // one unit, whole at ZeRO 0/1
-    double loss = 0;
+    double loss = 0, aux = 0;
     for (const PipeAction& a : actions_) {
       const int m = a.micro_batch, c = a.chunk;
       // Micro-batch m's masks, in its forward and again in its backward.
@@ -185,9 +227,15 @@ class CpuPipelineBackend final : public TrainBackend {
         if (c > 0) {
           x_in = st.input(k);
           receive(x_in, prev, tag(c, m, 0));
+          if (moe) receive_stats(st.moe_stats(k), prev, stats_tag(c, m, 0));
         }
         loss += st.forward(mp, k, batch, x_in, loss_scale);
-        if (c < C - 1) send(st.output(k), next, tag(c + 1, m, 0), &ch.fwd_send[k]);
+        if (c < C - 1) {
+          send(st.output(k), next, tag(c + 1, m, 0), &ch.fwd_send[k]);
+          if (moe) send_stats(st.moe_stats(k), next, stats_tag(c + 1, m, 0));
+        } else if (moe) {  // the micro-batch's whole statistics: its aux loss
+          aux += cpu::router_aux_loss(st.moe_stats(k));
+        }
       } else if (a.op == PipeOp::kBackwardWeight) {
         const int k = ch.slot_of[m];
         QT_CHECK(k >= 0, "weight half of micro-batch {} before its forward", m);
@@ -200,6 +248,7 @@ class CpuPipelineBackend final : public TrainBackend {
         if (c < C - 1) {
           receive(dx_.data(), next, tag(c, m, 1));
           dx_in = dx_.data();
+          if (moe) receive_stats(st.moe_stats(k), next, stats_tag(c, m, 1));
         }
         if (a.op == PipeOp::kBackwardInput) {
           st.backward_input(mp, k, dx_in);  // the slot waits for its weight half
@@ -207,13 +256,30 @@ class CpuPipelineBackend final : public TrainBackend {
           st.backward(mp, k, dx_in);
           ch.busy[k] = 0;
         }
-        if (c > 0) send_copy(st.input_grad(), prev, tag(c - 1, m, 1));
+        if (c > 0) {
+          send_copy(st.input_grad(), n_ * H_, MPI_FLOAT, prev, tag(c - 1, m, 1));
+          if (moe) send_stats(st.moe_stats(k), prev, stats_tag(c - 1, m, 1));
+        }
       }
     }
     for (Chunk& c : chunks_)
       for (MPI_Request& r : c.fwd_send) QT_CHECK_MPI(MPI_Wait(&r, MPI_STATUS_IGNORE));
     for (Pending& p : grad_sends_) QT_CHECK_MPI(MPI_Wait(&p.request, MPI_STATUS_IGNORE));
     grad_sends_.clear();
+    if (moe) {  // the last stage's aux losses and each stage's layers' load, on every stage
+      aux_sum_ += pp_.sum(aux);
+      std::vector<double> load;
+      for (const Chunk& c : chunks_) {
+        const std::vector<double>& mine = c.stage->moe_load();
+        load.resize(mine.size(), 0.0);
+        for (std::size_t i = 0; i < mine.size(); ++i) load[i] += mine[i];
+      }
+      // Every stage's vector has the model's length (a stage without sparse layers may have
+      // counted none yet: empty).
+      load.resize(static_cast<std::size_t>(local_.num_moe_layers()) * local_.num_experts, 0.0);
+      pp_.all_reduce(load.data(), load.size(), DType::kF64, ReduceOp::kSum);
+      load_ = std::move(load);
+    }
     return pp_.sum(loss);  // the last stage's, on every stage
   }
 
@@ -232,9 +298,9 @@ class CpuPipelineBackend final : public TrainBackend {
   }
 
  private:
-  // A gradient send in flight, from a buffer of its own.
+  // A send in flight, from a buffer of its own (a gradient's floats or load statistics).
   struct Pending {
-    std::vector<float> data;
+    std::vector<char> data;
     MPI_Request request = MPI_REQUEST_NULL;
   };
 
@@ -297,8 +363,9 @@ class CpuPipelineBackend final : public TrainBackend {
   void send(const float* buf, int to, int tag, MPI_Request* r) {
     QT_CHECK_MPI(MPI_Isend(buf, static_cast<int>(n_ * H_), MPI_FLOAT, to, tag, pp_.mpi(), r));
   }
-  // Sends a copy of buf (overwritten by the next backward), reusing a finished send's buffer.
-  void send_copy(const float* buf, int to, int tag) {
+  // Sends a copy of `count` elements of `type` at buf (overwritten before the send completes:
+  // the next backward's d x, a slot's statistics), reusing a finished send's buffer.
+  void send_copy(const void* buf, std::size_t count, MPI_Datatype type, int to, int tag) {
     Pending* p = nullptr;
     for (Pending& q : grad_sends_) {
       int done = 0;
@@ -309,8 +376,32 @@ class CpuPipelineBackend final : public TrainBackend {
       }
     }
     if (p == nullptr) p = &grad_sends_.emplace_back();
-    p->data.assign(buf, buf + n_ * H_);
-    send(p->data.data(), to, tag, &p->request);
+    int size = 0;
+    QT_CHECK_MPI(MPI_Type_size(type, &size));
+    const char* bytes = static_cast<const char*>(buf);
+    p->data.assign(bytes, bytes + count * static_cast<std::size_t>(size));
+    QT_CHECK_MPI(MPI_Isend(p->data.data(), static_cast<int>(count), type, to, tag, pp_.mpi(),
+                           &p->request));
+  }
+  // A micro-batch's load statistics as one message [count (E), psum (E), tokens].
+  void send_stats(const cpu::RouterBalance& b, int to, int tag) {
+    const std::size_t E = b.count.size();
+    QT_CHECK(stats_msg_.size() == 2 * E + 1, "load statistics of {} experts", E);
+    std::copy(b.count.begin(), b.count.end(), stats_msg_.begin());
+    std::copy(b.psum.begin(), b.psum.end(), stats_msg_.begin() + static_cast<std::ptrdiff_t>(E));
+    stats_msg_[2 * E] = b.tokens;
+    send_copy(stats_msg_.data(), stats_msg_.size(), MPI_DOUBLE, to, tag);
+  }
+  void receive_stats(cpu::RouterBalance& b, int from, int tag) {
+    const std::size_t E = (stats_msg_.size() - 1) / 2;
+    QT_CHECK_MPI(MPI_Recv(stats_msg_.data(), static_cast<int>(stats_msg_.size()), MPI_DOUBLE,
+                          from, tag, pp_.mpi(), MPI_STATUS_IGNORE));
+    b = cpu::RouterBalance(static_cast<int>(E));
+    std::copy(stats_msg_.begin(), stats_msg_.begin() + static_cast<std::ptrdiff_t>(E),
+              b.count.begin());
+    std::copy(stats_msg_.begin() + static_cast<std::ptrdiff_t>(E), stats_msg_.end() - 1,
+              b.psum.begin());
+    b.tokens = stats_msg_[2 * E];
   }
 
   // The first and the last stage add each other's gradients of the tied embedding.
@@ -331,11 +422,12 @@ class CpuPipelineBackend final : public TrainBackend {
   int M_;                       // micro-batches a step
   int B_;                       // sequences of a micro-batch
   int tp_;                      // mesh.tp
+  int ep_;                      // mesh.ep of a Qwen3-MoE model, else 1
   ParamLayout global_layout_;   // the model's
   ModelConfig local_;           // the tp rank's part of the model (the model at tp 1)
   ParamLayout layout_;          // its layout (units keep their ranges in it)
   ShardPlan plan_;              // its units' stages and the layer split
-  std::unique_ptr<TpMap> tp_map_;  // local -> global pieces with tp > 1, else null
+  std::unique_ptr<LayoutMap> model_map_;  // local -> global pieces (make_model_map), or null
   std::vector<PipeAction> actions_;  // this stage's list of a step
   std::vector<Chunk> chunks_;
   PipelineShare share_;
@@ -344,6 +436,9 @@ class CpuPipelineBackend final : public TrainBackend {
   MpiComm& pp_;
   std::vector<float> dx_;            // [n, H] a received d x
   std::deque<Pending> grad_sends_;   // stable addresses while in flight
+  std::vector<double> stats_msg_;    // [2 E + 1] Qwen3-MoE: a load statistics message
+  double aux_sum_ = 0;               // moe_aux_loss_sum()
+  std::vector<double> load_;         // moe_load(), summed over the stages
   const char* schedule_name_;
   std::uint64_t seed_;  // train.seed: keys LoRA's dropout masks
 };

@@ -455,11 +455,17 @@ TEST(DeckErrors, Moe) {
                {"model.num_experts = 1025", "> 1024", "train.device = cuda"});
   expect_error("[model]\nnum_experts = 64\nnum_experts_per_tok = 33\n" + cuda,
                {"model.num_experts_per_tok = 33", "> 32", "train.device = cuda"});
-  expect_error(moe + cuda + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE"});
+  expect_error(moe + cuda + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE", "train.device = cuda"});
+  expect_error(moe + cuda + "[mesh]\npp = 2\n", {"mesh.pp = 2", "Qwen3-MoE", "train.device = cuda"});
   expect_error(moe + cuda + "[lora]\nr = 4\n", {"lora.r = 4", "Qwen3-MoE"});
-  expect_error(moe + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE"});
-  expect_error(moe + "[mesh]\npp = 2\n", {"mesh.pp = 2", "Qwen3-MoE"});
   expect_error(moe + "[lora]\nr = 4\n", {"lora.r = 4", "Qwen3-MoE"});
+  // The CPU reference runs tp (each expert's width split), pp and both with ep; tp must split
+  // the width.
+  EXPECT_EQ(parse(moe + "[mesh]\ntp = 2\n").mesh.tp, 2);
+  EXPECT_EQ(parse(moe + "[mesh]\npp = 2\n").mesh.pp, 2);
+  expect_error(moe + "moe_intermediate_size = 6\n[mesh]\ntp = 4\n", {}, 4,
+               {"mesh.tp = 4", "does not divide model.moe_intermediate_size = 6"});
+  EXPECT_EQ(parse(moe + "[mesh]\ntp = 2\nep = 2\n[train]\nglobal_batch = 16\n", {}, 4).mesh.ep, 2);
   expect_error("[model]\nnum_experts = 6\nnum_experts_per_tok = 2\n[mesh]\nep = 4\n"
                "[train]\nglobal_batch = 16\n",
                {}, 4, {"mesh.ep = 4", "does not divide model.num_experts = 6"});

@@ -2,7 +2,9 @@
 // 1, 2 and 3 stages (even and uneven), run in one process, gives the whole model's (Qwen3Model's)
 // loss of every micro-batch and every parameter gradient, with recompute on and off, tied and
 // untied embeddings, and one micro-batch at a time, 1F1B (up to P - s in flight on stage s) or
-// all forwards before all backwards. Each stage asks only for its own units and releases all.
+// all forwards before all backwards. Each stage asks only for its own units and releases all. A
+// Qwen3-MoE model's stages, passing each micro-batch's load-balancing statistics beside x and
+// d x (Qwen3Stage::moe_stats), give the whole model's aux losses and gradients too.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -74,18 +76,22 @@ struct Problem {
   float scale() const { return 1.0f / static_cast<float>(counted); }
 };
 
-// The whole model, one micro-batch after the other: losses [M] and gradients.
+// The whole model, one micro-batch after the other: losses [M], a MoE model's aux losses [M]
+// (with the load-balancing loss weighed aux_scale in the gradients), and gradients.
 struct Result {
   std::vector<double> losses;
   std::vector<float> grads;
+  std::vector<double> aux = {};
 };
 
-Result run_whole(const Problem& pb, bool recompute) {
+Result run_whole(const Problem& pb, bool recompute, float aux_scale = 0) {
   Qwen3Model model(pb.cfg, pb.B, pb.T, recompute);
+  model.set_moe_aux_scale(aux_scale);
   Result r{{}, std::vector<float>(pb.layout.numel(), 0.0f)};
   for (int m = 0; m < pb.M; ++m) {
     r.losses.push_back(model.forward(pb.params.data(), pb.inputs[m].data(), pb.targets[m].data(),
                                      pb.positions[m].data()));
+    r.aux.push_back(model.moe_aux_loss());
     model.backward(pb.params.data(), r.grads.data(), pb.scale());
   }
   return r;
@@ -143,7 +149,10 @@ int slots_of(Order o, int P, int st, int M) {
 // buffer of the whole layout; the result is their sum. A tied table is on two stages (the first
 // for the embedding, the last for the lm head), as in a real pipeline where each holds a copy:
 // the sum of their buffers is the sum of the two copies' gradients that the pipeline reduces.
-Result run_stages(const Problem& pb, const std::vector<int>& layers, bool recompute, Order order) {
+// A MoE model's load statistics travel as the pipeline back end sends them: the running sum
+// beside x, the last stage's whole micro-batch's back beside d x.
+Result run_stages(const Problem& pb, const std::vector<int>& layers, bool recompute, Order order,
+                  float aux_scale = 0) {
   const int P = static_cast<int>(layers.size()), M = pb.M;
   const std::size_t NH = static_cast<std::size_t>(pb.B) * pb.T * pb.cfg.hidden_size;
   const Qwen3Units unit{kLayers};
@@ -157,6 +166,7 @@ Result run_stages(const Problem& pb, const std::vector<int>& layers, bool recomp
     first += layers[s];
     stage.push_back(std::make_unique<Qwen3Stage>(pb.cfg, pb.B, pb.T, recompute, range,
                                                  slots_of(order, P, s, M)));
+    stage.back()->set_moe_aux_scale(aux_scale);
     // The units a stage owns, independently of the program's list.
     std::set<int> owned;
     if (range.has_embedding || (range.has_head && pb.cfg.tie_word_embeddings))
@@ -170,8 +180,11 @@ Result run_stages(const Problem& pb, const std::vector<int>& layers, bool recomp
   }
   EXPECT_EQ(first, kLayers);
 
-  Result r{std::vector<double>(M, std::nan("")), std::vector<float>(pb.layout.numel(), 0.0f)};
+  Result r{std::vector<double>(M, std::nan("")), std::vector<float>(pb.layout.numel(), 0.0f),
+           std::vector<double>(M, std::nan(""))};
   std::map<std::pair<int, int>, std::vector<float>> x_msg, dx_msg;  // (sender, m) -> [N, H]
+  std::map<std::pair<int, int>, cpu::RouterBalance> x_stats, dx_stats;  // beside them (MoE)
+  const bool moe = pb.cfg.is_moe();
   std::vector<std::map<int, int>> slot_of(P);                       // stage: m -> slot
   std::vector<std::size_t> next(P, 0);
   for (bool progress = true; progress;) {
@@ -189,17 +202,30 @@ Result run_stages(const Problem& pb, const std::vector<int>& layers, bool recomp
         while (used.count(k)) ++k;
         slot_of[s][m] = k;
         const float* x_in = s > 0 ? x_msg[{s - 1, m}].data() : nullptr;
+        if (moe && s > 0) stage[s]->moe_stats(k) = x_stats.at({s - 1, m});
         const double loss = stage[s]->forward(*params[s], k, batch, x_in, pb.scale());
-        if (s == P - 1) r.losses[m] = loss;
-        else x_msg[{s, m}].assign(stage[s]->output(k), stage[s]->output(k) + NH);
+        if (s == P - 1) {
+          r.losses[m] = loss;
+          if (moe) r.aux[m] = cpu::router_aux_loss(stage[s]->moe_stats(k));
+        } else {
+          x_msg[{s, m}].assign(stage[s]->output(k), stage[s]->output(k) + NH);
+          if (moe) x_stats.insert_or_assign({s, m}, stage[s]->moe_stats(k));
+        }
         x_msg.erase({s - 1, m});
+        x_stats.erase({s - 1, m});
       } else {
         if (s < P - 1 && !dx_msg.count({s + 1, m})) continue;
         const float* dx_in = s < P - 1 ? dx_msg[{s + 1, m}].data() : nullptr;
-        stage[s]->backward(*params[s], slot_of[s].at(m), dx_in);
+        const int k = slot_of[s].at(m);
+        if (moe && s < P - 1) stage[s]->moe_stats(k) = dx_stats.at({s + 1, m});
+        stage[s]->backward(*params[s], k, dx_in);
         slot_of[s].erase(m);
-        if (s > 0) dx_msg[{s, m}].assign(stage[s]->input_grad(), stage[s]->input_grad() + NH);
+        if (s > 0) {
+          dx_msg[{s, m}].assign(stage[s]->input_grad(), stage[s]->input_grad() + NH);
+          if (moe) dx_stats.insert_or_assign({s, m}, stage[s]->moe_stats(k));
+        }
         dx_msg.erase({s + 1, m});
+        dx_stats.erase({s + 1, m});
       }
       ++next[s];
       progress = true;
@@ -210,7 +236,7 @@ Result run_stages(const Problem& pb, const std::vector<int>& layers, bool recomp
     EXPECT_TRUE(params[s]->held.empty()) << "stage " << s << " kept units acquired";
     for (std::size_t i = 0; i < r.grads.size(); ++i) r.grads[i] += grads[s][i];
   }
-  EXPECT_TRUE(x_msg.empty() && dx_msg.empty());
+  EXPECT_TRUE(x_msg.empty() && dx_msg.empty() && x_stats.empty() && dx_stats.empty());
   return r;
 }
 
@@ -275,6 +301,45 @@ TEST(PipelineStagesInFlight, TwoMicroBatchesGiveTheSequentialGradients) {
     EXPECT_EQ(pipe.losses, seq.losses);
     EXPECT_EQ(pipe.grads, seq.grads);
     for (float g : pipe.grads) ASSERT_TRUE(std::isfinite(g));
+  }
+}
+
+// Qwen3-MoE (layers 0, 2, 3, 4 sparse, 1 dense; the load-balancing loss weighed 0.5): every cut
+// and order gives the whole model's losses (bitwise), aux losses and gradients. The statistics
+// are summed stage by stage rather than layer by layer (fp64: about 1e-16 apart), so the
+// router's gradients are compared within 1e-6, not bitwise. Without the statistics from the
+// later stages (each stage's backward weighing the aux loss with its own layers' only) the
+// routers' gradients would be off by far more: the comparison fails then.
+TEST(PipelineStagesMoe, CarryTheLoadStatisticsAndReproduceTheWholeModel) {
+  ModelConfig c = tiny_config(false);
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 12;
+  c.mlp_only_layers = {1};
+  c.norm_topk_prob = true;
+  const Problem pb(c, 3);
+  const float aux_scale = 0.5f;
+  for (bool recompute : {false, true}) {
+    SCOPED_TRACE(recompute ? "recompute" : "keep");
+    const Result whole = run_whole(pb, recompute, aux_scale);
+    for (double a : whole.aux) EXPECT_GT(a, 1.0);  // at least 1 (k / E ... E for k = 2)
+    for (const std::vector<int>& cut :
+         {std::vector<int>{2, 3}, std::vector<int>{1, 2, 2}, std::vector<int>{1, 1, 1, 1, 1}})
+      for (Order order : {Order::kSequential, Order::k1F1B, Order::kAllForwardsFirst}) {
+        SCOPED_TRACE(std::string(order_name(order)) + ", " + std::to_string(cut.size()) +
+                     " stages");
+        const Result got = run_stages(pb, cut, recompute, order, aux_scale);
+        EXPECT_EQ(got.losses, whole.losses);
+        for (int m = 0; m < pb.M; ++m)
+          EXPECT_NEAR(got.aux[m], whole.aux[m], 1e-12 * whole.aux[m]) << "micro-batch " << m;
+        for (const ParamInfo& p : pb.layout.params()) {
+          const std::vector<float> a(got.grads.begin() + p.offset,
+                                     got.grads.begin() + p.offset + p.numel);
+          const std::vector<float> b(whole.grads.begin() + p.offset,
+                                     whole.grads.begin() + p.offset + p.numel);
+          EXPECT_LE(rel_error(a, b), 1e-6) << p.name;
+        }
+      }
   }
 }
 

@@ -1,15 +1,20 @@
 // Expert storage per expert-parallel rank (issue 18): an ep rank's local layout holds E / ep
 // experts of each sparse layer (the router whole), the plan makes each sparse layer's experts a
 // unit of their own over the expert-data-parallel group, and EpMap puts the local experts at
-// their rows of the global tensors. The expected sizes are the config's arithmetic, written out
+// their rows of the global tensors. Under tensor parallelism a tp rank holds every expert's
+// columns of its width (gate and up by rows, down by columns) and TpMap puts them at their
+// place in the global tensors. The expected sizes are the config's arithmetic, written out
 // here, not the layout's code.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "parallel/expert_parallel.h"
+#include "parallel/tensor_parallel.h"
 #include "qtrain/params.h"
 #include "qtrain/shard_plan.h"
 
@@ -120,6 +125,130 @@ TEST(ExpertStorage, EpMapPlacesEachRanksExpertsAtTheirGlobalRows) {
       const bool expert = p.name.find("mlp.experts.") != std::string::npos;
       for (std::size_t i = p.offset; i < p.offset + p.numel; ++i)
         ASSERT_EQ(seen[i], expert ? 1 : ep) << p.name << " element " << i - p.offset;
+    }
+  }
+}
+
+
+// tp ranks split each expert's width Im = 12 as the dense MLP's: tp rank t holds, of expert e,
+// gate rows [t Im/tp, (t + 1) Im/tp), up rows Im + the same, and those columns of down; the
+// router whole with a partial gradient. Over the tp ranks the map writes every global element
+// once, and reading places each local element at that global one.
+TEST(ExpertStorage, TensorParallelSplitsEachExpertsWidth) {
+  const ModelConfig g = moe_model(false);
+  const ParamLayout global(g);
+  std::vector<float> values(global.numel());
+  for (std::size_t k = 0; k < values.size(); ++k) values[k] = static_cast<float>(k);
+  for (int tp : {2, 4}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    const ModelConfig l = tp_local_config(g, tp);
+    EXPECT_EQ(l.moe_intermediate_size, 12 / tp);
+    EXPECT_EQ(l.num_experts, 8);
+    const ParamLayout local(l);
+    const std::int64_t Im = 12, Iml = 12 / tp, H = 64, E = 8;
+    EXPECT_EQ(local.find("model.layers.2.mlp.experts.gate_up_proj").shape,
+              (std::vector<std::int64_t>{E, 2 * Iml, H}));
+    EXPECT_EQ(local.find("model.layers.2.mlp.experts.down_proj").shape,
+              (std::vector<std::int64_t>{E, H, Iml}));
+    EXPECT_EQ(local.find("model.layers.2.mlp.gate.weight").shape,
+              (std::vector<std::int64_t>{E, H}));
+    MeshShape mesh;
+    mesh.tp = tp;
+    const ShardPlan plan = plan_qwen3(l, local, mesh, 0, tp > 2 ? tp / 2 : 1);
+    auto spec = [&](const std::string& name) -> const ShardSpec& {
+      return plan.specs[static_cast<std::size_t>(&local.find(name) - local.params().data())];
+    };
+    EXPECT_FALSE(spec("model.layers.2.mlp.gate.weight").sharded_by.has_value());
+    EXPECT_EQ(spec("model.layers.2.mlp.gate.weight").partial_over,
+              std::vector<MeshDim>{MeshDim::kTp});
+    const ShardSpec& gu = spec("model.layers.2.mlp.experts.gate_up_proj");
+    EXPECT_EQ(gu.axis, 1);
+    EXPECT_EQ(gu.tp_blocks, 2);
+    EXPECT_EQ(gu.global_shape, (std::vector<std::int64_t>{E, 2 * Im, H}));
+    const ShardSpec& dn = spec("model.layers.2.mlp.experts.down_proj");
+    EXPECT_EQ(dn.axis, 2);
+    EXPECT_EQ(dn.global_shape, (std::vector<std::int64_t>{E, H, Im}));
+    std::vector<int> written(global.numel(), 0);
+    for (int t = 0; t < tp; ++t) {
+      const TpMap map(global, local, plan, t);
+      for (const LayoutMap::Segment& s : map.segments(Range{0, local.numel()}, true))
+        for (std::size_t i = 0; i < s.count; ++i) ++written[s.global + i];
+      std::vector<float> mine(local.numel(), -1.0f);
+      const std::vector<FlatPiece> whole = {{Range{0, local.numel()}, mine.data()}};
+      for (const FlatPiece& p : map.to_global(whole, false))
+        for (std::size_t k = 0; k < p.range.size(); ++k) p.data[k] = values[p.range.begin + k];
+      const ParamInfo& lgu = local.find("model.layers.2.mlp.experts.gate_up_proj");
+      const ParamInfo& ggu = global.find("model.layers.2.mlp.experts.gate_up_proj");
+      const ParamInfo& ldn = local.find("model.layers.2.mlp.experts.down_proj");
+      const ParamInfo& gdn = global.find("model.layers.2.mlp.experts.down_proj");
+      for (std::int64_t e : {std::int64_t{0}, E - 1})
+        for (std::int64_t i : {std::int64_t{0}, Iml - 1})
+          for (std::int64_t h : {std::int64_t{0}, H - 1}) {
+            const std::int64_t col = t * Iml + i;  // the global column of the expert's width
+            EXPECT_EQ(mine[lgu.offset + (e * 2 * Iml + i) * H + h],
+                      values[ggu.offset + (e * 2 * Im + col) * H + h]) << "gate " << e;
+            EXPECT_EQ(mine[lgu.offset + (e * 2 * Iml + Iml + i) * H + h],
+                      values[ggu.offset + (e * 2 * Im + Im + col) * H + h]) << "up " << e;
+            EXPECT_EQ(mine[ldn.offset + (e * H + h) * Iml + i],
+                      values[gdn.offset + (e * H + h) * Im + col]) << "down " << e;
+          }
+    }
+    EXPECT_EQ(std::count(written.begin(), written.end(), 1),
+              static_cast<std::ptrdiff_t>(written.size()));
+  }
+}
+
+
+// tp 2 x ep 2 and tp 2 x ep 4: rank (t, r) holds experts [r El, (r + 1) El), each with tp rank
+// t's columns; TpEpMap writes every expert element once over the (tp, ep) ranks (every other
+// element once per ep rank, as EpMap), and places the local ones at their global elements.
+TEST(ExpertStorage, TpEpMapPlacesEachRanksExpertColumns) {
+  const ModelConfig g = moe_model(true);
+  const ParamLayout global(g);
+  std::vector<float> values(global.numel());
+  for (std::size_t k = 0; k < values.size(); ++k) values[k] = static_cast<float>(k);
+  const int tp = 2;
+  const std::int64_t Im = 12, Iml = Im / tp, H = 64;
+  for (int ep : {2, 4}) {
+    SCOPED_TRACE("ep " + std::to_string(ep));
+    MeshShape mesh;
+    mesh.tp = tp;
+    mesh.dp = ep;
+    mesh.ep = ep;
+    const ModelConfig l = ep_local_config(tp_local_config(g, tp), ep);
+    const ParamLayout local(l);
+    const ShardPlan plan = plan_qwen3(l, local, mesh, 0);
+    const std::int64_t El = 8 / ep;
+    EXPECT_EQ(local.find("model.layers.0.mlp.experts.gate_up_proj").shape,
+              (std::vector<std::int64_t>{El, 2 * Iml, H}));
+    std::vector<int> written(global.numel(), 0);
+    for (int t = 0; t < tp; ++t)
+      for (int r = 0; r < ep; ++r) {
+        const std::unique_ptr<LayoutMap> map = make_model_map(g, global, local, plan, mesh, t, r);
+        ASSERT_NE(dynamic_cast<const TpEpMap*>(map.get()), nullptr);
+        for (const LayoutMap::Segment& s : map->segments(Range{0, local.numel()}, true))
+          for (std::size_t i = 0; i < s.count; ++i) ++written[s.global + i];
+        std::vector<float> mine(local.numel(), -1.0f);
+        const std::vector<FlatPiece> whole = {{Range{0, local.numel()}, mine.data()}};
+        for (const FlatPiece& p : map->to_global(whole, false))
+          for (std::size_t k = 0; k < p.range.size(); ++k) p.data[k] = values[p.range.begin + k];
+        EXPECT_EQ(std::count(mine.begin(), mine.end(), -1.0f), 0);
+        const ParamInfo& lgu = local.find("model.layers.0.mlp.experts.gate_up_proj");
+        const ParamInfo& ggu = global.find("model.layers.0.mlp.experts.gate_up_proj");
+        const ParamInfo& ldn = local.find("model.layers.0.mlp.experts.down_proj");
+        const ParamInfo& gdn = global.find("model.layers.0.mlp.experts.down_proj");
+        for (std::int64_t e : {std::int64_t{0}, El - 1}) {
+          const std::int64_t ge = r * El + e, i = Iml - 1, h = 3, col = t * Iml + i;
+          EXPECT_EQ(mine[lgu.offset + (e * 2 * Iml + Iml + i) * H + h],
+                    values[ggu.offset + (ge * 2 * Im + Im + col) * H + h]) << "up " << e;
+          EXPECT_EQ(mine[ldn.offset + (e * H + h) * Iml + i],
+                    values[gdn.offset + (ge * H + h) * Im + col]) << "down " << e;
+        }
+      }
+    for (const ParamInfo& p : global.params()) {
+      const bool expert = p.name.find("mlp.experts.") != std::string::npos;
+      for (std::size_t i = p.offset; i < p.offset + p.numel; ++i)
+        ASSERT_EQ(written[i], expert ? 1 : ep) << p.name << " element " << i - p.offset;
     }
   }
 }

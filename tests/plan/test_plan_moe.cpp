@@ -186,9 +186,9 @@ TEST(PlanMoe, EnumerationIncludesEp) {
     return std::string("(not excluded)");
   };
   EXPECT_EQ(reason(2, 2, 1, 1), "mesh.tp = 2: tensor parallelism is not built for Qwen3-MoE "
-                                "models (the deck refuses it)");
+                                "models on GPUs (the deck refuses it on train.device = cuda)");
   EXPECT_EQ(reason(2, 1, 2, 1), "mesh.pp = 2: pipeline parallelism is not built for Qwen3-MoE "
-                                "models (the deck refuses it)");
+                                "models on GPUs (the deck refuses it on train.device = cuda)");
   // --ep 3 (does not divide dp 4); 6 experts: ep 4 does not divide them.
   qt::plan::LayoutSearch s = tiny_search(4);
   s.tp = s.pp = {1};
