@@ -7,8 +7,7 @@
 # the whole job's tokens); weak-scaling efficiency = ep 2's / (2 x one GPU's).
 #   usage: bench/moe_ep_slice.sh BUILD_DIR OUT_DIR      STEPS=30: the steps of each run
 # Run it on a machine with two GPUs from the repository root, the runtime kit in .kit when
-# there is one (docs/cuda.md). Not yet run on GPUs (2026-11-27): its deck was checked on the
-# development machine only (it parses; the host-memory check needs about 35 GiB).
+# there is one (docs/cuda.md). Results: docs/moe.md "Expert parallelism on the GPU".
 set -uo pipefail
 B=${1:?build dir}; out=${2:?output dir}
 mkdir -p "$out"

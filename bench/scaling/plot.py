@@ -40,8 +40,11 @@ def main():
     for key, name, label in (("tokens_per_s_per_gpu", "tokens_per_gpu.png", "tokens/s per GPU"),
                              ("efficiency", "efficiency.png", "MFU / 1-GPU slice MFU")):
         fig, ax = plt.subplots(figsize=(6, 4))
+        strong = {r["global_batch"] for r in rows if r["family"] == "strong"}
         for fam in families:
-            pts = sorted((int(r["gpus"]), float(r[key])) for r in rows if r["family"] == fam)
+            # zero3's run at the strong global batch is the strong series' point there too
+            pts = sorted((int(r["gpus"]), float(r[key])) for r in rows if r["family"] == fam or
+                         (fam == "strong" and r["family"] == "zero3" and r["global_batch"] in strong))
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=fam)
         ax.set_xlabel("GPUs")
         ax.set_ylabel(label)

@@ -3,10 +3,17 @@
 // overridden, and each logged step's loss, load-balancing loss and expert load.
 #pragma once
 
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
+
+#include "train/training_harness.h"
 
 namespace qt::test {
 
@@ -44,6 +51,51 @@ inline std::vector<MoeStep> read_moe_metrics(const std::string& path) {
     out.push_back(s);
   }
   return out;
+}
+
+
+// The expert-parallel tests (test_moe_ep_train_cuda_np2/np4): `ranks` ranks of this job train
+// the MoE deck (checkpoints every 5 steps), and a run's worst relative differences from the
+// one-GPU run's, with bf16 tolerances (rows and gradient sums come in another order).
+constexpr int kEpSteps = 10;
+constexpr double kLossTol = 1e-2, kAuxTol = 2e-2, kNormTol = 2e-2;  // relative, bf16 compute
+
+struct EpRun {
+  std::vector<test::MoeStep> moe;      // loss, aux
+  std::vector<test::StepRecord> steps;  // step, loss, grad norm
+};
+
+inline EpRun train_ep(int ranks, const std::string& tmp, const std::string& tag,
+          std::vector<std::string> ov) {
+  ov.push_back("--checkpoint.every=5");
+  const std::string metrics = tmp + "/" + tag + ".jsonl";
+  auto r = test::run(ranks, test::moe_deck(tmp + "/" + tag, kEpSteps), ov, metrics);
+  EXPECT_EQ(r.exit_code, 0) << tag << ": " << r.error;
+  return {test::read_moe_metrics(metrics), r.steps};
+}
+
+// The worst relative differences of `got` from `ref`'s steps [first, first + got's steps).
+inline void expect_close(const EpRun& got, const EpRun& ref, std::size_t first, const std::string& tag) {
+  ASSERT_EQ(got.moe.size(), got.steps.size()) << tag;
+  ASSERT_EQ(first + got.moe.size(), ref.moe.size()) << tag;
+  double loss = 0, aux = 0, norm = 0;
+  for (std::size_t i = 0; i < got.moe.size(); ++i) {
+    const test::MoeStep &g = got.moe[i], &r = ref.moe[first + i];
+    ASSERT_EQ(got.steps[i].step, ref.steps[first + i].step) << tag;
+    ASSERT_TRUE(std::isfinite(g.loss) && g.aux > 0 && std::isfinite(got.steps[i].grad_norm))
+        << tag << " step " << got.steps[i].step;
+    loss = std::max(loss, std::abs(g.loss - r.loss) / r.loss);
+    aux = std::max(aux, std::abs(g.aux - r.aux) / r.aux);
+    norm = std::max(norm, std::abs(got.steps[i].grad_norm - ref.steps[first + i].grad_norm) /
+                              ref.steps[first + i].grad_norm);
+  }
+  if (test::world_rank() == 0)
+    std::printf("%s vs 1 GPU: worst relative difference of the losses %.3e, aux losses %.3e, "
+                "gradient norms %.3e\n",
+                tag.c_str(), loss, aux, norm);
+  EXPECT_LT(loss, kLossTol) << tag;
+  EXPECT_LT(aux, kAuxTol) << tag;
+  EXPECT_LT(norm, kNormTol) << tag;
 }
 
 }  // namespace qt::test
