@@ -32,22 +32,10 @@
 #include "ops/cuda/moe.cuh"
 #include "ops/cuda/moe_ep.cuh"
 #include "ops/cuda/swiglu.cuh"
+#include "parallel/expert_parallel.h"
 #include "qtrain/error.h"
 
 namespace qt::cuda {
-
-namespace {
-std::vector<std::size_t> prefix(const std::vector<std::size_t>& counts) {
-  std::vector<std::size_t> at(counts.size(), 0);
-  for (std::size_t p = 1; p < counts.size(); ++p) at[p] = at[p - 1] + counts[p - 1];
-  return at;
-}
-std::vector<std::size_t> times(const std::vector<std::size_t>& v, std::size_t f) {
-  std::vector<std::size_t> out(v);
-  for (std::size_t& x : out) x *= f;
-  return out;
-}
-}  // namespace
 
 void CudaOps::moe_ep_allocate(DeviceArena& arena) {
   const int P = ep_->size(), E = cfg_.num_experts, El = E / P;
@@ -90,8 +78,8 @@ void CudaOps::moe_ep_counts(int l) {
       e.send[p] += static_cast<std::size_t>(c[static_cast<std::size_t>(r) * E + p * El + j]);
       e.recv[p] += static_cast<std::size_t>(c[static_cast<std::size_t>(p) * E + r * El + j]);
     }
-  e.send_at = prefix(e.send);
-  e.recv_at = prefix(e.recv);
+  e.send_at = block_offsets(e.send);
+  e.recv_at = block_offsets(e.recv);
   const std::size_t sent = e.send_at.back() + e.send.back();
   const std::size_t received = e.recv_at.back() + e.recv.back();
   QT_CHECK(sent == static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok &&
@@ -111,12 +99,13 @@ void CudaOps::moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool
   const std::size_t H = cfg_.hidden_size;
   ep_ready_.record(s_);  // send is written, recv free
   ep_->wait_event(ep_ready_.get());
-  if (to_experts)
-    ep_->all_to_all_v_async(send, times(e.send, H), times(e.send_at, H), recv, times(e.recv, H),
-                            times(e.recv_at, H), DType::kBF16);
-  else
-    ep_->all_to_all_v_async(send, times(e.recv, H), times(e.recv_at, H), recv, times(e.send, H),
-                            times(e.send_at, H), DType::kBF16);
+  // Rows to the experts: e.send out, e.recv in; back: the reverse.
+  const auto& out = to_experts ? e.send : e.recv;
+  const auto& out_at = to_experts ? e.send_at : e.recv_at;
+  const auto& in = to_experts ? e.recv : e.send;
+  const auto& in_at = to_experts ? e.recv_at : e.send_at;
+  ep_->all_to_all_v_async(send, scaled_counts(out, H), scaled_counts(out_at, H), recv,
+                          scaled_counts(in, H), scaled_counts(in_at, H), DType::kBF16);
   ep_done_.record(ep_->stream());
   QT_CHECK_CUDA(cudaStreamWaitEvent(s_, ep_done_.get(), 0));
 }

@@ -12,19 +12,17 @@
 
 namespace qt {
 
-namespace {
-// The offsets of consecutive blocks of `counts`.
-std::vector<std::size_t> offsets(const std::vector<std::size_t>& counts) {
+std::vector<std::size_t> block_offsets(const std::vector<std::size_t>& counts) {
   std::vector<std::size_t> at(counts.size(), 0);
   for (std::size_t p = 1; p < counts.size(); ++p) at[p] = at[p - 1] + counts[p - 1];
   return at;
 }
-std::vector<std::size_t> scaled(const std::vector<std::size_t>& v, std::size_t f) {
+
+std::vector<std::size_t> scaled_counts(const std::vector<std::size_t>& v, std::size_t f) {
   std::vector<std::size_t> out(v);
   for (std::size_t& x : out) x *= f;
   return out;
 }
-}  // namespace
 
 ModelConfig ep_local_config(const ModelConfig& cfg, int ep) {
   QT_CHECK(ep >= 1 && cfg.expert_shards == 1, "ep_local_config: ep {} of a config stored over {}",
@@ -114,11 +112,11 @@ ExpertDispatch::ExpertDispatch(Comm& ep, int experts, int hidden, int moe_width)
 void ExpertDispatch::exchange(const float* send, float* recv, bool forward_direction) {
   const std::size_t H = h_;
   if (forward_direction)
-    ep_.all_to_all_v(send, scaled(send_rows_, H), scaled(send_at_, H), recv, scaled(recv_rows_, H),
-                     scaled(recv_at_, H), DType::kF32);
+    ep_.all_to_all_v(send, scaled_counts(send_rows_, H), scaled_counts(send_at_, H), recv,
+                     scaled_counts(recv_rows_, H), scaled_counts(recv_at_, H), DType::kF32);
   else
-    ep_.all_to_all_v(send, scaled(recv_rows_, H), scaled(recv_at_, H), recv, scaled(send_rows_, H),
-                     scaled(send_at_, H), DType::kF32);
+    ep_.all_to_all_v(send, scaled_counts(recv_rows_, H), scaled_counts(recv_at_, H), recv,
+                     scaled_counts(send_rows_, H), scaled_counts(send_at_, H), DType::kF32);
 }
 
 void ExpertDispatch::forward(float* out, const float* x, const int* idx, int N, int k,
@@ -132,7 +130,7 @@ void ExpertDispatch::forward(float* out, const float* x, const int* idx, int N, 
     QT_CHECK(idx[i] >= 0 && idx[i] < e_, "expert {} of {}", idx[i], e_);
     ++send_rows_[idx[i] / el_];
   }
-  send_at_ = offsets(send_rows_);
+  send_at_ = block_offsets(send_rows_);
   std::vector<std::size_t> next = send_at_;
   pos_.resize(nk_);
   std::vector<float> send_x(nk_ * H);
@@ -150,7 +148,7 @@ void ExpertDispatch::forward(float* out, const float* x, const int* idx, int N, 
   std::iota(iota.begin(), iota.end(), 0);
   ep_.all_to_all_v(mine.data(), ones, iota, theirs.data(), ones, iota, DType::kI64);
   recv_rows_.assign(theirs.begin(), theirs.end());
-  recv_at_ = offsets(recv_rows_);
+  recv_at_ = block_offsets(recv_rows_);
   const std::size_t R = recv_at_.back() + recv_rows_.back();
   recv_x_.resize(R * H);
   recv_ids_.resize(R);

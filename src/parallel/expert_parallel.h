@@ -72,6 +72,11 @@ std::unique_ptr<LayoutMap> make_model_map(const ModelConfig& cfg, const ParamLay
                                           const ParamLayout& local, const ShardPlan& local_plan,
                                           const MeshShape& mesh, int tp_rank, int ep_rank);
 
+// An all-to-all's row counts: each block's first row (the exclusive prefix sum of `counts`), and
+// the counts in elements of `f` each (rows of H values).
+std::vector<std::size_t> block_offsets(const std::vector<std::size_t>& counts);
+std::vector<std::size_t> scaled_counts(const std::vector<std::size_t>& v, std::size_t f);
+
 // One sparse layer's exchange: what forward sent and received, kept for backward.
 class ExpertDispatch {
  public:
