@@ -58,32 +58,44 @@ u128 embedding_backward_ws(u128 N) { return 4 * blk(4 * N) + blk(8 * N) + (u128{
 // [ceil(n_pairs / 256), E] and each pair's rank [n_pairs], int32, each 256-aligned.
 u128 moe_route_ws(u128 pairs, u128 E) { return blk(cdiv(pairs, 256) * E * 4) + blk(pairs * 4); }
 
-// CudaOps::moe_allocate (src/cuda/cuda_ops_moe.cpp), allocation by allocation, for the stage's
-// sparse layers; rows = N x k (token, slot) pairs. m is the rank's model (at ep > 1 the router
-// and the counts still span all E experts; the rows an ep rank's experts receive are taken as
-// N x k, the balanced average: a prediction, the CUDA block does not run at ep > 1).
-u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool recompute) {
+// CudaOps::moe_allocate (src/cuda/cuda_ops_moe.cpp) and, at ep > 1, moe_ep_allocate
+// (src/cuda/cuda_ops_moe_ep.cpp), allocation by allocation, for the stage's sparse layers;
+// rows = N x k (token, slot) pairs. m is the rank's model (the router and the counts span all E
+// experts at any ep). At ep = P > 1 the experts' buffers hold the most rows a rank can receive,
+// ex_rows = P N min(k, E / P), as the back end sizes them (the worst case, not the average).
+u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool recompute, int ep) {
   const u128 E = m.num_experts, k = m.num_experts_per_tok, H = m.hidden_size;
   const u128 Im = m.moe_intermediate_size, rows = N * k;
+  const u128 P = static_cast<u128>(ep), El = E / P;
+  const u128 ex_rows = ep > 1 ? P * N * std::min(k, El) : rows;
   u128 sparse = 0;
   for (const StageParts::Chunk& c : st.chunks)
     sparse += m.moe_layers_before(c.last) - m.moe_layers_before(c.first);
   // Per sparse layer: pos, pair [rows] int32; offsets [E + 1] int32.
   u128 b = sparse * (2 * blk(4 * rows) + blk(4 * (E + 1)));
-  // The experts' activations gu [rows, 2 Im], h [rows, Im], out [rows, H] bf16: per sparse
-  // layer, or one shared set with recompute (moe_recompute_).
-  b += (recompute ? 1 : sparse) * (blk(2 * rows * 2 * Im) + blk(2 * rows * Im) + blk(2 * rows * H));
+  // The experts' activations gu [ex_rows, 2 Im], h [ex_rows, Im], out [rows, H] bf16: per
+  // sparse layer, or one shared set with recompute (moe_recompute_).
+  const u128 kept = recompute ? 1 : sparse;
+  b += kept * (blk(2 * ex_rows * 2 * Im) + blk(2 * ex_rows * Im) + blk(2 * rows * H));
   b += blk(4 * E)                   // moe_counts_ [E] int32
        + blk(moe_route_ws(rows, E))  // moe_route_ws_
        + blk(2 * N * E)              // moe_logits_ [N, E] bf16
        + blk(2 * rows * H)           // moe_x_ [rows, H]
        + blk(2 * rows * H)           // moe_dout_ [rows, H]
-       + blk(2 * rows * Im)          // moe_dh_ [rows, Im]
-       + blk(2 * rows * 2 * Im)      // moe_dgu_ [rows, 2 Im]
+       + blk(2 * ex_rows * Im)       // moe_dh_ [ex_rows, Im]
+       + blk(2 * ex_rows * 2 * Im)   // moe_dgu_ [ex_rows, 2 Im]
        + blk(2 * N * H)              // moe_dx_gate_ [N, H]
        + blk(4 * rows)               // moe_dw_ [rows] fp32
        + blk(8 * 2 * E)              // moe_balance_ [2 E] double
        + blk(8 * u128(m.num_moe_layers()) * E);  // moe_load_ [sparse layers of the model, E]
+  if (ep > 1) {  // moe_ep_allocate
+    // Per sparse layer: offsets [El + 1], to_expert, from_expert [ex_rows] int32; the received
+    // rows in expert order x [ex_rows, H] bf16 per layer, or one shared with recompute.
+    b += sparse * (blk(4 * (El + 1)) + 2 * blk(4 * ex_rows)) + kept * blk(2 * ex_rows * H);
+    b += blk(4 * P * E)             // moe_ep_counts_ [P, E] int32
+         + blk(4 * 2 * E)           // moe_ep_segments_ [2 E] int32
+         + 2 * blk(2 * ex_rows * H);  // moe_ep_a_, moe_ep_b_ [ex_rows, H] scratch
+  }
   return b;
 }
 
@@ -93,7 +105,7 @@ u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool re
 // KV = nkv x hd, I, V; Ns: the rows of the residual stream and norms (N / tp with sequence
 // parallelism, else N).
 u128 activation_bytes(const ModelConfig& m, const StageParts& st, u128 B, u128 T, bool recompute,
-                      u128 Ns, bool sp, bool zb) {
+                      u128 Ns, bool sp, bool zb, int ep) {
   const u128 N = B * T, H = m.hidden_size, Q = m.q_dim(), KV = m.kv_dim();
   const u128 I = m.intermediate_size, V = m.vocab_size, L = m.num_layers;
   const u128 nh = m.num_heads, nkv = m.num_kv_heads, hd = m.head_dim;
@@ -139,7 +151,7 @@ u128 activation_bytes(const ModelConfig& m, const StageParts& st, u128 B, u128 T
     if (zb) b += k * blk(2 * layers * N * (Q + 2 * KV + 2 * H));
     if (u128(c.last) == L && k > 1) b += k * blk(2 * N * H);  // dhead: a slot's own d ln[L]
   }
-  if (any_moe) b += moe_block_bytes(m, st, N, recompute);
+  if (any_moe) b += moe_block_bytes(m, st, N, recompute, ep);
   if (st.head) {
     // The lm head: bf16 logits_ [chunk, V] of 1 GiB at most (chunk rows, at most N), fp32
     // losses_ and chunk_lse_ [chunk], the double loss_sum_.
@@ -354,9 +366,9 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   MemoryPlan p;
   // What the CUDA back end runs today: tp (and sequence parallelism) at any dp, pp at dp 1 with
   // whole backwards (src/cuda/backend_cuda_pipeline.cpp).
-  // Qwen3-MoE: the CUDA block runs at ep = 1 only (tp = pp = 1, validate).
+  // Qwen3-MoE (tp = pp = 1, validate): ep > 1 at ZeRO 0-2 (src/cuda/cuda_ops_moe_ep.cpp).
   p.built = (in.mesh.pp == 1 || dp == 1 || in.zero_stage <= 1) &&
-            (!in.model.is_moe() || in.mesh.ep == 1);
+            (!in.model.is_moe() || in.mesh.ep == 1 || in.zero_stage <= 2);
   p.stage = s;
   p.slots = st.max_slots();
   u128 params = 0, grads = 0, optimizer = blk(kAdamWSegmentBytes * tensors),  // segments_
@@ -440,7 +452,7 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   p.optimizer = checked(optimizer, "optimizer state");
   p.activations = checked(
       activation_bytes(m, st, in.micro_batch, in.seq_len, in.recompute, Ns, sp,
-                       in.mesh.pp > 1 && in.mesh.pp_schedule == "zb-h1"),
+                       in.mesh.pp > 1 && in.mesh.pp_schedule == "zb-h1", in.mesh.ep),
       "activations");
   p.workspace = checked(workspace, "workspace");
   p.host = checked(host, "host state");

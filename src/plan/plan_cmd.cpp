@@ -429,10 +429,11 @@ std::string report(const Options& o, const PlanDeck& pd) {
       "ZeRO-2 or 3; docs/plan.md). Step times are predictions (docs/plan.md).\n",
       unit);
   if (m.is_moe())
-    out += "Qwen3-MoE: the CUDA back end runs the sparse block at ep = 1, tp = 1, pp = 1 (any dp "
-           "and ZeRO stage); every\nep > 1 row is a prediction (built: no): its experts E / ep a "
-           "rank sharded over dp / ep, its all-to-alls\ntimed over the links, its dispatch "
-           "buffers not counted (docs/plan.md). tp and pp > 1 are not built for MoE.\n";
+    out += "Qwen3-MoE: the CUDA back end runs the sparse block at tp = 1, pp = 1, any dp, at ep = 1 "
+           "with every ZeRO stage and\nat ep > 1 with ZeRO 0-2 (ep > 1 with ZeRO-3: built no): "
+           "experts E / ep a rank sharded over dp / ep, the\ndispatch buffers sized for the most "
+           "rows a rank can receive, all-to-alls timed over the links\n(docs/plan.md). tp and pp "
+           "> 1 are not built for MoE on GPUs.\n";
 
   const plan::Layout* best = plan::recommended(all);
   if (best) {
@@ -462,8 +463,8 @@ std::string report(const Options& o, const PlanDeck& pd) {
     }
     out += "  deck keys:" + line + "\n";
     if (!best->memory.built) {
-      out += m.is_moe() ? "  note: the CUDA back end does not run this layout yet (expert "
-                          "parallelism, mesh.ep > 1): its numbers predict that path\n"
+      out += m.is_moe() ? "  note: the CUDA back end does not run this layout yet (ZeRO-3 with "
+                          "expert parallelism, mesh.ep > 1): its numbers predict that path\n"
                         : "  note: the CUDA back end does not run this layout yet (a pipeline at "
                           "dp > 1 with ZeRO-2 or 3): its numbers predict that path\n";
       if (const plan::Layout* now = plan::recommended(all, /*built_only=*/true)) {

@@ -5,6 +5,8 @@
 // all-to-all; Qwen3-30B-A3B on 8 GPUs of 80 GB, and the trainer's host-memory check of it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <cstdint>
 #include <string>
 
@@ -83,7 +85,8 @@ TEST(PlanMoe, Ep1ParameterBytesByHand) {
 TEST(PlanMoe, Ep2ParameterBytesByHand) {
   const u64 layer = kAttn + kRouter, experts = kExperts / 2;
   const MemoryPlan p = qt::plan::memory_plan(input(2, 2, 1));
-  EXPECT_FALSE(p.built);  // ep > 1: a prediction
+  EXPECT_TRUE(p.built);  // ep > 1 at ZeRO 0-2: cuda_ops_moe_ep.cpp
+  EXPECT_FALSE(qt::plan::memory_plan(input(2, 2, 3)).built);  // not with ZeRO-3
   EXPECT_EQ(p.params, r(2 * kEmbed) + 2 * r(2 * layer) + r(2 * kDense) + r(2 * kNorm) +
                           2 * r(2 * experts));
   EXPECT_EQ(p.grads, r(4 * kEmbed) + 2 * r(4 * layer) + r(4 * kDense) + r(4 * kNorm) +
@@ -118,10 +121,12 @@ TEST(PlanMoe, ExpertUnitsShardOverEdp) {
 // Activations at B = 2, T = 8 (N = 16 rows, rows = N k = 32 (token, slot) pairs), every buffer
 // by hand: BatchBuffers, Qwen3Cuda's stream and LayerActs (dense: gu, h; sparse: the router's
 // probs [N, E] fp32, idx [N, k] int32, w [N, k] bf16), the scratch (no dh: layer 1's dense MLP
-// needs it: it is there), the lm head, and CudaOps::moe_allocate.
-u64 tiny_moe_activations(bool recompute) {
+// needs it: it is there), the lm head, CudaOps::moe_allocate and, at ep = P > 1,
+// moe_ep_allocate, whose buffers hold the most rows a rank receives: P N min(k, E / P).
+u64 tiny_moe_activations(bool recompute, u64 P = 1) {
   const u64 N = 16, H = 64, Q = 64, KV = 32, I = 128, V = 256, nh = 4, nkv = 2, hd = 16, T = 8;
-  const u64 E = 8, k = 2, Im = 32, rows = N * k, L = 3, sparse = 2;
+  const u64 E = 8, k = 2, Im = 32, rows = N * k, L = 3, sparse = 2, El = E / P;
+  const u64 ex = P > 1 ? P * N * std::min(k, El) : rows;  // the experts' rows
   const u64 batch = 3 * r(N * 4);
   const u64 rope = 2 * r(T * (hd / 2) * 4);
   const u64 stream = (L + 1) * (2 * r(N * H * 2) + r(N * 4));
@@ -138,20 +143,27 @@ u64 tiny_moe_activations(bool recompute) {
   // (one set with recompute); counts, the routing workspace (one block of 256 pairs: [1, E] and
   // [rows] int32), logits [N, E], x, dout [rows, H], dh [rows, Im], dgu [rows, 2 Im],
   // dx_gate [N, H], dw [rows] fp32, balance [2 E] and load [sparse layers, E] double.
-  const u64 experts = r(rows * 2 * Im * 2) + r(rows * Im * 2) + r(rows * H * 2);
-  const u64 moe = sparse * (2 * r(rows * 4) + r((E + 1) * 4)) +
-                  (recompute ? 1 : sparse) * experts + r(E * 4) +
-                  r(r(E * 4) + r(rows * 4)) + r(N * E * 2) + 2 * r(rows * H * 2) +
-                  r(rows * Im * 2) + r(rows * 2 * Im * 2) + r(N * H * 2) + r(rows * 4) +
-                  r(2 * E * 8) + r(sparse * E * 8);
+  const u64 kept = recompute ? 1 : sparse;
+  const u64 experts = r(ex * 2 * Im * 2) + r(ex * Im * 2) + r(rows * H * 2);
+  u64 moe = sparse * (2 * r(rows * 4) + r((E + 1) * 4)) + kept * experts + r(E * 4) +
+            r(r(E * 4) + r(rows * 4)) + r(N * E * 2) + 2 * r(rows * H * 2) + r(ex * Im * 2) +
+            r(ex * 2 * Im * 2) + r(N * H * 2) + r(rows * 4) + r(2 * E * 8) + r(sparse * E * 8);
+  // moe_ep_allocate: offsets [El + 1], to_expert, from_expert [ex] a sparse layer; x [ex, H]
+  // a sparse layer (one with recompute); counts [P, E], segments [2 E] int32; two [ex, H]
+  // exchange buffers.
+  if (P > 1)
+    moe += sparse * (r((El + 1) * 4) + 2 * r(ex * 4)) + kept * r(ex * H * 2) + r(P * E * 4) +
+           r(2 * E * 4) + 2 * r(ex * H * 2);
   return batch + rope + stream + layers + scratch + lm + moe;
 }
 
 TEST(PlanMoe, ActivationsByHand) {
   EXPECT_EQ(qt::plan::memory_plan(input(1, 1, 0)).activations, tiny_moe_activations(false));
   EXPECT_EQ(qt::plan::memory_plan(input(1, 1, 0, true)).activations, tiny_moe_activations(true));
-  // The same buffers at every ep (rows = N k: the balanced average an ep rank's experts get).
-  EXPECT_EQ(qt::plan::memory_plan(input(2, 2, 0)).activations, tiny_moe_activations(false));
+  // ep 2: the experts' buffers for 2 x 16 x min(2, 4) = 64 rows, and the dispatch's own.
+  EXPECT_EQ(qt::plan::memory_plan(input(2, 2, 0)).activations, tiny_moe_activations(false, 2));
+  EXPECT_EQ(qt::plan::memory_plan(input(2, 2, 0, true)).activations,
+            tiny_moe_activations(true, 2));
 }
 
 qt::plan::LayoutSearch tiny_search(int gpus) {
@@ -176,7 +188,7 @@ TEST(PlanMoe, EnumerationIncludesEp) {
     EXPECT_EQ(m.tp * m.pp, 1);
     ASSERT_TRUE(m.ep == 1 || m.ep == 2 || m.ep == 4);
     seen[m.ep] = true;
-    EXPECT_EQ(row.memory.built, m.ep == 1);
+    EXPECT_EQ(row.memory.built, m.ep == 1 || row.in.zero_stage <= 2);
     EXPECT_EQ(row.time.ep_comm > 0, m.ep > 1);
   }
   EXPECT_TRUE(seen[1] && seen[2] && seen[4]);
