@@ -424,11 +424,7 @@ void Builder::validate_moe() {
   // Not built yet for Qwen3-MoE (issue 18): each names its key.
   const char* later = "is not built for Qwen3-MoE models (model.num_experts > 0) yet";
   if (deck_.train.device == "cuda") {  // cuda/cuda_ops_moe.cpp, ops/cuda/moe.cuh
-    // Expert parallelism (cuda/cuda_ops_moe_ep.cpp) at ZeRO 0-2, without tp, pp or LoRA.
-    need(deck_.mesh.ep == 1 || deck_.optim.zero_stage <= 2, "optim.zero_stage",
-         "with mesh.ep = {} is not built on train.device = cuda (ZeRO-3's gathers of the "
-         "expert units); use optim.zero_stage = 0, 1 or 2, or train.device = cpu",
-         deck_.mesh.ep);
+    // Expert parallelism (cuda/cuda_ops_moe_ep.cpp) at every ZeRO stage, without tp, pp or LoRA.
     need(deck_.mesh.ep == 1 || (deck_.mesh.tp == 1 && deck_.mesh.pp == 1 && deck_.lora.r == 0),
          "mesh.ep", "> 1 (expert parallelism) with mesh.tp, mesh.pp > 1 or LoRA (lora.r > 0) is "
          "not built on train.device = cuda; set mesh.ep = 1, or mesh.tp = mesh.pp = 1 and "

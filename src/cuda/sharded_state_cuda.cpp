@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "cuda/check.h"
+#include "parallel/unit_order.h"
 #include "ops/cuda/convert.cuh"
 #include "ops/cuda/embedding.cuh"
 #include "optim/schedule.h"
@@ -59,10 +60,13 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
                  (pu.group == MeshDim::kEdp && nccl != nullptr && edp && edp->size() == pu.dp),
              "expert unit {} over an edp group of {} ranks, communicator of {} (dp {})", pu.name,
              pu.dp, edp ? edp->size() : 0, plan.dp);
-  // ZeRO-3's gather ring prefetches the neighbouring unit u +- 1, which for a layer is not its
-  // expert unit (those sit after the head): not built, the deck refuses it.
-  QT_CHECK(edp == nullptr || nccl == nullptr || zero_ <= 2,
-           "expert units at ZeRO-{} (the deck allows 0 to 2 with mesh.ep > 1)", zero_);
+  // ZeRO-3's gather ring prefetches along the forward's order of the units (a layer's experts'
+  // unit, after the head in the plan, right after its layer), the backward's in reverse.
+  order_ = forward_unit_order(plan_);
+  order_at_.assign(plan_.units.size(), 0);
+  for (std::size_t i = 0; i < order_.size(); ++i) order_at_[order_[i]] = static_cast<int>(i);
+  bool expert_units = false;
+  for (const ParamUnit& pu : plan.units) expert_units |= pu.group == MeshDim::kEdp;
   auto held = [&pipe](std::size_t u) {
     return pipe.held.empty() ||
            std::binary_search(pipe.held.begin(), pipe.held.end(), static_cast<int>(u));
@@ -161,7 +165,9 @@ ShardedCudaState::ShardedCudaState(const ShardPlan& plan, const ParamLayout& lay
   grad_at_.assign(units_.size(), nullptr);
   std::size_t mark = arena.used();
   if (gathers()) {
-    for (int k = 0; k < kWeightSlots; ++k) {
+    // A sparse layer holds its experts' unit beside its own and the next layer's (its norm):
+    // one slot more keeps a prefetch going.
+    for (int k = 0; k < kWeightSlots + (expert_units ? 1 : 0); ++k) {
       weight_ring_.push_back(std::make_unique<Slot>());
       weight_ring_.back()->data = arena.allocate<bf16>(max_padded);
     }
@@ -268,8 +274,10 @@ void ShardedCudaState::gather(int u, Slot& slot) {
 }
 
 void ShardedCudaState::prefetch_after(int u) {
-  const int next = u + direction_;
-  if (next < 1 || next >= static_cast<int>(units_.size()) || weight_at_[next] != nullptr) return;
+  const int at = order_at_[u] + direction_;
+  if (at < 0 || at >= static_cast<int>(order_.size())) return;
+  const int next = order_[at];
+  if (next < 1 || weight_at_[next] != nullptr) return;
   if (Slot* slot = free_slot(weight_ring_)) gather(next, *slot);
 }
 

@@ -24,7 +24,9 @@
 // Expert parallelism (mesh.ep > 1): the plan's expert units (ParamUnit::group kEdp) are sharded,
 // reduced and gathered over the expert-data-parallel group (Mesh::edp(), its own communicator and
 // stream, possibly of one rank), every other unit over dp; the norm still sums over dp (each
-// expert element has one owner in its edp group, and the ep ranks hold different experts).
+// expert element has one owner in its edp group, and the ep ranks hold different experts). At
+// ZeRO-3 the gather ring follows the forward's order of the units (parallel/unit_order.h: a
+// layer's experts right after it), with one slot more for the experts' unit.
 #pragma once
 
 #include <cstdint>
@@ -209,6 +211,7 @@ class ShardedCudaState final : public UnitSource {
                                              // stays in use from the forward to the end)
   std::uint64_t releases_ = 0;                // the clock of Slot::freed
   int direction_ = +1;                        // forward (+1) or backward (-1): prefetch order
+  std::vector<int> order_, order_at_;         // forward_unit_order and each unit's place in it
   bool last_of_step_ = false;
   // Per unit, this step: its gradients hold their dp reduction (ZeRO-2/3: the first
   // reduce-scatter writes the shard, later ones add to it; nothing zeroes it), and its sum of

@@ -366,9 +366,8 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   MemoryPlan p;
   // What the CUDA back end runs today: tp (and sequence parallelism) at any dp, pp at dp 1 with
   // whole backwards (src/cuda/backend_cuda_pipeline.cpp).
-  // Qwen3-MoE (tp = pp = 1, validate): ep > 1 at ZeRO 0-2 (src/cuda/cuda_ops_moe_ep.cpp).
-  p.built = (in.mesh.pp == 1 || dp == 1 || in.zero_stage <= 1) &&
-            (!in.model.is_moe() || in.mesh.ep == 1 || in.zero_stage <= 2);
+  // Qwen3-MoE (tp = pp = 1, validate): any ep (src/cuda/cuda_ops_moe_ep.cpp).
+  p.built = in.mesh.pp == 1 || dp == 1 || in.zero_stage <= 1;
   p.stage = s;
   p.slots = st.max_slots();
   u128 params = 0, grads = 0, optimizer = blk(kAdamWSegmentBytes * tensors),  // segments_
@@ -416,8 +415,10 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
       max_chunk = ParamUnits::chunk(rest, dp), max_padded = max_chunk * dp;
       embed_chunk = ParamUnits::chunk(units.embed, dp), embed_padded = embed_chunk * dp;
     }
-    if (gathers) {  // weight_ring_: 3 gathered units; embed_weights_ (a tied embedding stays)
-      params += 3 * blk(2 * max_padded);
+    if (gathers) {  // weight_ring_: 3 gathered units (4 with expert units); embed_weights_ (a
+                    // tied embedding stays)
+      const bool expert_units = moe && in.mesh.ep > 1 && dp > 1;
+      params += (expert_units ? 4 : 3) * blk(2 * max_padded);
       if (holds_embed) params += blk(2 * embed_padded);
     }
     // ZeRO-0/1 with optim.grad_reduce = bf16: reduce_stage_, bf16 [the largest padded unit].

@@ -1,9 +1,9 @@
 // Qwen3-MoE with expert parallelism on two GPUs (cuda_ops_moe_ep.cpp): ep 2 (dp 2, each rank 4 of
 // the 8 experts of each sparse layer, its tokens' rows sent to their experts' rank and back) at
-// ZeRO 0, 1 and 2, ZeRO-2 with offload and ZeRO-1 with recompute reproduces one GPU's losses,
-// load-balancing losses and gradient norms for the same global batch and micro-batch, within
-// bf16 tolerance (the experts' rows and the gradient sums come in another order); and the ep 2
-// run's step-5 checkpoint (experts as global tensors) resumes on one GPU at ep 1 on the
+// ZeRO 0 to 3, ZeRO-2 and 3 with offload and ZeRO-1 and 3 with recompute reproduces one GPU's
+// losses, load-balancing losses and gradient norms for the same global batch and micro-batch,
+// within bf16 tolerance (the experts' rows and the gradient sums come in another order); and the
+// ep 2 run's step-5 checkpoint (experts as global tensors) resumes on one GPU at ep 1 on the
 // uninterrupted run's losses. Skips unless two GPUs are visible.
 #include <gtest/gtest.h>
 
@@ -37,6 +37,9 @@ TEST(MoeTrainCudaEp2, ReproducesOneGpuAndResumesAtEp1) {
       {"ep2_z2", {"--optim.zero_stage=2"}},
       {"ep2_z2_offload", {"--optim.zero_stage=2", "--optim.offload=cpu"}},
       {"ep2_z1_recompute", {"--optim.zero_stage=1", "--train.recompute=true"}},
+      {"ep2_z3", {"--optim.zero_stage=3"}},
+      {"ep2_z3_recompute", {"--optim.zero_stage=3", "--train.recompute=true"}},
+      {"ep2_z3_offload", {"--optim.zero_stage=3", "--optim.offload=cpu"}},
   };
   for (const auto& [tag, ov] : meshes) {
     std::vector<std::string> o = ov;
@@ -46,7 +49,8 @@ TEST(MoeTrainCudaEp2, ReproducesOneGpuAndResumesAtEp1) {
   // ep 2's checkpoint holds every expert at its global row: it resumes on one GPU (ep 1).
   const std::string from = tmp + "/ep2_z1/step_00000005.h5";
   ASSERT_TRUE(std::filesystem::exists(from)) << from;
-  const test::EpRun resumed = test::train_ep(1, tmp, "ep1_resumed", {"--checkpoint.resume=" + from});
+  const test::EpRun resumed =
+      test::train_ep(1, tmp, "ep1_resumed", {"--checkpoint.resume=" + from});
   ASSERT_EQ(resumed.moe.size(), 5u);
   EXPECT_EQ(resumed.steps.front().step, 6);
   test::expect_close(resumed, one, 5, "ep 2 checkpoint resumed at ep 1");
