@@ -15,6 +15,7 @@
 
 #include "parallel/expert_parallel.h"
 #include "parallel/tensor_parallel.h"
+#include "parallel/unit_order.h"
 #include "qtrain/params.h"
 #include "qtrain/shard_plan.h"
 
@@ -94,6 +95,24 @@ TEST(ExpertStorage, ExpertUnitsAreShardedOverExpertDp) {
       EXPECT_EQ(plan.units[units.layer(0)].params.size(), 9u);
       EXPECT_EQ(plan.units[units.layer(1)].params.size(), 11u);  // dense
     }
+}
+
+// ZeRO-3's gather order (parallel/unit_order.h): each sparse layer's experts right after their
+// layer (the plan puts them after the head), the dense layer alone; at ep 1 the plan's order.
+TEST(ExpertStorage, ForwardUnitOrderPutsExpertsAfterTheirLayer) {
+  const ModelConfig g = moe_model(false);
+  MeshShape mesh;
+  mesh.dp = 2;
+  mesh.ep = 2;
+  const ModelConfig c = ep_local_config(g, 2);
+  const ShardPlan plan = plan_qwen3(c, ParamLayout(c), mesh, 3);
+  const Qwen3Units u{3};  // embed 0, layers 1..3, head 4, experts of layers 0 and 2: 5, 6
+  EXPECT_EQ(forward_unit_order(plan),
+            (std::vector<int>{u.embed(), u.layer(0), u.experts(0), u.layer(1), u.layer(2),
+                              u.experts(1), u.head()}));
+  mesh.ep = 1;
+  const ShardPlan whole = plan_qwen3(g, ParamLayout(g), mesh, 3);
+  EXPECT_EQ(forward_unit_order(whole), (std::vector<int>{0, 1, 2, 3, 4}));
 }
 
 // Over the ep ranks, the local layouts mapped to the global one cover every expert element
