@@ -6,6 +6,7 @@
 // CPU's too, and its bias moves.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -75,8 +76,11 @@ double last_bias_range(const std::string& metrics) {
   while (std::getline(f, line)) last = line;
   const auto j = nlohmann::json::parse(last);
   double widest = 0;
-  for (const auto& r : j.at("router_bias_range"))
-    widest = std::max(widest, r[1].get<double>() - r[0].get<double>());
+  for (const auto& layer : j.at("router_bias")) {
+    const std::vector<double> b = layer.get<std::vector<double>>();
+    widest = std::max(widest, *std::max_element(b.begin(), b.end()) -
+                                  *std::min_element(b.begin(), b.end()));
+  }
   return widest;
 }
 
