@@ -105,15 +105,16 @@ TEST(MoeTrainCuda, RouterBiasFollowsTheCpuReference) {
     worst_aux = std::max(worst_aux, std::abs(g[i].aux - c[i].aux) / c[i].aux);
   }
   // Every step moves every expert's bias by the rate or not at all: after 12 steps a layer's
-  // range is a multiple of 1e-3 up to 24e-3, the same on both back ends unless a step's load
-  // ordering differed around the mean.
+  // range is a multiple of 1e-3 up to 24e-3, the same on both back ends unless bf16 routed a
+  // few token-slots otherwise and an expert near the mean load took the other sign; the
+  // extremes (the experts most over- and under-loaded) should agree within a few steps.
   const double rc = last_bias_range(tmp + "/cpu.jsonl"), rg = last_bias_range(tmp + "/gpu.jsonl");
   std::printf("loss: worst relative difference %.3e, aux %.3e; widest bias range cpu %.4f cuda "
               "%.4f\n", worst_loss, worst_aux, rc, rg);
   EXPECT_LT(worst_loss, 2e-2);
   EXPECT_LT(worst_aux, 2e-2);
   EXPECT_GT(rg, 0.0);
-  EXPECT_NEAR(rg, rc, 4e-3 + 1e-6);
+  EXPECT_NEAR(rg, rc, 6e-3 + 1e-6);
   std::filesystem::remove_all(tmp);
 }
 
