@@ -7,6 +7,8 @@
 //   each dataset has attribute "checksum" (uint64, see below)
 //   root attributes: format ("qtrain-checkpoint"), format_version, step, samples_consumed,
 //   tokens_consumed, seed, rng_counter, deck (resolved INI text), model config fields.
+//   /router_bias/model.layers.<l>.mlp.gate.expert_bias  fp32 [E], each sparse layer l: only
+//   with a router bias (TrainState::router_bias; compact datasets, no checksum)
 // A LoRA run's checkpoint holds the adapters instead of the model (/params/<PEFT name>, their
 // moments under /optim) and names its frozen base in root attributes lora_r, lora_alpha,
 // lora_dropout, lora_targets, lora_base_init (as given), lora_base_init_abs (absolute) and
@@ -37,6 +39,10 @@ struct TrainState {
   std::int64_t tokens_consumed = 0;   // counted (loss) tokens so far
   std::uint64_t seed = 0;             // the run's seed
   std::uint64_t rng_counter = 0;      // draws taken from the run's counter-based RNG
+  // Qwen3-MoE auxiliary-loss-free balancing: the routers' bias [sparse layers, E] (fp32, the
+  // same on every rank), or empty (none; a checkpoint without one reads as empty). Stored as
+  // /router_bias/model.layers.<l>.mlp.gate.expert_bias [E], one a sparse layer.
+  std::vector<float> router_bias;
 };
 
 // The optimizer tensors one rank holds: AdamW moments for the flat range `range` of the layout.

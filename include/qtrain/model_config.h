@@ -33,6 +33,11 @@ struct ModelConfig {
   int decoder_sparse_step = 1;
   std::vector<int> mlp_only_layers;    // ascending layer indices
   double router_aux_loss_coef = 0.001; // weight of the load-balancing loss in the objective
+  // Auxiliary-loss-free balancing (docs/moe.md): the step of each sparse layer's router bias
+  // after every optimizer step, in units of the router's probabilities; 0: no bias. A training
+  // setting like router_aux_loss_coef, not architecture: neither checkpoints nor config.json
+  // compare it.
+  double router_bias_update_rate = 0;
   // Not an architecture key: the local model of an expert-parallel rank (ep_local_config,
   // parallel/expert_parallel.h) stores E / expert_shards experts of each sparse layer, placed
   // after the head in its ParamLayout (one unit each in the plan). 1 for every model a deck, a

@@ -77,6 +77,11 @@ const std::vector<KeySpec>& key_table() {
         spec("model", "router_aux_loss_coef", &D::model, &M::router_aux_loss_coef, "",
              "Qwen3-MoE: weight of the load-balancing loss (transformers' aux loss, averaged "
              "over a step's micro-batches) in the objective; 0 = none"),
+        spec("model", "router_bias_update_rate", &D::model, &M::router_bias_update_rate,
+             "probability",
+             "Qwen3-MoE: auxiliary-loss-free balancing: after each step every sparse layer's "
+             "router bias (added to the probabilities for the choice of experts only) moves by "
+             "this toward an even expert load; 0 = off"),
 
         spec("mesh", "dp", &D::mesh, &S::dp, "ranks",
              "Data-parallel ranks; 0 = auto (world size / (tp x pp))"),

@@ -162,6 +162,10 @@ class CudaOps : public NoCollectives {
                     const bf16* rw, const bf16* router, const bf16* gate_up, const bf16* down,
                     bool acc);
   void set_moe_aux_scale(float aux_scale) { aux_scale_ = aux_scale; }
+  // Auxiliary-loss-free balancing: the routers' bias [sparse layers, E] (fp32; empty: none) for
+  // the following forwards, copied to the device on the stream (after the step: no wait inside
+  // it) and added to each sparse layer's probabilities for the choice of experts only.
+  void set_router_bias(const std::vector<float>& bias);
   // The load-balancing loss of the micro-batch's forward (k when balanced); waits for the stream.
   double moe_aux_loss();
   // Token-slots routed to each expert of each sparse layer since clear_moe_load():
@@ -183,6 +187,9 @@ class CudaOps : public NoCollectives {
   int* moe_counts_ = nullptr;             // [E] device: the layer being routed
   void* moe_route_ws_ = nullptr;
   bf16* moe_logits_ = nullptr;            // [N, E] router logits, then their gradient
+  float* router_bias_ = nullptr;          // [sparse layers, E] device: set_router_bias's
+  bool router_bias_on_ = false;           // set_router_bias gave one
+  std::vector<float> router_bias_host_;   // its source, alive while the copy may run
   bf16* moe_x_ = nullptr;                 // [rows, H] the layer's input rows in expert order
   bf16* moe_dout_ = nullptr;              // [rows, H] d out, then d x_perm
   bf16 *moe_dh_ = nullptr, *moe_dgu_ = nullptr;  // [rows, Im], [rows, 2Im]

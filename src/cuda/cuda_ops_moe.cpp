@@ -63,6 +63,7 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   moe_dw_ = arena.allocate<float>(rows);
   moe_balance_ = arena.allocate<double>(2 * static_cast<std::size_t>(E));
   const std::size_t n_load = static_cast<std::size_t>(cfg_.num_moe_layers()) * E;
+  router_bias_ = arena.allocate<float>(n_load);
   moe_load_ = arena.allocate<double>(n_load);
   QT_CHECK_CUDA(cudaMemset(moe_load_, 0, sizeof(double) * n_load));
   load_.assign(n_load, 0.0);
@@ -76,6 +77,23 @@ const std::vector<double>& CudaOps::moe_load() const {
     QT_CHECK_CUDA(cudaStreamSynchronize(s_));
   }
   return load_;
+}
+
+// The bias is the trainer's: the host updates it after each optimizer step from the step's load
+// (moe_load), read after the step has ended (the host has waited for the loss and the gradient
+// norm by then), so neither the read nor this copy adds a wait inside the step. One copy on the
+// stream orders it after the step's forwards that read the old bias and before the next; from
+// pageable memory it is staged at once (the host copy is kept all the same).
+void CudaOps::set_router_bias(const std::vector<float>& bias) {
+  router_bias_on_ = !bias.empty();
+  if (!router_bias_on_) return;
+  const std::size_t n = static_cast<std::size_t>(cfg_.num_moe_layers()) * cfg_.num_experts;
+  QT_CHECK(router_bias_ != nullptr && bias.size() == n,
+           "router bias of {} values for {} sparse layers of {} experts", bias.size(),
+           cfg_.num_moe_layers(), cfg_.num_experts);
+  router_bias_host_ = bias;
+  QT_CHECK_CUDA(cudaMemcpyAsync(router_bias_, router_bias_host_.data(), sizeof(float) * n,
+                                cudaMemcpyHostToDevice, s_));
 }
 
 void CudaOps::clear_moe_load() {
@@ -98,7 +116,11 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
   const int rows = N_ * k;
   MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
   cuda::linear_forward(moe_logits_, x, router, N_, H, E, s_);  // [N, E] bf16
-  moe_router_forward(probs, idx, rw, moe_logits_, N_, E, k, cfg_.norm_topk_prob, s_);
+  const float* bias =
+      router_bias_on_
+          ? router_bias_ + static_cast<std::size_t>(cfg_.moe_layers_before(l)) * E
+          : nullptr;  // layer l's [E]
+  moe_router_forward(probs, idx, rw, moe_logits_, N_, E, k, cfg_.norm_topk_prob, s_, bias);
   moe_route(moe_counts_, m.offsets, m.pos, m.pair, stats ? moe_balance_ : nullptr, idx, rows,
             E, moe_route_ws_, s_);
   if (stats) {

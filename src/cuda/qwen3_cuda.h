@@ -126,6 +126,8 @@ class Qwen3Cuda {
   // objective, the last forward's loss (k when balanced; waits for the stream), and the
   // token-slots routed to each expert since clear_moe_load() ([sparse layers][E]).
   void set_moe_aux_scale(float scale) { ops_.set_moe_aux_scale(scale); }
+  // The routers' balancing bias [sparse layers, E] (CudaOps::set_router_bias; empty: none).
+  void set_router_bias(const std::vector<float>& bias) { ops_.set_router_bias(bias); }
   double moe_aux_loss() { return ops_.moe_aux_loss(); }
   const std::vector<double>& moe_load() const { return ops_.moe_load(); }
   void clear_moe_load() { ops_.clear_moe_load(); }

@@ -384,8 +384,16 @@ std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> w
     shape.dp = world->size();
     Mesh mesh(shape, world);
     float dummy = 0;
-    checkpoint_read(o.checkpoint, mesh, layout, params.data(), MomentShard{{0, 0}, &dummy, &dummy},
-                    cm.cfg);
+    const TrainState st = checkpoint_read(o.checkpoint, mesh, layout, params.data(),
+                                          MomentShard{{0, 0}, &dummy, &dummy}, cm.cfg);
+    // transformers' Qwen3-MoE routers have no bias: the export drops it (docs/moe.md).
+    const bool biased = std::any_of(st.router_bias.begin(), st.router_bias.end(),
+                                    [](float b) { return b != 0.0f; });
+    if (root && biased)
+      std::fprintf(stderr,
+                   "qtrain export: warning: the checkpoint's router bias (auxiliary-loss-free "
+                   "balancing) is not exported: transformers' routers choose experts by their "
+                   "probabilities alone\n");
   }
 
   // 3. Rank 0 writes the directory under a temporary name, then renames it.

@@ -153,6 +153,65 @@ std::string write_failure(const std::string& path, const std::string& what, int 
       path, what, why);
 }
 
+// The dataset of sparse layer l's router bias (TrainState::router_bias).
+std::string router_bias_name(int l) {
+  return fmt::format("model.layers.{}.mlp.gate.expert_bias", l);
+}
+
+// Writes the state's router bias, [E] a sparse layer, as compact datasets (the values inside the
+// metadata, which rank 0 writes alone: no offsets in the data region). Nothing without one.
+void write_router_bias(hid_t file, const ModelConfig& model, const std::vector<float>& bias) {
+  using namespace h5;
+  if (bias.empty()) return;
+  const int E = model.num_experts, layers = model.num_moe_layers();
+  QT_CHECK(bias.size() == static_cast<std::size_t>(layers) * E,
+           "router bias of {} values for {} sparse layers of {} experts", bias.size(), layers, E);
+  Handle grp = QT_H5_OPEN(H5Gcreate2(file, "router_bias", H5P_DEFAULT, untimed_gcpl(), H5P_DEFAULT),
+                          close_group);
+  Handle dcpl = QT_H5_OPEN(H5Pcreate(H5P_DATASET_CREATE), close_plist);
+  QT_CHECK_HDF5(H5Pset_layout(dcpl, H5D_COMPACT));
+  QT_CHECK_HDF5(H5Pset_obj_track_times(dcpl, 0));
+  const hsize_t dims = static_cast<hsize_t>(E);
+  Handle space = QT_H5_OPEN(H5Screate_simple(1, &dims, nullptr), close_space);
+  for (int l = 0; l < model.num_layers; ++l) {
+    if (!model.is_moe_layer(l)) continue;
+    Handle ds = QT_H5_OPEN(H5Dcreate2(grp, router_bias_name(l).c_str(), H5T_IEEE_F32LE, space,
+                                      H5P_DEFAULT, dcpl, H5P_DEFAULT),
+                           close_dataset);
+    const float* row = bias.data() + static_cast<std::size_t>(model.moe_layers_before(l)) * E;
+    QT_CHECK_HDF5(H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, row));
+  }
+}
+
+// Reads /router_bias into `bias` ([sparse layers, E]; left empty when the file has none);
+// returns an error text or "".
+std::string read_router_bias(hid_t file, const std::string& path, const ModelConfig& model,
+                             std::vector<float>& bias) {
+  h5::QuietErrors quiet;
+  bias.clear();
+  if (!model.is_moe() || H5Lexists(file, "/router_bias", H5P_DEFAULT) <= 0) return {};
+  const int E = model.num_experts;
+  std::vector<float> out(static_cast<std::size_t>(model.num_moe_layers()) * E);
+  for (int l = 0; l < model.num_layers; ++l) {
+    if (!model.is_moe_layer(l)) continue;
+    const std::string where = "/router_bias/" + router_bias_name(l);
+    if (H5Lexists(file, where.c_str(), H5P_DEFAULT) <= 0)
+      return fmt::format("checkpoint {}: {} is missing", path, where);
+    h5::Handle ds(H5Dopen2(file, where.c_str(), H5P_DEFAULT), h5::close_dataset);
+    const auto dims = ds.valid() ? h5::dataset_dims(ds) : std::nullopt;
+    if (!dims || *dims != std::vector<hsize_t>{static_cast<hsize_t>(E)})
+      return fmt::format("checkpoint {}: {} is not an array of the model's {} experts", path,
+                         where, E);
+    float* row = out.data() + static_cast<std::size_t>(model.moe_layers_before(l)) * E;
+    if (H5Dread(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, row) < 0)
+      return fmt::format("checkpoint {}: cannot read {} ({})", path, where, h5::last_error());
+  }
+  for (float b : out)
+    if (!std::isfinite(b)) return fmt::format("checkpoint {}: /router_bias holds {}", path, b);
+  bias = std::move(out);
+  return {};
+}
+
 // Writes the checkpoint's metadata (root attributes, groups, every dataset with its checksum) into
 // the in-memory `file` of h5::metadata_image; offsets[g * nt + t] gets where the values of tensor
 // t of group g go. Returns the smallest offset.
@@ -188,6 +247,8 @@ std::uint64_t write_metadata(hid_t file, const ParamLayout& layout, const TrainS
     write_attr_string(file, "lora_base_init_abs", lora->base.init_abs);
     write_attr_u64(file, "lora_base_seed", lora->base.seed);
   }
+  // Before the tensors' datasets, whose early allocation would otherwise come first.
+  write_router_bias(file, model, state.router_bias);
   const Handle gcpl = untimed_gcpl();
   for (const char* gname : {"params", "optim", "optim/exp_avg", "optim/exp_avg_sq"}) {
     Handle grp = QT_H5_OPEN(H5Gcreate2(file, gname, H5P_DEFAULT, gcpl, H5P_DEFAULT), close_group);
@@ -606,6 +667,7 @@ TrainState checkpoint_read(const std::string& path, Mesh& mesh, const ParamLayou
   for (int g = 0; g < 3 && err.empty(); ++g)
     for (std::size_t t = 0; t < nt && err.empty(); ++t)
       err = open_tensor(file, path, kGroups[g], ps[t], ds[g * nt + t], stored[g * nt + t]);
+  if (err.empty()) err = read_router_bias(file, path, model, st.router_bias);
   agree(world, err);
 
   // This rank's write partition of every tensor, and its checksum terms.

@@ -135,6 +135,10 @@ class CpuOps : public NoCollectives {
   // this micro-batch's load-balancing loss in the step's objective (model.router_aux_loss_coef
   // over the step's micro-batches on all dp ranks; 0: none, the default).
   void set_moe_aux_scale(float aux_scale) { aux_scale_ = aux_scale; }
+  // Auxiliary-loss-free balancing: bias [sparse layers, E] (global sparse-layer order, fp32;
+  // null: none) is added to each sparse layer's router probabilities for the choice of experts
+  // only (cpu::router_forward). Not a parameter: no gradient. The caller keeps it alive.
+  void set_router_bias(const float* bias) { router_bias_ = bias; }
   // Expert parallelism over `ep` (null or one rank: none): each sparse layer's (token, slot)
   // rows go to the rank owning their expert and back (parallel/expert_parallel.h), so a rank
   // computes only its E / ep experts, which are all it stores: the config must be the ep rank's
@@ -198,6 +202,7 @@ class CpuOps : public NoCollectives {
   double loss_ = 0;
   cpu::RouterBalance balance_{0};  // the micro-batch's, pooled over its MoE layers (moe_begin)
   float aux_scale_ = 0;
+  const float* router_bias_ = nullptr;  // set_router_bias: [sparse layers, E]
   std::vector<double> load_;       // moe_load(), sized at the first sparse layer
   Comm* ep_ = nullptr;             // set_expert_parallel
   // Expert parallelism: each sparse layer's exchange and its experts' outputs [N k, H], from

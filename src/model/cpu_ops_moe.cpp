@@ -53,13 +53,17 @@ void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float
   QT_CHECK(ep_ || cfg_.expert_shards == 1, "{} of {} experts stored here without the ep group",
            cfg_.local_experts(), cfg_.num_experts);
   const cpu::MoeShape s = moe_shape(cfg_, N_);
+  const float* bias = router_bias_ ? router_bias_ + static_cast<std::size_t>(
+                                                        cfg_.moe_layers_before(l)) * s.E
+                                   : nullptr;  // layer l's [E]
   if (ep_) {  // gate_up, down: this rank's experts, rows [first, first + El) of the global ones
     const std::size_t i = static_cast<std::size_t>(moe_slot_) * cfg_.num_layers + l;
     ExpertDispatch& d = *dispatch_.at(i);
     slot_out_[i].resize(static_cast<std::size_t>(s.N) * s.k * s.H);
-    moe_block_forward_ep(y, probs, idx, rw, slot_out_[i].data(), x, router, gate_up, down, s, d);
+    moe_block_forward_ep(y, probs, idx, rw, slot_out_[i].data(), x, router, gate_up, down, s, d,
+                         bias);
   } else {
-    cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s);
+    cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s, bias);
   }
   if (stats) {
     QT_CHECK(static_cast<int>(balance_.count.size()) == s.E, "moe before moe_begin");

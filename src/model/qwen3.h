@@ -88,6 +88,8 @@ class Qwen3Model {
   // Qwen3-MoE: the weight of each micro-batch's load-balancing loss in the objective (CpuOps::
   // set_moe_aux_scale), and the last forward's loss (k when balanced; 0 for a dense model).
   void set_moe_aux_scale(float scale) { ops_.set_moe_aux_scale(scale); }
+  // The routers' balancing bias [sparse layers, E] (CpuOps::set_router_bias; null: none).
+  void set_router_bias(const float* bias) { ops_.set_router_bias(bias); }
   // Expert parallelism over `ep` (CpuOps::set_expert_parallel).
   void set_expert_parallel(Comm* ep) { ops_.set_expert_parallel(ep); }
   double moe_aux_loss() const { return ops_.moe_aux_loss(); }

@@ -13,10 +13,12 @@ struct MoeShape {
 };
 
 // y [N, H] written; probs [N, E], idx [N, k], w [N, k] written (kept for the backward and the
-// load-balancing statistics). gate [E, H], gate_up [E, 2 Im, H], down [E, H, Im].
+// load-balancing statistics). gate [E, H], gate_up [E, 2 Im, H], down [E, H, Im]. bias [E]:
+// the router's balancing bias (router_forward; null: none).
 template <typename T>
 void moe_block_forward(T* y, T* probs, int* idx, T* w, const T* x, const T* gate,
-                       const T* gate_up, const T* down, const MoeShape& s);
+                       const T* gate_up, const T* down, const MoeShape& s,
+                       const T* bias = nullptr);
 
 // dx [N, H] written; dgate, dgate_up, ddown accumulated (+=). With balance (the step's
 // statistics, every MoE layer added) the gradient of aux_coef x the load-balancing loss joins

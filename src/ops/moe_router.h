@@ -9,9 +9,19 @@ namespace qt::cpu {
 // probs [N, E] = softmax(logits [N, E]) over the experts; idx [N, k] the k most probable in
 // descending order (ties: the lower expert first); weight [N, k] their probabilities, divided
 // by their sum when norm_topk (Qwen3's norm_topk_prob). All written.
+// bias [E] (auxiliary-loss-free balancing, docs/moe.md; null: none) is added to the
+// probabilities for the choice only: idx is the top-k of probs[t] + bias, in descending order of
+// that sum (same ties), while weight stays the unbiased probabilities of the chosen experts
+// (renormalised when norm_topk). A zero bias chooses exactly as no bias.
 template <typename T>
 void router_forward(T* probs, int* idx, T* weight, const T* logits, int N, int E, int k,
-                    bool norm_topk);
+                    bool norm_topk, const T* bias = nullptr);
+
+// Auxiliary-loss-free balancing's update after an optimizer step (DeepSeek-V3's rule):
+// bias[l, e] += rate x sign(mean_e load[l, e] - load[l, e]) for each of `layers` sparse layers,
+// load [layers, E] the step's token-slots routed to each expert over the whole global batch
+// (sign(0) = 0: an expert at the mean keeps its bias). bias [layers, E] fp32, updated in place.
+void router_bias_update(float* bias, const double* load, int layers, int E, double rate);
 
 // dlogits [N, E] written: the gradient through the routing weights (dweight [N, k]); the choice
 // of experts (idx) has none.

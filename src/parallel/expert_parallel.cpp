@@ -192,11 +192,12 @@ std::vector<int> slots_by_expert(const int* idx, int t, int k) {
 
 void moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
                           const float* x, const float* gate, const float* gate_up,
-                          const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch) {
+                          const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
+                          const float* bias) {
   const std::size_t H = s.H;
   std::vector<float> logits(static_cast<std::size_t>(s.N) * s.E);  // [N, E]
   cpu::linear_forward(logits.data(), x, gate, s.N, s.H, s.E);
-  cpu::router_forward(probs, idx, w, logits.data(), s.N, s.E, s.k, s.norm_topk);
+  cpu::router_forward(probs, idx, w, logits.data(), s.N, s.E, s.k, s.norm_topk, bias);
   dispatch.forward(slot_out, x, idx, s.N, s.k, gate_up, down);
   for (int t = 0; t < s.N; ++t) {  // y[t] = sum_j w[t, j] out[t, j]
     float* yt = y + t * H;

@@ -111,10 +111,12 @@ class ExpertDispatch {
 
 // The sparse block with its experts over `dispatch` (ops/moe_block.h's math; s.E the whole
 // model's experts). slot_out [N k, H]: the experts' outputs, written by forward and read by
-// backward. y and dx written; dgate and this rank's expert gradients accumulated (+=).
+// backward. y and dx written; dgate and this rank's expert gradients accumulated (+=). bias [E]:
+// the router's balancing bias (cpu::router_forward; null: none).
 void moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
                           const float* x, const float* gate, const float* gate_up,
-                          const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch);
+                          const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
+                          const float* bias = nullptr);
 void moe_block_backward_ep(float* dx, float* dgate, float* dgate_up, float* ddown, const float* dy,
                            const float* x, const float* probs, const int* idx, const float* w,
                            const float* slot_out, const float* gate, const float* gate_up,

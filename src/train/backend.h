@@ -91,6 +91,12 @@ class TrainBackend {
   // Qwen3-MoE: token-slots routed to each expert since zero_grads, [sparse layers][E] flat;
   // empty for a dense model.
   virtual std::vector<double> moe_load() const { return {}; }
+  // Qwen3-MoE with auxiliary-loss-free balancing (model.router_bias_update_rate > 0): the routers'
+  // bias [sparse layers, E] (fp32, the same on every rank) for the following forwards; the back
+  // end keeps its own copy. Empty: none.
+  virtual void set_router_bias(const std::vector<float>& bias) {
+    QT_CHECK(bias.empty(), "this back end has no router bias");
+  }
   // Extra fields for the step log (e.g. GPU memory), empty when none.
   virtual std::string memory_report() { return {}; }
   // This rank's peak memory by kind since the start (GPU memory on cuda, host on cpu).

@@ -119,6 +119,10 @@ class CpuBackend final : public TrainBackend {
     model_.clear_moe_load();
   }
   std::vector<double> moe_load() const override { return model_.moe_load(); }
+  void set_router_bias(const std::vector<float>& bias) override {
+    router_bias_ = bias;
+    model_.set_router_bias(router_bias_.empty() ? nullptr : router_bias_.data());
+  }
   double moe_aux_loss_sum() const override { return model_.config().is_moe() ? aux_sum_ : -1; }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
@@ -152,6 +156,7 @@ class CpuBackend final : public TrainBackend {
 
   int tp_;                              // mesh.tp
   double aux_sum_ = 0;                  // moe_aux_loss_sum()
+  std::vector<float> router_bias_;      // set_router_bias: [sparse layers, E], or empty
   int seq_parallel_;                    // mesh.tp with sequence parallelism, else 1
   ParamLayout global_layout_;           // the model's (the local one is model_.layout())
   Qwen3Model model_;                    // with tp > 1 the tp rank's local part

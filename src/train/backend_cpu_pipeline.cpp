@@ -183,6 +183,10 @@ class CpuPipelineBackend final : public TrainBackend {
   // Qwen3-MoE: summed over the stages by micro_batches (the same on every stage).
   double moe_aux_loss_sum() const override { return local_.is_moe() ? aux_sum_ : -1; }
   std::vector<double> moe_load() const override { return load_; }
+  void set_router_bias(const std::vector<float>& bias) override {
+    router_bias_ = bias;  // the whole model's: each stage reads its sparse layers' rows
+    for (Chunk& c : chunks_) c.stage->set_router_bias(bias.empty() ? nullptr : router_bias_.data());
+  }
   double micro_step(const std::int32_t*, const std::int32_t*, const std::int32_t*,
                     float) override {
     QT_CHECK(false, "a pipeline stage runs a step's micro-batches together (micro_batches)");
@@ -439,6 +443,7 @@ class CpuPipelineBackend final : public TrainBackend {
   std::vector<double> stats_msg_;    // [2 E + 1] Qwen3-MoE: a load statistics message
   double aux_sum_ = 0;               // moe_aux_loss_sum()
   std::vector<double> load_;         // moe_load(), summed over the stages
+  std::vector<float> router_bias_;   // set_router_bias: [sparse layers, E], or empty
   const char* schedule_name_;
   std::uint64_t seed_;  // train.seed: keys LoRA's dropout masks
 };

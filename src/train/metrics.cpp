@@ -121,6 +121,13 @@ void MetricsLog::write(const StepMetrics& m) {
     j["expert_cv"] = load.cv;
     j["expert_max_over_mean"] = load.max_over_mean;
   }
+  if (!m.router_bias.empty() && m.num_experts > 0) {  // [sparse layers][E], as expert_tokens
+    nlohmann::json bias = nlohmann::json::array();
+    for (std::size_t at = 0; at + m.num_experts <= m.router_bias.size(); at += m.num_experts)
+      bias.push_back(std::vector<float>(m.router_bias.begin() + at,
+                                        m.router_bias.begin() + at + m.num_experts));
+    j["router_bias"] = bias;
+  }
   j["mem_params"] = m.peak.params;
   j["mem_grads"] = m.peak.grads;
   j["mem_optimizer"] = m.peak.optimizer;

@@ -29,6 +29,8 @@ struct StepMetrics {
                                // balanced), or < 0: a dense model
   int num_experts = 0;         // Qwen3-MoE: E; with expert_load [sparse layers x E], the step's
   std::vector<double> expert_load;  // token-slots routed to each expert, all dp ranks
+  std::vector<float> router_bias;   // auxiliary-loss-free balancing: [sparse layers x E] after
+                                    // the step, or empty
   struct StepTime {            // rank 0's host seconds per step over the last log interval
     double data = 0;           // the batch: sampling and the count of its targets
     double compute = 0;        // the micro-batches' forward and backward

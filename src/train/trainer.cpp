@@ -18,6 +18,7 @@
 #include "hf/weights.h"
 #include "model/lora.h"
 #include "model/qwen3.h"
+#include "ops/moe_router.h"
 #include "train/backend.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/data.h"
@@ -143,6 +144,25 @@ int run_training(const Deck& deck, Mesh& mesh) {
     if (root) std::printf("initialised LoRA adapters as PEFT does (B = 0: the base model's output)\n");
   }
   backend->push_state();
+  // Auxiliary-loss-free balancing (docs/moe.md): the routers' bias [sparse layers, E] is
+  // training state kept in `state` (checkpoints hold it); the host updates it after each step
+  // from the global batch's expert load and hands it to the back end, so every rank holds the
+  // same values. Zero at the start and when a checkpoint has none.
+  const double bias_rate = deck.model.is_moe() ? deck.model.router_bias_update_rate : 0.0;
+  const int bias_layers = deck.model.num_moe_layers(), E = deck.model.num_experts;
+  if (bias_rate > 0) {
+    if (state.router_bias.empty())
+      state.router_bias.assign(static_cast<std::size_t>(bias_layers) * E, 0.0f);
+    backend->set_router_bias(state.router_bias);
+    if (root)
+      std::printf("moe: auxiliary-loss-free balancing, router bias step %g a step (%s)\n",
+                  bias_rate, resumed ? "bias from the checkpoint, zero if it had none" : "from 0");
+  } else if (!state.router_bias.empty()) {
+    if (root)
+      std::printf("moe: the checkpoint's router bias is dropped (model.router_bias_update_rate "
+                  "= 0): the routers choose by their probabilities alone\n");
+    state.router_bias.clear();
+  }
   const std::int64_t last = tc.stop_at > 0 ? std::min(tc.stop_at, tc.steps) : tc.steps;
   if (state.step >= last) {
     if (root) std::printf("nothing to do: step %lld already reached\n", static_cast<long long>(state.step));
@@ -231,6 +251,26 @@ int run_training(const Deck& deck, Mesh& mesh) {
                              loss, os.grad_norm, static_cast<long long>(state.step));
       return 3;
     }
+    // The step's expert load summed over dp (each rank's own tokens; a pipeline's stages already
+    // summed): read every step for the bias, else only for the log.
+    std::vector<double> load;
+    bool load_read = false;
+    auto global_load = [&]() -> const std::vector<double>& {
+      if (!load_read) {
+        load = backend->moe_load();
+        if (!load.empty())
+          dp.all_reduce(load.data(), load.size(), DType::kF64, ReduceOp::kSum);
+        load_read = true;
+      }
+      return load;
+    };
+    if (bias_rate > 0) {
+      const std::vector<double>& n = global_load();
+      QT_CHECK(n.size() == state.router_bias.size(), "expert load of {} values, bias of {}",
+               n.size(), state.router_bias.size());
+      cpu::router_bias_update(state.router_bias.data(), n.data(), bias_layers, E, bias_rate);
+      backend->set_router_bias(state.router_bias);
+    }
     // 5. Log, checkpoint, stop on request.
     // Every log.every steps, the first step of the process (the loss at the start) and the last.
     if (state.step % deck.log.every == 0 || state.step == first_step + 1 || state.step == last) {
@@ -250,11 +290,9 @@ int run_training(const Deck& deck, Mesh& mesh) {
       const double aux_sum = backend->moe_aux_loss_sum();
       sm.aux_loss =
           aux_sum >= 0 ? dp.sum(aux_sum) / static_cast<double>(micro_steps * dp.size()) : -1;
-      sm.expert_load = backend->moe_load();  // this step's, summed over dp
-      if (!sm.expert_load.empty()) {
-        dp.all_reduce(sm.expert_load.data(), sm.expert_load.size(), DType::kF64, ReduceOp::kSum);
-        sm.num_experts = deck.model.num_experts;
-      }
+      sm.expert_load = global_load();  // this step's, summed over dp
+      if (!sm.expert_load.empty()) sm.num_experts = deck.model.num_experts;
+      sm.router_bias = state.router_bias;
       const MemorySplit mine = backend->memory_split();
       double peak[5] = {mine.params, mine.grads, mine.optimizer, mine.activations, mine.workspace};
       mesh.world().all_reduce(peak, 5, DType::kF64, ReduceOp::kMax);  // the largest rank's

@@ -431,6 +431,15 @@ TEST(DeckErrors, Moe) {
   expect_error(moe + "mlp_only_layers = 1,,0\n", {"model.mlp_only_layers", "empty item"});
   expect_error(moe + "mlp_only_layers = one\n", {"model.mlp_only_layers", "item 'one'"});
   expect_error(moe + "router_aux_loss_coef = -0.1\n", {"model.router_aux_loss_coef", ">= 0"});
+  // Auxiliary-loss-free balancing: a rate >= 0, on MoE models only.
+  EXPECT_EQ(parse(moe + "router_bias_update_rate = 0.001\n").model.router_bias_update_rate, 0.001);
+  expect_error(moe + "router_bias_update_rate = -0.001\n",
+               {"model.router_bias_update_rate = -0.001", ">= 0"});
+  expect_error(moe + "router_bias_update_rate = nan\n", {"model.router_bias_update_rate", "finite"});
+  expect_error(moe + "router_bias_update_rate = 0.001\nhead_dim = 64\n[train]\ndevice = cuda\n",
+               {"model.router_bias_update_rate", "not yet verified on train.device = cuda"});
+  expect_error("[model]\nrouter_bias_update_rate = 0.001\n",
+               {"model.router_bias_update_rate", "dense"});
   // train.device = cuda: one GPU, dp, and ep at ZeRO 0-2 (cuda/cuda_ops_moe.cpp,
   // cuda_ops_moe_ep.cpp); the router's limits.
   const std::string cuda = "head_dim = 64\n[train]\ndevice = cuda\n";

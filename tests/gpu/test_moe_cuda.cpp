@@ -100,6 +100,77 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CudaMoeRouter,
                                            RouterCase{300, 128, 8, true},
                                            RouterCase{9, 40, 32, true}, RouterCase{5, 3, 1, false}));
 
+// Auxiliary-loss-free balancing's bias: the top-k of probs + bias, the weights the unbiased
+// probabilities, as the CPU reference. Bias values are quarters, so exact ties (equal logits,
+// equal bias) stay exact in fp32; a token whose k-th and (k+1)-th scores differ by less than
+// 1e-5 (a near-tie fp32 and double may order differently) is not compared, and there must be
+// few. A zero bias gives the bits of no bias.
+TEST_P(CudaMoeRouter, BiasChoosesAsTheCpuAndKeepsUnbiasedWeights) {
+  QT_REQUIRE_GPU();
+  const auto [N, E, k, norm] = GetParam();
+  auto rng = test_rng();
+  Bf16Input logits = eighths(static_cast<std::size_t>(N) * E, rng, 12);
+  std::uniform_int_distribution<int> q(-2, 2);
+  std::vector<float> bias(static_cast<std::size_t>(E));
+  for (float& b : bias) b = q(rng) / 4.0f;
+  const Vec bias_d(bias.begin(), bias.end());
+  GuardedBuffer<bf16> d_logits(logits.bits), d_w(static_cast<std::size_t>(N) * k),
+      d_w0(d_w.size());
+  GuardedBuffer<float> d_probs(static_cast<std::size_t>(N) * E), d_bias(bias),
+      d_zero(std::vector<float>(bias.size(), 0.0f));
+  GuardedBuffer<int> d_idx(static_cast<std::size_t>(N) * k), d_idx0(d_idx.size());
+  fill_nan(d_w);
+  cuda::moe_router_forward(d_probs.get(), d_idx.get(), d_w.get(), d_logits.get(), N, E, k, norm,
+                           nullptr, d_bias.get());
+  Vec probs(static_cast<std::size_t>(N) * E), w(static_cast<std::size_t>(N) * k);
+  std::vector<int> idx(w.size());
+  cpu::router_forward<double>(probs.data(), idx.data(), w.data(), logits.value.data(), N, E, k,
+                              norm, bias_d.data());
+  const std::vector<int> got = d_idx.download();
+  int compared = 0, changed = 0;
+  Vec w_sel, w_ref;  // the compared tokens' weights
+  const Vec w_got = download(d_w);
+  for (int t = 0; t < N; ++t) {
+    std::vector<double> s(static_cast<std::size_t>(E));
+    for (int e = 0; e < E; ++e) s[e] = probs[static_cast<std::size_t>(t) * E + e] + bias_d[e];
+    std::vector<double> sorted = s;
+    std::sort(sorted.begin(), sorted.end(), std::greater<>());
+    bool near = false;
+    for (int j = 0; j + 1 < E && j < k; ++j) {
+      const double gap = sorted[j] - sorted[j + 1];
+      near = near || (gap > 0 && gap < 1e-5);
+    }
+    if (near) continue;
+    ++compared;
+    for (int j = 0; j < k; ++j) {
+      const std::size_t i = static_cast<std::size_t>(t) * k + j;
+      EXPECT_EQ(got[i], idx[i]) << "token " << t << " slot " << j;
+      w_sel.push_back(w_got[i]);
+      w_ref.push_back(w[i]);
+    }
+  }
+  // The bias must matter: some token's choice differs from the unbiased router's.
+  Vec p0(probs.size()), w0(w.size());
+  std::vector<int> idx0(idx.size());
+  cpu::router_forward<double>(p0.data(), idx0.data(), w0.data(), logits.value.data(), N, E, k,
+                              norm);
+  for (std::size_t i = 0; i < idx.size(); ++i) changed += idx[i] != idx0[i];
+  std::printf("N %d E %d k %d: %d of %d tokens compared, %d slots chosen otherwise than "
+              "without the bias\n", N, E, k, compared, N, changed);
+  EXPECT_GE(compared, N - std::max(1, N / 100));
+  if (N * k >= 64) EXPECT_GT(changed, 0);
+  QT_EXPECT_GPU_CLOSE(d_probs, probs, 1e-5);  // the probabilities never see the bias
+  EXPECT_LT(rel_err(w_sel, w_ref), kTolBf16Once);
+
+  // b = 0 is no bias, bit for bit.
+  cuda::moe_router_forward(d_probs.get(), d_idx0.get(), d_w0.get(), d_logits.get(), N, E, k, norm,
+                           nullptr, d_zero.get());
+  cuda::moe_router_forward(d_probs.get(), d_idx.get(), d_w.get(), d_logits.get(), N, E, k, norm,
+                           nullptr);
+  EXPECT_EQ(d_idx0.download(), d_idx.download());
+  EXPECT_EQ(download(d_w0), download(d_w));
+}
+
 class CudaMoeRoute : public ::testing::TestWithParam<int> {};  // tokens
 
 TEST_P(CudaMoeRoute, GroupsPairsByExpertStably) {

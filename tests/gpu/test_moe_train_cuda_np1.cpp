@@ -1,11 +1,16 @@
 // Qwen3-MoE trainings on the GPU (train.device = cuda) against the CPU reference: a small model
 // with two sparse layers around a dense one follows the CPU's losses and load-balancing losses,
 // reports every sparse layer's expert load, and gives the same bits with activation recompute
-// (whose second forward must not count the load statistics again). One rank, one GPU.
+// (whose second forward must not count the load statistics again). One rank, one GPU. With
+// auxiliary-loss-free balancing (model.router_bias_update_rate) the GPU's losses follow the
+// CPU's too, and its bias moves.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -61,6 +66,57 @@ TEST(MoeTrainCuda, FollowsTheCpuReferenceWithAndWithoutRecompute) {
   EXPECT_LT(worst_loss, 2e-2);
   EXPECT_LT(worst_aux, 2e-2);
   EXPECT_LT(g.back().loss, g.front().loss - 0.3);
+  std::filesystem::remove_all(tmp);
+}
+
+// The widest range of any sparse layer's router bias at the last logged step.
+double last_bias_range(const std::string& metrics) {
+  std::ifstream f(metrics);
+  std::string line, last;
+  while (std::getline(f, line)) last = line;
+  const auto j = nlohmann::json::parse(last);
+  double widest = 0;
+  for (const auto& layer : j.at("router_bias")) {
+    const std::vector<double> b = layer.get<std::vector<double>>();
+    widest = std::max(widest, *std::max_element(b.begin(), b.end()) -
+                                  *std::min_element(b.begin(), b.end()));
+  }
+  return widest;
+}
+
+// Disabled until its first GPU run: the deck refuses model.router_bias_update_rate > 0 on cuda
+// until then (lift both together).
+TEST(MoeTrainCuda, DISABLED_RouterBiasFollowsTheCpuReference) {
+  QT_REQUIRE_GPU();
+  const std::string tmp = test::shared_temp_dir("moe-cuda-bias");
+  std::printf("deck seed 5 (fixed: the data and initialisation)\n");
+  auto deck = [&](const char* d) { return test::moe_deck(tmp + "/" + d, kSteps); };
+  const std::string rate = "--model.router_bias_update_rate=1e-3";
+  auto cpu = test::run(1, deck("cpu"), {"--train.device=cpu", rate}, tmp + "/cpu.jsonl");
+  auto gpu = test::run(1, deck("gpu"), {rate}, tmp + "/gpu.jsonl");
+  ASSERT_EQ(cpu.exit_code, 0) << cpu.error;
+  ASSERT_EQ(gpu.exit_code, 0) << gpu.error;
+  const auto c = test::read_moe_metrics(tmp + "/cpu.jsonl"),
+             g = test::read_moe_metrics(tmp + "/gpu.jsonl");
+  ASSERT_EQ(c.size(), static_cast<std::size_t>(kSteps));
+  ASSERT_EQ(g.size(), c.size());
+  double worst_loss = 0, worst_aux = 0;
+  for (std::size_t i = 0; i < c.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(g[i].loss) && std::isfinite(g[i].aux)) << "step " << i + 1;
+    worst_loss = std::max(worst_loss, std::abs(g[i].loss - c[i].loss) / c[i].loss);
+    worst_aux = std::max(worst_aux, std::abs(g[i].aux - c[i].aux) / c[i].aux);
+  }
+  // Every step moves every expert's bias by the rate or not at all: after 12 steps a layer's
+  // range is a multiple of 1e-3 up to 24e-3, the same on both back ends unless bf16 routed a
+  // few token-slots otherwise and an expert near the mean load took the other sign; the
+  // extremes (the experts most over- and under-loaded) should agree within a few steps.
+  const double rc = last_bias_range(tmp + "/cpu.jsonl"), rg = last_bias_range(tmp + "/gpu.jsonl");
+  std::printf("loss: worst relative difference %.3e, aux %.3e; widest bias range cpu %.4f cuda "
+              "%.4f\n", worst_loss, worst_aux, rc, rg);
+  EXPECT_LT(worst_loss, 2e-2);
+  EXPECT_LT(worst_aux, 2e-2);
+  EXPECT_GT(rg, 0.0);
+  EXPECT_NEAR(rg, rc, 6e-3 + 1e-6);
   std::filesystem::remove_all(tmp);
 }
 

@@ -155,5 +155,70 @@ TEST(ops_moe_router, AuxLossAgainstNaiveAndFiniteDifferences) {
   }
 }
 
+// Auxiliary-loss-free balancing: the bias moves the choice (top-k of probs + bias, against a
+// naive sort), the weights stay the chosen experts' unbiased probabilities (renormalised with
+// norm_topk), the probabilities never see it, and a zero bias is no bias, bit for bit.
+TEST(ops_moe_router, BiasChoosesButDoesNotWeigh) {
+  auto rng = test_rng();
+  const int N = 6, E = 8, k = 2;
+  const Vec logits = spaced_logits(N, E, rng);  // probabilities at least e^0.2 apart in ratio
+  // A bias larger than any probability gap: expert 5 always chosen, 0 never.
+  Vec bias(E, 0.0);
+  bias[5] = 2.0;
+  bias[0] = -2.0;
+  for (const bool norm : {true, false}) {
+    Vec p0(N * E), w0(N * k), p(N * E), w(N * k), pz(N * E), wz(N * k);
+    std::vector<int> i0(N * k), ix(N * k), iz(N * k);
+    router_forward<double>(p0.data(), i0.data(), w0.data(), logits.data(), N, E, k, norm);
+    router_forward<double>(p.data(), ix.data(), w.data(), logits.data(), N, E, k, norm,
+                           bias.data());
+    const Vec zero(E, 0.0);
+    router_forward<double>(pz.data(), iz.data(), wz.data(), logits.data(), N, E, k, norm,
+                           zero.data());
+    EXPECT_EQ(iz, i0);
+    EXPECT_EQ(wz, w0);
+    EXPECT_EQ(p, p0);
+    int changed = 0;
+    for (int t = 0; t < N; ++t) {
+      std::vector<int> order(E);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+        return p[t * E + a] + bias[a] > p[t * E + b] + bias[b];
+      });
+      double picked = 0;
+      for (int j = 0; j < k; ++j) picked += p[t * E + order[j]];
+      EXPECT_EQ(ix[t * k], 5) << "token " << t;
+      for (int j = 0; j < k; ++j) {
+        EXPECT_EQ(ix[t * k + j], order[j]) << "token " << t << " slot " << j;
+        EXPECT_NE(ix[t * k + j], 0) << "token " << t;
+        const double want = p[t * E + order[j]] / (norm ? picked : 1.0);
+        EXPECT_NEAR(w[t * k + j], want, 1e-15) << "token " << t << " slot " << j;
+        changed += ix[t * k + j] != i0[t * k + j];
+      }
+    }
+    EXPECT_GT(changed, 0);
+  }
+}
+
+// The update rule on a hand-computed example: 2 layers of 4 experts, rate 0.5.
+//   layer 0: loads 1, 3, 2, 2 (mean 2)  -> +0.5, -0.5, 0, 0
+//   layer 1: loads 0, 0, 0, 8 (mean 2)  -> +0.5, +0.5, +0.5, -0.5
+TEST(ops_moe_router, BiasUpdateByHand) {
+  std::vector<float> bias = {0.0f, 1.0f, -1.0f, 0.25f, 0.0f, 0.0f, 0.0f, 0.0f};
+  const std::vector<double> load = {1, 3, 2, 2, 0, 0, 0, 8};
+  router_bias_update(bias.data(), load.data(), 2, 4, 0.5);
+  EXPECT_EQ(bias, (std::vector<float>{0.5f, 0.5f, -1.0f, 0.25f, 0.5f, 0.5f, 0.5f, -0.5f}));
+  // Loads at the mean: nothing moves; a mean that is not a whole number (7 / 3) still splits
+  // the experts exactly (3 > 7/3 > 2).
+  std::vector<float> b3 = {0.0f, 0.0f, 0.0f};
+  const std::vector<double> l3 = {2, 2, 3};
+  router_bias_update(b3.data(), l3.data(), 1, 3, 0.125);
+  EXPECT_EQ(b3, (std::vector<float>{0.125f, 0.125f, -0.125f}));
+  std::vector<float> even = {0.0f, 0.0f};
+  const std::vector<double> le = {5, 5};
+  router_bias_update(even.data(), le.data(), 1, 2, 1.0);
+  EXPECT_EQ(even, (std::vector<float>{0.0f, 0.0f}));
+}
+
 }  // namespace
 }  // namespace qt

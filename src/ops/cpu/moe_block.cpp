@@ -12,10 +12,10 @@ namespace qt::cpu {
 
 template <typename T>
 void moe_block_forward(T* y, T* probs, int* idx, T* w, const T* x, const T* gate,
-                       const T* gate_up, const T* down, const MoeShape& s) {
+                       const T* gate_up, const T* down, const MoeShape& s, const T* bias) {
   std::vector<T> logits(static_cast<std::size_t>(s.N) * s.E);  // [N, E]
   linear_forward(logits.data(), x, gate, s.N, s.H, s.E);
-  router_forward(probs, idx, w, logits.data(), s.N, s.E, s.k, s.norm_topk);
+  router_forward(probs, idx, w, logits.data(), s.N, s.E, s.k, s.norm_topk, bias);
   moe_experts_forward(y, x, idx, w, gate_up, down, s.N, s.H, s.Im, s.E, s.k);
 }
 
@@ -39,7 +39,7 @@ void moe_block_backward(T* dx, T* dgate, T* dgate_up, T* ddown, const T* dy, con
 
 #define QT_MOE_BLOCK(T)                                                                         \
   template void moe_block_forward<T>(T*, T*, int*, T*, const T*, const T*, const T*, const T*, \
-                                     const MoeShape&);                                          \
+                                     const MoeShape&, const T*);                                \
   template void moe_block_backward<T>(T*, T*, T*, T*, const T*, const T*, const T*, const int*, \
                                       const T*, const T*, const T*, const T*, const MoeShape&,  \
                                       const RouterBalance*, T);

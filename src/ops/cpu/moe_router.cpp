@@ -27,9 +27,10 @@ void softmax_row_backward(T* dlogits, const T* dp, const T* p, int E, bool acc) 
 
 template <typename T>
 void router_forward(T* probs, int* idx, T* weight, const T* logits, int N, int E, int k,
-                    bool norm_topk) {
+                    bool norm_topk, const T* bias) {
   QT_CHECK(E >= 1 && k >= 1 && k <= E, "top-{} of {} experts", k, E);
   std::vector<int> order(static_cast<std::size_t>(E));
+  std::vector<T> score(bias ? static_cast<std::size_t>(E) : 0);  // p + bias: the choice's key
   for (int t = 0; t < N; ++t) {
     const T* x = logits + static_cast<std::size_t>(t) * E;
     T* p = probs + static_cast<std::size_t>(t) * E;
@@ -37,9 +38,14 @@ void router_forward(T* probs, int* idx, T* weight, const T* logits, int N, int E
     T sum = 0;
     for (int e = 0; e < E; ++e) sum += (p[e] = std::exp(x[e] - m));
     for (int e = 0; e < E; ++e) p[e] /= sum;
+    const T* c = p;  // what the top-k ranks
+    if (bias) {
+      for (int e = 0; e < E; ++e) score[e] = p[e] + bias[e];
+      c = score.data();
+    }
     std::iota(order.begin(), order.end(), 0);
     std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [p](int a, int b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+                      [c](int a, int b) { return c[a] > c[b] || (c[a] == c[b] && a < b); });
     int* ix = idx + static_cast<std::size_t>(t) * k;
     T* w = weight + static_cast<std::size_t>(t) * k;
     T picked = 0;
@@ -101,8 +107,23 @@ void router_aux_backward(T* dlogits, const RouterBalance& b, const T* probs, int
                          probs + static_cast<std::size_t>(t) * E, E, true);
 }
 
+void router_bias_update(float* bias, const double* load, int layers, int E, double rate) {
+  for (int l = 0; l < layers; ++l) {
+    const double* n = load + static_cast<std::size_t>(l) * E;
+    float* b = bias + static_cast<std::size_t>(l) * E;
+    // load < mean as E load < sum: whole token-slot counts, exact in double (below 2^53), so the
+    // signs have no rounding and every rank, holding the same loads, takes the same ones.
+    double sum = 0;
+    for (int e = 0; e < E; ++e) sum += n[e];
+    for (int e = 0; e < E; ++e) {
+      const double en = E * n[e];
+      b[e] += static_cast<float>(rate * ((en < sum) - (en > sum)));
+    }
+  }
+}
+
 #define QT_ROUTER(T)                                                                         \
-  template void router_forward<T>(T*, int*, T*, const T*, int, int, int, bool);              \
+  template void router_forward<T>(T*, int*, T*, const T*, int, int, int, bool, const T*);    \
   template void router_backward<T>(T*, const T*, const T*, const int*, int, int, int, bool); \
   template void router_balance_add<T>(RouterBalance&, const T*, const int*, int, int);       \
   template void router_aux_backward<T>(T*, const RouterBalance&, const T*, int, T);

@@ -4,6 +4,7 @@
 // then places every pair (no atomics, so the permutation is the same on every run); the row
 // kernels run one block per row with 16-byte vectors when H % 8 == 0 and the pointers allow.
 #include <cfloat>
+#include <cmath>
 #include <initializer_list>
 
 #include "ops/cuda/common.cuh"
@@ -26,8 +27,8 @@ static __device__ __forceinline__ float warp_max(float v) {
 // Router
 
 static __global__ void moe_router_forward_kernel(float* probs, int* idx, bf16* w,
-                                                 const bf16* logits, int N, int E, int k,
-                                                 bool norm_topk) {
+                                                 const bf16* logits, const float* bias, int N,
+                                                 int E, int k, bool norm_topk) {
   extern __shared__ float router_smem[];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int t = blockIdx.x * kWarpRows + warp;
@@ -44,13 +45,17 @@ static __global__ void moe_router_forward_kernel(float* probs, int* idx, bf16* w
   for (int e = lane; e < E; e += 32) s += (p[e] = expf(p[e] - m));
   s = warp_sum(s);
   float* pr = probs + static_cast<std::size_t>(t) * E;
-  for (int e = lane; e < E; e += 32) pr[e] = (p[e] /= s);
-  __syncwarp();
-  // Top-k: k rounds of a warp argmax (larger value, then lower expert); a pick is set to -1
-  // (probabilities are >= 0). Lane j keeps slot j's probability.
+  // p becomes the choice's score: the probability, plus the balancing bias when there is one.
+  for (int e = lane; e < E; e += 32) {
+    pr[e] = (p[e] /= s);
+    if (bias) p[e] += bias[e];
+  }
+  __syncwarp();  // also orders pr's writes before the lanes read each other's below
+  // Top-k: k rounds of a warp argmax of the scores (larger value, then lower expert); a pick's
+  // score is set to -inf, below any score. Lane j keeps slot j's probability (unbiased: pr).
   float mine = 0, picked = 0;
   for (int j = 0; j < k; ++j) {
-    float v = -2.f;
+    float v = -INFINITY;
     int bi = E;
     for (int e = lane; e < E; e += 32)
       if (p[e] > v) v = p[e], bi = e;  // ascending e: the first of equals stays
@@ -60,13 +65,14 @@ static __global__ void moe_router_forward_kernel(float* probs, int* idx, bf16* w
       const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
       if (ov > v || (ov == v && oi < bi)) v = ov, bi = oi;
     }
+    const float prob = bias ? pr[bi] : v;  // without a bias the score is the probability
     if (lane == j) {
-      mine = v;
+      mine = prob;
       idx[static_cast<std::size_t>(t) * k + j] = bi;
     }
-    picked += v;  // in slot order, as the CPU reference
+    picked += prob;  // in slot order, as the CPU reference
     __syncwarp();
-    if (lane == (bi & 31)) p[bi] = -1.f;
+    if (lane == (bi & 31)) p[bi] = -INFINITY;
     __syncwarp();
   }
   if (lane < k)
@@ -115,12 +121,12 @@ static void check_router(const char* op, int N, int E, int k) {
 }
 
 void moe_router_forward(float* probs, int* idx, bf16* w, const bf16* logits, int N, int E, int k,
-                        bool norm_topk, cudaStream_t stream) {
+                        bool norm_topk, cudaStream_t stream, const float* bias) {
   check_router("moe_router_forward", N, E, k);
   if (N == 0) return;
   const std::size_t smem = sizeof(float) * kWarpRows * E;
   moe_router_forward_kernel<<<ceil_div(N, kWarpRows), 32 * kWarpRows, smem, stream>>>(
-      probs, idx, w, logits, N, E, k, norm_topk);
+      probs, idx, w, logits, bias, N, E, k, norm_topk);
   QT_CHECK_LAUNCH();
 }
 

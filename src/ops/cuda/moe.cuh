@@ -22,9 +22,11 @@ using bf16 = __nv_bfloat16;
 // probs [N, E] = softmax(float(logits [N, E])) (fp32); idx [N, k] the k most probable experts,
 // descending (ties: the lower expert first, as the CPU reference; torch.topk leaves ties
 // unspecified); w [N, k] = bf16 of their probabilities, divided in fp32 by their sum when
-// norm_topk. All written. E <= 1024.
+// norm_topk. All written. E <= 1024. bias [E] fp32 on the device (auxiliary-loss-free
+// balancing; null: none): added to the probabilities for the choice only, as the CPU
+// reference's router_forward: idx the top-k of probs + bias, w still from the probabilities.
 void moe_router_forward(float* probs, int* idx, bf16* w, const bf16* logits, int N, int E, int k,
-                        bool norm_topk, cudaStream_t stream);
+                        bool norm_topk, cudaStream_t stream, const float* bias = nullptr);
 
 // dlogits [N, E] = bf16 of the softmax backward of dp, where dp is the gradient through the
 // routing weights (dw [N, k] fp32, the renormalisation's backward when norm_topk) plus, when
