@@ -23,8 +23,8 @@ global batch = 4 N); strong scaling keeps the global batch at --strong-global (d
 
 A run whose layout does not fit the GPUs without recompute (the planner's memory model says so)
 runs with train.recompute = true (a pipeline then with 1F1B: ZB-H1 keeps activations), and the
-CSV says so. Needs the runtime kit in .kit (docs/cuda.md)
-unless --no-kit; runs GPU counts up to what nvidia-smi shows. Writes OUT/scaling.csv (one row a
+CSV says so. Sources the runtime kit (.kit/kit-env.sh, docs/cuda.md) when there is one, unless
+--no-kit; runs GPU counts up to what nvidia-smi shows. Writes OUT/scaling.csv (one row a
 run; bench/scaling/plot.py draws it) and each run's log and metrics under OUT/runs/.
 """
 import argparse
@@ -74,6 +74,12 @@ def layouts(n, args):
     return out
 
 
+def with_kit(line, args):
+    """The command with the runtime kit's environment when there is one (.kit, docs/cuda.md)."""
+    use = not args.no_kit and os.path.exists(".kit/kit-env.sh")
+    return f"source .kit/kit-env.sh && {line}" if use else line
+
+
 def plan(args, n, glob, keys):
     """`qtrain plan` for N GPUs: its recommended deck keys and, per layout row, the prediction."""
     cmd = [os.path.join(args.build, "bin", "qtrain"), "plan", *BASE[:2], "--gpus", str(n),
@@ -83,7 +89,7 @@ def plan(args, n, glob, keys):
         if keys and k in keys:
             cmd.append(f"--{k}={keys[k]}")
     line = " ".join(shlex.quote(c) for c in cmd)
-    text = subprocess.run(["bash", "-c", line if args.no_kit else f"source .kit/kit-env.sh && {line}"],
+    text = subprocess.run(["bash", "-c", with_kit(line, args)],
                           capture_output=True, text=True, check=False).stdout
     rows = {}
     for line in text.splitlines():
@@ -208,7 +214,7 @@ def main():
                 jsonl = os.path.join(args.out, "runs", name + ".jsonl")
                 if os.path.exists(jsonl):
                     os.remove(jsonl)
-                shell = line if args.no_kit else f"source .kit/kit-env.sh && {line}"
+                shell = with_kit(line, args)
                 with open(os.path.join(args.out, "runs", name + ".log"), "w") as log:
                     rc = subprocess.run(["bash", "-c", shell], stdout=log, stderr=subprocess.STDOUT,
                                         env=env, check=False).returncode
