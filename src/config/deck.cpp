@@ -113,6 +113,7 @@ class Builder {
   void validate_mesh();
   void validate_train_optim();
   void validate_lora();
+  void validate_moe_lora();
   void validate_data_checkpoint_log();
   void validate_topology();
   void validate_moe();
@@ -422,7 +423,6 @@ void Builder::validate_moe() {
   need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", "must be >= 0 (0: no "
        "load-balancing loss)");
   // Not built yet for Qwen3-MoE (issue 18): each names its key.
-  const char* later = "is not built for Qwen3-MoE models (model.num_experts > 0) yet";
   if (deck_.train.device == "cuda") {  // cuda/cuda_ops_moe.cpp, ops/cuda/moe.cuh
     // Expert parallelism (cuda/cuda_ops_moe_ep.cpp) at ZeRO 0-2, without tp, pp or LoRA.
     need(deck_.mesh.ep == 1 || deck_.optim.zero_stage <= 2, "optim.zero_stage",
@@ -449,9 +449,33 @@ void Builder::validate_moe() {
   need(m.moe_intermediate_size % deck_.mesh.tp == 0, "mesh.tp", "does not divide "
        "model.moe_intermediate_size = {} (each tp rank takes an equal share of every expert's "
        "width)", m.moe_intermediate_size);
-  need(deck_.lora.r == 0, "lora.r", "> 0 (LoRA) {}; set lora.r = 0", later);
+  validate_moe_lora();
   need(m.num_experts % deck_.mesh.ep == 0, "mesh.ep", "does not divide model.num_experts = {} "
        "(each expert-parallel rank takes an equal share)", m.num_experts);
+}
+
+// LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
+// projections, the router and the experts frozen; cpu at any dp and ep, cuda at mesh.ep = 1.
+void Builder::validate_moe_lora() {
+  const LoraConfig& l = deck_.lora;
+  if (l.r == 0) return;
+  std::vector<int> targets;
+  try {
+    targets = parse_lora_targets(l.targets, "");
+  } catch (const UserError&) {
+    return;  // validate_lora named it
+  }
+  for (const int t : targets)
+    need(std::string(kLoraModules[t]).starts_with("self_attn."), "lora.targets",
+         "names {} on a Qwen3-MoE model (model.num_experts > 0): adapters on the experts' "
+         "projections are not built yet, nor on the dense MLP of model.mlp_only_layers; list "
+         "attention projections only (q_proj, k_proj, v_proj, o_proj; all-linear includes the "
+         "MLP's)",
+         kLoraTargets[t]);
+  need(deck_.mesh.tp == 1, "mesh.tp", "> 1 with LoRA (lora.r > 0) on a Qwen3-MoE model is not "
+       "built yet; set mesh.tp = 1");
+  need(deck_.mesh.pp == 1, "mesh.pp", "> 1 with LoRA (lora.r > 0) on a Qwen3-MoE model is not "
+       "built yet; set mesh.pp = 1");
 }
 
 std::string resolved_text(Deck& d, int world) {
