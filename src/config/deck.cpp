@@ -455,7 +455,8 @@ void Builder::validate_moe() {
 }
 
 // LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
-// projections, the router and the experts frozen; cpu at any dp and ep, cuda at mesh.ep = 1.
+// projections, the router and the experts frozen; cpu at any dp, ep and tp, cuda at mesh.ep = 1
+// (cuda refuses tp for MoE in validate_moe).
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
   if (l.r == 0) return;
@@ -472,8 +473,6 @@ void Builder::validate_moe_lora() {
          "attention projections only (q_proj, k_proj, v_proj, o_proj; all-linear includes the "
          "MLP's)",
          kLoraTargets[t]);
-  need(deck_.mesh.tp == 1, "mesh.tp", "> 1 with LoRA (lora.r > 0) on a Qwen3-MoE model is not "
-       "built yet; set mesh.tp = 1");
   need(deck_.mesh.pp == 1, "mesh.pp", "> 1 with LoRA (lora.r > 0) on a Qwen3-MoE model is not "
        "built yet; set mesh.pp = 1");
 }

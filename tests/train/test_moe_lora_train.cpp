@@ -1,7 +1,8 @@
 // LoRA on a Qwen3-MoE model on the CPU reference (issue 18, item 5) under mpiexec -n 2: the tiny
 // MoE deck (inputs/tiny-moe.ini) with adapters on the attention projections, the router and every
 // expert frozen. Only the adapters train (the router, the experts and every other base weight
-// stay bit for bit, the loss of a repeated batch falls); dp 2 and ep 2 reproduce the serial run;
+// stay bit for bit, the loss of a repeated batch falls); dp 2, ep 2 and tp 2 (with and without
+// sequence parallelism) reproduce the serial run;
 // a step-5 checkpoint resumes on the uninterrupted run (and an ep 2 one at ep 1); `qtrain export`
 // writes PEFT's names for Qwen3MoeForCausalLM's attention adapters.
 #include <gtest/gtest.h>
@@ -118,7 +119,7 @@ TEST_F(MoeTraining, LoraTrainsOnlyTheAdaptersRouterAndExpertsStayBitForBit) {
   EXPECT_NE(be->describe().find("frozen"), std::string::npos);
 }
 
-// dp 2 and ep 2 (each rank storing 4 of the 8 frozen experts) on the serial run; step-5
+// dp 2, ep 2 (each rank storing 4 of the 8 frozen experts) and tp 2 on the serial run; step-5
 // checkpoints (the adapters and their moments only) resume on the uninterrupted runs, the ep 2
 // one at ep 1.
 TEST_F(MoeTraining, LoraMeshesAndResumeReproduceTheSerialRun) {
@@ -134,6 +135,12 @@ TEST_F(MoeTraining, LoraMeshesAndResumeReproduceTheSerialRun) {
   expect_like_serial(dp2, serial, "lora_dp2");
   const std::vector<MoeStep> ep2 = train("ep2", 2, with(kLr, {"--mesh.ep=2"}), lora_text());
   expect_like_serial(ep2, serial, "lora_ep2");
+  // tp 2: each expert's width split (frozen), the adapters split beside their projections.
+  expect_like_serial(train("tp2", 2, with(kLr, {"--mesh.tp=2"}), lora_text()), serial,
+                     "lora_tp2");
+  expect_like_serial(train("tp2_sp", 2, with(kLr, {"--mesh.tp=2", "--mesh.sequence_parallel=true"}),
+                           lora_text()),
+                     serial, "lora_tp2_sp");
   // Optimizer memory: the adapters' moments only (2 x 4 bytes x their count, over ZeRO-1's 2
   // shards), never the frozen experts'.
   const double adapters =
