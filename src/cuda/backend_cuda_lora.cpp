@@ -77,6 +77,15 @@ class CudaLoraBackend final : public TrainBackend {
                                                mesh.shape().tp_overlap);
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     model_->set_lora(lora_.get());
+    // Qwen3-MoE (mesh.ep = 1; deck.cpp refuses more): the routers and experts are frozen base
+    // weights like any other, their block's backward the input gradient only (cuda_ops_moe.cpp);
+    // the load-balancing loss weighs as in full training (backend_cuda.cpp), its gradient
+    // reaching x through the frozen routers' logits.
+    QT_CHECK(!deck.model.is_moe() || mesh.shape().ep == 1,
+             "LoRA on a Qwen3-MoE model with mesh.ep > 1 on the GPU (the deck refuses it)");
+    if (deck.model.is_moe())
+      model_->set_moe_aux_scale(static_cast<float>(
+          deck.model.router_aux_loss_coef * deck.train.micro_batch / deck.train.global_batch));
     lora_->bind(state_.unit_weights(0), state_.unit_grads(0));  // whole at ZeRO-0 and 1
     if (tp_ > 1) {  // the frozen base and the adapters, each through its own plan's split
       lora_->set_tensor_parallel(tp_, mesh.tp().rank());
@@ -133,14 +142,21 @@ class CudaLoraBackend final : public TrainBackend {
   void zero_grads() override {
     state_.begin_step();
     state_.clear_grads(stream_.get());
+    aux_sum_ = 0;
+    model_->clear_moe_load();
   }
+  double moe_aux_loss_sum() const override { return deck_.model.is_moe() ? aux_sum_ : -1; }
+  std::vector<double> moe_load() const override { return model_->moe_load(); }
 
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
     const std::int32_t* pos = batch_.upload(inputs, targets, positions, stream_.get());
     lora_->set_dropout_key(deck_.train.seed, first_sample_);
-    return model_->forward_backward(base_, nullptr, batch_.inputs(), batch_.targets(), loss_scale,
-                                    stream_.get(), {}, pos);
+    const double loss = model_->forward_backward(base_, nullptr, batch_.inputs(),
+                                                 batch_.targets(), loss_scale, stream_.get(), {},
+                                                 pos);
+    if (deck_.model.is_moe()) aux_sum_ += model_->moe_aux_loss();
+    return loss;
   }
 
   // The adapters report no units to the state: it reduces their gradients here (over dp, then
@@ -187,6 +203,7 @@ class CudaLoraBackend final : public TrainBackend {
   std::int64_t first_sample_ = 0;
   std::vector<float> host_params_;  // [local numel] the fp32 base as loaded (host only)
   double activations_ = 0;          // bytes of Qwen3Cuda's buffers and the micro-batch's
+  double aux_sum_ = 0;              // moe_aux_loss_sum(): the step's micro-batches so far
 };
 
 }  // namespace

@@ -148,7 +148,14 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
                            const bf16* dy, const bf16* x, const float* probs, const int* idx,
                            const bf16* rw, const bf16* router, const bf16* gate_up,
                            const bf16* down, bool acc) {
-  QT_CHECK(g_router && g_gate_up && g_down, "a frozen MoE block (LoRA on MoE is not built)");
+  // Null gradients: a frozen block (LoRA: the router and the experts frozen, PEFT's frozen
+  // Linear), dx only, through the experts and the router's logits alike (ops/moe_block.h); the
+  // grouped and the router's GEMMs skip their null weight gradients.
+  const bool frozen = g_router == nullptr;
+  QT_CHECK(frozen == (g_gate_up == nullptr) && frozen == (g_down == nullptr),
+           "an MoE block with some of its gradients (the router's and the experts': all or "
+           "none)");
+  QT_CHECK(!frozen || !ep_, "a frozen MoE block under expert parallelism (not built on the GPU)");
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
   const int Im = cfg_.moe_intermediate_size, rows = N_ * k;
   const MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
@@ -163,7 +170,7 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
     moe_ep_backward(l, g_gate_up, g_down, gate_up, down, acc);
     dx_perm = moe_x_;
   } else {
-    moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
+    if (!frozen) moe_permute(moe_x_, x, m.pair, rows, k, H, s_);  // gate_up's weight gradient
     grouped_linear_backward(moe_dh_, g_down, moe_dout_, m.h, down, m.offsets, E, rows, Im, H,
                             s_, acc);
     swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,

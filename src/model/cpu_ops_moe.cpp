@@ -79,10 +79,14 @@ void CpuOps::moe_backward(int l, float* dx, float* g_router, float* g_gate_up, f
                           const float* rw, const float* router, const float* gate_up,
                           const float* down, bool acc) {
   const cpu::MoeShape s = moe_shape(cfg_, N_);
-  QT_CHECK(g_router && g_gate_up && g_down, "a frozen MoE block (LoRA on MoE is not built)");
+  // Null gradients: a frozen block (LoRA), dx only (ops/moe_block.h).
+  const bool frozen = g_router == nullptr;
+  QT_CHECK(frozen == (g_gate_up == nullptr) && frozen == (g_down == nullptr),
+           "an MoE block with some of its gradients (the router's and the experts': all or "
+           "none)");
   // The experts stored here: all E, or this ep rank's El.
   const std::size_t E = s.E, El = cfg_.local_experts(), H = s.H, Im = s.Im;
-  if (!acc) {  // the block adds into its gradients
+  if (!acc && !frozen) {  // the block adds into its gradients
     std::fill(g_router, g_router + E * H, 0.0f);
     std::fill(g_gate_up, g_gate_up + El * 2 * Im * H, 0.0f);
     std::fill(g_down, g_down + El * H * Im, 0.0f);

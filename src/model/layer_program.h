@@ -724,7 +724,9 @@ class Qwen3Program {
     auto past = [depth](Depth d, A* dx) { return depth > d ? dx : nullptr; };
     // MLP block; dx holds d x_out and becomes d x_mid. gu is overwritten by its gradient.
     const A* dy = ops.tp_block_output_backward(sp_only(a_->dtmp), a_->dx, N, H);  // [N, H]
-    if (w.router) {  // a sparse layer (no LoRA sites: the deck refuses LoRA on MoE models)
+    if (w.router) {
+      // A sparse layer: no LoRA sites (LoRA on an MoE model adapts attention only), and with a
+      // frozen base (null g) its backward still gives d ln2 for the attention adapters below.
       if constexpr (requires { ops.moe_begin(); })
         ops.moe_backward(l, a_->dln, g.router, g.experts_gate_up, g.experts_down, dy, ln2,
                          a.moe_probs, a.moe_idx, a.moe_w, w.router, w.experts_gate_up,

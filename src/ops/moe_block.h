@@ -22,7 +22,9 @@ void moe_block_forward(T* y, T* probs, int* idx, T* w, const T* x, const T* gate
 
 // dx [N, H] written; dgate, dgate_up, ddown accumulated (+=). With balance (the step's
 // statistics, every MoE layer added) the gradient of aux_coef x the load-balancing loss joins
-// the router's.
+// the router logits'. All three weight gradients null: a frozen block (LoRA on a Qwen3-MoE
+// model, PEFT's frozen router and experts); dx is the same, through the experts and, by the
+// routing weights and the load-balancing loss, through the frozen router's logits.
 template <typename T>
 void moe_block_backward(T* dx, T* dgate, T* dgate_up, T* ddown, const T* dy, const T* x,
                         const T* probs, const int* idx, const T* w, const T* gate,

@@ -14,7 +14,8 @@ template <typename T>
 void moe_experts_forward(T* y, const T* x, const int* idx, const T* w, const T* gate_up,
                          const T* down, int N, int H, int Im, int E, int k);
 
-// dx [N, H] and dw [N, k] written; dgate_up, ddown accumulated (+=). Recomputes each expert's
+// dx [N, H] and dw [N, k] written; dgate_up, ddown accumulated (+=), or both null: frozen
+// experts (LoRA on a Qwen3-MoE model), the input gradients only. Recomputes each expert's
 // forward from x.
 template <typename T>
 void moe_experts_backward(T* dx, T* dw, T* dgate_up, T* ddown, const T* dy, const T* x,

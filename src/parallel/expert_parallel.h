@@ -91,8 +91,8 @@ class ExpertDispatch {
   void forward(float* out, const float* x, const int* idx, int N, int k, const float* gate_up,
                const float* down);
   // dx_slot [N k, H] written: each slot row's input gradient from its expert, given dout [N k, H]
-  // (the gradient of forward's out); this rank's experts' gradients accumulated (+=). Weights
-  // as forward's.
+  // (the gradient of forward's out); this rank's experts' gradients accumulated (+=), or both
+  // null: frozen experts (LoRA). Weights as forward's.
   void backward(float* dx_slot, const float* dout, const float* gate_up, const float* down,
                 float* g_gate_up, float* g_down);
 
@@ -111,8 +111,9 @@ class ExpertDispatch {
 
 // The sparse block with its experts over `dispatch` (ops/moe_block.h's math; s.E the whole
 // model's experts). slot_out [N k, H]: the experts' outputs, written by forward and read by
-// backward. y and dx written; dgate and this rank's expert gradients accumulated (+=). bias [E]:
-// the router's balancing bias (cpu::router_forward; null: none).
+// backward. y and dx written; dgate and this rank's expert gradients accumulated (+=), or all
+// three null: a frozen block (LoRA), dx only. bias [E]: the router's balancing bias
+// (cpu::router_forward; null: none).
 void moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
                           const float* x, const float* gate, const float* gate_up,
                           const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,

@@ -1,12 +1,13 @@
 // The CPU reference back end: Qwen3Model (fp32, BLAS) over the optimizer driver ShardedState
 // (ZeRO 0-3 over MPI; optim/sharded_state.h). With [lora] the fp32 base is a frozen flat buffer
-// (no gradients, no moments) and the driver trains the adapters, one unit. With mesh.tp > 1 the
-// model and the driver hold the tp rank's local part (parallel/tensor_parallel.h) and every
-// piece of state leaves and enters in global coordinates (TpMap); mesh.sequence_parallel splits
-// the model's residual stream over tp too (model/layer_program.h). With mesh.ep > 1 they hold
-// the ep rank's experts only (parallel/expert_parallel.h: ep_local_config, EpMap), each sparse
-// layer's a unit sharded and reduced over the expert-data-parallel group; with both, each of
-// those experts' tp columns (TpEpMap).
+// (no gradients, no moments) and the driver trains the adapters, one unit (a Qwen3-MoE model's
+// router and experts frozen too: their block's backward gives the input gradient only). With
+// mesh.tp > 1 the model and the driver hold the tp rank's local part (parallel/tensor_parallel.h)
+// and every piece of state leaves and enters in global coordinates (TpMap);
+// mesh.sequence_parallel splits the model's residual stream over tp too (model/layer_program.h).
+// With mesh.ep > 1 they hold the ep rank's experts only (parallel/expert_parallel.h:
+// ep_local_config, EpMap), each sparse layer's a unit sharded and reduced over the
+// expert-data-parallel group; with both, each of those experts' tp columns (TpEpMap).
 #include <fmt/format.h>
 
 #include <memory>
@@ -52,10 +53,7 @@ class CpuBackend final : public TrainBackend {
                                               seq_parallel_)),
         seed_(deck.train.seed) {
     if (lora_) model_.set_lora(lora_.get());
-    if (deck.model.is_moe() && mesh.shape().ep > 1) {
-      QT_CHECK(!lora_, "expert parallelism with LoRA");
-      model_.set_expert_parallel(&mesh.ep());
-    }
+    if (deck.model.is_moe() && mesh.shape().ep > 1) model_.set_expert_parallel(&mesh.ep());
     // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
     // ranks): the objective averages it over the step as the cross-entropy over its tokens.
     if (deck.model.is_moe())
@@ -65,15 +63,20 @@ class CpuBackend final : public TrainBackend {
     if (!lora_) {
       model_map_ = make_model_map(deck.model, global_layout_, model_.layout(), state_.plan(),
                                   mesh.shape(), mesh.tp().rank(), mesh.ep().rank());
-    } else if (tp_ > 1) {  // the frozen base and the adapters, each through its own plan's split
-      lora_->set_tensor_parallel(tp_, mesh.tp().rank());
+    } else if (tp_ > 1 || model_.config().expert_shards > 1) {
+      // The frozen base through its own plan's split (tp, and with mesh.ep > 1 the ep rank's
+      // experts); the adapters (attention only on a Qwen3-MoE model) split by tp alone,
+      // replicated over ep like every dense weight.
       base_plan_ = std::make_unique<ShardPlan>(
           plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0,
                      tp_kv_replicas(deck.model, tp_)));
-      model_map_ = std::make_unique<TpMap>(global_layout_, model_.layout(), *base_plan_,
-                                           mesh.tp().rank());
-      lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), state_.plan(),
-                                          mesh.tp().rank());
+      model_map_ = make_model_map(deck.model, global_layout_, model_.layout(), *base_plan_,
+                                  mesh.shape(), mesh.tp().rank(), mesh.ep().rank());
+      if (tp_ > 1) {
+        lora_->set_tensor_parallel(tp_, mesh.tp().rank());
+        lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), state_.plan(),
+                                            mesh.tp().rank());
+      }
     }
   }
 
@@ -130,6 +133,7 @@ class CpuBackend final : public TrainBackend {
       lora_->bind(state_.params(0), state_.grads(0));
       lora_->set_dropout_key(seed_, first_sample_);
       const double loss = model_.forward(base_.data(), inputs, targets, positions);
+      aux_sum_ += model_.moe_aux_loss();
       model_.backward(base_.data(), nullptr, loss_scale);
       return loss;
     }

@@ -467,8 +467,19 @@ TEST(DeckErrors, Moe) {
                {"model.num_experts_per_tok = 33", "> 32", "train.device = cuda"});
   expect_error(moe + cuda + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE", "train.device = cuda"});
   expect_error(moe + cuda + "[mesh]\npp = 2\n", {"mesh.pp = 2", "Qwen3-MoE", "train.device = cuda"});
-  expect_error(moe + cuda + "[lora]\nr = 4\n", {"lora.r = 4", "Qwen3-MoE"});
-  expect_error(moe + "[lora]\nr = 4\n", {"lora.r = 4", "Qwen3-MoE"});
+  // LoRA on the attention projections (the router and experts frozen): cpu at any ep and tp,
+  // cuda (ep 1) built but refused until its GPU test has run; no adapters on the experts or the
+  // dense MLP, no pp yet.
+  expect_error(moe + cuda + "[lora]\nr = 4\n",
+               {"lora.r = 4", "Qwen3-MoE", "not yet verified on train.device = cuda"});
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\n").lora.r, 4);
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\nep = 2\n").mesh.ep, 2);
+  expect_error(moe + "[lora]\nr = 4\ntargets = q_proj, gate_proj\n",
+               {"lora.targets", "gate_proj", "Qwen3-MoE", "experts' projections are not built"});
+  expect_error(moe + cuda + "[lora]\nr = 4\ntargets = all-linear\n",
+               {"lora.targets", "gate_proj", "q_proj, k_proj, v_proj, o_proj"});
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\ntp = 2\n").mesh.tp, 2);
+  expect_error(moe + "[lora]\nr = 4\n[mesh]\npp = 2\n", {"mesh.pp = 2", "LoRA", "Qwen3-MoE"});
   // The CPU reference runs tp (each expert's width split), pp and both with ep; tp must split
   // the width.
   EXPECT_EQ(parse(moe + "[mesh]\ntp = 2\n").mesh.tp, 2);

@@ -161,6 +161,17 @@ TEST(ops_moe_block, BackwardAgainstFiniteDifferences) {
                              scratch_d.data(), r.data(), x.data(), probs.data(), idx.data(),
                              w.data(), gate.data(), gate_up.data(), down.data(), s);
   EXPECT_GT(rel_err(dgate_plain, dgate), 1e-4);
+  // The frozen block (LoRA on MoE: no weight gradients) gives the trainable block's dx bit for
+  // bit (the same math), hence the finite differences' too; the load-balancing loss still
+  // reaches x through the frozen router's logits (dx differs from dx_plain's).
+  Guarded<double> dx_frozen(s.N * s.H);
+  moe_block_backward<double>(dx_frozen.data(), nullptr, nullptr, nullptr, r.data(), x.data(),
+                             probs.data(), idx.data(), w.data(), gate.data(), gate_up.data(),
+                             down.data(), s, &b, coef);
+  EXPECT_EQ(dx_frozen.values(), dx.values());
+  QT_EXPECT_CLOSE(dx_frozen.values(), fd_grad(x, loss), kTolFd);
+  EXPECT_GT(rel_err(dx_plain, dx_frozen.values()), 1e-6);
+  EXPECT_TRUE(dx_frozen.guards_intact());
 }
 
 }  // namespace

@@ -128,21 +128,24 @@ class MoeTraining : public ::testing::Test {
     MPI_Barrier(MPI_COMM_WORLD);
     if (world_rank() == 0) std::filesystem::remove_all(tmp_);
   }
-  std::vector<MoeStep> train(const std::string& name, int ranks, std::vector<std::string> ov) {
+  // A run of `text` (the tiny MoE deck unless given).
+  std::vector<MoeStep> train(const std::string& name, int ranks, std::vector<std::string> ov,
+                             const std::string& text = deck_text()) {
     ov.insert(ov.end(), {"--train.steps=10", "--log.every=1", "--checkpoint.every=5",
                          "--checkpoint.resume=none", "--checkpoint.dir=" + tmp_ + "/" + name,
                          "--train.seed=" + std::to_string(run_seed())});
-    const RunResult r = run(ranks, deck_text(), ov, tmp_ + "/" + name + ".jsonl");
+    const RunResult r = run(ranks, text, ov, tmp_ + "/" + name + ".jsonl");
     EXPECT_EQ(r.exit_code, 0) << name << ": " << r.error;
     return read_moe_metrics(tmp_ + "/" + name + ".jsonl");
   }
   // A run of `ranks` resumed from the step-5 checkpoint of run `from`, to step 10.
   std::vector<MoeStep> resume(const std::string& name, int ranks, const std::string& from,
-                              std::vector<std::string> ov) {
+                              std::vector<std::string> ov,
+                              const std::string& text = deck_text()) {
     ov.insert(ov.end(), {"--checkpoint.resume=" + tmp_ + "/" + from + "/step_00000005.h5",
                          "--checkpoint.dir=" + tmp_ + "/" + name, "--train.steps=10",
                          "--log.every=1", "--train.seed=" + std::to_string(run_seed())});
-    const RunResult r = run(ranks, deck_text(), ov, tmp_ + "/" + name + ".jsonl");
+    const RunResult r = run(ranks, text, ov, tmp_ + "/" + name + ".jsonl");
     EXPECT_EQ(r.exit_code, 0) << name << ": " << r.error;
     const std::vector<MoeStep> got = read_moe_metrics(tmp_ + "/" + name + ".jsonl");
     EXPECT_EQ(got.size(), 5u) << name;

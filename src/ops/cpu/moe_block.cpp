@@ -7,6 +7,7 @@
 
 #include "ops/linear.h"
 #include "ops/moe_experts.h"
+#include "qtrain/error.h"
 
 namespace qt::cpu {
 
@@ -26,6 +27,8 @@ void moe_block_backward(T* dx, T* dgate, T* dgate_up, T* ddown, const T* dy, con
                         const T* probs, const int* idx, const T* w, const T* gate,
                         const T* gate_up, const T* down, const MoeShape& s,
                         const RouterBalance* balance, T aux_coef) {
+  QT_CHECK((dgate == nullptr) == (dgate_up == nullptr),
+           "the router's and the experts' gradients: all or none (a frozen block)");
   const std::size_t NH = static_cast<std::size_t>(s.N) * s.H;
   std::vector<T> dw(static_cast<std::size_t>(s.N) * s.k), dlogits(static_cast<std::size_t>(s.N) * s.E);
   std::vector<T> dx_gate(NH);

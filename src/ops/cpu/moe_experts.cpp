@@ -73,11 +73,17 @@ template <typename T>
 void moe_experts_backward(T* dx, T* dw, T* dgate_up, T* ddown, const T* dy, const T* x,
                           const int* idx, const T* w, const T* gate_up, const T* down, int N,
                           int H, int Im, int E, int k) {
+  QT_CHECK((dgate_up == nullptr) == (ddown == nullptr),
+           "the experts' gradients: both or neither (frozen)");
+  const bool frozen = dgate_up == nullptr;
   std::fill(dx, dx + static_cast<std::size_t>(N) * H, T(0));
   const auto pairs = pairs_by_expert(idx, N, E, k);
   for (int e = 0; e < E; ++e) {
     const std::vector<int>& pe = pairs[static_cast<std::size_t>(e)];
     if (pe.empty()) continue;
+    // Expert e's weight gradients, or null (linear_backward skips a null one).
+    T* dgu_w = frozen ? nullptr : dgate_up + std::size_t(e) * 2 * Im * H;
+    T* ddown_w = frozen ? nullptr : ddown + std::size_t(e) * H * Im;
     const int n = static_cast<int>(pe.size());
     const T* gu_w = gate_up + std::size_t(e) * 2 * Im * H;
     const T* down_w = down + std::size_t(e) * H * Im;
@@ -94,7 +100,7 @@ void moe_experts_backward(T* dx, T* dw, T* dgate_up, T* ddown, const T* dy, cons
       }
       dw[pe[i]] = dot;
     }
-    linear_backward(dh.data(), ddown + std::size_t(e) * H * Im, dye.data(), r.h.data(), down_w, n,
+    linear_backward(dh.data(), ddown_w, dye.data(), r.h.data(), down_w, n,
                     Im, H);
     // SwiGLU: d gate = dh u s (1 + g (1 - s)), d up = dh g s.
     for (int i = 0; i < n; ++i)
@@ -104,7 +110,7 @@ void moe_experts_backward(T* dx, T* dw, T* dgate_up, T* ddown, const T* dy, cons
         dgu[a] = d * u * s * (T(1) + g * (T(1) - s));
         dgu[b] = d * g * s;
       }
-    linear_backward(dxe.data(), dgate_up + std::size_t(e) * 2 * Im * H, dgu.data(), r.xe.data(),
+    linear_backward(dxe.data(), dgu_w, dgu.data(), r.xe.data(),
                     gu_w, n, H, 2 * Im);
     for (int i = 0; i < n; ++i) {
       T* dxt = dx + static_cast<std::size_t>(pe[i] / k) * H;
