@@ -12,7 +12,8 @@
 # scripts/device-bundle.sh). Run it on the GPU machine from the repository root; it sources the
 # runtime kit (.kit, docs/cuda.md) when there is one.
 set -uo pipefail
-build_a=${1:?build A}; build_b=${2:?build B}; out=${3:?output dir}; n=${4:-2}; model=${5:-qwen3-0.6b}
+build_a=${1:?build A}; build_b=${2:?build B}; out=${3:?output dir}
+n=${4:-2}; model=${5:-qwen3-0.6b}
 shift $(( $# < 5 ? $# : 5 ))
 mkdir -p "$out"
 [ -f .kit/kit-env.sh ] && source .kit/kit-env.sh
@@ -20,7 +21,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 for ((r = 1; r <= ${ROUNDS:-2}; ++r)); do
   for side in a b; do
     build=$build_a; [[ $side == b ]] && build=$build_b
-    mpirun -np "$n" --bind-to none "$build/bin/qtrain" inputs/qwen3-0.6b.ini --model.preset="$model" \
+    mpirun -np "$n" --bind-to none "$build/bin/qtrain" inputs/qwen3-0.6b.ini \
+      --model.preset="$model" \
       --train.device=cuda --mesh.dp="$n" --optim.zero_stage="${ZERO:-3}" --train.seq_len=4096 \
       --train.micro_batch=2 --train.global_batch=$((2 * n)) --train.steps=30 \
       --train.recompute=false --data.source=synthetic --checkpoint.every=-1 \
@@ -31,19 +33,13 @@ for ((r = 1; r <= ${ROUNDS:-2}; ++r)); do
 done
 PYTHONPATH=bench python3 - "$out" "${ROUNDS:-2}" "$n" <<'PY'
 import json, sys
-from summarize_throughput import late_tokens_per_s
+from summarize_throughput import late_tokens_per_s, print_ab
 out, rounds, n = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 def tps(path):
     try:
         return late_tokens_per_s([json.loads(l) for l in open(path)])
     except (OSError, ValueError, KeyError):
         return None
-runs = {side: [tps(f"{out}/{side}{r}.jsonl") for r in range(1, rounds + 1)] for side in "ab"}
-for side in "ab":
-    print(f"dp {n} {side.upper()}: " + ", ".join("failed" if t is None else f"{t:.0f}"
-                                               for t in runs[side]) + " tokens/s")
-ok = {side: [t for t in runs[side] if t is not None] for side in "ab"}
-if ok["a"] and ok["b"]:
-    a, b = (sum(ok[s]) / len(ok[s]) for s in "ab")
-    print(f"dp {n}: B / A = {b / a:.4f} ({100 * (b / a - 1):+.2f}%)")
+print_ab(f"dp {n}", {side: [tps(f"{out}/{side}{r}.jsonl") for r in range(1, rounds + 1)]
+                     for side in "ab"})
 PY

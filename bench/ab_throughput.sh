@@ -26,7 +26,7 @@ for spec in "${models[@]}"; do
 done
 PYTHONPATH=bench python3 - "$out" "${ROUNDS:-2}" "${models[@]}" <<'PY'
 import json, sys
-from summarize_throughput import late_tokens_per_s
+from summarize_throughput import late_tokens_per_s, print_ab
 out, rounds, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 def tps(path):
     try:
@@ -35,13 +35,6 @@ def tps(path):
         return None
 for spec in models:
     tag = spec.replace(":", "-L")
-    runs = {side: [tps(f"{out}/{tag}-{side}{r}/qtrain-{tag}.jsonl") for r in range(1, rounds + 1)]
-            for side in "ab"}
-    for side in "ab":
-        print(f"{tag} {side.upper()}: " + ", ".join("failed" if t is None else f"{t:.0f}"
-                                                     for t in runs[side]) + " tokens/s")
-    ok = {side: [t for t in runs[side] if t is not None] for side in "ab"}
-    if ok["a"] and ok["b"]:
-        a, b = (sum(ok[s]) / len(ok[s]) for s in "ab")
-        print(f"{tag}: B / A = {b / a:.4f} ({100 * (b / a - 1):+.2f}%)")
+    print_ab(tag, {side: [tps(f"{out}/{tag}-{side}{r}/qtrain-{tag}.jsonl")
+                          for r in range(1, rounds + 1)] for side in "ab"})
 PY

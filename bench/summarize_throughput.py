@@ -45,6 +45,18 @@ def late_tokens_per_s(steps):
 
 
 # "GPU arena 12.3 GiB used, 14.5 GiB peak; ..." -> 14.5 (GiB)
+def print_ab(label, runs):
+    """The A/B scripts' summary: each side's runs (tokens/s, None for a failed run) and the mean of
+    B over the mean of A."""
+    for side in "ab":
+        print(f"{label} {side.upper()}: " + ", ".join("failed" if t is None else f"{t:.0f}"
+                                                       for t in runs[side]) + " tokens/s")
+    ok = {side: [t for t in runs[side] if t is not None] for side in "ab"}
+    if ok["a"] and ok["b"]:
+        a, b = (sum(ok[s]) / len(ok[s]) for s in "ab")
+        print(f"{label}: B / A = {b / a:.4f} ({100 * (b / a - 1):+.2f}%)")
+
+
 def arena_peak_gib(steps):
     units = {"B": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 1024.0}
     for s in reversed(steps):

@@ -27,6 +27,7 @@
 #include "config/key_table.h"
 #include "config/suggest.h"
 #include "hf/config.h"
+#include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 
 namespace qt {
@@ -194,7 +195,7 @@ void Builder::validate_mesh() {
            "share)", k, ival(k));
     // Fewer kv heads than tp ranks: each kv head on tp / num_kv_heads ranks (Megatron's way).
     const int kv = ival("model.num_kv_heads");
-    need(kv % m.tp == 0 || m.tp % kv == 0, "mesh.tp", "neither divides nor is a multiple of "
+    need(tp_fits_kv_heads(kv, m.tp), "mesh.tp", "neither divides nor is a multiple of "
          "model.num_kv_heads = {} (each tp rank takes an equal share of the key/value heads, or "
          "tp / num_kv_heads ranks share one)", kv);
   }

@@ -76,7 +76,8 @@ class CudaBackend final : public TrainBackend {
     if (deck.model.is_moe())
       model_->set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
                                                    deck.train.micro_batch / deck.train.global_batch));
-    QT_CHECK(tp_ == 1 || ep_ == 1, "expert parallelism with tensor parallelism (the deck refuses it)");
+    QT_CHECK(tp_ == 1 || ep_ == 1,
+             "expert parallelism with tensor parallelism (the deck refuses it)");
     if (tp_ > 1)
       map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
     if (ep_ > 1) map_ = std::make_unique<EpMap>(layout_, local_layout_, mesh.ep().rank());

@@ -357,7 +357,8 @@ void NcclComm::reduce_scatter(const void* send, void* recv, std::size_t count, D
   char* d = static_cast<char*>(staging(round_up(in, 256) + out, what));
   QT_CHECK_CUDA(cudaMemcpyAsync(d, send, in, cudaMemcpyHostToDevice, stream_));
   {
-    const TimedCall timed(*timer_, stream_, CollectiveKind::kReduceScatter, static_cast<double>(in));
+    const TimedCall timed(*timer_, stream_, CollectiveKind::kReduceScatter,
+                          static_cast<double>(in));
     enqueued(ncclReduceScatter(d, d + round_up(in, 256), count, nccl_type(t), nccl_op(op), comm_,
                                stream_),
              what, "ncclReduceScatter");

@@ -13,6 +13,16 @@ int tp_kv_replicas(const ModelConfig& cfg, int tp) {
   return tp > cfg.num_kv_heads ? tp / cfg.num_kv_heads : 1;
 }
 
+std::optional<TpSplitMiss> tp_split_miss(const ModelConfig& cfg, int tp) {
+  if (cfg.num_heads % tp != 0) return TpSplitMiss{"model.num_heads", cfg.num_heads};
+  if (!tp_fits_kv_heads(cfg.num_kv_heads, tp))
+    return TpSplitMiss{"model.num_kv_heads", cfg.num_kv_heads};
+  if (cfg.intermediate_size % tp != 0)
+    return TpSplitMiss{"model.intermediate_size", cfg.intermediate_size};
+  if (cfg.vocab_size % tp != 0) return TpSplitMiss{"model.vocab_size", cfg.vocab_size};
+  return std::nullopt;
+}
+
 ModelConfig tp_local_config(const ModelConfig& cfg, int tp) {
   QT_CHECK(tp >= 1 && cfg.num_heads % tp == 0 &&
                tp_fits_kv_heads(cfg.num_kv_heads, tp) &&

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,13 @@ inline bool tp_fits_kv_heads(int kv_heads, int tp) {
   return kv_heads % tp == 0 || tp % kv_heads == 0;
 }
 int tp_kv_replicas(const ModelConfig& cfg, int tp);
+// The first of the dense model's widths that tp does not split evenly (the heads, the key/value
+// heads, the MLP width, the vocabulary), as its deck key and value; none when tp splits them all.
+struct TpSplitMiss {
+  const char* key;
+  int n;
+};
+std::optional<TpSplitMiss> tp_split_miss(const ModelConfig& cfg, int tp);
 
 class TpMap final : public LayoutMap {
  public:

@@ -32,17 +32,8 @@ std::string why_not(const LayoutSearch& s, int dp, int tp, int pp) {
     return fmt::format("mesh.{} = {}: {} parallelism is not built for Qwen3-MoE models on GPUs "
                        "(the deck refuses it on train.device = cuda)", tp > 1 ? "tp" : "pp",
                        tp > 1 ? tp : pp, tp > 1 ? "tensor" : "pipeline");
-  struct Split {
-    const char* key;
-    int n;
-    bool shared_ok;  // tp may be a multiple of n (kv heads shared by tp / n ranks)
-  };
-  for (const Split& x : {Split{"model.num_heads", m.num_heads, false},
-                         Split{"model.num_kv_heads", m.num_kv_heads, true},
-                         Split{"model.intermediate_size", m.intermediate_size, false},
-                         Split{"model.vocab_size", m.vocab_size, false}})
-    if (x.shared_ok ? !tp_fits_kv_heads(x.n, tp) : x.n % tp != 0)
-      return fmt::format("mesh.tp = {} does not divide {} = {}", tp, x.key, x.n);
+  if (const auto miss = tp_split_miss(m, tp))
+    return fmt::format("mesh.tp = {} does not divide {} = {}", tp, miss->key, miss->n);
   const int G = s.topology.gpus_per_host;
   if (tp > G)
     return fmt::format("mesh.tp = {} is more than the {} GPUs of one host "

@@ -205,18 +205,9 @@ void validate(const MemoryPlanInput& in) {
   if (s.tp < 1 || s.pp < 1 || s.pp_chunks < 1)
     fail_user("mesh.tp ({}), mesh.pp ({}) and mesh.pp_chunks ({}) must be >= 1", s.tp, s.pp,
               s.pp_chunks);
-  struct Split {
-    const char* key;
-    int n;
-    bool shared_ok;  // tp may be a multiple of n (kv heads shared by tp / n ranks)
-  };
-  for (const Split& x : {Split{"model.num_heads", m.num_heads, false},
-                         Split{"model.num_kv_heads", m.num_kv_heads, true},
-                         Split{"model.intermediate_size", m.intermediate_size, false},
-                         Split{"model.vocab_size", m.vocab_size, false}})
-    if (x.shared_ok ? !tp_fits_kv_heads(x.n, s.tp) : x.n % s.tp != 0)
-      fail_user("mesh.tp = {} does not divide {} = {} (each tp rank takes an equal share)", s.tp,
-                x.key, x.n);
+  if (const auto miss = tp_split_miss(m, s.tp))
+    fail_user("mesh.tp = {} does not divide {} = {} (each tp rank takes an equal share)", s.tp,
+              miss->key, miss->n);
   if (s.pp * s.pp_chunks > m.num_layers)
     fail_user("mesh.pp x mesh.pp_chunks = {} x {} chunks is more than model.num_layers = {}",
               s.pp, s.pp_chunks, m.num_layers);

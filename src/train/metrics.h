@@ -66,9 +66,10 @@ class MetricsLog {
   // The step line (and, on the run's first logged step, a line with the peak memory by kind) on
   // stdout, and the JSON line with every field (mem_params, mem_grads, mem_optimizer,
   // mem_activations, mem_workspace in bytes; time_data_s, time_compute_s, time_optimizer_s;
-  // pipeline_idle, a fraction, when measured; comm, {name: {ms, calls, mb, bus_gbs}} per step; for Qwen3-MoE aux_loss and, per sparse layer,
-  // expert_tokens, expert_cv and expert_max_over_mean; the step line adds the mean and the worst
-  // layer's cv and the largest max / mean).
+  // pipeline_idle, a fraction, when measured; comm, {name: {ms, calls, mb, bus_gbs}} per step;
+  // for Qwen3-MoE aux_loss and, per sparse layer, expert_tokens, expert_cv and
+  // expert_max_over_mean, and router_bias with auxiliary-loss-free balancing; the step line adds
+  // the mean and the worst layer's cv and the largest max / mean).
   void write(const StepMetrics& m);
 
  private:

@@ -251,29 +251,24 @@ int run_training(const Deck& deck, Mesh& mesh) {
                              loss, os.grad_norm, static_cast<long long>(state.step));
       return 3;
     }
+    // 5. Log, checkpoint, stop on request.
+    // Every log.every steps, the first step of the process (the loss at the start) and the last.
+    const bool log_now =
+        state.step % deck.log.every == 0 || state.step == first_step + 1 || state.step == last;
     // The step's expert load summed over dp (each rank's own tokens; a pipeline's stages already
     // summed): read every step for the bias, else only for the log.
     std::vector<double> load;
-    bool load_read = false;
-    auto global_load = [&]() -> const std::vector<double>& {
-      if (!load_read) {
-        load = backend->moe_load();
-        if (!load.empty())
-          dp.all_reduce(load.data(), load.size(), DType::kF64, ReduceOp::kSum);
-        load_read = true;
-      }
-      return load;
-    };
+    if (bias_rate > 0 || log_now) {
+      load = backend->moe_load();
+      if (!load.empty()) dp.all_reduce(load.data(), load.size(), DType::kF64, ReduceOp::kSum);
+    }
     if (bias_rate > 0) {
-      const std::vector<double>& n = global_load();
-      QT_CHECK(n.size() == state.router_bias.size(), "expert load of {} values, bias of {}",
-               n.size(), state.router_bias.size());
-      cpu::router_bias_update(state.router_bias.data(), n.data(), bias_layers, E, bias_rate);
+      QT_CHECK(load.size() == state.router_bias.size(), "expert load of {} values, bias of {}",
+               load.size(), state.router_bias.size());
+      cpu::router_bias_update(state.router_bias.data(), load.data(), bias_layers, E, bias_rate);
       backend->set_router_bias(state.router_bias);
     }
-    // 5. Log, checkpoint, stop on request.
-    // Every log.every steps, the first step of the process (the loss at the start) and the last.
-    if (state.step % deck.log.every == 0 || state.step == first_step + 1 || state.step == last) {
+    if (log_now) {
       StepMetrics sm;
       sm.step = state.step;
       sm.steps = tc.steps;
@@ -290,7 +285,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
       const double aux_sum = backend->moe_aux_loss_sum();
       sm.aux_loss =
           aux_sum >= 0 ? dp.sum(aux_sum) / static_cast<double>(micro_steps * dp.size()) : -1;
-      sm.expert_load = global_load();  // this step's, summed over dp
+      sm.expert_load = std::move(load);  // this step's, summed over dp
       if (!sm.expert_load.empty()) sm.num_experts = deck.model.num_experts;
       sm.router_bias = state.router_bias;
       const MemorySplit mine = backend->memory_split();

@@ -75,7 +75,8 @@ inline EpRun train_ep(int ranks, const std::string& tmp, const std::string& tag,
 }
 
 // The worst relative differences of `got` from `ref`'s steps [first, first + got's steps).
-inline void expect_close(const EpRun& got, const EpRun& ref, std::size_t first, const std::string& tag) {
+inline void expect_close(const EpRun& got, const EpRun& ref, std::size_t first,
+                         const std::string& tag) {
   ASSERT_EQ(got.moe.size(), got.steps.size()) << tag;
   ASSERT_EQ(first + got.moe.size(), ref.moe.size()) << tag;
   double loss = 0, aux = 0, norm = 0;

@@ -18,6 +18,7 @@
 #include "model/qwen3.h"
 #include "qtrain/data.h"
 #include "train/backend.h"
+#include "backend_steps.h"
 #include "training_harness.h"
 
 namespace qt {
@@ -81,22 +82,12 @@ TEST_F(LoraTraining, OnlyAdaptersTrainTheBaseStaysBitForBit) {
 
   auto data = make_data_source(deck);
   const int T = deck.train.seq_len, B = deck.train.micro_batch, local = 4;
-  std::vector<std::int32_t> in(local * T), tg(local * T);
   std::vector<double> losses;
   for (std::int64_t step = 0; step < 8; ++step) {
     // The same batch every step: its loss must fall (the frozen head of this random base leaves
     // little to learn on fresh batches of the synthetic chain).
-    const std::int64_t first = world->rank() * local;
-    for (int s = 0; s < local; ++s) data->sample(first + s, &in[s * T], &tg[s * T], nullptr, T);
-    std::int64_t counted = 0;
-    for (auto t : tg) counted += t != -100;
-    counted = world->sum(counted);
-    be->zero_grads();
-    double loss = 0;
-    for (int m = 0; m < local / B; ++m) {
-      be->set_first_sample(first + m * B);
-      loss += be->micro_step(&in[m * B * T], &tg[m * B * T], nullptr, 1.0f / counted);
-    }
+    const auto [loss, counted] =
+        test::backend_step(*be, *data, *world, world->rank() * local, local, B, T);
     be->optimizer_step(step);
     losses.push_back(world->sum(loss) / counted);
   }

@@ -23,6 +23,7 @@
 #include "model/qwen3.h"
 #include "qtrain/data.h"
 #include "train/backend.h"
+#include "backend_steps.h"
 #include "moe_harness.h"
 
 namespace qt {
@@ -71,20 +72,10 @@ TEST_F(MoeTraining, LoraTrainsOnlyTheAdaptersRouterAndExpertsStayBitForBit) {
 
   auto data = make_data_source(deck);
   const int T = deck.train.seq_len, B = deck.train.micro_batch, local = 4;  // 8 over 2 ranks
-  std::vector<std::int32_t> in(local * T), tg(local * T);
   std::vector<double> losses;
   for (std::int64_t step = 0; step < 8; ++step) {
-    const std::int64_t first = world->rank() * local;
-    for (int s = 0; s < local; ++s) data->sample(first + s, &in[s * T], &tg[s * T], nullptr, T);
-    std::int64_t counted = 0;
-    for (auto t : tg) counted += t != -100;
-    counted = world->sum(counted);
-    be->zero_grads();
-    double loss = 0;
-    for (int m = 0; m < local / B; ++m) {
-      be->set_first_sample(first + m * B);
-      loss += be->micro_step(&in[m * B * T], &tg[m * B * T], nullptr, 1.0f / counted);
-    }
+    const auto [loss, counted] =
+        test::backend_step(*be, *data, *world, world->rank() * local, local, B, T);
     // The frozen routers still route and their load-balancing loss is reported (k = 2 when
     // balanced, between 1 and E = 8).
     const double aux = world->sum(be->moe_aux_loss_sum());
