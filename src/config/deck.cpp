@@ -432,11 +432,6 @@ void Builder::validate_moe() {
        "load-balancing loss)");
   // Not built yet for Qwen3-MoE (issue 18): each names its key.
   if (deck_.train.device == "cuda") {  // cuda/cuda_ops_moe.cpp, ops/cuda/moe.cuh
-    // The CUDA router's bias is built but its GPU tests have not run yet (test_moe_cuda.cpp,
-    // test_moe_train_cuda_np1.cpp): refused until they pass.
-    need(m.router_bias_update_rate == 0, "model.router_bias_update_rate",
-         "> 0 (auxiliary-loss-free balancing) is not yet verified on train.device = cuda (its "
-         "GPU tests have not run); set it to 0 or use train.device = cpu");
     // Expert parallelism (cuda/cuda_ops_moe_ep.cpp) at every ZeRO stage, without tp, pp or LoRA.
     need(deck_.mesh.ep == 1 || (deck_.mesh.tp == 1 && deck_.mesh.pp == 1 && deck_.lora.r == 0),
          "mesh.ep", "> 1 (expert parallelism) with mesh.tp, mesh.pp > 1 or LoRA (lora.r > 0) is "
@@ -484,10 +479,6 @@ void Builder::validate_moe_lora() {
          kLoraTargets[t]);
   need(deck_.mesh.pp == 1, "mesh.pp", "> 1 with LoRA (lora.r > 0) on a Qwen3-MoE model is not "
        "built yet; set mesh.pp = 1");
-  // The CUDA path (the frozen block's backward, cuda_ops_moe.cpp) is built but its GPU test
-  // (test_moe_lora_train_cuda_np1.cpp) has not run yet: refused until it passes.
-  need(deck_.train.device != "cuda", "lora.r", "> 0 on a Qwen3-MoE model is not yet verified on "
-       "train.device = cuda (its GPU test has not run); use train.device = cpu");
 }
 
 std::string resolved_text(Deck& d, int world) {

@@ -52,8 +52,9 @@ TEST(DeckErrors, Moe) {
   expect_error(moe + "router_bias_update_rate = -0.001\n",
                {"model.router_bias_update_rate = -0.001", ">= 0"});
   expect_error(moe + "router_bias_update_rate = nan\n", {"model.router_bias_update_rate", "finite"});
-  expect_error(moe + "router_bias_update_rate = 0.001\nhead_dim = 64\n[train]\ndevice = cuda\n",
-               {"model.router_bias_update_rate", "not yet verified on train.device = cuda"});
+  EXPECT_EQ(parse(moe + "router_bias_update_rate = 0.001\nhead_dim = 64\n[train]\ndevice = cuda\n")
+                .model.router_bias_update_rate,
+            0.001);
   expect_error("[model]\nrouter_bias_update_rate = 0.001\n",
                {"model.router_bias_update_rate", "dense"});
   // train.device = cuda: one GPU, dp, and ep at ZeRO 0-2 (cuda/cuda_ops_moe.cpp,
@@ -84,10 +85,8 @@ TEST(DeckErrors, Moe) {
   expect_error(moe + cuda + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE", "train.device = cuda"});
   expect_error(moe + cuda + "[mesh]\npp = 2\n", {"mesh.pp = 2", "Qwen3-MoE", "train.device = cuda"});
   // LoRA on the attention projections (the router and experts frozen): cpu at any ep and tp,
-  // cuda (ep 1) built but refused until its GPU test has run; no adapters on the experts or the
-  // dense MLP, no pp yet.
-  expect_error(moe + cuda + "[lora]\nr = 4\n",
-               {"lora.r = 4", "Qwen3-MoE", "not yet verified on train.device = cuda"});
+  // cuda at ep 1; no adapters on the experts or the dense MLP, no pp yet.
+  EXPECT_EQ(parse(moe + cuda + "[lora]\nr = 4\n").lora.r, 4);
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n").lora.r, 4);
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\nep = 2\n").mesh.ep, 2);
   expect_error(moe + "[lora]\nr = 4\ntargets = q_proj, gate_proj\n",

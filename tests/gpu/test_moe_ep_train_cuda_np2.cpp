@@ -58,5 +58,24 @@ TEST(MoeTrainCudaEp2, ReproducesOneGpuAndResumesAtEp1) {
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }
 
+// Auxiliary-loss-free balancing at ep 2: every rank routes its own tokens with the same bias,
+// updated from the load summed over dp, so ep 2 (dp 2) follows one GPU's run with the bias.
+TEST(MoeTrainCudaEp2, RouterBiasReproducesOneGpu) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
+    cudaGetLastError();
+    GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
+  }
+  ASSERT_EQ(test::world_size(), 2);
+  const std::string tmp = test::shared_temp_dir("moe-cuda-ep2-bias");
+  const std::string rate = "--model.router_bias_update_rate=1e-3";
+  const test::EpRun one = test::train_ep(1, tmp, "one", {rate});
+  ASSERT_EQ(one.moe.size(), static_cast<std::size_t>(test::kEpSteps));
+  test::expect_close(test::train_ep(2, tmp, "ep2_z1", {rate, "--mesh.ep=2", "--optim.zero_stage=1"}),
+                     one, 0, "ep2_z1 with the router bias");
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+}
+
 }  // namespace
 }  // namespace qt
