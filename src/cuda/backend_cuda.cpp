@@ -124,6 +124,7 @@ class CudaBackend final : public TrainBackend {
   }
   double moe_aux_loss_sum() const override { return deck_.model.is_moe() ? aux_sum_ : -1; }
   std::vector<double> moe_load() const override { return model_->moe_load(); }
+  std::vector<double> moe_dropped() const override { return model_->moe_dropped(); }
   void set_router_bias(const std::vector<float>& bias) override { model_->set_router_bias(bias); }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {

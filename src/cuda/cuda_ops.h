@@ -171,6 +171,9 @@ class CudaOps : public NoCollectives {
   // Token-slots routed to each expert of each sparse layer since clear_moe_load():
   // [sparse layers][E] (exact counts, summed on the device; reading them waits for the stream).
   const std::vector<double>& moe_load() const;
+  // Token-slots the capacity (model.moe_capacity_factor) dropped in each sparse layer since
+  // clear_moe_load(): [sparse layers] (exact; reading them waits for the stream).
+  const std::vector<double>& moe_dropped() const;
   void clear_moe_load();
 
  private:
@@ -184,7 +187,9 @@ class CudaOps : public NoCollectives {
   };
   void moe_allocate(DeviceArena& arena);
   std::vector<MoeLayer> moe_layers_;      // [L] (empty entries for dense layers)
-  int* moe_counts_ = nullptr;             // [E] device: the layer being routed
+  int* moe_counts_ = nullptr;             // [E] device: the layer being routed, pairs routed
+  int* moe_kept_ = nullptr;               // [E] device: of those, kept by the capacity
+  int moe_capacity_ = 0;                  // pairs an expert keeps (kMoeDropless: all)
   void* moe_route_ws_ = nullptr;
   bf16* moe_logits_ = nullptr;            // [N, E] router logits, then their gradient
   float* router_bias_ = nullptr;          // [sparse layers, E] device: set_router_bias's
@@ -200,6 +205,8 @@ class CudaOps : public NoCollectives {
   float aux_scale_ = 0;
   double* moe_load_ = nullptr;            // [sparse layers, E] device: moe_load()'s sums
   mutable std::vector<double> load_;      // moe_load()'s host copy
+  double* moe_dropped_ = nullptr;         // [sparse layers] device: moe_dropped()'s sums
+  mutable std::vector<double> dropped_;   // moe_dropped()'s host copy
   bool moe_recompute_ = false;
   int moe_last_ = -1;                     // the layer of the last moe() (moe_recompute_)
 
@@ -218,8 +225,9 @@ class CudaOps : public NoCollectives {
   };
   NcclComm* ep_ = nullptr;
   std::vector<MoeEp> moe_ep_;         // [L] (empty entries for dense layers)
-  int moe_ep_rows_ = 0;               // the most rows a rank receives: P N min(k, El)
-  int* moe_ep_counts_ = nullptr;      // [P, E] device: the group's routing counts
+  int moe_ep_rows_ = 0;               // the most rows a rank receives: P N min(k, El), or E C
+                                      // with a capacity C when less
+  int* moe_ep_counts_ = nullptr;      // [P, E] device: the group's kept routing counts
   PinnedBuffer moe_ep_host_;          // [P, E] int32: their host copy
   int* moe_ep_segments_ = nullptr;    // [2 E] moe_ep_recv_order's scratch
   bf16 *moe_ep_a_ = nullptr, *moe_ep_b_ = nullptr;  // [moe_ep_rows_, H] scratch

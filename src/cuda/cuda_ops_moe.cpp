@@ -19,6 +19,7 @@
 #include "ops/cuda/gemm.cuh"
 #include "ops/cuda/moe.cuh"
 #include "ops/cuda/swiglu.cuh"
+#include "ops/moe_capacity.h"
 #include "qtrain/error.h"
 
 namespace qt::cuda {
@@ -31,9 +32,16 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   QT_CHECK(cfg_.expert_shards == (ep_ ? ep_->size() : 1),
            "experts stored over {} ranks (the ep rank's local config) computed over {}",
            cfg_.expert_shards, ep_ ? ep_->size() : 1);
-  // The experts' rows: this rank's N k, or with an ep group the most it can receive.
+  // The experts' rows: this rank's N k, or with an ep group the most it can receive: every
+  // rank's every token in each of its experts, or with a capacity C at most C from each rank
+  // in each of its experts (E C in all).
   const int El = E / cfg_.expert_shards;
-  if (ep_) moe_ep_rows_ = ep_->size() * N_ * std::min(k, El);
+  const double factor = cfg_.moe_capacity_factor;
+  moe_capacity_ = factor > 0 ? expert_capacity(N_, k, E, factor) : kMoeDropless;
+  if (ep_) {
+    moe_ep_rows_ = ep_->size() * N_ * std::min(k, El);
+    if (factor > 0) moe_ep_rows_ = std::min<long>(moe_ep_rows_, static_cast<long>(E) * moe_capacity_);
+  }
   const std::size_t ex_rows = ep_ ? static_cast<std::size_t>(moe_ep_rows_) : rows;
   moe_layers_.resize(static_cast<std::size_t>(L));
   MoeLayer shared;
@@ -53,6 +61,7 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
     m.out = shared.out;
   }
   moe_counts_ = arena.allocate<int>(E);
+  moe_kept_ = arena.allocate<int>(E);
   moe_route_ws_ = arena.allocate(moe_route_workspace_bytes(static_cast<int>(rows), E));
   moe_logits_ = arena.allocate<bf16>(N * E);
   moe_x_ = arena.allocate<bf16>(rows * H);
@@ -67,6 +76,10 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   moe_load_ = arena.allocate<double>(n_load);
   QT_CHECK_CUDA(cudaMemset(moe_load_, 0, sizeof(double) * n_load));
   load_.assign(n_load, 0.0);
+  const std::size_t n_sparse = static_cast<std::size_t>(cfg_.num_moe_layers());
+  moe_dropped_ = arena.allocate<double>(n_sparse);
+  QT_CHECK_CUDA(cudaMemset(moe_dropped_, 0, sizeof(double) * n_sparse));
+  dropped_.assign(n_sparse, 0.0);
   if (ep_) moe_ep_allocate(arena);
 }
 
@@ -77,6 +90,15 @@ const std::vector<double>& CudaOps::moe_load() const {
     QT_CHECK_CUDA(cudaStreamSynchronize(s_));
   }
   return load_;
+}
+
+const std::vector<double>& CudaOps::moe_dropped() const {
+  if (moe_dropped_ != nullptr) {
+    QT_CHECK_CUDA(cudaMemcpyAsync(dropped_.data(), moe_dropped_, sizeof(double) * dropped_.size(),
+                                  cudaMemcpyDeviceToHost, s_));
+    QT_CHECK_CUDA(cudaStreamSynchronize(s_));
+  }
+  return dropped_;
 }
 
 // The bias is the trainer's: the host updates it after each optimizer step from the step's load
@@ -98,8 +120,11 @@ void CudaOps::set_router_bias(const std::vector<float>& bias) {
 
 void CudaOps::clear_moe_load() {
   std::fill(load_.begin(), load_.end(), 0.0);
-  if (moe_load_ != nullptr)
+  std::fill(dropped_.begin(), dropped_.end(), 0.0);
+  if (moe_load_ != nullptr) {
     QT_CHECK_CUDA(cudaMemsetAsync(moe_load_, 0, sizeof(double) * load_.size(), s_));
+    QT_CHECK_CUDA(cudaMemsetAsync(moe_dropped_, 0, sizeof(double) * dropped_.size(), s_));
+  }
 }
 
 void CudaOps::moe_begin() {
@@ -121,13 +146,15 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
           ? router_bias_ + static_cast<std::size_t>(cfg_.moe_layers_before(l)) * E
           : nullptr;  // layer l's [E]
   moe_router_forward(probs, idx, rw, moe_logits_, N_, E, k, cfg_.norm_topk_prob, s_, bias);
-  moe_route(moe_counts_, m.offsets, m.pos, m.pair, stats ? moe_balance_ : nullptr, idx, rows,
-            E, moe_route_ws_, s_);
+  moe_route(moe_counts_, moe_kept_, m.offsets, m.pos, m.pair, stats ? moe_balance_ : nullptr,
+            idx, rows, E, moe_capacity_, moe_route_ws_, s_);
   if (stats) {
     moe_probs_colsum(moe_balance_ + E, probs, N_, E, s_);
     moe_tokens_ += N_;
     const std::size_t sparse = static_cast<std::size_t>(cfg_.moe_layers_before(l));
     moe_load_add(moe_load_ + sparse * E, moe_counts_, E, s_);
+    if (moe_capacity_ != kMoeDropless)
+      moe_dropped_add(moe_dropped_ + sparse, moe_counts_, moe_kept_, E, s_);
   }
   // The experts: out = down(swiglu(gate_up(x_perm))), kept for the backward (with an ep group
   // on the experts' ranks, out returned in this rank's expert order).

@@ -21,7 +21,8 @@
 //
 // Buffers (from the arena, at set-up): a rank receives at most P N min(k, El) rows, when every
 // rank sends it a row for every slot of every token (a token's k slots name distinct experts,
-// at most El of them here). That bound sizes the kept inputs and SwiGLU activations of each
+// at most El of them here); with a capacity C (model.moe_capacity_factor) at most C from each
+// rank for each of its El experts, E C rows, when that is less. That bound sizes the kept inputs and SwiGLU activations of each
 // sparse layer ([rows, H], [rows, 2 Im], [rows, Im]: P x the ep 1 sizes when El >= k; one
 // shared set with train.recompute) and the exchange scratch; the returned outputs stay [N k, H].
 #include <algorithm>
@@ -62,10 +63,11 @@ void CudaOps::moe_ep_allocate(DeviceArena& arena) {
 void CudaOps::moe_ep_counts(int l) {
   const int P = ep_->size(), r = ep_->rank(), E = cfg_.num_experts, El = E / P;
   MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
-  // moe_counts_ [E]: this layer's routing, just made on the micro-batch's stream.
+  // moe_kept_ [E]: this layer's routing (the rows the capacity keeps), just made on the
+  // micro-batch's stream.
   ep_ready_.record(s_);
   ep_->wait_event(ep_ready_.get());
-  ep_->all_gather_async(moe_counts_, moe_ep_counts_, static_cast<std::size_t>(E), DType::kI32);
+  ep_->all_gather_async(moe_kept_, moe_ep_counts_, static_cast<std::size_t>(E), DType::kI32);
   const int* c = moe_ep_host_.as<int>();  // [P, E]
   QT_CHECK_CUDA(cudaMemcpyAsync(moe_ep_host_.as<int>(), moe_ep_counts_,
                                 sizeof(int) * static_cast<std::size_t>(P) * E,
@@ -82,9 +84,11 @@ void CudaOps::moe_ep_counts(int l) {
   e.recv_at = block_offsets(e.recv);
   const std::size_t sent = e.send_at.back() + e.send.back();
   const std::size_t received = e.recv_at.back() + e.recv.back();
-  QT_CHECK(sent == static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok &&
+  QT_CHECK(sent <= static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok &&
+               (sent == static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok ||
+                moe_capacity_ != kMoeDropless) &&
                received <= static_cast<std::size_t>(moe_ep_rows_),
-           "layer {}: ep rank {} routes {} rows (expected N k = {}) and receives {} (at most {})",
+           "layer {}: ep rank {} routes {} rows (N k = {}) and receives {} (at most {})",
            l, r, sent, static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok, received,
            moe_ep_rows_);
   e.received = static_cast<int>(received);

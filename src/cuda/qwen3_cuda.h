@@ -130,6 +130,8 @@ class Qwen3Cuda {
   void set_router_bias(const std::vector<float>& bias) { ops_.set_router_bias(bias); }
   double moe_aux_loss() { return ops_.moe_aux_loss(); }
   const std::vector<double>& moe_load() const { return ops_.moe_load(); }
+  // Token-slots the capacity dropped in each sparse layer since clear_moe_load().
+  const std::vector<double>& moe_dropped() const { return ops_.moe_dropped(); }
   void clear_moe_load() { ops_.clear_moe_load(); }
 
  private:

@@ -36,9 +36,10 @@ inline std::string moe_deck(const std::string& dir, int steps) {
 struct MoeStep {
   double loss, aux;
   std::vector<std::vector<double>> tokens;  // [sparse layers][E]
+  double dropped_fraction = -1;             // model.moe_capacity_factor > 0; else -1
 };
 
-// Each logged step of a metrics file (aux -1 where it has none).
+// Each logged step of a metrics file (aux and dropped_fraction -1 where it has none).
 inline std::vector<MoeStep> read_moe_metrics(const std::string& path) {
   std::vector<MoeStep> out;
   std::ifstream f(path);
@@ -48,6 +49,7 @@ inline std::vector<MoeStep> read_moe_metrics(const std::string& path) {
     MoeStep s{j["loss"].get<double>(), j.value("aux_loss", -1.0), {}};
     if (j.contains("expert_tokens"))
       s.tokens = j["expert_tokens"].get<std::vector<std::vector<double>>>();
+    s.dropped_fraction = j.value("dropped_fraction", -1.0);
     out.push_back(s);
   }
   return out;

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
 #include <numeric>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "cuda_op_check.h"
 #include "ops/cuda/moe.cuh"
 #include "ops/linear.h"
+#include "ops/moe_capacity.h"
 #include "ops/moe_experts.h"
 #include "ops/moe_router.h"
 #include "tiny_model.h"
@@ -195,18 +197,44 @@ TEST_P(CudaMoeRoute, GroupsPairsByExpertStably) {
   std::vector<int> pos(n);
   for (int r = 0; r < n; ++r) pos[order[r]] = r;
 
-  GuardedBuffer<int> d_idx(idx), d_counts(E), d_offsets(E + 1), d_pos(n), d_pair(n);
+  GuardedBuffer<int> d_idx(idx), d_counts(E), d_kept(E), d_offsets(E + 1), d_pos(n), d_pair(n);
   GuardedBuffer<double> d_bal(std::vector<double>(E, 1.0));
   GuardedBuffer<char> ws(cuda::moe_route_workspace_bytes(n, E));
-  cuda::moe_route(d_counts.get(), d_offsets.get(), d_pos.get(), d_pair.get(), d_bal.get(),
-                  d_idx.get(), n, E, ws.get(), nullptr);
+  cuda::moe_route(d_counts.get(), d_kept.get(), d_offsets.get(), d_pos.get(), d_pair.get(),
+                  d_bal.get(), d_idx.get(), n, E, cuda::kMoeDropless, ws.get(), nullptr);
   EXPECT_EQ(d_counts.download(), counts);
+  EXPECT_EQ(d_kept.download(), counts);
   EXPECT_EQ(d_offsets.download(), offsets);
   EXPECT_EQ(d_pos.download(), pos);
   EXPECT_EQ(d_pair.download(), order);
   const std::vector<double> bal = d_bal.download();
   for (int e = 0; e < E; ++e) EXPECT_EQ(bal[e], 1.0 + counts[e]) << "expert " << e;
-  for (auto* b : {&d_counts, &d_offsets, &d_pos, &d_pair}) EXPECT_TRUE(b->guard_intact());
+  for (auto* b : {&d_counts, &d_kept, &d_offsets, &d_pos, &d_pair}) EXPECT_TRUE(b->guard_intact());
+
+  // With a capacity C each expert keeps its first C pairs in pair order (capacity_keep, the CPU
+  // rule): kept rows packed by expert, dropped pairs at pos -1, the rows past them pair -1; the
+  // counts and the balance stay the routed ones.
+  const int C = std::max(1, N / 4);
+  std::vector<std::uint8_t> keep(static_cast<std::size_t>(n));
+  const long dropped = cpu::capacity_keep(keep.data(), idx.data(), N, k, E, C);
+  std::vector<int> kept(E), kept_offsets(E + 1, 0), kept_pos(n, -1), kept_pair(n, -1);
+  for (int e = 0; e < E; ++e) kept[e] = std::min(counts[e], C);
+  for (int e = 0; e < E; ++e) kept_offsets[e + 1] = kept_offsets[e] + kept[e];
+  for (int r = 0, next = 0; r < n; ++r)  // order: by expert, pair order within one
+    if (keep[order[r]]) kept_pos[order[r]] = next, kept_pair[next++] = order[r];
+  cuda::moe_route(d_counts.get(), d_kept.get(), d_offsets.get(), d_pos.get(), d_pair.get(),
+                  d_bal.get(), d_idx.get(), n, E, C, ws.get(), nullptr);
+  std::printf("[ cap ] N %d, capacity %d: %ld of %d pairs dropped\n", N, C, dropped, n);
+  EXPECT_EQ(d_counts.download(), counts);
+  EXPECT_EQ(d_kept.download(), kept);
+  EXPECT_EQ(d_offsets.download(), kept_offsets);
+  EXPECT_EQ(d_pos.download(), kept_pos);
+  EXPECT_EQ(d_pair.download(), kept_pair);
+  if (N >= 64) EXPECT_GT(dropped, 0) << "the skewed load must overflow the capacity";
+  GuardedBuffer<double> d_dropped(std::vector<double>{3.0});
+  cuda::moe_dropped_add(d_dropped.get(), d_counts.get(), d_kept.get(), E, nullptr);
+  EXPECT_EQ(d_dropped.download()[0], 3.0 + dropped);
+  for (auto* b : {&d_counts, &d_kept, &d_offsets, &d_pos, &d_pair}) EXPECT_TRUE(b->guard_intact());
 }
 
 INSTANTIATE_TEST_SUITE_P(Tokens, CudaMoeRoute, ::testing::Values(1, 63, 64, 1000));
@@ -215,13 +243,14 @@ INSTANTIATE_TEST_SUITE_P(Tokens, CudaMoeRoute, ::testing::Values(1, 63, 64, 1000
 struct BlockCase {
   int B, T, H, E, k, Im;
   bool norm;
+  double capacity_factor = 0;  // model.moe_capacity_factor (0: dropless)
 };
 
 class CudaMoeBlock : public ::testing::TestWithParam<BlockCase> {};
 
 TEST_P(CudaMoeBlock, ForwardBackwardAndStatisticsMatchCpu) {
   QT_REQUIRE_GPU();
-  const auto [B, T, H, E, k, Im, norm] = GetParam();
+  const auto [B, T, H, E, k, Im, norm, factor] = GetParam();
   ModelConfig c = tiny_model(2, 1, 64, true);
   c.hidden_size = H;
   c.num_layers = 1;
@@ -229,6 +258,7 @@ TEST_P(CudaMoeBlock, ForwardBackwardAndStatisticsMatchCpu) {
   c.num_experts_per_tok = k;
   c.moe_intermediate_size = Im;
   c.norm_topk_prob = norm;
+  c.moe_capacity_factor = factor;
   ASSERT_TRUE(c.is_moe_layer(0));
   const int N = B * T;
   const std::size_t NH = static_cast<std::size_t>(N) * H, NE = static_cast<std::size_t>(N) * E;
@@ -255,8 +285,13 @@ TEST_P(CudaMoeBlock, ForwardBackwardAndStatisticsMatchCpu) {
   logits = rounded(logits);
   cpu::router_forward<double>(probs.data(), idx.data(), w.data(), logits.data(), N, E, k, norm);
   const Vec wb = rounded(w);
+  // The capacity's drops (none when dropless): the pairs past each expert's first C.
+  std::vector<std::uint8_t> keep(NK, 1);
+  const long dropped = cpu::capacity_keep(keep.data(), idx.data(), N, k, E,
+                                          expert_capacity(N, k, E, factor));
   cpu::moe_experts_forward<double>(y.data(), x.value.data(), idx.data(), wb.data(),
-                                   gate_up.value.data(), down.value.data(), N, H, Im, E, k);
+                                   gate_up.value.data(), down.value.data(), N, H, Im, E, k,
+                                   keep.data());
   cpu::RouterBalance bal(E);
   cpu::router_balance_add<double>(bal, probs.data(), idx.data(), N, k);
   const double aux = cpu::router_aux_loss(bal);
@@ -264,7 +299,8 @@ TEST_P(CudaMoeBlock, ForwardBackwardAndStatisticsMatchCpu) {
   Vec dlogits(NE), dx_gate(NH), drouter(router.value.size(), 0.0);
   cpu::moe_experts_backward<double>(dx.data(), dw.data(), dgu.data(), ddown.data(),
                                     dy.value.data(), x.value.data(), idx.data(), wb.data(),
-                                    gate_up.value.data(), down.value.data(), N, H, Im, E, k);
+                                    gate_up.value.data(), down.value.data(), N, H, Im, E, k,
+                                    keep.data());
   cpu::router_backward<double>(dlogits.data(), dw.data(), probs.data(), idx.data(), N, E, k, norm);
   cpu::router_aux_backward<double>(dlogits.data(), bal, probs.data(), N, aux_coef);
   cpu::linear_backward<double>(dx_gate.data(), drouter.data(), dlogits.data(), x.value.data(),
@@ -310,6 +346,9 @@ TEST_P(CudaMoeBlock, ForwardBackwardAndStatisticsMatchCpu) {
   const std::vector<double>& got_load = ops.moe_load();
   ASSERT_EQ(got_load.size(), static_cast<std::size_t>(E));
   for (int e = 0; e < E; ++e) EXPECT_EQ(got_load[e], load[e]) << "expert " << e;
+  std::printf("[ cap ] capacity factor %.2f: %ld of %zu pairs dropped\n", factor, dropped, NK);
+  if (factor > 0) EXPECT_GT(dropped, 0) << "the test wants the capacity to drop pairs";
+  EXPECT_EQ(ops.moe_dropped(), std::vector<double>{static_cast<double>(dropped)});
   // Experts without a token: gradients written as zeros (not left as NaN).
   const std::vector<float> gd = g_down.download();
   for (std::size_t i = (E - 2) * static_cast<std::size_t>(H) * Im; i < gd.size(); ++i)
@@ -330,7 +369,9 @@ TEST_P(CudaMoeBlock, ForwardBackwardAndStatisticsMatchCpu) {
 INSTANTIATE_TEST_SUITE_P(Shapes, CudaMoeBlock,
                          ::testing::Values(BlockCase{2, 48, 128, 8, 2, 64, true},
                                            BlockCase{1, 100, 64, 16, 4, 32, false},
-                                           BlockCase{2, 64, 60, 6, 3, 40, true}));
+                                           BlockCase{2, 64, 60, 6, 3, 40, true},
+                                           BlockCase{2, 48, 128, 8, 2, 64, true, 1.0},
+                                           BlockCase{1, 100, 64, 16, 4, 32, false, 1.25}));
 
 }  // namespace
 }  // namespace qt::test

@@ -58,6 +58,41 @@ TEST(MoeTrainCudaEp2, ReproducesOneGpuAndResumesAtEp1) {
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }
 
+// A capacity factor at ep 2: each rank drops its own micro-batch's overflow before the
+// all-to-all (the same micro-batches, hence the same rule, as on one GPU) and receives at most E C
+// rows a layer.
+TEST(MoeTrainCudaEp2, CapacityFactorReproducesOneGpu) {
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
+    cudaGetLastError();
+    GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
+  }
+  ASSERT_EQ(test::world_size(), 2);
+  const std::string tmp = test::shared_temp_dir("moe-cuda-ep2-capacity");
+  const std::string cf = "--model.moe_capacity_factor=1";
+  const test::EpRun one = test::train_ep(1, tmp, "one", {cf});
+  ASSERT_EQ(one.moe.size(), static_cast<std::size_t>(test::kEpSteps));
+  for (const char* zero : {"1", "3"}) {
+    const std::string tag = std::string("ep2_z") + zero;
+    const test::EpRun ep = test::train_ep(
+        2, tmp, tag, {cf, "--mesh.ep=2", std::string("--optim.zero_stage=") + zero});
+    test::expect_close(ep, one, 0, tag + " with capacity factor 1");
+    ASSERT_EQ(ep.moe.size(), one.moe.size());
+    double worst = 0, sum = 0;
+    for (std::size_t i = 0; i < ep.moe.size(); ++i) {
+      ASSERT_GE(ep.moe[i].dropped_fraction, 0) << tag << " logs no dropped_fraction";
+      worst = std::max(worst, std::abs(ep.moe[i].dropped_fraction - one.moe[i].dropped_fraction));
+      sum += one.moe[i].dropped_fraction;
+    }
+    std::printf("%s: dropped share within %.4f of one GPU's (mean %.4f)\n", tag.c_str(), worst,
+                sum / one.moe.size());
+    EXPECT_GT(sum / one.moe.size(), 0.02) << "the capacity should drop token-slots here";
+    EXPECT_LT(worst, 0.02);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+}
+
 // Auxiliary-loss-free balancing at ep 2: every rank routes its own tokens with the same bias,
 // updated from the load summed over dp, so ep 2 (dp 2) follows one GPU's run with the bias.
 TEST(MoeTrainCudaEp2, RouterBiasReproducesOneGpu) {

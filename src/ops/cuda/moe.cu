@@ -173,9 +173,11 @@ static __global__ void moe_route_count_kernel(int* block_counts, int* rank, cons
 }
 
 // One block of E threads: block_counts becomes each block's first place within its expert;
-// counts, offsets (and the balance counts) from the totals.
-static __global__ void moe_route_scan_kernel(int* counts, int* offsets, int* block_counts,
-                                             double* balance, int blocks, int E) {
+// counts (and the balance counts) from the totals, kept = min(counts, capacity), offsets from
+// kept.
+static __global__ void moe_route_scan_kernel(int* counts, int* kept, int* offsets,
+                                             int* block_counts, double* balance, int blocks,
+                                             int E, int capacity) {
   extern __shared__ int totals[];  // [E]
   const int e = threadIdx.x;
   if (e < E) {
@@ -185,7 +187,8 @@ static __global__ void moe_route_scan_kernel(int* counts, int* offsets, int* blo
       block_counts[static_cast<std::size_t>(b) * E + e] = s;
       s += c;
     }
-    counts[e] = totals[e] = s;
+    counts[e] = s;
+    kept[e] = totals[e] = min(s, capacity);
     if (balance) balance[e] += s;
   }
   __syncthreads();
@@ -199,13 +202,19 @@ static __global__ void moe_route_scan_kernel(int* counts, int* offsets, int* blo
   }
 }
 
+// Pair i's place within its expert; past the capacity it is dropped (pos -1).
 static __global__ void moe_route_place_kernel(int* pos, int* pair, const int* offsets,
                                               const int* block_first, const int* rank,
-                                              const int* idx, int n, int E) {
+                                              const int* idx, int n, int E, int capacity) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n) return;
   const int e = idx[i];
-  const int r = offsets[e] + block_first[static_cast<std::size_t>(i / kRoutePairs) * E + e] + rank[i];
+  const int in_expert = block_first[static_cast<std::size_t>(i / kRoutePairs) * E + e] + rank[i];
+  if (in_expert >= capacity) {
+    pos[i] = -1;
+    return;
+  }
+  const int r = offsets[e] + in_expert;
   pos[i] = r;
   pair[r] = i;
 }
@@ -217,11 +226,16 @@ std::size_t moe_route_workspace_bytes(int n_pairs, int E) {
   return align256(blocks * E * sizeof(int)) + align256(static_cast<std::size_t>(n_pairs) * sizeof(int));
 }
 
-void moe_route(int* counts, int* offsets, int* pos, int* pair, double* balance_count,
-               const int* idx, int n_pairs, int E, void* workspace, cudaStream_t stream) {
-  QT_CUDA_REQUIRE(n_pairs >= 0 && E >= 1 && E <= kMaxExperts,
-                  "moe_route: need n_pairs >= 0 and 1 <= E <= 1024, got n_pairs=" +
-                      std::to_string(n_pairs) + " E=" + std::to_string(E));
+void moe_route(int* counts, int* kept, int* offsets, int* pos, int* pair, double* balance_count,
+               const int* idx, int n_pairs, int E, int capacity, void* workspace,
+               cudaStream_t stream) {
+  QT_CUDA_REQUIRE(n_pairs >= 0 && E >= 1 && E <= kMaxExperts && capacity >= 0,
+                  "moe_route: need n_pairs >= 0, 1 <= E <= 1024 and capacity >= 0, got n_pairs=" +
+                      std::to_string(n_pairs) + " E=" + std::to_string(E) +
+                      " capacity=" + std::to_string(capacity));
+  // With drops the rows past the kept ones name no pair (moe_permute zeroes them).
+  if (capacity < n_pairs && n_pairs > 0)
+    QT_CHECK_CUDA(cudaMemsetAsync(pair, 0xff, sizeof(int) * static_cast<std::size_t>(n_pairs), stream));
   const int blocks = ceil_div(n_pairs, kRoutePairs);
   int* block_counts = static_cast<int*>(workspace);
   int* rank = reinterpret_cast<int*>(static_cast<char*>(workspace) +
@@ -232,11 +246,11 @@ void moe_route(int* counts, int* offsets, int* pos, int* pair, double* balance_c
     QT_CHECK_LAUNCH();
   }
   moe_route_scan_kernel<<<1, ceil_div(E, 32) * 32, sizeof(int) * E, stream>>>(
-      counts, offsets, block_counts, balance_count, blocks, E);
+      counts, kept, offsets, block_counts, balance_count, blocks, E, capacity);
   QT_CHECK_LAUNCH();
   if (blocks > 0) {
     moe_route_place_kernel<<<ceil_div(n_pairs, kRowThreads), kRowThreads, 0, stream>>>(
-        pos, pair, offsets, block_counts, rank, idx, n_pairs, E);
+        pos, pair, offsets, block_counts, rank, idx, n_pairs, E, capacity);
     QT_CHECK_LAUNCH();
   }
 }
@@ -249,6 +263,23 @@ static __global__ void moe_load_add_kernel(double* load, const int* counts, int 
 void moe_load_add(double* load, const int* counts, int E, cudaStream_t stream) {
   if (E <= 0) return;
   moe_load_add_kernel<<<ceil_div(E, 256), 256, 0, stream>>>(load, counts, E);
+  QT_CHECK_LAUNCH();
+}
+
+// One warp: dropped[0] += the sum of counts - kept, in a fixed order.
+static __global__ void moe_dropped_add_kernel(double* dropped, const int* counts, const int* kept,
+                                              int E) {
+  long long s = 0;
+  for (int e = threadIdx.x; e < E; e += 32) s += counts[e] - kept[e];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_down_sync(0xffffffffu, s, o);
+  if (threadIdx.x == 0) dropped[0] += static_cast<double>(s);
+}
+
+void moe_dropped_add(double* dropped, const int* counts, const int* kept, int E,
+                     cudaStream_t stream) {
+  if (E <= 0) return;
+  moe_dropped_add_kernel<<<1, 32, 0, stream>>>(dropped, counts, kept, E);
   QT_CHECK_LAUNCH();
 }
 
@@ -302,12 +333,12 @@ static __device__ __forceinline__ void store8(bf16* row, int c, int H, const flo
 template <bool kVec>
 static __global__ void moe_permute_kernel(bf16* x_perm, const bf16* x, const int* pair, int k,
                                           int H) {
-  const int r = blockIdx.x;
-  const bf16* src = x + static_cast<std::size_t>(pair[r] / k) * H;
+  const int r = blockIdx.x, p = pair[r];
+  const bf16* src = x + static_cast<std::size_t>(p < 0 ? 0 : p / k) * H;
   bf16* dst = x_perm + static_cast<std::size_t>(r) * H;
   for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
-    float f[8];
-    load8<kVec>(src, c, H, f);
+    float f[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (p >= 0) load8<kVec>(src, c, H, f);  // a row past the kept ones (capacity): zeros
     store8<kVec>(dst, c, H, f);
   }
 }
@@ -320,6 +351,7 @@ static __global__ void moe_unpermute_kernel(bf16* y, const bf16* out_perm, const
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     for (int j = 0; j < k; ++j) {
       const std::size_t i = static_cast<std::size_t>(t) * k + j;
+      if (pos[i] < 0) continue;  // dropped by the capacity
       const float wj = __bfloat162float(w[i]);
       float o[8];
       load8<kVec>(out_perm + static_cast<std::size_t>(pos[i]) * H, c, H, o);
@@ -336,6 +368,10 @@ static __global__ void moe_unpermute_backward_kernel(bf16* dout_perm, float* dw,
                                                      const int* pos, int k, int H) {
   __shared__ float smem[32];
   const int i = blockIdx.x, t = i / k;
+  if (pos[i] < 0) {  // dropped by the capacity: no row, no weight gradient (block-uniform)
+    if (threadIdx.x == 0) dw[i] = 0.f;
+    return;
+  }
   const float wi = __bfloat162float(w[i]);
   const std::size_t r = static_cast<std::size_t>(pos[i]) * H;
   float dot[1] = {0.f};
@@ -361,8 +397,9 @@ static __global__ void moe_permute_backward_kernel(bf16* dx, const bf16* dx_perm
   for (int c = threadIdx.x * 8; c < H; c += blockDim.x * 8) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, f[8];
     for (int j = 0; j < k; ++j) {
-      load8<kVec>(dx_perm + static_cast<std::size_t>(pos[static_cast<std::size_t>(t) * k + j]) * H,
-                  c, H, f);
+      const int r = pos[static_cast<std::size_t>(t) * k + j];
+      if (r < 0) continue;  // dropped by the capacity
+      load8<kVec>(dx_perm + static_cast<std::size_t>(r) * H, c, H, f);
 #pragma unroll
       for (int q = 0; q < 8; ++q) acc[q] += f[q];
     }
