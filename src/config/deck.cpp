@@ -162,7 +162,8 @@ void Builder::resolve_init(bool preset_given) {
   hf.preset = preset_given ? deck_.model.preset : "";
   if (given("model.initializer_range")) hf.initializer_range = deck_.model.initializer_range;
   if (given("model.router_aux_loss_coef")) hf.router_aux_loss_coef = deck_.model.router_aux_loss_coef;
-  hf.router_bias_update_rate = deck_.model.router_bias_update_rate;  // a training setting
+  hf.router_bias_update_rate = deck_.model.router_bias_update_rate;  // training settings
+  hf.moe_capacity_factor = deck_.model.moe_capacity_factor;
   deck_.model = hf;
   init_resolved_ = true;
 }
@@ -415,6 +416,11 @@ void Builder::validate_moe() {
   need(m.num_experts > 0 || m.router_bias_update_rate == 0, "model.router_bias_update_rate",
        "> 0 balances a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: "
        "set it to 0");
+  need(m.moe_capacity_factor >= 0 && std::isfinite(m.moe_capacity_factor),
+       "model.moe_capacity_factor", "must be a finite number >= 0 (0: dropless)");
+  need(m.num_experts > 0 || m.moe_capacity_factor == 0, "model.moe_capacity_factor",
+       "> 0 limits a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: "
+       "set it to 0");
   if (m.num_experts == 0) return;
   need(m.num_experts_per_tok >= 1 && m.num_experts_per_tok <= m.num_experts,
        "model.num_experts_per_tok", "must be in [1, model.num_experts = {}]", m.num_experts);
@@ -437,6 +443,9 @@ void Builder::validate_moe() {
     need(m.router_bias_update_rate == 0, "model.router_bias_update_rate",
          "> 0 (auxiliary-loss-free balancing) is not yet verified on train.device = cuda (its "
          "GPU tests have not run); set it to 0 or use train.device = cpu");
+    need(m.moe_capacity_factor == 0, "model.moe_capacity_factor",
+         "> 0 (dropping the overflow of full experts) is not built on train.device = cuda yet; "
+         "set it to 0 (dropless) or use train.device = cpu");
     // Expert parallelism (cuda/cuda_ops_moe_ep.cpp) at every ZeRO stage, without tp, pp or LoRA.
     need(deck_.mesh.ep == 1 || (deck_.mesh.tp == 1 && deck_.mesh.pp == 1 && deck_.lora.r == 0),
          "mesh.ep", "> 1 (expert parallelism) with mesh.tp, mesh.pp > 1 or LoRA (lora.r > 0) is "
