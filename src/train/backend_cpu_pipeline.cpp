@@ -276,22 +276,19 @@ class CpuPipelineBackend final : public TrainBackend {
       aux_sum_ += pp_.sum(aux);
       // The chunks' counts summed, then over the stages; every stage's vector has the model's
       // length (a stage without sparse layers may have counted none yet: empty).
-      auto over_stages = [&](auto count, std::size_t n) {
+      using Counts = const std::vector<double>& (Qwen3Stage::*)() const;
+      auto over_stages = [&](Counts counts, std::size_t n) {
         std::vector<double> sum(n, 0.0);
         for (const Chunk& c : chunks_) {
-          const std::vector<double>& mine = count(*c.stage);
+          const std::vector<double>& mine = ((*c.stage).*counts)();
           for (std::size_t i = 0; i < mine.size(); ++i) sum.at(i) += mine[i];
         }
         pp_.all_reduce(sum.data(), sum.size(), DType::kF64, ReduceOp::kSum);
         return sum;
       };
       const std::size_t sparse = static_cast<std::size_t>(local_.num_moe_layers());
-      load_ = over_stages([](const Qwen3Stage& st) -> const std::vector<double>& {
-        return st.moe_load();
-      }, sparse * local_.num_experts);
-      dropped_ = over_stages([](const Qwen3Stage& st) -> const std::vector<double>& {
-        return st.moe_dropped();
-      }, sparse);
+      load_ = over_stages(&Qwen3Stage::moe_load, sparse * local_.num_experts);
+      dropped_ = over_stages(&Qwen3Stage::moe_dropped, sparse);
     }
     return pp_.sum(loss);  // the last stage's, on every stage
   }

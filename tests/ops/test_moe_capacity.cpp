@@ -183,7 +183,8 @@ TEST(ops_moe_capacity, BlockBackwardWithDropsAgainstFiniteDifferences) {
     std::uniform_real_distribution<double> noise(-0.01, 0.01);
     Vec gate(s.E * s.H), x(s.N * s.H);
     for (int e = 0; e < s.E; ++e)
-      for (int a = 0; a < s.H; ++a) gate[e * s.H + a] = static_cast<float>(perm[e] * u[a] + noise(rng));
+      for (int a = 0; a < s.H; ++a)
+        gate[e * s.H + a] = static_cast<float>(perm[e] * u[a] + noise(rng));
     for (int t = 0; t < s.N; ++t)
       for (int a = 0; a < s.H; ++a)
         x[t * s.H + a] = static_cast<float>((t % 2 ? -1.0 : 1.0) * u[a] + noise(rng));

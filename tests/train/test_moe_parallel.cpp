@@ -80,7 +80,8 @@ void expect_serial_drops(const std::vector<MoeStep>& got, const std::vector<MoeS
   ASSERT_EQ(got.size(), serial.size()) << name;
   const long flip = first_flip(got, serial);
   for (std::size_t i = 0; i < got.size(); ++i)
-    if (got[i].step < flip) EXPECT_EQ(got[i].dropped, serial[i].dropped) << name << " step " << got[i].step;
+    if (got[i].step < flip)
+      EXPECT_EQ(got[i].dropped, serial[i].dropped) << name << " step " << got[i].step;
 }
 
 class MoeParallel : public MoeTraining {
