@@ -38,6 +38,11 @@ struct ModelConfig {
   // setting like router_aux_loss_coef, not architecture: neither checkpoints nor config.json
   // compare it.
   double router_bias_update_rate = 0;
+  // Expert capacity (docs/moe.md "Capacity factor"): each expert of a sparse layer takes at most
+  // expert_capacity(N, k, E, factor) (ops/moe_capacity.h) of the token-slots of one router call
+  // (N tokens: a rank's micro-batch), the overflow dropped and counted; 0: dropless. A training
+  // setting like router_bias_update_rate: neither checkpoints nor config.json hold it.
+  double moe_capacity_factor = 0;
   // Not an architecture key: the local model of an expert-parallel rank (ep_local_config,
   // parallel/expert_parallel.h) stores E / expert_shards experts of each sparse layer, placed
   // after the head in its ParamLayout (one unit each in the plan). 1 for every model a deck, a

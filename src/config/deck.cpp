@@ -162,7 +162,8 @@ void Builder::resolve_init(bool preset_given) {
   hf.preset = preset_given ? deck_.model.preset : "";
   if (given("model.initializer_range")) hf.initializer_range = deck_.model.initializer_range;
   if (given("model.router_aux_loss_coef")) hf.router_aux_loss_coef = deck_.model.router_aux_loss_coef;
-  hf.router_bias_update_rate = deck_.model.router_bias_update_rate;  // a training setting
+  hf.router_bias_update_rate = deck_.model.router_bias_update_rate;  // training settings
+  hf.moe_capacity_factor = deck_.model.moe_capacity_factor;
   deck_.model = hf;
   init_resolved_ = true;
 }
@@ -414,6 +415,11 @@ void Builder::validate_moe() {
        "model.router_bias_update_rate", "must be a finite number >= 0 (0: no router bias)");
   need(m.num_experts > 0 || m.router_bias_update_rate == 0, "model.router_bias_update_rate",
        "> 0 balances a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: "
+       "set it to 0");
+  need(m.moe_capacity_factor >= 0 && std::isfinite(m.moe_capacity_factor),
+       "model.moe_capacity_factor", "must be a finite number >= 0 (0: dropless)");
+  need(m.num_experts > 0 || m.moe_capacity_factor == 0, "model.moe_capacity_factor",
+       "> 0 limits a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: "
        "set it to 0");
   if (m.num_experts == 0) return;
   need(m.num_experts_per_tok >= 1 && m.num_experts_per_tok <= m.num_experts,

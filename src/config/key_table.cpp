@@ -82,6 +82,10 @@ const std::vector<KeySpec>& key_table() {
              "Qwen3-MoE: auxiliary-loss-free balancing: after each step every sparse layer's "
              "router bias (added to the probabilities for the choice of experts only) moves by "
              "this toward an even expert load; 0 = off"),
+        spec("model", "moe_capacity_factor", &D::model, &M::moe_capacity_factor, "",
+             "Qwen3-MoE: expert capacity: each expert takes at most ceil(factor x tokens x k / "
+             "num_experts) of a micro-batch's token-slots, in token order; the overflow is "
+             "dropped (its slot adds nothing) and counted; 0 = dropless"),
 
         spec("mesh", "dp", &D::mesh, &S::dp, "ranks",
              "Data-parallel ranks; 0 = auto (world size / (tp x pp))"),

@@ -26,6 +26,7 @@ void zero(float* p, std::size_t n) {
 
 CpuOps::CpuOps(const ModelConfig& cfg, ForwardOnly f, HostArena& arena)
     : cfg_(cfg), B_(1), T_(f.max_rows), N_(f.max_rows), max_rows_(f.max_rows) {
+  cfg_.moe_capacity_factor = 0;  // inference routes every token (a capacity is for training)
   const std::size_t hd = cfg.head_dim, QK = std::max(cfg.q_dim(), cfg.kv_dim());
   cos_ = arena.allocate<float>(f.rope_len * hd / 2);
   sin_ = arena.allocate<float>(f.rope_len * hd / 2);

@@ -162,9 +162,17 @@ class CpuOps : public NoCollectives {
   // layers, model/qwen3_stage.h), in place of those its own forward collected.
   void set_moe_balance(const cpu::RouterBalance& b) { balance_ = b; }
   // Token-slots routed to each expert of each sparse layer since the last clear_moe_load():
-  // [sparse layers in order][E], as doubles (the forwards that counted statistics).
+  // [sparse layers in order][E], as doubles (the forwards that counted statistics; the routing
+  // before any drop).
   const std::vector<double>& moe_load() const { return load_; }
-  void clear_moe_load() { std::fill(load_.begin(), load_.end(), 0.0); }
+  // Token-slots of this rank's tokens that model.moe_capacity_factor dropped in each sparse
+  // layer since the last clear_moe_load(): [sparse layers in order] (the same forwards; zeros
+  // when dropless).
+  const std::vector<double>& moe_dropped() const { return dropped_; }
+  void clear_moe_load() {
+    std::fill(load_.begin(), load_.end(), 0.0);
+    std::fill(dropped_.begin(), dropped_.end(), 0.0);
+  }
 
  private:
   // The projections of a LoRA site, each with its first column in the site's fused output.
@@ -204,6 +212,7 @@ class CpuOps : public NoCollectives {
   float aux_scale_ = 0;
   const float* router_bias_ = nullptr;  // set_router_bias: [sparse layers, E]
   std::vector<double> load_;       // moe_load(), sized at the first sparse layer
+  std::vector<double> dropped_;    // moe_dropped(), sized with load_
   Comm* ep_ = nullptr;             // set_expert_parallel
   // Expert parallelism: each sparse layer's exchange and its experts' outputs [N k, H], from
   // its forward to its backward, for each slot (set_expert_parallel); index slot x L + l.

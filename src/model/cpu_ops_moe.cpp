@@ -14,9 +14,11 @@
 namespace qt {
 
 namespace {
+// N: the rows one router call routes, the micro-batch's (gathered under sequence parallelism),
+// so the capacity is the same on every mesh.
 cpu::MoeShape moe_shape(const ModelConfig& c, int N) {
   return {N, c.hidden_size, c.moe_intermediate_size, c.num_experts, c.num_experts_per_tok,
-          c.norm_topk_prob};
+          c.norm_topk_prob, c.moe_capacity_factor};
 }
 }  // namespace
 
@@ -56,21 +58,27 @@ void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float
   const float* bias = router_bias_ ? router_bias_ + static_cast<std::size_t>(
                                                         cfg_.moe_layers_before(l)) * s.E
                                    : nullptr;  // layer l's [E]
+  long dropped = 0;  // by the capacity, of this rank's tokens (every tp rank alike)
   if (ep_) {  // gate_up, down: this rank's experts, rows [first, first + El) of the global ones
     const std::size_t i = static_cast<std::size_t>(moe_slot_) * cfg_.num_layers + l;
     ExpertDispatch& d = *dispatch_.at(i);
     slot_out_[i].resize(static_cast<std::size_t>(s.N) * s.k * s.H);
-    moe_block_forward_ep(y, probs, idx, rw, slot_out_[i].data(), x, router, gate_up, down, s, d,
-                         bias);
+    dropped = moe_block_forward_ep(y, probs, idx, rw, slot_out_[i].data(), x, router, gate_up,
+                                   down, s, d, bias);
   } else {
-    cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s, bias);
+    dropped = cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s, bias);
   }
   if (stats) {
     QT_CHECK(static_cast<int>(balance_.count.size()) == s.E, "moe before moe_begin");
     cpu::router_balance_add(balance_, probs, idx, s.N, s.k);
-    if (load_.empty()) load_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()) * s.E, 0.0);
-    double* load = load_.data() + static_cast<std::size_t>(cfg_.moe_layers_before(l)) * s.E;
+    const std::size_t sparse = static_cast<std::size_t>(cfg_.moe_layers_before(l));
+    if (load_.empty()) {
+      load_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()) * s.E, 0.0);
+      dropped_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()), 0.0);
+    }
+    double* load = load_.data() + sparse * s.E;
     for (std::size_t j = 0; j < static_cast<std::size_t>(s.N) * s.k; ++j) load[idx[j]] += 1;
+    dropped_[sparse] += static_cast<double>(dropped);
   }
 }
 

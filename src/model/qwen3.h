@@ -95,6 +95,8 @@ class Qwen3Model {
   double moe_aux_loss() const { return ops_.moe_aux_loss(); }
   // Token-slots routed to each expert since clear_moe_load(): [sparse layers][E] (CpuOps).
   const std::vector<double>& moe_load() const { return ops_.moe_load(); }
+  // Token-slots the capacity dropped since clear_moe_load(): [sparse layers] (CpuOps).
+  const std::vector<double>& moe_dropped() const { return ops_.moe_dropped(); }
   void clear_moe_load() { ops_.clear_moe_load(); }
 
   // [B*T, V] logits of the last forward (valid until backward).

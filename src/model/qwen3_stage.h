@@ -102,13 +102,15 @@ class Qwen3Stage {
   cpu::RouterBalance& moe_stats(int slot) { return slot_.at(slot).moe; }
   // Load-balancing loss weight and expert parallelism: CpuOps' set_moe_aux_scale and
   // set_expert_parallel (each slot its own exchanges: several micro-batches are between their
-  // forward and backward). moe_load: this stage's sparse layers' counts (zero rows elsewhere).
+  // forward and backward). moe_load, moe_dropped: this stage's sparse layers' counts (zero rows
+  // elsewhere).
   void set_moe_aux_scale(float aux_scale) { ops_.set_moe_aux_scale(aux_scale); }
   // The whole model's [sparse layers, E] bias (CpuOps::set_router_bias): the stage's layers
   // read their rows by global sparse-layer index.
   void set_router_bias(const float* bias) { ops_.set_router_bias(bias); }
   void set_expert_parallel(Comm* ep) { ops_.set_expert_parallel(ep, slots()); }
   const std::vector<double>& moe_load() const { return ops_.moe_load(); }
+  const std::vector<double>& moe_dropped() const { return ops_.moe_dropped(); }
   void clear_moe_load() { ops_.clear_moe_load(); }
 
  private:

@@ -120,22 +120,24 @@ void ExpertDispatch::exchange(const float* send, float* recv, bool forward_direc
 }
 
 void ExpertDispatch::forward(float* out, const float* x, const int* idx, int N, int k,
-                             const float* gate_up, const float* down) {
+                             const float* gate_up, const float* down, const std::uint8_t* keep) {
   const int P = ep_.size();
   const std::size_t H = h_;
   nk_ = N * k;
-  // Each slot row's owner; rows go out grouped by owner, in slot order within a group.
+  // Each kept slot row's owner; rows go out grouped by owner, in slot order within a group.
   send_rows_.assign(P, 0);
   for (int i = 0; i < nk_; ++i) {
     QT_CHECK(idx[i] >= 0 && idx[i] < e_, "expert {} of {}", idx[i], e_);
-    ++send_rows_[idx[i] / el_];
+    if (!keep || keep[i]) ++send_rows_[idx[i] / el_];
   }
   send_at_ = block_offsets(send_rows_);
   std::vector<std::size_t> next = send_at_;
-  pos_.resize(nk_);
-  std::vector<float> send_x(nk_ * H);
-  std::vector<int> send_ids(nk_);
+  pos_.assign(nk_, kDropped);
+  const std::size_t sent = send_at_.back() + send_rows_.back();
+  std::vector<float> send_x(sent * H);
+  std::vector<int> send_ids(sent);
   for (int i = 0; i < nk_; ++i) {
+    if (keep && !keep[i]) continue;
     const int owner = idx[i] / el_;
     const std::size_t at = next[owner]++;
     pos_[i] = at;
@@ -159,17 +161,22 @@ void ExpertDispatch::forward(float* out, const float* x, const int* idx, int N, 
   std::vector<float> ones_w(R, 1.0f), y(R * H);
   cpu::moe_experts_forward(y.data(), recv_x_.data(), recv_ids_.data(), ones_w.data(), gate_up,
                            down, static_cast<int>(R), h_, im_, el_, 1);
-  std::vector<float> back(static_cast<std::size_t>(nk_) * H);
+  std::vector<float> back(sent * H);
   exchange(y.data(), back.data(), false);
   for (int i = 0; i < nk_; ++i)
-    std::copy(back.begin() + pos_[i] * H, back.begin() + (pos_[i] + 1) * H, out + i * H);
+    if (pos_[i] == kDropped)
+      std::fill(out + i * H, out + (i + 1) * H, 0.0f);
+    else
+      std::copy(back.begin() + pos_[i] * H, back.begin() + (pos_[i] + 1) * H, out + i * H);
 }
 
 void ExpertDispatch::backward(float* dx_slot, const float* dout, const float* gate_up,
                               const float* down, float* g_gate_up, float* g_down) {
   const std::size_t H = h_, R = recv_ids_.size();
-  std::vector<float> send(static_cast<std::size_t>(nk_) * H), dy(R * H);
-  for (int i = 0; i < nk_; ++i) std::copy(dout + i * H, dout + (i + 1) * H, send.begin() + pos_[i] * H);
+  std::vector<float> send((send_at_.back() + send_rows_.back()) * H), dy(R * H);
+  for (int i = 0; i < nk_; ++i)
+    if (pos_[i] != kDropped)
+      std::copy(dout + i * H, dout + (i + 1) * H, send.begin() + pos_[i] * H);
   exchange(send.data(), dy.data(), true);
   std::vector<float> ones_w(R, 1.0f), dw(R), dx(R * H);
   cpu::moe_experts_backward(dx.data(), dw.data(), g_gate_up, g_down, dy.data(), recv_x_.data(),
@@ -177,7 +184,10 @@ void ExpertDispatch::backward(float* dx_slot, const float* dout, const float* ga
                             h_, im_, el_, 1);
   exchange(dx.data(), send.data(), false);
   for (int i = 0; i < nk_; ++i)
-    std::copy(send.begin() + pos_[i] * H, send.begin() + (pos_[i] + 1) * H, dx_slot + i * H);
+    if (pos_[i] == kDropped)
+      std::fill(dx_slot + i * H, dx_slot + (i + 1) * H, 0.0f);
+    else
+      std::copy(send.begin() + pos_[i] * H, send.begin() + (pos_[i] + 1) * H, dx_slot + i * H);
 }
 
 namespace {
@@ -190,7 +200,7 @@ std::vector<int> slots_by_expert(const int* idx, int t, int k) {
 }
 }  // namespace
 
-void moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
+long moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
                           const float* x, const float* gate, const float* gate_up,
                           const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
                           const float* bias) {
@@ -198,7 +208,12 @@ void moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slo
   std::vector<float> logits(static_cast<std::size_t>(s.N) * s.E);  // [N, E]
   cpu::linear_forward(logits.data(), x, gate, s.N, s.H, s.E);
   cpu::router_forward(probs, idx, w, logits.data(), s.N, s.E, s.k, s.norm_topk, bias);
-  dispatch.forward(slot_out, x, idx, s.N, s.k, gate_up, down);
+  // The drops, decided here over this rank's own tokens: a dropped row is never sent, and its
+  // zero output row adds nothing to y and gives d w = dy . 0 = 0 in the backward.
+  long dropped = 0;
+  const std::vector<std::uint8_t> keep = cpu::moe_capacity_keep(idx, s, &dropped);
+  dispatch.forward(slot_out, x, idx, s.N, s.k, gate_up, down,
+                   keep.empty() ? nullptr : keep.data());
   for (int t = 0; t < s.N; ++t) {  // y[t] = sum_j w[t, j] out[t, j]
     float* yt = y + t * H;
     std::fill(yt, yt + H, 0.0f);
@@ -208,6 +223,7 @@ void moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slo
       for (std::size_t c = 0; c < H; ++c) yt[c] += wj * o[c];
     }
   }
+  return dropped;
 }
 
 void moe_block_backward_ep(float* dx, float* dgate, float* dgate_up, float* ddown, const float* dy,

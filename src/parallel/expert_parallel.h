@@ -3,7 +3,10 @@
 // H] and down [El, H, Im] are rows of the global tensors). Every rank routes its own tokens
 // with the whole router; each (token, slot) row travels to the rank owning its expert
 // (all-to-all with counts), runs there, and its output comes back; the owner keeps the rows it
-// received for the backward, which travels the same way. Dropless: every row is sent.
+// received for the backward, which travels the same way. Dropless by default: every row is
+// sent; with a capacity factor (ops/moe_capacity.h) the source rank decides the drops over its
+// own N tokens before the exchange and sends only the kept rows, so a rank receives at most E C
+// rows a layer (its El experts, at most C from each of the P sources).
 //
 // Storage: rank r's local model (ep_local_config) holds only those rows, each sparse layer's
 // experts after the head in its layout and a unit of their own in the plan (sharded and reduced
@@ -11,6 +14,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <vector>
 
@@ -85,14 +89,18 @@ class ExpertDispatch {
 
   int local_experts() const { return el_; }
   int first_expert() const { return el_ * ep_.rank(); }
+  // Rows the last forward received (every source's kept rows for this rank's experts).
+  std::size_t received_rows() const { return recv_ids_.size(); }
 
   // out [N k, H] written: row t k + j is expert idx[t, j]'s output for token t (x [N, H]),
-  // unweighted. gate_up, down: this rank's experts.
+  // unweighted; zero for a pair that keep [N k] drops (null: all kept), which is not sent.
+  // gate_up, down: this rank's experts.
   void forward(float* out, const float* x, const int* idx, int N, int k, const float* gate_up,
-               const float* down);
+               const float* down, const std::uint8_t* keep = nullptr);
   // dx_slot [N k, H] written: each slot row's input gradient from its expert, given dout [N k, H]
-  // (the gradient of forward's out); this rank's experts' gradients accumulated (+=), or both
-  // null: frozen experts (LoRA). Weights as forward's.
+  // (the gradient of forward's out; a dropped row's is not read and its dx_slot is zero); this
+  // rank's experts' gradients accumulated (+=), or both null: frozen experts (LoRA). Weights as
+  // forward's.
   void backward(float* dx_slot, const float* dout, const float* gate_up, const float* down,
                 float* g_gate_up, float* g_down);
 
@@ -103,18 +111,21 @@ class ExpertDispatch {
   Comm& ep_;
   int e_, el_, h_, im_;
   int nk_ = 0;                                // rows this rank routed (N k)
-  std::vector<std::size_t> pos_;              // [N k] a slot row's place in the send order
+  static constexpr std::size_t kDropped = static_cast<std::size_t>(-1);
+  std::vector<std::size_t> pos_;              // [N k] a slot row's place in the send order, or
+                                              // kDropped
   std::vector<std::size_t> send_rows_, send_at_, recv_rows_, recv_at_;  // [P] rows
   std::vector<float> recv_x_;                 // [R, H] the rows received, kept for backward
   std::vector<int> recv_ids_;                 // [R] their local expert
 };
 
-// The sparse block with its experts over `dispatch` (ops/moe_block.h's math; s.E the whole
-// model's experts). slot_out [N k, H]: the experts' outputs, written by forward and read by
-// backward. y and dx written; dgate and this rank's expert gradients accumulated (+=), or all
-// three null: a frozen block (LoRA), dx only. bias [E]: the router's balancing bias
-// (cpu::router_forward; null: none).
-void moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
+// The sparse block with its experts over `dispatch` (ops/moe_block.h's math, its capacity
+// included; s.E the whole model's experts). slot_out [N k, H]: the experts' outputs (zero rows
+// for dropped pairs), written by forward and read by backward. y and dx written; dgate and this
+// rank's expert gradients accumulated (+=), or all three null: a frozen block (LoRA), dx only.
+// bias [E]: the router's balancing bias (cpu::router_forward; null: none). The forward returns
+// the pairs of this rank's tokens that the capacity dropped.
+long moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
                           const float* x, const float* gate, const float* gate_up,
                           const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
                           const float* bias = nullptr);

@@ -91,6 +91,10 @@ class TrainBackend {
   // Qwen3-MoE: token-slots routed to each expert since zero_grads, [sparse layers][E] flat;
   // empty for a dense model.
   virtual std::vector<double> moe_load() const { return {}; }
+  // Qwen3-MoE with model.moe_capacity_factor > 0: token-slots of this rank's tokens dropped by
+  // the capacity in each sparse layer since zero_grads, [sparse layers]; empty for a dense model
+  // (or a back end without a capacity).
+  virtual std::vector<double> moe_dropped() const { return {}; }
   // Qwen3-MoE with auxiliary-loss-free balancing (model.router_bias_update_rate > 0): the routers'
   // bias [sparse layers, E] (fp32, the same on every rank) for the following forwards; the back
   // end keeps its own copy. Empty: none.

@@ -122,6 +122,7 @@ class CpuBackend final : public TrainBackend {
     model_.clear_moe_load();
   }
   std::vector<double> moe_load() const override { return model_.moe_load(); }
+  std::vector<double> moe_dropped() const override { return model_.moe_dropped(); }
   void set_router_bias(const std::vector<float>& bias) override {
     router_bias_ = bias;
     model_.set_router_bias(router_bias_.empty() ? nullptr : router_bias_.data());

@@ -179,10 +179,12 @@ class CpuPipelineBackend final : public TrainBackend {
     for (Chunk& c : chunks_) c.stage->clear_moe_load();
     aux_sum_ = 0;
     load_.clear();
+    dropped_.clear();
   }
   // Qwen3-MoE: summed over the stages by micro_batches (the same on every stage).
   double moe_aux_loss_sum() const override { return local_.is_moe() ? aux_sum_ : -1; }
   std::vector<double> moe_load() const override { return load_; }
+  std::vector<double> moe_dropped() const override { return dropped_; }
   void set_router_bias(const std::vector<float>& bias) override {
     router_bias_ = bias;  // the whole model's: each stage reads its sparse layers' rows
     for (Chunk& c : chunks_) c.stage->set_router_bias(bias.empty() ? nullptr : router_bias_.data());
@@ -272,17 +274,21 @@ class CpuPipelineBackend final : public TrainBackend {
     grad_sends_.clear();
     if (moe) {  // the last stage's aux losses and each stage's layers' load, on every stage
       aux_sum_ += pp_.sum(aux);
-      std::vector<double> load;
-      for (const Chunk& c : chunks_) {
-        const std::vector<double>& mine = c.stage->moe_load();
-        load.resize(mine.size(), 0.0);
-        for (std::size_t i = 0; i < mine.size(); ++i) load[i] += mine[i];
-      }
-      // Every stage's vector has the model's length (a stage without sparse layers may have
-      // counted none yet: empty).
-      load.resize(static_cast<std::size_t>(local_.num_moe_layers()) * local_.num_experts, 0.0);
-      pp_.all_reduce(load.data(), load.size(), DType::kF64, ReduceOp::kSum);
-      load_ = std::move(load);
+      // The chunks' counts summed, then over the stages; every stage's vector has the model's
+      // length (a stage without sparse layers may have counted none yet: empty).
+      using Counts = const std::vector<double>& (Qwen3Stage::*)() const;
+      auto over_stages = [&](Counts counts, std::size_t n) {
+        std::vector<double> sum(n, 0.0);
+        for (const Chunk& c : chunks_) {
+          const std::vector<double>& mine = ((*c.stage).*counts)();
+          for (std::size_t i = 0; i < mine.size(); ++i) sum.at(i) += mine[i];
+        }
+        pp_.all_reduce(sum.data(), sum.size(), DType::kF64, ReduceOp::kSum);
+        return sum;
+      };
+      const std::size_t sparse = static_cast<std::size_t>(local_.num_moe_layers());
+      load_ = over_stages(&Qwen3Stage::moe_load, sparse * local_.num_experts);
+      dropped_ = over_stages(&Qwen3Stage::moe_dropped, sparse);
     }
     return pp_.sum(loss);  // the last stage's, on every stage
   }
@@ -443,6 +449,7 @@ class CpuPipelineBackend final : public TrainBackend {
   std::vector<double> stats_msg_;    // [2 E + 1] Qwen3-MoE: a load statistics message
   double aux_sum_ = 0;               // moe_aux_loss_sum()
   std::vector<double> load_;         // moe_load(), summed over the stages
+  std::vector<double> dropped_;      // moe_dropped(), summed over the stages
   std::vector<float> router_bias_;   // set_router_bias: [sparse layers, E], or empty
   const char* schedule_name_;
   std::uint64_t seed_;  // train.seed: keys LoRA's dropout masks

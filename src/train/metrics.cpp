@@ -79,6 +79,13 @@ ExpertLoadSummary summarize_expert_load(const std::vector<double>& load, int exp
   return s;
 }
 
+double dropped_fraction(const std::vector<double>& load, const std::vector<double>& dropped) {
+  double routed = 0, lost = 0;
+  for (double v : load) routed += v;
+  for (double v : dropped) lost += v;
+  return routed > 0 ? lost / routed : 0.0;
+}
+
 void MetricsLog::write(const StepMetrics& m) {
   if (!root_) return;
   const ExpertLoadSummary load = summarize_expert_load(m.expert_load, m.num_experts);
@@ -89,6 +96,9 @@ void MetricsLog::write(const StepMetrics& m) {
     experts = fmt::format(" | expert load cv {:.3f} (worst layer {:.3f}), max/mean {:.2f}", mean_cv,
                           *std::max_element(load.cv.begin(), load.cv.end()),
                           *std::max_element(load.max_over_mean.begin(), load.max_over_mean.end()));
+    if (!m.expert_dropped.empty())
+      experts += fmt::format(", dropped {:.2f}%",
+                             100 * dropped_fraction(m.expert_load, m.expert_dropped));
   }
   const std::string idle =
       (m.aux_loss >= 0 ? fmt::format(" | aux {:.4f}", m.aux_loss) : "") + experts +
@@ -120,6 +130,10 @@ void MetricsLog::write(const StepMetrics& m) {
     j["expert_tokens"] = tokens;
     j["expert_cv"] = load.cv;
     j["expert_max_over_mean"] = load.max_over_mean;
+    if (!m.expert_dropped.empty()) {
+      j["expert_dropped"] = m.expert_dropped;
+      j["dropped_fraction"] = dropped_fraction(m.expert_load, m.expert_dropped);
+    }
   }
   if (!m.router_bias.empty() && m.num_experts > 0) {  // [sparse layers][E], as expert_tokens
     nlohmann::json bias = nlohmann::json::array();

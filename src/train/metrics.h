@@ -29,6 +29,9 @@ struct StepMetrics {
                                // balanced), or < 0: a dense model
   int num_experts = 0;         // Qwen3-MoE: E; with expert_load [sparse layers x E], the step's
   std::vector<double> expert_load;  // token-slots routed to each expert, all dp ranks
+  std::vector<double> expert_dropped;  // model.moe_capacity_factor > 0: [sparse layers] the
+                                       // token-slots the capacity dropped, all dp ranks; else
+                                       // empty
   std::vector<float> router_bias;   // auxiliary-loss-free balancing: [sparse layers x E] after
                                     // the step, or empty
   struct StepTime {            // rank 0's host seconds per step over the last log interval
@@ -58,6 +61,10 @@ struct ExpertLoadSummary {
 };
 ExpertLoadSummary summarize_expert_load(const std::vector<double>& load, int experts);
 
+// The share of the routed token-slots (load, every layer's) that were dropped (dropped, every
+// layer's); 0 when none were routed.
+double dropped_fraction(const std::vector<double>& load, const std::vector<double>& dropped);
+
 class MetricsLog {
  public:
   // Collective over `world`: rank 0 opens `path` (append: keep an existing file, for resumed
@@ -69,7 +76,9 @@ class MetricsLog {
   // pipeline_idle, a fraction, when measured; comm, {name: {ms, calls, mb, bus_gbs}} per step;
   // for Qwen3-MoE aux_loss and, per sparse layer, expert_tokens, expert_cv and
   // expert_max_over_mean, and router_bias with auxiliary-loss-free balancing; the step line adds
-  // the mean and the worst layer's cv and the largest max / mean).
+  // the mean and the worst layer's cv and the largest max / mean). With expert_dropped, the
+  // file's expert_dropped per sparse layer and dropped_fraction (dropped / routed token-slots,
+  // all layers), and the step line's "dropped X.XX%".
   void write(const StepMetrics& m);
 
  private:

@@ -88,11 +88,15 @@ int run_training(const Deck& deck, Mesh& mesh) {
                 deck.model.num_kv_heads, deck.model.vocab_size);
     if (deck.model.is_moe())
       std::printf("moe: %d of %d layers sparse, %d experts of width %d, %d a token%s; %.4g "
-                  "parameters active a token; load-balancing loss weight %g\n",
+                  "parameters active a token; load-balancing loss weight %g%s\n",
                   deck.model.num_moe_layers(), deck.model.num_layers, deck.model.num_experts,
                   deck.model.moe_intermediate_size, deck.model.num_experts_per_tok,
                   deck.model.norm_topk_prob ? " (weights renormalised)" : "",
-                  deck.model.active_params_f64(), deck.model.router_aux_loss_coef);
+                  deck.model.active_params_f64(), deck.model.router_aux_loss_coef,
+                  deck.model.moe_capacity_factor > 0
+                      ? fmt::format("; capacity factor {:g}, overflow dropped",
+                                    deck.model.moe_capacity_factor).c_str()
+                      : "");
     if (lora)
       std::printf("lora: r %d, alpha %g (scale %g), dropout %g, targets %s: %lld trainable "
                   "parameters (%.3g%% of the model), base frozen\n",
@@ -287,6 +291,12 @@ int run_training(const Deck& deck, Mesh& mesh) {
           aux_sum >= 0 ? dp.sum(aux_sum) / static_cast<double>(micro_steps * dp.size()) : -1;
       sm.expert_load = std::move(load);  // this step's, summed over dp
       if (!sm.expert_load.empty()) sm.num_experts = deck.model.num_experts;
+      if (deck.model.is_moe() && deck.model.moe_capacity_factor > 0) {  // summed over dp too
+        sm.expert_dropped = backend->moe_dropped();
+        if (!sm.expert_dropped.empty())
+          dp.all_reduce(sm.expert_dropped.data(), sm.expert_dropped.size(), DType::kF64,
+                        ReduceOp::kSum);
+      }
       sm.router_bias = state.router_bias;
       const MemorySplit mine = backend->memory_split();
       double peak[5] = {mine.params, mine.grads, mine.optimizer, mine.activations, mine.workspace};

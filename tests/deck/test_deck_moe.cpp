@@ -57,6 +57,17 @@ TEST(DeckErrors, Moe) {
             0.001);
   expect_error("[model]\nrouter_bias_update_rate = 0.001\n",
                {"model.router_bias_update_rate", "dense"});
+  // The expert capacity: a factor >= 0 (0 dropless, the default), on MoE models only, cpu only.
+  EXPECT_EQ(parse(moe).model.moe_capacity_factor, 0.0);
+  EXPECT_EQ(parse(moe + "moe_capacity_factor = 1.25\n").model.moe_capacity_factor, 1.25);
+  expect_error(moe + "moe_capacity_factor = -1\n",
+               {"deck.ini:4:", "model.moe_capacity_factor = -1", "finite number >= 0"});
+  expect_error(moe + "moe_capacity_factor = inf\n", {"model.moe_capacity_factor", "finite"});
+  expect_error(moe + "moe_capacity_factor = nan\n", {"model.moe_capacity_factor", "finite"});
+  expect_error("[model]\nmoe_capacity_factor = 1.25\n", {"model.moe_capacity_factor", "dense"});
+  EXPECT_EQ(parse(moe + "moe_capacity_factor = 1.25\nhead_dim = 64\n[train]\ndevice = cuda\n")
+                .model.moe_capacity_factor,
+            1.25);
   // train.device = cuda: one GPU, dp, and ep at ZeRO 0-2 (cuda/cuda_ops_moe.cpp,
   // cuda_ops_moe_ep.cpp); the router's limits.
   const std::string cuda = "head_dim = 64\n[train]\ndevice = cuda\n";

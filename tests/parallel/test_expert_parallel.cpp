@@ -2,10 +2,13 @@
 // -n 4: the sparse block with its experts split over the ranks gives each rank's tokens the
 // serial block's output and input gradient, each rank its router's gradient, and each rank's
 // experts the gradient the serial block gives them over every rank's tokens; with the
-// load-balancing loss, norm_topk_prob on and off. Fresh random inputs (the seed is printed).
+// load-balancing loss, norm_topk_prob on and off, and with a capacity factor that drops pairs
+// (each rank deciding its own tokens' drops before the exchange, as the serial block does
+// over them; a rank then receives at most E C rows). Fresh random inputs (the seed is printed).
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -22,11 +25,13 @@ namespace {
 
 using test::rel_error;
 
-void check(bool norm_topk, bool aux) {
+// capacity_factor 0.5: C = ceil(0.5 x 3 N / 4P) and E C < 3 N (N from 10 to 13, P 2 or 4), so
+// every rank drops pairs whatever the routing.
+void check(bool norm_topk, bool aux, double capacity_factor = 0) {
   MpiComm world(MPI_COMM_WORLD, "ep", false);
   const int P = world.size(), r = world.rank();
   const int E = 4 * P, k = 3, H = 16, Im = 8, N = 10 + r;  // ranks route different counts
-  const cpu::MoeShape s{N, H, Im, E, k, norm_topk};
+  const cpu::MoeShape s{N, H, Im, E, k, norm_topk, capacity_factor};
   std::uint64_t seed = test::test_seed();
   world.broadcast(&seed, 1, DType::kU64, 0);
   std::mt19937_64 shared(seed), own(seed + 1 + r);
@@ -42,8 +47,9 @@ void check(bool norm_topk, bool aux) {
   std::vector<float> y_ref(NH), probs(static_cast<std::size_t>(N) * E), w(NK), dx_ref(NH);
   std::vector<int> idx(NK);
   std::vector<float> dgate_ref(gate.size()), dgu_ref(gate_up.size()), ddown_ref(down.size());
-  cpu::moe_block_forward(y_ref.data(), probs.data(), idx.data(), w.data(), x.data(), gate.data(),
-                         gate_up.data(), down.data(), s);
+  const long dropped_ref = cpu::moe_block_forward(y_ref.data(), probs.data(), idx.data(),
+                                                  w.data(), x.data(), gate.data(),
+                                                  gate_up.data(), down.data(), s);
   cpu::RouterBalance balance(E);
   cpu::router_balance_add(balance, probs.data(), idx.data(), N, k);
   const float coef = aux ? 0.05f : 0.0f;
@@ -63,9 +69,28 @@ void check(bool norm_topk, bool aux) {
   std::vector<float> y(NH), probs2(probs.size()), w2(NK), slot_out(NK * H), dx(NH);
   std::vector<int> idx2(NK);
   std::vector<float> dgate(gate.size()), dgu(gu_mine.size()), ddown(dn_mine.size());
-  moe_block_forward_ep(y.data(), probs2.data(), idx2.data(), w2.data(), slot_out.data(), x.data(),
-                       gate.data(), gu_mine.data(), dn_mine.data(), s, dispatch);
+  const long dropped = moe_block_forward_ep(y.data(), probs2.data(), idx2.data(), w2.data(),
+                                            slot_out.data(), x.data(), gate.data(),
+                                            gu_mine.data(), dn_mine.data(), s, dispatch);
   EXPECT_EQ(idx2, idx);
+  EXPECT_EQ(dropped, dropped_ref);
+  if (capacity_factor > 0) {
+    EXPECT_GT(dropped, 0);
+    // This rank received every source's kept rows for its experts, at most E C of the largest
+    // source's C.
+    const std::vector<std::uint8_t> keep = cpu::moe_capacity_keep(idx.data(), s);
+    std::vector<std::int64_t> to_rank(P, 0);
+    for (std::size_t p = 0; p < NK; ++p)
+      if (keep[p]) ++to_rank[idx[p] / El];
+    world.all_reduce(to_rank.data(), P, DType::kI64, ReduceOp::kSum);
+    std::int64_t bound = std::int64_t{E} * expert_capacity(N, k, E, capacity_factor);
+    world.all_reduce(&bound, 1, DType::kI64, ReduceOp::kMax);
+    const auto received = static_cast<std::int64_t>(dispatch.received_rows());
+    EXPECT_EQ(received, to_rank[r]);
+    EXPECT_LE(received, bound);
+  } else {
+    EXPECT_EQ(dropped, 0);
+  }
   moe_block_backward_ep(dx.data(), dgate.data(), dgu.data(), ddown.data(), dy.data(), x.data(),
                         probs2.data(), idx2.data(), w2.data(), slot_out.data(), gate.data(),
                         gu_mine.data(), dn_mine.data(), s, dispatch, aux ? &balance : nullptr,
@@ -76,8 +101,9 @@ void check(bool norm_topk, bool aux) {
   const double e_gate = rel_error(dgate, dgate_ref), e_gu = rel_error(dgu, dgu_want);
   const double e_down = rel_error(ddown, ddown_want);
   if (r == 0)
-    std::printf("ep %d, norm_topk %d, aux %d: rel err y %.2e, dx %.2e, d router %.2e, d gate_up "
-                "%.2e, d down %.2e\n", P, norm_topk, aux, e_y, e_dx, e_gate, e_gu, e_down);
+    std::printf("ep %d, norm_topk %d, aux %d, capacity factor %g (%ld pairs dropped on rank 0): "
+                "rel err y %.2e, dx %.2e, d router %.2e, d gate_up %.2e, d down %.2e\n", P,
+                norm_topk, aux, capacity_factor, dropped, e_y, e_dx, e_gate, e_gu, e_down);
   EXPECT_LT(e_y, 1e-6);
   EXPECT_LT(e_dx, 1e-5);
   EXPECT_LT(e_gate, 1e-5);
@@ -89,6 +115,11 @@ TEST(ExpertParallel, BlockMatchesTheSerialBlock) {
   check(true, false);
   check(true, true);
   check(false, true);
+}
+
+TEST(ExpertParallel, BlockWithCapacityMatchesTheSerialBlock) {
+  check(true, true, 0.5);
+  check(false, false, 0.5);
 }
 
 }  // namespace

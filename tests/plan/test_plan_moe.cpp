@@ -122,11 +122,12 @@ TEST(PlanMoe, ExpertUnitsShardOverEdp) {
 // by hand: BatchBuffers, Qwen3Cuda's stream and LayerActs (dense: gu, h; sparse: the router's
 // probs [N, E] fp32, idx [N, k] int32, w [N, k] bf16), the scratch (no dh: layer 1's dense MLP
 // needs it: it is there), the lm head, CudaOps::moe_allocate and, at ep = P > 1,
-// moe_ep_allocate, whose buffers hold the most rows a rank receives: P N min(k, E / P).
-u64 tiny_moe_activations(bool recompute, u64 P = 1) {
+// moe_ep_allocate, whose buffers hold the most rows a rank receives: P N min(k, E / P), or
+// `received` when given (a capacity's bound).
+u64 tiny_moe_activations(bool recompute, u64 P = 1, u64 received = 0) {
   const u64 N = 16, H = 64, Q = 64, KV = 32, I = 128, V = 256, nh = 4, nkv = 2, hd = 16, T = 8;
   const u64 E = 8, k = 2, Im = 32, rows = N * k, L = 3, sparse = 2, El = E / P;
-  const u64 ex = P > 1 ? P * N * std::min(k, El) : rows;  // the experts' rows
+  const u64 ex = received > 0 ? received : P > 1 ? P * N * std::min(k, El) : rows;
   const u64 batch = 3 * r(N * 4);
   const u64 rope = 2 * r(T * (hd / 2) * 4);
   const u64 stream = (L + 1) * (2 * r(N * H * 2) + r(N * 4));
@@ -164,6 +165,25 @@ TEST(PlanMoe, ActivationsByHand) {
   EXPECT_EQ(qt::plan::memory_plan(input(2, 2, 0)).activations, tiny_moe_activations(false, 2));
   EXPECT_EQ(qt::plan::memory_plan(input(2, 2, 0, true)).activations,
             tiny_moe_activations(true, 2));
+}
+
+// model.moe_capacity_factor bounds the rows a rank receives at ep > 1 by E C: at N = 16, k = 2,
+// E = 8, factor 1 gives C = ceil(16 x 2 / 8) = 4, so 32 rows instead of 2 x 16 x 2 = 64 (ep 2)
+// or 4 x 16 x 2 = 128 (ep 4); factor 1.3 gives C = ceil(5.2) = 6, 48 rows; factor 3 gives C = 12,
+// 96 rows, above ep 2's worst case of 64, which stays. At ep 1 nothing changes (the experts'
+// buffers hold every pair, N k rows).
+TEST(PlanMoe, CapacityFactorBoundsTheReceivedRows) {
+  auto with = [](MemoryPlanInput in, double factor) {
+    in.model.moe_capacity_factor = factor;
+    return qt::plan::memory_plan(in).activations;
+  };
+  EXPECT_EQ(with(input(2, 2, 0), 1.0), tiny_moe_activations(false, 2, 32));
+  EXPECT_EQ(with(input(2, 2, 0, true), 1.0), tiny_moe_activations(true, 2, 32));
+  EXPECT_EQ(with(input(4, 4, 0), 1.0), tiny_moe_activations(false, 4, 32));
+  EXPECT_EQ(with(input(2, 2, 0), 1.3), tiny_moe_activations(false, 2, 48));
+  EXPECT_EQ(with(input(2, 2, 0), 3.0), tiny_moe_activations(false, 2));
+  EXPECT_EQ(with(input(1, 1, 0), 1.0), tiny_moe_activations(false));
+  EXPECT_LT(with(input(4, 4, 0), 1.0), qt::plan::memory_plan(input(4, 4, 0)).activations);
 }
 
 qt::plan::LayoutSearch tiny_search(int gpus) {

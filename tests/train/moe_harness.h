@@ -32,6 +32,10 @@ struct MoeStep {
   double loss, aux, norm;
   std::vector<std::vector<double>> tokens;  // [sparse layers][E] token-slots routed
   double mem_params, mem_optimizer;         // bytes, the largest rank's peak
+  // model.moe_capacity_factor > 0: [sparse layers] token-slots dropped, and the file's
+  // dropped_fraction (else empty and NaN: the file has neither).
+  std::vector<double> dropped = {};
+  double dropped_fraction = NAN;
 };
 inline std::vector<MoeStep> read_moe_metrics(const std::string& path) {
   std::vector<MoeStep> out;
@@ -46,6 +50,10 @@ inline std::vector<MoeStep> read_moe_metrics(const std::string& path) {
                        ? j["expert_tokens"].get<std::vector<std::vector<double>>>()
                        : std::vector<std::vector<double>>{},
                    j["mem_params"].get<double>(), j["mem_optimizer"].get<double>()});
+    if (j.contains("expert_dropped")) {
+      out.back().dropped = j["expert_dropped"].get<std::vector<double>>();
+      out.back().dropped_fraction = j["dropped_fraction"].get<double>();
+    }
   }
   return out;
 }

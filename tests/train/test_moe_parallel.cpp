@@ -8,9 +8,13 @@
 // tp 2 x dp 2, tp 2 x pp 2 and tp 2 x ep 2; every step's expert load counts each sparse layer's
 // token-slots once (summed over the stages, not over tp); checkpoints of pp 2, tp 2, pp 2 x ep 2
 // and tp 2 x ep 2 resume serially, and the serial run's at pp 2, tp 2 and tp 2 x ep 2; on eight
-// ranks pp 2 x tp 2 x ep 2 together.
+// ranks pp 2 x tp 2 x ep 2 together. With model.moe_capacity_factor = 1 (the overflow of full
+// experts dropped), dp 2, ep 2, tp 2 with sequence parallelism and pp 2, and on four ranks ep 4
+// and tp 2 x ep 2, reproduce the serial run with its drops, counted alike in the metrics file.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -20,6 +24,7 @@ namespace qt {
 namespace {
 
 using test::expect_like_serial;
+using test::first_flip;
 using test::MoeStep;
 using test::MoeTraining;
 using test::tail;
@@ -47,6 +52,38 @@ struct Case {
   std::vector<std::string> ov;
 };
 
+// model.moe_capacity_factor = 1: C = 64 tokens x 2 / 8 experts = 16 token-slots an expert of a
+// micro-batch (2 sequences of 32), the mean load, so any unevenness drops slots.
+const std::string kCapacity = "--model.moe_capacity_factor=1";
+
+// Every step of a run with a capacity has the dropped token-slots of each sparse layer in the
+// metrics file, and dropped_fraction = their sum / the routed token-slots (2 x 512).
+double expect_drops_counted(const std::vector<MoeStep>& run, const std::string& name) {
+  double total = 0;
+  for (const MoeStep& s : run) {
+    EXPECT_EQ(s.dropped.size(), 2u) << name << " step " << s.step;
+    double sum = 0;
+    for (double d : s.dropped) {
+      EXPECT_GE(d, 0) << name;
+      EXPECT_LE(d, 512) << name;
+      sum += d;
+    }
+    EXPECT_NEAR(s.dropped_fraction, sum / 1024, 1e-15) << name << " step " << s.step;
+    total += sum;
+  }
+  return total;
+}
+
+// A mesh's drops are the serial run's, exactly, at every step before the routing first differs.
+void expect_serial_drops(const std::vector<MoeStep>& got, const std::vector<MoeStep>& serial,
+                         const std::string& name) {
+  ASSERT_EQ(got.size(), serial.size()) << name;
+  const long flip = first_flip(got, serial);
+  for (std::size_t i = 0; i < got.size(); ++i)
+    if (got[i].step < flip)
+      EXPECT_EQ(got[i].dropped, serial[i].dropped) << name << " step " << got[i].step;
+}
+
 class MoeParallel : public MoeTraining {
  protected:
   // Every run of this file weighs the load-balancing loss 10x the deck's 0.01: its gradient is
@@ -70,9 +107,36 @@ class MoeParallel : public MoeTraining {
       const std::vector<MoeStep> got = go(c.name, c.ranks, c.ov);
       expect_whole_load(got, sparse_layers, c.name);
       expect_like_serial(got, serial, c.name, kNormTol);
+      if (!serial.front().dropped.empty()) {  // a run with a capacity
+        expect_drops_counted(got, c.name);
+        expect_serial_drops(got, serial, c.name);
+      }
     }
   }
 };
+
+// The expert capacity (docs/moe.md "Capacity factor"): every mesh decides the drops over the
+// same micro-batch of N = 64 tokens (a dp or ep rank's own, a pipeline's micro-batch, tp's
+// gathered rows), so it reproduces the serial run, drops included.
+TEST_F(MoeParallel, CapacityFactorReproducesTheSerialRun) {
+  const std::vector<MoeStep> serial = go("serial_capacity", 1, {kCapacity});
+  const double dropped = expect_drops_counted(serial, "serial");
+  EXPECT_GT(dropped, 0);  // the capacity really drops
+  if (test::world_rank() == 0)
+    std::printf("capacity factor 1: %.0f of %d token-slots dropped over the serial run\n",
+                dropped, 10 * 1024);
+  expect_whole_load(serial, 2, "serial");  // the load before the drops
+  // Without the capacity the file has no drop fields, and the run differs.
+  const std::vector<MoeStep> dropless = go("serial", 1, {});
+  EXPECT_TRUE(dropless.front().dropped.empty());
+  EXPECT_TRUE(std::isnan(dropless.front().dropped_fraction));
+  EXPECT_GT(test::worst(dropless, serial, [](const MoeStep& s) { return s.loss; }), 1e-6);
+  expect_cases({{"dp2", 2, {kCapacity}},
+                {"ep2_z1", 2, {kCapacity, "--mesh.ep=2", "--optim.zero_stage=1"}},
+                {"tp2_sp", 2, {kCapacity, "--mesh.tp=2", "--mesh.sequence_parallel=true"}},
+                {"pp2", 2, {kCapacity, "--mesh.pp=2"}}},
+               serial, 2);
+}
 
 // pp 2 on the deck's 3 layers: the plan puts layers 0 (sparse) and 1 (dense) on stage 0 and
 // layer 2 (sparse) with the head on stage 1, so each stage's backward needs the other's
@@ -152,6 +216,14 @@ TEST_F(MoeParallel, OnFourRanks) {
                  {"--mesh.tp=2", "--mesh.ep=2", "--mesh.sequence_parallel=true",
                   "--train.recompute=true"}}},
                serial, 2);
+  // The expert capacity at ep 4 (each rank's own micro-batch, its drops decided before the
+  // exchange) and tp 2 x ep 2.
+  const std::vector<MoeStep> serial_capacity = go("serial_capacity", 1, {kCapacity});
+  EXPECT_GT(expect_drops_counted(serial_capacity, "serial_capacity"), 0);
+  expect_cases({{"ep4_capacity", 4, {kCapacity, "--mesh.ep=4"}},
+                {"tp2_ep2_sp_capacity", 4,
+                 {kCapacity, "--mesh.tp=2", "--mesh.ep=2", "--mesh.sequence_parallel=true"}}},
+               serial_capacity, 2);
   // Interleaved chunks over an ep group, with recompute: each chunk's slots keep their own
   // expert exchanges.
   const std::vector<MoeStep> serial4 = go("serial4", 1, {"--model.num_layers=4"});

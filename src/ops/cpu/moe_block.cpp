@@ -12,12 +12,16 @@
 namespace qt::cpu {
 
 template <typename T>
-void moe_block_forward(T* y, T* probs, int* idx, T* w, const T* x, const T* gate,
+long moe_block_forward(T* y, T* probs, int* idx, T* w, const T* x, const T* gate,
                        const T* gate_up, const T* down, const MoeShape& s, const T* bias) {
   std::vector<T> logits(static_cast<std::size_t>(s.N) * s.E);  // [N, E]
   linear_forward(logits.data(), x, gate, s.N, s.H, s.E);
   router_forward(probs, idx, w, logits.data(), s.N, s.E, s.k, s.norm_topk, bias);
-  moe_experts_forward(y, x, idx, w, gate_up, down, s.N, s.H, s.Im, s.E, s.k);
+  long dropped = 0;
+  const std::vector<std::uint8_t> keep = moe_capacity_keep(idx, s, &dropped);
+  moe_experts_forward(y, x, idx, w, gate_up, down, s.N, s.H, s.Im, s.E, s.k,
+                      keep.empty() ? nullptr : keep.data());
+  return dropped;
 }
 
 // dx = the experts' input gradient + d logits Wg; d logits from the routing weights' gradient
@@ -32,8 +36,9 @@ void moe_block_backward(T* dx, T* dgate, T* dgate_up, T* ddown, const T* dy, con
   const std::size_t NH = static_cast<std::size_t>(s.N) * s.H;
   std::vector<T> dw(static_cast<std::size_t>(s.N) * s.k), dlogits(static_cast<std::size_t>(s.N) * s.E);
   std::vector<T> dx_gate(NH);
+  const std::vector<std::uint8_t> keep = moe_capacity_keep(idx, s);  // the forward's drops
   moe_experts_backward(dx, dw.data(), dgate_up, ddown, dy, x, idx, w, gate_up, down, s.N, s.H,
-                       s.Im, s.E, s.k);
+                       s.Im, s.E, s.k, keep.empty() ? nullptr : keep.data());
   router_backward(dlogits.data(), dw.data(), probs, idx, s.N, s.E, s.k, s.norm_topk);
   if (balance) router_aux_backward(dlogits.data(), *balance, probs, s.N, aux_coef);
   linear_backward(dx_gate.data(), dgate, dlogits.data(), x, gate, s.N, s.H, s.E);
@@ -41,7 +46,7 @@ void moe_block_backward(T* dx, T* dgate, T* dgate_up, T* ddown, const T* dy, con
 }
 
 #define QT_MOE_BLOCK(T)                                                                         \
-  template void moe_block_forward<T>(T*, T*, int*, T*, const T*, const T*, const T*, const T*, \
+  template long moe_block_forward<T>(T*, T*, int*, T*, const T*, const T*, const T*, const T*, \
                                      const MoeShape&, const T*);                                \
   template void moe_block_backward<T>(T*, T*, T*, T*, const T*, const T*, const T*, const int*, \
                                       const T*, const T*, const T*, const T*, const MoeShape&,  \

@@ -13,11 +13,13 @@
 namespace qt::cpu {
 namespace {
 
-// The (token, slot) pairs of each expert, tokens ascending: pairs[e] holds t * k + j.
-std::vector<std::vector<int>> pairs_by_expert(const int* idx, int N, int E, int k) {
+// The kept (token, slot) pairs of each expert, tokens ascending: pairs[e] holds t * k + j.
+std::vector<std::vector<int>> pairs_by_expert(const int* idx, int N, int E, int k,
+                                              const std::uint8_t* keep) {
   std::vector<std::vector<int>> pairs(static_cast<std::size_t>(E));
   for (int p = 0; p < N * k; ++p) {
     QT_CHECK(idx[p] >= 0 && idx[p] < E, "token {} routed to expert {} of {}", p / k, idx[p], E);
+    if (keep && !keep[p]) continue;
     pairs[static_cast<std::size_t>(idx[p])].push_back(p);
   }
   return pairs;
@@ -54,9 +56,10 @@ struct ExpertRun {
 
 template <typename T>
 void moe_experts_forward(T* y, const T* x, const int* idx, const T* w, const T* gate_up,
-                         const T* down, int N, int H, int Im, int E, int k) {
+                         const T* down, int N, int H, int Im, int E, int k,
+                         const std::uint8_t* keep) {
   std::fill(y, y + static_cast<std::size_t>(N) * H, T(0));
-  const auto pairs = pairs_by_expert(idx, N, E, k);
+  const auto pairs = pairs_by_expert(idx, N, E, k, keep);
   for (int e = 0; e < E; ++e) {
     const std::vector<int>& pe = pairs[static_cast<std::size_t>(e)];
     if (pe.empty()) continue;
@@ -72,12 +75,13 @@ void moe_experts_forward(T* y, const T* x, const int* idx, const T* w, const T* 
 template <typename T>
 void moe_experts_backward(T* dx, T* dw, T* dgate_up, T* ddown, const T* dy, const T* x,
                           const int* idx, const T* w, const T* gate_up, const T* down, int N,
-                          int H, int Im, int E, int k) {
+                          int H, int Im, int E, int k, const std::uint8_t* keep) {
   QT_CHECK((dgate_up == nullptr) == (ddown == nullptr),
            "the experts' gradients: both or neither (frozen)");
   const bool frozen = dgate_up == nullptr;
   std::fill(dx, dx + static_cast<std::size_t>(N) * H, T(0));
-  const auto pairs = pairs_by_expert(idx, N, E, k);
+  std::fill(dw, dw + static_cast<std::size_t>(N) * k, T(0));  // a dropped pair's stays 0
+  const auto pairs = pairs_by_expert(idx, N, E, k, keep);
   for (int e = 0; e < E; ++e) {
     const std::vector<int>& pe = pairs[static_cast<std::size_t>(e)];
     if (pe.empty()) continue;
@@ -120,14 +124,18 @@ void moe_experts_backward(T* dx, T* dw, T* dgate_up, T* ddown, const T* dy, cons
 }
 
 template void moe_experts_forward<float>(float*, const float*, const int*, const float*,
-                                         const float*, const float*, int, int, int, int, int);
+                                         const float*, const float*, int, int, int, int, int,
+                                         const std::uint8_t*);
 template void moe_experts_forward<double>(double*, const double*, const int*, const double*,
-                                          const double*, const double*, int, int, int, int, int);
+                                          const double*, const double*, int, int, int, int, int,
+                                          const std::uint8_t*);
 template void moe_experts_backward<float>(float*, float*, float*, float*, const float*,
                                           const float*, const int*, const float*, const float*,
-                                          const float*, int, int, int, int, int);
+                                          const float*, int, int, int, int, int,
+                                          const std::uint8_t*);
 template void moe_experts_backward<double>(double*, double*, double*, double*, const double*,
                                            const double*, const int*, const double*,
-                                           const double*, const double*, int, int, int, int, int);
+                                           const double*, const double*, int, int, int, int, int,
+                                           const std::uint8_t*);
 
 }  // namespace qt::cpu
