@@ -84,7 +84,7 @@ u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool re
   // sparse layer, or one shared set with recompute (moe_recompute_).
   const u128 kept = recompute ? 1 : sparse;
   b += kept * (blk(2 * ex_rows * 2 * Im) + blk(2 * ex_rows * Im) + blk(2 * rows * H));
-  b += blk(4 * E)                   // moe_counts_ [E] int32
+  b += 2 * blk(4 * E)               // moe_counts_, moe_kept_ [E] int32
        + blk(moe_route_ws(rows, E))  // moe_route_ws_
        + blk(2 * N * E)              // moe_logits_ [N, E] bf16
        + blk(2 * rows * H)           // moe_x_ [rows, H]
@@ -94,7 +94,9 @@ u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool re
        + blk(2 * N * H)              // moe_dx_gate_ [N, H]
        + blk(4 * rows)               // moe_dw_ [rows] fp32
        + blk(8 * 2 * E)              // moe_balance_ [2 E] double
-       + blk(8 * u128(m.num_moe_layers()) * E);  // moe_load_ [sparse layers of the model, E]
+       + blk(4 * u128(m.num_moe_layers()) * E)  // router_bias_ [sparse layers of the model, E]
+       + blk(8 * u128(m.num_moe_layers()) * E)  // moe_load_ [sparse layers of the model, E]
+       + blk(8 * u128(m.num_moe_layers()));     // moe_dropped_ [sparse layers of the model]
   if (ep > 1) {  // moe_ep_allocate
     // Per sparse layer: offsets [El + 1], to_expert, from_expert [ex_rows] int32; the received
     // rows in expert order x [ex_rows, H] bf16 per layer, or one shared with recompute.

@@ -141,14 +141,16 @@ u64 tiny_moe_activations(bool recompute, u64 P = 1, u64 received = 0) {
                       r(N * (Q + 2 * KV) * 2);
   const u64 lm = r(N * V * 2) + 2 * r(N * 4) + r(8);
   // moe_allocate: pos, pair [rows], offsets [E + 1] a sparse layer; gu, h, out a sparse layer
-  // (one set with recompute); counts, the routing workspace (one block of 256 pairs: [1, E] and
-  // [rows] int32), logits [N, E], x, dout [rows, H], dh [rows, Im], dgu [rows, 2 Im],
-  // dx_gate [N, H], dw [rows] fp32, balance [2 E] and load [sparse layers, E] double.
+  // (one set with recompute); counts and kept [E] int32, the routing workspace (one block of 256
+  // pairs: [1, E] and [rows] int32), logits [N, E], x, dout [rows, H], dh [rows, Im], dgu
+  // [rows, 2 Im], dx_gate [N, H], dw [rows] fp32, balance [2 E] double, the router bias
+  // [sparse layers, E] fp32, load [sparse layers, E] and dropped [sparse layers] double.
   const u64 kept = recompute ? 1 : sparse;
   const u64 experts = r(ex * 2 * Im * 2) + r(ex * Im * 2) + r(rows * H * 2);
-  u64 moe = sparse * (2 * r(rows * 4) + r((E + 1) * 4)) + kept * experts + r(E * 4) +
+  u64 moe = sparse * (2 * r(rows * 4) + r((E + 1) * 4)) + kept * experts + 2 * r(E * 4) +
             r(r(E * 4) + r(rows * 4)) + r(N * E * 2) + 2 * r(rows * H * 2) + r(ex * Im * 2) +
-            r(ex * 2 * Im * 2) + r(N * H * 2) + r(rows * 4) + r(2 * E * 8) + r(sparse * E * 8);
+            r(ex * 2 * Im * 2) + r(N * H * 2) + r(rows * 4) + r(2 * E * 8) + r(sparse * E * 4) +
+            r(sparse * E * 8) + r(sparse * 8);
   // moe_ep_allocate: offsets [El + 1], to_expert, from_expert [ex] a sparse layer; x [ex, H]
   // a sparse layer (one with recompute); counts [P, E], segments [2 E] int32; two [ex, H]
   // exchange buffers.
