@@ -123,9 +123,13 @@ TEST(MoeTrainCuda, RouterBiasFollowsTheCpuReference) {
   std::filesystem::remove_all(tmp);
 }
 
-// Capacity factor 1: each expert keeps N k / E = 64 of a micro-batch's 256 token-slots; this
-// model's uneven load (cv up to 1.5) overflows it. Both back ends drop by the same rule; bf16
-// routes a few near-tie slots otherwise, so the dropped shares agree closely, not exactly.
+// Capacity factor 1: each expert keeps N k / E = 32 of a micro-batch's 128 tokens' 256
+// token-slots; this model's uneven load (cv up to 1.5) overflows it. Both back ends drop by the
+// same rule. At step 1 (the same weights) only bf16's near-tie routing differs: the dropped
+// shares agree to a few token-slots of the step's 2,048 (first GPU run, H200: 26.37% and
+// 26.46%). Later the two trajectories' routers drift apart, as their expert loads do without a
+// capacity (this model's routing moves fast at lr 3e-3): 3.7 points at most over 12 steps there,
+// while the losses agreed to 7.1e-4.
 TEST(MoeTrainCuda, CapacityFactorFollowsTheCpuReference) {
   QT_REQUIRE_GPU();
   const std::string tmp = test::shared_temp_dir("moe-cuda-capacity");
@@ -160,7 +164,8 @@ TEST(MoeTrainCuda, CapacityFactorFollowsTheCpuReference) {
               g.back().dropped_fraction, worst_drop, drop_sum / g.size());
   EXPECT_GT(drop_sum / g.size(), 0.02) << "the capacity should drop token-slots here";
   EXPECT_LT(worst_loss, 2e-2);
-  EXPECT_LT(worst_drop, 0.02);  // 20 of the 1024 token-slots of a step
+  EXPECT_LT(std::abs(g[0].dropped_fraction - c[0].dropped_fraction), 0.005);  // 10 token-slots
+  EXPECT_LT(worst_drop, 0.06);
   EXPECT_LT(g.back().loss, g.front().loss - 0.3);
   std::filesystem::remove_all(tmp);
 }
