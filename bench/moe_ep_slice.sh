@@ -5,7 +5,8 @@
 # loss) on one GPU, at dp 2 (ep 1) and at ep 2 (dp 2: each rank 64 experts a layer, one host
 # sync a sparse layer's forward). Prints each run's logged tokens/s (the second half's mean;
 # the whole job's tokens); weak-scaling efficiency = ep 2's / (2 x one GPU's).
-#   usage: bench/moe_ep_slice.sh BUILD_DIR OUT_DIR      STEPS=30: the steps of each run
+#   usage: bench/moe_ep_slice.sh BUILD_DIR OUT_DIR      STEPS=30: the steps of each run;
+#   EXTRA="--model.moe_capacity_factor=1.25 ...": more qtrain options for every run
 # Run it on a machine with two GPUs from the repository root, the runtime kit in .kit when
 # there is one (docs/cuda.md). Results: docs/moe.md "Expert parallelism on the GPU".
 set -uo pipefail
@@ -18,6 +19,8 @@ args=(inputs/qwen3-0.6b.ini --model.preset=qwen3-30b-a3b --model.num_layers=4
   --train.steps=${STEPS:-30} --train.recompute=false --data.source=synthetic
   --checkpoint.every=-1 --checkpoint.resume=none --log.every=5 --optim.warmup_steps=5
   --optim.lr=1e-4 --optim.min_lr=1e-4 --optim.weight_decay=0.1 --optim.zero_stage=1)
+# shellcheck disable=SC2206  # EXTRA is a list of options
+args+=(${EXTRA:-})
 run() {  # name ranks extra...
   local name=$1 np=$2; shift 2
   timeout 100 mpirun -np $np --bind-to none $B/bin/qtrain "${args[@]}" "$@" \

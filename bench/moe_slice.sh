@@ -8,7 +8,8 @@
 # H100 SXM).
 #   usage: bench/moe_slice.sh BUILD_DIR OUT_DIR
 #   LAYERS=4 STEPS=40: the slice and qtrain's steps (tokens/s: the mean of the second half's log
-#   lines); BASELINE=0: qtrain only
+#   lines); BASELINE=0: qtrain only; EXTRA="--model.moe_capacity_factor=1.25 ...": more qtrain
+#   options
 # The GPU time by kernel group of one step: bench/profile_step.sh BUILD OUT qwen3-30b-a3b:4
 #   --model.router_aux_loss_coef=0 (Nsight Compute; nsys is not on the GPU machine).
 # Run it on the GPU machine from the repository root with the runtime kit in .kit (docs/cuda.md);
@@ -22,6 +23,8 @@ qt_args=(inputs/qwen3-0.6b.ini --model.preset=qwen3-30b-a3b --model.num_layers="
   --train.global_batch=2 --train.steps="$steps" --train.recompute=false --data.source=synthetic
   --checkpoint.every=-1 --checkpoint.resume=none --log.every=5 --optim.warmup_steps=5
   --optim.lr=1e-4 --optim.min_lr=1e-4 --optim.weight_decay=0.1)  # the baseline's AdamW
+# shellcheck disable=SC2206  # EXTRA is a list of options
+qt_args+=(${EXTRA:-})
 ( source .kit/kit-env.sh
   export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
   mpirun -np 1 --bind-to none "$build/bin/qtrain" "${qt_args[@]}" --log.metrics="$out/qtrain-moe.jsonl"
