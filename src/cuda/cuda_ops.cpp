@@ -12,6 +12,7 @@
 #include "ops/cuda/cross_entropy.cuh"
 #include "ops/cuda/embedding.cuh"
 #include "ops/cuda/gemm.cuh"
+#include "ops/cuda/moe.cuh"
 #include "ops/cuda/qk_norm_rope.cuh"
 #include "ops/cuda/rmsnorm.cuh"
 #include "ops/cuda/swiglu.cuh"
@@ -37,6 +38,20 @@ CudaOps::CudaOps(const ModelConfig& cfg, ForwardOnly f, DeviceArena& arena)
   sin_ = arena.allocate<float>(sin.size());
   upload(cos_, cos.data(), cos.size() * 4);
   upload(sin_, sin.data(), sin.size() * 4);
+  if (cfg.is_moe()) {
+    // Qwen3-MoE: the block's forward buffers for calls of up to rope_len rows (one shared set of
+    // expert activations, as with recompute), in an arena of their own sized by counting them
+    // (the caller's arena is sized for its own list). Generation routes dropless.
+    N_ = f.rope_len;
+    moe_recompute_ = true;
+    ArenaCarver count(nullptr);
+    moe_allocate(count);
+    moe_arena_ = std::make_unique<DeviceArena>(count.bytes(), "Qwen3-MoE forward buffers");
+    ArenaCarver carve(moe_arena_.get());
+    moe_allocate(carve);
+    moe_capacity_ = kMoeDropless;
+    N_ = 1;
+  }
 }
 
 void CudaOps::set_rows(int B, int T, int first_position) {
@@ -95,7 +110,11 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclC
     if (overlap_) parts_ = arena.allocate<bf16>(NH / seq_parallel * (seq_parallel - 1));
   }
   moe_recompute_ = moe_recompute;
-  if (cfg.is_moe()) moe_allocate(arena);
+  if (cfg.is_moe()) {
+    ArenaCarver carve(&arena);
+    moe_allocate(carve);
+    if (ep_) moe_ep_allocate(arena);
+  }
 }
 
 template <class Issue>

@@ -71,7 +71,11 @@ class CudaOps : public NoCollectives {
   struct ForwardOnly {
     int rope_len;
   };
+  // A Qwen3-MoE model's block buffers (for rows up to rope_len) come from an arena of the ops'
+  // own (own_bytes()).
   CudaOps(const ModelConfig& cfg, ForwardOnly f, DeviceArena& arena);
+  // Device bytes of the ops' own arena (forward-only Qwen3-MoE), 0 when none.
+  std::size_t own_bytes() const { return moe_arena_ ? moe_arena_->capacity() : 0; }
   // Forward only: the next calls run B x T rows whose RoPE positions are first + t (pos null).
   void set_rows(int B, int T, int first_position);
 
@@ -185,7 +189,9 @@ class CudaOps : public NoCollectives {
     // The experts' activations in expert order (shared by the layers with moe_recompute_):
     bf16 *gu = nullptr, *h = nullptr, *out = nullptr;  // [rows, 2Im], [rows, Im], [rows, H]
   };
-  void moe_allocate(DeviceArena& arena);
+  // The block's buffers from `arena` (or their bytes counted); the backward's only when training.
+  void moe_allocate(ArenaCarver& arena);
+  std::unique_ptr<DeviceArena> moe_arena_;  // forward-only MoE: the block's buffers
   std::vector<MoeLayer> moe_layers_;      // [L] (empty entries for dense layers)
   int* moe_counts_ = nullptr;             // [E] device: the layer being routed, pairs routed
   int* moe_kept_ = nullptr;               // [E] device: of those, kept by the capacity

@@ -24,7 +24,7 @@
 
 namespace qt::cuda {
 
-void CudaOps::moe_allocate(DeviceArena& arena) {
+void CudaOps::moe_allocate(ArenaCarver& arena) {
   QT_CHECK(tp_ == nullptr, "the Qwen3-MoE block under tensor parallelism is not built");
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, L = cfg_.num_layers;
   const std::size_t N = static_cast<std::size_t>(N_), H = cfg_.hidden_size;
@@ -45,42 +45,46 @@ void CudaOps::moe_allocate(DeviceArena& arena) {
   const std::size_t ex_rows = ep_ ? static_cast<std::size_t>(moe_ep_rows_) : rows;
   moe_layers_.resize(static_cast<std::size_t>(L));
   MoeLayer shared;
+  bool have_shared = false;
   for (int l = 0; l < L; ++l) {
     if (!cfg_.is_moe_layer(l)) continue;
     MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
-    m.pos = arena.allocate<int>(rows);
-    m.pair = arena.allocate<int>(rows);
-    m.offsets = arena.allocate<int>(static_cast<std::size_t>(E) + 1);
-    if (!moe_recompute_ || shared.gu == nullptr) {
-      shared.gu = arena.allocate<bf16>(ex_rows * 2 * Im);
-      shared.h = arena.allocate<bf16>(ex_rows * Im);
-      shared.out = arena.allocate<bf16>(rows * H);
+    m.pos = arena.take<int>(rows);
+    m.pair = arena.take<int>(rows);
+    m.offsets = arena.take<int>(static_cast<std::size_t>(E) + 1);
+    if (!moe_recompute_ || !have_shared) {
+      shared.gu = arena.take<bf16>(ex_rows * 2 * Im);
+      shared.h = arena.take<bf16>(ex_rows * Im);
+      shared.out = arena.take<bf16>(rows * H);
+      have_shared = true;
     }
     m.gu = shared.gu;
     m.h = shared.h;
     m.out = shared.out;
   }
-  moe_counts_ = arena.allocate<int>(E);
-  moe_kept_ = arena.allocate<int>(E);
-  moe_route_ws_ = arena.allocate(moe_route_workspace_bytes(static_cast<int>(rows), E));
-  moe_logits_ = arena.allocate<bf16>(N * E);
-  moe_x_ = arena.allocate<bf16>(rows * H);
-  moe_dout_ = arena.allocate<bf16>(rows * H);
-  moe_dh_ = arena.allocate<bf16>(ex_rows * Im);
-  moe_dgu_ = arena.allocate<bf16>(ex_rows * 2 * Im);
-  moe_dx_gate_ = arena.allocate<bf16>(N * H);
-  moe_dw_ = arena.allocate<float>(rows);
-  moe_balance_ = arena.allocate<double>(2 * static_cast<std::size_t>(E));
+  moe_counts_ = arena.take<int>(E);
+  moe_kept_ = arena.take<int>(E);
+  moe_route_ws_ = arena.take<char>(moe_route_workspace_bytes(static_cast<int>(rows), E));
+  moe_logits_ = arena.take<bf16>(N * E);
+  moe_x_ = arena.take<bf16>(rows * H);
+  if (!forward_only_) {  // the backward's
+    moe_dout_ = arena.take<bf16>(rows * H);
+    moe_dh_ = arena.take<bf16>(ex_rows * Im);
+    moe_dgu_ = arena.take<bf16>(ex_rows * 2 * Im);
+    moe_dx_gate_ = arena.take<bf16>(N * H);
+    moe_dw_ = arena.take<float>(rows);
+  }
+  moe_balance_ = arena.take<double>(2 * static_cast<std::size_t>(E));
   const std::size_t n_load = static_cast<std::size_t>(cfg_.num_moe_layers()) * E;
-  router_bias_ = arena.allocate<float>(n_load);
-  moe_load_ = arena.allocate<double>(n_load);
-  QT_CHECK_CUDA(cudaMemset(moe_load_, 0, sizeof(double) * n_load));
+  router_bias_ = arena.take<float>(n_load);
+  moe_load_ = arena.take<double>(n_load);
   load_.assign(n_load, 0.0);
   const std::size_t n_sparse = static_cast<std::size_t>(cfg_.num_moe_layers());
-  moe_dropped_ = arena.allocate<double>(n_sparse);
-  QT_CHECK_CUDA(cudaMemset(moe_dropped_, 0, sizeof(double) * n_sparse));
+  moe_dropped_ = arena.take<double>(n_sparse);
   dropped_.assign(n_sparse, 0.0);
-  if (ep_) moe_ep_allocate(arena);
+  if (arena.counting()) return;
+  QT_CHECK_CUDA(cudaMemset(moe_load_, 0, sizeof(double) * n_load));
+  QT_CHECK_CUDA(cudaMemset(moe_dropped_, 0, sizeof(double) * n_sparse));
 }
 
 const std::vector<double>& CudaOps::moe_load() const {

@@ -127,6 +127,24 @@ class DeviceArena {
   std::size_t peak_ = 0;
 };
 
+// Hands out a list of blocks from an arena, or (arena null) only counts their bytes (aligned as
+// the arena aligns them), so an arena's size and the blocks carved from it come from one list.
+class ArenaCarver {
+ public:
+  explicit ArenaCarver(DeviceArena* arena) : arena_(arena) {}
+  template <typename T>
+  T* take(std::size_t count) {
+    bytes_ += round_up(count * sizeof(T), DeviceArena::kAlignment);
+    return arena_ != nullptr ? arena_->allocate<T>(count) : nullptr;
+  }
+  bool counting() const { return arena_ == nullptr; }
+  std::size_t bytes() const { return bytes_; }
+
+ private:
+  DeviceArena* arena_;
+  std::size_t bytes_ = 0;
+};
+
 // Copies `bytes` of host memory to the device and returns once they have landed. A plain
 // cudaMemcpy from pageable memory may return before its DMA completes, and work on our
 // non-blocking streams is not ordered after it: set-up copies go through this. Not for the step loop.

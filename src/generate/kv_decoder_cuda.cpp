@@ -51,22 +51,8 @@ class PinnedBuffer {
   std::size_t n_ = 0;
 };
 
-// Hands out the blocks of a call from an arena, or (arena null) only counts their bytes, so the
-// size of the scratch arena and the blocks carved from it come from one list.
-class Carver {
- public:
-  explicit Carver(cuda::DeviceArena* a) : a_(a) {}
-  template <typename T>
-  T* take(std::size_t count) {
-    bytes_ += cuda::round_up(count * sizeof(T), cuda::DeviceArena::kAlignment);
-    return a_ != nullptr ? a_->allocate<T>(count) : nullptr;
-  }
-  std::size_t bytes() const { return bytes_; }
-
- private:
-  cuda::DeviceArena* a_;
-  std::size_t bytes_ = 0;
-};
+// The size of the scratch arena and the blocks carved from it come from one list.
+using Carver = cuda::ArenaCarver;
 
 // The device buffers of one append of n rows (logits for `rows` of them).
 struct Scratch {
@@ -79,6 +65,9 @@ struct Scratch {
   bf16* att;                // [n, Q]
   float* lse;               // [nh, n] (prefill)
   bf16 *gu, *h;             // [n, 2 I], [n, I]
+  float* moe_probs;         // Qwen3-MoE: [n, E] the router's probabilities
+  int* moe_idx;             // [n, k] its choice
+  bf16* moe_w;              // [n, k] routing weights
   float* logits;            // [rows, V]
   void* attn_ws;            // decode_attention workspace (len > 0)
   std::size_t attn_ws_bytes;
@@ -103,6 +92,10 @@ Scratch carve(Carver& c, const ModelConfig& m, int n, int rows, int len) {
   s.lse = c.take<float>(len == 0 ? N * m.num_heads : 0);
   s.gu = c.take<bf16>(N * 2 * I);
   s.h = c.take<bf16>(N * I);
+  const std::size_t E = m.num_experts, k = m.is_moe() ? m.num_experts_per_tok : 0;
+  s.moe_probs = c.take<float>(N * E);
+  s.moe_idx = c.take<int>(N * k);
+  s.moe_w = c.take<bf16>(N * k);
   s.logits = c.take<float>(static_cast<std::size_t>(rows) * m.vocab_size);
   s.attn_ws_bytes = len == 0 ? 0
                              : cuda::decode_attention_workspace_bytes(
@@ -176,6 +169,10 @@ void KvDecoderCuda::check_supported(const ModelConfig& c) {
     fail_user("--device cuda needs a hidden size that is a multiple of 8 and at most 8192 (the "
               "CUDA RMSNorm); this model has {}",
               c.hidden_size);
+  if (c.is_moe() && (c.num_experts > 1024 || c.num_experts_per_tok > 32))
+    fail_user("--device cuda routes at most 1024 experts, 32 a token (the CUDA router); this "
+              "model has {} experts, {} a token (--device cpu runs it)",
+              c.num_experts, c.num_experts_per_tok);
 }
 
 struct KvDecoderCuda::Impl {
@@ -266,7 +263,7 @@ const float* KvDecoderCuda::Impl::append(std::span<const std::int32_t> ids, bool
   // The program's layers in place on s.x and s.ln (LayerIO's in-place form).
   const LayerIO<bf16> io{s.x, s.ln, s.x, s.ln, s.rstd, s.tmp};
   LayerActs<bf16> a{s.qkv, s.q_rstd, s.k_rstd, s.q, s.k, s.v, s.att, s.lse, s.x, s.ln, s.rstd,
-                    s.gu, s.h};
+                    s.gu, s.h, s.moe_probs, s.moe_idx, s.moe_w};
   for (int l = 0; l < L; ++l) {
     const bf16* next_norm = l + 1 < L ? W + off.layers[l + 1].ln1 : W + off.norm;
     qwen3_layer_forward(o, cfg, l, n, layer_tensors<const bf16>(off.layers[l], W), next_norm, io,
@@ -304,7 +301,8 @@ std::string KvDecoderCuda::device_description() const {
   return fmt::format("GPU {} ({})", impl_->device, cuda::device_info(impl_->device).name);
 }
 std::size_t KvDecoderCuda::device_bytes() const {
-  return impl_->arena->capacity() + (impl_->scratch ? impl_->scratch->capacity() : 0);
+  return impl_->arena->capacity() + (impl_->scratch ? impl_->scratch->capacity() : 0) +
+         impl_->ops->own_bytes();
 }
 
 }  // namespace qt::gen

@@ -201,10 +201,19 @@ struct ModelCase {
   const char* name;
   int heads, kv_heads, head_dim;
   bool tied;
+  int experts = 0;  // > 0: Qwen3-MoE, 2 experts a token, the second layer sparse only
 };
 
 ModelConfig tiny_model(const ModelCase& m) {
-  return test::tiny_model(m.heads, m.kv_heads, m.head_dim, m.tied);
+  ModelConfig c = test::tiny_model(m.heads, m.kv_heads, m.head_dim, m.tied);
+  if (m.experts > 0) {
+    c.num_experts = m.experts;
+    c.num_experts_per_tok = 2;
+    c.moe_intermediate_size = 48;
+    c.norm_topk_prob = true;
+    c.mlp_only_layers = {0};  // a dense layer, then a sparse one
+  }
+  return c;
 }
 
 using test::bf16_weights;
@@ -352,7 +361,8 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DecoderVsCpu,
                          ::testing::Values(ModelCase{"tied_gqa2_hd64", 4, 2, 64, true},
                                            ModelCase{"untied_gqa4_hd128", 8, 2, 128, false},
                                            ModelCase{"untied_gqa1_hd128", 2, 2, 128, false},
-                                           ModelCase{"tied_gqa5_hd64", 10, 2, 64, true}),
+                                           ModelCase{"tied_gqa5_hd64", 10, 2, 64, true},
+                                           ModelCase{"moe_e8_k2_hd64", 4, 2, 64, true, 8}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // A long prompt: the decode steps run the chunked kernel over ~1500 cached keys.
