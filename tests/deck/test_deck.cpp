@@ -278,6 +278,21 @@ TEST(DeckErrors, OutOfRange) {
   expect_error("[checkpoint]\nevery = -2\n", {"deck.ini:2:", "checkpoint.every = -2"});
   expect_error("[checkpoint]\ndir =\n", {"deck.ini:2:", "checkpoint.dir"});
   expect_error("[log]\nevery = 0\n", {"deck.ini:2:", "log.every = 0", ">= 1"});
+  expect_error("[log]\nmetrics = out/m\ntensorboard = out/m\n",
+               {"deck.ini:3:", "log.tensorboard = out/m", "is also log.metrics"});
+  expect_error("", {"--log.tensorboard=metrics.jsonl"}, 2,
+               {"(command line)", "log.tensorboard = metrics.jsonl", "is also log.metrics"});
+}
+
+// log.tensorboard: off by default, a directory as given (relative to where qtrain runs), kept
+// by the resolved deck.
+TEST(Deck, TensorboardDirectory) {
+  EXPECT_EQ(parse("").log.tensorboard, "");
+  const Deck d = parse("[log]\ntensorboard = runs/tb a\n");
+  EXPECT_EQ(d.log.tensorboard, "runs/tb a");
+  EXPECT_NE(d.resolved.find("\n[log]\n"), std::string::npos);
+  EXPECT_EQ(parse_deck_text(d.resolved, "resolved.ini", {}, 2).log.tensorboard, "runs/tb a");
+  EXPECT_EQ(parse("[log]\ntensorboard = tb\n", {"--log.tensorboard="}).log.tensorboard, "");
 }
 
 // Issue 15, case 2: every real-valued key is used in fp32, so it must be a normal fp32 value

@@ -1,10 +1,14 @@
-// The step metrics' derived figures: the balance of each sparse layer's expert load.
+// The step metrics' derived figures: the balance of each sparse layer's expert load, and the
+// TensorBoard scalars of a step (log.tensorboard).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "train/metrics.h"
+#include "train/tensorboard_log.h"
 
 namespace qt {
 namespace {
@@ -25,6 +29,51 @@ TEST(ExpertLoad, CoefficientOfVariationAndMaxOverMean) {
   EXPECT_EQ(z.cv[0], 0.0);
   EXPECT_TRUE(summarize_expert_load(load, 0).cv.empty());
   EXPECT_EQ(summarize_expert_load(load, 3).cv.size(), 2u);  // 8 values: two whole layers of 3
+}
+
+std::map<std::string, double> scalar_map(const StepMetrics& m) {
+  std::map<std::string, double> out;
+  for (const EventFileWriter::Scalar& s : tensorboard_scalars(m)) {
+    EXPECT_EQ(out.count(s.tag), 0u) << s.tag << " twice";
+    out[s.tag] = s.value;
+  }
+  return out;
+}
+
+TEST(TensorBoardScalars, DenseStepHasTheJsonFieldsInTheirUnits) {
+  StepMetrics m;
+  m.step = 40;
+  m.loss = 2.5;
+  m.lr = 3e-4;
+  m.grad_norm = 0.75;
+  m.tokens_per_s = 12345;
+  m.tokens = 1 << 20;
+  m.peak = {1.5 * (1 << 30), 2.0 * (1 << 30), 3.0 * (1 << 30), 0.25 * (1 << 30), 0};
+  m.time = {0.01, 0.5, 0.125};
+  m.comm = {{"dp.reduce_scatter", 4.5, 2, 10, 100}, {"mpi.world.all_reduce", 0.25, 1, 0, 0}};
+  const std::map<std::string, double> s = scalar_map(m);
+  const std::map<std::string, double> want = {
+      {"train/loss", 2.5}, {"train/lr", 3e-4}, {"train/grad_norm", 0.75},
+      {"train/tokens", 1 << 20}, {"perf/tokens_per_s", 12345},
+      {"time/data_s", 0.01}, {"time/compute_s", 0.5}, {"time/optimizer_s", 0.125},
+      {"memory/params_gib", 1.5}, {"memory/grads_gib", 2}, {"memory/optimizer_gib", 3},
+      {"memory/activations_gib", 0.25}, {"memory/workspace_gib", 0}, {"memory/total_gib", 6.75},
+      {"comm/dp.reduce_scatter_ms", 4.5}, {"comm/mpi.world.all_reduce_ms", 0.25}};
+  EXPECT_EQ(s, want);  // no pipeline_idle (not measured), no moe/* (dense)
+}
+
+TEST(TensorBoardScalars, MoeAndPipelineFiguresWhenPresent) {
+  StepMetrics m;
+  m.pipeline_idle = 0.2;
+  m.aux_loss = 2.1;
+  m.num_experts = 4;
+  m.expert_load = {5, 5, 5, 5, 8, 0, 0, 0};  // cv 0 and sqrt(12) / 2; max/mean 1 and 4
+  const std::map<std::string, double> s = scalar_map(m);
+  EXPECT_EQ(s.at("perf/pipeline_idle"), 0.2);
+  EXPECT_EQ(s.at("moe/aux_loss"), 2.1);
+  EXPECT_NEAR(s.at("moe/expert_cv"), std::sqrt(12.0) / 4.0, 1e-12);  // the mean of the layers'
+  EXPECT_NEAR(s.at("moe/expert_cv_max"), std::sqrt(12.0) / 2.0, 1e-12);
+  EXPECT_EQ(s.at("moe/expert_max_over_mean"), 4.0);
 }
 
 }  // namespace

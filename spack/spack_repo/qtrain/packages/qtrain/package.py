@@ -58,6 +58,7 @@ class Qtrain(CMakePackage, CudaPackage):
     depends_on("openblas")
     depends_on("pcre2")  # tokenizer: pre-tokenizer regex (libpcre2-8.pc)
     depends_on("utf8proc")  # tokenizer: NFC normalisation (libutf8proc.pc)
+    depends_on("protobuf")  # TensorBoard event files: protoc at build time, the library at run time
     depends_on("googletest+gmock", type="test")
     depends_on("benchmark", when="+bench")
 
