@@ -42,6 +42,8 @@ std::vector<EventFileWriter::Scalar> tensorboard_scalars(const StepMetrics& m) {
               {"moe/expert_max_over_mean",
                *std::max_element(load.max_over_mean.begin(), load.max_over_mean.end())}});
   }
+  if (!m.expert_dropped.empty())  // model.moe_capacity_factor > 0
+    s.push_back({"moe/dropped_fraction", dropped_fraction(m.expert_load, m.expert_dropped)});
   return s;
 }
 

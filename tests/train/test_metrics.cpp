@@ -74,6 +74,9 @@ TEST(TensorBoardScalars, MoeAndPipelineFiguresWhenPresent) {
   EXPECT_NEAR(s.at("moe/expert_cv"), std::sqrt(12.0) / 4.0, 1e-12);  // the mean of the layers'
   EXPECT_NEAR(s.at("moe/expert_cv_max"), std::sqrt(12.0) / 2.0, 1e-12);
   EXPECT_EQ(s.at("moe/expert_max_over_mean"), 4.0);
+  EXPECT_EQ(s.count("moe/dropped_fraction"), 0u);  // dropless: no capacity factor
+  m.expert_dropped = {1, 3};                        // of 20 and 8 token-slots routed
+  EXPECT_NEAR(scalar_map(m).at("moe/dropped_fraction"), 4.0 / 28.0, 1e-12);
 }
 
 }  // namespace
