@@ -42,6 +42,16 @@ inline float bf16_value(std::uint16_t b) {
     if (!::qt::test::gpu_available()) GTEST_SKIP() << "no CUDA GPU present"; \
   } while (0)
 
+// Skips the test unless at least n GPUs are visible.
+#define QT_REQUIRE_GPUS(n)                                                           \
+  do {                                                                               \
+    int gpus_ = 0;                                                                   \
+    if (cudaGetDeviceCount(&gpus_) != cudaSuccess || gpus_ < (n)) {                  \
+      cudaGetLastError();                                                            \
+      GTEST_SKIP() << "needs " << (n) << " GPUs, found " << gpus_;                   \
+    }                                                                                \
+  } while (0)
+
 // A device buffer of n elements of T followed by kGuard sentinel bytes.
 template <typename T>
 class GuardedBuffer {

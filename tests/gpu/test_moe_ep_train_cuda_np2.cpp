@@ -21,11 +21,7 @@ namespace qt {
 namespace {
 
 TEST(MoeTrainCudaEp2, ReproducesOneGpuAndResumesAtEp1) {
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
-    cudaGetLastError();
-    GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
-  }
+  QT_REQUIRE_GPUS(2);
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("moe-cuda-ep2");
   const test::EpRun one = test::train_ep(1, tmp, "one", {});
@@ -62,11 +58,7 @@ TEST(MoeTrainCudaEp2, ReproducesOneGpuAndResumesAtEp1) {
 // all-to-all (the same micro-batches, hence the same rule, as on one GPU) and receives at most E C
 // rows a layer.
 TEST(MoeTrainCudaEp2, CapacityFactorReproducesOneGpu) {
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
-    cudaGetLastError();
-    GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
-  }
+  QT_REQUIRE_GPUS(2);
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("moe-cuda-ep2-capacity");
   const std::string cf = "--model.moe_capacity_factor=1";
@@ -96,11 +88,7 @@ TEST(MoeTrainCudaEp2, CapacityFactorReproducesOneGpu) {
 // Auxiliary-loss-free balancing at ep 2: every rank routes its own tokens with the same bias,
 // updated from the load summed over dp, so ep 2 (dp 2) follows one GPU's run with the bias.
 TEST(MoeTrainCudaEp2, RouterBiasReproducesOneGpu) {
-  int gpus = 0;
-  if (cudaGetDeviceCount(&gpus) != cudaSuccess || gpus < 2) {
-    cudaGetLastError();
-    GTEST_SKIP() << "needs 2 GPUs, found " << gpus;
-  }
+  QT_REQUIRE_GPUS(2);
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("moe-cuda-ep2-bias");
   const std::string rate = "--model.router_bias_update_rate=1e-3";
