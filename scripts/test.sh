@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # The test suite: installs what is missing (Debian 12 / Ubuntu 24.04), builds the CPU back end,
-# compiles and links the `cuda` preset when the CUDA toolkit is present, then runs every CTest
-# test of the CPU build. .ci/run calls this. Exits non-zero on any failure.
+# compiles and links the `cuda` preset when the CUDA toolkit is present, runs every CTest test of
+# the CPU build, then fuzzes the parsers (scripts/fuzz.sh). .ci/run calls this. Exits non-zero on
+# any failure.
 #
 #   bash scripts/test.sh
 #   QTRAIN_CTEST_ARGS="-L unit" bash scripts/test.sh      extra ctest arguments (labels: unit mpi deck slow gpu)
 #   QTRAIN_SKIP_CUDA=1 bash scripts/test.sh               skip the CUDA build even where nvcc exists
 #   QTRAIN_NVCC=/opt/cuda/bin/nvcc bash scripts/test.sh   where to look for nvcc
 #   QTRAIN_CUDA_TARGETS="qtrain" bash scripts/test.sh     build only these targets of the cuda preset
+#   QTRAIN_FUZZ_SECONDS=60 bash scripts/test.sh           seconds of fuzzing a parser (default 30)
+#   QTRAIN_SKIP_FUZZ=1 bash scripts/test.sh               skip the fuzzing (scripts/fuzz.sh)
 set -euo pipefail
 # shellcheck source=scripts/common.sh
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # The tests also need shellcheck (tests/scripts: every script of scripts/ and the batch scripts'
-# dry runs).
-QT_PACKAGES+=(shellcheck)
+# dry runs), and the fuzzing of the parsers clang with its libFuzzer and sanitizer runtimes
+# (scripts/fuzz.sh; Debian 12: clang 14).
+QT_PACKAGES+=(shellcheck clang libclang-rt-dev)
 qt_setup
 cd "$QT_ROOT"
 
@@ -52,8 +56,21 @@ ctest "${ctest_args[@]}" 2>&1 | tee "$log" || ctest_rc=${PIPESTATUS[0]}
 
 # ctest's own summary: "97% tests passed, 1 tests failed out of 34".
 summary=$(grep -E 'tests passed, [0-9]+ tests failed out of [0-9]+' "$log" | tail -n 1 || true)
+
+# The parsers of user files under libFuzzer with ASan and UBSan (docs/fuzzing.md): a clang build
+# of the fuzz targets in build-fuzz/, then each target for QTRAIN_FUZZ_SECONDS, two at a time.
+fuzz_rc=0
+if [ "${QTRAIN_SKIP_FUZZ:-0}" = 1 ]; then
+  qt_log "QTRAIN_SKIP_FUZZ=1: skipping the fuzzing"
+else
+  bash "$QT_ROOT/scripts/fuzz.sh" "${QTRAIN_FUZZ_SECONDS:-30}" || fuzz_rc=$?
+fi
+
 if [ "$cuda_rc" -ne 0 ]; then
   qt_log "FAILED: the cuda preset did not build (exit $cuda_rc)"
+fi
+if [ "$fuzz_rc" -ne 0 ]; then
+  qt_log "FAILED: scripts/fuzz.sh found a crash or did not build (exit $fuzz_rc)"
 fi
 if [ -n "$summary" ]; then
   failed=$(sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\1/' <<<"$summary")
@@ -63,6 +80,6 @@ else
   qt_log "FAILED: ctest printed no summary (exit $ctest_rc)"
   [ "$ctest_rc" -ne 0 ] || ctest_rc=1
 fi
-if [ "$ctest_rc" -ne 0 ] || [ "$cuda_rc" -ne 0 ]; then
+if [ "$ctest_rc" -ne 0 ] || [ "$cuda_rc" -ne 0 ] || [ "$fuzz_rc" -ne 0 ]; then
   exit 1
 fi
