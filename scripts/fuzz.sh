@@ -29,7 +29,8 @@ all_targets=(deck safetensors token_file tokenizer records checkpoint)
 targets=("$@")
 [ "${#targets[@]}" -gt 0 ] || targets=("${all_targets[@]}")
 for t in "${targets[@]}"; do
-  [ -d "$QT_ROOT/tests/fuzz/corpus/$t" ] || qt_die "unknown fuzz target '$t' (known: ${all_targets[*]})"
+  [ -d "$QT_ROOT/tests/fuzz/corpus/$t" ] ||
+    qt_die "unknown fuzz target '$t' (known: ${all_targets[*]})"
 done
 jobs=${QTRAIN_FUZZ_JOBS:-2}
 build=${QTRAIN_FUZZ_BUILD:-$QT_ROOT/build-fuzz}
@@ -47,7 +48,8 @@ cmake -S "$QT_ROOT" -B "$build" -G Ninja -DQTRAIN_FUZZ=ON -DCMAKE_BUILD_TYPE=Rel
   -DCMAKE_C_COMPILER="$cc" -DCMAKE_CXX_COMPILER="$cxx" >"$build/configure.log" 2>&1 ||
   { cat "$build/configure.log"; qt_die "configuring the fuzz build failed"; }
 qt_log "building the fuzz targets: cmake --build $build -j$(qt_jobs)"
-cmake --build "$build" -j"$(qt_jobs)" --target qtrain_fuzz_all || qt_die "building the fuzz targets failed"
+cmake --build "$build" -j"$(qt_jobs)" --target qtrain_fuzz_all ||
+  qt_die "building the fuzz targets failed"
 
 # Leaks are not findings here (MPI and HDF5 keep memory until exit); a finding is a crash, a
 # sanitizer report, an input slower than -timeout seconds or one past -rss_limit_mb.
@@ -59,9 +61,10 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/qtrain-fuzz.XXXXXX")
 # Runs one target; its exit status and log stay in $work/<target>.{rc,log}.
 fuzz_one() {
   local t=$1 rc=0
-  mkdir -p "$work/$t" "$build/findings/$t"
+  mkdir -p "$work/$t" "$work/$t.tmp" "$build/findings/$t"
   cp -r "$QT_ROOT/tests/fuzz/corpus/$t/." "$work/$t/"
-  "$build/bin/qtrain_fuzz_$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
+  # The target's scratch files (a crashed process leaves them) go where the trap removes them.
+  TMPDIR="$work/$t.tmp" "$build/bin/qtrain_fuzz_$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=2048 \
     -malloc_limit_mb=1024 -detect_leaks=0 -print_final_stats=1 \
     -artifact_prefix="$build/findings/$t/" "$work/$t" >"$work/$t.log" 2>&1 || rc=$?
   echo "$rc" >"$work/$t.rc"

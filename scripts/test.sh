@@ -9,8 +9,8 @@
 #   QTRAIN_SKIP_CUDA=1 bash scripts/test.sh               skip the CUDA build even where nvcc exists
 #   QTRAIN_NVCC=/opt/cuda/bin/nvcc bash scripts/test.sh   where to look for nvcc
 #   QTRAIN_CUDA_TARGETS="qtrain" bash scripts/test.sh     build only these targets of the cuda preset
-#   QTRAIN_ASAN=all bash scripts/test.sh                  the whole suite under ASan + UBSan (default
-#                                                         parsers: the parsers' tests; 0: none)
+#   QTRAIN_ASAN=all bash scripts/test.sh                  the whole suite under ASan + UBSan
+#                                                         (default: the parsers' tests; 0: none)
 #   QTRAIN_FUZZ_SECONDS=60 bash scripts/test.sh           seconds of fuzzing a parser (default 30)
 #   QTRAIN_SKIP_FUZZ=1 bash scripts/test.sh               skip the fuzzing (scripts/fuzz.sh)
 set -euo pipefail
@@ -63,23 +63,27 @@ summary=$(grep -E 'tests passed, [0-9]+ tests failed out of [0-9]+' "$log" | tai
 # parsers of user files and the paths that refuse bad input: the deck (unit tests and the qtrain
 # runs of bad decks), safetensors and config.json, token files, the tokenizer, prep (records and
 # the runs it refuses; not prep_mpi_np*, 2.4 min under ASan), checkpoints at 1 and 2 ranks, the
-# synthetic source and the fuzz corpora's replays. The whole suite under ASan takes about 10 min to build and more than 14 min
-# to run on CI's 2 cores (docs/fuzzing.md), past CI's budget: QTRAIN_ASAN=all runs it,
-# QTRAIN_ASAN=0 skips this step. generate_out_of_memory_aborts cannot run under ASan (its
-# `ulimit -v` leaves no room for the shadow memory).
+# synthetic source and the fuzz corpora's replays. The whole suite under ASan takes about 10 min
+# to build and more than 14 min to run on CI's 2 cores (docs/fuzzing.md), past CI's budget:
+# QTRAIN_ASAN=all runs it, QTRAIN_ASAN=0 skips this step. generate_out_of_memory_aborts cannot
+# run under ASan (its `ulimit -v` leaves no room for the shadow memory). The tokenizer is the one
+# the CPU tests fetched.
 asan_targets=(qtrain qtrain_prep_driver test_deck qtrain_test_safetensors qtrain_test_hf_config
   qtrain_test_token_file qtrain_test_tokenizer_internals qtrain_test_tokenizer
   qtrain_test_prep_records qtrain_test_io qtrain_test_synthetic
   qtrain_fuzz_deck_replay qtrain_fuzz_safetensors_replay qtrain_fuzz_token_file_replay
   qtrain_fuzz_tokenizer_replay qtrain_fuzz_records_replay qtrain_fuzz_checkpoint_replay)
-asan_tests='^(test_deck|qtrain_test_(safetensors|hf_config|token_file|tokenizer_internals|tokenizer|prep_records|synthetic))[.]|^(deck_|prep_|fuzz_replay_)|^(tokenizer_fetch_qwen3|io_checkpoint_np[12])$'
+asan_tests='^(test_deck|qtrain_test_(safetensors|hf_config|token_file|tokenizer_internals'
+asan_tests+='|tokenizer|prep_records|synthetic))[.]|^(deck_|prep_|fuzz_replay_)'
+asan_tests+='|^(tokenizer_fetch_qwen3|io_checkpoint_np[12])$'
+asan_tokenizer=${QTRAIN_TOKENIZER_DIR:-$QT_ROOT/build/tokenizers/qwen3}
 asan_rc=0
 case "${QTRAIN_ASAN:-parsers}" in
   0) qt_log "QTRAIN_ASAN=0: skipping the ASan + UBSan tests" ;;
   all)
     qt_log "ASan + UBSan: the whole suite (cmake --preset asan)"
     (
-      cmake --preset asan -DQTRAIN_TOKENIZER_DIR="$QT_ROOT/build/tokenizers/qwen3" &&
+      cmake --preset asan -DQTRAIN_TOKENIZER_DIR="$asan_tokenizer" &&
         cmake --build --preset asan -j"$(qt_jobs)" &&
         ctest --preset asan --no-tests=error -j2 -E '^generate_out_of_memory_aborts$'
     ) || asan_rc=$?
@@ -87,7 +91,7 @@ case "${QTRAIN_ASAN:-parsers}" in
   *)
     qt_log "ASan + UBSan: the parsers' tests (cmake --preset asan; QTRAIN_ASAN=all runs everything)"
     (
-      cmake --preset asan -DQTRAIN_TOKENIZER_DIR="$QT_ROOT/build/tokenizers/qwen3" &&
+      cmake --preset asan -DQTRAIN_TOKENIZER_DIR="$asan_tokenizer" &&
         cmake --build --preset asan -j"$(qt_jobs)" --target "${asan_targets[@]}" &&
         ctest --preset asan --no-tests=error -j2 -R "$asan_tests" -E '^prep_mpi_np'
     ) || asan_rc=$?
@@ -120,6 +124,7 @@ else
   qt_log "FAILED: ctest printed no summary (exit $ctest_rc)"
   [ "$ctest_rc" -ne 0 ] || ctest_rc=1
 fi
-if [ "$ctest_rc" -ne 0 ] || [ "$cuda_rc" -ne 0 ] || [ "$asan_rc" -ne 0 ] || [ "$fuzz_rc" -ne 0 ]; then
+if [ "$ctest_rc" -ne 0 ] || [ "$cuda_rc" -ne 0 ] || [ "$asan_rc" -ne 0 ] ||
+  [ "$fuzz_rc" -ne 0 ]; then
   exit 1
 fi

@@ -199,7 +199,8 @@ std::vector<StTensor> st_parse_header(std::string_view text, std::size_t data_si
       auto n = as_uint(d);
       if (!n) fail_user("{} has a shape entry that is not a non-negative integer: {}", t, d.dump());
       if (*n != 0 && numel > max_numel / *n)
-        fail_user("{} has an absurd shape {} (more than 2^62 bytes of {})", t, v["shape"].dump(), dt);
+        fail_user("{} has an absurd shape {} (more than 2^62 bytes of {})", t,
+                  v["shape"].dump(), dt);
       numel *= *n;
       st.shape.push_back(static_cast<std::int64_t>(*n));
     }

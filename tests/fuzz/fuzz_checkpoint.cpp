@@ -58,7 +58,7 @@ struct Case {
   std::unique_ptr<qt::ParamLayout> layout;
   std::vector<float> params, m, v;  // as written
   qt::TrainState state;
-  std::string bytes;                // the file checkpoint_write made
+  std::string bytes;  // the file checkpoint_write made
 };
 
 std::unique_ptr<qt::Mesh> g_mesh;
@@ -81,7 +81,8 @@ void make_case(Case& c, bool moe) {
   c.state.tokens_consumed = 192;
   c.state.seed = 7;
   c.state.rng_counter = 5;
-  if (moe) c.state.router_bias.assign(static_cast<std::size_t>(c.model.num_moe_layers()) * 3, 0.25f);
+  if (moe)
+    c.state.router_bias.assign(static_cast<std::size_t>(c.model.num_moe_layers()) * 3, 0.25f);
   const std::string path = (qt::fuzz::scratch_dir() / (moe ? "base_moe.h5" : "base.h5")).string();
   qt::MomentShard ms{qt::Range{0, n}, c.m.data(), c.v.data()};
   qt::checkpoint_write(path, *g_mesh, *c.layout, c.params.data(), ms, c.state, c.model,
@@ -91,13 +92,36 @@ void make_case(Case& c, bool moe) {
   QT_FUZZ_ASSERT(!c.bytes.empty(), "the base checkpoint was not written");
 }
 
-const char* const kRootAttrs[] = {
-    "format", "format_version", "step", "samples_consumed", "tokens_consumed", "seed",
-    "rng_counter", "deck", "vocab_size", "hidden_size", "intermediate_size", "num_layers",
-    "num_heads", "num_kv_heads", "head_dim", "rope_theta", "rms_norm_eps", "tie_word_embeddings",
-    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-    "decoder_sparse_step", "mlp_only_layers", "lora_r", "lora_alpha", "lora_dropout",
-    "lora_targets", "lora_base_init", "lora_base_seed"};
+const char* const kRootAttrs[] = {"format",
+                                  "format_version",
+                                  "step",
+                                  "samples_consumed",
+                                  "tokens_consumed",
+                                  "seed",
+                                  "rng_counter",
+                                  "deck",
+                                  "vocab_size",
+                                  "hidden_size",
+                                  "intermediate_size",
+                                  "num_layers",
+                                  "num_heads",
+                                  "num_kv_heads",
+                                  "head_dim",
+                                  "rope_theta",
+                                  "rms_norm_eps",
+                                  "tie_word_embeddings",
+                                  "num_experts",
+                                  "num_experts_per_tok",
+                                  "moe_intermediate_size",
+                                  "norm_topk_prob",
+                                  "decoder_sparse_step",
+                                  "mlp_only_layers",
+                                  "lora_r",
+                                  "lora_alpha",
+                                  "lora_dropout",
+                                  "lora_targets",
+                                  "lora_base_init",
+                                  "lora_base_seed"};
 const char* const kGroups[] = {"params", "optim/exp_avg", "optim/exp_avg_sq"};
 
 // Writes attribute `name` of `loc` (replacing it) with a type and value chosen by the input.
@@ -107,17 +131,19 @@ void write_attr(hid_t loc, const char* name, Bytes& in) {
   const std::uint64_t raw = in.flag() ? in.u64() : in.u8();
   hsize_t two = 2;
   hid_t space = kind == 5 ? H5Screate_simple(1, &two, nullptr) : H5Screate(H5S_SCALAR);
-  hid_t type = kind == 0 ? H5Tcopy(H5T_STD_I64LE)
-             : kind == 1 ? H5Tcopy(H5T_STD_U64LE)
-             : kind == 2 ? H5Tcopy(H5T_IEEE_F64LE)
-             : kind == 3 ? H5Tcopy(H5T_C_S1)
-             : kind == 4 ? H5Tcopy(H5T_STD_I8LE)
-             : kind == 5 ? H5Tcopy(H5T_STD_I64LE)
-                         : H5Tcopy(H5T_IEEE_F32LE);
+  hid_t type = kind == 0   ? H5Tcopy(H5T_STD_I64LE)
+               : kind == 1 ? H5Tcopy(H5T_STD_U64LE)
+               : kind == 2 ? H5Tcopy(H5T_IEEE_F64LE)
+               : kind == 3 ? H5Tcopy(H5T_C_S1)
+               : kind == 4 ? H5Tcopy(H5T_STD_I8LE)
+               : kind == 5 ? H5Tcopy(H5T_STD_I64LE)
+                           : H5Tcopy(H5T_IEEE_F32LE);
   const std::string text(in.take(in.u8() % 24));
   if (kind == 3) {
-    if (in.flag()) H5Tset_size(type, H5T_VARIABLE);
-    else H5Tset_size(type, text.size() + 1);
+    if (in.flag())
+      H5Tset_size(type, H5T_VARIABLE);
+    else
+      H5Tset_size(type, text.size() + 1);
   }
   hid_t attr = H5Acreate2(loc, name, type, space, H5P_DEFAULT, H5P_DEFAULT);
   if (attr >= 0) {
@@ -125,11 +151,16 @@ void write_attr(hid_t loc, const char* name, Bytes& in) {
     const double d = static_cast<double>(static_cast<std::int64_t>(raw)) / 4;
     const float f = static_cast<float>(d);
     const char* s = text.c_str();
-    if (kind == 2) H5Awrite(attr, H5T_NATIVE_DOUBLE, &d);
-    else if (kind == 3 && H5Tis_variable_str(type) > 0) H5Awrite(attr, type, &s);
-    else if (kind == 3) H5Awrite(attr, type, s);
-    else if (kind == 6) H5Awrite(attr, H5T_NATIVE_FLOAT, &f);
-    else H5Awrite(attr, kind == 1 ? H5T_NATIVE_UINT64 : H5T_NATIVE_INT64, two_vals);
+    if (kind == 2)
+      H5Awrite(attr, H5T_NATIVE_DOUBLE, &d);
+    else if (kind == 3 && H5Tis_variable_str(type) > 0)
+      H5Awrite(attr, type, &s);
+    else if (kind == 3)
+      H5Awrite(attr, type, s);
+    else if (kind == 6)
+      H5Awrite(attr, H5T_NATIVE_FLOAT, &f);
+    else
+      H5Awrite(attr, kind == 1 ? H5T_NATIVE_UINT64 : H5T_NATIVE_INT64, two_vals);
     H5Aclose(attr);
   }
   H5Tclose(type);
@@ -149,7 +180,7 @@ void replace_dataset(hid_t file, const std::string& where, Bytes& in) {
   hsize_t dims[3];
   hsize_t n = 1;
   for (int k = 0; k < rank; ++k) n *= (dims[k] = static_cast<hsize_t>(in.range(0, 12)));
-  hid_t type = H5Tcopy(kind == 0 ? H5T_IEEE_F64LE
+  hid_t type = H5Tcopy(kind == 0   ? H5T_IEEE_F64LE
                        : kind == 1 ? H5T_STD_I32LE
                        : kind == 2 ? H5T_IEEE_F32BE
                                    : H5T_IEEE_F32LE);
@@ -196,8 +227,10 @@ void edit(hid_t file, const Case& c, Bytes& in) {
       write_attr(file, kRootAttrs[in.u8() % std::size(kRootAttrs)], in);
       break;
     case 3: {  // remove a tensor (or a group: every tensor under it)
-      const std::string where = in.flag() ? pick_tensor(c, in) : std::string("/") + kGroups[in.u8() % 3];
-      if (H5Lexists(file, where.c_str(), H5P_DEFAULT) > 0) H5Ldelete(file, where.c_str(), H5P_DEFAULT);
+      const std::string where =
+          in.flag() ? pick_tensor(c, in) : std::string("/") + kGroups[in.u8() % 3];
+      if (H5Lexists(file, where.c_str(), H5P_DEFAULT) > 0)
+        H5Ldelete(file, where.c_str(), H5P_DEFAULT);
       break;
     }
     case 4: {
@@ -210,8 +243,10 @@ void edit(hid_t file, const Case& c, Bytes& in) {
       const std::string where = pick_tensor(c, in);
       hid_t ds = H5Oopen(file, where.c_str(), H5P_DEFAULT);
       if (ds < 0) break;
-      if (in.flag() && H5Aexists(ds, "checksum") > 0) H5Adelete(ds, "checksum");
-      else write_attr(ds, "checksum", in);
+      if (in.flag() && H5Aexists(ds, "checksum") > 0)
+        H5Adelete(ds, "checksum");
+      else
+        write_attr(ds, "checksum", in);
       H5Oclose(ds);
       break;
     }
@@ -227,7 +262,8 @@ void edit(hid_t file, const Case& c, Bytes& in) {
           const hsize_t one = 1;
           hid_t mspace = H5Screate_simple(1, &one, nullptr);
           const int rank = H5Sget_simple_extent_ndims(space);
-          std::vector<hsize_t> dims(static_cast<std::size_t>(std::max(rank, 0))), coord(dims.size());
+          std::vector<hsize_t> dims(static_cast<std::size_t>(std::max(rank, 0))),
+              coord(dims.size());
           H5Sget_simple_extent_dims(space, dims.data(), nullptr);
           for (int k = rank - 1; k >= 0; --k) coord[k] = at % dims[k], at /= dims[k];
           if (rank > 0) H5Sselect_elements(space, H5S_SELECT_SET, 1, coord.data());
@@ -251,7 +287,8 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   MPI_Init(argc, argv);
   MPI_Comm world;
   MPI_Comm_dup(MPI_COMM_WORLD, &world);
-  g_mesh = std::make_unique<qt::Mesh>(qt::MeshShape{}, std::make_shared<qt::MpiComm>(world, "world", true));
+  g_mesh = std::make_unique<qt::Mesh>(qt::MeshShape{},
+                                      std::make_shared<qt::MpiComm>(world, "world", true));
   make_case(g_cases[0], false);
   make_case(g_cases[1], true);
   std::atexit([] {

@@ -37,8 +37,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::string la, lb;
     while (std::getline(a, la) && std::getline(b, lb) && la == lb) {
     }
-    QT_FUZZ_ASSERT(false, "the resolved deck changes when parsed again: '" + la + "' becomes '" +
-                              lb + "'");
+    QT_FUZZ_ASSERT(
+        false, "the resolved deck changes when parsed again: '" + la + "' becomes '" + lb + "'");
   }
   return 0;
 }

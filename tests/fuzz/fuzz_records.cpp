@@ -29,7 +29,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   qt::fuzz::Bytes in(data, size);
   const std::uint8_t settings = in.u8();
   const Format format = static_cast<Format>(settings & 3);
-  const std::int64_t max_tokens = (settings >> 2) & 7 ? std::int64_t{1} << ((settings >> 2) & 7) : 0;
+  const std::int64_t max_tokens =
+      (settings >> 2) & 7 ? std::int64_t{1} << ((settings >> 2) & 7) : 0;
   const bool truncate = (settings & 0x20) != 0;
   const qt::Tokenizer& tok = tokenizer();
   qt::prep::RecordEncoder enc(tok, format, max_tokens, truncate, "<|endoftext|>");
@@ -47,8 +48,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     QT_FUZZ_ASSERT(tokens.size() == mask.size(), "tokens and mask differ in length");
     const std::size_t added = tokens.size() - before;
     if (r.skip != Skip::kNone) {
-      QT_FUZZ_ASSERT(added == 0, std::string("a skipped record left tokens: ") +
-                                     qt::prep::skip_name(r.skip));
+      QT_FUZZ_ASSERT(added == 0,
+                     std::string("a skipped record left tokens: ") + qt::prep::skip_name(r.skip));
       continue;
     }
     QT_FUZZ_ASSERT(added > 0, "a used record of no tokens");
@@ -56,7 +57,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                    "a used record longer than the token limit");
     std::size_t trained = 0;
     for (std::size_t k = before; k < tokens.size(); ++k) {
-      QT_FUZZ_ASSERT(tokens[k] >= 0 && tokens[k] < tok.vocab_size(), "an id outside the vocabulary");
+      QT_FUZZ_ASSERT(tokens[k] >= 0 && tokens[k] < tok.vocab_size(),
+                     "an id outside the vocabulary");
       QT_FUZZ_ASSERT(mask[k] <= 1, "a mask byte other than 0 or 1");
       trained += mask[k];
     }

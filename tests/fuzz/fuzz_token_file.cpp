@@ -30,16 +30,26 @@ struct TypeChoice {
 
 TypeChoice pick_type(Bytes& in) {
   switch (in.u8() % 12) {
-    case 0: return {H5T_STD_I8LE};
-    case 1: return {H5T_STD_U8LE};
-    case 2: return {H5T_STD_I16BE};
-    case 3: return {H5T_STD_U16LE};
-    case 4: return {H5T_STD_U32LE};
-    case 5: return {H5T_STD_I64LE};
-    case 6: return {H5T_STD_U64LE};
-    case 7: return {H5T_IEEE_F32LE, true};
-    case 8: return {H5T_C_S1, false, true};
-    default: return {in.flag() ? H5T_STD_I64LE : H5T_STD_I32LE};
+    case 0:
+      return {H5T_STD_I8LE};
+    case 1:
+      return {H5T_STD_U8LE};
+    case 2:
+      return {H5T_STD_I16BE};
+    case 3:
+      return {H5T_STD_U16LE};
+    case 4:
+      return {H5T_STD_U32LE};
+    case 5:
+      return {H5T_STD_I64LE};
+    case 6:
+      return {H5T_STD_U64LE};
+    case 7:
+      return {H5T_IEEE_F32LE, true};
+    case 8:
+      return {H5T_C_S1, false, true};
+    default:
+      return {in.flag() ? H5T_STD_I64LE : H5T_STD_I32LE};
   }
 }
 
@@ -100,11 +110,11 @@ void write_vocab_attr(hid_t file, Bytes& in) {
   const std::int64_t v = in.flag() ? static_cast<std::int64_t>(in.u64()) : in.range(0, 400);
   hsize_t two = 2;
   hid_t space = kind == 6 ? H5Screate_simple(1, &two, nullptr) : H5Screate(H5S_SCALAR);
-  hid_t type = kind == 2 ? H5Tcopy(H5T_STD_U64LE)
-             : kind == 3 ? H5Tcopy(H5T_IEEE_F64LE)
-             : kind == 4 ? H5Tcopy(H5T_C_S1)
-             : kind == 5 ? H5Tcopy(H5T_STD_U8LE)
-                         : H5Tcopy(H5T_STD_I64LE);
+  hid_t type = kind == 2   ? H5Tcopy(H5T_STD_U64LE)
+               : kind == 3 ? H5Tcopy(H5T_IEEE_F64LE)
+               : kind == 4 ? H5Tcopy(H5T_C_S1)
+               : kind == 5 ? H5Tcopy(H5T_STD_U8LE)
+                           : H5Tcopy(H5T_STD_I64LE);
   if (kind == 4) H5Tset_size(type, 8);
   hid_t attr = H5Acreate2(file, "vocab_size", type, space, H5P_DEFAULT, H5P_DEFAULT);
   const std::int64_t vals[2] = {v, v};
@@ -144,7 +154,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       at = std::min<std::int64_t>(static_cast<std::int64_t>(N), at + in.u8() % 40);
       offsets.push_back(at);
     }
-    if (offsets.back() != static_cast<std::int64_t>(N)) offsets.push_back(static_cast<std::int64_t>(N));
+    if (offsets.back() != static_cast<std::int64_t>(N))
+      offsets.push_back(static_cast<std::int64_t>(N));
   } else {
     offsets.resize(in.range(0, 20));
     for (auto& o : offsets) o = static_cast<std::int64_t>(in.u64() % 512) - 16;
@@ -176,9 +187,9 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       QT_FUZZ_ASSERT(inputs[t] >= 0 && inputs[t] < vocab, "an input id outside the vocabulary");
       QT_FUZZ_ASSERT(targets[t] == -100 || (targets[t] >= 0 && targets[t] < vocab),
                      "a target outside the vocabulary");
-      QT_FUZZ_ASSERT(t == 0 ? positions[0] == 0
-                            : positions[t] == 0 || positions[t] == positions[t - 1] + 1,
-                     "positions are not a valid row");
+      QT_FUZZ_ASSERT(
+          t == 0 ? positions[0] == 0 : positions[t] == 0 || positions[t] == positions[t - 1] + 1,
+          "positions are not a valid row");
     }
   }
   return 0;

@@ -23,10 +23,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   const int vocab = tok->vocab_size();
   QT_FUZZ_ASSERT(vocab > 0, "an accepted tokenizer with no ids");
-  const std::string texts[] = {
-      "Hello world, it's 2024!  \n\tdone", "<|im_start|>user\nx<|im_end|>\n",
-      "caf\xC3\xA9 e\xCC\x81 \xE4\xB8\xAD\xE6\x96\x87 \xF0\x9F\x98\x80", "\xFF\xC3 bad utf-8 \xE2\x82",
-      std::string(300, 'a')};
+  const std::string texts[] = {"Hello world, it's 2024!  \n\tdone",
+                               "<|im_start|>user\nx<|im_end|>\n",
+                               "caf\xC3\xA9 e\xCC\x81 \xE4\xB8\xAD\xE6\x96\x87 \xF0\x9F\x98\x80",
+                               "\xFF\xC3 bad utf-8 \xE2\x82", std::string(300, 'a')};
   for (const std::string& text : texts) {
     for (bool special : {true, false}) {
       std::vector<std::int32_t> ids;

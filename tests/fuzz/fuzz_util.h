@@ -18,13 +18,13 @@
 #include <string_view>
 
 // A broken invariant of a parser's result: print and abort (libFuzzer keeps the input).
-#define QT_FUZZ_ASSERT(cond, what)                                                       \
-  do {                                                                                   \
-    if (!(cond)) {                                                                       \
-      std::fprintf(stderr, "fuzz invariant failed at %s:%d: %s: %s\n", __FILE__, __LINE__, \
-                   #cond, std::string(what).c_str());                                    \
-      std::abort();                                                                      \
-    }                                                                                    \
+#define QT_FUZZ_ASSERT(cond, what)                                                                \
+  do {                                                                                            \
+    if (!(cond)) {                                                                                \
+      std::fprintf(stderr, "fuzz invariant failed at %s:%d: %s: %s\n", __FILE__, __LINE__, #cond, \
+                   std::string(what).c_str());                                                    \
+      std::abort();                                                                               \
+    }                                                                                             \
   } while (0)
 
 namespace qt::fuzz {
@@ -77,22 +77,36 @@ class Bytes {
   std::size_t n_;
 };
 
-// A per-process scratch directory for the inputs that parsers read by path, removed at exit.
-inline const std::filesystem::path& scratch_dir() {
-  static const std::filesystem::path dir = [] {
+// A per-process scratch directory for the inputs that parsers read by path.
+// Removed by its destructor at exit (after whatever a target registered with atexit later, such
+// as MPI_Finalize); a process that crashes leaves it in TMPDIR (scripts/fuzz.sh points TMPDIR
+// into its own work directory).
+class ScratchDir {
+ public:
+  ScratchDir() {
     const char* tmp = std::getenv("TMPDIR");
     std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/qtrain-fuzz-XXXXXX";
     if (::mkdtemp(tmpl.data()) == nullptr) {
       std::perror("qtrain fuzz: mkdtemp");
       std::abort();
     }
-    std::atexit([] {
-      std::error_code ec;
-      std::filesystem::remove_all(scratch_dir(), ec);
-    });
-    return std::filesystem::path(tmpl);
-  }();
-  return dir;
+    path_ = tmpl;
+  }
+  ~ScratchDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  ScratchDir(const ScratchDir&) = delete;
+  ScratchDir& operator=(const ScratchDir&) = delete;
+  const std::filesystem::path& path() const { return path_; }
+
+ private:
+  std::filesystem::path path_;
+};
+
+inline const std::filesystem::path& scratch_dir() {
+  static const ScratchDir dir;
+  return dir.path();
 }
 
 // Writes `bytes` to scratch_dir()/name and returns its path.
