@@ -65,6 +65,15 @@ Column open_column(hid_t file, const std::string& path, const char* name) {
     fail_user("token file {}: /{} must be 1-D, it is {}-D", path, name,
               dims ? dims->size() : std::size_t{0});
   c.n = (*dims)[0];
+  // Entries never written read as the fill value: a sparse or unfinished dataset, which may also
+  // declare far more entries than the file holds (2^40 in a file of a few KiB, whose reading
+  // would allocate or scan terabytes).
+  H5D_space_status_t stored = H5D_SPACE_STATUS_ERROR;
+  if (c.n > 0 &&
+      (H5Dget_space_status(c.ds, &stored) < 0 || stored != H5D_SPACE_STATUS_ALLOCATED))
+    fail_user("token file {}: /{} declares {} entries but not all of them were written "
+              "(a sparse or unfinished dataset)",
+              path, name, c.n);
   return c;
 }
 

@@ -190,13 +190,17 @@ std::vector<StTensor> st_parse_header(std::string_view text, std::size_t data_si
     if (!dtype) fail_user("{} has unknown dtype \"{}\"", t, dt);
     st.dtype = *dtype;
     if (!v.contains("shape") || !v["shape"].is_array()) fail_user("{} has no shape array", t);
-    // numel * size must not overflow: every product stays below 2^62.
+    // numel * size must not overflow: every product stays below 2^62 bytes (numel alone below
+    // 2^62 is not enough: [2^62] of F32 would wrap to 0 bytes and match data_offsets [0, 0]).
     std::uint64_t numel = 1;
     constexpr std::uint64_t kLimit = std::uint64_t{1} << 62;
+    const std::uint64_t max_numel = kLimit / st_dtype_size(st.dtype);
     for (const json& d : v["shape"]) {
       auto n = as_uint(d);
       if (!n) fail_user("{} has a shape entry that is not a non-negative integer: {}", t, d.dump());
-      if (*n != 0 && numel > kLimit / *n) fail_user("{} has an absurd shape {}", t, v["shape"].dump());
+      if (*n != 0 && numel > max_numel / *n)
+        fail_user("{} has an absurd shape {} (more than 2^62 bytes of {})", t,
+                  v["shape"].dump(), dt);
       numel *= *n;
       st.shape.push_back(static_cast<std::int64_t>(*n));
     }

@@ -89,7 +89,7 @@ std::string read_file(const std::string& path, const char* what) {
 json parse_json(const std::string& text, const std::string& path, const char* what) {
   try {
     return json::parse(text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
     fail_user("{} {}: not valid JSON ({})", what, path, e.what());
   }
 }

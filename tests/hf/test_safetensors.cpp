@@ -289,6 +289,11 @@ TEST(SafetensorsErrors, WrongDTypeOrShape) {
   expect_bad(file_with_header(dir, "absurd.safetensors",
                               R"({"a":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,4]}})", 4),
              {"\"a\"", "absurd shape"});
+  // 2^62 F32 elements are 2^64 bytes, which wrapped to 0 and matched data_offsets [0, 0]
+  // (found by tests/fuzz's safetensors invariant; corpus regression_numel_bytes_wrap).
+  expect_bad(file_with_header(dir, "wrap.safetensors",
+                              R"({"a":{"dtype":"F32","shape":[4611686018427387904],"data_offsets":[0,0]}})", 0),
+             {"\"a\"", "absurd shape", "2^62 bytes of F32"});
 }
 
 }  // namespace

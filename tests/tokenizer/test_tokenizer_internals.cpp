@@ -185,6 +185,17 @@ TEST_F(TinyTokenizer, BadFilesNameFileAndProblem) {
   j = tiny_tokenizer(false);
   j["model"]["vocab"]["ab"] = "x";
   expect_msg(load_error(j), "model.vocab: id of 'ab' must be an integer in [0, 4194304), got \"x\"");
+  // A number beyond double's range is nlohmann's out_of_range, not a parse_error; it aborted
+  // qtrain prep (found by tests/fuzz's tokenizer target, corpus regression_number_overflow.json).
+  const std::string path = write("tokenizer.json", R"({"model": {"vocab": {"a": 1e999}}})");
+  try {
+    Tokenizer::from_file(path);
+    ADD_FAILURE() << "a tokenizer.json with 1e999 loaded";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("tokenizer file " + path + ": not valid JSON"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 // Ids out of range, of the wrong type or given twice: a UserError naming the file, the key and
