@@ -201,14 +201,19 @@ struct ModelCase {
   const char* name;
   int heads, kv_heads, head_dim;
   bool tied;
-  int experts = 0;  // > 0: Qwen3-MoE, 2 experts a token, the second layer sparse only
+  // > 0: Qwen3-MoE with every expert a token (k = E), the second layer sparse only. The choice of
+  // k < E experts is discontinuous: where two experts' probabilities are within bf16's error
+  // the GPU and the fp32 CPU choose differently and that token's logits part by far more than
+  // any tolerance (seen: one row 20% off). The router's choice is test_moe_cuda's; here the
+  // decoder's use of the block (routing weights, the grouped GEMMs at 1 to 40 rows, combine).
+  int experts = 0;
 };
 
 ModelConfig tiny_model(const ModelCase& m) {
   ModelConfig c = test::tiny_model(m.heads, m.kv_heads, m.head_dim, m.tied);
   if (m.experts > 0) {
     c.num_experts = m.experts;
-    c.num_experts_per_tok = 2;
+    c.num_experts_per_tok = m.experts;
     c.moe_intermediate_size = 48;
     c.norm_topk_prob = true;
     c.mlp_only_layers = {0};  // a dense layer, then a sparse one
@@ -362,7 +367,7 @@ INSTANTIATE_TEST_SUITE_P(Shapes, DecoderVsCpu,
                                            ModelCase{"untied_gqa4_hd128", 8, 2, 128, false},
                                            ModelCase{"untied_gqa1_hd128", 2, 2, 128, false},
                                            ModelCase{"tied_gqa5_hd64", 10, 2, 64, true},
-                                           ModelCase{"moe_e8_k2_hd64", 4, 2, 64, true, 8}),
+                                           ModelCase{"moe_e4_k4_hd64", 4, 2, 64, true, 4}),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // A long prompt: the decode steps run the chunked kernel over ~1500 cached keys.
