@@ -32,14 +32,9 @@ for ((r = 1; r <= ${ROUNDS:-2}; ++r)); do
   done
 done
 PYTHONPATH=bench python3 - "$out" "${ROUNDS:-2}" "$n" <<'PY'
-import json, sys
-from summarize_throughput import late_tokens_per_s, print_ab
+import sys
+from summarize_throughput import late_tokens_per_s_of as tps, print_ab
 out, rounds, n = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-def tps(path):
-    try:
-        return late_tokens_per_s([json.loads(l) for l in open(path)])
-    except (OSError, ValueError, KeyError):
-        return None
 print_ab(f"dp {n}", {side: [tps(f"{out}/{side}{r}.jsonl") for r in range(1, rounds + 1)]
                      for side in "ab"})
 PY

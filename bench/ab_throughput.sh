@@ -25,14 +25,9 @@ for spec in "${models[@]}"; do
   done
 done
 PYTHONPATH=bench python3 - "$out" "${ROUNDS:-2}" "${models[@]}" <<'PY'
-import json, sys
-from summarize_throughput import late_tokens_per_s, print_ab
+import sys
+from summarize_throughput import late_tokens_per_s_of as tps, print_ab
 out, rounds, models = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
-def tps(path):
-    try:
-        return late_tokens_per_s([json.loads(l) for l in open(path)])
-    except OSError:
-        return None
 for spec in models:
     tag = spec.replace(":", "-L")
     print_ab(tag, {side: [tps(f"{out}/{tag}-{side}{r}/qtrain-{tag}.jsonl")

@@ -44,7 +44,15 @@ def late_tokens_per_s(steps):
     return sum(late) / len(late)
 
 
-# "GPU arena 12.3 GiB used, 14.5 GiB peak; ..." -> 14.5 (GiB)
+def late_tokens_per_s_of(path):
+    """late_tokens_per_s of a metrics file, None when it is missing or unreadable (a failed run)."""
+    try:
+        with open(path) as f:
+            return late_tokens_per_s([json.loads(l) for l in f])
+    except (OSError, ValueError, KeyError, IndexError):
+        return None
+
+
 def print_ab(label, runs):
     """The A/B scripts' summary: each side's runs (tokens/s, None for a failed run) and the mean of
     B over the mean of A."""
@@ -57,6 +65,7 @@ def print_ab(label, runs):
         print(f"{label}: B / A = {b / a:.4f} ({100 * (b / a - 1):+.2f}%)")
 
 
+# "GPU arena 12.3 GiB used, 14.5 GiB peak; ..." -> 14.5 (GiB)
 def arena_peak_gib(steps):
     units = {"B": 2**-30, "KiB": 2**-20, "MiB": 2**-10, "GiB": 1.0, "TiB": 1024.0}
     for s in reversed(steps):

@@ -18,7 +18,6 @@ set -euo pipefail
 . "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # The tests also need shellcheck (tests/scripts: every script of scripts/ and the batch scripts'
-# The tests also need shellcheck (tests/scripts: every script of scripts/ and the batch scripts'
 # dry runs), matplotlib (tests/scripts: scripts/plot_metrics.py), and for the fuzzing of the
 # parsers clang with its libFuzzer and sanitizer runtimes (scripts/fuzz.sh; Debian 12: clang 14).
 QT_PACKAGES+=(shellcheck python3-matplotlib clang libclang-rt-dev)

@@ -12,7 +12,6 @@
 #include "ops/cuda/cross_entropy.cuh"
 #include "ops/cuda/embedding.cuh"
 #include "ops/cuda/gemm.cuh"
-#include "ops/cuda/moe.cuh"
 #include "ops/cuda/qk_norm_rope.cuh"
 #include "ops/cuda/rmsnorm.cuh"
 #include "ops/cuda/swiglu.cuh"
@@ -49,7 +48,6 @@ CudaOps::CudaOps(const ModelConfig& cfg, ForwardOnly f, DeviceArena& arena)
     moe_arena_ = std::make_unique<DeviceArena>(count.bytes(), "Qwen3-MoE forward buffers");
     ArenaCarver carve(moe_arena_.get());
     moe_allocate(carve);
-    moe_capacity_ = kMoeDropless;
     N_ = 1;
   }
 }

@@ -32,16 +32,10 @@ void CudaOps::moe_allocate(ArenaCarver& arena) {
   QT_CHECK(cfg_.expert_shards == (ep_ ? ep_->size() : 1),
            "experts stored over {} ranks (the ep rank's local config) computed over {}",
            cfg_.expert_shards, ep_ ? ep_->size() : 1);
-  // The experts' rows: this rank's N k, or with an ep group the most it can receive: every
-  // rank's every token in each of its experts, or with a capacity C at most C from each rank
-  // in each of its experts (E C in all).
-  const int El = E / cfg_.expert_shards;
-  const double factor = cfg_.moe_capacity_factor;
+  // The experts' rows: this rank's N k, or with an ep group the most it can receive.
+  const double factor = forward_only_ ? 0.0 : cfg_.moe_capacity_factor;  // generation: dropless
   moe_capacity_ = factor > 0 ? expert_capacity(N_, k, E, factor) : kMoeDropless;
-  if (ep_) {
-    moe_ep_rows_ = ep_->size() * N_ * std::min(k, El);
-    if (factor > 0) moe_ep_rows_ = std::min<long>(moe_ep_rows_, static_cast<long>(E) * moe_capacity_);
-  }
+  if (ep_) moe_ep_rows_ = static_cast<int>(ep_max_received_rows(N_, k, E, ep_->size(), factor));
   const std::size_t ex_rows = ep_ ? static_cast<std::size_t>(moe_ep_rows_) : rows;
   moe_layers_.resize(static_cast<std::size_t>(L));
   MoeLayer shared;

@@ -22,8 +22,8 @@
 // Buffers (from the arena, at set-up): a rank receives at most P N min(k, El) rows, when every
 // rank sends it a row for every slot of every token (a token's k slots name distinct experts,
 // at most El of them here); with a capacity C (model.moe_capacity_factor) at most C from each
-// rank for each of its El experts, E C rows, when that is less. That bound sizes the kept inputs and SwiGLU activations of each
-// sparse layer ([rows, H], [rows, 2 Im], [rows, Im]: P x the ep 1 sizes when El >= k; one
+// rank for each of its El experts, E C rows, when that is less. That bound sizes the kept
+// inputs and SwiGLU activations of each sparse layer ([rows, H], [rows, 2 Im], [rows, Im]: P x the ep 1 sizes when El >= k; one
 // shared set with train.recompute) and the exchange scratch; the returned outputs stay [N k, H].
 #include <algorithm>
 
@@ -84,13 +84,12 @@ void CudaOps::moe_ep_counts(int l) {
   e.recv_at = block_offsets(e.recv);
   const std::size_t sent = e.send_at.back() + e.send.back();
   const std::size_t received = e.recv_at.back() + e.recv.back();
-  QT_CHECK(sent <= static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok &&
-               (sent == static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok ||
-                moe_capacity_ != kMoeDropless) &&
-               received <= static_cast<std::size_t>(moe_ep_rows_),
-           "layer {}: ep rank {} routes {} rows (N k = {}) and receives {} (at most {})",
-           l, r, sent, static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok, received,
-           moe_ep_rows_);
+  const std::size_t nk = static_cast<std::size_t>(N_) * cfg_.num_experts_per_tok;
+  // Every row goes out, or with a capacity the kept ones.
+  const bool sent_ok = moe_capacity_ == kMoeDropless ? sent == nk : sent <= nk;
+  QT_CHECK(sent_ok && received <= static_cast<std::size_t>(moe_ep_rows_),
+           "layer {}: ep rank {} routes {} rows (N k = {}) and receives {} (at most {})", l, r,
+           sent, nk, received, moe_ep_rows_);
   e.received = static_cast<int>(received);
   // The device counts are complete (synchronised above); the next layer's all-gather overwrites
   // them only after the micro-batch's stream has passed this kernel (ep_ready_ of that layer).

@@ -1,7 +1,6 @@
 #include "io/event_file.h"
 
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <cerrno>
 #include <chrono>
@@ -10,6 +9,7 @@
 
 #include "io/crc32c.h"
 #include "io/tensorboard_event.pb.h"
+#include "runtime/process.h"
 
 namespace qt {
 
@@ -17,10 +17,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-std::string host_name() {
-  char host[256] = {};
-  if (gethostname(host, sizeof host - 1) != 0 || host[0] == 0) return "localhost";
-  return host;
+// The file name's host part: the process's host, "localhost" when it has none.
+std::string file_host() {
+  const std::string h = host_name();
+  return h.empty() || h == "?" ? "localhost" : h;
 }
 
 void put_le(char* out, std::uint64_t v, int bytes) {
@@ -46,7 +46,7 @@ std::string EventFileWriter::open(const std::string& dir) {
   if (ec) return "cannot create the directory: " + ec.message();
   const double now = unix_time_now();
   const std::string base = (fs::path(dir) / fmt::format("events.out.tfevents.{}.{}",
-                                                        static_cast<long long>(now), host_name()))
+                                                        static_cast<long long>(now), file_host()))
                                .string();
   // "x": fail rather than truncate a file that exists (C11; glibc opens it with O_EXCL).
   for (int n = 0; n < 1000 && !file_; ++n) {

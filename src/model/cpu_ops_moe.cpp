@@ -55,9 +55,8 @@ void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float
   QT_CHECK(ep_ || cfg_.expert_shards == 1, "{} of {} experts stored here without the ep group",
            cfg_.local_experts(), cfg_.num_experts);
   const cpu::MoeShape s = moe_shape(cfg_, N_);
-  const float* bias = router_bias_ ? router_bias_ + static_cast<std::size_t>(
-                                                        cfg_.moe_layers_before(l)) * s.E
-                                   : nullptr;  // layer l's [E]
+  const std::size_t sparse = static_cast<std::size_t>(cfg_.moe_layers_before(l));
+  const float* bias = router_bias_ ? router_bias_ + sparse * s.E : nullptr;  // layer l's [E]
   long dropped = 0;  // by the capacity, of this rank's tokens (every tp rank alike)
   if (ep_) {  // gate_up, down: this rank's experts, rows [first, first + El) of the global ones
     const std::size_t i = static_cast<std::size_t>(moe_slot_) * cfg_.num_layers + l;
@@ -71,7 +70,6 @@ void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float
   if (stats) {
     QT_CHECK(static_cast<int>(balance_.count.size()) == s.E, "moe before moe_begin");
     cpu::router_balance_add(balance_, probs, idx, s.N, s.k);
-    const std::size_t sparse = static_cast<std::size_t>(cfg_.moe_layers_before(l));
     if (load_.empty()) {
       load_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()) * s.E, 0.0);
       dropped_.assign(static_cast<std::size_t>(cfg_.num_moe_layers()), 0.0);

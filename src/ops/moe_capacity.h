@@ -27,6 +27,17 @@ inline int expert_capacity(long tokens, int k, int experts, double factor) {
   return static_cast<int>(std::min(static_cast<double>(tokens), c));
 }
 
+// The most (token, slot) rows one rank of an ep group of P receives in a sparse layer, N tokens a
+// rank: every rank's every token in each of its E / P experts, P N min(k, E / P), or with a
+// capacity C (factor > 0) at most C from each rank for each of its experts, E C, when that is
+// less. The CUDA dispatch's buffers and `qtrain plan` both size by it.
+inline long ep_max_received_rows(long tokens, int k, int experts, int P, double factor) {
+  long rows = P * tokens * std::min(k, experts / P);
+  if (factor > 0)
+    rows = std::min(rows, static_cast<long>(experts) * expert_capacity(tokens, k, experts, factor));
+  return rows;
+}
+
 namespace cpu {
 
 // keep [N k] written: pair p = t k + j (token t's slot j, expert idx[p]) is kept (1) iff fewer

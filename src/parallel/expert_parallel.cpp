@@ -163,11 +163,16 @@ void ExpertDispatch::forward(float* out, const float* x, const int* idx, int N, 
                            down, static_cast<int>(R), h_, im_, el_, 1);
   std::vector<float> back(sent * H);
   exchange(y.data(), back.data(), false);
+  to_slots(back.data(), out);
+}
+
+void ExpertDispatch::to_slots(const float* rows, float* slots) const {
+  const std::size_t H = h_;
   for (int i = 0; i < nk_; ++i)
     if (pos_[i] == kDropped)
-      std::fill(out + i * H, out + (i + 1) * H, 0.0f);
+      std::fill(slots + i * H, slots + (i + 1) * H, 0.0f);
     else
-      std::copy(back.begin() + pos_[i] * H, back.begin() + (pos_[i] + 1) * H, out + i * H);
+      std::copy(rows + pos_[i] * H, rows + (pos_[i] + 1) * H, slots + i * H);
 }
 
 void ExpertDispatch::backward(float* dx_slot, const float* dout, const float* gate_up,
@@ -183,11 +188,7 @@ void ExpertDispatch::backward(float* dx_slot, const float* dout, const float* ga
                             recv_ids_.data(), ones_w.data(), gate_up, down, static_cast<int>(R),
                             h_, im_, el_, 1);
   exchange(dx.data(), send.data(), false);
-  for (int i = 0; i < nk_; ++i)
-    if (pos_[i] == kDropped)
-      std::fill(dx_slot + i * H, dx_slot + (i + 1) * H, 0.0f);
-    else
-      std::copy(send.begin() + pos_[i] * H, send.begin() + (pos_[i] + 1) * H, dx_slot + i * H);
+  to_slots(send.data(), dx_slot);
 }
 
 namespace {

@@ -105,6 +105,8 @@ class ExpertDispatch {
                 float* g_gate_up, float* g_down);
 
  private:
+  // slots [N k, H] written: slot row i is rows' row pos_[i] (send order), zeros if dropped.
+  void to_slots(const float* rows, float* slots) const;
   // rows [n, H] in send order <-> the peers' rows in receive order (counts in rows).
   void exchange(const float* send, float* recv, bool forward_direction);
 

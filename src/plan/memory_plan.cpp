@@ -63,18 +63,16 @@ u128 moe_route_ws(u128 pairs, u128 E) { return blk(cdiv(pairs, 256) * E * 4) + b
 // (src/cuda/cuda_ops_moe_ep.cpp), allocation by allocation, for the stage's sparse layers;
 // rows = N x k (token, slot) pairs. m is the rank's model (the router and the counts span all E
 // experts at any ep). At ep = P > 1 the experts' buffers hold the most rows a rank can receive,
-// ex_rows = P N min(k, E / P), as the back end sizes them (the worst case, not the average);
-// with model.moe_capacity_factor > 0 at most E C (C = expert_capacity(N, k, E, factor): each of
-// the P sources sends each of the rank's E / P experts at most C rows), whichever is less.
+// ex_rows = ep_max_received_rows (ops/moe_capacity.h: P N min(k, E / P), or E C with a capacity
+// factor when less), as the back end sizes them (the worst case, not the average).
 u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool recompute, int ep) {
   const u128 E = m.num_experts, k = m.num_experts_per_tok, H = m.hidden_size;
   const u128 Im = m.moe_intermediate_size, rows = N * k;
   const u128 P = static_cast<u128>(ep), El = E / P;
-  u128 ex_rows = ep > 1 ? P * N * std::min(k, El) : rows;
-  if (ep > 1 && m.moe_capacity_factor > 0)
-    ex_rows = std::min(ex_rows, E * static_cast<u128>(expert_capacity(
-                                        static_cast<long>(N), m.num_experts_per_tok,
-                                        m.num_experts, m.moe_capacity_factor)));
+  const u128 ex_rows = ep > 1 ? static_cast<u128>(ep_max_received_rows(
+                                     static_cast<long>(N), m.num_experts_per_tok, m.num_experts,
+                                     ep, m.moe_capacity_factor))
+                              : rows;
   u128 sparse = 0;
   for (const StageParts::Chunk& c : st.chunks)
     sparse += m.moe_layers_before(c.last) - m.moe_layers_before(c.first);

@@ -462,10 +462,9 @@ std::string report(const Options& o, const PlanDeck& pd) {
     }
     out += "  deck keys:" + line + "\n";
     if (!best->memory.built) {
-      out += m.is_moe() ? "  note: the CUDA back end does not run this layout yet (ZeRO-3 with "
-                          "expert parallelism, mesh.ep > 1): its numbers predict that path\n"
-                        : "  note: the CUDA back end does not run this layout yet (a pipeline at "
-                          "dp > 1 with ZeRO-2 or 3): its numbers predict that path\n";
+      // Only a dense pipeline layout can be unbuilt: every MoE row (pp = 1) is built.
+      out += "  note: the CUDA back end does not run this layout yet (a pipeline at dp > 1 with "
+             "ZeRO-2 or 3): its numbers predict that path\n";
       if (const plan::Layout* now = plan::recommended(all, /*built_only=*/true)) {
         std::string now_keys;
         for (const std::string& k : plan::deck_keys(*now)) {

@@ -62,6 +62,17 @@ std::string format_duration(double s) {
   return fmt::format("{}s", t);
 }
 
+namespace {
+// [sparse layers x E] flat as rows of E, one a layer.
+template <typename T>
+nlohmann::json layer_rows(const std::vector<T>& v, int experts) {
+  nlohmann::json rows = nlohmann::json::array();
+  for (std::size_t at = 0; at + experts <= v.size(); at += experts)
+    rows.push_back(std::vector<T>(v.begin() + at, v.begin() + at + experts));
+  return rows;
+}
+}  // namespace
+
 ExpertLoadSummary summarize_expert_load(const std::vector<double>& load, int experts) {
   ExpertLoadSummary s;
   if (experts < 1) return s;
@@ -75,7 +86,10 @@ ExpertLoadSummary summarize_expert_load(const std::vector<double>& load, int exp
     for (int e = 0; e < experts; ++e) sq += (load[at + e] - mean) * (load[at + e] - mean);
     s.cv.push_back(mean > 0 ? std::sqrt(sq / experts) / mean : 0.0);
     s.max_over_mean.push_back(mean > 0 ? hi / mean : 0.0);
+    s.worst_cv = std::max(s.worst_cv, s.cv.back());
+    s.worst_max_over_mean = std::max(s.worst_max_over_mean, s.max_over_mean.back());
   }
+  for (double c : s.cv) s.mean_cv += c / static_cast<double>(s.cv.size());
   return s;
 }
 
@@ -89,16 +103,13 @@ double dropped_fraction(const std::vector<double>& load, const std::vector<doubl
 void MetricsLog::write(const StepMetrics& m) {
   if (!root_) return;
   const ExpertLoadSummary load = summarize_expert_load(m.expert_load, m.num_experts);
+  const double dropped =
+      m.expert_dropped.empty() ? 0.0 : dropped_fraction(m.expert_load, m.expert_dropped);
   std::string experts;
   if (!load.cv.empty()) {
-    double mean_cv = 0;
-    for (double c : load.cv) mean_cv += c / static_cast<double>(load.cv.size());
-    experts = fmt::format(" | expert load cv {:.3f} (worst layer {:.3f}), max/mean {:.2f}", mean_cv,
-                          *std::max_element(load.cv.begin(), load.cv.end()),
-                          *std::max_element(load.max_over_mean.begin(), load.max_over_mean.end()));
-    if (!m.expert_dropped.empty())
-      experts += fmt::format(", dropped {:.2f}%",
-                             100 * dropped_fraction(m.expert_load, m.expert_dropped));
+    experts = fmt::format(" | expert load cv {:.3f} (worst layer {:.3f}), max/mean {:.2f}",
+                          load.mean_cv, load.worst_cv, load.worst_max_over_mean);
+    if (!m.expert_dropped.empty()) experts += fmt::format(", dropped {:.2f}%", 100 * dropped);
   }
   const std::string idle =
       (m.aux_loss >= 0 ? fmt::format(" | aux {:.4f}", m.aux_loss) : "") + experts +
@@ -123,25 +134,16 @@ void MetricsLog::write(const StepMetrics& m) {
   if (m.pipeline_idle >= 0) j["pipeline_idle"] = m.pipeline_idle;
   if (m.aux_loss >= 0) j["aux_loss"] = m.aux_loss;
   if (!load.cv.empty()) {
-    nlohmann::json tokens = nlohmann::json::array();
-    for (std::size_t at = 0; at < m.expert_load.size(); at += m.num_experts)
-      tokens.push_back(std::vector<double>(m.expert_load.begin() + at,
-                                           m.expert_load.begin() + at + m.num_experts));
-    j["expert_tokens"] = tokens;
+    j["expert_tokens"] = layer_rows(m.expert_load, m.num_experts);
     j["expert_cv"] = load.cv;
     j["expert_max_over_mean"] = load.max_over_mean;
     if (!m.expert_dropped.empty()) {
       j["expert_dropped"] = m.expert_dropped;
-      j["dropped_fraction"] = dropped_fraction(m.expert_load, m.expert_dropped);
+      j["dropped_fraction"] = dropped;
     }
   }
-  if (!m.router_bias.empty() && m.num_experts > 0) {  // [sparse layers][E], as expert_tokens
-    nlohmann::json bias = nlohmann::json::array();
-    for (std::size_t at = 0; at + m.num_experts <= m.router_bias.size(); at += m.num_experts)
-      bias.push_back(std::vector<float>(m.router_bias.begin() + at,
-                                        m.router_bias.begin() + at + m.num_experts));
-    j["router_bias"] = bias;
-  }
+  if (!m.router_bias.empty() && m.num_experts > 0)  // [sparse layers][E], as expert_tokens
+    j["router_bias"] = layer_rows(m.router_bias, m.num_experts);
   j["mem_params"] = m.peak.params;
   j["mem_grads"] = m.peak.grads;
   j["mem_optimizer"] = m.peak.optimizer;

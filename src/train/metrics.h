@@ -58,6 +58,8 @@ std::vector<StepMetrics::CommTime> take_comm_times(Mesh& mesh, double steps);
 // mean) and max / mean of the tokens per expert; load [layers x experts] flat.
 struct ExpertLoadSummary {
   std::vector<double> cv, max_over_mean;  // [layers]
+  double mean_cv = 0, worst_cv = 0;       // over the layers (0 without any)
+  double worst_max_over_mean = 0;
 };
 ExpertLoadSummary summarize_expert_load(const std::vector<double>& load, int experts);
 

@@ -33,15 +33,10 @@ std::vector<EventFileWriter::Scalar> tensorboard_scalars(const StepMetrics& m) {
   for (const StepMetrics::CommTime& c : m.comm) s.push_back({"comm/" + c.name + "_ms", c.ms});
   if (m.aux_loss >= 0) s.push_back({"moe/aux_loss", m.aux_loss});
   const ExpertLoadSummary load = summarize_expert_load(m.expert_load, m.num_experts);
-  if (!load.cv.empty()) {
-    double mean_cv = 0;
-    for (double c : load.cv) mean_cv += c / static_cast<double>(load.cv.size());
-    s.insert(s.end(),
-             {{"moe/expert_cv", mean_cv},
-              {"moe/expert_cv_max", *std::max_element(load.cv.begin(), load.cv.end())},
-              {"moe/expert_max_over_mean",
-               *std::max_element(load.max_over_mean.begin(), load.max_over_mean.end())}});
-  }
+  if (!load.cv.empty())
+    s.insert(s.end(), {{"moe/expert_cv", load.mean_cv},
+                       {"moe/expert_cv_max", load.worst_cv},
+                       {"moe/expert_max_over_mean", load.worst_max_over_mean}});
   if (!m.expert_dropped.empty())  // model.moe_capacity_factor > 0
     s.push_back({"moe/dropped_fraction", dropped_fraction(m.expert_load, m.expert_dropped)});
   return s;

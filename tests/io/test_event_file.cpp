@@ -2,7 +2,6 @@
 // scalars and text read back by tests/support/event_file_reader.h, which shares none of the
 // writer's framing or checksum code.
 #include <gtest/gtest.h>
-#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -13,6 +12,7 @@
 
 #include "io/crc32c.h"
 #include "io/event_file.h"
+#include "runtime/process.h"
 #include "support/event_file_reader.h"
 
 namespace qt {
@@ -72,11 +72,10 @@ TEST_F(EventFile, ScalarsAndTextReadBack) {
   }
   const std::vector<std::string> files = test::event_files(sub);
   ASSERT_EQ(files.size(), 1u);
-  char host[256] = {};
-  gethostname(host, sizeof host - 1);
+  const std::string host = host_name();
   const std::string name = fs::path(files[0]).filename().string();
   EXPECT_EQ(name.rfind("events.out.tfevents.", 0), 0u) << name;
-  EXPECT_EQ(name.substr(name.size() - std::strlen(host) - 1), std::string(".") + host) << name;
+  EXPECT_EQ(name.substr(name.size() - host.size() - 1), std::string(".") + host) << name;
 
   const std::vector<std::string> records = test::read_records(files[0]);
   const std::vector<tensorboard::Event> events = test::parse_events(records);
