@@ -3,6 +3,11 @@
 host, with each layout family, written to a CSV beside `qtrain plan`'s predictions.
 
   python3 bench/scaling/scaling.py BUILD OUT [--gpus 1,2,4,8] [--families ...] [--dry-run]
+                                   [--extra="--key=value ..."] [--tag NAME]
+
+--extra adds deck overrides to every run of the call (the slice too), --tag NAME appends "-NAME"
+to the runs' names: variants of one layout side by side in one CSV, e.g.
+--extra="--optim.grad_reduce=bf16" --tag bf16 (environment variables such as NCCL_MAX_CTAS pass through).
 
 Every run: the whole Qwen3-8B (36 layers, untied), seq 4096, one sequence a micro-batch, synthetic
 tokens, no checkpoints, --steps steps (default 8; tokens/s and collective times are the means of
@@ -82,8 +87,9 @@ def with_kit(line, args):
 
 def plan(args, n, glob, keys):
     """`qtrain plan` for N GPUs: its recommended deck keys and, per layout row, the prediction."""
+    micro = args.extra_keys.get("train.micro_batch", "1")
     cmd = [os.path.join(args.build, "bin", "qtrain"), "plan", *BASE[:2], "--gpus", str(n),
-           "--gpu-mem", str(args.gpu_mem), f"--train.seq_len={SEQ}", "--train.micro_batch=1",
+           "--gpu-mem", str(args.gpu_mem), f"--train.seq_len={SEQ}", f"--train.micro_batch={micro}",
            f"--train.global_batch={glob}", "--sequence-parallel"]
     for k in ("mesh.pp_schedule", "mesh.pp_chunks", "model.num_layers"):
         if keys and k in keys:
@@ -152,7 +158,11 @@ def main():
     p.add_argument("--peak", type=float, default=989.0, help="TFLOP/s of one GPU, bf16 dense")
     p.add_argument("--no-kit", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print the runs, launch nothing")
+    p.add_argument("--extra", default="", help="deck overrides added to every run")
+    p.add_argument("--tag", default="", help="suffix of the runs' names")
     args = p.parse_args()
+    # --extra's keys replace the same keys of BASE and of a layout (a key given twice is an error)
+    args.extra_keys = dict(kv[2:].split("=", 1) for kv in shlex.split(args.extra))
     device, visible = "unknown", 0
     try:
         smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
@@ -182,6 +192,8 @@ def main():
         for name, family, spec, keys, glob in layouts(n, args):
             if family not in families:
                 continue
+            if args.tag:
+                name = f"{name}-{args.tag}"
             if family == "plan":
                 _, keys = plan(args, n, glob, None)
                 if not keys:
@@ -196,11 +208,13 @@ def main():
             keys.setdefault("train.recompute", "false")
             if keys["train.recompute"] == "true" and keys.get("mesh.pp_schedule") == "zb-h1":
                 keys["mesh.pp_schedule"] = "1f1b"  # ZB-H1 keeps activations: not with recompute
+            base = [b for b in BASE if b[2:].split("=", 1)[0] not in args.extra_keys]
             cmd = ["mpirun", "-np", str(n), "--bind-to", "none",
-                   os.path.join(args.build, "bin", "qtrain"), *BASE, f"--train.global_batch={glob}",
+                   os.path.join(args.build, "bin", "qtrain"), *base, f"--train.global_batch={glob}",
                    f"--train.steps={args.steps}",
                    f"--log.metrics={os.path.join(args.out, 'runs', name + '.jsonl')}",
-                   *(f"--{k}={v}" for k, v in keys.items())]
+                   *(f"--{k}={v}" for k, v in keys.items() if k not in args.extra_keys),
+                   *(f"--{k}={v}" for k, v in args.extra_keys.items())]
             line = " ".join(shlex.quote(c) for c in cmd)
             print(f"{name}: {line}", flush=True)
             if args.dry_run:

@@ -6,7 +6,8 @@
 //   /optim/exp_avg_sq/<transformers name>  fp32, global shape   (AdamW second moment)
 //   each dataset has attribute "checksum" (uint64, see below)
 //   root attributes: format ("qtrain-checkpoint"), format_version, step, samples_consumed,
-//   tokens_consumed, seed, rng_counter, deck (resolved INI text), model config fields.
+//   tokens_consumed, seed, rng_counter, skipped_steps, deck (resolved INI text), model config
+//   fields.
 //   /router_bias/model.layers.<l>.mlp.gate.expert_bias  fp32 [E], each sparse layer l: only
 //   with a router bias (TrainState::router_bias; compact datasets, no checksum)
 // A LoRA run's checkpoint holds the adapters instead of the model (/params/<PEFT name>, their
@@ -39,6 +40,10 @@ struct TrainState {
   std::int64_t tokens_consumed = 0;   // counted (loss) tokens so far
   std::uint64_t seed = 0;             // the run's seed
   std::uint64_t rng_counter = 0;      // draws taken from the run's counter-based RNG
+  // Steps whose update was skipped for a non-finite loss or gradient norm (train.max_consecutive_skips);
+  // AdamW's bias correction counts the applied ones, step - skipped_steps. A checkpoint without
+  // it (written before it existed) reads as 0.
+  std::int64_t skipped_steps = 0;
   // Qwen3-MoE auxiliary-loss-free balancing: the routers' bias [sparse layers, E] (fp32, the
   // same on every rank), or empty (none; a checkpoint without one reads as empty). Stored as
   // /router_bias/model.layers.<l>.mlp.gate.expert_bias [E], one a sparse layer.

@@ -21,6 +21,12 @@ struct TrainConfig {
   std::uint64_t seed = 1234;
   bool recompute = false;  // recompute each layer's activations in backward
   std::string device = "cpu";  // back end: cpu | cuda
+  // Numerical safety (docs/decks.md): a step with a non-finite loss or gradient norm updates
+  // nothing and is counted; this many such steps in a row stop the run (exit 3).
+  int max_consecutive_skips = 5;
+  // A step whose loss exceeds this factor times the recent mean (an exponential mean over about
+  // 20 steps, from the 10th step of the process) is logged as a spike; 0 = not watched.
+  double loss_spike_factor = 2.0;
 };
 
 enum class Schedule { kCosine, kLinear, kConstant };

@@ -257,6 +257,10 @@ void Builder::validate_train_optim() {
   }
   need(t.stop_at >= 0, "train.stop_at", "must be >= 0 (0 = run to train.steps)");
   need(t.stop_at <= t.steps, "train.stop_at", "is beyond train.steps = {}", t.steps);
+  need(t.max_consecutive_skips >= 1, "train.max_consecutive_skips",
+       "must be >= 1 (1: stop at the first non-finite step, which is not applied)");
+  need(t.loss_spike_factor == 0 || (t.loss_spike_factor > 1 && std::isfinite(t.loss_spike_factor)),
+       "train.loss_spike_factor", "must be 0 (off) or a finite number > 1");
   const long long per_step = static_cast<long long>(t.micro_batch) * deck_.mesh.dp;
   need(t.global_batch % per_step == 0, "train.global_batch",
        "must be a multiple of train.micro_batch ({}) x mesh.dp ({}) = {}", t.micro_batch,
@@ -297,13 +301,13 @@ void Builder::validate_train_optim() {
   need(o.offload == "none" || o.offload == "cpu", "optim.offload", "must be none or cpu");
   // Not built yet: sharding a LoRA run's frozen base; offload beside a whole optimizer state.
   need(o.offload == "none" || deck_.train.device != "cuda" || o.zero_stage >= 2, "optim.offload",
-       "= cpu on train.device = cuda needs optim.zero_stage = 2 or 3 (on one GPU they are the "
+       "on train.device = cuda needs optim.zero_stage = 2 or 3 (on one GPU they are the "
        "same)");
   need(o.grad_reduce == "fp32" || o.zero_stage <= 1, "optim.grad_reduce",
-       "= bf16 is not available with optim.zero_stage = 2 or 3 yet (their reduce-scatters are "
+       "is not available with optim.zero_stage = 2 or 3 yet (their reduce-scatters are "
        "fp32)");
   need(o.offload == "none" || deck_.lora.r == 0, "optim.offload",
-       "= cpu is not available with [lora] (its adapters' state is small)");
+       "is not available with [lora] (its adapters' state is small)");
   need(o.zero_stage <= 1 || deck_.lora.r == 0, "optim.zero_stage",
        "{} shards the whole model's training state; a LoRA run trains only its adapters: use 0 "
        "or 1 with [lora]",

@@ -126,6 +126,12 @@ const std::vector<KeySpec>& key_table() {
              "Recompute each layer's activations in backward (true | false)"),
         spec("train", "device", &D::train, &T::device, "",
              "Back end: cpu (fp32 reference) | cuda (bf16 compute, fp32 master weights; one GPU per rank)"),
+        spec("train", "max_consecutive_skips", &D::train, &T::max_consecutive_skips, "steps",
+             "A step with a non-finite loss or gradient norm is skipped (no parameter or moment "
+             "changes) and counted; this many in a row stop the run (exit 3); >= 1"),
+        spec("train", "loss_spike_factor", &D::train, &T::loss_spike_factor, "",
+             "Log a warning when a step's loss exceeds this factor times the recent mean; "
+             "> 1, or 0 = off"),
 
         spec("optim", "lr", &D::optim, &O::lr, "", "Peak learning rate (AdamW)"),
         spec("optim", "min_lr", &D::optim, &O::min_lr, "",

@@ -139,8 +139,8 @@ class CudaBackend final : public TrainBackend {
     if (deck_.model.is_moe()) aux_sum_ += model_->moe_aux_loss();
     return loss;
   }
-  OptimStepStats optimizer_step(std::int64_t step) override {
-    const OptimStepStats s = state_.step(step, deck_.train.steps, stream_.get());
+  OptimStepStats optimizer_step(const StepRequest& request) override {
+    const OptimStepStats s = state_.step(request, deck_.train.steps, stream_.get());
     if (++steps_done_ == profile_end_) {
       stream_.synchronize();
       QT_CHECK_CUDA(cudaProfilerStop());

@@ -162,8 +162,8 @@ class CudaLoraBackend final : public TrainBackend {
 
   // The adapters report no units to the state: it reduces their gradients here (over dp, then
   // the factors partial over tp summed over tp).
-  OptimStepStats optimizer_step(std::int64_t step) override {
-    return state_.step(step, deck_.train.steps, stream_.get());
+  OptimStepStats optimizer_step(const StepRequest& request) override {
+    return state_.step(request, deck_.train.steps, stream_.get());
   }
 
   std::string memory_report() override { return cuda::memory_report(arena_); }

@@ -419,9 +419,9 @@ class CudaPipelineBackend final : public TrainBackend {
     std::fclose(f);
   }
 
-  OptimStepStats optimizer_step(std::int64_t step) override {
+  OptimStepStats optimizer_step(const StepRequest& request) override {
     if (local_cfg_.tie_word_embeddings && !lora_) sum_tied_copies();  // (a frozen base: none)
-    return state_.step(step, deck_.train.steps, stream_.get());
+    return state_.step(request, deck_.train.steps, stream_.get());
   }
   std::string memory_report() override { return cuda::memory_report(arena_); }
   MemorySplit memory_split() override {

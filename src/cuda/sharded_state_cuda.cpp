@@ -558,7 +558,7 @@ void ShardedCudaState::offload_step(const AdamWStep& hs) {
   to_device_.synchronize();
 }
 
-OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_steps,
+OptimStepStats ShardedCudaState::step(const StepRequest& request, std::int64_t total_steps,
                                       cudaStream_t s) {
   if (nccl_) {
     if (zero_ <= 1)  // units whose last micro-batch did not reduce them (LoRA's adapters)
@@ -567,7 +567,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
     synchronize_comms();  // every reduction, add and sum of squares has landed
   }
   OptimStepStats st;
-  st.lr = lr_at(cfg_, static_cast<int>(total_steps), step);
+  st.lr = lr_at(cfg_, static_cast<int>(total_steps), request.step);
   // The norm: each unit's sum of squares over its shard (in unit order, so the same bits
   // however it was taken), summed over dp.
   for (std::size_t u = 0; u < units_.size(); ++u) {
@@ -588,6 +588,13 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
   if (pp_) sumsq = pp_->sum(sumsq);
   st.grad_norm = std::sqrt(sumsq);
   begin_step();  // the next step's gradients start afresh
+  // A non-finite loss or norm (summed over the mesh: the same on every rank) skips the update:
+  // the master weights, moments and bf16 copies stay as they were (at ZeRO-3 the next forward
+  // gathers its first units itself, as after the run's start).
+  if (!request.loss_finite || !std::isfinite(st.grad_norm)) {
+    st.skipped = true;
+    return st;
+  }
   if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
     st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
   if (!offload_) {
@@ -598,7 +605,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
     args.eps = cfg_.eps;
     args.weight_decay = cfg_.weight_decay;
     args.clip_scale = st.clip_scale;
-    args.step = step + 1;
+    args.step = request.update;
     for (std::size_t u = 0; u < units_.size(); ++u) {
       Unit& x = units_[u];
       if (!x.held) continue;
@@ -612,7 +619,7 @@ OptimStepStats ShardedCudaState::step(std::int64_t step, std::int64_t total_step
     }
   } else {
     QT_CHECK_CUDA(cudaStreamSynchronize(s));  // the gradients are final
-    offload_step(qt::adamw_step(cfg_, st.lr, st.clip_scale, step + 1));
+    offload_step(qt::adamw_step(cfg_, st.lr, st.clip_scale, request.update));
     if (shares_updates())
       for (std::size_t u = 0; u < units_.size(); ++u)
         if (units_[u].held) share_update(static_cast<int>(u), s);

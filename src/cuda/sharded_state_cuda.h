@@ -110,7 +110,12 @@ class ShardedCudaState final : public UnitSource {
   // reduced (ZeRO-0/1) and its sum of squares taken as soon as its gradients are final; a unit
   // not reduced then (a writer that reports no units, as LoRA) is reduced in step().
   Qwen3Cuda::GradWrite begin_micro_batch(bool first_of_step, bool last_of_step);
-  OptimStepStats step(std::int64_t step, std::int64_t total_steps, cudaStream_t s);
+  // Reduces, clips and applies the step's gradients, or with a non-finite loss or gradient norm
+  // applies nothing (OptimStepStats::skipped).
+  OptimStepStats step(const StepRequest& request, std::int64_t total_steps, cudaStream_t s);
+  OptimStepStats step(std::int64_t step, std::int64_t total_steps, cudaStream_t s) {
+    return this->step(StepRequest::at(step), total_steps, s);
+  }
 
   // Whole-buffer stages (ZeRO-0/1) keep each unit's weights and gradients in place: these point
   // at unit 0's (for a single-unit plan, e.g. LoRA's adapters bound to them).

@@ -228,6 +228,7 @@ std::uint64_t write_metadata(hid_t file, const ParamLayout& layout, const TrainS
   write_attr_i64(file, "tokens_consumed", state.tokens_consumed);
   write_attr_u64(file, "seed", state.seed);
   write_attr_u64(file, "rng_counter", state.rng_counter);
+  write_attr_i64(file, "skipped_steps", state.skipped_steps);
   write_attr_string(file, "deck", deck_text);
   write_attr_string(file, "preset", model.preset);
   for (const ModelField& f : model_fields(model)) {
@@ -565,6 +566,10 @@ std::string read_root(hid_t file, const std::string& path, const ModelConfig& mo
     return fmt::format("checkpoint {}: root attribute seed is missing", path);
   if (!u64("rng_counter", st.rng_counter))
     return fmt::format("checkpoint {}: root attribute rng_counter is missing", path);
+  if (!i64("skipped_steps", st.skipped_steps)) st.skipped_steps = 0;  // older checkpoints
+  if (st.skipped_steps < 0 || st.skipped_steps > st.step)
+    return fmt::format("checkpoint {}: root attribute skipped_steps = {} is outside [0, step = {}]",
+                       path, st.skipped_steps, st.step);
   return {};
 }
 

@@ -136,9 +136,9 @@ void ShardedState::update(int u, const AdamWStep& s) {
   }
 }
 
-OptimStepStats ShardedState::step(std::int64_t step) {
+OptimStepStats ShardedState::step(const StepRequest& request) {
   OptimStepStats st;
-  st.lr = lr_at(cfg_, total_steps_, step);
+  st.lr = lr_at(cfg_, total_steps_, request.step);
   // 1. Reduce: every rank ends with the summed gradients of what it updates.
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (!held(u)) continue;
@@ -166,10 +166,16 @@ OptimStepStats ShardedState::step(std::int64_t step) {
   if (tp_) sumsq = tp_->sum(sumsq);
   if (pp_) sumsq = pp_->sum(sumsq);
   st.grad_norm = std::sqrt(sumsq);
+  // A non-finite loss or norm (summed over the mesh: the same on every rank) skips the update;
+  // the parameters, their whole copies and the moments stay as they were.
+  if (!request.loss_finite || !std::isfinite(st.grad_norm)) {
+    st.skipped = true;
+    return st;
+  }
   if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
     st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
   // 3. Update the owned elements, then share them where the parameters are whole.
-  const AdamWStep s = adamw_step(cfg_, st.lr, st.clip_scale, step + 1);
+  const AdamWStep s = adamw_step(cfg_, st.lr, st.clip_scale, request.update);
   for (std::size_t u = 0; u < units_.size(); ++u) {
     if (!held(u)) continue;
     update(static_cast<int>(u), s);

@@ -75,8 +75,10 @@ class ShardedState final : public ModelParams {
   // Gradients to zero before the first micro-batch of a step.
   void zero_grads();
   // Reduces, clips and applies this step's gradients (already scaled so that their sum over dp
-  // is the mean gradient). `step`: 0-based index of this optimizer step.
-  OptimStepStats step(std::int64_t step);
+  // is the mean gradient), or with a non-finite loss or gradient norm reduces them and applies
+  // nothing (OptimStepStats::skipped).
+  OptimStepStats step(const StepRequest& request);
+  OptimStepStats step(std::int64_t step) { return this->step(StepRequest::at(step)); }
 
   // The parameters this rank holds (whole units, or its shards at ZeRO-3): fill them to
   // initialise or load a model.

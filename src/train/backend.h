@@ -78,8 +78,9 @@ class TrainBackend {
     }
     return loss;
   }
-  // Reduces the gradients over dp, clips, and updates the parameters (0-based step index).
-  virtual OptimStepStats optimizer_step(std::int64_t step) = 0;
+  // Reduces the gradients over dp, clips, and updates the parameters; with a non-finite loss
+  // (request.loss_finite false) or gradient norm it updates nothing (OptimStepStats::skipped).
+  virtual OptimStepStats optimizer_step(const StepRequest& request) = 0;
 
   // The last step's measured pipeline bubble: the share of the step the stages' compute
   // waited, 1 - busy / (stages x span) as the schedule's simulation counts it (a fraction, the

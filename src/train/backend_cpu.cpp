@@ -143,7 +143,9 @@ class CpuBackend final : public TrainBackend {
     model_.backward(state_, loss_scale);
     return loss;
   }
-  OptimStepStats optimizer_step(std::int64_t step) override { return state_.step(step); }
+  OptimStepStats optimizer_step(const StepRequest& request) override {
+    return state_.step(request);
+  }
   MemorySplit memory_split() override {
     const StateBytes b = state_.peak_bytes();
     MemorySplit m;

@@ -293,9 +293,9 @@ class CpuPipelineBackend final : public TrainBackend {
     return pp_.sum(loss);  // the last stage's, on every stage
   }
 
-  OptimStepStats optimizer_step(std::int64_t step) override {
+  OptimStepStats optimizer_step(const StepRequest& request) override {
     if (local_.tie_word_embeddings && !lora_) sum_tied_copies();  // (a frozen base: no gradients)
-    return state_.step(step);
+    return state_.step(request);
   }
   MemorySplit memory_split() override {
     const StateBytes b = state_.peak_bytes();

@@ -111,8 +111,15 @@ void MetricsLog::write(const StepMetrics& m) {
                           load.mean_cv, load.worst_cv, load.worst_max_over_mean);
     if (!m.expert_dropped.empty()) experts += fmt::format(", dropped {:.2f}%", 100 * dropped);
   }
+  std::string safety;
+  if (m.skipped)
+    safety = fmt::format(" | SKIPPED: not finite, nothing updated ({} of the run)",
+                         m.skipped_steps);
+  else if (m.loss_spike_mean > 0)
+    safety = fmt::format(" | loss spike: {:.2f}x the recent mean {:.5f}",
+                         m.loss / m.loss_spike_mean, m.loss_spike_mean);
   const std::string idle =
-      (m.aux_loss >= 0 ? fmt::format(" | aux {:.4f}", m.aux_loss) : "") + experts +
+      safety + (m.aux_loss >= 0 ? fmt::format(" | aux {:.4f}", m.aux_loss) : "") + experts +
       (m.pipeline_idle >= 0 ? fmt::format(" | pipeline idle {:.1f}%", 100 * m.pipeline_idle) : "");
   std::printf("step %6lld/%lld | loss %.5f | lr %.3e | grad norm %.4f | %.0f tok/s | %s elapsed | ETA %s%s%s%s\n",
               static_cast<long long>(m.step), static_cast<long long>(m.steps), m.loss, m.lr,
@@ -129,7 +136,9 @@ void MetricsLog::write(const StepMetrics& m) {
   nlohmann::json j = {{"step", m.step},           {"loss", m.loss},
                       {"lr", m.lr},               {"grad_norm", m.grad_norm},
                       {"tokens_per_s", m.tokens_per_s}, {"elapsed_s", m.elapsed_s},
-                      {"eta_s", m.eta_s},         {"tokens", m.tokens}};
+                      {"eta_s", m.eta_s},         {"tokens", m.tokens},
+                      {"skipped", m.skipped},     {"skipped_steps", m.skipped_steps}};
+  if (m.loss_spike_mean > 0) j["loss_spike_mean"] = m.loss_spike_mean;
   if (!m.memory.empty()) j["memory"] = m.memory;
   if (m.pipeline_idle >= 0) j["pipeline_idle"] = m.pipeline_idle;
   if (m.aux_loss >= 0) j["aux_loss"] = m.aux_loss;

@@ -17,6 +17,11 @@ struct StepMetrics {
   double loss = 0;             // mean cross-entropy over counted tokens of the global batch (nats)
   double lr = 0;
   double grad_norm = 0;
+  bool skipped = false;        // this step updated nothing: its loss or gradient norm was not
+                               // finite (train.max_consecutive_skips)
+  std::int64_t skipped_steps = 0;  // such steps of the run so far (checkpoints carry it)
+  double loss_spike_mean = 0;  // > 0: the loss spiked against this recent mean
+                               // (train.loss_spike_factor)
   double tokens_per_s = 0;     // counted tokens per second over the last log interval
   double elapsed_s = 0;        // since this process started training
   double eta_s = 0;
@@ -80,7 +85,9 @@ class MetricsLog {
   // expert_max_over_mean, and router_bias with auxiliary-loss-free balancing; the step line adds
   // the mean and the worst layer's cv and the largest max / mean). With expert_dropped, the
   // file's expert_dropped per sparse layer and dropped_fraction (dropped / routed token-slots,
-  // all layers), and the step line's "dropped X.XX%".
+  // all layers), and the step line's "dropped X.XX%". Numerical safety: skipped (bool) and
+  // skipped_steps (the run's so far), loss_spike_mean with a spike; a non-finite loss or norm is
+  // written as null.
   void write(const StepMetrics& m);
 
  private:

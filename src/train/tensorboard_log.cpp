@@ -18,6 +18,7 @@ std::vector<EventFileWriter::Scalar> tensorboard_scalars(const StepMetrics& m) {
       {"train/lr", m.lr},
       {"train/grad_norm", m.grad_norm},
       {"train/tokens", static_cast<double>(m.tokens)},
+      {"train/skipped_steps", static_cast<double>(m.skipped_steps)},
       {"perf/tokens_per_s", m.tokens_per_s},
   };
   if (m.pipeline_idle >= 0) s.push_back({"perf/pipeline_idle", m.pipeline_idle});

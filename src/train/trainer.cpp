@@ -12,6 +12,7 @@
 #include <csignal>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fmt/format.h>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "qtrain/data.h"
 #include "qtrain/error.h"
 #include "train/host_memory.h"
+#include "train/loss_spike.h"
 #include "train/metrics.h"
 #include "train/run_checkpoints.h"
 #include "train/tensorboard_log.h"
@@ -43,6 +45,29 @@ extern "C" void on_stop_signal(int sig) {
     return;
   }
   g_stop_signal = sig;
+}
+
+// QTRAIN_TEST_NONFINITE_STEPS = "S[@R],...": for tests, the gradients of step S (1-based, as the
+// step log counts) become NaN, on world rank R only or on every rank (the micro-batches' loss
+// scale is NaN there; the loss stays finite). True when `step` is one of them for `rank`.
+bool poisoned_by_test(std::int64_t step, int rank) {
+  const char* env = std::getenv("QTRAIN_TEST_NONFINITE_STEPS");
+  if (env == nullptr) return false;
+  const std::string text = env;
+  for (std::size_t at = 0; at <= text.size();) {
+    std::size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    long long s = -1, r = -1;
+    int used = 0;
+    const std::string item = text.substr(at, end - at);
+    const bool ok = (std::sscanf(item.c_str(), "%lld@%lld%n", &s, &r, &used) == 2 ||
+                     std::sscanf(item.c_str(), "%lld%n", &s, &used) == 1) &&
+                    used == static_cast<int>(item.size()) && s >= 1;
+    if (!ok) fail_user("QTRAIN_TEST_NONFINITE_STEPS = '{}': expected S[@R],... with steps S >= 1", text);
+    if (s == step && (r < 0 || r == rank)) return true;
+    at = end + 1;
+  }
+  return false;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -215,7 +240,9 @@ int run_training(const Deck& deck, Mesh& mesh) {
   std::int64_t steps_since_log = 0;
   const std::int64_t first_step = state.step;
 
-  mesh.take_collective_times();  // the step log counts the steps' calls, not the start-up's
+  int consecutive_skips = 0;  // steps skipped in a row (train.max_consecutive_skips)
+  LossSpikeWatch spikes(tc.loss_spike_factor);
+    mesh.take_collective_times();  // the step log counts the steps' calls, not the start-up's
   while (state.step < last) {
     const std::int64_t step = state.step;
     auto phase = Clock::now();
@@ -238,30 +265,51 @@ int run_training(const Deck& deck, Mesh& mesh) {
     // 3. Forward and backward, gradients of sum(loss) / counted.
     backend->zero_grads();
     double loss_sum = 0;
-    const float scale = counted > 0 ? 1.0f / static_cast<float>(counted) : 0.0f;
+    float scale = counted > 0 ? 1.0f / static_cast<float>(counted) : 0.0f;
+    if (poisoned_by_test(step + 1, mesh.world_rank())) scale = std::nanf("");
     loss_sum = backend->micro_batches({inputs.data(), targets.data(),
                                        packing ? positions.data() : nullptr, micro_steps, B, T,
                                        base},
                                       scale);
     end_phase(compute_s);
-    // 4. Optimizer.
-    const OptimStepStats os = backend->optimizer_step(step);
+    // 4. Optimizer: nothing is updated when the loss or the gradient norm is not finite (both
+    // are sums over the mesh, so every rank skips alike); AdamW's bias correction counts only
+    // the updates applied.
+    const double loss = counted > 0 ? dp.sum(loss_sum) / static_cast<double>(counted) : 0.0;
+    const OptimStepStats os = backend->optimizer_step(
+        {step, step + 1 - state.skipped_steps, std::isfinite(loss)});
     end_phase(optimizer_s);
     ++steps_since_log;
-    const double loss = counted > 0 ? dp.sum(loss_sum) / static_cast<double>(counted) : 0.0;
+    // The batch counts as consumed either way: a resumed run does not see it again.
     state.step = step + 1;
     state.samples_consumed += tc.global_batch;
     state.tokens_consumed += counted;
     tokens_since_log += counted;
-    if (!std::isfinite(loss) || !std::isfinite(os.grad_norm)) {
-      if (root) std::fprintf(stderr, "qtrain: error: the loss is %g and the gradient norm %g at step %lld; stopping without a checkpoint (lower optim.lr or check the data)\n",
-                             loss, os.grad_norm, static_cast<long long>(state.step));
-      return 3;
+    if (os.skipped) {
+      ++state.skipped_steps;
+      ++consecutive_skips;
+      if (root)
+        std::fprintf(stderr,
+                     "qtrain: warning: step %lld skipped: the loss is %g and the gradient norm %g "
+                     "(parameters and optimizer state unchanged; %d in a row, %lld in the run; "
+                     "train.max_consecutive_skips = %d)\n",
+                     static_cast<long long>(state.step), loss, os.grad_norm, consecutive_skips,
+                     static_cast<long long>(state.skipped_steps), tc.max_consecutive_skips);
+    } else {
+      consecutive_skips = 0;
     }
+    const bool spike = !os.skipped && spikes.observe(loss);
+    if (spike && root)
+      std::fprintf(stderr,
+                   "qtrain: warning: loss spike at step %lld: %.5f against a recent mean of %.5f "
+                   "(%.2fx; train.loss_spike_factor = %g)\n",
+                   static_cast<long long>(state.step), loss, spikes.mean_before(),
+                   loss / spikes.mean_before(), tc.loss_spike_factor);
     // 5. Log, checkpoint, stop on request.
-    // Every log.every steps, the first step of the process (the loss at the start) and the last.
-    const bool log_now =
-        state.step % deck.log.every == 0 || state.step == first_step + 1 || state.step == last;
+    // Every log.every steps, the first step of the process (the loss at the start), the last, and
+    // every skipped step or spike.
+    const bool log_now = state.step % deck.log.every == 0 || state.step == first_step + 1 ||
+                         state.step == last || os.skipped || spike;
     // The step's expert load summed over dp (each rank's own tokens; a pipeline's stages already
     // summed): read every step for the bias, else only for the log.
     std::vector<double> load;
@@ -269,7 +317,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
       load = backend->moe_load();
       if (!load.empty()) dp.all_reduce(load.data(), load.size(), DType::kF64, ReduceOp::kSum);
     }
-    if (bias_rate > 0) {
+    if (bias_rate > 0 && !os.skipped) {  // a skipped step changes no state, the bias neither
       QT_CHECK(load.size() == state.router_bias.size(), "expert load of {} values, bias of {}",
                load.size(), state.router_bias.size());
       cpu::router_bias_update(state.router_bias.data(), load.data(), bias_layers, E, bias_rate);
@@ -282,6 +330,9 @@ int run_training(const Deck& deck, Mesh& mesh) {
       sm.loss = loss;
       sm.lr = os.lr;
       sm.grad_norm = os.grad_norm;
+      sm.skipped = os.skipped;
+      sm.skipped_steps = state.skipped_steps;
+      if (spike) sm.loss_spike_mean = spikes.mean_before();
       sm.elapsed_s = seconds_since(t_start);
       sm.tokens_per_s = tokens_since_log / std::max(1e-9, seconds_since(t_log));
       sm.eta_s = sm.elapsed_s / static_cast<double>(state.step - first_step) * static_cast<double>(last - state.step);
@@ -315,6 +366,19 @@ int run_training(const Deck& deck, Mesh& mesh) {
       data_s = compute_s = optimizer_s = 0;
       steps_since_log = 0;
     }
+    if (consecutive_skips >= tc.max_consecutive_skips) {
+      if (root)
+        std::fprintf(stderr,
+                     "qtrain: error: %d steps in a row had a non-finite loss or gradient norm "
+                     "(train.max_consecutive_skips = %d); stopping at step %lld without a new "
+                     "checkpoint (%s): lower optim.lr, check the data, or resume from it\n",
+                     consecutive_skips, tc.max_consecutive_skips,
+                     static_cast<long long>(state.step),
+                     checkpoints.newest().empty()
+                         ? "there is no earlier one"
+                         : ("the newest, " + checkpoints.newest() + ", is kept").c_str());
+      return 3;
+    }
     double stop_requested = g_stop_signal;
     stop_requested = mesh.world().max(stop_requested);
     const bool periodic = deck.checkpoint.every > 0 && state.step % deck.checkpoint.every == 0;
@@ -326,6 +390,9 @@ int run_training(const Deck& deck, Mesh& mesh) {
       return 0;
     }
   }
+  if (root && state.skipped_steps > 0)
+    std::printf("%lld of the run's %lld steps were skipped (non-finite loss or gradient norm)\n",
+                static_cast<long long>(state.skipped_steps), static_cast<long long>(state.step));
   if (root && !std::isnan(data->loss_floor()))
     std::printf("loss floor of the synthetic data: %.5f nats\n", data->loss_floor());
   return 0;

@@ -142,6 +142,69 @@ TEST(ShardedState, NormAndFirstStepAtEveryStage) {
   }
 }
 
+// Numerical safety (issue 19): a NaN in one element of one rank's gradients, or a non-finite
+// loss, skips the step at every ZeRO stage: the parameters stay as they were, and the next step,
+// asked for as AdamW's first update (StepRequest::update 1), lands exactly where a first step
+// does, which it cannot if the skip had moved the parameters or the moments.
+TEST(ShardedState, NonFiniteStepSkipsAndTheNextUpdateIsTheFirst) {
+  auto comm = world();
+  const int P = comm->size(), r = comm->rank();
+  const ModelConfig m = tiny(true);
+  const ParamLayout layout(m);
+  MeshShape mesh;
+  mesh.dp = P;
+  OptimConfig oc;
+  oc.lr = 1e-2;
+  oc.min_lr = 1e-2;
+  oc.warmup_steps = 0;
+  oc.schedule = Schedule::kConstant;
+  oc.grad_clip = 0;
+  oc.weight_decay = 0;  // the first update moves every element by lr against its gradient's sign
+  for (int zero = 0; zero <= 3; ++zero) {
+    for (const bool nan_loss : {false, true}) {
+      SCOPED_TRACE("ZeRO-" + std::to_string(zero) + (nan_loss ? ", loss NaN" : ", gradient NaN"));
+      oc.zero_stage = zero;
+      const ShardPlan plan = plan_qwen3(m, layout, mesh, zero);
+      ShardedState st(plan, layout, oc, *comm, 10);
+      for (const FlatPiece& p : st.param_pieces())
+        for (std::size_t k = 0; k < p.range.size(); ++k) p.data[k] = param_value(p.range.begin + k);
+      auto fill_grads = [&](bool poison) {
+        st.zero_grads();
+        for (std::size_t u = 0; u < plan.units.size(); ++u) {
+          const int ui = static_cast<int>(u);
+          float* g = st.grads(ui);
+          for (std::size_t k = 0; k < plan.units[u].range.size(); ++k)
+            g[k] = grad_value(plan.units[u].range.begin + k) / static_cast<float>(P);
+          // One element of the last unit, on the last rank only: the sums carry it everywhere.
+          if (poison && r == P - 1 && u + 1 == plan.units.size()) g[0] = std::nanf("");
+          st.grads_done(ui);
+        }
+      };
+      fill_grads(!nan_loss);
+      const OptimStepStats skipped = st.step({0, 1, !nan_loss});
+      EXPECT_TRUE(skipped.skipped);
+      EXPECT_EQ(std::isfinite(skipped.grad_norm), nan_loss);
+      long long moved = 0;
+      for (const FlatPiece& p : st.param_pieces())
+        for (std::size_t k = 0; k < p.range.size(); ++k)
+          moved += !(p.data[k] == param_value(p.range.begin + k));
+      EXPECT_EQ(moved, 0) << "parameters changed by a skipped step";
+      fill_grads(false);
+      const OptimStepStats applied = st.step({1, 1, true});
+      EXPECT_FALSE(applied.skipped);
+      double worst = 0;
+      for (const FlatPiece& p : st.param_pieces())
+        for (std::size_t k = 0; k < p.range.size(); ++k) {
+          const std::size_t i = p.range.begin + k;
+          const double g = static_cast<double>(grad_value(i) / static_cast<float>(P)) * P;
+          const double want = param_value(i) - oc.lr * g / (std::abs(g) + oc.eps);
+          worst = std::max(worst, std::abs(p.data[k] - want));
+        }
+      EXPECT_LT(worst, 2e-6) << "the update after a skip is not AdamW's first";
+    }
+  }
+}
+
 TEST(ShardedState, Zero3HoldsAShardAndGathersOneUnitAtATime) {
   auto comm = world();
   const int P = comm->size();

@@ -88,7 +88,7 @@ TEST_F(LoraTraining, OnlyAdaptersTrainTheBaseStaysBitForBit) {
     // little to learn on fresh batches of the synthetic chain).
     const auto [loss, counted] =
         test::backend_step(*be, *data, *world, world->rank() * local, local, B, T);
-    be->optimizer_step(step);
+    be->optimizer_step(StepRequest::at(step));
     losses.push_back(world->sum(loss) / counted);
   }
   be->pull_state();

@@ -48,13 +48,14 @@ TEST(TensorBoardScalars, DenseStepHasTheJsonFieldsInTheirUnits) {
   m.grad_norm = 0.75;
   m.tokens_per_s = 12345;
   m.tokens = 1 << 20;
+  m.skipped_steps = 3;
   m.peak = {1.5 * (1 << 30), 2.0 * (1 << 30), 3.0 * (1 << 30), 0.25 * (1 << 30), 0};
   m.time = {0.01, 0.5, 0.125};
   m.comm = {{"dp.reduce_scatter", 4.5, 2, 10, 100}, {"mpi.world.all_reduce", 0.25, 1, 0, 0}};
   const std::map<std::string, double> s = scalar_map(m);
   const std::map<std::string, double> want = {
       {"train/loss", 2.5}, {"train/lr", 3e-4}, {"train/grad_norm", 0.75},
-      {"train/tokens", 1 << 20}, {"perf/tokens_per_s", 12345},
+      {"train/tokens", 1 << 20}, {"train/skipped_steps", 3}, {"perf/tokens_per_s", 12345},
       {"time/data_s", 0.01}, {"time/compute_s", 0.5}, {"time/optimizer_s", 0.125},
       {"memory/params_gib", 1.5}, {"memory/grads_gib", 2}, {"memory/optimizer_gib", 3},
       {"memory/activations_gib", 0.25}, {"memory/workspace_gib", 0}, {"memory/total_gib", 6.75},

@@ -81,7 +81,7 @@ TEST_F(MoeTraining, LoraTrainsOnlyTheAdaptersRouterAndExpertsStayBitForBit) {
     const double aux = world->sum(be->moe_aux_loss_sum());
     EXPECT_GE(aux / 4, 1.0);  // 4 micro-batches over the 2 ranks
     EXPECT_LT(aux / 4, 8.0);
-    be->optimizer_step(step);
+    be->optimizer_step(StepRequest::at(step));
     losses.push_back(world->sum(loss) / counted);
   }
   be->pull_state();
