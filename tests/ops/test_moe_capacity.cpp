@@ -12,6 +12,7 @@
 #include "ops/moe_block.h"
 #include "ops/moe_capacity.h"
 #include "ops/moe_experts.h"
+#include "moe_block_fd.h"
 
 namespace qt {
 namespace {
@@ -162,76 +163,28 @@ TEST(ops_moe_capacity, NoDropIsBitIdenticalToDropless) {
   }
 }
 
-// The block's backward against finite differences while pairs are dropped: r . y plus
-// coef x the load-balancing loss (computed from the routing before the drops). The gate rows are
-// a_e u + noise with spaced a_e and the tokens +-u + noise, so no step changes a pick: the +u
-// tokens all choose the two experts of largest a_e and the -u tokens the two of smallest, three
-// tokens each, so each of these four experts gets 3 pairs; factor 0.8 gives C = ceil(0.8 x 6 x
-// 2 / 5) = 2, and each drops its third pair (4 of 12).
+// The block's backward against finite differences while pairs are dropped (moe_block_fd.h: the
+// aux term from the routing before the drops). The +u tokens all choose the two experts of
+// largest a_e and the -u tokens the two of smallest, three tokens each, so each of these four
+// experts gets 3 pairs; factor 0.8 gives C = ceil(0.8 x 6 x 2 / 5) = 2, and each drops its third
+// pair (4 of 12).
 TEST(ops_moe_capacity, BlockBackwardWithDropsAgainstFiniteDifferences) {
   auto rng = test_rng();
   for (bool norm_topk : {true, false}) {
     SCOPED_TRACE(norm_topk);
-    const MoeShape s{6, 5, 3, 5, 2, norm_topk, 0.8};
-    ASSERT_EQ(expert_capacity(s.N, s.k, s.E, s.capacity_factor), 2);
-    Vec u = random_f32_exact(s.H, rng);
-    const double norm = std::sqrt(dot(u, u));
-    for (double& v : u) v /= norm;
-    std::vector<int> perm(s.E);
-    std::iota(perm.begin(), perm.end(), 0);
-    std::shuffle(perm.begin(), perm.end(), rng);
-    std::uniform_real_distribution<double> noise(-0.01, 0.01);
-    Vec gate(s.E * s.H), x(s.N * s.H);
-    for (int e = 0; e < s.E; ++e)
-      for (int a = 0; a < s.H; ++a)
-        gate[e * s.H + a] = static_cast<float>(perm[e] * u[a] + noise(rng));
-    for (int t = 0; t < s.N; ++t)
-      for (int a = 0; a < s.H; ++a)
-        x[t * s.H + a] = static_cast<float>((t % 2 ? -1.0 : 1.0) * u[a] + noise(rng));
-    Vec gate_up = random_f32_exact(s.E * 2 * s.Im * s.H, rng);
-    Vec down = random_f32_exact(s.E * s.H * s.Im, rng);
-    const Vec r = random_f32_exact(s.N * s.H, rng);
-    const double coef = 0.1;
-    std::vector<int> picks;
-    long dropped = 0;
-    auto loss = [&] {
-      Vec y(s.N * s.H), probs(s.N * s.E), w(s.N * s.k);
-      std::vector<int> idx(s.N * s.k);
-      dropped = moe_block_forward<double>(y.data(), probs.data(), idx.data(), w.data(), x.data(),
-                                          gate.data(), gate_up.data(), down.data(), s);
-      if (picks.empty()) picks = idx;
-      EXPECT_EQ(idx, picks);  // the step changed no pick
-      RouterBalance b(s.E);
-      router_balance_add<double>(b, probs.data(), idx.data(), s.N, s.k);
-      return dot(r, y) + coef * router_aux_loss(b);
-    };
-    (void)loss();
-    EXPECT_EQ(dropped, 4);
-    Vec y(s.N * s.H), probs(s.N * s.E), w(s.N * s.k);
-    std::vector<int> idx(s.N * s.k);
-    moe_block_forward<double>(y.data(), probs.data(), idx.data(), w.data(), x.data(), gate.data(),
-                              gate_up.data(), down.data(), s);
-    RouterBalance b(s.E);
-    router_balance_add<double>(b, probs.data(), idx.data(), s.N, s.k);
-    Guarded<double> dx(s.N * s.H);
-    Vec dgate(gate.size(), 0.0), dgate_up(gate_up.size(), 0.0), ddown(down.size(), 0.0);
-    moe_block_backward<double>(dx.data(), dgate.data(), dgate_up.data(), ddown.data(), r.data(),
-                               x.data(), probs.data(), idx.data(), w.data(), gate.data(),
-                               gate_up.data(), down.data(), s, &b, coef);
-    QT_EXPECT_CLOSE(dx.values(), fd_grad(x, loss), kTolFd);
-    QT_EXPECT_CLOSE(dgate, fd_grad(gate, loss), kTolFd);
-    QT_EXPECT_CLOSE(dgate_up, fd_grad(gate_up, loss), kTolFd);
-    QT_EXPECT_CLOSE(ddown, fd_grad(down, loss), kTolFd);
-    EXPECT_TRUE(dx.guards_intact());
+    const MoeShape shape{6, 5, 3, 5, 2, norm_topk, 0.8};
+    ASSERT_EQ(expert_capacity(shape.N, shape.k, shape.E, shape.capacity_factor), 2);
+    MoeBlockFd b(shape, rng);
+    EXPECT_EQ(b.dropped, 4);
+    b.expect_matches_finite_differences();
     // The dropless backward over the same routing differs: the drops are not a no-op there.
-    MoeShape dropless = s;
+    MoeShape dropless = shape;
     dropless.capacity_factor = 0;
-    Vec dx0(s.N * s.H), dg0(gate.size(), 0.0), dgu0(gate_up.size(), 0.0), dd0(down.size(), 0.0);
-    moe_block_backward<double>(dx0.data(), dg0.data(), dgu0.data(), dd0.data(), r.data(),
-                               x.data(), probs.data(), idx.data(), w.data(), gate.data(),
-                               gate_up.data(), down.data(), dropless, &b, coef);
-    EXPECT_GT(rel_err(dgu0, dgate_up), 1e-3);
-    EXPECT_GT(rel_err(dg0, dgate), 1e-3);
+    Vec dx0(shape.N * shape.H), dg0(b.gate.size(), 0.0), dgu0(b.gate_up.size(), 0.0);
+    Vec dd0(b.down.size(), 0.0);
+    b.backward(dx0.data(), dg0.data(), dgu0.data(), dd0.data(), dropless, b.coef);
+    EXPECT_GT(rel_err(dgu0, b.dgate_up), 1e-3);
+    EXPECT_GT(rel_err(dg0, b.dgate), 1e-3);
   }
 }
 

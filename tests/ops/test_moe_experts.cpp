@@ -8,6 +8,7 @@
 #include "check.h"
 #include "ops/moe_block.h"
 #include "ops/moe_experts.h"
+#include "moe_block_fd.h"
 
 namespace qt {
 namespace {
@@ -103,73 +104,24 @@ TEST(ops_moe_experts, BackwardAgainstFiniteDifferences) {
 }
 
 
-// The whole sparse block (ops/moe_block.h): CE-like r . y plus aux_coef x the load-balancing
-// loss, against finite differences in x and every weight. The router's logits are kept apart
-// (gate rows a_e u + noise with spaced a_e, tokens +-u + noise) so that no step changes a pick.
+// The whole sparse block (ops/moe_block.h) against finite differences (moe_block_fd.h).
 TEST(ops_moe_block, BackwardAgainstFiniteDifferences) {
   auto rng = test_rng();
-  const MoeShape s{6, 5, 3, 5, 2, true};
-  Vec u = random_f32_exact(s.H, rng);
-  const double norm = std::sqrt(dot(u, u));
-  for (double& v : u) v /= norm;
-  std::vector<int> perm(s.E);
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  std::uniform_real_distribution<double> noise(-0.01, 0.01);
-  Vec gate(s.E * s.H), x(s.N * s.H);
-  for (int e = 0; e < s.E; ++e)
-    for (int a = 0; a < s.H; ++a) gate[e * s.H + a] = static_cast<float>(perm[e] * u[a] + noise(rng));
-  for (int t = 0; t < s.N; ++t)
-    for (int a = 0; a < s.H; ++a)
-      x[t * s.H + a] = static_cast<float>((t % 2 ? -1.0 : 1.0) * u[a] + noise(rng));
-  Vec gate_up = random_f32_exact(s.E * 2 * s.Im * s.H, rng), down = random_f32_exact(s.E * s.H * s.Im, rng);
-  const Vec r = random_f32_exact(s.N * s.H, rng);
-  const double coef = 0.1;  // large, so that the aux term's gradient counts in the comparison
-  std::vector<int> picks;
-  auto loss = [&] {
-    Vec y(s.N * s.H), probs(s.N * s.E), w(s.N * s.k);
-    std::vector<int> idx(s.N * s.k);
-    moe_block_forward<double>(y.data(), probs.data(), idx.data(), w.data(), x.data(), gate.data(),
-                              gate_up.data(), down.data(), s);
-    if (picks.empty()) picks = idx;
-    EXPECT_EQ(idx, picks);  // the step changed no pick
-    RouterBalance b(s.E);
-    router_balance_add<double>(b, probs.data(), idx.data(), s.N, s.k);
-    return dot(r, y) + coef * router_aux_loss(b);
-  };
-  (void)loss();  // the picks
-  Vec y(s.N * s.H), probs(s.N * s.E), w(s.N * s.k);
-  std::vector<int> idx(s.N * s.k);
-  moe_block_forward<double>(y.data(), probs.data(), idx.data(), w.data(), x.data(), gate.data(),
-                            gate_up.data(), down.data(), s);
-  RouterBalance b(s.E);
-  router_balance_add<double>(b, probs.data(), idx.data(), s.N, s.k);
-  Guarded<double> dx(s.N * s.H);
-  Vec dgate(gate.size(), 0.0), dgate_up(gate_up.size(), 0.0), ddown(down.size(), 0.0);
-  moe_block_backward<double>(dx.data(), dgate.data(), dgate_up.data(), ddown.data(), r.data(),
-                             x.data(), probs.data(), idx.data(), w.data(), gate.data(),
-                             gate_up.data(), down.data(), s, &b, coef);
-  QT_EXPECT_CLOSE(dx.values(), fd_grad(x, loss), kTolFd);
-  QT_EXPECT_CLOSE(dgate, fd_grad(gate, loss), kTolFd);
-  QT_EXPECT_CLOSE(dgate_up, fd_grad(gate_up, loss), kTolFd);
-  QT_EXPECT_CLOSE(ddown, fd_grad(down, loss), kTolFd);
-  EXPECT_TRUE(dx.guards_intact());
+  MoeBlockFd b(MoeShape{6, 5, 3, 5, 2, true}, rng);
+  const MoeShape& s = b.s;
+  b.expect_matches_finite_differences();
   // Without the aux term the router's gradient differs: the term is not a no-op.
-  Vec dgate_plain(gate.size(), 0.0), scratch_gu(gate_up.size(), 0.0), scratch_d(down.size(), 0.0);
+  Vec dgate_plain(b.gate.size(), 0.0), scratch_gu(b.gate_up.size(), 0.0), scratch_d(b.down.size(), 0.0);
   Vec dx_plain(s.N * s.H);
-  moe_block_backward<double>(dx_plain.data(), dgate_plain.data(), scratch_gu.data(),
-                             scratch_d.data(), r.data(), x.data(), probs.data(), idx.data(),
-                             w.data(), gate.data(), gate_up.data(), down.data(), s);
-  EXPECT_GT(rel_err(dgate_plain, dgate), 1e-4);
+  b.backward(dx_plain.data(), dgate_plain.data(), scratch_gu.data(), scratch_d.data(), s, 0);
+  EXPECT_GT(rel_err(dgate_plain, b.dgate), 1e-4);
   // The frozen block (LoRA on MoE: no weight gradients) gives the trainable block's dx bit for
   // bit (the same math), hence the finite differences' too; the load-balancing loss still
   // reaches x through the frozen router's logits (dx differs from dx_plain's).
   Guarded<double> dx_frozen(s.N * s.H);
-  moe_block_backward<double>(dx_frozen.data(), nullptr, nullptr, nullptr, r.data(), x.data(),
-                             probs.data(), idx.data(), w.data(), gate.data(), gate_up.data(),
-                             down.data(), s, &b, coef);
-  EXPECT_EQ(dx_frozen.values(), dx.values());
-  QT_EXPECT_CLOSE(dx_frozen.values(), fd_grad(x, loss), kTolFd);
+  b.backward(dx_frozen.data(), nullptr, nullptr, nullptr, s, b.coef);
+  EXPECT_EQ(dx_frozen.values(), b.dx.values());
+  QT_EXPECT_CLOSE(dx_frozen.values(), fd_grad(b.x, [&b] { return b.loss(); }), kTolFd);
   EXPECT_GT(rel_err(dx_plain, dx_frozen.values()), 1e-6);
   EXPECT_TRUE(dx_frozen.guards_intact());
 }

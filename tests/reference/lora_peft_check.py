@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """GPU-machine check of qtrain's LoRA against peft (docs/finetune.md, LoRA).
 
-For tiny Qwen3 models (tied and untied embeddings, GQA, several target sets and alphas):
+For tiny Qwen3 models (tied and untied embeddings, GQA, several target sets and alphas) and a tiny
+Qwen3-MoE (attention adapters; routers and experts frozen):
   1. qtrain trains the whole model two steps from a wide initialisation and `qtrain export`s it:
      the base, a Hugging Face directory (bf16 values, exact in fp32);
   2. a qtrain LoRA run on that base (`[model] init`, `[lora]` r, alpha, dropout, targets) trains
@@ -48,7 +49,14 @@ MODELS = [  # name, [model] keys of the base
                        tie_word_embeddings="true", num_heads=4, num_kv_heads=2, head_dim=16)),
     ("untied_gqa4_hd64", dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=3,
                               tie_word_embeddings="false", num_heads=4, num_kv_heads=1, head_dim=64)),
+    # Qwen3-MoE (issue 18): layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; adapters on
+    # the attention projections only (the experts' are not built, docs/finetune.md).
+    ("moe_e4_k2", dict(vocab_size=112, hidden_size=32, intermediate_size=48, num_layers=3,
+                       tie_word_embeddings="false", num_heads=4, num_kv_heads=2, head_dim=16,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                       norm_topk_prob="true", mlp_only_layers="1")),
 ]
+MOE_LORAS = ("qv_alpha_odd", "attn_default")  # the LORAS a Qwen3-MoE base takes
 LORAS = [  # name, [lora] keys
     ("all_linear", dict(r=4, alpha=8, dropout=0.1, targets="all-linear")),
     ("qv_alpha_odd", dict(r=3, alpha=5.5, dropout=0.0, targets="q_proj,v_proj")),
@@ -220,6 +228,8 @@ def main():
         print(f"{mname}:")
         base = train_base(a, mname, keys)
         for lname, lora in LORAS:
+            if "num_experts" in keys and lname not in MOE_LORAS:
+                continue
             ids = rng.integers(0, keys["vocab_size"], size=(2, 24), dtype=np.int64)
             check_lora(a, f"{mname}_{lname}", base, lora, ids)
     print("PASS: all checks passed" if not FAILURES else f"FAIL: {len(FAILURES)} check(s) failed")
