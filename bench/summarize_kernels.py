@@ -20,6 +20,7 @@ def short_name(name: str) -> str:
 
 # Kernel groups of the summary, first match wins (a kernel matching none is "other").
 GROUPS = [
+    ("MoE experts' grouped GEMMs (ours)", r"grouped_gemm"),
     ("GEMMs (cuBLASLt)", r"nvjet|cublasLt|gemm|splitKreduce"),
     ("attention", r"attention"),
     ("MoE router, routing, gather/combine", r"moe_"),
