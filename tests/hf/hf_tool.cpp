@@ -86,8 +86,9 @@ int logits_main(const char* dir, const char* input, const char* output, qt::Comm
 int lora_logits_main(const char* ckpt, const char* input, const char* output,
                      std::shared_ptr<qt::MpiComm> world) {
   using namespace qt::hf;
-  const CheckpointModel cm = read_checkpoint_model(ckpt);
+  CheckpointModel cm = read_checkpoint_model(ckpt);
   if (!cm.lora) qt::fail_user("{} is not a LoRA run's checkpoint", ckpt);
+  cm.init_found = find_init_dir(cm, "");  // the base where the checkpoint says, as export finds it
   const qt::ParamLayout layout(cm.cfg);
   std::vector<float> params(layout.numel());
   load_lora_base(ckpt, cm, layout, params.data(), *world);

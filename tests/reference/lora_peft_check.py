@@ -183,12 +183,21 @@ def check_lora(a, name, base, lora, ids):
         if device == "cpu":
             peft_sd = {k: v.detach().cpu() for k, v in mm.state_dict().items()}
             diff = total = 0
+            # A Qwen3-MoE file names each expert's projections (experts.{e}.gate_proj.weight),
+            # which transformers 5 holds fused (experts.gate_up_proj): those are the base's,
+            # untouched by attention adapters, and not compared here.
+            per_expert = []
             for k, v in load_torch(os.path.join(merged, "model.safetensors")).items():  # bf16
+                if k not in peft_sd and ".mlp.experts." in k:
+                    per_expert.append(k)
+                    continue
                 want = peft_sd[k].to(torch.bfloat16)
                 diff += int((v != want).sum())
                 total += v.numel()
             check(diff <= max(10, total // 10000),
                   f"{tag}: our --merge weights = peft's merge rounded to bf16 ({diff} of {total} differ)")
+            check(not per_expert or "num_experts" in json.load(open(os.path.join(base, "config.json"))),
+                  f"{tag}: per-expert names only in a Qwen3-MoE file ({len(per_expert)} skipped)")
         del model, mm
         merged_model = from_pretrained(merged, device)
         glogits, _ = logits_of(merged_model, ids, device)
