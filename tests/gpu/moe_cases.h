@@ -56,7 +56,8 @@ inline std::vector<MoeStep> read_moe_metrics(const std::string& path) {
 }
 
 
-// The expert-parallel tests (test_moe_ep_train_cuda_np2/np4): `ranks` ranks of this job train
+// The expert- and tensor-parallel tests (test_moe_ep_train_cuda_np2/np4,
+// test_moe_tp_train_cuda_np2, test_moe_tp_ep_train_cuda_np4): `ranks` ranks of this job train
 // the MoE deck (checkpoints every 5 steps), and a run's worst relative differences from the
 // one-GPU run's, with bf16 tolerances (rows and gradient sums come in another order).
 constexpr int kEpSteps = 10;
