@@ -62,6 +62,9 @@ inline std::vector<MoeStep> read_moe_metrics(const std::string& path) {
 // one-GPU run's, with bf16 tolerances (rows and gradient sums come in another order).
 constexpr int kEpSteps = 10;
 constexpr double kLossTol = 1e-2, kAuxTol = 2e-2, kNormTol = 2e-2;  // relative, bf16 compute
+// Gradient norms under tensor parallelism: the dense tp tests' bound (sharded_cases.h
+// kShardedNormTol): the bf16 partial sums over tp round differently from one GPU's whole sums.
+constexpr double kTpNormTol = 3e-2;
 
 struct EpRun {
   std::vector<test::MoeStep> moe;      // loss, aux
@@ -79,7 +82,7 @@ inline EpRun train_ep(int ranks, const std::string& tmp, const std::string& tag,
 
 // The worst relative differences of `got` from `ref`'s steps [first, first + got's steps).
 inline void expect_close(const EpRun& got, const EpRun& ref, std::size_t first,
-                         const std::string& tag) {
+                         const std::string& tag, double norm_tol = kNormTol) {
   ASSERT_EQ(got.moe.size(), got.steps.size()) << tag;
   ASSERT_EQ(first + got.moe.size(), ref.moe.size()) << tag;
   double loss = 0, aux = 0, norm = 0;
@@ -99,7 +102,7 @@ inline void expect_close(const EpRun& got, const EpRun& ref, std::size_t first,
                 tag.c_str(), loss, aux, norm);
   EXPECT_LT(loss, kLossTol) << tag;
   EXPECT_LT(aux, kAuxTol) << tag;
-  EXPECT_LT(norm, kNormTol) << tag;
+  EXPECT_LT(norm, norm_tol) << tag;
 }
 
 }  // namespace qt::test
