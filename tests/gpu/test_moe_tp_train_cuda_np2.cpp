@@ -56,20 +56,24 @@ TEST(MoeTrainCudaTp2, ReproducesOneGpuAndResumesAtTp1) {
       {"tp2_sp_overlap_recompute",
        with(with(sp, overlap), {"--optim.zero_stage=1", "--train.recompute=true"})},
   };
+  test::EpRun tp2_z1;
   for (const auto& [tag, ov] : meshes) {
     std::vector<std::string> o = ov;
     o.push_back("--mesh.tp=2");
-    test::expect_close(test::train_ep(2, tmp, tag, o), one, 0, tag, test::kTpNormTol);
+    test::EpRun run = test::train_ep(2, tmp, tag, o);
+    test::expect_close(run, one, 0, tag, test::kTpNormTol, test::kTpSteps);
+    if (tag == "tp2_z1") tp2_z1 = run;
   }
   // tp 2's checkpoint holds every expert's whole width at its global place: it resumes on one
-  // GPU (tp 1).
+  // GPU (tp 1) and continues the tp 2 run it came from (whose drift from one GPU's it carries).
   const std::string from = tmp + "/tp2_z1/step_00000005.h5";
   ASSERT_TRUE(std::filesystem::exists(from)) << from;
   const test::EpRun resumed =
       test::train_ep(1, tmp, "tp1_resumed", {"--checkpoint.resume=" + from});
   ASSERT_EQ(resumed.moe.size(), 5u);
   EXPECT_EQ(resumed.steps.front().step, 6);
-  test::expect_close(resumed, one, 5, "tp 2 checkpoint resumed at tp 1", test::kTpNormTol);
+  test::expect_close(resumed, tp2_z1, 5, "tp 2 checkpoint resumed at tp 1 (vs the tp 2 run)",
+                     test::kTpNormTol);
   MPI_Barrier(MPI_COMM_WORLD);
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }
@@ -89,16 +93,17 @@ TEST(MoeTrainCudaTp2, RouterStatisticsCountOnce) {
   const test::EpRun one = test::train_ep(1, tmp, "one_cf", {cf});
   ASSERT_EQ(one.moe.size(), static_cast<std::size_t>(test::kEpSteps));
   const test::EpRun tp = test::train_ep(2, tmp, "tp2_sp_cf", with(tp_sp, {cf}));
-  test::expect_close(tp, one, 0, "tp2_sp with capacity factor 1", test::kTpNormTol);
+  test::expect_close(tp, one, 0, "tp2_sp with capacity factor 1", test::kTpNormTol, test::kTpSteps);
   ASSERT_EQ(tp.moe.size(), one.moe.size());
   double worst = 0, sum = 0;
   for (std::size_t i = 0; i < tp.moe.size(); ++i) {
     ASSERT_GE(tp.moe[i].dropped_fraction, 0) << "step " << i + 1 << " logs no dropped_fraction";
-    worst = std::max(worst, std::abs(tp.moe[i].dropped_fraction - one.moe[i].dropped_fraction));
+    if (i < test::kTpSteps)  // then the routing drifts (moe_cases.h kTpSteps)
+      worst = std::max(worst, std::abs(tp.moe[i].dropped_fraction - one.moe[i].dropped_fraction));
     sum += one.moe[i].dropped_fraction;
   }
   if (test::world_rank() == 0)
-    std::printf("tp2_sp: dropped share within %.4f of one GPU's (mean %.4f)\n", worst,
+    std::printf("tp2_sp: dropped share within %.4f of one GPU's over steps 1-3 (mean %.4f)\n", worst,
                 sum / static_cast<double>(one.moe.size()));
   EXPECT_GT(sum / static_cast<double>(one.moe.size()), 0.02)
       << "the capacity should drop token-slots here";
@@ -120,14 +125,14 @@ TEST(MoeTrainCudaTp2, RouterStatisticsCountOnce) {
   const std::string aux1 = "--model.router_aux_loss_coef=1";
   const test::EpRun one_aux = test::train_ep(1, tmp, "one_aux1", {aux1});
   test::expect_close(test::train_ep(2, tmp, "tp2_aux1", {"--mesh.tp=2", aux1}), one_aux, 0,
-                     "tp2 with aux loss weight 1", test::kTpNormTol);
+                     "tp2 with aux loss weight 1", test::kTpNormTol, test::kTpSteps);
   test::expect_close(test::train_ep(2, tmp, "tp2_sp_aux1", with(tp_sp, {aux1})), one_aux, 0,
-                     "tp2_sp with aux loss weight 1", test::kTpNormTol);
+                     "tp2_sp with aux loss weight 1", test::kTpNormTol, test::kTpSteps);
 
   const std::string rate = "--model.router_bias_update_rate=1e-3";
   const test::EpRun one_bias = test::train_ep(1, tmp, "one_bias", {rate});
   test::expect_close(test::train_ep(2, tmp, "tp2_sp_bias", with(tp_sp, {rate})), one_bias, 0,
-                     "tp2_sp with the router bias", test::kTpNormTol);
+                     "tp2_sp with the router bias", test::kTpNormTol, test::kTpSteps);
   MPI_Barrier(MPI_COMM_WORLD);
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }
@@ -158,7 +163,7 @@ TEST(MoeTrainCudaTp2, LoraFollowsOneGpu) {
       ASSERT_GT(tp.steps[i].grad_norm, 0) << tag << " step " << i + 1;  // the adapters train
       loss = std::max(loss, std::abs(tp.moe[i].loss - one.moe[i].loss) / one.moe[i].loss);
       aux = std::max(aux, std::abs(tp.moe[i].aux - one.moe[i].aux) / one.moe[i].aux);
-      if (i < 3)
+      if (i < test::kTpSteps)
         norm = std::max(norm, std::abs(tp.steps[i].grad_norm - one.steps[i].grad_norm) /
                                   one.steps[i].grad_norm);
     }
