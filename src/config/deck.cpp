@@ -445,22 +445,21 @@ void Builder::validate_moe() {
        "load-balancing loss)");
   // Not built yet for Qwen3-MoE (issue 18): each names its key.
   if (deck_.train.device == "cuda") {  // cuda/cuda_ops_moe.cpp, ops/cuda/moe.cuh
-    // Expert parallelism (cuda/cuda_ops_moe_ep.cpp) at every ZeRO stage, without tp, pp or LoRA.
-    need(deck_.mesh.ep == 1 || (deck_.mesh.tp == 1 && deck_.mesh.pp == 1 && deck_.lora.r == 0),
-         "mesh.ep", "> 1 (expert parallelism) with mesh.tp, mesh.pp > 1 or LoRA (lora.r > 0) is "
-         "not built on train.device = cuda; set mesh.ep = 1, or mesh.tp = mesh.pp = 1 and "
-         "lora.r = 0");
+    // Expert parallelism (cuda/cuda_ops_moe_ep.cpp) at every ZeRO stage, with or without tp
+    // (and sequence parallelism), without pp or LoRA.
+    need(deck_.mesh.ep == 1 || (deck_.mesh.pp == 1 && deck_.lora.r == 0), "mesh.ep",
+         "> 1 (expert parallelism) with mesh.pp > 1 or LoRA (lora.r > 0) is not built on "
+         "train.device = cuda; set mesh.ep = 1, or mesh.pp = 1 and lora.r = 0");
     need(m.num_experts <= 1024, "model.num_experts", "> 1024 is not supported by train.device "
          "= cuda (its router keeps a token's experts in shared memory); use train.device = cpu");
     need(m.num_experts_per_tok <= 32, "model.num_experts_per_tok", "> 32 is not supported by "
          "train.device = cuda (its router gives each slot a lane of a warp); use train.device = "
          "cpu");
   }
-  // Tensor and pipeline parallelism: the CPU reference only (model/cpu_ops_moe.cpp,
-  // train/backend_cpu_pipeline.cpp).
+  // Tensor parallelism (with or without sequence parallelism and ep) on both back ends
+  // (model/cpu_ops_moe.cpp, cuda/cuda_ops_moe.cpp); pipeline parallelism on the CPU reference
+  // only (train/backend_cpu_pipeline.cpp).
   const bool gpu = deck_.train.device == "cuda";
-  need(deck_.mesh.tp == 1 || !gpu, "mesh.tp", "> 1 (tensor parallelism) is not built for "
-       "Qwen3-MoE models on train.device = cuda yet; set mesh.tp = 1 or train.device = cpu");
   need(deck_.mesh.pp == 1 || !gpu, "mesh.pp", "> 1 (pipeline parallelism) is not built for "
        "Qwen3-MoE models on train.device = cuda yet; set mesh.pp = 1 or train.device = cpu");
   need(m.moe_intermediate_size % deck_.mesh.tp == 0, "mesh.tp", "does not divide "
@@ -472,8 +471,8 @@ void Builder::validate_moe() {
 }
 
 // LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
-// projections, the router and the experts frozen; cpu at any dp, ep and tp, cuda at mesh.ep = 1
-// (cuda refuses tp for MoE in validate_moe).
+// projections, the router and the experts frozen; cpu at any dp, ep and tp, cuda at any dp and tp
+// with mesh.ep = 1 (validate_moe refuses ep with LoRA there).
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
   if (l.r == 0) return;

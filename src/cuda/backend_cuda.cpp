@@ -7,7 +7,8 @@
 // coordinates (TpMap), as on the CPU. With mesh.ep > 1 (Qwen3-MoE) they are the ep rank's: E / ep
 // experts of each sparse layer, a unit of their own over the expert-data-parallel group, the
 // tokens' rows sent to their experts' ranks and back (cuda_ops_moe_ep.cpp), and EpMap places
-// those experts in the global tensors.
+// those experts in the global tensors. With both (tp x ep), each of those experts' tp columns
+// (TpEpMap), the rows exchanged within the ep group of this tp rank.
 //
 // Memory: one DeviceArena per rank takes the GPU's free memory less a margin for NCCL and cuBLASLt
 // at start-up; every buffer comes from it, so the step loop never calls cudaMalloc.
@@ -76,11 +77,8 @@ class CudaBackend final : public TrainBackend {
     if (deck.model.is_moe())
       model_->set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
                                                    deck.train.micro_batch / deck.train.global_batch));
-    QT_CHECK(tp_ == 1 || ep_ == 1,
-             "expert parallelism with tensor parallelism (the deck refuses it)");
-    if (tp_ > 1)
-      map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
-    if (ep_ > 1) map_ = std::make_unique<EpMap>(layout_, local_layout_, mesh.ep().rank());
+    map_ = make_model_map(deck.model, layout_, local_layout_, plan_, mesh.shape(),
+                          mesh.tp().rank(), mesh.ep().rank());
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     QT_CHECK_CUDA(cudaDeviceSynchronize());
     read_profile_window();
@@ -89,11 +87,12 @@ class CudaBackend final : public TrainBackend {
   const ParamLayout& layout() const override { return layout_; }
   std::string describe() const override {
     const cuda::DeviceInfo d = cuda::device_info(device_);
-    return fmt::format("cuda: GPU {} ({}, {} SMs), bf16 compute; {}{}; arena {} ({} used after "
+    return fmt::format("cuda: GPU {} ({}, {} SMs), bf16 compute; {}{}{}; arena {} ({} used after "
                        "set-up)",
                        device_, d.name, d.sm_count, state_.describe(),
                        tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_, deck_.mesh.sequence_parallel)
-                       : ep_ > 1
+                               : "",
+                       ep_ > 1
                            ? fmt::format("; expert parallelism over ep {}: {} of {} experts a "
                                          "sparse layer here, their state over expert-dp {}",
                                          ep_, local_cfg_.local_experts(), local_cfg_.num_experts,
@@ -185,7 +184,8 @@ class CudaBackend final : public TrainBackend {
   cuda::ShardedCudaState state_;
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;
-  std::unique_ptr<LayoutMap> map_;  // local -> global pieces: TpMap (tp > 1), EpMap (ep > 1)
+  std::unique_ptr<LayoutMap> map_;  // local -> global pieces: TpMap (tp > 1), EpMap (ep > 1),
+                                    // TpEpMap (both), null (neither)
   // The micro-batches of a step (the trainer's count: global_batch / (micro_batch x dp)) and the
   // index of the next one since zero_grads().
   std::int64_t micro_batches_, micro_batch_ = 0;

@@ -148,7 +148,7 @@ class CudaOps : public NoCollectives {
   bf16* tp_block_output_backward(bf16* full, bf16* dy, int rows, int cols);
   void tp_block_output_ahead(bf16* local, bf16* y, int rows, int cols);
 
-  // Qwen3-MoE (layer_program.h's contract; cuda_ops_moe.cpp), tp = 1, no LoRA. The router, the
+  // Qwen3-MoE (layer_program.h's contract; cuda_ops_moe.cpp). The router, the
   // routing and the combine are ops/cuda/moe.cuh's kernels, the experts grouped_gemm.h's GEMMs
   // (their row offsets stay on the device: no host synchronisation at ep 1); a layer keeps the
   // routing and the experts' activations (gate/up, SwiGLU and down outputs, in expert order) for
@@ -157,7 +157,13 @@ class CudaOps : public NoCollectives {
   // all-to-all's counts, kept for the backward and a recomputed forward). With moe_recompute the
   // activations are one shared set, which the program's recomputed forward of the layer has just
   // written when its backward comes (checked). aux_scale: the weight of each micro-batch's
-  // load-balancing loss in the objective (CpuOps' the same).
+  // load-balancing loss in the objective (CpuOps' the same). Under tensor parallelism (cfg the tp
+  // rank's local model: moe_intermediate_size / tp of every expert's width) the router is
+  // replicated and every tp rank routes all N rows alike (gathered with sequence parallelism),
+  // so the statistics, the load and the aux loss are whole on each tp rank (not summed over
+  // tp); the block's output, its input gradient and the router's weight gradient are partial
+  // over tp (the program's hooks and the state sum them), and tp rank 0 alone adds the
+  // load-balancing loss's gradient, so that the sums count it once (CpuOps::moe_backward).
   void moe_begin();
   void moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* x, const bf16* router,
            const bf16* gate_up, const bf16* down, bool stats);
@@ -314,6 +320,9 @@ class CudaOps : public NoCollectives {
   // (gathered_), block by block.
   void linear_gathered(bf16* y, const bf16* x, const bf16* w, int N, int in, int out);
   void input_grad_gathered(bf16* dx, const bf16* dy, const bf16* w, int N, int in, int out);
+  // The stream waits until every block of x has landed when x is the gathered_ buffer (the MoE
+  // backward reads its gathered output gradient whole); nothing otherwise.
+  void wait_gathered(const bf16* x);
   // dw (+)= dy^T x now, or queued when deferring (defer_weight_grads).
   void weight_grad(float* dw, const bf16* dy, const bf16* x, int N, int in, int out, bool acc);
   DeferredGrads* defer_ = nullptr;

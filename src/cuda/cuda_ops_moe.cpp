@@ -11,6 +11,19 @@
 // outputs) are kept per sparse layer for its backward, or with train.recompute in one shared set
 // that the program's recomputed forward of the layer has just written; the input rows in expert
 // order are gathered again in the backward (a copy) rather than kept.
+//
+// Tensor parallelism (tp_; the CPU's rule, model/cpu_ops_moe.cpp): cfg_ is the tp rank's local
+// model, each expert's gate/up rows and down columns of its share of the width (Im here is
+// moe_intermediate_size / tp); the router [E, H] is whole. Every tp rank routes the same N rows
+// (the program gathers them first under sequence parallelism), so the routing, the capacity,
+// the statistics and the load are the same on each (counted once: the trainer sums them over dp
+// only). The experts' outputs, hence y, are partial over tp (the program's tp_block_output sums
+// them), and so is everything the backward derives from dy: the routing weights' gradient, the
+// router's logit and weight gradients (partial over tp in the plan), dx (tp_block_input_backward
+// sums it). The load-balancing loss's gradient depends on the router alone: tp rank 0 adds it.
+// With mesh.tp_overlap and sequence parallelism the gathered input and output gradient arrive
+// rank by rank (cuda_ops_tp.cpp): the router's GEMM reads the input as it lands, the backward
+// waits for the whole output gradient.
 #include <algorithm>
 
 #include "cuda/check.h"
@@ -25,7 +38,6 @@
 namespace qt::cuda {
 
 void CudaOps::moe_allocate(ArenaCarver& arena) {
-  QT_CHECK(tp_ == nullptr, "the Qwen3-MoE block under tensor parallelism is not built");
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, L = cfg_.num_layers;
   const std::size_t N = static_cast<std::size_t>(N_), H = cfg_.hidden_size;
   const std::size_t Im = cfg_.moe_intermediate_size, rows = N * k;
@@ -138,7 +150,7 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
   const int rows = N_ * k;
   MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
-  cuda::linear_forward(moe_logits_, x, router, N_, H, E, s_);  // [N, E] bf16
+  linear(moe_logits_, x, router, N_, H, E);  // [N, E] bf16 (over a gathered x as it lands)
   const float* bias =
       router_bias_on_
           ? router_bias_ + static_cast<std::size_t>(cfg_.moe_layers_before(l)) * E
@@ -184,6 +196,7 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
   const int Im = cfg_.moe_intermediate_size, rows = N_ * k;
   const MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+  wait_gathered(dy);  // sequence parallelism with overlap: every rank's rows of dy landed
   QT_CHECK(!moe_recompute_ || moe_last_ == l,
            "moe_backward of layer {} after the forward of layer {}: with recompute the expert "
            "activations are shared, the layer's forward must come right before", l, moe_last_);
@@ -204,14 +217,16 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
     grouped_linear_backward(moe_dout_, g_gate_up, moe_dgu_, moe_x_, gate_up, m.offsets, E, rows,
                             H, 2 * Im, s_, acc);
   }
-  // The router: d logits from d w (and the load-balancing loss, with the micro-batch's counts).
-  const bool aux = aux_scale_ != 0 && moe_tokens_ > 0;
+  // The router: d logits from d w (and the load-balancing loss, with the micro-batch's counts;
+  // under tp on rank 0 only, the rest being partial over tp).
+  const bool aux = aux_scale_ != 0 && moe_tokens_ > 0 && (tp_ == nullptr || tp_->rank() == 0);
   const float aux_scale =
       aux ? static_cast<float>(aux_scale_ * E / (moe_tokens_ * moe_tokens_)) : 0.f;
   moe_router_backward(moe_logits_, moe_dw_, probs, idx, aux ? moe_balance_ : nullptr, aux_scale,
                       N_, E, k, cfg_.norm_topk_prob, s_);
   cuda::linear_backward(moe_dx_gate_, g_router, moe_logits_, x, router, N_, H, E, s_, acc);
   moe_permute_backward(dx, dx_perm, moe_dx_gate_, m.pos, N_, k, H, s_);
+  dx_pending_ = nullptr;  // dx is not a linear_backward's: its tp sum waits for the stream
 }
 
 double CudaOps::moe_aux_loss() {

@@ -122,6 +122,12 @@ void CudaOps::input_grad_gathered(bf16* dx, const bf16* dy, const bf16* w, int N
   });  // every row landed: the weight gradient may read dy
 }
 
+void CudaOps::wait_gathered(const bf16* x) {
+  if (gathered_ == nullptr) return;
+  QT_CHECK(x == gathered_, "a gathered buffer is read by the op right after its gather");
+  over_landed_rows([](int, int) {});
+}
+
 // Without sequence parallelism: kReducePieces row pieces, each all-reduced in place after its
 // GEMM. With it: this rank computes the other ranks' blocks first, each sent to its owner (step i
 // to rank r + i, receiving rank r - i's partial of my block into parts_), then its own block;

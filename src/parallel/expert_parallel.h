@@ -69,7 +69,7 @@ class TpEpMap final : public LayoutMap {
   TpMap tp_;               // tp_layout_ -> global
 };
 
-// The map of a rank's local model to the global one for the CPU back ends: TpMap (tp > 1),
+// The map of a rank's local model to the global one (both back ends): TpMap (tp > 1),
 // EpMap (ep > 1), TpEpMap (both), or null (neither: the local layout is the global one).
 // local_plan: plan_qwen3's for the local layout (TpMap reads its specs).
 std::unique_ptr<LayoutMap> make_model_map(const ModelConfig& cfg, const ParamLayout& global,

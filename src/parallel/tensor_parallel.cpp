@@ -20,6 +20,8 @@ std::optional<TpSplitMiss> tp_split_miss(const ModelConfig& cfg, int tp) {
   if (cfg.intermediate_size % tp != 0)
     return TpSplitMiss{"model.intermediate_size", cfg.intermediate_size};
   if (cfg.vocab_size % tp != 0) return TpSplitMiss{"model.vocab_size", cfg.vocab_size};
+  if (cfg.is_moe() && cfg.moe_intermediate_size % tp != 0)  // every expert's width
+    return TpSplitMiss{"model.moe_intermediate_size", cfg.moe_intermediate_size};
   return std::nullopt;
 }
 

@@ -35,8 +35,9 @@ inline bool tp_fits_kv_heads(int kv_heads, int tp) {
   return kv_heads % tp == 0 || tp % kv_heads == 0;
 }
 int tp_kv_replicas(const ModelConfig& cfg, int tp);
-// The first of the dense model's widths that tp does not split evenly (the heads, the key/value
-// heads, the MLP width, the vocabulary), as its deck key and value; none when tp splits them all.
+// The first of the model's widths that tp does not split evenly (the heads, the key/value
+// heads, the MLP width, the vocabulary, a Qwen3-MoE model's expert width), as its deck key and
+// value; none when tp splits them all.
 struct TpSplitMiss {
   const char* key;
   int n;

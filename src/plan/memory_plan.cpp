@@ -204,10 +204,9 @@ void validate(const MemoryPlanInput& in) {
     if (s.dp % s.ep != 0) fail_user("mesh.ep = {} does not divide mesh.dp = {}", s.ep, s.dp);
     if (m.num_experts % s.ep != 0)
       fail_user("mesh.ep = {} does not divide model.num_experts = {}", s.ep, m.num_experts);
-    if (s.tp != 1 || s.pp != 1)
-      fail_user("mesh.tp = {}, mesh.pp = {}: tensor and pipeline parallelism are not built for "
-                "Qwen3-MoE models on train.device = cuda (the back end planned here); set both "
-                "to 1", s.tp, s.pp);
+    if (s.pp != 1)
+      fail_user("mesh.pp = {}: pipeline parallelism is not built for Qwen3-MoE models on "
+                "train.device = cuda (the back end planned here); set mesh.pp = 1", s.pp);
   }
   if (s.tp < 1 || s.pp < 1 || s.pp_chunks < 1)
     fail_user("mesh.tp ({}), mesh.pp ({}) and mesh.pp_chunks ({}) must be >= 1", s.tp, s.pp,
@@ -342,16 +341,17 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   const ParamUnits units = param_units(m);
   const bool holds_embed = st.embedding || st.tied_copy;
   const u128 layers = st.layers();
-  // Qwen3-MoE (pp = 1, tp = 1, validate): the real layout of the ep rank's model and its units
+  // Qwen3-MoE (pp = 1, validate): the real layout of the (tp, ep) rank's model and its units
   // of plan_qwen3 (at ep > 1 each sparse layer's experts, E / ep of them, a unit of their own
-  // sharded over edp = dp / ep; at ep = 1 inside their layer's unit).
+  // sharded over edp = dp / ep; at ep = 1 inside their layer's unit; at tp > 1 each expert's
+  // tp share of the width, the router whole).
   const bool moe = m.is_moe();
   std::optional<ShardPlan> moe_plan;
   u128 moe_tensors = 0;
   if (moe) {
     const ModelConfig local = ep_local_config(m, in.mesh.ep);
     const ParamLayout layout(local);
-    moe_plan = plan_qwen3(local, layout, in.mesh, in.zero_stage);
+    moe_plan = plan_qwen3(local, layout, in.mesh, in.zero_stage, tp_kv_replicas(in.model, tp));
     moe_tensors = layout.params().size();
   }
   // One AdamWSegment per tensor held: the embedding, 11 per layer, the final norm and lm head.
@@ -364,7 +364,7 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   MemoryPlan p;
   // What the CUDA back end runs today: tp (and sequence parallelism) at any dp, pp at dp 1 with
   // whole backwards (src/cuda/backend_cuda_pipeline.cpp).
-  // Qwen3-MoE (tp = pp = 1, validate): any ep (src/cuda/cuda_ops_moe_ep.cpp).
+  // Qwen3-MoE (pp = 1, validate): any tp and ep (src/cuda/cuda_ops_moe.cpp, cuda_ops_moe_ep.cpp).
   p.built = in.mesh.pp == 1 || dp == 1 || in.zero_stage <= 1;
   p.stage = s;
   p.slots = st.max_slots();

@@ -429,10 +429,11 @@ std::string report(const Options& o, const PlanDeck& pd) {
       "ZeRO-2 or 3; docs/plan.md). Step times are predictions (docs/plan.md).\n",
       unit);
   if (m.is_moe())
-    out += "Qwen3-MoE: the CUDA back end runs the sparse block at tp = 1, pp = 1, any dp, ep and "
-           "ZeRO stage: experts E / ep a rank\nsharded over dp / ep, the dispatch buffers sized "
-           "for the most rows a rank can receive, all-to-alls timed\nover the links "
-           "(docs/plan.md). tp and pp > 1 are not built for MoE on GPUs.\n";
+    out += "Qwen3-MoE: the CUDA back end runs the sparse block at pp = 1, any dp, tp, ep and "
+           "ZeRO stage: experts E / ep a rank\n(each its tp share of the width) sharded over "
+           "dp / ep, the dispatch buffers sized for the most rows a\nrank can receive, "
+           "all-to-alls timed over the links (docs/plan.md). pp > 1 is not built for MoE on "
+           "GPUs.\n";
 
   const plan::Layout* best = plan::recommended(all);
   if (best) {

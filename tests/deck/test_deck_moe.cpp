@@ -68,8 +68,8 @@ TEST(DeckErrors, Moe) {
   EXPECT_EQ(parse(moe + "moe_capacity_factor = 1.25\nhead_dim = 64\n[train]\ndevice = cuda\n")
                 .model.moe_capacity_factor,
             1.25);
-  // train.device = cuda: one GPU, dp, and ep at ZeRO 0-2 (cuda/cuda_ops_moe.cpp,
-  // cuda_ops_moe_ep.cpp); the router's limits.
+  // train.device = cuda: one GPU, dp, tp (with sequence parallelism too), ep and tp x ep at
+  // ZeRO 0-3 (cuda/cuda_ops_moe.cpp, cuda_ops_moe_ep.cpp); the router's limits.
   const std::string cuda = "head_dim = 64\n[train]\ndevice = cuda\n";
   EXPECT_EQ(parse(moe + cuda).train.device, "cuda");
   for (int zero = 0; zero <= 3; ++zero)
@@ -83,21 +83,29 @@ TEST(DeckErrors, Moe) {
   EXPECT_EQ(parse(moe + cuda + "[mesh]\nep = 2\n[optim]\nzero_stage = 3\noffload = cpu\n")
                 .optim.zero_stage,
             3);
-  expect_error(moe + cuda + "[mesh]\nep = 2\ntp = 2\n", {}, 4,
-               {"mesh.ep = 2", "mesh.tp, mesh.pp", "train.device = cuda"});
+  EXPECT_EQ(parse(moe + cuda + "[mesh]\nep = 2\ntp = 2\n[train]\nglobal_batch = 16\n", {}, 4)
+                .mesh.tp,
+            2);
   expect_error(moe + cuda + "[mesh]\nep = 2\npp = 2\n[train]\nglobal_batch = 16\n", {}, 4,
-               {"mesh.ep = 2", "mesh.tp, mesh.pp", "train.device = cuda"});
+               {"mesh.ep = 2", "mesh.pp > 1 or LoRA", "train.device = cuda"});
   expect_error(moe + cuda + "[mesh]\nep = 2\n[lora]\nr = 4\n",
                {"mesh.ep = 2", "LoRA", "train.device = cuda"});
   expect_error("[model]\nnum_experts = 1025\nnum_experts_per_tok = 2\n" + cuda,
                {"model.num_experts = 1025", "> 1024", "train.device = cuda"});
   expect_error("[model]\nnum_experts = 64\nnum_experts_per_tok = 33\n" + cuda,
                {"model.num_experts_per_tok = 33", "> 32", "train.device = cuda"});
-  expect_error(moe + cuda + "[mesh]\ntp = 2\n", {"mesh.tp = 2", "Qwen3-MoE", "train.device = cuda"});
+  for (int zero = 0; zero <= 3; ++zero)
+    EXPECT_EQ(parse(moe + cuda + "[mesh]\ntp = 2\n[optim]\nzero_stage = " +
+                    std::to_string(zero) + "\n")
+                  .mesh.tp,
+              2);
+  EXPECT_TRUE(parse(moe + cuda + "[mesh]\ntp = 2\nsequence_parallel = true\n")
+                  .mesh.sequence_parallel);
   expect_error(moe + cuda + "[mesh]\npp = 2\n", {"mesh.pp = 2", "Qwen3-MoE", "train.device = cuda"});
   // LoRA on the attention projections (the router and experts frozen): cpu at any ep and tp,
-  // cuda at ep 1; no adapters on the experts or the dense MLP, no pp yet.
+  // cuda at any tp with ep 1; no adapters on the experts or the dense MLP, no pp yet.
   EXPECT_EQ(parse(moe + cuda + "[lora]\nr = 4\n").lora.r, 4);
+  EXPECT_EQ(parse(moe + cuda + "[lora]\nr = 4\n[mesh]\ntp = 2\n").mesh.tp, 2);
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n").lora.r, 4);
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\nep = 2\n").mesh.ep, 2);
   expect_error(moe + "[lora]\nr = 4\ntargets = q_proj, gate_proj\n",

@@ -56,11 +56,21 @@ inline std::vector<MoeStep> read_moe_metrics(const std::string& path) {
 }
 
 
-// The expert-parallel tests (test_moe_ep_train_cuda_np2/np4): `ranks` ranks of this job train
+// The expert- and tensor-parallel tests (test_moe_ep_train_cuda_np2/np4,
+// test_moe_tp_train_cuda_np2, test_moe_tp_ep_train_cuda_np4): `ranks` ranks of this job train
 // the MoE deck (checkpoints every 5 steps), and a run's worst relative differences from the
 // one-GPU run's, with bf16 tolerances (rows and gradient sums come in another order).
 constexpr int kEpSteps = 10;
 constexpr double kLossTol = 1e-2, kAuxTol = 2e-2, kNormTol = 2e-2;  // relative, bf16 compute
+// Gradient norms under tensor parallelism: the dense tp tests' bound (sharded_cases.h
+// kShardedNormTol): the bf16 partial sums over tp round differently from one GPU's whole sums.
+constexpr double kTpNormTol = 3e-2;
+// Under tensor parallelism the aux losses and gradient norms are compared over a run's first
+// kTpSteps steps (the losses over all): tp rounds the attention output in bf16 differently, which
+// flips near-tied router choices, and the runs' norms then drift apart as their trajectories do
+// (2 x H200, 2026-11-27: step-1 norms within 0.3%, steps 1-3 within 0.8%, later up to 4% with
+// the deck's aux weight 0.01 and 43% with weight 1, while the losses stay within 2e-4 and 2e-3).
+constexpr std::size_t kTpSteps = 3;
 
 struct EpRun {
   std::vector<test::MoeStep> moe;      // loss, aux
@@ -77,8 +87,10 @@ inline EpRun train_ep(int ranks, const std::string& tmp, const std::string& tag,
 }
 
 // The worst relative differences of `got` from `ref`'s steps [first, first + got's steps).
+// Aux losses and gradient norms over got's first `close_steps` steps only (the losses over all).
 inline void expect_close(const EpRun& got, const EpRun& ref, std::size_t first,
-                         const std::string& tag) {
+                         const std::string& tag, double norm_tol = kNormTol,
+                         std::size_t close_steps = SIZE_MAX) {
   ASSERT_EQ(got.moe.size(), got.steps.size()) << tag;
   ASSERT_EQ(first + got.moe.size(), ref.moe.size()) << tag;
   double loss = 0, aux = 0, norm = 0;
@@ -88,17 +100,19 @@ inline void expect_close(const EpRun& got, const EpRun& ref, std::size_t first,
     ASSERT_TRUE(std::isfinite(g.loss) && g.aux > 0 && std::isfinite(got.steps[i].grad_norm))
         << tag << " step " << got.steps[i].step;
     loss = std::max(loss, std::abs(g.loss - r.loss) / r.loss);
+    if (i >= close_steps) continue;
     aux = std::max(aux, std::abs(g.aux - r.aux) / r.aux);
     norm = std::max(norm, std::abs(got.steps[i].grad_norm - ref.steps[first + i].grad_norm) /
                               ref.steps[first + i].grad_norm);
   }
   if (test::world_rank() == 0)
     std::printf("%s vs 1 GPU: worst relative difference of the losses %.3e, aux losses %.3e, "
-                "gradient norms %.3e\n",
-                tag.c_str(), loss, aux, norm);
+                "gradient norms %.3e%s\n",
+                tag.c_str(), loss, aux, norm,
+                close_steps < got.moe.size() ? " (aux and norms: the first steps)" : "");
   EXPECT_LT(loss, kLossTol) << tag;
   EXPECT_LT(aux, kAuxTol) << tag;
-  EXPECT_LT(norm, kNormTol) << tag;
+  EXPECT_LT(norm, norm_tol) << tag;
 }
 
 }  // namespace qt::test

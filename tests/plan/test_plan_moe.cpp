@@ -118,6 +118,38 @@ TEST(PlanMoe, ExpertUnitsShardOverEdp) {
                           r(4 * kEmbed) + r(4 * kEmbed / 4));        // embed_grads_ (tied)
 }
 
+// tp 2, dp 1, ZeRO-0: each rank holds its tp share of every tensor, worked out from the
+// model: attention 64 (ln1) + 32x64 (q: 2 of 4 heads) + 2 x 16x64 (k, v: 1 of 2 kv heads) +
+// 64x32 (o) + 16 + 16 (q/k norm) + 64 (ln2) = 6304; the dense MLP 3 x 64 x 64 = 12288 (I / 2);
+// a sparse layer's router whole (8 x 64 = 512) and its experts 3 x 8 x 16 x 64 = 24576 (Im / 2);
+// the embedding's half of the vocabulary 128 x 64; the final norm 64. One unit each.
+TEST(PlanMoe, Tp2ParameterBytesByHand) {
+  const u64 attn = 6304, sparse = attn + kRouter + kExperts / 2, dense = attn + 12288;
+  MemoryPlanInput in = input(1, 1, 0);
+  in.mesh.tp = 2;
+  const MemoryPlan p = qt::plan::memory_plan(in);
+  EXPECT_TRUE(p.built);  // cuda_ops_moe.cpp under tp
+  EXPECT_EQ(p.params, r(2 * kEmbed / 2) + 2 * r(2 * sparse) + r(2 * dense) + r(2 * kNorm));
+  EXPECT_EQ(p.grads, r(4 * kEmbed / 2) + 2 * r(4 * sparse) + r(4 * dense) + r(4 * kNorm));
+  EXPECT_EQ(p.host, 12 * (kEmbed / 2 + 2 * sparse + dense + kNorm));
+  // Sequence parallelism and tp x ep plan too (tp 2, ep 2 over dp 2: 4 of the 8 experts, each
+  // its half of the width, a unit of their own).
+  in.sequence_parallel = true;
+  EXPECT_TRUE(qt::plan::memory_plan(in).built);
+  MemoryPlanInput both = input(2, 2, 1);
+  both.mesh.tp = 2;
+  const MemoryPlan q = qt::plan::memory_plan(both);
+  EXPECT_TRUE(q.built);
+  const u64 layer = attn + kRouter, experts = kExperts / 4;
+  EXPECT_EQ(q.params, r(2 * kEmbed / 2) + 2 * r(2 * layer) + r(2 * dense) + r(2 * kNorm) +
+                          2 * r(2 * experts));
+  // pp stays refused for MoE.
+  MemoryPlanInput pp = input(1, 1, 0);
+  pp.mesh.pp = 2;
+  pp.micro_batches = 2;
+  EXPECT_THROW(qt::plan::memory_plan(pp), qt::UserError);
+}
+
 // Activations at B = 2, T = 8 (N = 16 rows, rows = N k = 32 (token, slot) pairs), every buffer
 // by hand: BatchBuffers, Qwen3Cuda's stream and LayerActs (dense: gu, h; sparse: the router's
 // probs [N, E] fp32, idx [N, k] int32, w [N, k] bf16), the scratch (no dh: layer 1's dense MLP
@@ -199,28 +231,45 @@ qt::plan::LayoutSearch tiny_search(int gpus) {
   return s;
 }
 
-// Each mesh with tp = pp = 1 runs every ep dividing dp and E; tp and pp > 1 are left out (the
-// deck refuses them for MoE), and an ep the deck would refuse is left out with the reason.
-TEST(PlanMoe, EnumerationIncludesEp) {
+// Each mesh with pp = 1 runs every ep dividing dp and E, at every tp (tiny_moe's 2 kv heads
+// allow tp 1, 2 and 4: 4 shares each kv head between 2 tp ranks); pp > 1 is left out (the deck
+// refuses it for MoE), and an ep the deck would refuse is left out with the reason.
+TEST(PlanMoe, EnumerationIncludesEpAndTp) {
   const qt::plan::Layouts all = qt::plan::enumerate_layouts(tiny_search(4));
-  bool seen[5] = {};
+  bool seen[5] = {}, seen_tp[5] = {};
+  bool tp_ep = false;  // tp 2 x ep 2 (dp 2)
   for (const qt::plan::Layout& row : all.rows) {
     const qt::MeshShape& m = row.in.mesh;
-    EXPECT_EQ(m.dp, 4);
-    EXPECT_EQ(m.tp * m.pp, 1);
+    EXPECT_EQ(m.dp * m.tp, 4);
+    EXPECT_EQ(m.pp, 1);
     ASSERT_TRUE(m.ep == 1 || m.ep == 2 || m.ep == 4);
+    ASSERT_TRUE(m.tp == 1 || m.tp == 2 || m.tp == 4);
     seen[m.ep] = true;
+    seen_tp[m.tp] = true;
+    tp_ep |= m.tp == 2 && m.ep == 2;
     EXPECT_TRUE(row.memory.built);
     EXPECT_EQ(row.time.ep_comm > 0, m.ep > 1);
+    EXPECT_EQ(row.time.tp_comm > 0, m.tp > 1);
   }
   EXPECT_TRUE(seen[1] && seen[2] && seen[4]);
+  EXPECT_TRUE(seen_tp[1] && seen_tp[2] && seen_tp[4]);
+  EXPECT_TRUE(tp_ep);
   auto reason = [&](int dp, int tp, int pp, int ep) {
     for (const qt::plan::Excluded& e : all.excluded)
       if (e.dp == dp && e.tp == tp && e.pp == pp && e.ep == ep) return e.why;
     return std::string("(not excluded)");
   };
-  EXPECT_EQ(reason(2, 2, 1, 1), "mesh.tp = 2: tensor parallelism is not built for Qwen3-MoE "
-                                "models on GPUs (the deck refuses it on train.device = cuda)");
+  EXPECT_EQ(reason(2, 2, 1, 1), "(not excluded)");
+  // tp must split every expert's width (6 over tp 4 does not; over tp 2 it does).
+  qt::plan::LayoutSearch odd = tiny_search(4);
+  odd.model.moe_intermediate_size = 6;
+  const qt::plan::Layouts six_wide = qt::plan::enumerate_layouts(odd);
+  bool tp4_excluded = false;
+  for (const qt::plan::Excluded& e : six_wide.excluded)
+    if (e.tp == 4)
+      tp4_excluded |= e.why == "mesh.tp = 4 does not divide model.moe_intermediate_size = 6";
+  EXPECT_TRUE(tp4_excluded);
+  for (const qt::plan::Layout& row : six_wide.rows) EXPECT_NE(row.in.mesh.tp, 4);
   EXPECT_EQ(reason(2, 1, 2, 1), "mesh.pp = 2: pipeline parallelism is not built for Qwen3-MoE "
                                 "models on GPUs (the deck refuses it on train.device = cuda)");
   // --ep 3 (does not divide dp 4); 6 experts: ep 4 does not divide them.
