@@ -16,22 +16,14 @@ TEST(NumericalSafetyCuda, SkippedStepChangesNothingOnEveryMesh) {
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("cuda-skip");
   const std::string deck = test::sharded_deck(tmp + "/unused");
-  struct Case {
-    const char* name;
-    int ranks;
-    std::vector<std::string> overrides;
-    int poisoned_rank;  // -1: every rank
-  };
-  int index = 0;
-  for (const Case& c :
-       {Case{"one GPU", 1, {}, -1},
-        Case{"dp2 ZeRO-1, rank 1 only", 2, {"--optim.zero_stage=1"}, 1},
-        Case{"dp2 ZeRO-3, rank 0 only", 2, {"--optim.zero_stage=3"}, 0},
-        Case{"dp2 ZeRO-3 offload", 2, {"--optim.zero_stage=3", "--optim.offload=cpu"}, 1},
-        Case{"tp2", 2, {"--mesh.tp=2"}, 0},
-        Case{"pp2", 2, {"--mesh.pp=2"}, 1}})
-    test::expect_skip_changes_nothing(c.name, c.ranks, deck, c.overrides,
-                                      tmp + "/case" + std::to_string(index++), c.poisoned_rank);
+  test::expect_skips_change_nothing(
+      {{"one GPU", 1, {}, -1},
+       {"dp2 ZeRO-1, rank 1 only", 2, {"--optim.zero_stage=1"}, 1},
+       {"dp2 ZeRO-3, rank 0 only", 2, {"--optim.zero_stage=3"}, 0},
+       {"dp2 ZeRO-3 offload", 2, {"--optim.zero_stage=3", "--optim.offload=cpu"}, 1},
+       {"tp2", 2, {"--mesh.tp=2"}, 0},
+       {"pp2", 2, {"--mesh.pp=2"}, 1}},
+      deck, tmp);
   test::expect_stop_after_consecutive_skips("dp2 ZeRO-3 stop", 2, deck, {"--optim.zero_stage=3"},
                                             tmp + "/stop");
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);

@@ -132,6 +132,23 @@ inline void expect_skip_changes_nothing(const char* name, int ranks, const std::
               name, differing_elements(s4, s3));
 }
 
+// One mesh of expect_skip_changes_nothing.
+struct SkipCase {
+  const char* name;
+  int ranks;
+  std::vector<std::string> overrides;
+  int poisoned_rank;  // -1: every rank
+};
+
+// expect_skip_changes_nothing for each case, each in its own directory under `tmp`.
+inline void expect_skips_change_nothing(const std::vector<SkipCase>& cases,
+                                        const std::string& deck, const std::string& tmp) {
+  int index = 0;
+  for (const SkipCase& c : cases)
+    expect_skip_changes_nothing(c.name, c.ranks, deck, c.overrides,
+                                tmp + "/case" + std::to_string(index++), c.poisoned_rank);
+}
+
 // Gradients NaN at steps 3 and 4 with train.max_consecutive_skips = 2: the run stops at step 4
 // with exit code 3; no checkpoint of step 4 is written and the one of step 3 holds step 2's state.
 inline void expect_stop_after_consecutive_skips(const char* name, int ranks,

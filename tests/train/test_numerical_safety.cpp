@@ -24,24 +24,16 @@ std::string tiny_deck() {
 TEST(NumericalSafety, SkippedStepChangesNothingOnEveryMesh) {
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("skip");
-  struct Case {
-    const char* name;
-    int ranks;
-    std::vector<std::string> overrides;
-    int poisoned_rank;  // -1: every rank
-  };
-  int index = 0;
-  for (const Case& c : {Case{"serial", 1, {}, -1},
-                        Case{"dp2 ZeRO-0, rank 1 only", 2, {}, 1},
-                        Case{"dp2 ZeRO-1, rank 0 only", 2, {"--optim.zero_stage=1"}, 0},
-                        Case{"dp2 ZeRO-2", 2, {"--optim.zero_stage=2"}, 1},
-                        Case{"dp2 ZeRO-3", 2, {"--optim.zero_stage=3"}, 1},
-                        Case{"dp2 offload", 2, {"--optim.zero_stage=1", "--optim.offload=cpu"}, 1},
-                        Case{"tp2", 2, {"--mesh.tp=2"}, 0},
-                        Case{"pp2 (the last stage's loss scale)", 2, {"--mesh.pp=2"}, 1}})
-    test::expect_skip_changes_nothing(c.name, c.ranks, tiny_deck(), c.overrides,
-                                      tmp + "/case" + std::to_string(index++),
-                                      c.poisoned_rank);
+  test::expect_skips_change_nothing(
+      {{"serial", 1, {}, -1},
+       {"dp2 ZeRO-0, rank 1 only", 2, {}, 1},
+       {"dp2 ZeRO-1, rank 0 only", 2, {"--optim.zero_stage=1"}, 0},
+       {"dp2 ZeRO-2", 2, {"--optim.zero_stage=2"}, 1},
+       {"dp2 ZeRO-3", 2, {"--optim.zero_stage=3"}, 1},
+       {"dp2 offload", 2, {"--optim.zero_stage=1", "--optim.offload=cpu"}, 1},
+       {"tp2", 2, {"--mesh.tp=2"}, 0},
+       {"pp2 (the last stage's loss scale)", 2, {"--mesh.pp=2"}, 1}},
+      tiny_deck(), tmp);
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }
 
