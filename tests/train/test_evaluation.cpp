@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -200,6 +201,58 @@ TEST_F(Evaluation, MaxSequencesTakesTheFirstOfTheOrder) {
       for (std::int32_t t : tg) counted += t != -100;
     }
     EXPECT_EQ(e[0]["eval_tokens"].get<std::int64_t>(), counted);
+  }
+}
+
+// Evaluating between steps leaves the training as it was: the same losses and gradient norms,
+// bit for bit, with [eval] (loss every step, and samples on the tp case) as without, on the paths
+// that evaluate differently: ZeRO-3's gathers (forward only), a pipeline with LoRA dropout (the
+// default eval_loss, dropout off), tp with the model gathered for samples, and Qwen3-MoE with
+// the router bias fed by the expert load (which an evaluation's forward also counts).
+TEST_F(Evaluation, LeavesTrainingAsItWas) {
+  write_tokens(path("val.h5"), 9 * kT + 1, 256, seed_ + 4);
+  if (test::world_rank() == 0) {
+    fs::create_directories(path("tok"));
+    fs::copy_file(QT_SOURCE_DIR "/tests/fuzz/tokenizer_small.json", path("tok/tokenizer.json"));
+    std::ofstream(path("prompts.txt")) << "hello\n";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  const std::string moe = read_text(QT_INPUTS_DIR "/tiny-moe.ini");
+  struct Case {
+    std::string name, deck;
+    int ranks;
+    std::vector<std::string> ov;
+  };
+  const std::vector<Case> cases = {
+      {"zero3", deck_, 2, {"--optim.zero_stage=3"}},
+      {"pp_lora", deck_, 2, {"--mesh.pp=2", "--lora.r=4", "--lora.dropout=0.2"}},
+      {"tp_samples", deck_, 2, {"--mesh.tp=2", "--model.vocab_size=272", "--eval.samples=" +
+                                path("prompts.txt"), "--eval.tokenizer=" + path("tok"),
+                                "--eval.samples_every=1", "--eval.max_new_tokens=4"}},
+      {"moe_bias", moe, 2, {"--model.router_bias_update_rate=0.01", "--mesh.ep=2"}},
+  };
+  for (const Case& c : cases) {
+    if (c.ranks > test::world_size()) continue;
+    SCOPED_TRACE(c.name);
+    std::vector<std::string> plain = common(c.name + "_plain");
+    plain.insert(plain.end(), c.ov.begin(), c.ov.end());
+    plain.erase(std::remove_if(plain.begin(), plain.end(),
+                               [](const std::string& o) { return o.starts_with("--eval."); }),
+                plain.end());
+    std::vector<std::string> with = common(c.name + "_eval");
+    with.insert(with.end(), c.ov.begin(), c.ov.end());
+    with.insert(with.end(), {"--eval.paths=" + path("val.h5"), "--eval.every=1"});
+    const test::RunResult a = test::run(c.ranks, c.deck, plain, path(c.name + "_plain.jsonl"));
+    const test::RunResult b = test::run(c.ranks, c.deck, with, path(c.name + "_eval.jsonl"));
+    ASSERT_EQ(a.exit_code, 0) << a.error;
+    ASSERT_EQ(b.exit_code, 0) << b.error;
+    EXPECT_EQ(lines_of(path(c.name + "_eval.jsonl"), "eval").size(), 3u);
+    ASSERT_EQ(a.steps.size(), 3u);
+    ASSERT_EQ(b.steps.size(), 3u);
+    for (std::size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(a.steps[i].loss, b.steps[i].loss) << "step " << a.steps[i].step;
+      EXPECT_EQ(a.steps[i].grad_norm, b.steps[i].grad_norm) << "step " << a.steps[i].step;
+    }
   }
 }
 
