@@ -103,6 +103,22 @@ void gather_pieces(std::vector<ConstFlatPiece> mine, std::vector<float>& out, st
   QT_CHECK(missing == 0, "{} elements of {} held by no rank", missing, what);
 }
 
+// A line of eval.samples as its prompt: `\n` a newline (a chat template's turns), `\\` a
+// backslash; any other backslash stays as it is.
+std::string prompt_of_line(const std::string& line) {
+  std::string out;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    const char next = i + 1 < line.size() ? line[i + 1] : '\0';
+    if (line[i] == '\\' && (next == 'n' || next == '\\')) {
+      out += next == 'n' ? '\n' : '\\';
+      ++i;
+    } else {
+      out += line[i];
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::vector<float> gather_model(TrainBackend& backend, Mesh& mesh, const Deck& deck) {
@@ -162,6 +178,7 @@ Evaluation::Evaluation(const Deck& deck, Mesh& mesh) : deck_(deck), mesh_(mesh) 
       for (int n = 1; std::getline(in, line); ++n) {
         if (!line.empty() && line.back() == '\r') line.pop_back();
         if (line.empty()) continue;
+        line = prompt_of_line(line);
         std::vector<std::int32_t> ids = tokenizer_->encode(line);
         const std::string at = fmt::format("eval.samples = {}, line {}", e.samples, n);
         if (ids.empty()) fail_user("{}: the prompt has no tokens", at);

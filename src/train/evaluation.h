@@ -5,7 +5,8 @@
 //     sequence g of the fixed order goes to dp rank g / ceil(n / dp); each rank runs its share in
 //     the training step's micro-batch shape, padded with sequences of no counted target, and the
 //     sums over dp make the number the same on any mesh (up to the order of fp sums);
-//   - samples: the greedy continuation of each prompt of eval.samples by the current weights,
+//   - samples: the greedy continuation of each prompt of eval.samples (one a line; `\n` in a line
+//     a newline, `\\` a backslash) by the current weights,
 //     gathered on rank 0 in fp32 (a LoRA run's adapters merged into the base) and decoded there
 //     by qtrain generate's CPU decoder (generate/decode.h); the other ranks wait.
 // Both run every eval.every / eval.samples_every steps (0: neither) and at the run's last step,

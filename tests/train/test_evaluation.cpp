@@ -326,7 +326,8 @@ class Samples : public Evaluation {
     if (test::world_rank() == 0) {
       fs::create_directories(path("tok"));
       fs::copy_file(QT_SOURCE_DIR "/tests/fuzz/tokenizer_small.json", path("tok/tokenizer.json"));
-      std::ofstream(path("prompts.txt")) << "hello world\n\nThe quick brown fox\r\nzq\n";
+      std::ofstream(path("prompts.txt"))
+          << "hello world\n\nThe quick brown fox\r\nzq\ntwo\\nlines \\\\ one \\t\n";
     }
     MPI_Barrier(MPI_COMM_WORLD);
   }
@@ -367,8 +368,9 @@ void check_samples(const std::string& metrics, const std::string& ckpt, const st
   EXPECT_EQ(lines[0]["step"], 2);
   EXPECT_EQ(lines[1]["step"], 3);
   const nlohmann::json& samples = lines[1]["samples"];
-  ASSERT_EQ(samples.size(), 3u) << "three prompts; the empty line skipped";
+  ASSERT_EQ(samples.size(), 4u) << "four prompts; the empty line skipped";
   EXPECT_EQ(samples[1]["prompt"], "The quick brown fox") << "the \\r of a CRLF line dropped";
+  EXPECT_EQ(samples[3]["prompt"], "two\nlines \\ one \\t") << "\\n and \\\\ unescaped";
   const Tokenizer t = Tokenizer::from_dir(tok);
   std::size_t produced = 0;
   for (const nlohmann::json& s : samples) {
