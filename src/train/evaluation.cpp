@@ -65,13 +65,12 @@ void gather_pieces(std::vector<ConstFlatPiece> mine, std::vector<float>& out, st
     return;
   }
   out.assign(numel, 0.0f);
-  std::vector<bool> covered(numel, false);
+  std::vector<Range> placed;  // every range written, for the coverage check at the end
   auto place = [&](const Range& r, const float* data) {
     QT_CHECK(r.end <= numel, "{} piece [{}, {}) beyond its {} elements", what, r.begin, r.end,
              numel);
     std::copy(data, data + r.size(), out.begin() + static_cast<std::ptrdiff_t>(r.begin));
-    std::fill(covered.begin() + static_cast<std::ptrdiff_t>(r.begin),
-              covered.begin() + static_cast<std::ptrdiff_t>(r.end), true);
+    placed.push_back(r);
   };
   for (const ConstFlatPiece& p : mine) place(p.range, p.data);
   std::vector<float> buf;
@@ -99,8 +98,15 @@ void gather_pieces(std::vector<ConstFlatPiece> mine, std::vector<float>& out, st
       }
     }
   }
-  const auto missing = std::count(covered.begin(), covered.end(), false);
-  QT_CHECK(missing == 0, "{} elements of {} held by no rank", missing, what);
+  // The union of the ranges is [0, numel): no element was left at its 0.
+  std::sort(placed.begin(), placed.end(),
+            [](const Range& a, const Range& b) { return a.begin < b.begin; });
+  std::size_t covered = 0;
+  for (const Range& r : placed) {
+    QT_CHECK(r.begin <= covered, "{} elements [{}, {}) held by no rank", what, covered, r.begin);
+    covered = std::max(covered, r.end);
+  }
+  QT_CHECK(covered == numel, "{} elements [{}, {}) held by no rank", what, covered, numel);
 }
 
 // A line of eval.samples as its prompt: `\n` a newline (a chat template's turns), `\\` a
