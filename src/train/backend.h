@@ -85,7 +85,8 @@ class TrainBackend {
   // zero_grads, so the trainer evaluates after a step's bookkeeping. By default a forward and
   // backward with loss scale 0 between two zero_grads (any back end, any mesh; LoRA dropout
   // applies, so the deck refuses evaluation with lora.dropout > 0 where this default runs); the
-  // CPU back ends override it (a true forward on one stage, dropout off in a pipeline).
+  // CPU back ends override it (a true forward on one stage, dropout off in a pipeline), the
+  // CUDA ones wait for the device after it (the reductions it started on other streams).
   virtual double eval_loss(const MicroBatches& mb) {
     zero_grads();
     const double loss = micro_batches(mb, 0.0f);
