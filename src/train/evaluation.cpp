@@ -177,8 +177,13 @@ Evaluation::Evaluation(const Deck& deck, Mesh& mesh) : deck_(deck), mesh_(mesh) 
                                  : first_.back();
     if (e.samples_on() && mesh.world_rank() == 0) {
       tokenizer_dir_ = e.tokenizer.empty() ? deck.model_init : e.tokenizer;
-      tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_dir(tokenizer_dir_));
-      stop_ = gen::stop_tokens(*tokenizer_, {deck.model_init, tokenizer_dir_});
+      const std::string key = e.tokenizer.empty() ? "model.init" : "eval.tokenizer";
+      try {
+        tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_dir(tokenizer_dir_));
+        stop_ = gen::stop_tokens(*tokenizer_, {deck.model_init, tokenizer_dir_});
+      } catch (const UserError& x) {
+        fail_user("eval.samples' tokenizer ({} = {}): {}", key, tokenizer_dir_, x.what());
+      }
       std::ifstream in(e.samples, std::ios::binary);
       std::string line;
       for (int n = 1; std::getline(in, line); ++n) {

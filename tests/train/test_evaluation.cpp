@@ -443,6 +443,8 @@ TEST_F(Samples, StartUpProblemsStopEveryRankWithOneMessage) {
   if (test::world_rank() == 0) {
     std::ofstream(path("blank.txt")) << "\n\n";
     std::ofstream(path("not_tokens.h5")) << "not HDF5";
+    fs::create_directories(path("badtok"));
+    std::ofstream(path("badtok/tokenizer.json")) << "{";
   }
   MPI_Barrier(MPI_COMM_WORLD);
   const int ranks = std::min(2, test::world_size());
@@ -455,6 +457,8 @@ TEST_F(Samples, StartUpProblemsStopEveryRankWithOneMessage) {
       {{"--eval.samples=" + path("prompts.txt"), "--eval.tokenizer=" + path("tok")},
        {"eval.samples = " + path("prompts.txt") + ", line 1: token id ",
         "is outside the model's vocabulary of 100: tokenizer " + path("tok")}},
+      {{"--eval.samples=" + path("prompts.txt"), "--eval.tokenizer=" + path("badtok")},
+       {"eval.samples' tokenizer (eval.tokenizer = " + path("badtok") + "): "}},
       {{"--eval.paths=" + path("not_tokens.h5")},
        {"eval.paths: token file " + path("not_tokens.h5") + ": cannot open it as HDF5"}},
   };
