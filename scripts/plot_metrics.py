@@ -15,17 +15,22 @@ import sys
 
 
 def read_metrics(path):
-    """Step -> the last line of that step, sorted by step; exits 2 on a file that is not JSON lines."""
-    by_step = {}
+    """One record a step, sorted by step: the step's last line of each kind (the step line, and
+    with [eval] the "kind": "eval" and "samples" lines) merged; exits 2 on a file that is not
+    JSON lines."""
+    by_kind = {}
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-                by_step[int(rec["step"])] = rec
-            except (ValueError, KeyError, TypeError) as e:
+                by_kind[(int(rec["step"]), rec.get("kind", "step"))] = rec
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
                 sys.exit(f"plot_metrics: {path}:{n}: not a metrics line ({e})")
+    by_step = {}
+    for (step, _), rec in by_kind.items():
+        by_step.setdefault(step, {}).update(rec)
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -43,6 +43,9 @@ class DataSource {
   // written).
   virtual void sample(std::int64_t index, std::int32_t* inputs, std::int32_t* targets,
                       std::int32_t* positions, int T) const = 0;
+  // Samples of one epoch (each window or chunk once: indices [0, epoch_size()) cover them all),
+  // 0 when unbounded (the synthetic source).
+  virtual std::int64_t epoch_size() const { return 0; }
   // The best achievable mean loss per counted token (nats), NaN when unknown.
   virtual double loss_floor() const { return std::nan(""); }
   virtual std::string describe() const = 0;
@@ -53,19 +56,31 @@ class DataSource {
 // floor is the chain's entropy rate  H = -sum_i pi_i sum_j P_ij log P_ij.
 std::unique_ptr<DataSource> make_synthetic_source(int vocab, int branching, std::uint64_t seed);
 
+// eval.split: a token file's units (windows, or chunks when padded) in two parts, fixed by the
+// file alone (not by the seed): the held-out part is the first max(1, round(fraction x units))
+// of token_window_order(units, kHoldoutSeed, 0), the training part the rest (at least one unit).
+// A source of one part serves only its units, each once an epoch, in its seed's order.
+struct TokenSplit {
+  enum class Part { kAll, kTrain, kHeldOut };
+  Part part = Part::kAll;
+  double fraction = 0;  // in (0, 1) unless kAll
+};
+inline constexpr std::uint64_t kHoldoutSeed = 0x6576616c;  // "eval"
+
 // Opens a token file; throws UserError naming the file and what is wrong (missing dataset, ids
 // out of range for `vocab`, too few tokens for one sample of T + 1; padded: no document of two
-// tokens).
+// tokens; a split that leaves no unit to train on).
 std::unique_ptr<DataSource> open_token_file(const std::string& path, int vocab, int T,
                                             std::uint64_t seed,
-                                            Packing packing = Packing::kConcat);
+                                            Packing packing = Packing::kConcat,
+                                            TokenSplit split = {});
 
 // Writes a token file (serial; for tools and tests). loss_mask may be empty.
 void write_token_file(const std::string& path, const std::vector<std::int32_t>& tokens,
                       const std::vector<std::int64_t>& doc_offsets,
                       const std::vector<std::uint8_t>& loss_mask, std::int64_t vocab_size);
 
-// The deck's data source.
+// The deck's data source (with eval.split > 0, the training part of data.path).
 std::unique_ptr<DataSource> make_data_source(const Deck& deck);
 
 }  // namespace qt

@@ -78,6 +78,22 @@ struct LogConfig {
   std::string tensorboard;           // directory of TensorBoard event files; empty disables
 };
 
+// [eval]: evaluation during training (docs/monitoring.md, "Evaluation"): the loss over held-out
+// token files and greedy continuations of prompts, every `every` steps and at the end.
+struct EvalConfig {
+  std::string paths;        // held-out token files (HDF5, as data.path), comma-separated; "" = none
+  double split = 0;         // fraction of data.path's windows held out of training, in [0, 1)
+  int every = 0;            // steps between evaluations of the loss; 0 = only at the end
+  int max_sequences = 0;    // at most this many held-out sequences (the first of a fixed order);
+                            // 0 = all
+  std::string samples;      // text file of prompts, one a line; "" = no samples
+  int samples_every = 0;    // steps between samples; 0 = only at the end
+  int max_new_tokens = 32;  // tokens generated a prompt (greedy)
+  std::string tokenizer;    // directory with tokenizer.json; "" = model.init's
+  bool loss_on() const { return !paths.empty() || split > 0; }
+  bool samples_on() const { return !samples.empty(); }
+};
+
 // [topology]: the machine's shape and link rates, for `qtrain plan`'s step-time prediction (and
 // the start-up topology report, which prints measured values for these keys). Bandwidths are an
 // all-reduce's bus bandwidth per GPU as nccl-tests reports it (busbw), in GB/s (1e9 bytes/s).
@@ -100,6 +116,7 @@ struct Deck {
   DataConfig data;
   CheckpointConfig checkpoint;
   LogConfig log;
+  EvalConfig eval;
   TopologyConfig topology;
   // The resolved deck as INI text (every key with its final value), stored in checkpoints.
   std::string resolved;
@@ -112,6 +129,9 @@ Deck parse_deck(int argc, const char* const* argv, int world_size);
 // Parses deck text (as if read from `path`) plus overrides; for tests.
 Deck parse_deck_text(const std::string& text, const std::string& path,
                      const std::vector<std::string>& overrides, int world_size);
+// The entries of eval.paths: split at commas, blanks around each trimmed (an empty entry stays,
+// for the deck to refuse); none for "".
+std::vector<std::string> split_eval_paths(const std::string& paths);
 // The --help text: every key with its default and unit.
 std::string deck_help();
 

@@ -118,6 +118,7 @@ class Builder {
   void validate_moe_lora();
   void validate_data_checkpoint_log();
   void validate_topology();
+  void validate_eval();
   void validate_moe();
 
   std::string path_;
@@ -411,7 +412,56 @@ void Builder::validate() {
   validate_lora();
   validate_data_checkpoint_log();
   validate_topology();
+  validate_eval();
   validate_moe();
+}
+
+// [eval] (train/evaluation.h): the held-out loss's files or split, the samples' prompts and
+// tokenizer; a key that has nothing to act on is an error, so that a typo cannot leave it off.
+void Builder::validate_eval() {
+  const EvalConfig& e = deck_.eval;
+  for (const std::string& p : split_eval_paths(e.paths)) {
+    need(!p.empty(), "eval.paths", "has an empty entry; list token files separated by commas");
+    const std::string why = file_problem(p);
+    need(why.empty(), "eval.paths", ": {}: {}", p, why);
+  }
+  need(!e.loss_on() || deck_.train.device != "cuda" || deck_.lora.r == 0 ||
+           deck_.lora.dropout == 0,
+       e.split > 0 ? "eval.split" : "eval.paths",
+       "with lora.dropout = {} on train.device = cuda is not built (the evaluation forward there "
+       "would drop adapter inputs as training does); set lora.dropout = 0 or use "
+       "train.device = cpu", deck_.lora.dropout);
+  need(e.split >= 0 && e.split < 1, "eval.split", "must be in [0, 1) (0: nothing held out)");
+  need(e.split == 0 || deck_.data.source == "file", "eval.split",
+       "holds out windows of data.path: needs data.source = file");
+  need(e.every >= 0, "eval.every", "must be >= 0 (0 = only at the end)");
+  need(e.max_sequences >= 0, "eval.max_sequences", "must be >= 0 (0 = all)");
+  // A value other than the default where it has nothing to act on (a resolved deck, which
+  // lists every key, still reads back).
+  const EvalConfig off;
+  need(e.loss_on() || (e.every == off.every && e.max_sequences == off.max_sequences),
+       e.every != off.every ? "eval.every" : "eval.max_sequences",
+       "is set, but nothing is evaluated: set eval.paths (token files) or eval.split");
+  need(e.samples_every >= 0, "eval.samples_every", "must be >= 0 (0 = only at the end)");
+  need(e.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1");
+  need(e.samples_on() || (e.samples_every == off.samples_every &&
+                           e.max_new_tokens == off.max_new_tokens && e.tokenizer.empty()),
+       e.samples_every != off.samples_every    ? "eval.samples_every"
+       : e.max_new_tokens != off.max_new_tokens ? "eval.max_new_tokens"
+                                                 : "eval.tokenizer",
+       "is set, but there are no prompts: set eval.samples (a text file, one prompt a line)");
+  if (!e.samples_on()) return;
+  const std::string why = file_problem(e.samples);
+  need(why.empty(), "eval.samples", ": {}", why);
+  const std::string dir = e.tokenizer.empty() ? deck_.model_init : e.tokenizer;
+  const std::string key = e.tokenizer.empty() ? "eval.samples" : "eval.tokenizer";
+  need(!dir.empty(), key,
+       "needs a tokenizer: set eval.tokenizer (a directory with tokenizer.json) or model.init");
+  const std::string json = (std::filesystem::path(dir) / "tokenizer.json").string();
+  need(file_problem(json).empty(), key, ": {}: {}{}", json, file_problem(json),
+       e.tokenizer.empty() ? " (model.init's; set eval.tokenizer)" : "");
+  need(e.max_new_tokens < deck_.model.max_position_embeddings, "eval.max_new_tokens",
+       "must be below model.max_position_embeddings = {}", deck_.model.max_position_embeddings);
 }
 
 // Qwen3-MoE (model.num_experts > 0): the block's sizes, then what is not built yet.
@@ -519,6 +569,18 @@ std::string resolved_text(Deck& d, int world) {
 }
 
 }  // namespace
+
+std::vector<std::string> split_eval_paths(const std::string& paths) {
+  std::vector<std::string> out;
+  if (ini::trim(paths).empty()) return out;
+  std::size_t at = 0;
+  for (;;) {
+    const std::size_t comma = paths.find(',', at);
+    out.push_back(ini::trim(paths.substr(at, comma == std::string::npos ? comma : comma - at)));
+    if (comma == std::string::npos) return out;
+    at = comma + 1;
+  }
+}
 
 const char* schedule_name(Schedule s) {
   switch (s) {

@@ -13,7 +13,8 @@ struct DeckKeyInfo {
   std::string default_value;  // as written in a deck
 };
 
-// Every key, in section order (model, mesh, train, optim, lora, data, checkpoint, log).
+// Every key, in section order (model, mesh, train, optim, lora, data, checkpoint, log, eval,
+// topology).
 std::vector<DeckKeyInfo> deck_keys();
 
 }  // namespace qt

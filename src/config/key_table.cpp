@@ -33,6 +33,7 @@ const std::vector<KeySpec>& key_table() {
     using Da = DataConfig;
     using C = CheckpointConfig;
     using L = LogConfig;
+    using E = EvalConfig;
     using To = TopologyConfig;
     return std::vector<KeySpec>{
         spec("model", "preset", &D::model, &M::preset, "",
@@ -189,6 +190,26 @@ const std::vector<KeySpec>& key_table() {
         spec("log", "tensorboard", &D::log, &L::tensorboard, "path",
              "Directory of TensorBoard event files written by rank 0 (created if missing); "
              "empty disables them"),
+
+        spec("eval", "paths", &D::eval, &E::paths, "paths",
+             "Held-out token files (HDF5, as data.path), comma-separated; their loss is "
+             "evaluated every eval.every steps and at the end; empty: none"),
+        spec("eval", "split", &D::eval, &E::split, "",
+             "Fraction of data.path's windows held out of training and evaluated, in [0, 1); "
+             "0: none"),
+        spec("eval", "every", &D::eval, &E::every, "steps",
+             "Steps between evaluations of the held-out loss; 0 = only at the end"),
+        spec("eval", "max_sequences", &D::eval, &E::max_sequences, "sequences",
+             "Evaluate at most this many held-out sequences (the first of a fixed order); 0 = all"),
+        spec("eval", "samples", &D::eval, &E::samples, "path",
+             "Text file of prompts, one a line, continued greedily every eval.samples_every "
+             "steps and at the end; empty: none"),
+        spec("eval", "samples_every", &D::eval, &E::samples_every, "steps",
+             "Steps between samples; 0 = only at the end"),
+        spec("eval", "max_new_tokens", &D::eval, &E::max_new_tokens, "tokens",
+             "Tokens generated for each prompt of eval.samples (fewer at a stop token)"),
+        spec("eval", "tokenizer", &D::eval, &E::tokenizer, "path",
+             "Directory with tokenizer.json for eval.samples; empty: model.init's"),
 
         spec("topology", "gpus_per_host", &D::topology, &To::gpus_per_host, "GPUs",
              "GPUs (ranks) of one host; tensor parallelism stays inside one (qtrain plan)"),

@@ -14,7 +14,8 @@
 namespace qt::config {
 
 inline const std::vector<std::string> kSections = {"model", "mesh", "train", "optim", "lora",
-                                                   "data", "checkpoint", "log", "topology"};
+                                                   "data", "checkpoint", "log", "eval",
+                                                   "topology"};
 inline const std::vector<std::string> kDataSources = {"synthetic", "file"};
 inline const std::vector<std::string> kPackings = {"concat", "packed", "padded"};
 inline const std::vector<std::string> kDevices = {"cpu", "cuda"};

@@ -138,6 +138,15 @@ class CudaBackend final : public TrainBackend {
     if (deck_.model.is_moe()) aux_sum_ += model_->moe_aux_loss();
     return loss;
   }
+  // TrainBackend's default (a forward and backward with loss scale 0 between zero_grads), then
+  // every stream of the device drained: the last micro-batch's gradient reductions run on the
+  // communicators' streams, which the next step's first backward, overwriting the gradients,
+  // does not wait for.
+  double eval_loss(const MicroBatches& mb) override {
+    const double loss = TrainBackend::eval_loss(mb);
+    QT_CHECK_CUDA(cudaDeviceSynchronize());
+    return loss;
+  }
   OptimStepStats optimizer_step(const StepRequest& request) override {
     const OptimStepStats s = state_.step(request, deck_.train.steps, stream_.get());
     if (++steps_done_ == profile_end_) {

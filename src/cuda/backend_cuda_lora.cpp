@@ -162,6 +162,15 @@ class CudaLoraBackend final : public TrainBackend {
 
   // The adapters report no units to the state: it reduces their gradients here (over dp, then
   // the factors partial over tp summed over tp).
+  // TrainBackend's default (a forward and backward with loss scale 0 between zero_grads), then
+  // every stream of the device drained: the last micro-batch's gradient reductions run on the
+  // communicators' streams, which the next step's first backward, overwriting the gradients,
+  // does not wait for.
+  double eval_loss(const MicroBatches& mb) override {
+    const double loss = TrainBackend::eval_loss(mb);
+    QT_CHECK_CUDA(cudaDeviceSynchronize());
+    return loss;
+  }
   OptimStepStats optimizer_step(const StepRequest& request) override {
     return state_.step(request, deck_.train.steps, stream_.get());
   }

@@ -117,9 +117,12 @@ std::unique_ptr<DataSource> make_synthetic_source(int vocab, int branching, std:
 }
 
 std::unique_ptr<DataSource> make_data_source(const Deck& deck) {
-  if (deck.data.source == "file")
+  if (deck.data.source == "file") {
+    TokenSplit split;  // eval.split: the held-out windows are the evaluation's (train/evaluation.h)
+    if (deck.eval.split > 0) split = {TokenSplit::Part::kTrain, deck.eval.split};
     return open_token_file(deck.data.path, deck.model.vocab_size, deck.train.seq_len,
-                           deck.train.seed, packing_from_name(deck.data.packing));
+                           deck.train.seed, packing_from_name(deck.data.packing), split);
+  }
   return make_synthetic_source(deck.model.vocab_size, deck.data.synthetic_branching,
                                deck.train.seed);
 }

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <limits>
 #include <optional>
@@ -127,8 +128,8 @@ std::optional<std::int64_t> read_vocab_attr(hid_t file, const std::string& path)
 
 class TokenFileSource final : public DataSource {
  public:
-  TokenFileSource(std::string path, int T, std::uint64_t seed, Packing packing)
-      : path_(std::move(path)), T_(T), seed_(seed), packing_(packing) {}
+  TokenFileSource(std::string path, int T, std::uint64_t seed, Packing packing, TokenSplit split)
+      : path_(std::move(path)), T_(T), seed_(seed), packing_(packing), split_(split) {}
 
   // Opens and validates; throws UserError.
   void open(int vocab, std::size_t max_resident_bytes) {
@@ -192,6 +193,7 @@ class TokenFileSource final : public DataSource {
       units_ = (n_ - 1) / T_;
     }
     if (packing_ != Packing::kConcat) offsets_ = std::move(off);
+    select_part();
 
     // Token ids in [0, limit), mask values 0 or 1, checked on their exact values; kept in memory
     // when small enough (as int32 and uint8, which then hold them exactly).
@@ -227,12 +229,14 @@ class TokenFileSource final : public DataSource {
     QT_CHECK(T == T_, "token file {} was opened for seq_len {}, asked for {}", path_, T_, T);
     QT_CHECK(index >= 0, "negative sample index {}", index);
     std::lock_guard<std::mutex> lock(mu_);
-    const std::int64_t epoch = index / units_;
+    const std::int64_t n = epoch_size();
+    const std::int64_t epoch = index / n;
     if (epoch != order_epoch_) {
-      order_ = token_window_order(units_, seed_, epoch);
+      order_ = token_window_order(n, seed_, epoch);
       order_epoch_ = epoch;
     }
-    const std::int64_t unit = order_[index % units_];
+    const std::int64_t at = order_[index % n];
+    const std::int64_t unit = part_.empty() ? at : part_[at];
     if (packing_ == Packing::kPadded) {
       padded_sample(unit, inputs, targets, positions);
       return;
@@ -255,6 +259,10 @@ class TokenFileSource final : public DataSource {
     }
   }
 
+  std::int64_t epoch_size() const override {
+    return part_.empty() ? units_ : static_cast<std::int64_t>(part_.size());
+  }
+
   std::string describe() const override {
     std::string what;
     if (packing_ == Packing::kPadded)
@@ -264,11 +272,36 @@ class TokenFileSource final : public DataSource {
       what = fmt::format("{} windows of {} tokens{}", units_, T_ + 1,
                          packing_ == Packing::kPacked ? ", documents packed (no attention across)"
                                                       : "");
-    return fmt::format("token file {}: {} tokens in {} documents, {}{}{}", path_, n_, docs_, what,
-                       has_mask_ ? ", loss mask" : "", resident_ ? "" : ", read on demand");
+    std::string part;
+    if (split_.part == TokenSplit::Part::kTrain)
+      part = fmt::format("; {} of them train, {} held out (eval.split = {})", part_.size(),
+                         units_ - static_cast<std::int64_t>(part_.size()), split_.fraction);
+    else if (split_.part == TokenSplit::Part::kHeldOut)
+      part = fmt::format("; the {} held out (eval.split = {})", part_.size(), split_.fraction);
+    return fmt::format("token file {}: {} tokens in {} documents, {}{}{}{}", path_, n_, docs_,
+                       what, has_mask_ ? ", loss mask" : "", resident_ ? "" : ", read on demand",
+                       part);
   }
 
  private:
+  // part_: the units of split_'s part, ascending (TokenSplit); empty for Part::kAll.
+  void select_part() {
+    if (split_.part == TokenSplit::Part::kAll) return;
+    QT_CHECK(split_.fraction > 0 && split_.fraction < 1, "eval.split {} outside (0, 1)",
+             split_.fraction);
+    const std::int64_t held = std::max<std::int64_t>(
+        1, std::llround(split_.fraction * static_cast<double>(units_)));
+    if (held >= units_)
+      fail_user("token file {}: eval.split = {} holds out {} of its {} {}, which leaves none to "
+                "train on; lower eval.split or use eval.paths",
+                path_, split_.fraction, held, units_,
+                packing_ == Packing::kPadded ? "chunks" : "windows");
+    const std::vector<std::int64_t> perm = token_window_order(units_, kHoldoutSeed, 0);
+    const bool train = split_.part == TokenSplit::Part::kTrain;
+    part_.assign(perm.begin() + (train ? held : 0), train ? perm.end() : perm.begin() + held);
+    std::sort(part_.begin(), part_.end());
+  }
+
   // Chunk `unit` of the padded order: document d, tokens [c T, c T + T] of it (cut at its end).
   void padded_sample(std::int64_t unit, std::int32_t* inputs, std::int32_t* targets,
                      std::int32_t* positions) const {
@@ -307,7 +340,9 @@ class TokenFileSource final : public DataSource {
   int T_;
   std::uint64_t seed_;
   Packing packing_;
-  // units_: samples per epoch (windows, or chunks when padded).
+  TokenSplit split_;
+  std::vector<std::int64_t> part_;  // select_part()
+  // units_: windows, or chunks when padded (the samples of an epoch without a split).
   std::int64_t n_ = 0, docs_ = 0, units_ = 0;
   std::vector<std::int64_t> offsets_;       // [D + 1] doc_offsets (packed, padded)
   std::vector<std::int64_t> chunk_prefix_;  // [D + 1] chunks before document d (padded)
@@ -347,17 +382,18 @@ std::vector<std::int64_t> token_window_order(std::int64_t windows, std::uint64_t
 std::unique_ptr<DataSource> open_token_file_limited(const std::string& path, int vocab, int T,
                                                     std::uint64_t seed,
                                                     std::size_t max_resident_bytes,
-                                                    Packing packing) {
+                                                    Packing packing, TokenSplit split) {
   QT_CHECK(vocab > 0 && T > 0, "token file needs vocab > 0 and seq_len > 0, got {} and {}", vocab,
            T);
-  auto src = std::make_unique<TokenFileSource>(path, T, seed, packing);
+  auto src = std::make_unique<TokenFileSource>(path, T, seed, packing, split);
   src->open(vocab, max_resident_bytes);
   return src;
 }
 
 std::unique_ptr<DataSource> open_token_file(const std::string& path, int vocab, int T,
-                                            std::uint64_t seed, Packing packing) {
-  return open_token_file_limited(path, vocab, T, seed, kTokenFileResidentBytes, packing);
+                                            std::uint64_t seed, Packing packing,
+                                            TokenSplit split) {
+  return open_token_file_limited(path, vocab, T, seed, kTokenFileResidentBytes, packing, split);
 }
 
 Packing packing_from_name(const std::string& name) {

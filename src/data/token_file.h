@@ -23,7 +23,8 @@ inline constexpr std::int32_t kPadToken = 0;
 std::unique_ptr<DataSource> open_token_file_limited(const std::string& path, int vocab, int T,
                                                     std::uint64_t seed,
                                                     std::size_t max_resident_bytes,
-                                                    Packing packing = Packing::kConcat);
+                                                    Packing packing = Packing::kConcat,
+                                                    TokenSplit split = {});
 
 // The order of the `windows` windows in epoch `epoch`: a Fisher-Yates shuffle driven by splitmix64
 // seeded with rng::hash_combine(seed, epoch). Sample g uses window order[g % windows] of epoch

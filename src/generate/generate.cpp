@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "generate/decode.h"
 #include "generate/kv_decoder.h"
 #include "generate/sampler.h"
 #ifdef QTRAIN_HAVE_CUDA
@@ -180,33 +181,6 @@ ModelSource resolve_model(const std::string& model, const std::string& base, Com
   return s;
 }
 
-// The ids of a token-id field: an integer or a list of them (null or absent: none).
-std::vector<std::int32_t> json_ids(const nlohmann::json& e) {
-  std::vector<std::int32_t> ids;
-  if (e.is_number_integer()) ids.push_back(e.get<std::int32_t>());
-  if (e.is_array())
-    for (const nlohmann::json& v : e)
-      if (v.is_number_integer()) ids.push_back(v.get<std::int32_t>());
-  return ids;
-}
-
-// eos ids of generation_config.json in `dir` (none when there is no such file).
-std::vector<std::int32_t> generation_config_eos(const std::string& dir) {
-  const fs::path p = fs::path(dir) / "generation_config.json";
-  if (dir.empty() || !has_file(p)) return {};
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(ss.str());
-  } catch (const nlohmann::json::exception& e) {
-    fail_user("{}: not valid JSON ({})", p.string(), e.what());
-  }
-  return j.is_object() && j.contains("eos_token_id") ? json_ids(j["eos_token_id"])
-                                                     : std::vector<std::int32_t>{};
-}
-
 std::vector<float> load_weights(const ModelSource& s, const ParamLayout& layout,
                                 std::shared_ptr<MpiComm> world) {
   std::vector<float> params(layout.numel());
@@ -305,14 +279,8 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
   if (static_cast<std::int64_t>(prompt.size()) >= cfg.max_position_embeddings)
     fail_user("the prompt has {} tokens; the model allows {} positions (max_position_embeddings)",
               prompt.size(), cfg.max_position_embeddings);
-  std::set<std::int32_t> stop;
-  for (const char* t : {"<|im_end|>", "<|endoftext|>"})
-    if (auto id = tok.token_id(t)) stop.insert(*id);
-  if (!tok.eos_token().empty())
-    if (auto id = tok.token_id(tok.eos_token())) stop.insert(*id);
-  for (const std::string& dir : {src.side_dir, tok_dir})
-    for (std::int32_t id : generation_config_eos(dir)) stop.insert(id);
-  for (std::int32_t id : json_ids(src.extras.eos_token_id)) stop.insert(id);
+  std::set<std::int32_t> stop = gen::stop_tokens(tok, {src.side_dir, tok_dir});
+  for (std::int32_t id : gen::json_ids(src.extras.eos_token_id)) stop.insert(id);
   std::string stop_text;
   for (std::int32_t id : stop)
     if (id >= 0 && id < tok.vocab_size())
@@ -361,31 +329,23 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
   // Prefill in one pass, then one token at a time; text goes out as soon as it is whole UTF-8.
   gen::Sampler sampler(o.temperature, o.top_p, o.seed);
   const auto t0 = Clock::now();
-  const float* logits = dec.append(prompt);
-  const double t_prefill = seconds_since(t0);
-  std::string pending, why;
-  std::int64_t produced = 0;
-  for (;;) {
-    const std::int32_t t = sampler.next(logits, allowed);
-    if (stop.count(t)) {
-      why = fmt::format("stopped at {}", tok.decode(std::span(&t, 1)));
-      break;
-    }
-    pending += tok.decode(std::span(&t, 1));
-    const std::size_t n = gen::utf8_complete_prefix(pending);
-    std::fwrite(pending.data(), 1, n, stdout);
-    std::fflush(stdout);
-    pending.erase(0, n);
-    if (++produced == o.max_new_tokens) {
-      why = fmt::format("stopped after --max-new-tokens {}", o.max_new_tokens);
-      break;
-    }
-    if (dec.length() == dec.capacity()) {
-      why = fmt::format("stopped at the model's {} positions", cfg.max_position_embeddings);
-      break;
-    }
-    logits = dec.append(std::span(&t, 1));
-  }
+  std::string pending;
+  const gen::DecodeResult r =
+      gen::decode(dec, sampler, prompt, o.max_new_tokens, stop, allowed, [&](std::int32_t t) {
+        pending += tok.decode(std::span(&t, 1));
+        const std::size_t n = gen::utf8_complete_prefix(pending);
+        std::fwrite(pending.data(), 1, n, stdout);
+        std::fflush(stdout);
+        pending.erase(0, n);
+      });
+  const double t_prefill = r.prefill_s;
+  const std::int64_t produced = r.produced;
+  const std::string why =
+      r.end == gen::DecodeEnd::kStopToken
+          ? fmt::format("stopped at {}", tok.decode(std::span(&r.stop_token, 1)))
+      : r.end == gen::DecodeEnd::kMaxNewTokens
+          ? fmt::format("stopped after --max-new-tokens {}", o.max_new_tokens)
+          : fmt::format("stopped at the model's {} positions", cfg.max_position_embeddings);
   if (!pending.empty()) std::fputs("\xEF\xBF\xBD", stdout);  // an unfinished UTF-8 sequence
   std::fputs("\n", stdout);
   std::fflush(stdout);

@@ -232,7 +232,7 @@ void LoraAdapters::set_tensor_parallel(int tp, int rank) {
 
 const float* LoraAdapters::dropped(int layer, int target, const Slot& s, const float* x) {
   const int in = s.in;
-  const double p = lora_.dropout;
+  const double p = dropout_on_ ? lora_.dropout : 0.0;
   if (p <= 0) return x;
   const float keep_scale = static_cast<float>(1.0 / (1.0 - p));
   const std::uint64_t stream = lora_dropout_stream(seed_, layer, target);
@@ -289,7 +289,7 @@ void LoraAdapters::backward(int layer, int target, const float* x, const float* 
   // d xd[N, in] = scale * g[N, r] A[r, in]; through the dropout mask into dx.
   cpu::gemm<float>(false, false, N, s.in, r, scale, g_.data(), r, A, s.in, 0.0f, dxd_.data(), s.in);
   const std::size_t n = static_cast<std::size_t>(N) * s.in;
-  if (lora_.dropout > 0) {
+  if (lora_.dropout > 0 && dropout_on_) {
     for (std::size_t i = 0; i < n; ++i) dx[i] += dxd_[i] * mask_[i];
   } else {
     for (std::size_t i = 0; i < n; ++i) dx[i] += dxd_[i];

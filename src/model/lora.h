@@ -73,6 +73,10 @@ class LoraAdapters {
     seed_ = seed, first_sample_ = first_sample;
   }
 
+  // Evaluation switches dropout off (the adapters' input as is, as PyTorch's eval mode does) and
+  // back on for training.
+  void set_dropout_enabled(bool on) { dropout_on_ = on; }
+
   int first_layer() const { return first_layer_; }
   int last_layer() const { return last_layer_; }
   int slots() const { return slots_in_flight_; }
@@ -123,6 +127,7 @@ class LoraAdapters {
   float* grads_ = nullptr;
   std::uint64_t seed_ = 0;
   std::int64_t first_sample_ = 0;
+  bool dropout_on_ = true;  // set_dropout_enabled
   std::vector<float> xd_, mask_, g_, dxd_;  // scratch: [N, max in] x 2, [N, r], [N, max in]
 };
 

@@ -84,6 +84,13 @@ double Qwen3Model::forward(const float* P, const std::int32_t* inputs, const std
   return forward(flat, inputs, targets, positions);
 }
 
+double Qwen3Model::forward_only(ModelParams& mp, const std::int32_t* inputs,
+                                const std::int32_t* targets, const std::int32_t* positions) {
+  const double loss = forward(mp, inputs, targets, positions);
+  for (std::size_t u = 0; u < units().units.size(); ++u) mp.release(static_cast<int>(u));
+  return loss;
+}
+
 void Qwen3Model::backward(ModelParams& mp, float loss_scale) {
   CpuUnits units{mp};
   program_.head_backward(ops_, units, targets_.data(), loss_scale);

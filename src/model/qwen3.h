@@ -65,6 +65,11 @@ class Qwen3Model {
   double forward(const float* params, const std::int32_t* inputs, const std::int32_t* targets,
                  const std::int32_t* positions = nullptr);
 
+  // The forward with no backward to follow (evaluation): the same loss, and every unit it
+  // acquired released (the head's too), so that the next forward gathers afresh.
+  double forward_only(ModelParams& params, const std::int32_t* inputs,
+                      const std::int32_t* targets, const std::int32_t* positions = nullptr);
+
   // grads += loss_scale * d(summed loss)/d(params), for the last forward, unit by unit in reverse
   // (the head, layers L-1 .. 0, the embedding). Null grads: the base is frozen (LoRA), only the
   // adapters' gradients accumulate.

@@ -78,6 +78,21 @@ class TrainBackend {
     }
     return loss;
   }
+  // Evaluation (train/evaluation.h): the summed loss of every micro-batch of `mb` as
+  // micro_batches returns it, from a forward with no update, LoRA dropout off where the back
+  // end says so below. Parameters, optimizer state and router bias stay as they are; the
+  // gradients and the MoE statistics (load, aux loss) are left undefined until the next
+  // zero_grads, so the trainer evaluates after a step's bookkeeping. By default a forward and
+  // backward with loss scale 0 between two zero_grads (any back end, any mesh; LoRA dropout
+  // applies, so the deck refuses evaluation with lora.dropout > 0 where this default runs); the
+  // CPU back ends override it (a true forward on one stage, dropout off in a pipeline), the
+  // CUDA ones wait for the device after it (the reductions it started on other streams).
+  virtual double eval_loss(const MicroBatches& mb) {
+    zero_grads();
+    const double loss = micro_batches(mb, 0.0f);
+    zero_grads();
+    return loss;
+  }
   // Reduces the gradients over dp, clips, and updates the parameters; with a non-finite loss
   // (request.loss_finite false) or gradient norm it updates nothing (OptimStepStats::skipped).
   virtual OptimStepStats optimizer_step(const StepRequest& request) = 0;

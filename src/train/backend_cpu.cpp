@@ -143,6 +143,24 @@ class CpuBackend final : public TrainBackend {
     model_.backward(state_, loss_scale);
     return loss;
   }
+  // A forward alone, dropout off: no gradient is touched.
+  double eval_loss(const MicroBatches& mb) override {
+    double loss = 0;
+    const std::size_t per = static_cast<std::size_t>(mb.B) * mb.T;
+    if (lora_) {
+      lora_->bind(state_.params(0), nullptr);
+      lora_->set_dropout_enabled(false);
+    }
+    FlatParams base(model_.units(), base_.data(), nullptr);
+    ModelParams& mp = lora_ ? static_cast<ModelParams&>(base) : state_;
+    for (int m = 0; m < mb.count; ++m) {
+      const std::size_t off = per * m;
+      loss += model_.forward_only(mp, mb.inputs + off, mb.targets + off,
+                                  mb.positions ? mb.positions + off : nullptr);
+    }
+    if (lora_) lora_->set_dropout_enabled(true);
+    return loss;
+  }
   OptimStepStats optimizer_step(const StepRequest& request) override {
     return state_.step(request);
   }

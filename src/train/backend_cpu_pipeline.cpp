@@ -195,6 +195,18 @@ class CpuPipelineBackend final : public TrainBackend {
     return 0;
   }
 
+  // The schedule with loss scale 0 (TrainBackend's default), the adapters' dropout off.
+  double eval_loss(const MicroBatches& mb) override {
+    auto dropout = [this](bool on) {
+      for (std::size_t v = 0; lora_ && v < chunks_.size(); ++v)
+        lora_->chunk(static_cast<int>(v)).set_dropout_enabled(on);
+    };
+    dropout(false);
+    const double loss = TrainBackend::eval_loss(mb);
+    dropout(true);
+    return loss;
+  }
+
   double micro_batches(const MicroBatches& mb, float loss_scale) override {
     QT_CHECK(mb.count == M_, "{} micro-batches, the schedule has {}", mb.count, M_);
     const int C = P_ * V_;  // chunks of the model; chunk c runs on stage c % P

@@ -171,4 +171,41 @@ void MetricsLog::write(const StepMetrics& m) {
   file_.flush();
 }
 
+void MetricsLog::write_eval(const EvalMetrics& e) {
+  if (!root_) return;
+  std::printf("eval step %lld: loss %.5f ppl %.4g over %lld tokens in %lld sequences (%.2f s)\n",
+              static_cast<long long>(e.step), e.loss, e.perplexity(),
+              static_cast<long long>(e.tokens), static_cast<long long>(e.sequences), e.seconds);
+  std::fflush(stdout);
+  if (!file_.is_open()) return;
+  const nlohmann::json j = {{"step", e.step},         {"kind", "eval"},
+                            {"eval_loss", e.loss},    {"eval_ppl", e.perplexity()},
+                            {"eval_tokens", e.tokens}, {"eval_sequences", e.sequences},
+                            {"eval_s", e.seconds}};
+  file_ << j.dump() << '\n';
+  file_.flush();
+}
+
+void MetricsLog::write_samples(std::int64_t step, const std::vector<EvalSample>& samples,
+                               double seconds) {
+  if (!root_) return;
+  nlohmann::json list = nlohmann::json::array();
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const EvalSample& s = samples[i];
+    // JSON strings keep a sample on one line whatever its text holds (invalid UTF-8 replaced).
+    const nlohmann::json p = s.prompt, c = s.continuation;
+    using nlohmann::json;
+    std::printf("sample %zu at step %lld: %s -> %s\n", i, static_cast<long long>(step),
+                p.dump(-1, ' ', false, json::error_handler_t::replace).c_str(),
+                c.dump(-1, ' ', false, json::error_handler_t::replace).c_str());
+    list.push_back({{"prompt", s.prompt}, {"continuation", s.continuation}, {"ids", s.ids}});
+  }
+  std::fflush(stdout);
+  if (!file_.is_open()) return;
+  const nlohmann::json j = {
+      {"step", step}, {"kind", "samples"}, {"samples", list}, {"samples_s", seconds}};
+  file_ << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << '\n';
+  file_.flush();
+}
+
 }  // namespace qt

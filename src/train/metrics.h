@@ -1,9 +1,11 @@
 // Step log: one line per log.every steps on rank 0's stdout, and the same fields as JSON lines.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include "qtrain/comm.h"
 #include "qtrain/mesh.h"
@@ -54,6 +56,23 @@ struct StepMetrics {
   std::vector<CommTime> comm;  // kinds with calls only
 };
 
+// An evaluation of the held-out loss (train/evaluation.h).
+struct EvalMetrics {
+  std::int64_t step = 0;       // optimizer steps completed
+  double loss = 0;             // mean cross-entropy over the held-out counted tokens (nats)
+  std::int64_t tokens = 0;     // counted tokens evaluated
+  std::int64_t sequences = 0;  // held-out sequences evaluated
+  double seconds = 0;          // wall time of the evaluation
+  double perplexity() const { return std::exp(loss); }
+};
+
+// A prompt of eval.samples and its greedy continuation: the tokens' bytes (not always whole
+// UTF-8) and their ids.
+struct EvalSample {
+  std::string prompt, continuation;
+  std::vector<std::int32_t> ids;
+};
+
 // Every communicator's time per step since the last call, over `steps` steps: the mesh's
 // take_collective_times, the largest value of each figure over the world's ranks. Collective
 // over mesh.world().
@@ -89,6 +108,14 @@ class MetricsLog {
   // skipped_steps (the run's so far), loss_spike_mean with a spike; a non-finite loss or norm is
   // written as null.
   void write(const StepMetrics& m);
+  // The evaluation line on stdout ("eval step S: loss L ppl P over N tokens in K sequences
+  // (X s)") and a JSON line {"step", "kind": "eval", "eval_loss", "eval_ppl", "eval_tokens",
+  // "eval_sequences", "eval_s"}.
+  void write_eval(const EvalMetrics& e);
+  // One stdout line a sample (prompt and continuation as JSON strings) and a JSON line
+  // {"step", "kind": "samples", "samples": [{"prompt", "continuation", "ids"}],
+  // "samples_s"}.
+  void write_samples(std::int64_t step, const std::vector<EvalSample>& samples, double seconds);
 
  private:
   bool root_;

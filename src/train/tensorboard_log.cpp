@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -61,14 +62,18 @@ void TensorBoardLog::write(const StepMetrics& m) {
 }
 
 void TensorBoardLog::write_eval_loss(std::int64_t step, double eval_loss) {
-  if (file_.is_open()) check(file_.write_scalars(step, {{"eval/loss", eval_loss}}));
+  if (file_.is_open())
+    check(file_.write_scalars(step, {{"eval/loss", eval_loss},
+                                     {"eval/perplexity", std::exp(eval_loss)}}));
 }
 
-void TensorBoardLog::write_samples(std::int64_t step, const std::vector<std::string>& samples) {
+void TensorBoardLog::write_samples(std::int64_t step, const std::vector<EvalSample>& samples) {
   if (!file_.is_open() || samples.empty()) return;
   std::string text;
   for (std::size_t i = 0; i < samples.size(); ++i)
-    text += fmt::format("{}**sample {}**\n\n```\n{}\n```\n", i ? "\n" : "", i, samples[i]);
+    text += fmt::format("{}**sample {}** ({} new tokens)\n\n```\n{}\n```\n\ncontinued:\n\n```\n{}\n```\n",
+                        i ? "\n" : "", i, samples[i].ids.size(), samples[i].prompt,
+                        samples[i].continuation);
   check(file_.write_text(step, "eval/samples", text));
 }
 

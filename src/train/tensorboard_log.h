@@ -34,10 +34,10 @@ class TensorBoardLog {
   // tensorboard_scalars(m) at m.step.
   void write(const StepMetrics& m);
 
-  // For the evaluation of issue 19, which the trainer does not run yet (nothing calls these
-  // there): the held-out loss as eval/loss, and generated samples as text eval/samples.
+  // The evaluation (train/evaluation.h): the held-out loss as eval/loss and its perplexity as
+  // eval/perplexity; the prompts of eval.samples with their continuations as text eval/samples.
   void write_eval_loss(std::int64_t step, double eval_loss);
-  void write_samples(std::int64_t step, const std::vector<std::string>& samples);
+  void write_samples(std::int64_t step, const std::vector<EvalSample>& samples);
 
  private:
   void check(bool written);  // warns once, on rank 0, when a write failed

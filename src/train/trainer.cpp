@@ -4,7 +4,8 @@
 //      the loss is the mean over all counted tokens, whatever the mesh and micro-batching;
 //   3. forward + backward per micro-batch, gradients accumulated;
 //   4. AdamW: dp reduction (all-reduce, or reduce-scatter + all-gather under ZeRO-1), clipping;
-//   5. log line, checkpoint every `checkpoint.every` steps and at the end.
+//   5. log line, evaluation ([eval], train/evaluation.h), checkpoint every `checkpoint.every`
+//      steps and at the end.
 #include "train/trainer.h"
 
 #include <algorithm>
@@ -21,6 +22,7 @@
 #include "model/qwen3.h"
 #include "ops/moe_router.h"
 #include "train/backend.h"
+#include "train/evaluation.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/data.h"
 #include "qtrain/error.h"
@@ -103,6 +105,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
   const LoraCheckpointInfo lora_info{deck.lora, LoraBase::of(deck.model_init, tc.seed)};
   const LoraCheckpointInfo* lora = deck.lora.enabled() ? &lora_info : nullptr;
   std::unique_ptr<DataSource> data = make_data_source(deck);
+  Evaluation evaluation(deck, mesh);
 
   if (root) {
     const std::string model_name =
@@ -130,6 +133,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
                   deck.lora.targets.c_str(), static_cast<long long>(trained.numel()),
                   100.0 * static_cast<double>(trained.numel()) / static_cast<double>(layout.numel()));
     std::printf("data: %s\n", data->describe().c_str());
+    std::printf("%s", evaluation.describe().c_str());
     std::printf("back end: %s\n", backend->describe().c_str());
     std::printf("batch: %d sequences x %d tokens per step = %d micro-batches of %d on each of %d dp ranks; ZeRO-%d\n",
                 tc.global_batch, T, micro_steps, B, dp.size(), deck.optim.zero_stage);
@@ -379,6 +383,9 @@ int run_training(const Deck& deck, Mesh& mesh) {
                          : ("the newest, " + checkpoints.newest() + ", is kept").c_str());
       return 3;
     }
+    if (evaluation.due(state.step, last))  // after the step's bookkeeping; not in tok/s
+      t_log += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+          evaluation.run(state.step, last, *backend, log, tensorboard)));
     double stop_requested = g_stop_signal;
     stop_requested = mesh.world().max(stop_requested);
     const bool periodic = deck.checkpoint.every > 0 && state.step % deck.checkpoint.every == 0;

@@ -679,3 +679,62 @@ TEST(DeckDocs, Qwen3_32bDeckFitsFourNodesOfEightGpus) {
 }
 
 }  // namespace
+
+namespace qt {
+namespace {
+
+using deck_test::expect_error;
+using deck_test::parse;
+
+// [eval] with files that exist (docs/decks.md and a deck stand in for token files: the deck
+// checks only that they are readable; the run opens them). Samples: tests/train/test_evaluation.cpp.
+TEST(Deck, EvalSection) {
+  const std::string md = QT_DECKS_MD, ini = QT_INPUTS_DIR "/tiny.ini";
+  EXPECT_FALSE(parse("").eval.loss_on());
+  EXPECT_FALSE(parse("").eval.samples_on());
+  const Deck d = parse("[eval]\npaths = " + md + " , " + ini + "\nevery = 5\nmax_sequences = 7\n");
+  EXPECT_EQ(split_eval_paths(d.eval.paths), (std::vector<std::string>{md, ini}));
+  EXPECT_EQ(d.eval.every, 5);
+  EXPECT_EQ(d.eval.max_sequences, 7);
+  EXPECT_TRUE(d.eval.loss_on());
+  EXPECT_NE(d.resolved.find("[eval]\npaths = " + md), std::string::npos) << d.resolved;
+  const Deck s = parse("[data]\nsource = file\npath = " + md + "\n[eval]\nsplit = 0.25\n");
+  EXPECT_EQ(s.eval.split, 0.25);
+  EXPECT_TRUE(s.eval.loss_on());
+  EXPECT_EQ(split_eval_paths(""), std::vector<std::string>{});
+  EXPECT_EQ(split_eval_paths("a,,b"), (std::vector<std::string>{"a", "", "b"}));
+}
+
+TEST(DeckErrors, Eval) {
+  const std::string md = QT_DECKS_MD;
+  expect_error("[eval]\npaths = no/such.h5\n",
+               {"deck.ini:2:", "eval.paths = no/such.h5: no/such.h5: no such file"});
+  expect_error("[eval]\npaths = " + md + ",\n", {"deck.ini:2:", "has an empty entry"});
+  expect_error("[eval]\nsplit = 0.1\n",
+               {"deck.ini:2:", "eval.split = 0.1", "needs data.source = file"});
+  expect_error("[data]\nsource = file\npath = " + md + "\n[eval]\nsplit = 1\n",
+               {"deck.ini:5:", "eval.split = 1 must be in [0, 1)"});
+  expect_error("[eval]\nevery = 10\n",
+               {"deck.ini:2:", "eval.every = 10 is set, but nothing is evaluated", "eval.paths"});
+  expect_error("[eval]\nmax_sequences = 3\n", {"deck.ini:2:", "eval.max_sequences = 3 is set"});
+  expect_error("[eval]\npaths = " + md + "\nevery = -1\n",
+               {"deck.ini:3:", "eval.every = -1 must be >= 0"});
+  expect_error("[eval]\nsamples_every = 3\n",
+               {"deck.ini:2:", "eval.samples_every = 3 is set, but there are no prompts"});
+  expect_error("[eval]\nmax_new_tokens = 3\n", {"deck.ini:2:", "eval.max_new_tokens = 3 is set"});
+  expect_error("[eval]\nsamples = no/prompts.txt\n",
+               {"deck.ini:2:", "eval.samples = no/prompts.txt: no such file"});
+  expect_error("[eval]\nsamples = " + md + "\n",
+               {"deck.ini:2:", "eval.samples = " + md + " needs a tokenizer", "eval.tokenizer"});
+  expect_error("[eval]\nsamples = " + md + "\ntokenizer = no/dir\n",
+               {"deck.ini:3:", "eval.tokenizer = no/dir: no/dir/tokenizer.json: no such file"});
+  expect_error("[eval]\nsamples = " + md + "\nmax_new_tokens = 0\n",
+               {"deck.ini:3:", "eval.max_new_tokens = 0 must be >= 1"});
+  expect_error("[train]\ndevice = cuda\n[model]\nhead_dim = 64\n[lora]\nr = 4\ndropout = 0.1\n"
+               "[eval]\npaths = " + md + "\n",
+               {"deck.ini:9:", "eval.paths", "lora.dropout = 0.1 on train.device = cuda is not built"});
+  expect_error("[eval]\nsample = x\n", {"deck.ini:2:", "unknown key eval.sample"});
+}
+
+}  // namespace
+}  // namespace qt

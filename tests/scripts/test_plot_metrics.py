@@ -55,6 +55,24 @@ class PlotMetrics(unittest.TestCase):
         self.assertEqual(head[12:16], b"IHDR")
         self.assertEqual(struct.unpack(">II", head[16:24]), (1000, 700))  # 10 x 7 in at 100 dpi
 
+    def test_eval_lines_join_their_step(self):
+        # [eval] writes its own lines ("kind": "eval" / "samples") after the step's line.
+        sys.path.insert(0, os.path.dirname(SCRIPT))
+        import plot_metrics
+        lines = [json.dumps({"step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-3, "grad_norm": 1.0,
+                             "tokens_per_s": 100.0}) for s in (1, 2, 3, 4)]
+        lines.insert(2, json.dumps({"step": 2, "kind": "eval", "eval_loss": 2.5, "eval_ppl": 12.2}))
+        lines.append(json.dumps({"step": 4, "kind": "eval", "eval_loss": 2.25}))
+        lines.append(json.dumps({"step": 4, "kind": "samples", "samples": []}))
+        recs = plot_metrics.read_metrics(self.write("e.jsonl", lines))
+        self.assertEqual([r["step"] for r in recs], [1, 2, 3, 4])
+        self.assertEqual([r.get("eval_loss") for r in recs], [None, 2.5, None, 2.25])
+        self.assertAlmostEqual(recs[3]["loss"], 2.6)
+        self.assertAlmostEqual(recs[1]["loss"], 2.8)
+        r = run(os.path.join(self.dir, "e.jsonl"), os.path.join(self.dir, "e.png"))
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("4 steps, 1 to 4", r.stdout)
+
     def test_refuses_what_is_not_metrics(self):
         out = os.path.join(self.dir, "x.png")
         r = run(self.write("bad.jsonl", ['{"step": 1, "loss": 2}', "step 2 | loss 1.9"]), out)

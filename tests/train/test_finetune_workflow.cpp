@@ -3,7 +3,8 @@
 // vocabulary) and a chat JSONL; `qtrain prep` turns the chat into a token file with loss masks;
 // a LoRA run with `[model] init` = the directory trains on it, packed, on 2 ranks; `qtrain export`
 // writes the PEFT adapter directory and, with --merge, a model directory that loads back as
-// bf16(base + scale * B A) of the run's adapters.
+// bf16(base + scale * B A) of the run's adapters. The run also evaluates ([eval]: a split of
+// the token file and a chat prompt), seen in the metrics file and TensorBoard.
 #include <gtest/gtest.h>
 #include <mpi.h>
 
@@ -24,6 +25,7 @@
 #include "prep/prep.h"
 #include "prep/records.h"
 #include "qtrain/comm.h"
+#include "support/event_file_reader.h"
 #include "support/random.h"
 #include "tokenizer/qwen3_tokenizer.h"
 #include "train/training_harness.h"
@@ -74,6 +76,48 @@ void write_chat(const std::string& path, std::mt19937_64& rng) {
   out << "{\"messages\": [broken\n";  // one malformed record: counted and skipped, not fatal
 }
 
+// Rank 0: the run's evaluations (steps 8 and 16) and its sample (step 16) in the metrics file and
+// TensorBoard.
+void check_eval(const std::string& metrics, const std::string& tb) {
+  std::vector<nlohmann::json> evals, samples;
+  std::ifstream f(metrics);
+  for (std::string line; std::getline(f, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.value("kind", "") == "eval") evals.push_back(j);
+    if (j.value("kind", "") == "samples") samples.push_back(j);
+  }
+  ASSERT_EQ(evals.size(), 2u);
+  ASSERT_EQ(samples.size(), 1u);
+  EXPECT_EQ(samples[0]["step"], 16);
+  ASSERT_EQ(samples[0]["samples"].size(), 1u);
+  const std::string prompt = samples[0]["samples"][0]["prompt"];
+  EXPECT_EQ(prompt, "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+                    "<|im_start|>assistant\n");
+  std::vector<tensorboard::Event> events;
+  for (const std::string& file : test::event_files(tb)) {
+    const auto e = test::parse_events(test::read_records(file));
+    events.insert(events.end(), e.begin(), e.end());
+  }
+  const test::ScalarSeries s = test::scalar_series(events);
+  ASSERT_EQ(s.count("eval/loss"), 1u);
+  ASSERT_EQ(s.at("eval/loss").size(), 2u);
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(s.at("eval/loss")[i].first, evals[i]["step"].get<std::int64_t>());
+    EXPECT_EQ(s.at("eval/loss")[i].second, static_cast<float>(evals[i]["eval_loss"].get<double>()));
+    EXPECT_TRUE(std::isfinite(evals[i]["eval_loss"].get<double>()));
+  }
+  int texts = 0;
+  for (const tensorboard::Event& x : events)
+    for (const auto& v : x.summary().value())
+      if (v.tag() == "eval/samples") {
+        ++texts;
+        EXPECT_EQ(x.step(), 16);
+        EXPECT_NE(v.tensor().string_val(0).find("What is the capital of France?"),
+                  std::string::npos);
+      }
+  EXPECT_EQ(texts, 1);
+}
+
 TEST(FinetuneWorkflow, ChatPrepLoraFromHfDirectoryExportAndMerge) {
   ASSERT_EQ(test::world_size(), 2);
   const std::string tok_dir = test::qwen3_tokenizer_dir();
@@ -108,15 +152,23 @@ TEST(FinetuneWorkflow, ChatPrepLoraFromHfDirectoryExportAndMerge) {
   EXPECT_EQ(stats.documents, 96);
   EXPECT_EQ(stats.skipped[static_cast<int>(prep::Skip::kMalformed)], 1);
 
-  // 3. LoRA on the prepared file, packed, dp = 2, from the HF directory.
-  const std::string ck = tmp + "/ck";
+  // 3. LoRA on the prepared file, packed, dp = 2, from the HF directory, with 10% of the windows
+  // held out and evaluated (every 8 steps) and a chat prompt continued at the end with the
+  // directory's tokenizer (docs/monitoring.md, "Evaluation"), all in TensorBoard too.
+  const std::string ck = tmp + "/ck", prompts = tmp + "/prompts.txt", tb = tmp + "/tb";
+  if (test::world_rank() == 0)
+    std::ofstream(prompts) << "<|im_start|>user\\nWhat is the capital of France?<|im_end|>\\n"
+                              "<|im_start|>assistant\\n\n";
+  MPI_Barrier(MPI_COMM_WORLD);
   const std::string deck =
       "[model]\ninit = " + base +
       "\n[train]\nseq_len = 128\nmicro_batch = 2\nglobal_batch = 4\nsteps = 16\nseed = 3\n"
       "[optim]\nlr = 2e-2\nmin_lr = 2e-3\nwarmup_steps = 2\nweight_decay = 0\n"
       "[data]\nsource = file\npath = " + tokens + "\npacking = packed\n"
       "[lora]\nr = 4\nalpha = 8\ntargets = all-linear\n"
-      "[checkpoint]\ndir = " + ck + "\nevery = 16\nresume = none\n[log]\nevery = 1\n";
+      "[checkpoint]\ndir = " + ck + "\nevery = 16\nresume = none\n[log]\nevery = 1\n"
+      "tensorboard = " + tb + "\n[eval]\nsplit = 0.1\nevery = 8\nsamples = " + prompts +
+      "\nmax_new_tokens = 8\n";
   const test::RunResult r = test::run(2, deck, {}, tmp + "/metrics.jsonl");
   ASSERT_EQ(r.exit_code, 0) << r.error;
   ASSERT_EQ(r.steps.size(), 16u);
@@ -126,6 +178,7 @@ TEST(FinetuneWorkflow, ChatPrepLoraFromHfDirectoryExportAndMerge) {
   // From a random base (about ln V = 11.9 nats) the fixed answers are learnable: seen 11.6 -> 10.6
   // (means of the first and last 3 steps).
   EXPECT_LT(last / 3, first / 3 - 0.5) << "the loss must fall";
+  if (test::world_rank() == 0) check_eval(tmp + "/metrics.jsonl", tb);
 
   // 4. Export: PEFT's adapter directory, and the merged model.
   const std::string ckpt = ck + "/step_00000016.h5";

@@ -1,9 +1,15 @@
 // The step metrics' derived figures: the balance of each sparse layer's expert load, and the
-// TensorBoard scalars of a step (log.tensorboard).
+// TensorBoard scalars of a step (log.tensorboard); the evaluation's lines ([eval]).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -78,6 +84,44 @@ TEST(TensorBoardScalars, MoeAndPipelineFiguresWhenPresent) {
   EXPECT_EQ(s.count("moe/dropped_fraction"), 0u);  // dropless: no capacity factor
   m.expert_dropped = {1, 3};                        // of 20 and 8 token-slots routed
   EXPECT_NEAR(scalar_map(m).at("moe/dropped_fraction"), 4.0 / 28.0, 1e-12);
+}
+
+// [eval]'s stdout lines and JSON lines (rank 0 of a one-rank world): one line a sample whatever
+// its text holds, kinds that tell them from the step lines.
+TEST(EvalLines, StdoutAndJsonLines) {
+  const std::string path = std::filesystem::temp_directory_path() /
+                           ("qtrain_eval_lines_" + std::to_string(::getpid()) + ".jsonl");
+  MpiComm self(MPI_COMM_SELF, "self", false);
+  {
+    MetricsLog log(path, self, false);
+    testing::internal::CaptureStdout();
+    log.write_eval({20, 2.0, 300, 7, 0.5});
+    log.write_samples(20, {{"a\nb", "c\"d\xff", {5, 6}}}, 0.25);
+    const std::string out = testing::internal::GetCapturedStdout();
+    EXPECT_EQ(out,
+              "eval step 20: loss 2.00000 ppl 7.389 over 300 tokens in 7 sequences (0.50 s)\n"
+              "sample 0 at step 20: \"a\\nb\" -> \"c\\\"d\xEF\xBF\xBD\"\n");
+  }
+  std::ifstream in(path);
+  std::string line;
+  std::vector<nlohmann::json> j;
+  while (std::getline(in, line)) j.push_back(nlohmann::json::parse(line));
+  std::filesystem::remove(path);
+  ASSERT_EQ(j.size(), 2u);
+  EXPECT_EQ(j[0]["kind"], "eval");
+  EXPECT_EQ(j[0]["step"], 20);
+  EXPECT_EQ(j[0]["eval_loss"], 2.0);
+  EXPECT_NEAR(j[0]["eval_ppl"].get<double>(), 7.38905609893065, 1e-12);
+  EXPECT_EQ(j[0]["eval_tokens"], 300);
+  EXPECT_EQ(j[0]["eval_sequences"], 7);
+  EXPECT_EQ(j[0]["eval_s"], 0.5);
+  EXPECT_FALSE(j[0].contains("loss")) << "not a step line";
+  EXPECT_EQ(j[1]["kind"], "samples");
+  EXPECT_EQ(j[1]["samples_s"], 0.25);
+  ASSERT_EQ(j[1]["samples"].size(), 1u);
+  EXPECT_EQ(j[1]["samples"][0]["prompt"], "a\nb");
+  EXPECT_EQ(j[1]["samples"][0]["continuation"], "c\"d\xEF\xBF\xBD");  // invalid UTF-8 replaced
+  EXPECT_EQ(j[1]["samples"][0]["ids"], (std::vector<int>{5, 6}));
 }
 
 }  // namespace

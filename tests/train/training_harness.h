@@ -61,6 +61,7 @@ inline std::vector<StepRecord> read_metrics(const std::string& path) {
   std::string line;
   while (std::getline(f, line)) {
     auto j = nlohmann::json::parse(line);
+    if (j.contains("kind")) continue;  // [eval]'s lines ("eval", "samples"): not a step's
     out.push_back({j["step"].get<long>(), j["loss"].is_null() ? NAN : j["loss"].get<double>(),
                    j["grad_norm"].is_null() ? NAN : j["grad_norm"].get<double>()});
   }
