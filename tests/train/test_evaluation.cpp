@@ -46,32 +46,13 @@ std::string read_text(const std::string& path) {
 
 // The metrics file's lines of one kind ("eval" or "samples").
 std::vector<nlohmann::json> lines_of(const std::string& path, const std::string& kind) {
-  std::vector<nlohmann::json> out;
-  std::ifstream f(path);
-  std::string line;
-  while (std::getline(f, line)) {
-    nlohmann::json j = nlohmann::json::parse(line);
-    if (j.value("kind", "") == kind) out.push_back(j);
-  }
-  return out;
+  return test::metrics_lines_of_kind(path, kind);
 }
 
 // A token file of random tokens below `vocab` in random documents, ~10 % of targets masked
 // (rank 0 writes it; every rank returns after it exists).
 void write_tokens(const std::string& path, std::int64_t n, int vocab, std::uint64_t seed) {
-  if (test::world_rank() == 0) {
-    std::mt19937_64 rng(seed);
-    std::vector<std::int32_t> tokens(n);
-    std::vector<std::uint8_t> mask(n);
-    std::vector<std::int64_t> off = {0};
-    for (std::int64_t i = 0; i < n; ++i) {
-      tokens[i] = static_cast<std::int32_t>(rng() % vocab);
-      mask[i] = rng() % 10 != 0;
-    }
-    while (off.back() < n) off.push_back(std::min<std::int64_t>(n, off.back() + 5 + rng() % 40));
-    write_token_file(path, tokens, off, mask, vocab);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
+  test::write_random_tokens(path, n, vocab, seed);
 }
 
 class Evaluation : public ::testing::Test {

@@ -10,12 +10,14 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "qtrain/comm.h"
+#include "qtrain/data.h"
 #include "qtrain/deck.h"
 #include "qtrain/error.h"
 #include "qtrain/mesh.h"
@@ -36,6 +38,38 @@ inline std::uint64_t run_seed() {
     return s;
   }();
   return seed;
+}
+
+// Rank 0 writes a token file (qtrain/data.h) of n random tokens below `vocab`, about one in ten
+// masked out of the loss, in documents of 5 to 44 tokens; every rank waits for it.
+inline void write_random_tokens(const std::string& path, std::int64_t n, int vocab,
+                                std::uint64_t seed) {
+  if (world_rank() == 0) {
+    std::mt19937_64 rng(seed);
+    std::vector<std::int32_t> tokens(n);
+    std::vector<std::uint8_t> mask(n);
+    std::vector<std::int64_t> off = {0};
+    for (std::int64_t i = 0; i < n; ++i) {
+      tokens[i] = static_cast<std::int32_t>(rng() % vocab);
+      mask[i] = rng() % 10 != 0;
+    }
+    while (off.back() < n) off.push_back(std::min<std::int64_t>(n, off.back() + 5 + rng() % 40));
+    write_token_file(path, tokens, off, mask, vocab);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// The metrics file's lines of one kind ("eval", "samples"; "" for the step lines), in order.
+inline std::vector<nlohmann::json> metrics_lines_of_kind(const std::string& path,
+                                                         const std::string& kind) {
+  std::vector<nlohmann::json> out;
+  std::ifstream f(path);
+  std::string line;
+  while (std::getline(f, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.value("kind", "") == kind) out.push_back(j);
+  }
+  return out;
 }
 
 struct StepRecord {
