@@ -10,7 +10,7 @@ namespace qt {
 // first steps of a run fall fast and would all look like changes). Only finite losses count.
 class LossSpikeWatch {
  public:
-  static constexpr int kWarmup = 10;         // losses seen before any is called a spike
+  static constexpr int kWarmup = 10;           // losses seen before any is called a spike
   static constexpr double kWeight = 1.0 / 20;  // a new loss's weight in the mean
 
   explicit LossSpikeWatch(double factor) : factor_(factor) {}

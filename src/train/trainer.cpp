@@ -65,7 +65,8 @@ bool poisoned_by_test(std::int64_t step, int rank) {
     const bool ok = (std::sscanf(item.c_str(), "%lld@%lld%n", &s, &r, &used) == 2 ||
                      std::sscanf(item.c_str(), "%lld%n", &s, &used) == 1) &&
                     used == static_cast<int>(item.size()) && s >= 1;
-    if (!ok) fail_user("QTRAIN_TEST_NONFINITE_STEPS = '{}': expected S[@R],... with steps S >= 1", text);
+    if (!ok)
+      fail_user("QTRAIN_TEST_NONFINITE_STEPS = '{}': expected S[@R],... with steps S >= 1", text);
     if (s == step && (r < 0 || r == rank)) return true;
     at = end + 1;
   }

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "fuzz_util.h"
+#include "io/hdf5_util.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/comm.h"
 #include "qtrain/error.h"
@@ -130,14 +131,16 @@ void write_attr(hid_t loc, const char* name, Bytes& in) {
   const std::uint8_t kind = in.u8() % 7;
   const std::uint64_t raw = in.flag() ? in.u64() : in.u8();
   hsize_t two = 2;
-  hid_t space = kind == 5 ? H5Screate_simple(1, &two, nullptr) : H5Screate(H5S_SCALAR);
-  hid_t type = kind == 0   ? H5Tcopy(H5T_STD_I64LE)
-               : kind == 1 ? H5Tcopy(H5T_STD_U64LE)
-               : kind == 2 ? H5Tcopy(H5T_IEEE_F64LE)
-               : kind == 3 ? H5Tcopy(H5T_C_S1)
-               : kind == 4 ? H5Tcopy(H5T_STD_I8LE)
-               : kind == 5 ? H5Tcopy(H5T_STD_I64LE)
-                           : H5Tcopy(H5T_IEEE_F32LE);
+  const qt::h5::Handle space(kind == 5 ? H5Screate_simple(1, &two, nullptr) : H5Screate(H5S_SCALAR),
+                         H5Sclose);
+  const qt::h5::Handle type(kind == 0   ? H5Tcopy(H5T_STD_I64LE)
+                        : kind == 1 ? H5Tcopy(H5T_STD_U64LE)
+                        : kind == 2 ? H5Tcopy(H5T_IEEE_F64LE)
+                        : kind == 3 ? H5Tcopy(H5T_C_S1)
+                        : kind == 4 ? H5Tcopy(H5T_STD_I8LE)
+                        : kind == 5 ? H5Tcopy(H5T_STD_I64LE)
+                                    : H5Tcopy(H5T_IEEE_F32LE),
+                        H5Tclose);
   const std::string text(in.take(in.u8() % 24));
   if (kind == 3) {
     if (in.flag())
@@ -145,8 +148,8 @@ void write_attr(hid_t loc, const char* name, Bytes& in) {
     else
       H5Tset_size(type, text.size() + 1);
   }
-  hid_t attr = H5Acreate2(loc, name, type, space, H5P_DEFAULT, H5P_DEFAULT);
-  if (attr >= 0) {
+  const qt::h5::Handle attr(H5Acreate2(loc, name, type, space, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
+  if (attr.valid()) {
     const std::uint64_t two_vals[2] = {raw, raw};
     const double d = static_cast<double>(static_cast<std::int64_t>(raw)) / 4;
     const float f = static_cast<float>(d);
@@ -161,10 +164,7 @@ void write_attr(hid_t loc, const char* name, Bytes& in) {
       H5Awrite(attr, H5T_NATIVE_FLOAT, &f);
     else
       H5Awrite(attr, kind == 1 ? H5T_NATIVE_UINT64 : H5T_NATIVE_INT64, two_vals);
-    H5Aclose(attr);
   }
-  H5Tclose(type);
-  H5Sclose(space);
 }
 
 // Replaces dataset `where` by another dataset (other type, rank or shape, compact or not) or a
@@ -180,15 +180,18 @@ void replace_dataset(hid_t file, const std::string& where, Bytes& in) {
   hsize_t dims[3];
   hsize_t n = 1;
   for (int k = 0; k < rank; ++k) n *= (dims[k] = static_cast<hsize_t>(in.range(0, 12)));
-  hid_t type = H5Tcopy(kind == 0   ? H5T_IEEE_F64LE
-                       : kind == 1 ? H5T_STD_I32LE
-                       : kind == 2 ? H5T_IEEE_F32BE
-                                   : H5T_IEEE_F32LE);
-  hid_t space = rank == 0 ? H5Screate(H5S_SCALAR) : H5Screate_simple(rank, dims, nullptr);
-  hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+  const qt::h5::Handle type(H5Tcopy(kind == 0   ? H5T_IEEE_F64LE
+                                : kind == 1 ? H5T_STD_I32LE
+                                : kind == 2 ? H5T_IEEE_F32BE
+                                            : H5T_IEEE_F32LE),
+                        H5Tclose);
+  const qt::h5::Handle space(
+      rank == 0 ? H5Screate(H5S_SCALAR) : H5Screate_simple(rank, dims, nullptr), H5Sclose);
+  const qt::h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
   if (kind == 4) H5Pset_layout(dcpl, H5D_COMPACT);
-  hid_t ds = H5Dcreate2(file, where.c_str(), type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
-  if (ds >= 0) {
+  const qt::h5::Handle ds(
+      H5Dcreate2(file, where.c_str(), type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT), H5Dclose);
+  if (ds.valid()) {
     if (in.flag()) {  // values; unwritten ones read as the fill value
       std::vector<float> x(n);
       for (auto& v : x) v = static_cast<float>(static_cast<std::int8_t>(in.u8())) / 8;
@@ -196,11 +199,7 @@ void replace_dataset(hid_t file, const std::string& where, Bytes& in) {
       H5Dwrite(ds, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, x.data());
     }
     if (in.flag()) write_attr(ds, "checksum", in);
-    H5Dclose(ds);
   }
-  H5Pclose(dcpl);
-  H5Sclose(space);
-  H5Tclose(type);
 }
 
 // The path of a tensor of the case chosen by the input: a group's tensor or a router bias.

@@ -16,6 +16,7 @@
 
 #include "data/token_file.h"
 #include "fuzz_util.h"
+#include "io/hdf5_util.h"
 #include "qtrain/data.h"
 #include "qtrain/error.h"
 
@@ -63,10 +64,10 @@ void write_column(hid_t file, const char* name, const std::vector<std::int64_t>&
     return;
   }
   TypeChoice t = pick_type(in);
-  hid_t type = H5Tcopy(t.file);
+  const qt::h5::Handle type(H5Tcopy(t.file), H5Tclose);
   if (t.is_string) H5Tset_size(type, 4);
   const hsize_t n = values.size();
-  hid_t dcpl = H5Pcreate(H5P_DATASET_CREATE);
+  const qt::h5::Handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
   hsize_t dims[2] = {n, 1};
   int rank = 1;
   if (shape % 16 == 14) rank = 2;  // [n, 1]
@@ -78,13 +79,14 @@ void write_column(hid_t file, const char* name, const std::vector<std::int64_t>&
     H5Pset_chunk(dcpl, 1, &chunk);
   }
   dims[0] = extent;
-  hid_t space = H5Screate_simple(rank, dims, nullptr);
-  hid_t ds = H5Dcreate2(file, name, type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT);
-  if (n > 0 && ds >= 0) {
-    hid_t fsel = H5Dget_space(ds);
+  const qt::h5::Handle space(H5Screate_simple(rank, dims, nullptr), H5Sclose);
+  const qt::h5::Handle ds(H5Dcreate2(file, name, type, space, H5P_DEFAULT, dcpl, H5P_DEFAULT),
+                      H5Dclose);
+  if (n > 0 && ds.valid()) {
+    const qt::h5::Handle fsel(H5Dget_space(ds), H5Sclose);
     const hsize_t start[2] = {0, 0}, count[2] = {n, 1};
     H5Sselect_hyperslab(fsel, H5S_SELECT_SET, start, nullptr, count, nullptr);
-    hid_t mspace = H5Screate_simple(1, &n, nullptr);
+    const qt::h5::Handle mspace(H5Screate_simple(1, &n, nullptr), H5Sclose);
     if (t.is_string) {
       std::vector<char> s(n * 4, '7');
       H5Dwrite(ds, type, mspace, fsel, H5P_DEFAULT, s.data());
@@ -95,13 +97,7 @@ void write_column(hid_t file, const char* name, const std::vector<std::int64_t>&
       // Converted by HDF5 into the file type (values that do not fit are clipped).
       H5Dwrite(ds, H5T_NATIVE_INT64, mspace, fsel, H5P_DEFAULT, values.data());
     }
-    H5Sclose(mspace);
-    H5Sclose(fsel);
   }
-  if (ds >= 0) H5Dclose(ds);
-  H5Sclose(space);
-  H5Pclose(dcpl);
-  H5Tclose(type);
 }
 
 void write_vocab_attr(hid_t file, Bytes& in) {
@@ -109,14 +105,17 @@ void write_vocab_attr(hid_t file, Bytes& in) {
   if (kind == 0) return;
   const std::int64_t v = in.flag() ? static_cast<std::int64_t>(in.u64()) : in.range(0, 400);
   hsize_t two = 2;
-  hid_t space = kind == 6 ? H5Screate_simple(1, &two, nullptr) : H5Screate(H5S_SCALAR);
-  hid_t type = kind == 2   ? H5Tcopy(H5T_STD_U64LE)
-               : kind == 3 ? H5Tcopy(H5T_IEEE_F64LE)
-               : kind == 4 ? H5Tcopy(H5T_C_S1)
-               : kind == 5 ? H5Tcopy(H5T_STD_U8LE)
-                           : H5Tcopy(H5T_STD_I64LE);
+  const qt::h5::Handle space(kind == 6 ? H5Screate_simple(1, &two, nullptr) : H5Screate(H5S_SCALAR),
+                         H5Sclose);
+  const qt::h5::Handle type(kind == 2   ? H5Tcopy(H5T_STD_U64LE)
+                        : kind == 3 ? H5Tcopy(H5T_IEEE_F64LE)
+                        : kind == 4 ? H5Tcopy(H5T_C_S1)
+                        : kind == 5 ? H5Tcopy(H5T_STD_U8LE)
+                                    : H5Tcopy(H5T_STD_I64LE),
+                        H5Tclose);
   if (kind == 4) H5Tset_size(type, 8);
-  hid_t attr = H5Acreate2(file, "vocab_size", type, space, H5P_DEFAULT, H5P_DEFAULT);
+  const qt::h5::Handle attr(H5Acreate2(file, "vocab_size", type, space, H5P_DEFAULT, H5P_DEFAULT),
+                        H5Aclose);
   const std::int64_t vals[2] = {v, v};
   const double d = static_cast<double>(v) + 0.5;
   if (kind == 3)
@@ -125,9 +124,6 @@ void write_vocab_attr(hid_t file, Bytes& in) {
     H5Awrite(attr, type, "12345678");
   else
     H5Awrite(attr, kind == 2 ? H5T_NATIVE_UINT64 : H5T_NATIVE_INT64, vals);
-  H5Aclose(attr);
-  H5Tclose(type);
-  H5Sclose(space);
 }
 
 }  // namespace

@@ -43,7 +43,8 @@ struct MoeBlockFd {
     gate.resize(s.E * s.H);
     x.resize(s.N * s.H);
     for (int e = 0; e < s.E; ++e)
-      for (int a = 0; a < s.H; ++a) gate[e * s.H + a] = static_cast<float>(perm[e] * u[a] + noise(rng));
+      for (int a = 0; a < s.H; ++a)
+        gate[e * s.H + a] = static_cast<float>(perm[e] * u[a] + noise(rng));
     for (int t = 0; t < s.N; ++t)
       for (int a = 0; a < s.H; ++a)
         x[t * s.H + a] = static_cast<float>((t % 2 ? -1.0 : 1.0) * u[a] + noise(rng));
@@ -54,8 +55,8 @@ struct MoeBlockFd {
     w.resize(s.N * s.k);
     idx.resize(s.N * s.k);
     Vec y(s.N * s.H);
-    dropped = cpu::moe_block_forward<double>(y.data(), probs.data(), idx.data(), w.data(),
-                                             x.data(), gate.data(), gate_up.data(), down.data(), s);
+    dropped = cpu::moe_block_forward<double>(y.data(), probs.data(), idx.data(), w.data(), x.data(),
+                                             gate.data(), gate_up.data(), down.data(), s);
     cpu::router_balance_add<double>(balance, probs.data(), idx.data(), s.N, s.k);
     dgate.assign(gate.size(), 0.0);
     dgate_up.assign(gate_up.size(), 0.0);
@@ -67,10 +68,10 @@ struct MoeBlockFd {
   // or coefficient (0: no aux term); null weight gradients: the frozen block.
   void backward(double* dx_out, double* dgate_out, double* dgate_up_out, double* ddown_out,
                 const cpu::MoeShape& shape, double aux_coef) const {
-    cpu::moe_block_backward<double>(dx_out, dgate_out, dgate_up_out, ddown_out, r.data(),
-                                    x.data(), probs.data(), idx.data(), w.data(), gate.data(),
-                                    gate_up.data(), down.data(), shape,
-                                    aux_coef > 0 ? &balance : nullptr, aux_coef);
+    cpu::moe_block_backward<double>(dx_out, dgate_out, dgate_up_out, ddown_out, r.data(), x.data(),
+                                    probs.data(), idx.data(), w.data(), gate.data(), gate_up.data(),
+                                    down.data(), shape, aux_coef > 0 ? &balance : nullptr,
+                                    aux_coef);
   }
 
   // The loss at the current inputs; checks that the routing is the first forward's.

@@ -4,17 +4,16 @@
 // come in a row. The state is read straight from the checkpoints' HDF5 datasets.
 #pragma once
 
-#include <hdf5.h>
 #include <gtest/gtest.h>
+#include <hdf5.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "train/training_harness.h"
 
@@ -128,8 +127,8 @@ inline void expect_skip_changes_nothing(const char* name, int ranks, const std::
     EXPECT_EQ(j["grad_norm"].is_null(), step == 3) << "step " << step;
     EXPECT_TRUE(j["loss"].is_number()) << "step " << step;  // the loss itself stayed finite
   }
-  std::printf("%s: step 3 skipped, its state equal to step 2's; step 4 moved %lld elements\n",
-              name, differing_elements(s4, s3));
+  std::printf("%s: step 3 skipped, its state equal to step 2's; step 4 moved %lld elements\n", name,
+              differing_elements(s4, s3));
 }
 
 // One mesh of expect_skip_changes_nothing.
@@ -141,8 +140,8 @@ struct SkipCase {
 };
 
 // expect_skip_changes_nothing for each case, each in its own directory under `tmp`.
-inline void expect_skips_change_nothing(const std::vector<SkipCase>& cases,
-                                        const std::string& deck, const std::string& tmp) {
+inline void expect_skips_change_nothing(const std::vector<SkipCase>& cases, const std::string& deck,
+                                        const std::string& tmp) {
   int index = 0;
   for (const SkipCase& c : cases)
     expect_skip_changes_nothing(c.name, c.ranks, deck, c.overrides,

@@ -56,24 +56,24 @@ TEST(NumericalSafety, ResumedRunContinuesTheSkipCount) {
     extra.insert(extra.begin(), base.begin(), base.end());
     return extra;
   };
-  const auto whole = test::run(2, tiny_deck(), with({"--checkpoint.dir=" + tmp + "/whole"}),
-                               tmp + "/whole.jsonl");
+  const auto whole =
+      test::run(2, tiny_deck(), with({"--checkpoint.dir=" + tmp + "/whole"}), tmp + "/whole.jsonl");
   ASSERT_EQ(whole.exit_code, 0) << whole.error;
-  const auto first = test::run(2, tiny_deck(),
-                               with({"--checkpoint.dir=" + tmp + "/parts", "--train.stop_at=5"}),
-                               tmp + "/parts.jsonl");
+  const auto first =
+      test::run(2, tiny_deck(), with({"--checkpoint.dir=" + tmp + "/parts", "--train.stop_at=5"}),
+                tmp + "/parts.jsonl");
   ASSERT_EQ(first.exit_code, 0) << first.error;
-  const auto second = test::run(2, tiny_deck(),
-                                with({"--checkpoint.dir=" + tmp + "/parts",
-                                      "--checkpoint.resume=auto"}),
-                                tmp + "/parts.jsonl");
+  const auto second = test::run(
+      2, tiny_deck(), with({"--checkpoint.dir=" + tmp + "/parts", "--checkpoint.resume=auto"}),
+      tmp + "/parts.jsonl");
   ASSERT_EQ(second.exit_code, 0) << second.error;
   ASSERT_EQ(second.steps.size(), whole.steps.size());
   for (std::size_t i = 0; i < whole.steps.size(); ++i) {
     EXPECT_EQ(second.steps[i].step, whole.steps[i].step);
     if (whole.steps[i].step == 3) continue;  // the skipped step's norm is NaN in both
     EXPECT_EQ(second.steps[i].loss, whole.steps[i].loss) << "step " << whole.steps[i].step;
-    EXPECT_EQ(second.steps[i].grad_norm, whole.steps[i].grad_norm) << "step " << whole.steps[i].step;
+    EXPECT_EQ(second.steps[i].grad_norm, whole.steps[i].grad_norm)
+        << "step " << whole.steps[i].step;
   }
   if (test::world_rank() == 0) {
     const auto lines = test::metrics_lines(tmp + "/parts.jsonl");
