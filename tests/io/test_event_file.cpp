@@ -47,6 +47,10 @@ TEST(Crc32c, KnownAnswers) {
   // TFRecord's mask: rotate right 15, add 0xa282ead8.
   EXPECT_EQ(crc32c_mask(0xE3069283u), ((0xE3069283u >> 15) | (0xE3069283u << 17)) + 0xa282ead8u);
   EXPECT_EQ(crc32c_mask(0), 0xa282ead8u);
+  // A masked value from outside this code: the test of a third-party TFRecord reader
+  // (tfrecord_slow, tests of make_masked_crc) gives 4134599430 for "1234567890asdfghjkl".
+  const std::string rec = "1234567890asdfghjkl";
+  EXPECT_EQ(crc32c_mask(crc32c(rec.data(), rec.size())), 4134599430u);
 }
 
 class EventFile : public ::testing::Test {
