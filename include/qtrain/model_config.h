@@ -23,6 +23,19 @@ struct ModelConfig {
   bool tie_word_embeddings = true;
   double initializer_range = 0.02;
   int max_position_embeddings = 40960;
+  // RoPE scaling (config.json's rope_scaling or rope_parameters; docs/decks.md "model.rope_type"):
+  // "default" (none) or "yarn", transformers 5.17's YaRN: each frequency blended between its
+  // plain value and value / rope_factor by a ramp over the dimensions whose rotations within the
+  // pretrained context rope_original_max_position_embeddings lie between rope_beta_slow and
+  // rope_beta_fast, and cos/sin scaled by rope_attention_factor (0: 0.1 ln(factor) + 1).
+  std::string rope_type = "default";
+  double rope_factor = 1;
+  int rope_original_max_position_embeddings = 0;
+  double rope_attention_factor = 0;
+  double rope_beta_fast = 32, rope_beta_slow = 1;
+  bool is_yarn() const { return rope_type == "yarn"; }
+  // The factor cos and sin are multiplied by: 1 for plain RoPE.
+  double rope_cos_sin_scale() const;
   // Qwen3-MoE (num_experts > 0): layer l is a sparse block of num_experts experts of width
   // moe_intermediate_size, num_experts_per_tok a token, unless l is in mlp_only_layers or
   // (l + 1) % decoder_sparse_step != 0 (then a dense MLP of intermediate_size).

@@ -160,6 +160,21 @@ void Builder::resolve_init(bool preset_given) {
          "make it agree",
          config, k.hf, theirs, k.deck);
   }
+  // RoPE scaling may be set over config.json's (e.g. YaRN for a longer context than the
+  // pretrained one): any model.rope_* key given replaces all of config.json's.
+  bool rope_given = false;
+  for (const char* k : {"model.rope_type", "model.rope_factor",
+                        "model.rope_original_max_position_embeddings", "model.rope_attention_factor",
+                        "model.rope_beta_fast", "model.rope_beta_slow"})
+    rope_given = rope_given || given(k);
+  if (rope_given) {
+    hf.rope_type = deck_.model.rope_type;
+    hf.rope_factor = deck_.model.rope_factor;
+    hf.rope_original_max_position_embeddings = deck_.model.rope_original_max_position_embeddings;
+    hf.rope_attention_factor = deck_.model.rope_attention_factor;
+    hf.rope_beta_fast = deck_.model.rope_beta_fast;
+    hf.rope_beta_slow = deck_.model.rope_beta_slow;
+  }
   hf.preset = preset_given ? deck_.model.preset : "";
   if (given("model.initializer_range")) hf.initializer_range = deck_.model.initializer_range;
   if (given("model.router_aux_loss_coef")) hf.router_aux_loss_coef = deck_.model.router_aux_loss_coef;
@@ -185,6 +200,28 @@ void Builder::validate_model() {
   for (const char* k : {"model.rope_theta", "model.rms_norm_eps", "model.initializer_range"}) {
     need(dval(k) > 0, k, "must be > 0");
   }
+  // RoPE scaling: the yarn keys only with model.rope_type = yarn, each in range.
+  const ModelConfig& m = deck_.model;
+  need(m.rope_type == "default" || m.rope_type == "yarn", "model.rope_type",
+       "must be default or yarn");
+  if (!m.is_yarn()) {
+    const ModelConfig plain;
+    for (const auto& [k, set] :
+         {std::pair{"model.rope_factor", m.rope_factor != plain.rope_factor},
+          std::pair{"model.rope_original_max_position_embeddings",
+                    m.rope_original_max_position_embeddings != 0},
+          std::pair{"model.rope_attention_factor", m.rope_attention_factor != 0},
+          std::pair{"model.rope_beta_fast", m.rope_beta_fast != plain.rope_beta_fast},
+          std::pair{"model.rope_beta_slow", m.rope_beta_slow != plain.rope_beta_slow}})
+      need(!set, k, "applies to model.rope_type = yarn only");
+    return;
+  }
+  for (const char* k : {"model.rope_factor", "model.rope_beta_fast", "model.rope_beta_slow"})
+    need(dval(k) > 0 && std::isfinite(dval(k)), k, "must be a finite number > 0");
+  need(m.rope_original_max_position_embeddings >= 1, "model.rope_original_max_position_embeddings",
+       "must be >= 1 with model.rope_type = yarn (the context the model was pretrained for)");
+  need(m.rope_attention_factor >= 0 && std::isfinite(m.rope_attention_factor),
+       "model.rope_attention_factor", "must be a finite number >= 0 (0: 0.1 ln(factor) + 1)");
 }
 
 void Builder::validate_mesh() {

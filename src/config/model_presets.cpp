@@ -1,5 +1,6 @@
 // Model presets (../shared/docs/qwen3-spec.md, table 1.1) and the parameter count (section 1.3).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -91,6 +92,12 @@ double ModelConfig::active_params_f64() const { return count_params<double>(*thi
 bool ModelConfig::is_moe_layer(int l) const {
   return num_experts > 0 && decoder_sparse_step > 0 && (l + 1) % decoder_sparse_step == 0 &&
          std::find(mlp_only_layers.begin(), mlp_only_layers.end(), l) == mlp_only_layers.end();
+}
+
+double ModelConfig::rope_cos_sin_scale() const {
+  if (!is_yarn()) return 1.0;
+  if (rope_attention_factor > 0) return rope_attention_factor;
+  return rope_factor <= 1 ? 1.0 : 0.1 * std::log(rope_factor) + 1.0;  // transformers' get_mscale
 }
 
 int ModelConfig::moe_layers_before(int l) const {

@@ -32,7 +32,7 @@ CudaOps::CudaOps(const ModelConfig& cfg, ForwardOnly f, DeviceArena& arena)
   QT_CHECK(cfg.head_dim == 64 || cfg.head_dim == 128,
            "the CUDA attention supports head_dim 64 and 128, not {}", cfg.head_dim);
   std::vector<float> cos(static_cast<std::size_t>(f.rope_len) * cfg.head_dim / 2), sin(cos.size());
-  cpu::rope_table(cos.data(), sin.data(), f.rope_len, cfg.head_dim, cfg.rope_theta);
+  cpu::rope_table(cos.data(), sin.data(), f.rope_len, cfg);
   cos_ = arena.allocate<float>(cos.size());
   sin_ = arena.allocate<float>(sin.size());
   upload(cos_, cos.data(), cos.size() * 4);
@@ -77,7 +77,7 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclC
   const int hd = cfg.head_dim, nh = cfg.num_heads, nkv = cfg.num_kv_heads;
   const std::size_t V = cfg.vocab_size;
   std::vector<float> cos(static_cast<std::size_t>(T) * hd / 2), sin(cos.size());
-  cpu::rope_table(cos.data(), sin.data(), T, hd, cfg.rope_theta);
+  cpu::rope_table(cos.data(), sin.data(), T, cfg);
   cos_ = arena.allocate<float>(cos.size());
   sin_ = arena.allocate<float>(sin.size());
   upload(cos_, cos.data(), cos.size() * 4);

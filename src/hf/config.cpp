@@ -58,25 +58,53 @@ double get_double(const json& v, const std::string& what, const std::string& whe
   return v.get<double>();
 }
 
-// Refuses a RoPE description other than plain RoPE; returns its rope_theta if it has one.
-std::optional<double> plain_rope(const json& r, const char* key, const std::string& where) {
+// A RoPE description (rope_scaling, or transformers 5's rope_parameters): plain RoPE or YaRN
+// (qtrain's model.rope_* fields, into `c`, with original_max_position_embeddings defaulting to
+// max_position_embeddings and factor to their ratio, as transformers); anything else is refused.
+// Returns its rope_theta if it has one.
+std::optional<double> read_rope(const json& r, const char* key, const std::string& where,
+                                ModelConfig& c) {
   if (r.is_null()) return std::nullopt;
   if (!r.is_object()) fail_user("{}: \"{}\" is {}, expected an object or null", where, key, r.dump());
   std::string type = "default";
   for (const char* k : {"rope_type", "type"})
     if (present(r, k)) type = r[k].is_string() ? r[k].get<std::string>() : r[k].dump();
-  if (type != "default")
-    fail_user("{}: \"{}\" asks for RoPE scaling of type \"{}\"; qtrain implements plain RoPE only "
-              "(rope_type default)", where, key, type);
-  std::optional<double> theta;
+  if (type != "default" && type != "yarn")
+    fail_user("{}: \"{}\" asks for RoPE scaling of type \"{}\"; qtrain implements plain RoPE "
+              "(rope_type default) and yarn", where, key, type);
+  const bool yarn = type == "yarn";
+  std::optional<double> theta, factor;
+  std::optional<int> original;
+  auto number = [&](const json& v, const std::string& name) {
+    return get_double(v, std::string(key) + "." + name, where);
+  };
   for (auto it = r.begin(); it != r.end(); ++it) {
-    if (it.key() == "rope_type" || it.key() == "type") continue;
-    if (it.key() == "rope_theta") {
-      theta = get_double(it.value(), std::string(key) + ".rope_theta", where);
+    const std::string& k = it.key();
+    if (k == "rope_type" || k == "type") continue;
+    if (k == "rope_theta") {
+      theta = number(it.value(), k);
+    } else if (yarn && k == "factor") {
+      factor = number(it.value(), k);
+    } else if (yarn && k == "original_max_position_embeddings") {
+      original = static_cast<int>(number(it.value(), k));
+    } else if (yarn && k == "attention_factor") {
+      if (!it.value().is_null()) c.rope_attention_factor = number(it.value(), k);
+    } else if (yarn && (k == "beta_fast" || k == "beta_slow")) {
+      // transformers: `get(...) or default`, so 0 and null mean the default
+      const double v = it.value().is_null() ? 0 : number(it.value(), k);
+      if (v != 0) (k == "beta_fast" ? c.rope_beta_fast : c.rope_beta_slow) = v;
+    } else if (yarn && k == "truncate" && it.value() == json(true)) {
       continue;
+    } else {
+      fail_user("{}: \"{}\" has \"{}\" = {}, which qtrain does not implement", where, key, k,
+                it.value().dump());
     }
-    fail_user("{}: \"{}\" has \"{}\" = {}, which qtrain does not implement", where, key, it.key(),
-              it.value().dump());
+  }
+  if (yarn) {
+    c.rope_type = "yarn";
+    c.rope_original_max_position_embeddings = original.value_or(c.max_position_embeddings);
+    c.rope_factor = factor.value_or(static_cast<double>(c.max_position_embeddings) /
+                                    c.rope_original_max_position_embeddings);
   }
   return theta;
 }
@@ -222,7 +250,7 @@ ModelConfig parse_config(const std::string& text, const std::string& where, Conf
   if (present(j, "rope_theta")) theta = get_double(j["rope_theta"], "rope_theta", where);
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     if (!j.contains(key)) continue;
-    auto t = plain_rope(j[key], key, where);
+    auto t = read_rope(j[key], key, where, c);
     if (t && theta && *t != *theta)
       fail_user("{}: rope_theta {} and {}.rope_theta {} disagree", where, *theta, key, *t);
     if (t) theta = t;
@@ -261,6 +289,19 @@ void validate_model(const ModelConfig& c, const std::string& where) {
        {std::pair{"rope_theta", c.rope_theta}, std::pair{"rms_norm_eps", c.rms_norm_eps}})
     if (!(v > 0) || !std::isfinite(v))
       fail_user("{}: {} is {}, expected a positive number", where, name, v);
+  if (c.is_yarn()) {  // rope_scaling / rope_parameters of type yarn
+    for (const auto& [name, v] : {std::pair{"factor", c.rope_factor},
+                                  std::pair{"beta_fast", c.rope_beta_fast},
+                                  std::pair{"beta_slow", c.rope_beta_slow}})
+      if (!(v > 0) || !std::isfinite(v))
+        fail_user("{}: the yarn RoPE scaling's {} is {}, expected a positive number", where, name, v);
+    if (c.rope_original_max_position_embeddings < 1)
+      fail_user("{}: the yarn RoPE scaling's original_max_position_embeddings is {}, expected a "
+                "positive integer", where, c.rope_original_max_position_embeddings);
+    if (!(c.rope_attention_factor >= 0) || !std::isfinite(c.rope_attention_factor))
+      fail_user("{}: the yarn RoPE scaling's attention_factor is {}, expected a positive number",
+                where, c.rope_attention_factor);
+  }
   if (c.num_experts == 0) return;
   // Qwen3-MoE: k of E experts, a sparse layer's width, which layers are dense.
   for (const auto& [name, v] : {std::pair{"num_experts", c.num_experts},
@@ -337,6 +378,15 @@ nlohmann::ordered_json make_config_json(const ModelConfig& c, const ConfigExtras
   if (!extras.pad_token_id.is_null()) j["pad_token_id"] = extras.pad_token_id;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_scaling"] = nullptr;
+  if (c.is_yarn()) {
+    json y = {{"rope_type", "yarn"},
+              {"factor", c.rope_factor},
+              {"original_max_position_embeddings", c.rope_original_max_position_embeddings},
+              {"beta_fast", c.rope_beta_fast},
+              {"beta_slow", c.rope_beta_slow}};
+    if (c.rope_attention_factor > 0) y["attention_factor"] = c.rope_attention_factor;
+    j["rope_scaling"] = y;
+  }
   j["rope_theta"] = c.rope_theta;
   if (moe) j["router_aux_loss_coef"] = c.router_aux_loss_coef;
   j["sliding_window"] = nullptr;

@@ -121,6 +121,16 @@ CheckpointModel read_checkpoint_model(const std::string& path) {
     c.mlp_only_layers = parse_comma_list(
         layers, fmt::format("checkpoint {}: root attribute mlp_only_layers = '{}'", path, layers));
   }
+  // YaRN RoPE scaling (io/checkpoint.cpp); a checkpoint of plain RoPE has no rope_type.
+  c.rope_type = h5::try_read_attr_string(file, "rope_type").value_or("default");
+  if (c.is_yarn()) {
+    c.rope_factor = f64("rope_factor");
+    c.rope_original_max_position_embeddings =
+        static_cast<int>(i64("rope_original_max_position_embeddings"));
+    c.rope_attention_factor = f64("rope_attention_factor");
+    c.rope_beta_fast = f64("rope_beta_fast");
+    c.rope_beta_slow = f64("rope_beta_slow");
+  }
   validate_model(c, fmt::format("checkpoint {}", path));
   if (h5::try_read_attr_i64(file, "lora_r")) {  // a LoRA run's checkpoint
     LoraCheckpointInfo l;

@@ -98,6 +98,13 @@ std::vector<ModelField> model_fields(const ModelConfig& m) {
                        {"moe_intermediate_size", true, m.moe_intermediate_size, 0},
                        {"norm_topk_prob", true, m.norm_topk_prob ? 1 : 0, 0},
                        {"decoder_sparse_step", true, m.decoder_sparse_step, 0}});
+  if (m.is_yarn())  // beside the string attribute rope_type
+    f.insert(f.end(), {{"rope_factor", false, 0, m.rope_factor},
+                       {"rope_original_max_position_embeddings", true,
+                        m.rope_original_max_position_embeddings, 0},
+                       {"rope_attention_factor", false, 0, m.rope_attention_factor},
+                       {"rope_beta_fast", false, 0, m.rope_beta_fast},
+                       {"rope_beta_slow", false, 0, m.rope_beta_slow}});
   return f;
 }
 
@@ -239,6 +246,7 @@ std::uint64_t write_metadata(hid_t file, const ParamLayout& layout, const TrainS
   }
   if (model.is_moe())
     write_attr_string(file, "mlp_only_layers", format_comma_list(model.mlp_only_layers));
+  if (model.is_yarn()) write_attr_string(file, "rope_type", model.rope_type);
   if (lora) {
     write_attr_i64(file, "lora_r", lora->config.r);
     write_attr_f64(file, "lora_alpha", lora->config.alpha);
@@ -512,6 +520,14 @@ std::string read_root(hid_t file, const std::string& path, const ModelConfig& mo
     return fmt::format("checkpoint {} does not match the deck's model: model.num_experts is {} in "
                        "the checkpoint but {} in the deck",
                        path, experts, model.num_experts);
+  }
+  // RoPE scaling: a checkpoint of plain RoPE (or from before YaRN) has no rope_type.
+  const std::string rope = h5::try_read_attr_string(file, "rope_type").value_or("default");
+  if (rope != model.rope_type) {
+    mismatch = true;
+    return fmt::format("checkpoint {} does not match the deck's model: model.rope_type is {} in "
+                       "the checkpoint but {} in the deck",
+                       path, rope, model.rope_type);
   }
   if (model.is_moe()) {
     const std::string layers = h5::try_read_attr_string(file, "mlp_only_layers").value_or("?");

@@ -30,7 +30,7 @@ CpuOps::CpuOps(const ModelConfig& cfg, ForwardOnly f, HostArena& arena)
   const std::size_t hd = cfg.head_dim, QK = std::max(cfg.q_dim(), cfg.kv_dim());
   cos_ = arena.allocate<float>(f.rope_len * hd / 2);
   sin_ = arena.allocate<float>(f.rope_len * hd / 2);
-  if (cos_) cpu::rope_table(cos_, sin_, f.rope_len, cfg.head_dim, cfg.rope_theta);
+  if (cos_) cpu::rope_table(cos_, sin_, f.rope_len, cfg);
   xs_ = arena.allocate<float>(static_cast<std::size_t>(f.max_rows) * QK);
   ys_ = nullptr;  // the backward's
 }
@@ -49,7 +49,7 @@ CpuOps::CpuOps(const ModelConfig& cfg, int B, int T, HostArena& arena, int seq_p
   const std::size_t QK = std::max(cfg.q_dim(), cfg.kv_dim());
   cos_ = arena.allocate<float>(T * hd / 2);
   sin_ = arena.allocate<float>(T * hd / 2);
-  if (cos_) cpu::rope_table(cos_, sin_, T, cfg.head_dim, cfg.rope_theta);
+  if (cos_) cpu::rope_table(cos_, sin_, T, cfg);
   xs_ = arena.allocate<float>(N * QK);
   ys_ = arena.allocate<float>(N * QK);
   norm_dx_ = arena.allocate<float>(N * H);

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -107,6 +108,48 @@ TEST(HfConfig, ReadsTransformers5Config) {
   EXPECT_EQ(c.max_position_embeddings, 4096);
 }
 
+// YaRN as the Qwen3 model cards describe it (rope_scaling, transformers 4.x files) and as
+// transformers 5 writes it (rope_parameters with rope_theta inside); the defaults of the keys left
+// out are transformers 5.17's: beta_fast 32, beta_slow 1, original_max_position_embeddings =
+// max_position_embeddings, factor = their ratio.
+TEST(HfConfig, ReadsYarnRopeScaling) {
+  const std::string base = kQwen3_06B;
+  const std::string card = R"("rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+      "original_max_position_embeddings": 32768})";
+  std::string text = base;
+  text.replace(text.find(R"("rope_scaling": null)"), 20, card);
+  ModelConfig c = parse_config(text, "config.json");
+  EXPECT_TRUE(c.is_yarn());
+  EXPECT_EQ(c.rope_factor, 4.0);
+  EXPECT_EQ(c.rope_original_max_position_embeddings, 32768);
+  EXPECT_EQ(c.rope_beta_fast, 32.0);
+  EXPECT_EQ(c.rope_beta_slow, 1.0);
+  EXPECT_EQ(c.rope_attention_factor, 0.0);
+  EXPECT_NEAR(c.rope_cos_sin_scale(), 0.1 * std::log(4.0) + 1.0, 1e-15);
+  text = base;
+  text.replace(text.find(R"("rope_scaling": null)"), 20,
+               R"("rope_parameters": {"rope_type": "yarn", "rope_theta": 1000000,
+                   "beta_fast": 16, "beta_slow": 2, "attention_factor": 1.5})");
+  c = parse_config(text, "config.json");
+  EXPECT_TRUE(c.is_yarn());
+  EXPECT_EQ(c.rope_original_max_position_embeddings, 40960);  // max_position_embeddings
+  EXPECT_EQ(c.rope_factor, 1.0);                               // 40960 / 40960
+  EXPECT_EQ(c.rope_beta_fast, 16.0);
+  EXPECT_EQ(c.rope_beta_slow, 2.0);
+  EXPECT_EQ(c.rope_cos_sin_scale(), 1.5);
+  // Written back as rope_scaling and read again: the same fields.
+  c.rope_factor = 3;
+  c.rope_original_max_position_embeddings = 8192;
+  const ModelConfig d = parse_config(make_config_json(c, default_extras(c)).dump(2), "back.json");
+  EXPECT_EQ(d.rope_type, "yarn");
+  EXPECT_EQ(d.rope_factor, 3.0);
+  EXPECT_EQ(d.rope_original_max_position_embeddings, 8192);
+  EXPECT_EQ(d.rope_attention_factor, 1.5);
+  EXPECT_EQ(d.rope_beta_fast, 16.0);
+  EXPECT_EQ(d.rope_beta_slow, 2.0);
+  EXPECT_FALSE(parse_config(kQwen3_06B, "config.json").is_yarn());
+}
+
 TEST(HfConfig, DefaultsFollowTransformers) {
   ModelConfig c = parse_config(R"({"model_type": "qwen3", "vocab_size": 100, "hidden_size": 64,
       "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4})", "c.json");
@@ -177,8 +220,17 @@ TEST(HfConfigErrors, OtherModelsAndFeatures) {
            with(R"(["Qwen3ForCausalLM"])", R"(["MixtralForCausalLM"])")),
       {"model_type is \"mixtral\"", "qtrain reads Qwen3 models"});
   bad(with(R"(["Qwen3ForCausalLM"])", R"(["Qwen3ForSequenceClassification"])"), {"architectures"});
-  bad(with(R"("rope_scaling": null)", R"("rope_scaling": {"rope_type": "yarn", "factor": 4.0})"),
-      {"rope_scaling", "yarn", "plain RoPE"});
+  bad(with(R"("rope_scaling": null)", R"("rope_scaling": {"rope_type": "longrope", "factor": 4.0})"),
+      {"rope_scaling", "longrope", "plain RoPE", "yarn"});
+  bad(with(R"("rope_scaling": null)",
+           R"("rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 0.7})"),
+      {"rope_scaling", "\"mscale\" = 0.7", "does not implement"});
+  bad(with(R"("rope_scaling": null)",
+           R"("rope_scaling": {"rope_type": "yarn", "factor": -2, "original_max_position_embeddings": 8})"),
+      {"rope_scaling.factor\" is -2"});
+  bad(with(R"("rope_scaling": null)",
+           R"("rope_scaling": {"rope_type": "yarn", "factor": 2, "truncate": false})"),
+      {"\"truncate\" = false"});
   bad(with(R"("rope_scaling": null)", R"("rope_parameters": {"rope_type": "default", "rope_theta": 10})"),
       {"rope_theta", "disagree"});
   bad(with(R"("use_sliding_window": false)", R"("use_sliding_window": true)"), {"use_sliding_window", "sliding-window"});

@@ -82,6 +82,13 @@ struct Fixture {
     c.rope_theta = attr("rope_theta");
     c.rms_norm_eps = attr("rms_norm_eps");
     c.tie_word_embeddings = attr("tie_word_embeddings") != 0;
+    if (!std::isnan(attr("rope_factor"))) {  // make_fixtures.py --yarn
+      c.rope_type = "yarn";
+      c.rope_factor = attr("rope_factor");
+      c.rope_original_max_position_embeddings =
+          static_cast<int>(attr("rope_original_max_positions"));
+      c.max_position_embeddings = static_cast<int>(attr("max_position_embeddings"));
+    }
     if (!std::isnan(attr("num_experts"))) {  // Qwen3-MoE (make_moe_fixtures.py)
       c.num_experts = static_cast<int>(attr("num_experts"));
       c.num_experts_per_tok = static_cast<int>(attr("num_experts_per_tok"));

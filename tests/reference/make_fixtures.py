@@ -38,22 +38,35 @@ def read_checkpoint(path):
     return cfg, params
 
 
+def rope_parameters(cfg):
+    """transformers 5's rope_parameters: plain RoPE, or YaRN from the --yarn option's attrs."""
+    p = {"rope_type": "default", "rope_theta": float(cfg["rope_theta"])}
+    if cfg.get("rope_type") == "yarn":
+        p.update(rope_type="yarn", factor=float(cfg["rope_factor"]),
+                 original_max_position_embeddings=int(cfg["rope_original_max_positions"]))
+    return p
+
+
 def build_model(cfg):
     hf = Qwen3Config(
         vocab_size=int(cfg["vocab_size"]), hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]), num_hidden_layers=int(cfg["num_layers"]),
         num_attention_heads=int(cfg["num_heads"]), num_key_value_heads=int(cfg["num_kv_heads"]),
         head_dim=int(cfg["head_dim"]), rms_norm_eps=float(cfg["rms_norm_eps"]),
-        rope_parameters={"rope_type": "default", "rope_theta": float(cfg["rope_theta"])},
+        rope_parameters=rope_parameters(cfg),
         tie_word_embeddings=cfg["tie_word_embeddings"], attention_bias=False,
-        max_position_embeddings=4096, use_cache=False)
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)), use_cache=False)
     model = Qwen3ForCausalLM(hf).to(torch.float32)
     model.config._attn_implementation = "eager"
     return model
 
 
-def make_fixture(ckpt, out_dir, seed, batch, seq_len):
+def make_fixture(ckpt, out_dir, seed, batch, seq_len, yarn=None, suffix=""):
     cfg, params = read_checkpoint(ckpt)
+    if yarn:  # FACTOR:ORIGINAL:MAX_POSITIONS
+        factor, original, max_pos = yarn.split(":")
+        cfg.update(rope_type="yarn", rope_factor=float(factor),
+                   rope_original_max_positions=int(original), max_position_embeddings=int(max_pos))
     model = build_model(cfg)
     state = {k: torch.from_numpy(v) for k, v in params.items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
@@ -68,11 +81,19 @@ def make_fixture(ckpt, out_dir, seed, batch, seq_len):
     labels[torch.rand((batch, seq_len), generator=g) < 0.2] = -100  # some ignored tokens
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
-    name = os.path.splitext(os.path.basename(ckpt))[0]
+    name = os.path.splitext(os.path.basename(ckpt))[0] + suffix
     path = os.path.join(out_dir, name + ".h5")
     with h5py.File(path, "w") as f:
         for k in CONFIG_KEYS:
             f.attrs[k] = cfg[k]
+        for k in ("rope_type", "rope_factor", "rope_original_max_positions",
+                  "max_position_embeddings"):
+            if k in cfg:
+                f.attrs[k] = cfg[k]
+        if yarn:  # what transformers made of it: the inverse frequencies and the cos/sin scale
+            rot = model.model.rotary_emb
+            f.create_dataset("rope_inv_freq", data=rot.inv_freq.detach().numpy().astype(np.float32))
+            f.attrs["rope_attention_scaling"] = float(rot.attention_scaling)
         f.attrs["torch_version"] = str(torch.__version__)
         f.attrs["transformers_version"] = str(transformers.__version__)
         f.attrs["seed"] = seed
@@ -98,11 +119,13 @@ def main():
     ap.add_argument("--seed", type=int, default=20261122)
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq-len", type=int, default=16)
+    ap.add_argument("--yarn", help="FACTOR:ORIGINAL_MAX:MAX_POSITIONS: YaRN rope scaling "
+                    "(the fixture named <checkpoint>_yarn)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     torch.backends.cuda.matmul.allow_tf32 = False
     for i, ckpt in enumerate(a.checkpoints):
-        make_fixture(ckpt, a.out, a.seed + i, a.batch, a.seq_len)
+        make_fixture(ckpt, a.out, a.seed + i, a.batch, a.seq_len, a.yarn, "_yarn" if a.yarn else "")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 // Rotary position embedding, non-interleaved (rotate_half). Tables in fp32 as transformers.
 #include "ops/rope.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 
@@ -16,6 +17,34 @@ void rope_table(float* cos, float* sin, int max_pos, int hd, double theta) {
       const float angle = static_cast<float>(p) * inv_freq;
       cos[static_cast<std::size_t>(p) * half + i] = cosf(angle);
       sin[static_cast<std::size_t>(p) * half + i] = sinf(angle);
+    }
+  }
+}
+
+void rope_table(float* cos, float* sin, int max_pos, const ModelConfig& cfg) {
+  if (!cfg.is_yarn()) return rope_table(cos, sin, max_pos, cfg.head_dim, cfg.rope_theta);
+  const int dim = cfg.head_dim, half = dim / 2;
+  const double base = cfg.rope_theta, L = cfg.rope_original_max_position_embeddings;
+  const double pi = 3.14159265358979323846;
+  auto correction_dim = [&](double rotations) {  // in double, as Python's math
+    return dim * std::log(L / (rotations * 2 * pi)) / (2 * std::log(base));
+  };
+  const double lo = std::max(std::floor(correction_dim(cfg.rope_beta_fast)), 0.0);
+  double hi = std::min(std::ceil(correction_dim(cfg.rope_beta_slow)), static_cast<double>(dim - 1));
+  if (lo == hi) hi += 0.001;  // transformers: no division by zero
+  const float factor = static_cast<float>(cfg.rope_factor);
+  const float scale = static_cast<float>(cfg.rope_cos_sin_scale());
+  const float flo = static_cast<float>(lo), fspan = static_cast<float>(hi - lo);
+  for (int i = 0; i < half; ++i) {
+    const float pos_freq = powf(static_cast<float>(base), static_cast<float>(2 * i) / dim);
+    const float extrapolation = 1.0f / pos_freq, interpolation = 1.0f / (factor * pos_freq);
+    const float ramp = std::clamp((static_cast<float>(i) - flo) / fspan, 0.0f, 1.0f);
+    const float keep = 1.0f - ramp;  // transformers' inv_freq_extrapolation_factor
+    const float inv_freq = interpolation * (1.0f - keep) + extrapolation * keep;
+    for (int p = 0; p < max_pos; ++p) {
+      const float angle = static_cast<float>(p) * inv_freq;
+      cos[static_cast<std::size_t>(p) * half + i] = cosf(angle) * scale;
+      sin[static_cast<std::size_t>(p) * half + i] = sinf(angle) * scale;
     }
   }
 }
