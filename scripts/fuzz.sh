@@ -23,7 +23,7 @@ set -euo pipefail
 seconds=${1:-60}
 [ "$#" -eq 0 ] || shift
 case "$seconds" in
-  '' | *[!0-9]*) qt_die "SECONDS must be a whole number, got '$seconds'" ;;
+  '' | *[!0-9]* | 0) qt_die "SECONDS must be a whole number >= 1, got '$seconds' (libFuzzer reads 0 as no limit)" ;;
 esac
 all_targets=(deck safetensors token_file tokenizer records checkpoint)
 targets=("$@")

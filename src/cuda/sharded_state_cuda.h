@@ -113,9 +113,6 @@ class ShardedCudaState final : public UnitSource {
   // Reduces, clips and applies the step's gradients, or with a non-finite loss or gradient norm
   // applies nothing (OptimStepStats::skipped).
   OptimStepStats step(const StepRequest& request, std::int64_t total_steps, cudaStream_t s);
-  OptimStepStats step(std::int64_t step, std::int64_t total_steps, cudaStream_t s) {
-    return this->step(StepRequest::at(step), total_steps, s);
-  }
 
   // Whole-buffer stages (ZeRO-0/1) keep each unit's weights and gradients in place: these point
   // at unit 0's (for a single-unit plan, e.g. LoRA's adapters bound to them).

@@ -51,11 +51,13 @@ extern "C" void on_stop_signal(int sig) {
 
 // QTRAIN_TEST_NONFINITE_STEPS = "S[@R],...": for tests, the gradients of step S (1-based, as the
 // step log counts) become NaN, on world rank R only or on every rank (the micro-batches' loss
-// scale is NaN there; the loss stays finite). True when `step` is one of them for `rank`.
-bool poisoned_by_test(std::int64_t step, int rank) {
+// scale is NaN there; the loss stays finite). Read once, before the first step: the steps this
+// rank poisons.
+std::vector<std::int64_t> poisoned_steps_for_test(int rank) {
   const char* env = std::getenv("QTRAIN_TEST_NONFINITE_STEPS");
-  if (env == nullptr) return false;
+  if (env == nullptr) return {};
   const std::string text = env;
+  std::vector<std::int64_t> steps;
   for (std::size_t at = 0; at <= text.size();) {
     std::size_t end = text.find(',', at);
     if (end == std::string::npos) end = text.size();
@@ -67,10 +69,10 @@ bool poisoned_by_test(std::int64_t step, int rank) {
                     used == static_cast<int>(item.size()) && s >= 1;
     if (!ok)
       fail_user("QTRAIN_TEST_NONFINITE_STEPS = '{}': expected S[@R],... with steps S >= 1", text);
-    if (s == step && (r < 0 || r == rank)) return true;
+    if (r < 0 || r == rank) steps.push_back(s);
     at = end + 1;
   }
-  return false;
+  return steps;
 }
 
 using Clock = std::chrono::steady_clock;
@@ -208,6 +210,11 @@ int run_training(const Deck& deck, Mesh& mesh) {
   MetricsLog log(deck.log.metrics, mesh.world(), resumed);
   TensorBoardLog tensorboard(deck.log.tensorboard, mesh.world());
   tensorboard.write_deck(state.step, deck.resolved);
+  // What a stop without a new checkpoint leaves, for its message.
+  auto newest_kept = [&]() {
+    return checkpoints.newest().empty() ? std::string("there is no earlier one")
+                                        : "the newest, " + checkpoints.newest() + ", is kept";
+  };
   // Writes the checkpoint of the current step; false (and a message) when the state is not
   // finite, in which case nothing was written or deleted.
   auto save = [&]() {
@@ -218,14 +225,11 @@ int run_training(const Deck& deck, Mesh& mesh) {
       if (root) std::printf("checkpoint written: %s\n", path.c_str());
       return true;
     } catch (const NonFiniteState& e) {
-      const std::string kept = checkpoints.newest().empty()
-                                   ? std::string("there is no earlier one")
-                                   : "the newest, " + checkpoints.newest() + ", is kept";
       if (root)
         std::fprintf(stderr,
                      "qtrain: error: %s; stopping without a checkpoint (%s): lower optim.lr or "
                      "check the data\n",
-                     e.what(), kept.c_str());
+                     e.what(), newest_kept().c_str());
       return false;
     }
   };
@@ -247,7 +251,8 @@ int run_training(const Deck& deck, Mesh& mesh) {
 
   int consecutive_skips = 0;  // steps skipped in a row (train.max_consecutive_skips)
   LossSpikeWatch spikes(tc.loss_spike_factor);
-    mesh.take_collective_times();  // the step log counts the steps' calls, not the start-up's
+  const std::vector<std::int64_t> poisoned = poisoned_steps_for_test(mesh.world_rank());
+  mesh.take_collective_times();  // the step log counts the steps' calls, not the start-up's
   while (state.step < last) {
     const std::int64_t step = state.step;
     auto phase = Clock::now();
@@ -271,7 +276,8 @@ int run_training(const Deck& deck, Mesh& mesh) {
     backend->zero_grads();
     double loss_sum = 0;
     float scale = counted > 0 ? 1.0f / static_cast<float>(counted) : 0.0f;
-    if (poisoned_by_test(step + 1, mesh.world_rank())) scale = std::nanf("");
+    if (std::find(poisoned.begin(), poisoned.end(), step + 1) != poisoned.end())
+      scale = std::nanf("");
     loss_sum = backend->micro_batches({inputs.data(), targets.data(),
                                        packing ? positions.data() : nullptr, micro_steps, B, T,
                                        base},
@@ -378,20 +384,19 @@ int run_training(const Deck& deck, Mesh& mesh) {
                      "(train.max_consecutive_skips = %d); stopping at step %lld without a new "
                      "checkpoint (%s): lower optim.lr, check the data, or resume from it\n",
                      consecutive_skips, tc.max_consecutive_skips,
-                     static_cast<long long>(state.step),
-                     checkpoints.newest().empty()
-                         ? "there is no earlier one"
-                         : ("the newest, " + checkpoints.newest() + ", is kept").c_str());
+                     static_cast<long long>(state.step), newest_kept().c_str());
       return 3;
     }
-    if (evaluation.due(state.step, last))  // after the step's bookkeeping; not in tok/s
-      t_log += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-          evaluation.run(state.step, last, *backend, log, tensorboard)));
     double stop_requested = g_stop_signal;
     stop_requested = mesh.world().max(stop_requested);
     const bool periodic = deck.checkpoint.every > 0 && state.step % deck.checkpoint.every == 0;
     const bool saving = deck.checkpoint.every >= 0;
     if (saving && (periodic || state.step == last || stop_requested > 0) && !save()) return 3;
+    // Evaluation after the step's checkpoint, so that a failing evaluation (rank 0's memory for
+    // the gathered model, a decoding error) cannot cost the step's work; not in tokens/s.
+    if (evaluation.due(state.step, last))
+      t_log += std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+          evaluation.run(state.step, last, *backend, log, tensorboard)));
     if (stop_requested > 0) {
       if (root) std::printf("stopping at step %lld on signal %d; resume with checkpoint.resume = auto\n",
                             static_cast<long long>(state.step), static_cast<int>(stop_requested));

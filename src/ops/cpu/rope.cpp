@@ -4,21 +4,35 @@
 #include <algorithm>
 #include <cmath>
 #include <cstddef>
+#include <vector>
 
 namespace qt::cpu {
 
-void rope_table(float* cos, float* sin, int max_pos, int hd, double theta) {
-  const int half = hd / 2;
-  const float base = static_cast<float>(theta);
-  for (int i = 0; i < half; ++i) {
-    // Every step in fp32, in the order transformers uses.
-    const float inv_freq = 1.0f / powf(base, static_cast<float>(2 * i) / static_cast<float>(hd));
+namespace {
+
+// cos, sin [max_pos, hd/2] of the frequencies inv_freq [hd/2], times `scale`, in fp32.
+void fill_table(float* cos, float* sin, int max_pos, const std::vector<float>& inv_freq,
+                float scale) {
+  const std::size_t half = inv_freq.size();
+  for (std::size_t i = 0; i < half; ++i)
     for (int p = 0; p < max_pos; ++p) {
-      const float angle = static_cast<float>(p) * inv_freq;
-      cos[static_cast<std::size_t>(p) * half + i] = cosf(angle);
-      sin[static_cast<std::size_t>(p) * half + i] = sinf(angle);
+      const float angle = static_cast<float>(p) * inv_freq[i];
+      cos[static_cast<std::size_t>(p) * half + i] = cosf(angle) * scale;
+      sin[static_cast<std::size_t>(p) * half + i] = sinf(angle) * scale;
     }
-  }
+}
+
+// theta^(2i / hd) in fp32, in the order transformers computes it. i < hd / 2
+float pos_freq(double theta, int i, int hd) {
+  return powf(static_cast<float>(theta), static_cast<float>(2 * i) / static_cast<float>(hd));
+}
+
+}  // namespace
+
+void rope_table(float* cos, float* sin, int max_pos, int hd, double theta) {
+  std::vector<float> inv_freq(static_cast<std::size_t>(hd / 2));
+  for (int i = 0; i < hd / 2; ++i) inv_freq[i] = 1.0f / pos_freq(theta, i, hd);
+  fill_table(cos, sin, max_pos, inv_freq, 1.0f);  // x 1.0f: the same bits
 }
 
 void rope_table(float* cos, float* sin, int max_pos, const ModelConfig& cfg) {
@@ -33,20 +47,16 @@ void rope_table(float* cos, float* sin, int max_pos, const ModelConfig& cfg) {
   double hi = std::min(std::ceil(correction_dim(cfg.rope_beta_slow)), static_cast<double>(dim - 1));
   if (lo == hi) hi += 0.001;  // transformers: no division by zero
   const float factor = static_cast<float>(cfg.rope_factor);
-  const float scale = static_cast<float>(cfg.rope_cos_sin_scale());
   const float flo = static_cast<float>(lo), fspan = static_cast<float>(hi - lo);
+  std::vector<float> inv_freq(static_cast<std::size_t>(half));
   for (int i = 0; i < half; ++i) {
-    const float pos_freq = powf(static_cast<float>(base), static_cast<float>(2 * i) / dim);
-    const float extrapolation = 1.0f / pos_freq, interpolation = 1.0f / (factor * pos_freq);
+    const float p = pos_freq(base, i, dim);
+    const float extrapolation = 1.0f / p, interpolation = 1.0f / (factor * p);
     const float ramp = std::clamp((static_cast<float>(i) - flo) / fspan, 0.0f, 1.0f);
     const float keep = 1.0f - ramp;  // transformers' inv_freq_extrapolation_factor
-    const float inv_freq = interpolation * (1.0f - keep) + extrapolation * keep;
-    for (int p = 0; p < max_pos; ++p) {
-      const float angle = static_cast<float>(p) * inv_freq;
-      cos[static_cast<std::size_t>(p) * half + i] = cosf(angle) * scale;
-      sin[static_cast<std::size_t>(p) * half + i] = sinf(angle) * scale;
-    }
+    inv_freq[i] = interpolation * (1.0f - keep) + extrapolation * keep;
   }
+  fill_table(cos, sin, max_pos, inv_freq, static_cast<float>(cfg.rope_cos_sin_scale()));
 }
 
 namespace {
