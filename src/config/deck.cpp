@@ -544,11 +544,9 @@ void Builder::validate_moe() {
          "cpu");
   }
   // Tensor parallelism (with or without sequence parallelism and ep) on both back ends
-  // (model/cpu_ops_moe.cpp, cuda/cuda_ops_moe.cpp); pipeline parallelism on the CPU reference
-  // only (train/backend_cpu_pipeline.cpp).
-  const bool gpu = deck_.train.device == "cuda";
-  need(deck_.mesh.pp == 1 || !gpu, "mesh.pp", "> 1 (pipeline parallelism) is not built for "
-       "Qwen3-MoE models on train.device = cuda yet; set mesh.pp = 1 or train.device = cpu");
+  // (model/cpu_ops_moe.cpp, cuda/cuda_ops_moe.cpp); pipeline parallelism on both
+  // (train/backend_cpu_pipeline.cpp, cuda/backend_cuda_pipeline.cpp: 1F1B, interleaved and
+  // ZB-H1, with tp; on cuda without ep, refused above, nor LoRA, refused below).
   need(m.moe_intermediate_size % deck_.mesh.tp == 0, "mesh.tp", "does not divide "
        "model.moe_intermediate_size = {} (each tp rank takes an equal share of every expert's "
        "width)", m.moe_intermediate_size);

@@ -41,6 +41,19 @@
 // stage's state reduces its gradients over its dp group in the step (ZeRO-0: all-reduce, ZeRO-1:
 // reduce-scatter and the updated shards all-gathered), after the tied copies are summed.
 //
+// Qwen3-MoE (as the CPU pipeline, train/backend_cpu_pipeline.cpp): each sparse layer of the stage
+// keeps its routing and expert activations a slot of its chunk (CudaOps' moe_slots; selected with
+// moe_select beside the slot's dense activations; with recompute the expert activations are one
+// shared set that the recomputed forward rewrites), and each (chunk, slot) its micro-batch's load
+// statistics (CudaOps::MoeBalance: sums [2, E] doubles on the device, the (layer, token) pairs
+// on the host, known from the layer split). The load-balancing loss pools them over all sparse
+// layers, so they ride beside the activations on the same channel: F(c, m) receives the chunks
+// before c's sums (c > 0), adds its layers' and sends them on; the last chunk keeps the whole
+// micro-batch's (its aux loss, computed after the step); B(c, m) / I(c, m) receives the whole
+// sums beside d x (c < C - 1) for the aux loss's gradient and sends them back beside its own.
+// The MoE block's weight gradients (grouped GEMMs, router) are made in B or I at once, never
+// deferred to W. The step's aux losses and the sparse layers' load are summed over pp.
+//
 // With [lora] (as the CPU pipeline, train/backend_cpu_pipeline.cpp, and the one-stage LoRA
 // back end, backend_cuda_lora.cpp) the stage holds its units of the base as frozen bf16 weights
 // only (FrozenUnits: no gradients, no master copy; the tied embedding on both ends, read from
@@ -190,7 +203,9 @@ class CudaPipelineBackend final : public TrainBackend {
                      : cuda::PipelineHold{held_units(), tied_copy() ? 0 : -1, &mesh.pp()}),
         batch_(M_ * deck.train.micro_batch, deck.train.seq_len, arena_),
         pp_(mesh.pp()),
-        zb_(mesh.shape().pp_schedule == "zb-h1") {
+        zb_(mesh.shape().pp_schedule == "zb-h1"),
+        moe_(deck.model.is_moe()),
+        E_(static_cast<std::size_t>(deck.model.num_experts)) {
     QT_CHECK(mesh.shape().dp == 1 || deck.optim.zero_stage <= 1,
              "the CUDA pipeline at dp > 1 runs ZeRO-0 or 1 (the deck checks it)");
     QT_CHECK(!zb_ || !deck.train.recompute, "ZB-H1 without recompute (the deck checks it)");
@@ -201,9 +216,18 @@ class CudaPipelineBackend final : public TrainBackend {
     // [lora]: the frozen base of the stage's units (parameters, not activations).
     if (lora_) frozen_ = std::make_unique<FrozenUnits>(plan_, held_units(), arena_);
     const std::size_t before = arena_.used();
-    ops_ = std::make_unique<cuda::CudaOps>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
-                                           arena_, nccl_tp_, sp_, mesh.shape().tp_overlap);
     const std::vector<PipeAction>& mine = actions_[static_cast<std::size_t>(s_)];
+    // Qwen3-MoE: each sparse layer of the stage keeps a set of routing and expert activations
+    // a slot of its chunk (the ops' moe_slots); other stages' layers none.
+    std::vector<int> moe_slots(static_cast<std::size_t>(local_cfg_.num_layers), 0);
+    for (int v = 0; v < V_; ++v) {
+      const int c = v * P_ + s_;
+      for (int l = plan_.stage_layers[c]; l < plan_.stage_layers[c + 1]; ++l)
+        moe_slots[static_cast<std::size_t>(l)] = activation_slots(mine, c);
+    }
+    ops_ = std::make_unique<cuda::CudaOps>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
+                                           arena_, nccl_tp_, sp_, mesh.shape().tp_overlap,
+                                           deck.train.recompute, nullptr, moe_slots);
     std::vector<int> asked;
     for (int v = 0; v < V_; ++v) {
       const int c = v * P_ + s_, slots = activation_slots(mine, c);
@@ -219,6 +243,12 @@ class CudaPipelineBackend final : public TrainBackend {
       if (zb_ && !lora_) defer_storage(*ch, range.last_layer - range.first_layer);
       if (zb_ && lora_) ch->deferred.resize(static_cast<std::size_t>(slots));  // stay empty
       ch->slot_of.assign(M_, -1);
+      if (moe_) {  // each slot's micro-batch statistics [2, E] and the event of their last send
+        for (int k = 0; k < slots; ++k) {
+          ch->balance.push_back({arena_.allocate<double>(2 * local_cfg_.num_experts), 0, false});
+          ch->stats_sent.push_back(std::make_unique<cuda::Event>());
+        }
+      }
       const std::vector<int> us = ch->program->stage_units();
       asked.insert(asked.end(), us.begin(), us.end());
       chunks_.push_back(std::move(ch));
@@ -239,6 +269,19 @@ class CudaPipelineBackend final : public TrainBackend {
     }
     if (tp_ > 1)
       tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
+    if (moe_) {
+      QT_CHECK(!lora_, "LoRA on a Qwen3-MoE model under pp (the deck refuses it)");
+      // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches on all dp
+      // ranks), as in the one-GPU back end (backend_cuda.cpp).
+      ops_->set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
+                                                 deck.train.micro_batch / deck.train.global_batch));
+      if (s_ == P_ - 1) {  // the last chunk's stage keeps each micro-batch's whole statistics
+        aux_sums_ = arena_.allocate<double>(2 * static_cast<std::size_t>(M_) *
+                                            local_cfg_.num_experts);
+        aux_host_.assign(2 * static_cast<std::size_t>(M_) * local_cfg_.num_experts, 0.0);
+        aux_tokens_.assign(static_cast<std::size_t>(M_), 0.0);
+      }
+    }
     activations_ = static_cast<double>(arena_.used() - before) + batch_.bytes();
     for (std::size_t i = 0; i < 2 * mine.size() + 1; ++i)
       marks_.push_back(std::make_unique<cuda::Event>(/*timing=*/true));
@@ -299,7 +342,19 @@ class CudaPipelineBackend final : public TrainBackend {
   void zero_grads() override {
     state_.begin_step();
     state_.clear_grads(stream_.get());  // every micro-batch adds (the head's in its forward)
+    if (moe_) {
+      ops_->clear_moe_load();
+      aux_sum_ = 0;
+      load_.clear();
+      dropped_.clear();
+    }
   }
+  // Qwen3-MoE: summed over the stages by micro_batches (the same on every stage).
+  double moe_aux_loss_sum() const override { return moe_ ? aux_sum_ : -1; }
+  std::vector<double> moe_load() const override { return load_; }
+  std::vector<double> moe_dropped() const override { return dropped_; }
+  // The whole model's [sparse layers, E]: each stage's layers read their rows.
+  void set_router_bias(const std::vector<float>& bias) override { ops_->set_router_bias(bias); }
   double micro_step(const std::int32_t*, const std::int32_t*, const std::int32_t*,
                     float) override {
     QT_CHECK(false, "a pipeline stage runs a step's micro-batches together (micro_batches)");
@@ -340,14 +395,37 @@ class CudaPipelineBackend final : public TrainBackend {
         ch.slot_of[m] = k;
         if (lora_) lora_->select_slot(k);
         wait(*ch.sent[k]);  // the slot's last output has left
-        if (c > 0) receive(prog.stage_input(k), activation_into(c, P_), prev);
+        if (c > 0)
+          receive(prog.stage_input(k), N_ / sp_ * H_, DType::kBF16, activation_into(c, P_), prev);
+        if (moe_) {
+          cuda::CudaOps::MoeBalance& b = ch.balance[static_cast<std::size_t>(k)];
+          wait(*ch.stats_sent[static_cast<std::size_t>(k)]);  // the slot's last statistics left
+          if (c > 0) {  // the chunks before's statistics: this chunk's sparse layers add theirs
+            receive(b.sums, 2 * E_, DType::kF64, activation_into(c, P_), prev);
+            b.tokens = static_cast<double>(N_) *
+                       local_cfg_.moe_layers_before(prog.stage().first_layer);
+            b.received = true;
+          }
+          ops_->moe_select(k, &b);
+        }
         marks_[mark]->record(s);
         prog.forward_stage(*ops_, units, k, inputs, c > 0 ? prog.stage_input(k) : nullptr);
         if (prog.stage().has_head)
           prog.head_forward_backward(*ops_, units, batch_.targets() + off, loss_scale,
                                      /*accumulate=*/true, k);
         marks_[mark + 1]->record(s);
-        if (c < C - 1) send(prog.stage_output(k), activation_into(c + 1, P_), next, *ch.sent[k]);
+        if (c < C - 1) {
+          send(prog.stage_output(k), N_ / sp_ * H_, DType::kBF16, activation_into(c + 1, P_),
+               next, *ch.sent[k]);
+          if (moe_)  // beside the activation (its event covers both)
+            send(ch.balance[static_cast<std::size_t>(k)].sums, 2 * E_, DType::kF64,
+                 activation_into(c + 1, P_), next, *ch.sent[k]);
+        } else if (moe_) {  // the micro-batch's whole statistics, for its aux loss
+          const cuda::CudaOps::MoeBalance& b = ch.balance[static_cast<std::size_t>(k)];
+          QT_CHECK_CUDA(cudaMemcpyAsync(aux_sums_ + 2 * E_ * static_cast<std::size_t>(m), b.sums,
+                                        2 * E_ * sizeof(double), cudaMemcpyDeviceToDevice, s));
+          aux_tokens_[static_cast<std::size_t>(m)] = b.tokens;
+        }
       } else if (a.op == PipeOp::kBackwardWeight) {
         const int k = ch.slot_of[m];
         QT_CHECK(k >= 0 && ch.busy[k], "weight half of micro-batch {} before its input half", m);
@@ -360,7 +438,18 @@ class CudaPipelineBackend final : public TrainBackend {
         QT_CHECK(k >= 0, "backward of micro-batch {} before its forward", m);
         if (lora_) lora_->select_slot(k);
         wait(ch.grad_sent);  // the last input gradient has left: its buffer is rewritten now
-        if (c < C - 1) receive(prog.input_grad(), gradient_into(c, P_), next);
+        if (c < C - 1)
+          receive(prog.input_grad(), N_ / sp_ * H_, DType::kBF16, gradient_into(c, P_), next);
+        if (moe_) {
+          cuda::CudaOps::MoeBalance& b = ch.balance[static_cast<std::size_t>(k)];
+          if (c < C - 1) {  // the micro-batch's whole statistics (the last chunk has them)
+            wait(*ch.sent[k]);  // the forward's send of the slot's sums has left
+            receive(b.sums, 2 * E_, DType::kF64, gradient_into(c, P_), next);
+            b.tokens = static_cast<double>(N_) * local_cfg_.num_moe_layers();
+          }
+          b.received = false;
+          ops_->moe_select(k, &b);
+        }
         marks_[mark]->record(s);
         const bool split = a.op == PipeOp::kBackwardInput;  // the slot waits for its weight half
         if (split) ops_->defer_weight_grads(&ch.deferred[k]);
@@ -369,13 +458,20 @@ class CudaPipelineBackend final : public TrainBackend {
         ops_->defer_weight_grads(nullptr);
         marks_[mark + 1]->record(s);
         if (!split) ch.busy[k] = 0;
-        if (c > 0) send(prog.input_grad(), gradient_into(c - 1, P_), prev, ch.grad_sent);
+        if (c > 0) {
+          send(prog.input_grad(), N_ / sp_ * H_, DType::kBF16, gradient_into(c - 1, P_), prev,
+               ch.grad_sent);
+          if (moe_)
+            send(ch.balance[static_cast<std::size_t>(k)].sums, 2 * E_, DType::kF64,
+                 gradient_into(c - 1, P_), prev, *ch.stats_sent[static_cast<std::size_t>(k)]);
+        }
       }
       mark += 2;
     }
     const double loss = ops_->take_loss();  // waits for the compute stream
     for (cuda::NcclComm* ch : channel_)
       if (ch) ch->synchronize();
+    if (moe_) moe_statistics();
     // The bubble as simulate() counts it: 1 - (the stages' compute) / (P x the step's span),
     // the span the longest stage's from its start event to its last action's end (the clocks
     // of the GPUs differ; the stages start about together, after the last step's collectives
@@ -453,6 +549,10 @@ class CudaPipelineBackend final : public TrainBackend {
     cuda::Event grad_sent;                      // the input gradient has left
     std::vector<int> slot_of;                   // [M] the slot of each micro-batch, or -1
     std::vector<cuda::CudaOps::DeferredGrads> deferred;  // [slots] ZB-H1's weight halves owed
+    // Qwen3-MoE: [slots] the micro-batch's load statistics (sums [2, E] device doubles), and
+    // when their last send back (beside d x) has left.
+    std::vector<cuda::CudaOps::MoeBalance> balance;
+    std::vector<std::unique_ptr<cuda::Event>> stats_sent;
   };
 
   // ZB-H1: each slot's queue of deferred weight gradients, reading the slot's activations in
@@ -504,23 +604,43 @@ class CudaPipelineBackend final : public TrainBackend {
   void wait(const cuda::Event& e) {
     QT_CHECK_CUDA(cudaStreamWaitEvent(stream_.get(), e.get(), 0));
   }
-  // buf [N / sp, H] from stage `from` on channel ch, after the compute stream's work so far; the
-  // compute stream's later work waits for it.
-  void receive(bf16* buf, Channel ch, int from) {
+  // Qwen3-MoE, after a step's micro-batches (the compute stream drained): the aux losses of the
+  // micro-batches' whole statistics (the last stage's) and each stage's sparse layers' load,
+  // summed over pp, so that every stage reports the model's.
+  void moe_statistics() {
+    double aux = 0;
+    if (aux_sums_ != nullptr) {
+      QT_CHECK_CUDA(cudaMemcpy(aux_host_.data(), aux_sums_, aux_host_.size() * sizeof(double),
+                               cudaMemcpyDeviceToHost));
+      for (int m = 0; m < M_; ++m)
+        aux += cuda::CudaOps::moe_aux_loss_of(
+            aux_host_.data() + 2 * E_ * static_cast<std::size_t>(m), static_cast<int>(E_),
+            aux_tokens_[static_cast<std::size_t>(m)]);
+    }
+    aux_sum_ += pp_.sum(aux);
+    load_ = ops_->moe_load();  // since zero_grads: this stage's layers, 0 elsewhere
+    pp_.all_reduce(load_.data(), load_.size(), DType::kF64, ReduceOp::kSum);
+    dropped_ = ops_->moe_dropped();
+    pp_.all_reduce(dropped_.data(), dropped_.size(), DType::kF64, ReduceOp::kSum);
+  }
+
+  // buf [n] of type t from stage `from` on channel ch, after the compute stream's work so far;
+  // the compute stream's later work waits for it.
+  void receive(void* buf, std::size_t n, DType t, Channel ch, int from) {
     cuda::NcclComm& c = *channel_[ch];
     ready_.record(stream_.get());
     c.wait_event(ready_.get());
-    c.recv_async(buf, N_ / sp_ * H_, DType::kBF16, from);
+    c.recv_async(buf, n, t, from);
     landed_.record(c.stream());
     wait(landed_);
   }
-  // buf [N / sp, H] to stage `to` on channel ch after the compute stream's work so far; `sent` marks
-  // when buf may be rewritten.
-  void send(const bf16* buf, Channel ch, int to, cuda::Event& sent) {
+  // buf [n] of type t to stage `to` on channel ch after the compute stream's work so far; `sent`
+  // marks when buf (and what the channel sent before it) may be rewritten.
+  void send(const void* buf, std::size_t n, DType t, Channel ch, int to, cuda::Event& sent) {
     cuda::NcclComm& c = *channel_[ch];
     ready_.record(stream_.get());
     c.wait_event(ready_.get());
-    c.send_async(buf, N_ / sp_ * H_, DType::kBF16, to);
+    c.send_async(buf, n, t, to);
     sent.record(c.stream());
   }
 
@@ -580,6 +700,14 @@ class CudaPipelineBackend final : public TrainBackend {
   float* tied_other_ = nullptr;  // [min(embedding, kTiedPiece)] the peer's piece
   double activations_ = 0;
   bool zb_;                      // mesh.pp_schedule = zb-h1: split backwards
+  bool moe_;                     // a Qwen3-MoE model
+  std::size_t E_;                // its experts (0: dense)
+  double* aux_sums_ = nullptr;   // [M, 2, E] the last stage: each micro-batch's whole statistics
+  std::vector<double> aux_host_;    // [M, 2, E] their host copy
+  std::vector<double> aux_tokens_;  // [M] their (sparse layer, token) pairs
+  double aux_sum_ = 0;              // moe_aux_loss_sum()
+  std::vector<double> load_;        // moe_load(): the step's, summed over pp
+  std::vector<double> dropped_;     // moe_dropped(): the step's, summed over pp
   std::vector<std::unique_ptr<cuda::Event>> marks_;  // [2 x actions + 1] timing: start, then
                                                      // each action's compute begin and end
   double idle_ = -1;             // the last step's pipeline_idle()

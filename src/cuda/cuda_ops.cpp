@@ -64,8 +64,10 @@ void CudaOps::set_rows(int B, int T, int first_position) {
 }
 
 CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp,
-                 int seq_parallel, bool tp_overlap, bool moe_recompute, NcclComm* ep)
-    : ep_(ep && ep->size() > 1 ? ep : nullptr),
+                 int seq_parallel, bool tp_overlap, bool moe_recompute, NcclComm* ep,
+                 const std::vector<int>& moe_slots)
+    : moe_slots_(moe_slots),
+      ep_(ep && ep->size() > 1 ? ep : nullptr),
       cfg_(cfg), B_(B), T_(T), N_(B * T), rope_len_(T), tp_(tp && tp->size() > 1 ? tp : nullptr),
       overlap_(tp_overlap) {
   QT_CHECK(seq_parallel == 1 || (tp_ && tp_->size() == seq_parallel && N_ % seq_parallel == 0),

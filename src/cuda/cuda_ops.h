@@ -62,9 +62,13 @@ class CudaOps : public NoCollectives {
   // (train.recompute), so a Qwen3-MoE model keeps one shared set of expert activations instead
   // of one per sparse layer. ep: the expert-parallel group of a Qwen3-MoE model (mesh.ep > 1;
   // cfg is then the ep rank's local model, ep_local_config: E / ep experts stored here), or null.
+  // moe_slots: a pipeline stage's (backend_cuda_pipeline.cpp) [L] micro-batches in flight of
+  // each layer, 0 for the layers of other stages: a sparse layer keeps that many sets of its
+  // routing and (without moe_recompute) expert activations, selected by moe_select; empty: one
+  // set for every sparse layer.
   CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp = nullptr,
           int seq_parallel = 1, bool tp_overlap = false, bool moe_recompute = false,
-          NcclComm* ep = nullptr);
+          NcclComm* ep = nullptr, const std::vector<int>& moe_slots = {});
   // Forward only, for the KV-cache decoder (generate/kv_decoder_cuda.cpp): the layer ops over
   // any number of rows (set_rows), RoPE tables for positions [0, rope_len), and none of the
   // buffers of the backward, the lm head or the loss (the decoder runs its own head).
@@ -172,6 +176,22 @@ class CudaOps : public NoCollectives {
                     const bf16* rw, const bf16* router, const bf16* gate_up, const bf16* down,
                     bool acc);
   void set_moe_aux_scale(float aux_scale) { aux_scale_ = aux_scale; }
+  // A micro-batch's load-balancing statistics: sums [2, E] device doubles (each expert's routed
+  // token-slots, then its summed router probabilities) over `tokens` (sparse layer, token) pairs.
+  // received: the sums and tokens were received from the stages before (a pipeline stage's
+  // forward); the next moe_begin() continues them instead of restarting, and clears this.
+  struct MoeBalance {
+    double* sums = nullptr;
+    double tokens = 0;
+    bool received = false;
+  };
+  // Pipeline parallelism (several micro-batches in flight): the next moe, moe_backward and
+  // moe_begin use activation slot `slot` of each sparse layer (< its moe_slots) and the
+  // micro-batch's statistics `balance` (which must outlive their use; null: the ops' own).
+  void moe_select(int slot, MoeBalance* balance);
+  // The load-balancing loss of statistics [2, E] over `tokens` pairs: E sum_e count_e psum_e /
+  // tokens^2 (k when balanced; 0 without tokens).
+  static double moe_aux_loss_of(const double* sums, int E, double tokens);
   // Auxiliary-loss-free balancing: the routers' bias [sparse layers, E] (fp32; empty: none) for
   // the following forwards, copied to the device on the stream (after the step: no wait inside
   // it) and added to each sparse layer's probabilities for the choice of experts only.
@@ -188,7 +208,8 @@ class CudaOps : public NoCollectives {
 
  private:
   // Qwen3-MoE buffers (cuda_ops_moe.cpp; none for a dense model). Scratch [rows = N k] shared by
-  // the layers; the routing of each sparse layer kept from its forward for its backward.
+  // the layers; the routing of each sparse layer kept from its forward for its backward (a set
+  // per pipeline slot: moe_slots_).
   struct MoeLayer {
     int *pos = nullptr, *pair = nullptr;  // [N k] pair -> expert-ordered row, and back
     int* offsets = nullptr;               // [E + 1] device: the layer's expert row offsets
@@ -198,7 +219,12 @@ class CudaOps : public NoCollectives {
   // The block's buffers from `arena` (or their bytes counted); the backward's only when training.
   void moe_allocate(ArenaCarver& arena);
   std::unique_ptr<DeviceArena> moe_arena_;  // forward-only MoE: the block's buffers
-  std::vector<MoeLayer> moe_layers_;      // [L] (empty entries for dense layers)
+  std::vector<std::vector<MoeLayer>> moe_layers_;  // [L][slots] (none for dense layers and
+                                                   // other pipeline stages' layers)
+  int moe_slot_ = 0;                      // moe_select's slot
+  std::vector<int> moe_slots_;            // [L] the constructor's moe_slots (empty: 1 each)
+  // Layer l's buffers of the selected slot (checked).
+  MoeLayer& moe_layer(int l);
   int* moe_counts_ = nullptr;             // [E] device: the layer being routed, pairs routed
   int* moe_kept_ = nullptr;               // [E] device: of those, kept by the capacity
   int moe_capacity_ = 0;                  // pairs an expert keeps (kMoeDropless: all)
@@ -212,8 +238,8 @@ class CudaOps : public NoCollectives {
   bf16 *moe_dh_ = nullptr, *moe_dgu_ = nullptr;  // [rows, Im], [rows, 2Im]
   bf16* moe_dx_gate_ = nullptr;           // [N, H] the router's input gradient
   float* moe_dw_ = nullptr;               // [N k] d routing weights
-  double* moe_balance_ = nullptr;         // [2, E] device: counts, summed probabilities
-  double moe_tokens_ = 0;                 // the balance's (layer, token) pairs
+  MoeBalance moe_own_;                    // the ops' own statistics: sums [2, E] device
+  MoeBalance* moe_balance_ = nullptr;     // the current micro-batch's (moe_select; &moe_own_)
   float aux_scale_ = 0;
   double* moe_load_ = nullptr;            // [sparse layers, E] device: moe_load()'s sums
   mutable std::vector<double> load_;      // moe_load()'s host copy

@@ -10,7 +10,10 @@
 // summed on the device and copied when read. The experts' activations (gate/up, SwiGLU and down
 // outputs) are kept per sparse layer for its backward, or with train.recompute in one shared set
 // that the program's recomputed forward of the layer has just written; the input rows in expert
-// order are gathered again in the backward (a copy) rather than kept.
+// order are gathered again in the backward (a copy) rather than kept. A pipeline stage keeps a
+// set of the routing and activations per micro-batch in flight (moe_slots, moe_select) and
+// gives each micro-batch its own statistics (MoeBalance, carried between stages by the
+// pipeline: backend_cuda_pipeline.cpp).
 //
 // Tensor parallelism (tp_; the CPU's rule, model/cpu_ops_moe.cpp): cfg_ is the tp rank's local
 // model, each expert's gate/up rows and down columns of its share of the width (Im here is
@@ -49,24 +52,30 @@ void CudaOps::moe_allocate(ArenaCarver& arena) {
   moe_capacity_ = factor > 0 ? expert_capacity(N_, k, E, factor) : kMoeDropless;
   if (ep_) moe_ep_rows_ = static_cast<int>(ep_max_received_rows(N_, k, E, ep_->size(), factor));
   const std::size_t ex_rows = ep_ ? static_cast<std::size_t>(moe_ep_rows_) : rows;
-  moe_layers_.resize(static_cast<std::size_t>(L));
+  QT_CHECK(moe_slots_.empty() || moe_slots_.size() == static_cast<std::size_t>(L),
+           "MoE slots for {} layers of {}", moe_slots_.size(), L);
+  moe_layers_.assign(static_cast<std::size_t>(L), {});
   MoeLayer shared;
   bool have_shared = false;
   for (int l = 0; l < L; ++l) {
     if (!cfg_.is_moe_layer(l)) continue;
-    MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
-    m.pos = arena.take<int>(rows);
-    m.pair = arena.take<int>(rows);
-    m.offsets = arena.take<int>(static_cast<std::size_t>(E) + 1);
-    if (!moe_recompute_ || !have_shared) {
-      shared.gu = arena.take<bf16>(ex_rows * 2 * Im);
-      shared.h = arena.take<bf16>(ex_rows * Im);
-      shared.out = arena.take<bf16>(rows * H);
-      have_shared = true;
+    const int slots = moe_slots_.empty() ? 1 : moe_slots_[static_cast<std::size_t>(l)];
+    for (int k = 0; k < slots; ++k) {  // a set a micro-batch in flight (pipeline slot)
+      MoeLayer m;
+      m.pos = arena.take<int>(rows);
+      m.pair = arena.take<int>(rows);
+      m.offsets = arena.take<int>(static_cast<std::size_t>(E) + 1);
+      if (!moe_recompute_ || !have_shared) {
+        shared.gu = arena.take<bf16>(ex_rows * 2 * Im);
+        shared.h = arena.take<bf16>(ex_rows * Im);
+        shared.out = arena.take<bf16>(rows * H);
+        have_shared = true;
+      }
+      m.gu = shared.gu;
+      m.h = shared.h;
+      m.out = shared.out;
+      moe_layers_[static_cast<std::size_t>(l)].push_back(m);
     }
-    m.gu = shared.gu;
-    m.h = shared.h;
-    m.out = shared.out;
   }
   moe_counts_ = arena.take<int>(E);
   moe_kept_ = arena.take<int>(E);
@@ -80,7 +89,8 @@ void CudaOps::moe_allocate(ArenaCarver& arena) {
     moe_dx_gate_ = arena.take<bf16>(N * H);
     moe_dw_ = arena.take<float>(rows);
   }
-  moe_balance_ = arena.take<double>(2 * static_cast<std::size_t>(E));
+  moe_own_.sums = arena.take<double>(2 * static_cast<std::size_t>(E));
+  moe_balance_ = &moe_own_;
   const std::size_t n_load = static_cast<std::size_t>(cfg_.num_moe_layers()) * E;
   router_bias_ = arena.take<float>(n_load);
   moe_load_ = arena.take<double>(n_load);
@@ -137,10 +147,35 @@ void CudaOps::clear_moe_load() {
   }
 }
 
+CudaOps::MoeLayer& CudaOps::moe_layer(int l) {
+  std::vector<MoeLayer>& sets = moe_layers_.at(static_cast<std::size_t>(l));
+  QT_CHECK(moe_slot_ >= 0 && moe_slot_ < static_cast<int>(sets.size()),
+           "MoE slot {} of layer {}, which keeps {} here", moe_slot_, l, sets.size());
+  return sets[static_cast<std::size_t>(moe_slot_)];
+}
+
+void CudaOps::moe_select(int slot, MoeBalance* balance) {
+  QT_CHECK(moe_own_.sums != nullptr, "moe_select on CudaOps of a dense model");
+  moe_slot_ = slot;
+  moe_balance_ = balance ? balance : &moe_own_;
+}
+
+double CudaOps::moe_aux_loss_of(const double* sums, int E, double tokens) {
+  if (tokens == 0) return 0.0;
+  double s = 0;
+  for (int e = 0; e < E; ++e) s += sums[e] * sums[E + e];
+  return E * s / (tokens * tokens);
+}
+
 void CudaOps::moe_begin() {
   QT_CHECK(moe_balance_ != nullptr, "moe_begin on CudaOps of a dense model");
-  QT_CHECK_CUDA(cudaMemsetAsync(moe_balance_, 0, 2 * sizeof(double) * cfg_.num_experts, s_));
-  moe_tokens_ = 0;
+  MoeBalance& b = *moe_balance_;
+  if (b.received) {  // the stages before's sums and tokens: this stage's layers add to them
+    b.received = false;
+  } else {
+    QT_CHECK_CUDA(cudaMemsetAsync(b.sums, 0, 2 * sizeof(double) * cfg_.num_experts, s_));
+    b.tokens = 0;
+  }
   ++moe_forwards_;
 }
 
@@ -149,18 +184,19 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
   QT_CHECK(moe_balance_ != nullptr && cfg_.is_moe_layer(l), "moe on layer {}, not a sparse one", l);
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
   const int rows = N_ * k;
-  MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+  MoeLayer& m = moe_layer(l);
+  double* balance = moe_balance_->sums;  // [2, E] the micro-batch's statistics
   linear(moe_logits_, x, router, N_, H, E);  // [N, E] bf16 (over a gathered x as it lands)
   const float* bias =
       router_bias_on_
           ? router_bias_ + static_cast<std::size_t>(cfg_.moe_layers_before(l)) * E
           : nullptr;  // layer l's [E]
   moe_router_forward(probs, idx, rw, moe_logits_, N_, E, k, cfg_.norm_topk_prob, s_, bias);
-  moe_route(moe_counts_, moe_kept_, m.offsets, m.pos, m.pair, stats ? moe_balance_ : nullptr,
+  moe_route(moe_counts_, moe_kept_, m.offsets, m.pos, m.pair, stats ? balance : nullptr,
             idx, rows, E, moe_capacity_, moe_route_ws_, s_);
   if (stats) {
-    moe_probs_colsum(moe_balance_ + E, probs, N_, E, s_);
-    moe_tokens_ += N_;
+    moe_probs_colsum(balance + E, probs, N_, E, s_);
+    moe_balance_->tokens += N_;
     const std::size_t sparse = static_cast<std::size_t>(cfg_.moe_layers_before(l));
     moe_load_add(moe_load_ + sparse * E, moe_counts_, E, s_);
     if (moe_capacity_ != kMoeDropless)
@@ -195,7 +231,7 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
   QT_CHECK(!frozen || !ep_, "a frozen MoE block under expert parallelism (not built on the GPU)");
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
   const int Im = cfg_.moe_intermediate_size, rows = N_ * k;
-  const MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+  const MoeLayer& m = moe_layer(l);
   wait_gathered(dy);  // sequence parallelism with overlap: every rank's rows of dy landed
   QT_CHECK(!moe_recompute_ || moe_last_ == l,
            "moe_backward of layer {} after the forward of layer {}: with recompute the expert "
@@ -219,10 +255,11 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
   }
   // The router: d logits from d w (and the load-balancing loss, with the micro-batch's counts;
   // under tp on rank 0 only, the rest being partial over tp).
-  const bool aux = aux_scale_ != 0 && moe_tokens_ > 0 && (tp_ == nullptr || tp_->rank() == 0);
-  const float aux_scale =
-      aux ? static_cast<float>(aux_scale_ * E / (moe_tokens_ * moe_tokens_)) : 0.f;
-  moe_router_backward(moe_logits_, moe_dw_, probs, idx, aux ? moe_balance_ : nullptr, aux_scale,
+  const double tokens = moe_balance_->tokens;  // the whole micro-batch's (all stages')
+  const bool aux = aux_scale_ != 0 && tokens > 0 && (tp_ == nullptr || tp_->rank() == 0);
+  const float aux_scale = aux ? static_cast<float>(aux_scale_ * E / (tokens * tokens)) : 0.f;
+  moe_router_backward(moe_logits_, moe_dw_, probs, idx, aux ? moe_balance_->sums : nullptr,
+                      aux_scale,
                       N_, E, k, cfg_.norm_topk_prob, s_);
   cuda::linear_backward(moe_dx_gate_, g_router, moe_logits_, x, router, N_, H, E, s_, acc);
   moe_permute_backward(dx, dx_perm, moe_dx_gate_, m.pos, N_, k, H, s_);
@@ -230,15 +267,13 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
 }
 
 double CudaOps::moe_aux_loss() {
-  if (moe_balance_ == nullptr || moe_tokens_ == 0) return 0.0;
+  if (moe_balance_ == nullptr || moe_balance_->tokens == 0) return 0.0;
   const int E = cfg_.num_experts;
   std::vector<double> b(2 * static_cast<std::size_t>(E));
-  QT_CHECK_CUDA(cudaMemcpyAsync(b.data(), moe_balance_, sizeof(double) * b.size(),
+  QT_CHECK_CUDA(cudaMemcpyAsync(b.data(), moe_balance_->sums, sizeof(double) * b.size(),
                                 cudaMemcpyDeviceToHost, s_));
   QT_CHECK_CUDA(cudaStreamSynchronize(s_));
-  double s = 0;
-  for (int e = 0; e < E; ++e) s += b[e] * b[E + e];
-  return E * s / (moe_tokens_ * moe_tokens_);
+  return moe_aux_loss_of(b.data(), E, moe_balance_->tokens);
 }
 
 }  // namespace qt::cuda

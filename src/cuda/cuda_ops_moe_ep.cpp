@@ -114,7 +114,7 @@ void CudaOps::moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool
 }
 
 void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down) {
-  MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+  MoeLayer& m = moe_layer(l);
   MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
   // A recomputed forward of this micro-batch routes the same: its counts stand.
   if (e.forward != moe_forwards_) moe_ep_counts(l);
@@ -131,7 +131,7 @@ void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down) {
 
 void CudaOps::moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16* gate_up,
                               const bf16* down, bool acc) {
-  const MoeLayer& m = moe_layers_[static_cast<std::size_t>(l)];
+  const MoeLayer& m = moe_layer(l);
   const MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
   QT_CHECK(e.forward == moe_forwards_, "moe_backward of layer {} without its forward's counts", l);
   const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;

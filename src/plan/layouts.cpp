@@ -28,9 +28,6 @@ bool allowed(const std::vector<int>& sizes, int v) {
 // Why the mesh (dp, tp, pp) cannot run the search's model and batch, or "".
 std::string why_not(const LayoutSearch& s, int dp, int tp, int pp) {
   const ModelConfig& m = s.model;
-  if (m.is_moe() && pp > 1)  // validate_moe (deck.cpp)
-    return fmt::format("mesh.pp = {}: pipeline parallelism is not built for Qwen3-MoE models on "
-                       "GPUs (the deck refuses it on train.device = cuda)", pp);
   if (const auto miss = tp_split_miss(m, tp))
     return fmt::format("mesh.tp = {} does not divide {} = {}", tp, miss->key, miss->n);
   const int G = s.topology.gpus_per_host;
@@ -106,6 +103,10 @@ Layouts enumerate_layouts(const LayoutSearch& s) {
           else if (E % ep != 0)
             out.excluded.push_back({dp, tp, pp, ep, fmt::format("mesh.ep = {} does not divide "
                                                                 "model.num_experts = {}", ep, E)});
+          else if (ep > 1 && pp > 1)  // validate_moe (deck.cpp)
+            out.excluded.push_back({dp, tp, pp, ep, fmt::format("mesh.ep = {} with mesh.pp = {}: "
+                                                                "expert parallelism in a pipeline "
+                                                                "is not built on GPUs", ep, pp)});
           else
             eps.push_back(ep);
         }

@@ -1,6 +1,6 @@
 // Every way to lay a training run out on N GPUs (`qtrain plan`, docs/plan.md): each
 // (dp, tp, pp) mesh with dp x tp x pp = N that the model and the machine allow (for Qwen3-MoE
-// tp = pp = 1, with each expert-parallel size ep that divides dp and the experts), and on each
+// with each expert-parallel size ep that divides dp and the experts; ep 1 at pp > 1), and on each
 // every ZeRO stage, offload and recompute setting the CUDA back end runs (at dp 1, where every
 // stage is the same run, ZeRO-0 and ZeRO-2 with offload only); for each its memory
 // (memory_plan.h), whether it fits, and its predicted step time (step_time.h). The recommended

@@ -60,7 +60,9 @@ u128 embedding_backward_ws(u128 N) { return 4 * blk(4 * N) + blk(8 * N) + (u128{
 u128 moe_route_ws(u128 pairs, u128 E) { return blk(cdiv(pairs, 256) * E * 4) + blk(pairs * 4); }
 
 // CudaOps::moe_allocate (src/cuda/cuda_ops_moe.cpp) and, at ep > 1, moe_ep_allocate
-// (src/cuda/cuda_ops_moe_ep.cpp), allocation by allocation, for the stage's sparse layers;
+// (src/cuda/cuda_ops_moe_ep.cpp), allocation by allocation, for the stage's sparse layers, a
+// set of the routing (and without recompute the experts' activations) for each micro-batch a
+// chunk holds at once (its slots: CudaOps' moe_slots in a pipeline, 1 at pp = 1);
 // rows = N x k (token, slot) pairs. m is the rank's model (the router and the counts span all E
 // experts at any ep). At ep = P > 1 the experts' buffers hold the most rows a rank can receive,
 // ex_rows = ep_max_received_rows (ops/moe_capacity.h: P N min(k, E / P), or E C with a capacity
@@ -73,14 +75,17 @@ u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool re
                                      static_cast<long>(N), m.num_experts_per_tok, m.num_experts,
                                      ep, m.moe_capacity_factor))
                               : rows;
-  u128 sparse = 0;
-  for (const StageParts::Chunk& c : st.chunks)
-    sparse += m.moe_layers_before(c.last) - m.moe_layers_before(c.first);
-  // Per sparse layer: pos, pair [rows] int32; offsets [E + 1] int32.
-  u128 b = sparse * (2 * blk(4 * rows) + blk(4 * (E + 1)));
+  u128 sparse = 0, sets = 0;  // the stage's sparse layers; their sets (a slot each)
+  for (const StageParts::Chunk& c : st.chunks) {
+    const u128 n = m.moe_layers_before(c.last) - m.moe_layers_before(c.first);
+    sparse += n;
+    sets += n * static_cast<u128>(c.slots);
+  }
+  // Per sparse layer and slot: pos, pair [rows] int32; offsets [E + 1] int32.
+  u128 b = sets * (2 * blk(4 * rows) + blk(4 * (E + 1)));
   // The experts' activations gu [ex_rows, 2 Im], h [ex_rows, Im], out [rows, H] bf16: per
-  // sparse layer, or one shared set with recompute (moe_recompute_).
-  const u128 kept = recompute ? 1 : sparse;
+  // sparse layer and slot, or one shared set with recompute (moe_recompute_).
+  const u128 kept = recompute ? 1 : sets;
   b += kept * (blk(2 * ex_rows * 2 * Im) + blk(2 * ex_rows * Im) + blk(2 * rows * H));
   b += 2 * blk(4 * E)               // moe_counts_, moe_kept_ [E] int32
        + blk(moe_route_ws(rows, E))  // moe_route_ws_
@@ -91,7 +96,7 @@ u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool re
        + blk(2 * ex_rows * 2 * Im)   // moe_dgu_ [ex_rows, 2 Im]
        + blk(2 * N * H)              // moe_dx_gate_ [N, H]
        + blk(4 * rows)               // moe_dw_ [rows] fp32
-       + blk(8 * 2 * E)              // moe_balance_ [2 E] double
+       + blk(8 * 2 * E)              // moe_own_.sums [2 E] double
        + blk(4 * u128(m.num_moe_layers()) * E)  // router_bias_ [sparse layers of the model, E]
        + blk(8 * u128(m.num_moe_layers()) * E)  // moe_load_ [sparse layers of the model, E]
        + blk(8 * u128(m.num_moe_layers()));     // moe_dropped_ [sparse layers of the model]
@@ -204,9 +209,10 @@ void validate(const MemoryPlanInput& in) {
     if (s.dp % s.ep != 0) fail_user("mesh.ep = {} does not divide mesh.dp = {}", s.ep, s.dp);
     if (m.num_experts % s.ep != 0)
       fail_user("mesh.ep = {} does not divide model.num_experts = {}", s.ep, m.num_experts);
-    if (s.pp != 1)
-      fail_user("mesh.pp = {}: pipeline parallelism is not built for Qwen3-MoE models on "
-                "train.device = cuda (the back end planned here); set mesh.pp = 1", s.pp);
+    if (s.pp != 1 && s.ep != 1)
+      fail_user("mesh.ep = {} with mesh.pp = {}: expert parallelism in a pipeline is not built "
+                "on train.device = cuda (the back end planned here); set mesh.ep = 1 or "
+                "mesh.pp = 1", s.ep, s.pp);
   }
   if (s.tp < 1 || s.pp < 1 || s.pp_chunks < 1)
     fail_user("mesh.tp ({}), mesh.pp ({}) and mesh.pp_chunks ({}) must be >= 1", s.tp, s.pp,
@@ -341,30 +347,39 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   const ParamUnits units = param_units(m);
   const bool holds_embed = st.embedding || st.tied_copy;
   const u128 layers = st.layers();
-  // Qwen3-MoE (pp = 1, validate): the real layout of the (tp, ep) rank's model and its units
-  // of plan_qwen3 (at ep > 1 each sparse layer's experts, E / ep of them, a unit of their own
-  // sharded over edp = dp / ep; at ep = 1 inside their layer's unit; at tp > 1 each expert's
-  // tp share of the width, the router whole).
+  // Qwen3-MoE: the real layout of the (tp, ep) rank's model and the stage's units of
+  // plan_qwen3 (at ep > 1, pp = 1 only (validate), each sparse layer's experts, E / ep of them, a
+  // unit of their own sharded over edp = dp / ep; at ep = 1 inside their layer's unit; at tp > 1
+  // each expert's tp share of the width, the router whole; at pp > 1 the units of stage s and
+  // the last stage's copy of a tied embedding).
   const bool moe = m.is_moe();
   std::optional<ShardPlan> moe_plan;
-  u128 moe_tensors = 0;
+  std::vector<char> moe_held;  // [units] the stage holds the unit (moe)
+  u128 moe_tensors = 0, moe_units = 0;
   if (moe) {
     const ModelConfig local = ep_local_config(m, in.mesh.ep);
     const ParamLayout layout(local);
     moe_plan = plan_qwen3(local, layout, in.mesh, in.zero_stage, tp_kv_replicas(in.model, tp));
-    moe_tensors = layout.params().size();
+    for (std::size_t i = 0; i < moe_plan->units.size(); ++i) {
+      const ParamUnit& u = moe_plan->units[i];
+      const bool held = in.mesh.pp == 1 || u.stage == s || (i == 0 && st.tied_copy);
+      moe_held.push_back(held ? 1 : 0);
+      if (!held) continue;
+      moe_tensors += u.params.size();
+      ++moe_units;
+    }
   }
   // One AdamWSegment per tensor held: the embedding, 11 per layer, the final norm and lm head.
   const u128 tensors = moe ? moe_tensors
                            : (holds_embed ? 1 : 0) + 11 * layers +
                                  (st.head ? (m.tie_word_embeddings ? 1 : 2) : 0);
-  const u128 held_units =
-      moe ? moe_plan->units.size() : (holds_embed ? 1 : 0) + layers + (st.head ? 1 : 0);
+  const u128 held_units = moe ? moe_units : (holds_embed ? 1 : 0) + layers + (st.head ? 1 : 0);
 
   MemoryPlan p;
   // What the CUDA back end runs today: tp (and sequence parallelism) at any dp, pp at dp 1 with
   // whole backwards (src/cuda/backend_cuda_pipeline.cpp).
-  // Qwen3-MoE (pp = 1, validate): any tp and ep (src/cuda/cuda_ops_moe.cpp, cuda_ops_moe_ep.cpp).
+  // Qwen3-MoE: any tp and ep at pp = 1 (src/cuda/cuda_ops_moe.cpp, cuda_ops_moe_ep.cpp); pp > 1
+  // at ep = 1 (validate), as the dense pipeline.
   p.built = in.mesh.pp == 1 || dp == 1 || in.zero_stage <= 1;
   p.stage = s;
   p.slots = st.max_slots();
@@ -392,12 +407,15 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
     };
     u128 max_chunk = 0, max_padded = 0, embed_chunk = 0, embed_padded = 0;
     if (moe) {
-      // Every unit of plan_qwen3 with its own group; the slots: ShardedCudaState's max_chunk
-      // and max_padded over the units after the embedding, which has its own.
+      // Every unit of plan_qwen3 the stage holds with its own group; the slots:
+      // ShardedCudaState's max_chunk and max_padded over the units after the embedding, which
+      // has its own.
       const std::vector<ParamUnit>& us = moe_plan->units;
-      for (const ParamUnit& u : us) add(1, u.range.size(), u.dp);
+      for (std::size_t i = 0; i < us.size(); ++i)
+        if (moe_held[i]) add(1, us[i].range.size(), us[i].dp);
       max_chunk = max_padded = 1;
       for (std::size_t i = 1; i < us.size(); ++i) {
+        if (!moe_held[i]) continue;
         max_chunk = std::max<u128>(max_chunk, us[i].chunk);
         max_padded = std::max<u128>(max_padded, us[i].padded());
       }
@@ -453,6 +471,15 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
       activation_bytes(m, st, in.micro_batch, in.seq_len, in.recompute, Ns, sp,
                        in.mesh.pp > 1 && in.mesh.pp_schedule == "zb-h1", in.mesh.ep),
       "activations");
+  if (moe && in.mesh.pp > 1) {
+    // The CUDA pipeline's MoE statistics (backend_cuda_pipeline.cpp): each chunk slot's sums
+    // [2 E] double, and on the last stage each micro-batch's whole sums [M, 2 E].
+    const u128 E = m.num_experts;
+    u128 stats = 0;
+    for (const StageParts::Chunk& c : st.chunks) stats += static_cast<u128>(c.slots) * blk(16 * E);
+    if (st.head) stats += blk(16 * E * static_cast<u128>(in.micro_batches));
+    p.activations = checked(u128{p.activations} + stats, "activations");
+  }
   p.workspace = checked(workspace, "workspace");
   p.host = checked(host, "host state");
   p.host_pinned = checked(pinned, "pinned host staging");

@@ -18,7 +18,9 @@
 // rules (MemoryPlan::built is false for them). ep (Qwen3-MoE): the rank's model is
 // ep_local_config's, its units plan_qwen3's (each sparse layer's E / ep experts a unit of their
 // own over edp = dp / ep), and its activations add the router's buffers and
-// CudaOps::moe_allocate's (memory_plan.cpp, moe_block_bytes); the CUDA block runs at ep = 1 only.
+// CudaOps::moe_allocate's (memory_plan.cpp, moe_block_bytes: at pp > 1 a set of the routing and
+// expert activations per micro-batch in flight, and the pipeline's per-slot load statistics).
+// Qwen3-MoE pipelines run at ep = 1 (validate).
 #pragma once
 
 #include <cstdint>
@@ -41,7 +43,7 @@ struct MemoryPlanInput {
   int seq_len = 1;                   // T: tokens per sequence (train.seq_len)
   bool recompute = false;            // train.recompute
   // mesh.dp, tp, pp, pp_schedule, pp_chunks, pp_layers; ep (Qwen3-MoE only: dividing dp and
-  // model.num_experts, with tp = pp = 1).
+  // model.num_experts, with pp = 1).
   MeshShape mesh;
   // mesh.sequence_parallel: the residual stream and norms split over tp by rows (tp > 1 only).
   bool sequence_parallel = false;
@@ -77,7 +79,7 @@ struct MemoryPlan {
 };
 
 // Throws UserError, naming the deck key, for what cannot be planned: ep > 1 on a dense model, a
-// Qwen3-MoE model at tp or pp > 1 or an ep not dividing dp or its experts, a tp that does not
+// Qwen3-MoE model at ep > 1 with pp > 1 or an ep not dividing dp or its experts, a tp that does not
 // divide the heads, kv heads, MLP width or vocabulary, more pipeline chunks than layers, a
 // pipeline schedule its settings refuse (as the deck does), a stage outside 0-3, offload below
 // ZeRO-2, a bf16 gradient wire above ZeRO-1, sizes below 1, or a total beyond 2^63 bytes.

@@ -429,11 +429,11 @@ std::string report(const Options& o, const PlanDeck& pd) {
       "ZeRO-2 or 3; docs/plan.md). Step times are predictions (docs/plan.md).\n",
       unit);
   if (m.is_moe())
-    out += "Qwen3-MoE: the CUDA back end runs the sparse block at pp = 1, any dp, tp, ep and "
-           "ZeRO stage: experts E / ep a rank\n(each its tp share of the width) sharded over "
+    out += "Qwen3-MoE: the CUDA back end runs the sparse block at any dp, tp, ep and ZeRO "
+           "stage: experts E / ep a rank\n(each its tp share of the width) sharded over "
            "dp / ep, the dispatch buffers sized for the most rows a\nrank can receive, "
-           "all-to-alls timed over the links (docs/plan.md). pp > 1 is not built for MoE on "
-           "GPUs.\n";
+           "all-to-alls timed over the links (docs/plan.md); pp > 1 at ep = 1, a set of the\n"
+           "routing and expert activations per micro-batch in flight.\n";
 
   const plan::Layout* best = plan::recommended(all);
   if (best) {
@@ -463,7 +463,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
     }
     out += "  deck keys:" + line + "\n";
     if (!best->memory.built) {
-      // Only a dense pipeline layout can be unbuilt: every MoE row (pp = 1) is built.
+      // Only a pipeline layout at dp > 1 with ZeRO-2 or 3 can be unbuilt (dense or MoE).
       out += "  note: the CUDA back end does not run this layout yet (a pipeline at dp > 1 with "
              "ZeRO-2 or 3): its numbers predict that path\n";
       if (const plan::Layout* now = plan::recommended(all, /*built_only=*/true)) {

@@ -75,7 +75,8 @@ StepTime step_time(const MemoryPlanInput& in, const TopologyConfig& topo, const 
   // FLOPs a token, forward: a layer's projections, its causal attention, the lm head. A sparse
   // layer (Qwen3-MoE) runs its router [E, H] and k experts of width Im instead of the dense MLP
   // (active parameters only, as ModelConfig::active_params_f64 counts them); layer_flops is the
-  // mean over the model's layers (MoE models run at pp = 1: every stage holds them all).
+  // mean over the model's layers (at pp > 1 each stage's layers are costed at that mean: the
+  // stages' mix of sparse and dense layers is not modelled).
   const double E = m.num_experts, K = m.num_experts_per_tok, Im = m.moe_intermediate_size;
   const double attn_proj_flops = 2 * H * (Q + 2 * KV) + 2 * Q * H;
   const double sparse_layers = m.is_moe() ? m.num_moe_layers() : 0;

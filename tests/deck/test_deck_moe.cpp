@@ -101,7 +101,14 @@ TEST(DeckErrors, Moe) {
               2);
   EXPECT_TRUE(parse(moe + cuda + "[mesh]\ntp = 2\nsequence_parallel = true\n")
                   .mesh.sequence_parallel);
-  expect_error(moe + cuda + "[mesh]\npp = 2\n", {"mesh.pp = 2", "Qwen3-MoE", "train.device = cuda"});
+  // Pipeline parallelism on cuda (backend_cuda_pipeline.cpp): 1F1B, ZB-H1, interleaved, with
+  // recompute; not with ep (above) nor LoRA (below).
+  EXPECT_EQ(parse(moe + cuda + "[mesh]\npp = 2\n").mesh.pp, 2);
+  EXPECT_EQ(parse(moe + cuda + "[mesh]\npp = 2\npp_schedule = zb-h1\n").mesh.pp_schedule,
+            "zb-h1");
+  EXPECT_TRUE(parse(moe + cuda + "recompute = true\n[mesh]\npp = 2\n").train.recompute);
+  expect_error(moe + cuda + "[lora]\nr = 4\n[mesh]\npp = 2\n",
+               {"mesh.pp = 2", "LoRA", "Qwen3-MoE"});
   // LoRA on the attention projections (the router and experts frozen): cpu at any ep and tp,
   // cuda at any tp with ep 1; no adapters on the experts or the dense MLP, no pp yet.
   EXPECT_EQ(parse(moe + cuda + "[lora]\nr = 4\n").lora.r, 4);
