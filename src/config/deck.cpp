@@ -21,6 +21,7 @@
 #include <sstream>
 #include <variant>
 
+#include "config/deck_builder.h"
 #include "config/deck_keys.h"
 #include "config/field_text.h"
 #include "config/ini_lines.h"
@@ -32,102 +33,10 @@
 
 namespace qt {
 
-namespace {
+namespace deck_build {
 
 namespace po = boost::program_options;
 using namespace config;  // the key table and the value lists
-
-struct Origin {
-  enum class Kind { kDefault, kFile, kCommandLine };
-  Kind kind = Kind::kDefault;
-  int line = 0;
-};
-
-// The deck being built, with where each key's value came from, for error messages.
-class Builder {
- public:
-  Builder(std::string path, int world)
-      : path_(std::move(path)), world_(world), deck_(deck_defaults()) {
-    deck_.path = path_;
-  }
-
-  Deck& deck() { return deck_; }
-  void set_origin(const std::string& key, Origin o) { origin_[key] = o; }
-  // True when the file or the command line sets `key`.
-  bool given(const std::string& key) const {
-    auto it = origin_.find(key);
-    return it != origin_.end() && it->second.kind != Origin::Kind::kDefault;
-  }
-
-  // Error prefix for a key: "file:line: ", "(command line): ", or "file: " for a default.
-  std::string at(const std::string& key) const {
-    auto it = origin_.find(key);
-    Origin o = it == origin_.end() ? Origin{} : it->second;
-    switch (o.kind) {
-      case Origin::Kind::kFile: return fmt::format("{}:{}: ", path_, o.line);
-      case Origin::Kind::kCommandLine: return "(command line): ";
-      case Origin::Kind::kDefault: break;
-    }
-    return path_.empty() ? std::string() : path_ + ": ";
-  }
-
-  // "key = value", marked when the value was not written by the user.
-  std::string kv(const std::string& key) {
-    std::string s = key + " = " + format_value(find_spec(key)->field(deck_));
-    auto it = origin_.find(key);
-    if (it == origin_.end() || it->second.kind == Origin::Kind::kDefault) {
-      if (key == "mesh.dp" && dp_auto_) return s + " (auto)";
-      if (init_resolved_ && key.rfind("model.", 0) == 0 && key != "model.preset" &&
-          key != "model.init") {
-        return s + " (from " + deck_.model_init + "/config.json)";
-      }
-      if (key.rfind("model.", 0) == 0 && key != "model.preset" && key != "model.init") {
-        return s + " (from preset " + deck_.model.preset + ")";
-      }
-      return s + " (default)";
-    }
-    return s;
-  }
-
-  int& ival(const std::string& key) { return *std::get<int*>(find_spec(key)->field(deck_)); }
-  double& dval(const std::string& key) {
-    return *std::get<double*>(find_spec(key)->field(deck_));
-  }
-  std::string& sval(const std::string& key) {
-    return *std::get<std::string*>(find_spec(key)->field(deck_));
-  }
-
-  // Fails with "<where><key> = <value> <rest>" unless ok (no space before a rest that starts
-  // with ':').
-  template <typename... Args>
-  void need(bool ok, const std::string& key, fmt::format_string<Args...> rest, Args&&... args) {
-    if (!ok) {
-      std::string r = fmt::format(rest, std::forward<Args>(args)...);
-      fail_user("{}{}{}{}", at(key), kv(key), r.starts_with(':') ? "" : " ", r);
-    }
-  }
-
-  void resolve_init(bool preset_given);
-  void validate();
-
- private:
-  void validate_model();
-  void validate_mesh();
-  void validate_train_optim();
-  void validate_lora();
-  void validate_moe_lora();
-  void validate_data_checkpoint_log();
-  void validate_topology();
-  void validate_eval();
-  void validate_moe();
-
-  std::string path_;
-  int world_;
-  Deck deck_;
-  std::map<std::string, Origin> origin_;
-  bool dp_auto_ = false;
-  bool init_resolved_ = false;  // the model comes from model.init's config.json
-};
 
 // model.init: the directory's config.json defines the model. Every architecture key that the
 // deck sets, itself or through model.preset, must agree with it (a contradiction names both);
@@ -357,34 +266,6 @@ void Builder::validate_train_optim() {
   need(o.reduce_bucket_mb > 0, "optim.reduce_bucket_mb", "must be > 0");
 }
 
-// [lora] is checked whether or not it is on (r = 0), so that switching it on cannot surprise.
-void Builder::validate_lora() {
-  const LoraConfig& l = deck_.lora;
-  need(l.r >= 0, "lora.r", "must be >= 0 (0 = LoRA off)");
-  need(l.alpha > 0, "lora.alpha", "must be > 0");
-  need(l.dropout >= 0 && l.dropout < 1, "lora.dropout", "must be in [0, 1)");
-  std::vector<int> targets;
-  try {
-    targets = parse_lora_targets(l.targets, "");
-  } catch (const UserError& e) {
-    need(false, "lora.targets", "{}", e.what());  // ": unknown target ..."
-  }
-  if (l.r == 0 || l.dropout == 0 || deck_.train.device != "cuda") return;
-  // The GPU's dropout masks go 8 bf16 at a time over each adapter's input row (this tp rank's
-  // columns of o_proj's and down_proj's).
-  const ModelConfig& m = deck_.model;
-  const int tp = deck_.mesh.tp;
-  for (const int t : targets) {
-    const std::string name = kLoraTargets[t];
-    const bool o = name == "o_proj", down = name == "down_proj";
-    const int in = o ? m.q_dim() / tp : down ? m.intermediate_size / tp : m.hidden_size;
-    need(in % 8 == 0, "lora.dropout", "> 0 on train.device = cuda needs the input width of each "
-         "adapter a multiple of 8; {} reads {} columns a tp rank{}", name, in,
-         o ? " (model.num_heads x model.head_dim / mesh.tp)"
-           : down ? " (model.intermediate_size / mesh.tp)" : " (model.hidden_size)");
-  }
-}
-
 // What is wrong with `path` as a file to read, or "" when it is a readable regular file.
 std::string file_problem(const std::string& path) {
   std::error_code ec;
@@ -453,131 +334,6 @@ void Builder::validate() {
   validate_moe();
 }
 
-// [eval] (train/evaluation.h): the held-out loss's files or split, the samples' prompts and
-// tokenizer; a key that has nothing to act on is an error, so that a typo cannot leave it off.
-void Builder::validate_eval() {
-  const EvalConfig& e = deck_.eval;
-  for (const std::string& p : split_eval_paths(e.paths)) {
-    need(!p.empty(), "eval.paths", "has an empty entry; list token files separated by commas");
-    const std::string why = file_problem(p);
-    need(why.empty(), "eval.paths", ": {}: {}", p, why);
-  }
-  need(!e.loss_on() || deck_.train.device != "cuda" || deck_.lora.r == 0 ||
-           deck_.lora.dropout == 0,
-       e.split > 0 ? "eval.split" : "eval.paths",
-       "with lora.dropout = {} on train.device = cuda is not built (the evaluation forward there "
-       "would drop adapter inputs as training does); set lora.dropout = 0 or use "
-       "train.device = cpu", deck_.lora.dropout);
-  need(e.split >= 0 && e.split < 1, "eval.split", "must be in [0, 1) (0: nothing held out)");
-  need(e.split == 0 || deck_.data.source == "file", "eval.split",
-       "holds out windows of data.path: needs data.source = file");
-  need(e.every >= 0, "eval.every", "must be >= 0 (0 = only at the end)");
-  need(e.max_sequences >= 0, "eval.max_sequences", "must be >= 0 (0 = all)");
-  // A value other than the default where it has nothing to act on (a resolved deck, which
-  // lists every key, still reads back).
-  const EvalConfig off;
-  need(e.loss_on() || (e.every == off.every && e.max_sequences == off.max_sequences),
-       e.every != off.every ? "eval.every" : "eval.max_sequences",
-       "is set, but nothing is evaluated: set eval.paths (token files) or eval.split");
-  need(e.samples_every >= 0, "eval.samples_every", "must be >= 0 (0 = only at the end)");
-  need(e.max_new_tokens >= 1, "eval.max_new_tokens", "must be >= 1");
-  need(e.samples_on() || (e.samples_every == off.samples_every &&
-                           e.max_new_tokens == off.max_new_tokens && e.tokenizer.empty()),
-       e.samples_every != off.samples_every    ? "eval.samples_every"
-       : e.max_new_tokens != off.max_new_tokens ? "eval.max_new_tokens"
-                                                 : "eval.tokenizer",
-       "is set, but there are no prompts: set eval.samples (a text file, one prompt a line)");
-  if (!e.samples_on()) return;
-  const std::string why = file_problem(e.samples);
-  need(why.empty(), "eval.samples", ": {}", why);
-  const std::string dir = e.tokenizer.empty() ? deck_.model_init : e.tokenizer;
-  const std::string key = e.tokenizer.empty() ? "eval.samples" : "eval.tokenizer";
-  need(!dir.empty(), key,
-       "needs a tokenizer: set eval.tokenizer (a directory with tokenizer.json) or model.init");
-  const std::string json = (std::filesystem::path(dir) / "tokenizer.json").string();
-  need(file_problem(json).empty(), key, ": {}: {}{}", json, file_problem(json),
-       e.tokenizer.empty() ? " (model.init's; set eval.tokenizer)" : "");
-  need(e.max_new_tokens < deck_.model.max_position_embeddings, "eval.max_new_tokens",
-       "must be below model.max_position_embeddings = {}", deck_.model.max_position_embeddings);
-}
-
-// Qwen3-MoE (model.num_experts > 0): the block's sizes, then what is not built yet.
-void Builder::validate_moe() {
-  const ModelConfig& m = deck_.model;
-  need(m.num_experts >= 0, "model.num_experts", "must be >= 0 (0: a dense model)");
-  need(m.router_bias_update_rate >= 0 && std::isfinite(m.router_bias_update_rate),
-       "model.router_bias_update_rate", "must be a finite number >= 0 (0: no router bias)");
-  need(m.num_experts > 0 || m.router_bias_update_rate == 0, "model.router_bias_update_rate",
-       "> 0 balances a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: "
-       "set it to 0");
-  need(m.moe_capacity_factor >= 0 && std::isfinite(m.moe_capacity_factor),
-       "model.moe_capacity_factor", "must be a finite number >= 0 (0: dropless)");
-  need(m.num_experts > 0 || m.moe_capacity_factor == 0, "model.moe_capacity_factor",
-       "> 0 limits a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: "
-       "set it to 0");
-  if (m.num_experts == 0) return;
-  need(m.num_experts_per_tok >= 1 && m.num_experts_per_tok <= m.num_experts,
-       "model.num_experts_per_tok", "must be in [1, model.num_experts = {}]", m.num_experts);
-  need(m.moe_intermediate_size >= 1, "model.moe_intermediate_size", "must be >= 1");
-  need(m.decoder_sparse_step >= 1, "model.decoder_sparse_step", "must be >= 1");
-  for (std::size_t i = 0; i < m.mlp_only_layers.size(); ++i) {
-    const int l = m.mlp_only_layers[i];
-    need(l >= 0 && l < m.num_layers, "model.mlp_only_layers",
-         ": layer {} is not one of the model's (0 .. model.num_layers - 1 = {})", l,
-         m.num_layers - 1);
-    need(i == 0 || l > m.mlp_only_layers[i - 1], "model.mlp_only_layers",
-         "must list layers in ascending order, each once");
-  }
-  need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", "must be >= 0 (0: no "
-       "load-balancing loss)");
-  // Not built yet for Qwen3-MoE (issue 18): each names its key.
-  if (deck_.train.device == "cuda") {  // cuda/cuda_ops_moe.cpp, ops/cuda/moe.cuh
-    // Expert parallelism (cuda/cuda_ops_moe_ep.cpp) at every ZeRO stage, with or without tp
-    // (and sequence parallelism), without pp or LoRA.
-    need(deck_.mesh.ep == 1 || (deck_.mesh.pp == 1 && deck_.lora.r == 0), "mesh.ep",
-         "> 1 (expert parallelism) with mesh.pp > 1 or LoRA (lora.r > 0) is not built on "
-         "train.device = cuda; set mesh.ep = 1, or mesh.pp = 1 and lora.r = 0");
-    need(m.num_experts <= 1024, "model.num_experts", "> 1024 is not supported by train.device "
-         "= cuda (its router keeps a token's experts in shared memory); use train.device = cpu");
-    need(m.num_experts_per_tok <= 32, "model.num_experts_per_tok", "> 32 is not supported by "
-         "train.device = cuda (its router gives each slot a lane of a warp); use train.device = "
-         "cpu");
-  }
-  // Tensor parallelism (with or without sequence parallelism and ep) on both back ends
-  // (model/cpu_ops_moe.cpp, cuda/cuda_ops_moe.cpp); pipeline parallelism on both
-  // (train/backend_cpu_pipeline.cpp, cuda/backend_cuda_pipeline.cpp: 1F1B, interleaved and
-  // ZB-H1, with tp; on cuda without ep, refused above, nor LoRA, refused below).
-  need(m.moe_intermediate_size % deck_.mesh.tp == 0, "mesh.tp", "does not divide "
-       "model.moe_intermediate_size = {} (each tp rank takes an equal share of every expert's "
-       "width)", m.moe_intermediate_size);
-  validate_moe_lora();
-  need(m.num_experts % deck_.mesh.ep == 0, "mesh.ep", "does not divide model.num_experts = {} "
-       "(each expert-parallel rank takes an equal share)", m.num_experts);
-}
-
-// LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
-// projections, the router and the experts frozen; cpu at any dp, ep and tp, cuda at any dp and tp
-// with mesh.ep = 1 (validate_moe refuses ep with LoRA there).
-void Builder::validate_moe_lora() {
-  const LoraConfig& l = deck_.lora;
-  if (l.r == 0) return;
-  std::vector<int> targets;
-  try {
-    targets = parse_lora_targets(l.targets, "");
-  } catch (const UserError&) {
-    return;  // validate_lora named it
-  }
-  for (const int t : targets)
-    need(std::string(kLoraModules[t]).starts_with("self_attn."), "lora.targets",
-         "names {} on a Qwen3-MoE model (model.num_experts > 0): adapters on the experts' "
-         "projections are not built yet, nor on the dense MLP of model.mlp_only_layers; list "
-         "attention projections only (q_proj, k_proj, v_proj, o_proj; all-linear includes the "
-         "MLP's)",
-         kLoraTargets[t]);
-  need(deck_.mesh.pp == 1, "mesh.pp", "> 1 with LoRA (lora.r > 0) on a Qwen3-MoE model is not "
-       "built yet; set mesh.pp = 1");
-}
-
 std::string resolved_text(Deck& d, int world) {
   std::string out = fmt::format(
       "# qtrain resolved deck: every key with its final value ({} MPI ranks{}{})\n", world,
@@ -603,7 +359,14 @@ std::string resolved_text(Deck& d, int world) {
   return out;
 }
 
-}  // namespace
+}  // namespace deck_build
+
+using deck_build::Builder;
+using deck_build::Origin;
+using deck_build::file_problem;
+using deck_build::resolved_text;
+using namespace config;  // the key table and the value lists
+namespace po = boost::program_options;
 
 std::vector<std::string> split_eval_paths(const std::string& paths) {
   std::vector<std::string> out;

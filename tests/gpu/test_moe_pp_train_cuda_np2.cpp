@@ -75,8 +75,11 @@ TEST(MoeTrainCudaPp2, ReproducesOneGpuAndResumesOnOne) {
   // Interleaved 1F1B: two chunks a stage need four layers (sparse 0, 2 and 3).
   const std::vector<std::string> four = {"--model.num_layers=4"};
   const test::EpRun one4 = test::train_ep(1, tmp, "one4", four);
+  // Its norms are compared over the first 5 steps: on 4 x H200 (2026-11-27) they agreed within
+  // 2e-4 there, then a near-tied route flipped and step 8's differed by 4.4% while every loss
+  // stayed within 2e-5 (the same drift as tp's, moe_cases.h kTpSteps).
   test::expect_close(test::train_ep(2, tmp, "pp2_v2", with(with(pp, four), {"--mesh.pp_chunks=2"})),
-                     one4, 0, "pp2_v2 (four layers)");
+                     one4, 0, "pp2_v2 (four layers)", test::kNormTol, 5);
 
   // pp 2's checkpoint (each stage's units at their global places) resumes on one GPU and
   // continues the pp run it came from.
