@@ -115,13 +115,10 @@ void Builder::validate_moe() {
   }
   need(m.router_aux_loss_coef >= 0, "model.router_aux_loss_coef", "must be >= 0 (0: no "
        "load-balancing loss)");
-  // Not built yet for Qwen3-MoE (issue 18): each names its key.
+  // train.device = cuda's limits for Qwen3-MoE: each names its key.
   if (deck_.train.device == "cuda") {  // cuda/cuda_ops_moe.cpp, ops/cuda/moe.cuh
     // Expert parallelism (cuda/cuda_ops_moe_ep.cpp) at every ZeRO stage, with or without tp
-    // (and sequence parallelism), without pp or LoRA.
-    need(deck_.mesh.ep == 1 || (deck_.mesh.pp == 1 && deck_.lora.r == 0), "mesh.ep",
-         "> 1 (expert parallelism) with mesh.pp > 1 or LoRA (lora.r > 0) is not built on "
-         "train.device = cuda; set mesh.ep = 1, or mesh.pp = 1 and lora.r = 0");
+    // (and sequence parallelism), pp (cuda/backend_cuda_pipeline.cpp) and LoRA.
     need(m.num_experts <= 1024, "model.num_experts", "> 1024 is not supported by train.device "
          "= cuda (its router keeps a token's experts in shared memory); use train.device = cpu");
     need(m.num_experts_per_tok <= 32, "model.num_experts_per_tok", "> 32 is not supported by "
@@ -131,7 +128,7 @@ void Builder::validate_moe() {
   // Tensor parallelism (with or without sequence parallelism and ep) on both back ends
   // (model/cpu_ops_moe.cpp, cuda/cuda_ops_moe.cpp); pipeline parallelism on both
   // (train/backend_cpu_pipeline.cpp, cuda/backend_cuda_pipeline.cpp: 1F1B, interleaved and
-  // ZB-H1, with tp; on cuda without ep, refused above, nor LoRA, refused below).
+  // ZB-H1, with tp, ep and LoRA).
   need(m.moe_intermediate_size % deck_.mesh.tp == 0, "mesh.tp", "does not divide "
        "model.moe_intermediate_size = {} (each tp rank takes an equal share of every expert's "
        "width)", m.moe_intermediate_size);
@@ -141,8 +138,7 @@ void Builder::validate_moe() {
 }
 
 // LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
-// projections, the router and the experts frozen; cpu at any dp, ep and tp, cuda at any dp and tp
-// with mesh.ep = 1 (validate_moe refuses ep with LoRA there).
+// projections, the router and the experts frozen; both back ends at any dp, ep, tp and pp.
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
   if (l.r == 0) return;
@@ -159,8 +155,6 @@ void Builder::validate_moe_lora() {
          "attention projections only (q_proj, k_proj, v_proj, o_proj; all-linear includes the "
          "MLP's)",
          kLoraTargets[t]);
-  need(deck_.mesh.pp == 1, "mesh.pp", "> 1 with LoRA (lora.r > 0) on a Qwen3-MoE model is not "
-       "built yet; set mesh.pp = 1");
 }
 
 }  // namespace qt::deck_build

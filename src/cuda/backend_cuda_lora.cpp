@@ -24,6 +24,12 @@
 // tp resumes any other). The model's tp hooks (cuda_ops.h) sum the row-parallel outputs and the
 // column-parallel input gradients with the adapters' terms included; with LoRA the row-parallel
 // GEMMs are not split into pieces (tp_block_output_ahead is ignored).
+//
+// Qwen3-MoE with mesh.ep > 1 (as the CPU back end): the base is the ep rank's local model too
+// (ep_local_config: E / ep experts of each sparse layer, frozen), the token rows cross the ep
+// group both ways in the forward and d out / d x in the backward (cuda_ops_moe_ep.cpp; no
+// expert weight gradients); the adapters (attention only) are replicated over ep and reduced
+// over dp like every dense weight. The base's map (make_model_map) places the rank's experts.
 #include <fmt/format.h>
 #include <memory>
 #include <vector>
@@ -38,6 +44,7 @@
 #include "model/lora.h"
 #include "ops/cuda/convert.cuh"
 #include "ops/cuda/gemm.cuh"
+#include "parallel/expert_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 #include "qtrain/shard_plan.h"
@@ -53,8 +60,9 @@ class CudaLoraBackend final : public TrainBackend {
       : device_(cuda::select_device(mesh.local_rank())),
         deck_(deck),
         tp_(mesh.shape().tp),
+        ep_(deck.model.is_moe() ? mesh.shape().ep : 1),
         layout_(deck.model),
-        local_cfg_(tp_local_config(deck.model, tp_)),
+        local_cfg_(ep_local_config(tp_local_config(deck.model, tp_), ep_)),
         local_layout_(local_cfg_),
         global_lora_layout_(lora_layout(deck.model, deck.lora)),
         arena_(cuda::training_arena_bytes(), fmt::format("GPU {} arena", device_)),
@@ -66,6 +74,7 @@ class CudaLoraBackend final : public TrainBackend {
                             tp_kv_replicas(deck.model, tp_))),
         nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
         nccl_tp_(tp_ > 1 ? &cuda::nccl(mesh, MeshDim::kTp) : nullptr),
+        nccl_ep_(ep_ > 1 ? &cuda::nccl(mesh, MeshDim::kEp) : nullptr),
         state_(plan_, lora_->layout(), deck.optim, mesh.dp(), nccl_dp_, arena_, 1, {},
                {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_}),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {
@@ -74,24 +83,26 @@ class CudaLoraBackend final : public TrainBackend {
     const std::size_t before_model = arena_.used();
     model_ = std::make_unique<cuda::Qwen3Cuda>(local_cfg_, B, T, arena_, deck.train.recompute,
                                                nccl_tp_, mesh.shape().seq_parallel(),
-                                               mesh.shape().tp_overlap);
+                                               mesh.shape().tp_overlap, nccl_ep_);
     activations_ = static_cast<double>(arena_.used() - before_model) + batch_.bytes();
     model_->set_lora(lora_.get());
-    // Qwen3-MoE (mesh.ep = 1; deck.cpp refuses more): the routers and experts are frozen base
-    // weights like any other, their block's backward the input gradient only (cuda_ops_moe.cpp);
-    // the load-balancing loss weighs as in full training (backend_cuda.cpp), its gradient
-    // reaching x through the frozen routers' logits.
-    QT_CHECK(!deck.model.is_moe() || mesh.shape().ep == 1,
-             "LoRA on a Qwen3-MoE model with mesh.ep > 1 on the GPU (the deck refuses it)");
+    // Qwen3-MoE: the routers and experts are frozen base weights like any other, their block's
+    // backward the input gradient only (cuda_ops_moe.cpp; with mesh.ep > 1 the rank's E / ep
+    // experts, the rows still exchanged both ways: cuda_ops_moe_ep.cpp); the load-balancing loss
+    // weighs as in full training (backend_cuda.cpp), its gradient reaching x through the frozen
+    // routers' logits.
     if (deck.model.is_moe())
       model_->set_moe_aux_scale(static_cast<float>(
           deck.model.router_aux_loss_coef * deck.train.micro_batch / deck.train.global_batch));
     lora_->bind(state_.unit_weights(0), state_.unit_grads(0));  // whole at ZeRO-0 and 1
-    if (tp_ > 1) {  // the frozen base and the adapters, each through its own plan's split
-      lora_->set_tensor_parallel(tp_, mesh.tp().rank());
+    if (tp_ > 1 || ep_ > 1) {  // the frozen base through its own plan's split (tp, ep's experts)
       base_plan_ = std::make_unique<ShardPlan>(plan_qwen3(
           local_cfg_, local_layout_, mesh.shape(), 0, tp_kv_replicas(deck.model, tp_)));
-      base_map_ = std::make_unique<TpMap>(layout_, local_layout_, *base_plan_, mesh.tp().rank());
+      base_map_ = make_model_map(deck.model, layout_, local_layout_, *base_plan_, mesh.shape(),
+                                 mesh.tp().rank(), mesh.ep().rank());
+    }
+    if (tp_ > 1) {  // the adapters (attention only on a Qwen3-MoE model: replicated over ep)
+      lora_->set_tensor_parallel(tp_, mesh.tp().rank());
       lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), plan_,
                                           mesh.tp().rank());
     }
@@ -110,10 +121,15 @@ class CudaLoraBackend final : public TrainBackend {
         "set-up)",
         device_, d.name, d.sm_count, cuda::format_bytes(local_layout_.numel() * 2),
         lora_->layout().numel(), state_.describe(),
-        tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_, deck_.mesh.sequence_parallel) : "",
+        (tp_ > 1 ? "; " + describe_tp(local_cfg_, tp_, deck_.mesh.sequence_parallel) : "") +
+            (ep_ > 1 ? fmt::format("; expert parallelism over ep {}: {} of {} frozen experts a "
+                                   "sparse layer here",
+                                   ep_, local_cfg_.local_experts(), local_cfg_.num_experts)
+                     : ""),
         cuda::format_bytes(arena_.capacity()), cuda::format_bytes(arena_.used()));
   }
-  // Global coordinates through the base's and the adapters' TpMaps (null without tp).
+  // Global coordinates through the base's map (tp, ep) and the adapters' TpMap (null without
+  // either).
   std::vector<FlatPiece> model_pieces() override {
     return global_pieces(base_map_.get(),
                          std::vector<FlatPiece>{{Range{0, host_params_.size()},
@@ -192,8 +208,9 @@ class CudaLoraBackend final : public TrainBackend {
   int device_;
   const Deck& deck_;
   int tp_;                          // mesh.tp
+  int ep_;                          // mesh.ep of a Qwen3-MoE model, else 1
   ParamLayout layout_;              // the base model's (global)
-  ModelConfig local_cfg_;           // the tp rank's model (the model's at tp 1)
+  ModelConfig local_cfg_;           // the tp and ep rank's model (the model's at tp = ep = 1)
   ParamLayout local_layout_;        // its layout: the base's on this rank
   ParamLayout global_lora_layout_;  // the adapters' of the global model (checkpoints)
   cuda::DeviceArena arena_;
@@ -204,11 +221,12 @@ class CudaLoraBackend final : public TrainBackend {
   ShardPlan plan_;            // one unit: every adapter of the local layout, over the mesh
   cuda::NcclComm* nccl_dp_;  // the mesh's dp communicator; null at dp 1
   cuda::NcclComm* nccl_tp_;  // the mesh's tp communicator; null at tp 1
+  cuda::NcclComm* nccl_ep_;  // the mesh's ep communicator; null at ep 1
   cuda::ShardedCudaState state_;  // the adapters: master weights, gradients, bf16 copy, moments
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;
-  std::unique_ptr<ShardPlan> base_plan_;  // tp > 1: the frozen base's split
-  std::unique_ptr<TpMap> base_map_;       // tp > 1: the base's local -> global pieces
+  std::unique_ptr<ShardPlan> base_plan_;  // tp or ep > 1: the frozen base's split
+  std::unique_ptr<LayoutMap> base_map_;   // tp or ep > 1: the base's local -> global pieces
   std::unique_ptr<TpMap> lora_map_;       // tp > 1: the adapters' local -> global pieces
   std::int64_t first_sample_ = 0;
   std::vector<float> host_params_;  // [local numel] the fp32 base as loaded (host only)

@@ -52,7 +52,13 @@
 // micro-batch's (its aux loss, computed after the step); B(c, m) / I(c, m) receives the whole
 // sums beside d x (c < C - 1) for the aux loss's gradient and sends them back beside its own.
 // The MoE block's weight gradients (grouped GEMMs, router) are made in B or I at once, never
-// deferred to W. The step's aux losses and the sparse layers' load are summed over pp.
+// deferred to W. The step's aux losses and the sparse layers' load are summed over pp. With
+// mesh.ep > 1 each stage stores its ep rank's E / ep experts of its sparse layers (ep_local_config;
+// their units reduced over the stage's expert-dp group by the state) and CudaOps exchanges the
+// rows over the ep group (cuda_ops_moe_ep.cpp) with each slot's counts and expert-order maps
+// kept for its backward: the ep group's ranks are one stage's dp ranks, which run the same list
+// of actions, so their all-to-alls pair up in order; each sparse layer's forward waits on the
+// host for its counts (after the activation it routes has arrived), as a blocking receive would.
 //
 // With [lora] (as the CPU pipeline, train/backend_cpu_pipeline.cpp, and the one-stage LoRA
 // back end, backend_cuda_lora.cpp) the stage holds its units of the base as frozen bf16 weights
@@ -61,7 +67,10 @@
 // layer ranges (an xa a slot), bound to ShardedCudaState's one unit (ZeRO-0 or 1; reduced over
 // dp in the step, the norm summed over pp). Each action keys the dropout masks with its
 // micro-batch's first sequence and selects its slot's xa; ZB-H1's weight halves are empty (no
-// base weight gradients). A TpMap takes the stage's adapters to the global PEFT tensors.
+// base weight gradients). A TpMap takes the stage's adapters to the global PEFT tensors. On a
+// Qwen3-MoE model the adapters are attention's alone: the routers and experts are frozen units
+// (their blocks' backward d x only, the rows still exchanged over ep), the load statistics ride
+// as in full training.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -81,6 +90,7 @@
 #include "ops/cuda/convert.cuh"
 #include "model/lora.h"
 #include "ops/cuda/gemm.cuh"
+#include "parallel/expert_parallel.h"
 #include "parallel/pipeline_schedule.h"
 #include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
@@ -182,8 +192,9 @@ class CudaPipelineBackend final : public TrainBackend {
         M_(static_cast<int>(deck.train.global_batch /
                             (std::int64_t{deck.train.micro_batch} * mesh.shape().dp))),
         tp_(mesh.shape().tp),
+        ep_(deck.model.is_moe() ? mesh.shape().ep : 1),
         layout_(deck.model),
-        local_cfg_(tp_local_config(deck.model, tp_)),
+        local_cfg_(ep_local_config(tp_local_config(deck.model, tp_), ep_)),
         local_layout_(local_cfg_),
         plan_(plan_qwen3(local_cfg_, local_layout_, mesh.shape(), deck.optim.zero_stage,
                          tp_kv_replicas(deck.model, tp_))),
@@ -192,6 +203,8 @@ class CudaPipelineBackend final : public TrainBackend {
         gemm_ws_(arena_.allocate(cuda::kGemmWorkspaceBytes)),
         nccl_tp_(tp_ > 1 ? &cuda::nccl(mesh, MeshDim::kTp) : nullptr),
         nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
+        nccl_ep_(ep_ > 1 ? &cuda::nccl(mesh, MeshDim::kEp) : nullptr),
+        nccl_edp_(ep_ > 1 ? &cuda::nccl(mesh, MeshDim::kEdp) : nullptr),
         lora_(deck.lora.enabled() ? make_lora(deck) : nullptr),
         lora_plan_(lora_ ? plan_one_unit(lora_->layout(), "adapters", mesh.shape(),
                                          deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_))
@@ -200,7 +213,8 @@ class CudaPipelineBackend final : public TrainBackend {
                mesh.dp(), nccl_dp_, arena_, cuda::offload_threads(mesh), {},
                {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_},
                lora_ ? cuda::PipelineHold{{0}, -1, &mesh.pp()}
-                     : cuda::PipelineHold{held_units(), tied_copy() ? 0 : -1, &mesh.pp()}),
+                     : cuda::PipelineHold{held_units(), tied_copy() ? 0 : -1, &mesh.pp()},
+               lora_ ? nullptr : nccl_edp_),
         batch_(M_ * deck.train.micro_batch, deck.train.seq_len, arena_),
         pp_(mesh.pp()),
         zb_(mesh.shape().pp_schedule == "zb-h1"),
@@ -227,7 +241,7 @@ class CudaPipelineBackend final : public TrainBackend {
     }
     ops_ = std::make_unique<cuda::CudaOps>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
                                            arena_, nccl_tp_, sp_, mesh.shape().tp_overlap,
-                                           deck.train.recompute, nullptr, moe_slots);
+                                           deck.train.recompute, nccl_ep_, moe_slots);
     std::vector<int> asked;
     for (int v = 0; v < V_; ++v) {
       const int c = v * P_ + s_, slots = activation_slots(mine, c);
@@ -267,10 +281,10 @@ class CudaPipelineBackend final : public TrainBackend {
       const std::size_t n = plan_.units[0].range.size();
       tied_other_ = arena_.allocate<float>(std::min(n, kTiedPiece));
     }
-    if (tp_ > 1)
-      tp_map_ = std::make_unique<TpMap>(layout_, local_layout_, plan_, mesh.tp().rank());
+    // Local -> global pieces: TpMap (tp), EpMap (ep: the rank's experts), TpEpMap, or none.
+    model_map_ = make_model_map(deck.model, layout_, local_layout_, plan_, mesh.shape(),
+                                mesh.tp().rank(), mesh.ep().rank());
     if (moe_) {
-      QT_CHECK(!lora_, "LoRA on a Qwen3-MoE model under pp (the deck refuses it)");
       // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches on all dp
       // ranks), as in the one-GPU back end (backend_cuda.cpp).
       ops_->set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
@@ -305,6 +319,12 @@ class CudaPipelineBackend final : public TrainBackend {
                        schedule_name(deck_.mesh), M_, slots);
     if (tied_copy()) out += " (and a copy of the tied embedding)";
     if (tp_ > 1) out += "; " + describe_tp(local_cfg_, tp_, sp_ > 1);
+    if (ep_ > 1)
+      out += fmt::format("; expert parallelism over ep {}: {} of {} experts a sparse layer here{}",
+                         ep_, local_cfg_.local_experts(), local_cfg_.num_experts,
+                         lora_ ? " (frozen)"
+                               : fmt::format(", their state over expert-dp {}",
+                                             deck_.mesh.dp / ep_));
     if (lora_)
       out += fmt::format("; LoRA: bf16 base frozen ({}, no gradients, moments or fp32 copy), the "
                          "{} adapter parameters of this stage's layers trained",
@@ -314,9 +334,9 @@ class CudaPipelineBackend final : public TrainBackend {
                              cuda::format_bytes(arena_.capacity()),
                              cuda::format_bytes(arena_.used()));
   }
-  // Global coordinates (TpMap under tensor parallelism; a stage's adapters always).
+  // Global coordinates (model_map_ under tp or ep; a stage's adapters always).
   std::vector<FlatPiece> model_pieces() override {
-    return global_pieces(tp_map_.get(), lora_ ? frozen_->host_pieces() : state_.param_pieces(),
+    return global_pieces(model_map_.get(), lora_ ? frozen_->host_pieces() : state_.param_pieces(),
                          /*writing=*/false);
   }
   const ParamLayout& trained_layout() const override {
@@ -328,11 +348,11 @@ class CudaPipelineBackend final : public TrainBackend {
   }
   std::vector<StatePiece> checkpoint_pieces() override {
     if (lora_) return lora_map_->to_global(state_.checkpoint_pieces(), /*writing=*/true);
-    return global_pieces(tp_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
+    return global_pieces(model_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
     if (lora_) return lora_map_->to_global(state_.checkpoint_targets());
-    return global_targets(tp_map_.get(), state_.checkpoint_targets());
+    return global_targets(model_map_.get(), state_.checkpoint_targets());
   }
   void push_state() override {
     if (frozen_) frozen_->push(arena_, stream_.get());  // the base never changes after this
@@ -674,8 +694,9 @@ class CudaPipelineBackend final : public TrainBackend {
   std::size_t H_;       // hidden size
   int M_;               // micro-batches a step of this dp rank
   int tp_;              // mesh.tp
+  int ep_;              // mesh.ep of a Qwen3-MoE model, else 1
   ParamLayout layout_;        // the model's (global)
-  ModelConfig local_cfg_;     // the tp rank's model (the model's at tp 1)
+  ModelConfig local_cfg_;     // the tp and ep rank's model (the model's at tp = ep = 1)
   ParamLayout local_layout_;  // its layout: the plan's, the state's and the programs'
   ShardPlan plan_;            // its units' stages and the layer split
   PipeSchedule actions_;      // every stage's list of a step (this stage's: [s_])
@@ -684,6 +705,8 @@ class CudaPipelineBackend final : public TrainBackend {
   void* gemm_ws_;
   cuda::NcclComm* nccl_tp_;   // the mesh's tp communicator; null at tp 1
   cuda::NcclComm* nccl_dp_;   // the stage's dp group; null at dp 1
+  cuda::NcclComm* nccl_ep_;   // the stage's ep and expert-dp groups; null at ep 1
+  cuda::NcclComm* nccl_edp_;
   std::unique_ptr<cuda::LoraCuda> lora_;  // [lora]: the stage's adapters, else null
   ShardPlan lora_plan_;                   // [lora]: lora_->layout() as one unit
   cuda::ShardedCudaState state_;  // the trained parameters: the stage's units, or its adapters
@@ -692,7 +715,7 @@ class CudaPipelineBackend final : public TrainBackend {
   cuda::NcclComm* channel_[kChannels] = {};
   std::unique_ptr<cuda::CudaOps> ops_;  // shared by the chunks (one stream, one action at a time)
   std::vector<std::unique_ptr<Chunk>> chunks_;
-  std::unique_ptr<TpMap> tp_map_;       // local -> global pieces with tp > 1, else null
+  std::unique_ptr<LayoutMap> model_map_;  // local -> global pieces with tp or ep > 1, else null
   std::unique_ptr<FrozenUnits> frozen_;  // [lora]: the stage's frozen base, else null
   std::unique_ptr<ParamLayout> global_lora_layout_;  // [lora]: the model's adapters
   std::unique_ptr<TpMap> lora_map_;      // [lora]: the stage's adapters -> the global ones

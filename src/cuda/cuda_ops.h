@@ -251,7 +251,7 @@ class CudaOps : public NoCollectives {
   // Expert parallelism (cuda_ops_moe_ep.cpp; ep_ null without). P = ep size, El = E / P experts
   // stored here; "send order": this rank's N k rows by global expert (rank p's experts a block);
   // "received order": by source rank, then local expert; "expert order": by local expert, then
-  // source rank (ops/cuda/moe_ep.cuh). Per sparse layer, from its forward:
+  // source rank (ops/cuda/moe_ep.cuh). Per sparse layer and pipeline slot, from its forward:
   struct MoeEp {
     std::vector<std::size_t> send, send_at, recv, recv_at;  // [P] rows to / from each ep rank
     int received = 0;                 // rows received (sum of recv) <= moe_ep_rows_
@@ -259,10 +259,10 @@ class CudaOps : public NoCollectives {
     int *to_expert = nullptr, *from_expert = nullptr;  // [moe_ep_rows_] device: the two orders
     bf16* x = nullptr;                // [moe_ep_rows_, H] received rows in expert order (kept;
                                       // shared by the layers with moe_recompute_)
-    long forward = -1;                // the micro-batch (moe_forwards_) these counts are of
+    long forward = -1;                // the micro-batch (moe_forward_id()) these counts are of
   };
   NcclComm* ep_ = nullptr;
-  std::vector<MoeEp> moe_ep_;         // [L] (empty entries for dense layers)
+  std::vector<std::vector<MoeEp>> moe_ep_;  // [L][slots] as moe_layers_ (none for dense layers)
   int moe_ep_rows_ = 0;               // the most rows a rank receives: P N min(k, El), or E C
                                       // with a capacity C when less
   int* moe_ep_counts_ = nullptr;      // [P, E] device: the group's kept routing counts
@@ -270,6 +270,12 @@ class CudaOps : public NoCollectives {
   int* moe_ep_segments_ = nullptr;    // [2 E] moe_ep_recv_order's scratch
   bf16 *moe_ep_a_ = nullptr, *moe_ep_b_ = nullptr;  // [moe_ep_rows_, H] scratch
   long moe_forwards_ = 0;             // moe_begin() calls: a micro-batch's forward
+  std::vector<long> moe_slot_forward_;  // [slots] the forward (moe_forwards_) each slot holds
+  // The selected slot's micro-batch: its forward's number (moe_begin), which its recomputed
+  // forward and its backward share whatever other slots ran between.
+  long moe_forward_id() const { return moe_slot_forward_.at(static_cast<std::size_t>(moe_slot_)); }
+  // Layer l's exchange state of the selected slot (checked).
+  MoeEp& moe_ep_layer(int l);
   Event ep_ready_, ep_done_;
   void moe_ep_allocate(DeviceArena& arena);
   // Layer l's counts: the group's all-gather, copied to the host (the one synchronisation), the

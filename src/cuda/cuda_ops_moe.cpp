@@ -89,6 +89,10 @@ void CudaOps::moe_allocate(ArenaCarver& arena) {
     moe_dx_gate_ = arena.take<bf16>(N * H);
     moe_dw_ = arena.take<float>(rows);
   }
+  std::size_t most_slots = 1;
+  for (const std::vector<MoeLayer>& sets : moe_layers_)
+    most_slots = std::max(most_slots, sets.size());
+  moe_slot_forward_.assign(most_slots, -1);
   moe_own_.sums = arena.take<double>(2 * static_cast<std::size_t>(E));
   moe_balance_ = &moe_own_;
   const std::size_t n_load = static_cast<std::size_t>(cfg_.num_moe_layers()) * E;
@@ -177,6 +181,7 @@ void CudaOps::moe_begin() {
     b.tokens = 0;
   }
   ++moe_forwards_;
+  moe_slot_forward_.at(static_cast<std::size_t>(moe_slot_)) = moe_forwards_;
 }
 
 void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* x,
@@ -223,12 +228,12 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
                            const bf16* down, bool acc) {
   // Null gradients: a frozen block (LoRA: the router and the experts frozen, PEFT's frozen
   // Linear), dx only, through the experts and the router's logits alike (ops/moe_block.h); the
-  // grouped and the router's GEMMs skip their null weight gradients.
+  // grouped and the router's GEMMs skip their null weight gradients (with an ep group too: the
+  // rows still go to the experts' ranks and back).
   const bool frozen = g_router == nullptr;
   QT_CHECK(frozen == (g_gate_up == nullptr) && frozen == (g_down == nullptr),
            "an MoE block with some of its gradients (the router's and the experts': all or "
            "none)");
-  QT_CHECK(!frozen || !ep_, "a frozen MoE block under expert parallelism (not built on the GPU)");
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
   const int Im = cfg_.moe_intermediate_size, rows = N_ * k;
   const MoeLayer& m = moe_layer(l);

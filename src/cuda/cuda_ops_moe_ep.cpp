@@ -41,16 +41,20 @@ namespace qt::cuda {
 void CudaOps::moe_ep_allocate(DeviceArena& arena) {
   const int P = ep_->size(), E = cfg_.num_experts, El = E / P;
   const std::size_t H = cfg_.hidden_size, rows = static_cast<std::size_t>(moe_ep_rows_);
-  moe_ep_.resize(static_cast<std::size_t>(cfg_.num_layers));
+  moe_ep_.assign(static_cast<std::size_t>(cfg_.num_layers), {});
   bf16* shared_x = nullptr;
   for (int l = 0; l < cfg_.num_layers; ++l) {
-    if (!cfg_.is_moe_layer(l)) continue;
-    MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
-    e.offsets = arena.allocate<int>(static_cast<std::size_t>(El) + 1);
-    e.to_expert = arena.allocate<int>(rows);
-    e.from_expert = arena.allocate<int>(rows);
-    if (!moe_recompute_ || shared_x == nullptr) shared_x = arena.allocate<bf16>(rows * H);
-    e.x = shared_x;
+    // A set a micro-batch in flight, as moe_layers_ (moe_allocate): a pipeline's slots.
+    const std::size_t slots = moe_layers_[static_cast<std::size_t>(l)].size();
+    for (std::size_t k = 0; k < slots; ++k) {
+      MoeEp e;
+      e.offsets = arena.allocate<int>(static_cast<std::size_t>(El) + 1);
+      e.to_expert = arena.allocate<int>(rows);
+      e.from_expert = arena.allocate<int>(rows);
+      if (!moe_recompute_ || shared_x == nullptr) shared_x = arena.allocate<bf16>(rows * H);
+      e.x = shared_x;
+      moe_ep_[static_cast<std::size_t>(l)].push_back(std::move(e));
+    }
   }
   const std::size_t PE = static_cast<std::size_t>(P) * E;
   moe_ep_counts_ = arena.allocate<int>(PE);
@@ -60,9 +64,16 @@ void CudaOps::moe_ep_allocate(DeviceArena& arena) {
   moe_ep_b_ = arena.allocate<bf16>(rows * H);
 }
 
+CudaOps::MoeEp& CudaOps::moe_ep_layer(int l) {
+  std::vector<MoeEp>& sets = moe_ep_.at(static_cast<std::size_t>(l));
+  QT_CHECK(moe_slot_ >= 0 && moe_slot_ < static_cast<int>(sets.size()),
+           "MoE exchange slot {} of layer {}, which keeps {} here", moe_slot_, l, sets.size());
+  return sets[static_cast<std::size_t>(moe_slot_)];
+}
+
 void CudaOps::moe_ep_counts(int l) {
   const int P = ep_->size(), r = ep_->rank(), E = cfg_.num_experts, El = E / P;
-  MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
+  MoeEp& e = moe_ep_layer(l);
   // moe_kept_ [E]: this layer's routing (the rows the capacity keeps), just made on the
   // micro-batch's stream.
   ep_ready_.record(s_);
@@ -95,7 +106,7 @@ void CudaOps::moe_ep_counts(int l) {
   // them only after the micro-batch's stream has passed this kernel (ep_ready_ of that layer).
   moe_ep_recv_order(e.offsets, e.to_expert, e.from_expert, moe_ep_counts_, P, E, r, e.received,
                     moe_ep_segments_, s_);
-  e.forward = moe_forwards_;
+  e.forward = moe_forward_id();
 }
 
 void CudaOps::moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool to_experts) {
@@ -115,9 +126,9 @@ void CudaOps::moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool
 
 void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down) {
   MoeLayer& m = moe_layer(l);
-  MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
+  MoeEp& e = moe_ep_layer(l);
   // A recomputed forward of this micro-batch routes the same: its counts stand.
-  if (e.forward != moe_forwards_) moe_ep_counts(l);
+  if (e.forward != moe_forward_id()) moe_ep_counts(l);
   const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
   const int R = e.received;
   moe_ep_exchange(moe_x_, moe_ep_a_, e, /*to_experts=*/true);  // received order
@@ -132,8 +143,9 @@ void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down) {
 void CudaOps::moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16* gate_up,
                               const bf16* down, bool acc) {
   const MoeLayer& m = moe_layer(l);
-  const MoeEp& e = moe_ep_[static_cast<std::size_t>(l)];
-  QT_CHECK(e.forward == moe_forwards_, "moe_backward of layer {} without its forward's counts", l);
+  const MoeEp& e = moe_ep_layer(l);
+  QT_CHECK(e.forward == moe_forward_id(), "moe_backward of layer {} without its forward's counts",
+           l);
   const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
   const int R = e.received;
   moe_ep_exchange(moe_dout_, moe_ep_a_, e, /*to_experts=*/true);

@@ -103,10 +103,6 @@ Layouts enumerate_layouts(const LayoutSearch& s) {
           else if (E % ep != 0)
             out.excluded.push_back({dp, tp, pp, ep, fmt::format("mesh.ep = {} does not divide "
                                                                 "model.num_experts = {}", ep, E)});
-          else if (ep > 1 && pp > 1)  // validate_moe (deck.cpp)
-            out.excluded.push_back({dp, tp, pp, ep, fmt::format("mesh.ep = {} with mesh.pp = {}: "
-                                                                "expert parallelism in a pipeline "
-                                                                "is not built on GPUs", ep, pp)});
           else
             eps.push_back(ep);
         }

@@ -75,10 +75,9 @@ u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool re
                                      static_cast<long>(N), m.num_experts_per_tok, m.num_experts,
                                      ep, m.moe_capacity_factor))
                               : rows;
-  u128 sparse = 0, sets = 0;  // the stage's sparse layers; their sets (a slot each)
+  u128 sets = 0;  // the stage's sparse layers' sets (a slot each)
   for (const StageParts::Chunk& c : st.chunks) {
     const u128 n = m.moe_layers_before(c.last) - m.moe_layers_before(c.first);
-    sparse += n;
     sets += n * static_cast<u128>(c.slots);
   }
   // Per sparse layer and slot: pos, pair [rows] int32; offsets [E + 1] int32.
@@ -101,9 +100,10 @@ u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool re
        + blk(8 * u128(m.num_moe_layers()) * E)  // moe_load_ [sparse layers of the model, E]
        + blk(8 * u128(m.num_moe_layers()));     // moe_dropped_ [sparse layers of the model]
   if (ep > 1) {  // moe_ep_allocate
-    // Per sparse layer: offsets [El + 1], to_expert, from_expert [ex_rows] int32; the received
-    // rows in expert order x [ex_rows, H] bf16 per layer, or one shared with recompute.
-    b += sparse * (blk(4 * (El + 1)) + 2 * blk(4 * ex_rows)) + kept * blk(2 * ex_rows * H);
+    // Per sparse layer and slot: offsets [El + 1], to_expert, from_expert [ex_rows] int32; the
+    // received rows in expert order x [ex_rows, H] bf16 per layer and slot, or one shared with
+    // recompute.
+    b += sets * (blk(4 * (El + 1)) + 2 * blk(4 * ex_rows)) + kept * blk(2 * ex_rows * H);
     b += blk(4 * P * E)             // moe_ep_counts_ [P, E] int32
          + blk(4 * 2 * E)           // moe_ep_segments_ [2 E] int32
          + 2 * blk(2 * ex_rows * H);  // moe_ep_a_, moe_ep_b_ [ex_rows, H] scratch
@@ -209,10 +209,6 @@ void validate(const MemoryPlanInput& in) {
     if (s.dp % s.ep != 0) fail_user("mesh.ep = {} does not divide mesh.dp = {}", s.ep, s.dp);
     if (m.num_experts % s.ep != 0)
       fail_user("mesh.ep = {} does not divide model.num_experts = {}", s.ep, m.num_experts);
-    if (s.pp != 1 && s.ep != 1)
-      fail_user("mesh.ep = {} with mesh.pp = {}: expert parallelism in a pipeline is not built "
-                "on train.device = cuda (the back end planned here); set mesh.ep = 1 or "
-                "mesh.pp = 1", s.ep, s.pp);
   }
   if (s.tp < 1 || s.pp < 1 || s.pp_chunks < 1)
     fail_user("mesh.tp ({}), mesh.pp ({}) and mesh.pp_chunks ({}) must be >= 1", s.tp, s.pp,
@@ -348,7 +344,7 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   const bool holds_embed = st.embedding || st.tied_copy;
   const u128 layers = st.layers();
   // Qwen3-MoE: the real layout of the (tp, ep) rank's model and the stage's units of
-  // plan_qwen3 (at ep > 1, pp = 1 only (validate), each sparse layer's experts, E / ep of them, a
+  // plan_qwen3 (at ep > 1 each sparse layer's experts, E / ep of them, a
   // unit of their own sharded over edp = dp / ep; at ep = 1 inside their layer's unit; at tp > 1
   // each expert's tp share of the width, the router whole; at pp > 1 the units of stage s and
   // the last stage's copy of a tied embedding).
@@ -378,8 +374,8 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   MemoryPlan p;
   // What the CUDA back end runs today: tp (and sequence parallelism) at any dp, pp at dp 1 with
   // whole backwards (src/cuda/backend_cuda_pipeline.cpp).
-  // Qwen3-MoE: any tp and ep at pp = 1 (src/cuda/cuda_ops_moe.cpp, cuda_ops_moe_ep.cpp); pp > 1
-  // at ep = 1 (validate), as the dense pipeline.
+  // Qwen3-MoE: any tp and ep (src/cuda/cuda_ops_moe.cpp, cuda_ops_moe_ep.cpp); pp > 1 as the
+  // dense pipeline, with ep too.
   p.built = in.mesh.pp == 1 || dp == 1 || in.zero_stage <= 1;
   p.stage = s;
   p.slots = st.max_slots();

@@ -432,8 +432,9 @@ std::string report(const Options& o, const PlanDeck& pd) {
     out += "Qwen3-MoE: the CUDA back end runs the sparse block at any dp, tp, ep and ZeRO "
            "stage: experts E / ep a rank\n(each its tp share of the width) sharded over "
            "dp / ep, the dispatch buffers sized for the most rows a\nrank can receive, "
-           "all-to-alls timed over the links (docs/plan.md); pp > 1 at ep = 1, a set of the\n"
-           "routing and expert activations per micro-batch in flight.\n";
+           "all-to-alls timed over the links (docs/plan.md); pp > 1 with a set of the\n"
+           "routing and expert activations (and at ep > 1 the exchange maps) per micro-batch in "
+           "flight.\n";
 
   const plan::Layout* best = plan::recommended(all);
   if (best) {

@@ -48,7 +48,10 @@
 // norm summed over pp). Each action keys the dropout masks with its micro-batch's first sequence
 // and each activation slot keeps its own adapter activations, so the masks and the gradients
 // are the serial run's. ZB-H1 runs too: with no base gradients its weight halves have nothing
-// to do (the adapters' gradients come with the input halves).
+// to do (the adapters' gradients come with the input halves). On a Qwen3-MoE model the adapters
+// sit on attention alone: the routers and experts are frozen base units like the rest (with
+// mesh.ep > 1 each stage's its ep rank's experts), the load statistics and the expert exchanges
+// run as in full training, and the aux loss's gradient reaches the adapters through d x.
 #include <mpi.h>
 
 #include <fmt/format.h>
@@ -120,7 +123,6 @@ class CpuPipelineBackend final : public TrainBackend {
     model_map_ = make_model_map(deck.model, global_layout_, layout_, plan_, mesh.shape(),
                                 mesh.tp().rank(), mesh.ep().rank());
     if (local_.is_moe()) {
-      QT_CHECK(!lora_, "LoRA on a Qwen3-MoE model");
       // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches on all
       // dp ranks), as in the plain CPU back end.
       const float aux_scale = static_cast<float>(deck.model.router_aux_loss_coef *

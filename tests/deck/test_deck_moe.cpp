@@ -86,10 +86,20 @@ TEST(DeckErrors, Moe) {
   EXPECT_EQ(parse(moe + cuda + "[mesh]\nep = 2\ntp = 2\n[train]\nglobal_batch = 16\n", {}, 4)
                 .mesh.tp,
             2);
-  expect_error(moe + cuda + "[mesh]\nep = 2\npp = 2\n[train]\nglobal_batch = 16\n", {}, 4,
-               {"mesh.ep = 2", "mesh.pp > 1 or LoRA", "train.device = cuda"});
-  expect_error(moe + cuda + "[mesh]\nep = 2\n[lora]\nr = 4\n",
-               {"mesh.ep = 2", "LoRA", "train.device = cuda"});
+  // ep with pp (cuda/backend_cuda_pipeline.cpp) and with LoRA (backend_cuda_lora.cpp, and the
+  // pipeline's), at any ZeRO stage the pipeline runs.
+  EXPECT_EQ(parse(moe + cuda + "[mesh]\nep = 2\npp = 2\n[train]\nglobal_batch = 16\n", {}, 4)
+                .mesh.ep,
+            2);
+  EXPECT_EQ(parse(moe + cuda + "[mesh]\nep = 2\npp = 2\npp_schedule = zb-h1\n[train]\n"
+                  "global_batch = 16\n", {}, 4)
+                .mesh.pp_schedule,
+            "zb-h1");
+  EXPECT_EQ(parse(moe + cuda + "[mesh]\nep = 2\n[lora]\nr = 4\n").mesh.ep, 2);
+  EXPECT_EQ(parse(moe + cuda + "[mesh]\nep = 2\npp = 2\n[lora]\nr = 4\n[train]\n"
+                  "global_batch = 16\n", {}, 4)
+                .lora.r,
+            4);
   expect_error("[model]\nnum_experts = 1025\nnum_experts_per_tok = 2\n" + cuda,
                {"model.num_experts = 1025", "> 1024", "train.device = cuda"});
   expect_error("[model]\nnum_experts = 64\nnum_experts_per_tok = 33\n" + cuda,
@@ -102,15 +112,14 @@ TEST(DeckErrors, Moe) {
   EXPECT_TRUE(parse(moe + cuda + "[mesh]\ntp = 2\nsequence_parallel = true\n")
                   .mesh.sequence_parallel);
   // Pipeline parallelism on cuda (backend_cuda_pipeline.cpp): 1F1B, ZB-H1, interleaved, with
-  // recompute; not with ep (above) nor LoRA (below).
+  // recompute, ep (above) and LoRA.
   EXPECT_EQ(parse(moe + cuda + "[mesh]\npp = 2\n").mesh.pp, 2);
   EXPECT_EQ(parse(moe + cuda + "[mesh]\npp = 2\npp_schedule = zb-h1\n").mesh.pp_schedule,
             "zb-h1");
   EXPECT_TRUE(parse(moe + cuda + "recompute = true\n[mesh]\npp = 2\n").train.recompute);
-  expect_error(moe + cuda + "[lora]\nr = 4\n[mesh]\npp = 2\n",
-               {"mesh.pp = 2", "LoRA", "Qwen3-MoE"});
-  // LoRA on the attention projections (the router and experts frozen): cpu at any ep and tp,
-  // cuda at any tp with ep 1; no adapters on the experts or the dense MLP, no pp yet.
+  EXPECT_EQ(parse(moe + cuda + "[lora]\nr = 4\n[mesh]\npp = 2\n").mesh.pp, 2);
+  // LoRA on the attention projections (the router and experts frozen): both back ends at any
+  // dp, ep, tp and pp; no adapters on the experts or the dense MLP.
   EXPECT_EQ(parse(moe + cuda + "[lora]\nr = 4\n").lora.r, 4);
   EXPECT_EQ(parse(moe + cuda + "[lora]\nr = 4\n[mesh]\ntp = 2\n").mesh.tp, 2);
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n").lora.r, 4);
@@ -120,7 +129,9 @@ TEST(DeckErrors, Moe) {
   expect_error(moe + cuda + "[lora]\nr = 4\ntargets = all-linear\n",
                {"lora.targets", "gate_proj", "q_proj, k_proj, v_proj, o_proj"});
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\ntp = 2\n").mesh.tp, 2);
-  expect_error(moe + "[lora]\nr = 4\n[mesh]\npp = 2\n", {"mesh.pp = 2", "LoRA", "Qwen3-MoE"});
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\npp = 2\n").mesh.pp, 2);
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\npp = 2\nep = 2\n[train]\nglobal_batch = 16\n",
+                  {}, 4).mesh.ep, 2);
   // The CPU reference runs tp (each expert's width split), pp and both with ep; tp must split
   // the width.
   EXPECT_EQ(parse(moe + "[mesh]\ntp = 2\n").mesh.tp, 2);

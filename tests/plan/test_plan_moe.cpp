@@ -143,7 +143,7 @@ TEST(PlanMoe, Tp2ParameterBytesByHand) {
   const u64 layer = attn + kRouter, experts = kExperts / 4;
   EXPECT_EQ(q.params, r(2 * kEmbed / 2) + 2 * r(2 * layer) + r(2 * dense) + r(2 * kNorm) +
                           2 * r(2 * experts));
-  // pp at ep 1 is built (backend_cuda_pipeline.cpp); ep with pp is refused, as the deck does.
+  // pp is built (backend_cuda_pipeline.cpp), at ep 1 and with ep.
   MemoryPlanInput pp = input(1, 1, 0);
   pp.mesh.pp = 2;
   pp.micro_batches = 2;
@@ -151,25 +151,24 @@ TEST(PlanMoe, Tp2ParameterBytesByHand) {
   MemoryPlanInput pp_ep = input(2, 2, 0);
   pp_ep.mesh.pp = 2;
   pp_ep.micro_batches = 2;
-  try {
-    qt::plan::memory_plan(pp_ep);
-    ADD_FAILURE() << "ep 2 with pp 2 planned";
-  } catch (const qt::UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("mesh.ep = 2 with mesh.pp = 2"), std::string::npos)
-        << e.what();
-  }
+  EXPECT_TRUE(qt::plan::memory_plan(pp_ep).built);
 }
 
 // A pipeline stage's MoE buffers a micro-batch in flight: stage 0 of pp 2 holds 2 micro-batches
 // under 1F1B with M = 2 and 1 with M = 1; the difference is one slot, by hand: x, ln, rstd of
 // its layers' inputs and output, each layer's LayerActs (a sparse layer: the router's output),
 // and CudaOps::moe_allocate's per-slot set of each sparse layer (pos, pair, offsets; gu, h, out
-// without recompute) and the pipeline's statistics sums [2 E] double.
+// without recompute) and the pipeline's statistics sums [2 E] double. At ep = P 2 (dp 2) the
+// experts' rows are the most a rank receives, ex = P N min(k, E / P), and moe_ep_allocate adds
+// a slot's exchange maps of each sparse layer (offsets [E / P + 1], to_expert, from_expert [ex]
+// int32; the received rows x [ex, H] bf16 without recompute).
 TEST(PlanMoe, PipelineCountsEachSlot) {
   const u64 N = 16, H = 64, Q = 64, KV = 32, I = 128, nh = 4, nkv = 2, T = 8;
   const u64 E = 8, k = 2, Im = 32, rows = N * k;
+  for (const u64 P : {1, 2})
   for (bool recompute : {false, true}) {
-    MemoryPlanInput in = input(1, 1, 0, recompute);
+    MemoryPlanInput in = input(static_cast<int>(P), static_cast<int>(P), 0, recompute);
+    const u64 ex = P > 1 ? P * N * std::min(k, E / P) : rows;
     in.mesh.pp = 2;
     in.micro_batches = 2;
     const qt::plan::StageParts st = qt::plan::stage_parts(in, 0);
@@ -188,12 +187,14 @@ TEST(PlanMoe, PipelineCountsEachSlot) {
                        2 * r(N * H * 2) + r(N * 4);
     const u64 dense = r(N * 2 * I * 2) + r(N * I * 2);
     const u64 router = r(N * E * 4) + r(N * k * 4) + r(N * k * 2);
-    const u64 experts = r(rows * 2 * Im * 2) + r(rows * Im * 2) + r(rows * H * 2);
+    const u64 experts = r(ex * 2 * Im * 2) + r(ex * Im * 2) + r(rows * H * 2);
     u64 slot = (layers + 1) * (2 * r(N * H * 2) + r(N * 4)) +
                sparse * (2 * r(rows * 4) + r((E + 1) * 4)) + r(2 * E * 8);
+    if (P > 1) slot += sparse * (r((E / P + 1) * 4) + 2 * r(ex * 4));
     if (!recompute)
-      slot += layers * common + (layers - sparse) * dense + sparse * (router + experts);
-    EXPECT_EQ(two - one, slot) << "recompute " << recompute;
+      slot += layers * common + (layers - sparse) * dense + sparse * (router + experts) +
+              (P > 1 ? sparse * r(ex * H * 2) : 0);
+    EXPECT_EQ(two - one, slot) << "ep " << P << ", recompute " << recompute;
   }
 }
 
@@ -279,18 +280,18 @@ qt::plan::LayoutSearch tiny_search(int gpus) {
 }
 
 // Each mesh with pp = 1 runs every ep dividing dp and E, at every tp (tiny_moe's 2 kv heads
-// allow tp 1, 2 and 4: 4 shares each kv head between 2 tp ranks); pp > 1 at ep 1 (ep with pp is
-// left out: the deck refuses it), and an ep the deck would refuse is left out with the reason.
+// allow tp 1, 2 and 4: 4 shares each kv head between 2 tp ranks); pp > 1 too, with ep (pp 2 x
+// dp 2 x ep 2), and an ep the deck would refuse is left out with the reason.
 TEST(PlanMoe, EnumerationIncludesEpAndTp) {
   const qt::plan::Layouts all = qt::plan::enumerate_layouts(tiny_search(4));
   bool seen[5] = {}, seen_tp[5] = {};
   bool tp_ep = false;  // tp 2 x ep 2 (dp 2)
-  bool seen_pp = false;
+  bool seen_pp = false, seen_pp_ep = false;
   for (const qt::plan::Layout& row : all.rows) {
     const qt::MeshShape& m = row.in.mesh;
     EXPECT_EQ(m.dp * m.tp * m.pp, 4);
-    EXPECT_TRUE(m.pp == 1 || m.ep == 1);
     seen_pp |= m.pp == 2;
+    seen_pp_ep |= m.pp == 2 && m.ep == 2;
     ASSERT_TRUE(m.ep == 1 || m.ep == 2 || m.ep == 4);
     ASSERT_TRUE(m.tp == 1 || m.tp == 2 || m.tp == 4);
     seen[m.ep] = true;
@@ -304,6 +305,7 @@ TEST(PlanMoe, EnumerationIncludesEpAndTp) {
   EXPECT_TRUE(seen_tp[1] && seen_tp[2] && seen_tp[4]);
   EXPECT_TRUE(tp_ep);
   EXPECT_TRUE(seen_pp);
+  EXPECT_TRUE(seen_pp_ep);
   auto reason = [&](int dp, int tp, int pp, int ep) {
     for (const qt::plan::Excluded& e : all.excluded)
       if (e.dp == dp && e.tp == tp && e.pp == pp && e.ep == ep) return e.why;
@@ -321,8 +323,7 @@ TEST(PlanMoe, EnumerationIncludesEpAndTp) {
   EXPECT_TRUE(tp4_excluded);
   for (const qt::plan::Layout& row : six_wide.rows) EXPECT_NE(row.in.mesh.tp, 4);
   EXPECT_EQ(reason(2, 1, 2, 1), "(not excluded)");
-  EXPECT_EQ(reason(2, 1, 2, 2), "mesh.ep = 2 with mesh.pp = 2: expert parallelism in a pipeline "
-                                "is not built on GPUs");
+  EXPECT_EQ(reason(2, 1, 2, 2), "(not excluded)");  // ep in a pipeline
   // --ep 3 (does not divide dp 4); 6 experts: ep 4 does not divide them.
   qt::plan::LayoutSearch s = tiny_search(4);
   s.tp = s.pp = {1};

@@ -3,8 +3,10 @@
 // expert frozen. Only the adapters train (the router, the experts and every other base weight
 // stay bit for bit, the loss of a repeated batch falls); dp 2, ep 2 and tp 2 (with and without
 // sequence parallelism) reproduce the serial run;
-// a step-5 checkpoint resumes on the uninterrupted run (and an ep 2 one at ep 1); `qtrain export`
-// writes PEFT's names for Qwen3MoeForCausalLM's attention adapters.
+// a step-5 checkpoint resumes on the uninterrupted run (and an ep 2 one at ep 1); pp 2 (every
+// schedule; interleaved on four layers) reproduces it and its checkpoints move to and from one
+// stage; on four ranks pp 2 x dp 2 and pp 2 x ep 2; `qtrain export` writes PEFT's names for
+// Qwen3MoeForCausalLM's attention adapters.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -143,6 +145,47 @@ TEST_F(MoeTraining, LoraMeshesAndResumeReproduceTheSerialRun) {
                      "lora_dp2_resumed");
   expect_like_serial(resume("ep2_to_1", 1, "ep2", kLr, lora_text()), tail(serial, 5),
                      "lora_ep2_to_ep1");
+}
+
+// pp 2 (train/backend_cpu_pipeline.cpp): the deck's layers 0 (sparse) and 1 (dense) on stage 0,
+// layer 2 (sparse) and the head on stage 1, so each stage's adapters see the other's load
+// statistics through the aux loss's gradient; 1F1B, ZB-H1 (empty weight halves) and recompute;
+// four layers interleaved, a chunk a layer. The step-5 checkpoint of pp 2 resumes serially and
+// the serial run's at pp 2.
+TEST_F(MoeTraining, LoraPipelineReproducesTheSerialRun) {
+  const std::vector<std::string> serial_ov = with(kLr, {"--optim.zero_stage=0"});
+  const std::vector<MoeStep> serial = train("serial", 1, serial_ov, lora_text());
+  const std::vector<MoeStep> pp2 = train("pp2", 2, with(kLr, {"--mesh.pp=2"}), lora_text());
+  expect_like_serial(pp2, serial, "lora_pp2");
+  expect_like_serial(train("pp2_zb", 2, with(kLr, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1"}),
+                           lora_text()),
+                     serial, "lora_pp2_zb");
+  expect_like_serial(train("pp2_recompute", 2, with(kLr, {"--mesh.pp=2", "--train.recompute=true"}),
+                           lora_text()),
+                     serial, "lora_pp2_recompute");
+  expect_like_serial(resume("pp2_to_1", 1, "pp2", kLr, lora_text()), tail(serial, 5),
+                     "lora_pp2_to_serial");
+  expect_like_serial(resume("serial_to_pp2", 2, "serial", with(kLr, {"--mesh.pp=2"}), lora_text()),
+                     tail(serial, 5), "lora_serial_to_pp2");
+  const std::vector<std::string> four = {"--model.num_layers=4"};
+  const std::vector<MoeStep> serial4 = train("serial4", 1, with(serial_ov, four), lora_text());
+  const std::vector<std::string> v2 = {"--mesh.pp=2", "--mesh.pp_chunks=2"};
+  expect_like_serial(train("pp2_v2", 2, with(with(kLr, four), v2), lora_text()), serial4,
+                     "lora_pp2_v2");
+}
+
+// On four ranks: pp 2 x dp 2 and pp 2 x ep 2 (each stage's frozen experts split over its ep
+// group, the adapters reduced over dp), and the pp 2 x ep 2 checkpoint resumed serially.
+TEST_F(MoeTraining, LoraPipelineOnFourRanks) {
+  if (test::world_size() < 4) GTEST_SKIP() << "needs mpiexec -n 4 (ctest runs it)";
+  const std::vector<MoeStep> serial = train("serial", 1, with(kLr, {"--optim.zero_stage=0"}),
+                                            lora_text());
+  expect_like_serial(train("pp2_dp2", 4, with(kLr, {"--mesh.pp=2"}), lora_text()), serial,
+                     "lora_pp2_dp2");
+  expect_like_serial(train("pp2_ep2", 4, with(kLr, {"--mesh.pp=2", "--mesh.ep=2"}), lora_text()),
+                     serial, "lora_pp2_ep2");
+  expect_like_serial(resume("pp2_ep2_to_1", 1, "pp2_ep2", kLr, lora_text()), tail(serial, 5),
+                     "lora_pp2_ep2_to_serial");
 }
 
 // `qtrain export` of a LoRA checkpoint of the MoE model: PEFT's adapter names for
