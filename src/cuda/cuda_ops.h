@@ -259,7 +259,7 @@ class CudaOps : public NoCollectives {
     int *to_expert = nullptr, *from_expert = nullptr;  // [moe_ep_rows_] device: the two orders
     bf16* x = nullptr;                // [moe_ep_rows_, H] received rows in expert order (kept;
                                       // shared by the layers with moe_recompute_)
-    long forward = -1;                // the micro-batch (moe_forward_id()) these counts are of
+    long forward = -1;                // the forward (moe_forwards_) that made these counts
   };
   NcclComm* ep_ = nullptr;
   std::vector<std::vector<MoeEp>> moe_ep_;  // [L][slots] as moe_layers_ (none for dense layers)
@@ -270,10 +270,6 @@ class CudaOps : public NoCollectives {
   int* moe_ep_segments_ = nullptr;    // [2 E] moe_ep_recv_order's scratch
   bf16 *moe_ep_a_ = nullptr, *moe_ep_b_ = nullptr;  // [moe_ep_rows_, H] scratch
   long moe_forwards_ = 0;             // moe_begin() calls: a micro-batch's forward
-  std::vector<long> moe_slot_forward_;  // [slots] the forward (moe_forwards_) each slot holds
-  // The selected slot's micro-batch: its forward's number (moe_begin), which its recomputed
-  // forward and its backward share whatever other slots ran between.
-  long moe_forward_id() const { return moe_slot_forward_.at(static_cast<std::size_t>(moe_slot_)); }
   // Layer l's exchange state of the selected slot (checked).
   MoeEp& moe_ep_layer(int l);
   Event ep_ready_, ep_done_;
@@ -285,7 +281,10 @@ class CudaOps : public NoCollectives {
   // order) or back (received -> send order), ordered with the micro-batch's stream by events.
   void moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool to_experts);
   // The experts of moe_x_'s rows (send order) on their ranks: layer l's out (send order).
-  void moe_ep_forward(int l, const bf16* gate_up, const bf16* down);
+  // fresh: a micro-batch's forward, which makes the slot's counts; else its recomputed forward
+  // (train.recompute), which reuses them: the slot holds that micro-batch from its forward to
+  // its backward, whatever other slots run between.
+  void moe_ep_forward(int l, const bf16* gate_up, const bf16* down, bool fresh);
   // Their backward from moe_dout_ (d out, send order): d x_perm into moe_x_ (send order), this
   // rank's experts' weight gradients (+= when acc).
   void moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16* gate_up,

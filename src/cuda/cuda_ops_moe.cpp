@@ -89,10 +89,6 @@ void CudaOps::moe_allocate(ArenaCarver& arena) {
     moe_dx_gate_ = arena.take<bf16>(N * H);
     moe_dw_ = arena.take<float>(rows);
   }
-  std::size_t most_slots = 1;
-  for (const std::vector<MoeLayer>& sets : moe_layers_)
-    most_slots = std::max(most_slots, sets.size());
-  moe_slot_forward_.assign(most_slots, -1);
   moe_own_.sums = arena.take<double>(2 * static_cast<std::size_t>(E));
   moe_balance_ = &moe_own_;
   const std::size_t n_load = static_cast<std::size_t>(cfg_.num_moe_layers()) * E;
@@ -181,7 +177,6 @@ void CudaOps::moe_begin() {
     b.tokens = 0;
   }
   ++moe_forwards_;
-  moe_slot_forward_.at(static_cast<std::size_t>(moe_slot_)) = moe_forwards_;
 }
 
 void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* x,
@@ -212,7 +207,7 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
   const int Im = cfg_.moe_intermediate_size;
   moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
   if (ep_) {
-    moe_ep_forward(l, gate_up, down);
+    moe_ep_forward(l, gate_up, down, /*fresh=*/stats);  // stats: not a recomputed forward
   } else {
     grouped_linear(m.gu, moe_x_, gate_up, m.offsets, E, rows, H, 2 * Im, s_);
     swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, rows, Im, s_);

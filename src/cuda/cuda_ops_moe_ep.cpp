@@ -15,9 +15,10 @@
 // (NcclComm::all_to_all_v_async). The synchronisation-free alternative, whole blocks of the
 // largest possible count (NcclComm::all_to_all_device_async), moves P times the rows and needs
 // P x N k rows of buffer for each peer: it does not scale to ep 8. Megatron's all-to-all token
-// dispatcher makes the same choice. The counts are kept per sparse layer, so the layer's
-// backward and its recomputed forward (train.recompute: the same routing) exchange rows with no
-// further synchronisation.
+// dispatcher makes the same choice. The counts are kept per sparse layer (and pipeline slot:
+// a stage's micro-batches in flight each keep theirs, with the maps and the received rows), so
+// the layer's backward and its recomputed forward (train.recompute: the same routing) exchange
+// rows with no further synchronisation.
 //
 // Buffers (from the arena, at set-up): a rank receives at most P N min(k, El) rows, when every
 // rank sends it a row for every slot of every token (a token's k slots name distinct experts,
@@ -106,7 +107,7 @@ void CudaOps::moe_ep_counts(int l) {
   // them only after the micro-batch's stream has passed this kernel (ep_ready_ of that layer).
   moe_ep_recv_order(e.offsets, e.to_expert, e.from_expert, moe_ep_counts_, P, E, r, e.received,
                     moe_ep_segments_, s_);
-  e.forward = moe_forward_id();
+  e.forward = moe_forwards_;
 }
 
 void CudaOps::moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool to_experts) {
@@ -124,11 +125,11 @@ void CudaOps::moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool
   QT_CHECK_CUDA(cudaStreamWaitEvent(s_, ep_done_.get(), 0));
 }
 
-void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down) {
+void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down, bool fresh) {
   MoeLayer& m = moe_layer(l);
   MoeEp& e = moe_ep_layer(l);
-  // A recomputed forward of this micro-batch routes the same: its counts stand.
-  if (e.forward != moe_forward_id()) moe_ep_counts(l);
+  // A recomputed forward of the slot's micro-batch routes the same: its counts stand.
+  if (fresh || e.forward < 0) moe_ep_counts(l);
   const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
   const int R = e.received;
   moe_ep_exchange(moe_x_, moe_ep_a_, e, /*to_experts=*/true);  // received order
@@ -144,8 +145,7 @@ void CudaOps::moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16
                               const bf16* down, bool acc) {
   const MoeLayer& m = moe_layer(l);
   const MoeEp& e = moe_ep_layer(l);
-  QT_CHECK(e.forward == moe_forward_id(), "moe_backward of layer {} without its forward's counts",
-           l);
+  QT_CHECK(e.forward >= 0, "moe_backward of layer {} without its forward's counts", l);
   const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
   const int R = e.received;
   moe_ep_exchange(moe_dout_, moe_ep_a_, e, /*to_experts=*/true);

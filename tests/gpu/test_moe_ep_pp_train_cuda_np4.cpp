@@ -7,7 +7,8 @@
 // first kTpSteps (moe_cases.h: rows summed in another order round differently in bf16 and flip
 // near-tied routes, as under tp). Both stages' sparse layers' load is counted once. The 1F1B
 // ZeRO-1 run's step-5 checkpoint (each stage's ep rank's experts at their global places)
-// resumes on one GPU and continues that run. LoRA (attention adapters, the experts frozen) at
+// resumes on one GPU and continues that run. Interleaved (two chunks a stage, four layers)
+// follows one GPU's four-layer run. LoRA (attention adapters, the experts frozen) at
 // pp 2 x dp 2 with ep 2 follows one GPU's LoRA run. Skips unless four GPUs are visible.
 #include <gtest/gtest.h>
 
@@ -66,6 +67,14 @@ TEST(MoeTrainCudaEpPp4, ExpertParallelStagesReproduceOneGpuAndResumeOnOne) {
   EXPECT_EQ(resumed.steps.front().step, 6);
   test::expect_close(resumed, z1, 5, "pp 2 x dp 2 x ep 2 checkpoint resumed on one GPU",
                      test::kNormTol, test::kTpSteps);
+
+  // Interleaved 1F1B (four layers, two chunks a stage): a stage's two chunks keep their slots'
+  // exchange counts apart (slot k of each chunk is a different micro-batch).
+  const std::vector<std::string> four = {"--model.num_layers=4"};
+  const test::EpRun one4 = test::train_ep(1, tmp, "one4", four);
+  test::expect_close(test::train_ep(4, tmp, "pp2_dp2_ep2_v2",
+                                    with(with(mesh, four), {"--mesh.pp_chunks=2"})),
+                     one4, 0, "pp2_dp2_ep2_v2 (four layers)", test::kNormTol, test::kTpSteps);
 
   // LoRA: the same mesh against one GPU's LoRA run.
   const std::vector<std::string> lora = {"--lora.r=8", "--lora.alpha=16",
