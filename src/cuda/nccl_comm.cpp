@@ -573,6 +573,44 @@ void NcclComm::barrier() {
   wait_idle(what);
 }
 
+void NcclComm::connect(const std::vector<int>& peers) {
+  const Pending what{"connect", 1, DType::kI32, -1};
+  check_usable(what.op);
+  int* word = static_cast<int*>(scratch_.get());  // [0] the all-reduce's, [1] sent, [2] received
+  QT_CHECK_CUDA(cudaMemsetAsync(word, 0, 3 * sizeof(int), stream_));
+  enqueued(ncclAllReduce(word, word, 1, ncclInt32, ncclSum, comm_, stream_), what,
+           "ncclAllReduce");
+  if (!peers.empty()) {
+    QT_CHECK_NCCL(ncclGroupStart());
+    for (const int p : peers) {
+      enqueued(ncclSend(word + 1, 1, ncclInt32, p, comm_, stream_), what, "ncclSend");
+      enqueued(ncclRecv(word + 2, 1, ncclInt32, p, comm_, stream_), what, "ncclRecv");
+    }
+    enqueued(ncclGroupEnd(), what, "ncclGroupEnd");
+  }
+  wait_idle(what);
+}
+
+void connect_before_arena(Mesh& mesh, bool moe_ep, int pp_channels) {
+  const MeshShape& m = mesh.shape();
+  if (m.tp > 1) nccl(mesh, MeshDim::kTp).connect({});
+  if (mesh.dp().size() > 1) nccl(mesh, MeshDim::kDp).connect({});
+  if (moe_ep && m.ep > 1) {
+    NcclComm& ep = nccl(mesh, MeshDim::kEp);
+    std::vector<int> all;  // the all-to-all's peers: every other rank of the group
+    for (int r = 0; r < ep.size(); ++r)
+      if (r != ep.rank()) all.push_back(r);
+    ep.connect(all);
+    nccl(mesh, MeshDim::kEdp).connect({});
+  }
+  if (m.pp > 1) {  // each channel's neighbouring stages, both ways (the wrap joins P - 1 and 0)
+    const int s = mesh.coord().pp, P = m.pp;
+    std::vector<int> peers = {(s + 1) % P};
+    if ((s + P - 1) % P != peers[0]) peers.push_back((s + P - 1) % P);
+    for (int ch = 0; ch < pp_channels; ++ch) nccl(mesh, MeshDim::kPp, ch).connect(peers);
+  }
+}
+
 NcclComm& nccl(Mesh& mesh, MeshDim d, int channel) {
   auto* c = dynamic_cast<NcclComm*>(&mesh.device(d, channel));
   QT_CHECK(c != nullptr, "the mesh's device communicator {} is not an NcclComm", mesh_dim_name(d));

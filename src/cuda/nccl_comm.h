@@ -114,6 +114,11 @@ class NcclComm final : public Comm {
   void group_start();
   void group_end();
 
+  // Sets up NCCL's connections now: the ring of the collectives (a one-word all-reduce) and a
+  // send and a receive with each of `peers`. NCCL otherwise makes them, and allocates their
+  // device buffers, at the first collective or send/receive of the step, by then out of the
+  // little that a training arena leaves (connect_before_arena).
+  void connect(const std::vector<int>& peers);
   // Waits, with the timeout, until everything enqueued on stream() has finished.
   void synchronize();
   // Makes later work on stream() wait for `e` (recorded on a producing stream).
@@ -161,5 +166,11 @@ class NcclComm final : public Comm {
 // The mesh's device communicator of dimension d and channel k (Mesh::device), as the NcclComm it
 // is.
 NcclComm& nccl(Mesh& mesh, MeshDim d, int channel = 0);
+
+// Makes the device communicators that a CUDA training back end of this mesh uses (tp, dp, and ep
+// and expert-dp with `moe_ep`; `pp_channels` pipeline channels to the neighbouring stages) and
+// connects them (NcclComm::connect) before the back end sizes its arena from the free memory.
+// Collective over the world, every rank in the same order.
+void connect_before_arena(Mesh& mesh, bool moe_ep, int pp_channels);
 
 }  // namespace qt::cuda
