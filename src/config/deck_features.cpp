@@ -100,7 +100,10 @@ void Builder::validate_moe() {
   need(m.num_experts > 0 || m.moe_capacity_factor == 0, "model.moe_capacity_factor",
        "> 0 limits a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: "
        "set it to 0");
-  if (m.num_experts == 0) return;
+  if (m.num_experts == 0) {
+    validate_moe_lora();  // refuses expert targets
+    return;
+  }
   need(m.num_experts_per_tok >= 1 && m.num_experts_per_tok <= m.num_experts,
        "model.num_experts_per_tok", "must be in [1, model.num_experts = {}]", m.num_experts);
   need(m.moe_intermediate_size >= 1, "model.moe_intermediate_size", "must be >= 1");
@@ -142,25 +145,49 @@ void Builder::validate_moe() {
 
 // LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
 // projections, the router and the experts frozen; cpu at any dp, ep and tp, cuda at any dp and tp
-// with mesh.ep = 1 (validate_moe refuses ep with LoRA there).
+// with mesh.ep = 1 (validate_moe refuses ep with LoRA there). Adapters on every expert as well
+// (experts.gate_up_proj, experts.down_proj): cpu at any dp, ep = tp = 1, no dropout. Expert
+// targets on a dense model are refused whether or not LoRA is on.
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
-  if (l.r == 0) return;
-  std::vector<int> targets;
+  std::vector<int> targets, experts;
   try {
     targets = parse_lora_targets(l.targets, "");
+    experts = parse_lora_expert_targets(l.targets, "");
   } catch (const UserError&) {
     return;  // validate_lora named it
   }
+  if (!deck_.model.is_moe()) {
+    need(experts.empty(), "lora.targets", "names {} on a dense model (model.num_experts = 0): "
+         "expert targets adapt a Qwen3-MoE model's experts; list the dense projections "
+         "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
+         experts.empty() ? "" : kLoraExpertTargets[experts[0]]);
+    return;
+  }
+  if (l.r == 0) return;
   for (const int t : targets)
     need(std::string(kLoraModules[t]).starts_with("self_attn."), "lora.targets",
-         "names {} on a Qwen3-MoE model (model.num_experts > 0): adapters on the experts' "
-         "projections are not built yet, nor on the dense MLP of model.mlp_only_layers; list "
-         "attention projections only (q_proj, k_proj, v_proj, o_proj; all-linear includes the "
-         "MLP's)",
+         "names {} on a Qwen3-MoE model (model.num_experts > 0): adapters on the dense MLP of "
+         "model.mlp_only_layers are not built; list attention projections (q_proj, k_proj, "
+         "v_proj, o_proj; all-linear includes the MLP's) and, for every expert's projections, "
+         "experts.gate_up_proj, experts.down_proj",
          kLoraTargets[t]);
   need(deck_.mesh.pp == 1, "mesh.pp", "> 1 with LoRA (lora.r > 0) on a Qwen3-MoE model is not "
        "built yet; set mesh.pp = 1");
+  if (experts.empty()) return;
+  // Adapters on every expert (docs/finetune.md, "LoRA on Qwen3-MoE"): the CPU reference at any
+  // dp; PEFT's ParamWrapper has no dropout.
+  const std::string et = kLoraExpertTargets[experts[0]];
+  need(deck_.train.device != "cuda", "lora.targets",
+       "names {} (adapters on every expert) with train.device = cuda, which is not built yet; "
+       "use train.device = cpu or adapt attention only", et);
+  need(l.dropout == 0, "lora.dropout", "> 0 with {} in lora.targets: adapters on the experts "
+       "have no dropout (as PEFT's target_parameters, whose ParamWrapper refuses it); set "
+       "lora.dropout = 0", et);
+  need(deck_.mesh.ep == 1, "mesh.ep", "> 1 with {} in lora.targets (adapters on every expert) "
+       "is not built yet; set mesh.ep = 1", et);
+  need(deck_.mesh.tp == 1, "mesh.tp", "> 1 with {} in lora.targets (adapters on every expert) "
+       "is not built yet; set mesh.tp = 1", et);
 }
 
 }  // namespace qt::deck_build

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "model/cpu_ops.h"
+#include "model/lora.h"
 #include "ops/moe_block.h"
 #include "parallel/expert_parallel.h"
 #include "qtrain/error.h"
@@ -58,6 +59,10 @@ void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float
   const std::size_t sparse = static_cast<std::size_t>(cfg_.moe_layers_before(l));
   const float* bias = router_bias_ ? router_bias_ + sparse * s.E : nullptr;  // layer l's [E]
   long dropped = 0;  // by the capacity, of this rank's tokens (every tp rank alike)
+  // Adapters on every expert (null: none); built serial, dp only (the deck refuses ep and tp).
+  const cpu::ExpertLora<float> ad = lora_ ? lora_->experts(l, false) : cpu::ExpertLora<float>{};
+  const cpu::ExpertLora<float>* lora = ad.on() ? &ad : nullptr;
+  QT_CHECK(!lora || (!ep_ && !tp_), "adapters on the experts under ep or tp are not built");
   if (ep_) {  // gate_up, down: this rank's experts, rows [first, first + El) of the global ones
     const std::size_t i = static_cast<std::size_t>(moe_slot_) * cfg_.num_layers + l;
     ExpertDispatch& d = *dispatch_.at(i);
@@ -65,7 +70,7 @@ void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float
     dropped = moe_block_forward_ep(y, probs, idx, rw, slot_out_[i].data(), x, router, gate_up,
                                    down, s, d, bias);
   } else {
-    dropped = cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s, bias);
+    dropped = cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s, bias, lora);
   }
   if (stats) {
     QT_CHECK(static_cast<int>(balance_.count.size()) == s.E, "moe before moe_begin");
@@ -105,14 +110,17 @@ void CpuOps::moe_backward(int l, float* dx, float* g_router, float* g_gate_up, f
   // (every tp rank routes the same rows alike): tp rank 0 adds it, so the sums count it once.
   const bool aux = aux_scale_ != 0 && balance_.tokens > 0 && (!tp_ || tp_->rank() == 0);
   if (ep_) {
+    QT_CHECK(!lora_ || !lora_->adapts_experts(), "adapters on the experts under ep");
     const std::size_t i = static_cast<std::size_t>(moe_slot_) * cfg_.num_layers + l;
     moe_block_backward_ep(dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw,
                           slot_out_[i].data(), router, gate_up, down, s, *dispatch_.at(i),
                           aux ? &balance_ : nullptr, aux_scale_);
     return;
   }
+  const cpu::ExpertLora<float> ad = lora_ ? lora_->experts(l, true) : cpu::ExpertLora<float>{};
   cpu::moe_block_backward(dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw, router,
-                          gate_up, down, s, aux ? &balance_ : nullptr, aux_scale_);
+                          gate_up, down, s, aux ? &balance_ : nullptr, aux_scale_,
+                          ad.on() ? &ad : nullptr);
 }
 
 double CpuOps::moe_aux_loss() const {
