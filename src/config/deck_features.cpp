@@ -146,7 +146,7 @@ void Builder::validate_moe() {
 // LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
 // projections, the router and the experts frozen; cpu at any dp, ep and tp, cuda at any dp and tp
 // with mesh.ep = 1 (validate_moe refuses ep with LoRA there). Adapters on every expert as well
-// (experts.gate_up_proj, experts.down_proj): cpu at any dp, ep = tp = 1, no dropout. Expert
+// (experts.gate_up_proj, experts.down_proj): cpu at any dp, ep and tp, no dropout. Expert
 // targets on a dense model are refused whether or not LoRA is on.
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
@@ -176,7 +176,7 @@ void Builder::validate_moe_lora() {
        "built yet; set mesh.pp = 1");
   if (experts.empty()) return;
   // Adapters on every expert (docs/finetune.md, "LoRA on Qwen3-MoE"): the CPU reference at any
-  // dp; PEFT's ParamWrapper has no dropout.
+  // dp, ep and tp; PEFT's ParamWrapper has no dropout.
   const std::string et = kLoraExpertTargets[experts[0]];
   need(deck_.train.device != "cuda", "lora.targets",
        "names {} (adapters on every expert) with train.device = cuda, which is not built yet; "
@@ -184,10 +184,6 @@ void Builder::validate_moe_lora() {
   need(l.dropout == 0, "lora.dropout", "> 0 with {} in lora.targets: adapters on the experts "
        "have no dropout (as PEFT's target_parameters, whose ParamWrapper refuses it); set "
        "lora.dropout = 0", et);
-  need(deck_.mesh.ep == 1, "mesh.ep", "> 1 with {} in lora.targets (adapters on every expert) "
-       "is not built yet; set mesh.ep = 1", et);
-  need(deck_.mesh.tp == 1, "mesh.tp", "> 1 with {} in lora.targets (adapters on every expert) "
-       "is not built yet; set mesh.tp = 1", et);
 }
 
 }  // namespace qt::deck_build

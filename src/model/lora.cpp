@@ -158,11 +158,11 @@ ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora, int firs
       tensors.push_back({lora_param_name(l, t, 'B'), {out, lora.r}});
     }
     if (!cfg.is_moe_layer(l)) continue;
-    const std::int64_t El = cfg.local_experts();
+    const std::int64_t E = cfg.num_experts;  // every expert's, also on an ep rank (replicated)
     for (int et : experts) {
       const auto [in, out] = lora_expert_dims(cfg, et);
-      tensors.push_back({lora_expert_param_name(l, et, 'A'), {El, lora.r, in}});
-      tensors.push_back({lora_expert_param_name(l, et, 'B'), {El, out, lora.r}});
+      tensors.push_back({lora_expert_param_name(l, et, 'A'), {E, lora.r, in}});
+      tensors.push_back({lora_expert_param_name(l, et, 'B'), {E, out, lora.r}});
     }
   }
   return ParamLayout(tensors);
@@ -213,7 +213,8 @@ void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* ada
                                                      kLoraExpertTargets[et]))
                             .offset;  // [El, out, in]
       const std::size_t r = lora.r;
-      for (int e = 0; e < cfg.local_experts(); ++e)  // W_e[out, in] += scale * B_e A_e
+      QT_CHECK(cfg.expert_shards == 1, "lora_merge into an ep rank's experts");
+      for (int e = 0; e < cfg.num_experts; ++e)  // W_e[out, in] += scale * B_e A_e
         cpu::gemm<float>(false, false, out, in, lora.r, scale, B + e * out * r, lora.r,
                          A + e * r * in, in, 1.0f, W + std::size_t(e) * out * in, in);
     }

@@ -25,14 +25,16 @@ enum LoraTarget : int { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLor
 std::string lora_param_name(int layer, int target, char which);
 // [in, out] of projection `target` in `cfg` (W is [out, in]).
 std::pair<int, int> lora_target_dims(const ModelConfig& cfg, int target);
-// The name of the stacked A ('A', [El, r, in]) or B ('B', [El, out, r]) of expert target `et`
-// (kLoraExpertTargets) of sparse layer `layer`: El = cfg.local_experts() experts, expert e's
-// A_e and B_e at row e. qtrain's own name; the export writes PEFT's (hf/lora_export.h).
+// The name of the stacked A ('A', [E, r, in]) or B ('B', [E, out, r]) of expert target `et`
+// (kLoraExpertTargets) of sparse layer `layer`: expert e's A_e and B_e at row e, all E experts
+// also on an ep rank (replicated over ep like the dense adapters: a rank uses and trains its own
+// experts' rows, the others' gradients are zero there and the dp sum adds the owners').
+// qtrain's own name; the export writes PEFT's (hf/lora_export.h).
 std::string lora_expert_param_name(int layer, int et, char which);
 // [in, out] of each expert's W_e of expert target `et`: gate_up_proj [H, 2 Im], down_proj [Im, H].
 std::pair<int, int> lora_expert_dims(const ModelConfig& cfg, int et);
 // The adapter layout: per layer, per target in kLoraTargets order, A [r, in] then B [out, r];
-// then, in a sparse layer, per expert target, the stacked A [El, r, in] then B [El, out, r].
+// then, in a sparse layer, per expert target, the stacked A [E, r, in] then B [E, out, r].
 ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora);
 // The same for layers [first_layer, last_layer) only (a pipeline chunk's; names keep the
 // model's layer numbers).

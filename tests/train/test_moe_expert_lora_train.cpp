@@ -2,8 +2,8 @@
 // mpiexec -n 2: the tiny MoE deck (inputs/tiny-moe.ini) with adapters on the attention
 // projections and on each expert's gate_up_proj and down_proj (lora.targets experts.*), the
 // router and the experts frozen. Only the adapters train (every base weight bit for bit, each
-// adapter moves, the loss of a repeated batch falls); dp 2 reproduces the serial run, and its
-// step-5 checkpoint resumes on it; adapters on the experts alone train too; `qtrain export`
+// adapter moves, the loss of a repeated batch falls); dp 2, ep 2 and tp 2 reproduce the serial
+// run, and their step-5 checkpoints resume on it (ep 2's at ep 1, tp 2's at tp 1); adapters on the experts alone train too; `qtrain export`
 // writes peft's target_parameters layout (lora lora_export.h), which reads back bit for bit.
 #include <gtest/gtest.h>
 
@@ -109,7 +109,8 @@ TEST_F(MoeTraining, ExpertLoraTrainsOnlyTheAdapters) {
   EXPECT_LT(losses.back(), losses.front() - 0.05) << losses.front() << " -> " << losses.back();
 }
 
-// dp 2 on the serial run, and its step-5 checkpoint resumed; the experts' adapters alone (the
+// dp 2, ep 2 and tp 2 on the serial run, their step-5 checkpoints resumed (ep 2's at ep 1,
+// tp 2's at tp 1); the experts' adapters alone (the
 // backward of layer 0, sparse, ends in its block) train alike at dp 1 and 2.
 TEST_F(MoeTraining, ExpertLoraDp2AndResumeReproduceTheSerialRun) {
   const std::vector<MoeStep> serial = train("serial", 1, with(kLr, {"--optim.zero_stage=0"}),
@@ -118,11 +119,27 @@ TEST_F(MoeTraining, ExpertLoraDp2AndResumeReproduceTheSerialRun) {
   for (const MoeStep& s : serial) EXPECT_GT(s.norm, 0) << "step " << s.step;
   const std::vector<MoeStep> dp2 = train("dp2", 2, kLr, lora_text());
   expect_like_serial(dp2, serial, "expert_lora_dp2");
+  // ep 2: each rank runs and trains its 4 experts' adapter rows (all 8 stored on both).
+  const std::vector<MoeStep> ep2 = train("ep2", 2, with(kLr, {"--mesh.ep=2"}), lora_text());
+  expect_like_serial(ep2, serial, "expert_lora_ep2");
+  expect_like_serial(resume("ep2_to_1", 1, "ep2", kLr, lora_text()), tail(serial, 5),
+                     "expert_lora_ep2_to_ep1");
+  // tp 2: each expert's width split, its adapters beside it (gate_up's B by rows, gate and up
+  // halves; down's A by columns), with and without sequence parallelism; resumed at tp 1.
+  const std::vector<MoeStep> tp2 = train("tp2", 2, with(kLr, {"--mesh.tp=2"}), lora_text());
+  expect_like_serial(tp2, serial, "expert_lora_tp2");
+  expect_like_serial(train("tp2_sp", 2, with(kLr, {"--mesh.tp=2", "--mesh.sequence_parallel=true"}),
+                           lora_text()),
+                     serial, "expert_lora_tp2_sp");
+  expect_like_serial(resume("tp2_to_1", 1, "tp2", kLr, lora_text()), tail(serial, 5),
+                     "expert_lora_tp2_to_tp1");
   expect_like_serial(resume("dp2_resumed", 2, "dp2", kLr, lora_text()), tail(dp2, 5),
                      "expert_lora_dp2_resumed");
   const std::string only = lora_text("experts.down_proj");
   const std::vector<MoeStep> s1 = train("only1", 1, kLr, only);
   expect_like_serial(train("only2", 2, kLr, only), s1, "expert_lora_down_only_dp2");
+  expect_like_serial(train("only_ep2", 2, with(kLr, {"--mesh.ep=2"}), only), s1,
+                     "expert_lora_down_only_ep2");
   EXPECT_LT(s1.back().loss, s1.front().loss);
   // Not the attention-only run: the experts' adapters change the losses.
   const std::vector<MoeStep> attn = train("attn", 1, kLr, lora_text("q_proj, v_proj"));
