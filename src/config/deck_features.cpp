@@ -147,7 +147,8 @@ void Builder::validate_moe() {
 // projections, the router and the experts frozen; cpu at any dp, ep and tp, cuda at any dp and tp
 // with mesh.ep = 1 (validate_moe refuses ep with LoRA there). Adapters on every expert as well
 // (experts.gate_up_proj, experts.down_proj): cpu at any dp, ep and tp, no dropout. Expert
-// targets on a dense model are refused whether or not LoRA is on.
+// targets on a dense model are refused whether or not LoRA is on. The dense MLP of
+// model.mlp_only_layers (gate_proj, up_proj, down_proj): cpu.
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
   std::vector<int> targets, experts;
@@ -165,12 +166,14 @@ void Builder::validate_moe_lora() {
     return;
   }
   if (l.r == 0) return;
+  // gate_proj, up_proj, down_proj (and all-linear) adapt the dense MLP of model.mlp_only_layers
+  // on the CPU reference, as peft's target_modules do (the sparse layers have none).
   for (const int t : targets)
-    need(std::string(kLoraModules[t]).starts_with("self_attn."), "lora.targets",
-         "names {} on a Qwen3-MoE model (model.num_experts > 0): adapters on the dense MLP of "
-         "model.mlp_only_layers are not built; list attention projections (q_proj, k_proj, "
-         "v_proj, o_proj; all-linear includes the MLP's) and, for every expert's projections, "
-         "experts.gate_up_proj, experts.down_proj",
+    need(deck_.train.device != "cuda" || std::string(kLoraModules[t]).starts_with("self_attn."),
+         "lora.targets", "names {} on a Qwen3-MoE model (model.num_experts > 0) with "
+         "train.device = cuda: adapters on the dense MLP of model.mlp_only_layers are not built "
+         "there; list attention projections (q_proj, k_proj, v_proj, o_proj; all-linear "
+         "includes the MLP's) or use train.device = cpu",
          kLoraTargets[t]);
   need(deck_.mesh.pp == 1, "mesh.pp", "> 1 with LoRA (lora.r > 0) on a Qwen3-MoE model is not "
        "built yet; set mesh.pp = 1");

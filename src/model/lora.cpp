@@ -116,6 +116,11 @@ std::pair<int, int> lora_expert_dims(const ModelConfig& c, int et) {
   return et == kLoraExpertsGateUp ? std::pair{H, 2 * Im} : std::pair{Im, H};
 }
 
+bool lora_target_in_layer(const ModelConfig& cfg, int layer, int target) {
+  const bool mlp = target == kLoraGate || target == kLoraUp || target == kLoraDown;
+  return !mlp || !cfg.is_moe_layer(layer);
+}
+
 std::pair<int, int> lora_target_dims(const ModelConfig& c, int target) {
   const int H = c.hidden_size, Q = c.q_dim(), KV = c.kv_dim(), I = c.intermediate_size;
   switch (target) {
@@ -153,6 +158,7 @@ ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora, int firs
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors;
   for (int l = first_layer; l < last_layer; ++l) {
     for (int t : targets) {
+      if (!lora_target_in_layer(cfg, l, t)) continue;
       const auto [in, out] = lora_target_dims(cfg, t);
       tensors.push_back({lora_param_name(l, t, 'A'), {lora.r, in}});
       tensors.push_back({lora_param_name(l, t, 'B'), {out, lora.r}});
@@ -194,6 +200,7 @@ void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* ada
   const float scale = static_cast<float>(lora.scale());
   for (int l = 0; l < cfg.num_layers; ++l) {
     for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
+      if (!lora_target_in_layer(cfg, l, t)) continue;
       const auto [in, out] = lora_target_dims(cfg, t);
       const float* A = adapters + layout.find(lora_param_name(l, t, 'A')).offset;  // [r, in]
       const float* B = adapters + layout.find(lora_param_name(l, t, 'B')).offset;  // [out, r]
@@ -248,6 +255,7 @@ LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B
   int max_in = 0;
   for (int l = first_layer; l < last_layer; ++l) {
     for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
+      if (!lora_target_in_layer(cfg, l, t)) continue;
       Slot& s = slots_[static_cast<std::size_t>(l) * kNumLoraTargets + t];
       s.on = true;
       std::tie(s.in, s.out) = lora_target_dims(cfg, t);

@@ -23,6 +23,9 @@ enum LoraTarget : int { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLor
 
 // PEFT's name of A ('A') or B ('B') of one projection of one layer.
 std::string lora_param_name(int layer, int target, char which);
+// Whether layer l has projection `target`: every layer its attention's; the MLP targets
+// (gate_proj, up_proj, down_proj) only a dense layer (a Qwen3-MoE model's model.mlp_only_layers).
+bool lora_target_in_layer(const ModelConfig& cfg, int layer, int target);
 // [in, out] of projection `target` in `cfg` (W is [out, in]).
 std::pair<int, int> lora_target_dims(const ModelConfig& cfg, int target);
 // The name of the stacked A ('A', [E, r, in]) or B ('B', [E, out, r]) of expert target `et`
@@ -33,7 +36,8 @@ std::pair<int, int> lora_target_dims(const ModelConfig& cfg, int target);
 std::string lora_expert_param_name(int layer, int et, char which);
 // [in, out] of each expert's W_e of expert target `et`: gate_up_proj [H, 2 Im], down_proj [Im, H].
 std::pair<int, int> lora_expert_dims(const ModelConfig& cfg, int et);
-// The adapter layout: per layer, per target in kLoraTargets order, A [r, in] then B [out, r];
+// The adapter layout: per layer, per target in kLoraTargets order that the layer has
+// (lora_target_in_layer), A [r, in] then B [out, r];
 // then, in a sparse layer, per expert target, the stacked A [E, r, in] then B [E, out, r].
 ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora);
 // The same for layers [first_layer, last_layer) only (a pipeline chunk's; names keep the

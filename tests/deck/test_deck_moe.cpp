@@ -115,9 +115,12 @@ TEST(DeckErrors, Moe) {
   EXPECT_EQ(parse(moe + cuda + "[lora]\nr = 4\n[mesh]\ntp = 2\n").mesh.tp, 2);
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n").lora.r, 4);
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\nep = 2\n").mesh.ep, 2);
-  expect_error(moe + "[lora]\nr = 4\ntargets = q_proj, gate_proj\n",
+  // The dense MLP of model.mlp_only_layers: cpu only.
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\ntargets = q_proj, gate_proj\n").lora.r, 4);
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\ntargets = all-linear\n").lora.r, 4);
+  expect_error(moe + cuda + "[lora]\nr = 4\ntargets = q_proj, gate_proj\n",
                {"lora.targets", "gate_proj", "Qwen3-MoE", "dense MLP of model.mlp_only_layers",
-                "experts.gate_up_proj, experts.down_proj"});
+                "train.device = cuda"});
   // Adapters on every expert (experts.gate_up_proj, experts.down_proj): cpu at any dp, with or
   // without attention adapters, ep and tp; not on cuda, with dropout, or on a dense model.
   const std::string ex = "[lora]\nr = 4\ntargets = q_proj, experts.gate_up_proj, experts.down_proj\n";

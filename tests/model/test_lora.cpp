@@ -324,7 +324,8 @@ TEST(LoraModel, MergedWeightsGiveTheAdaptedLogits) {
   EXPECT_LT(rel_error(merged.logits(), adapted.logits(), n), 1e-5);
 }
 
-// Adapters on every expert of a Qwen3-MoE model (layer 0 sparse, layer 1 dense): B = 0 gives
+// Adapters on every expert of a Qwen3-MoE model (layer 0 sparse, layer 1 dense, its MLP
+// adapted too): B = 0 gives
 // the base model bit for bit, and lora_merge (export --merge, evaluation) gives the adapted logits.
 TEST(LoraModel, ExpertAdaptersZeroBAndMerge) {
   ModelConfig c = small_config(false);
@@ -332,7 +333,11 @@ TEST(LoraModel, ExpertAdaptersZeroBAndMerge) {
   c.num_experts_per_tok = 2;
   c.moe_intermediate_size = 6;
   c.mlp_only_layers = {1};
-  Problem pb(c, lora_with("q_proj, experts.gate_up_proj, experts.down_proj"));
+  Problem pb(c, lora_with("q_proj, up_proj, experts.gate_up_proj, experts.down_proj"));
+  EXPECT_EQ(pb.alayout.find("base_model.model.model.layers.1.mlp.up_proj.lora_B.weight").shape,
+            (std::vector<std::int64_t>{20, 3}));  // the dense layer's MLP only
+  for (const ParamInfo& p : pb.alayout.params())
+    EXPECT_EQ(p.name.find("layers.0.mlp.up_proj"), std::string::npos) << p.name;
   EXPECT_EQ(pb.alayout.find(lora_expert_param_name(0, kLoraExpertsDown, 'B')).shape,
             (std::vector<std::int64_t>{4, 16, 3}));
   const std::size_t n = static_cast<std::size_t>(pb.B) * pb.T * pb.cfg.vocab_size;
