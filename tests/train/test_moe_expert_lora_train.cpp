@@ -149,10 +149,16 @@ TEST_F(MoeTraining, ExpertLoraDp2AndResumeReproduceTheSerialRun) {
   expect_like_serial(train("only2", 2, kLr, only), s1, "expert_lora_down_only_dp2");
   expect_like_serial(train("only_ep2", 2, with(kLr, {"--mesh.ep=2"}), only), s1,
                      "expert_lora_down_only_ep2");
-  EXPECT_LT(s1.back().loss, s1.front().loss);
-  // Not the attention-only run: the experts' adapters change the losses.
+  for (const MoeStep& s : s1) EXPECT_GT(s.norm, 0) << "step " << s.step;
+  // Not the attention-only run: the MLP's and the experts' adapters change the losses.
   const std::vector<MoeStep> attn = train("attn", 1, kLr, lora_text("q_proj, v_proj"));
-  EXPECT_GT(std::abs(attn.back().loss - serial.back().loss), 1e-4);
+  double apart = 0;
+  for (std::size_t i = 0; i < attn.size() && i < serial.size(); ++i)
+    apart = std::max(apart, std::abs(attn[i].loss - serial[i].loss));
+  if (test::world_rank() == 0)
+    std::printf("attention adapters alone: losses up to %.3g from the run with the experts'\n",
+                apart);
+  EXPECT_GT(apart, 1e-4);
 }
 
 // `qtrain export`: peft's names and shapes for target_parameters (derived from peft's
