@@ -14,7 +14,8 @@ struct LoraConfig {
   int r = 0;           // rank; 0 = LoRA off (the whole model trains)
   double alpha = 16;   // scale = alpha / r
   double dropout = 0;  // inverted dropout on the adapters' input, in [0, 1)
-  std::string targets = "q_proj,k_proj,v_proj,o_proj";  // comma list of kLoraTargets
+  // Comma list of kLoraTargets and (a Qwen3-MoE model's experts) kLoraExpertTargets.
+  std::string targets = "q_proj,k_proj,v_proj,o_proj";
   bool enabled() const { return r > 0; }
   double scale() const { return alpha / r; }
 };
@@ -28,9 +29,22 @@ inline constexpr std::array<const char*, kNumLoraTargets> kLoraModules = {
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
     "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
 
-// Indices into kLoraTargets of a comma list ("q_proj, v_proj"), ascending. Throws UserError
-// "<what>: ..." on an empty list, an unknown name or a name given twice.
+// Adapters on every expert of a Qwen3-MoE model's sparse layers, as peft's target_parameters
+// adapts transformers' fused expert tensors (lora.ParamWrapper): expert e of gate_up_proj
+// [E, 2 Im, H] (W_e [2 Im, H]: one adapter over its gate and up rows) and of down_proj
+// [E, H, Im] gets its own A_e [r, in] and B_e [out, r]; the router stays frozen.
+// docs/finetune.md, "LoRA on Qwen3-MoE".
+inline constexpr int kNumLoraExpertTargets = 2;
+enum LoraExpertTarget : int { kLoraExpertsGateUp, kLoraExpertsDown };
+inline constexpr std::array<const char*, kNumLoraExpertTargets> kLoraExpertTargets = {
+    "experts.gate_up_proj", "experts.down_proj"};
+
+// Indices into kLoraTargets of a comma list ("q_proj, v_proj"), ascending; the list's expert
+// targets (kLoraExpertTargets) are left out here (parse_lora_expert_targets). Throws UserError
+// "<what>: ..." on an empty item, an unknown name or a name given twice.
 std::vector<int> parse_lora_targets(const std::string& list, const std::string& what);
+// Indices into kLoraExpertTargets of the same list, ascending (empty: no expert adapters).
+std::vector<int> parse_lora_expert_targets(const std::string& list, const std::string& what);
 
 // The frozen base a LoRA run adapts, stored in its checkpoints: the model.init directory, or
 // (when that is empty) the model initialised from train.seed.

@@ -100,7 +100,10 @@ void Builder::validate_moe() {
   need(m.num_experts > 0 || m.moe_capacity_factor == 0, "model.moe_capacity_factor",
        "> 0 limits a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: "
        "set it to 0");
-  if (m.num_experts == 0) return;
+  if (m.num_experts == 0) {
+    validate_moe_lora();  // refuses expert targets
+    return;
+  }
   need(m.num_experts_per_tok >= 1 && m.num_experts_per_tok <= m.num_experts,
        "model.num_experts_per_tok", "must be in [1, model.num_experts = {}]", m.num_experts);
   need(m.moe_intermediate_size >= 1, "model.moe_intermediate_size", "must be >= 1");
@@ -139,22 +142,50 @@ void Builder::validate_moe() {
 
 // LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
 // projections, the router and the experts frozen; both back ends at any dp, ep, tp and pp.
+// Adapters on every expert as well (experts.gate_up_proj, experts.down_proj): cpu at any dp, ep
+// and tp, no dropout. Expert targets on a dense model are refused whether or not LoRA is on. The
+// dense MLP of model.mlp_only_layers (gate_proj, up_proj, down_proj): cpu, without pp.
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
-  if (l.r == 0) return;
-  std::vector<int> targets;
+  std::vector<int> targets, experts;
   try {
     targets = parse_lora_targets(l.targets, "");
+    experts = parse_lora_expert_targets(l.targets, "");
   } catch (const UserError&) {
     return;  // validate_lora named it
   }
+  if (!deck_.model.is_moe()) {
+    need(experts.empty(), "lora.targets", "names {} on a dense model (model.num_experts = 0): "
+         "expert targets adapt a Qwen3-MoE model's experts; list the dense projections "
+         "(q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)",
+         experts.empty() ? "" : kLoraExpertTargets[experts[0]]);
+    return;
+  }
+  if (l.r == 0) return;
+  // gate_proj, up_proj, down_proj (and all-linear) adapt the dense MLP of model.mlp_only_layers
+  // on the CPU reference, as peft's target_modules do (the sparse layers have none).
   for (const int t : targets)
-    need(std::string(kLoraModules[t]).starts_with("self_attn."), "lora.targets",
-         "names {} on a Qwen3-MoE model (model.num_experts > 0): adapters on the experts' "
-         "projections are not built yet, nor on the dense MLP of model.mlp_only_layers; list "
-         "attention projections only (q_proj, k_proj, v_proj, o_proj; all-linear includes the "
-         "MLP's)",
+    need(deck_.train.device != "cuda" || std::string(kLoraModules[t]).starts_with("self_attn."),
+         "lora.targets", "names {} on a Qwen3-MoE model (model.num_experts > 0) with "
+         "train.device = cuda: adapters on the dense MLP of model.mlp_only_layers are not built "
+         "there; list attention projections (q_proj, k_proj, v_proj, o_proj; all-linear "
+         "includes the MLP's) or use train.device = cpu",
          kLoraTargets[t]);
+  bool mlp = false;
+  for (const int t : targets) mlp = mlp || !std::string(kLoraModules[t]).starts_with("self_attn.");
+  need(deck_.mesh.pp == 1 || (experts.empty() && !mlp), "mesh.pp", "> 1 with adapters on the "
+       "experts or the dense MLP of a Qwen3-MoE model (lora.targets = {}) is not built yet; set "
+       "mesh.pp = 1 or list attention projections only", l.targets);
+  if (experts.empty()) return;
+  // Adapters on every expert (docs/finetune.md, "LoRA on Qwen3-MoE"): the CPU reference at any
+  // dp, ep and tp; PEFT's ParamWrapper has no dropout.
+  const std::string et = kLoraExpertTargets[experts[0]];
+  need(deck_.train.device != "cuda", "lora.targets",
+       "names {} (adapters on every expert) with train.device = cuda, which is not built yet; "
+       "use train.device = cpu or adapt attention only", et);
+  need(l.dropout == 0, "lora.dropout", "> 0 with {} in lora.targets: adapters on the experts "
+       "have no dropout (as PEFT's target_parameters, whose ParamWrapper refuses it); set "
+       "lora.dropout = 0", et);
 }
 
 }  // namespace qt::deck_build

@@ -180,7 +180,8 @@ const std::vector<KeySpec>& key_table() {
              "Dropout on the adapters' input, in [0, 1)"),
         spec("lora", "targets", &D::lora, &Lo::targets, "",
              "Projections adapted: comma list of q_proj, k_proj, v_proj, o_proj, gate_proj, "
-             "up_proj, down_proj, or all-linear"),
+             "up_proj, down_proj, or all-linear; on a Qwen3-MoE model also experts.gate_up_proj, "
+             "experts.down_proj (every expert's, peft's target_parameters)"),
 
         spec("data", "source", &D::data, &Da::source, "",
              "Training data: " + join(kDataSources, " | ")),

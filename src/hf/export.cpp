@@ -230,11 +230,7 @@ double param_count(const ModelConfig& c) { return c.num_params_f64(); }  // dens
 HostMemoryNeed weights_memory_need(const CheckpointModel& cm, bool model) {
   const double P = model ? param_count(cm.cfg) : 0;
   double adapters = 0;
-  if (cm.lora)
-    for (int t : parse_lora_targets(cm.lora->config.targets, "lora_targets")) {
-      const auto [in, out] = lora_target_dims(cm.cfg, t);
-      adapters += double(cm.cfg.num_layers) * cm.lora->config.r * (double(in) + out);
-    }
+  if (cm.lora) adapters = static_cast<double>(lora_layout(cm.cfg, cm.lora->config).numel());
   HostMemoryNeed need;
   need.bytes = 4 * (P + adapters);
   need.what = model ? fmt::format("fp32 weights of {:.3g} parameters{}", P,

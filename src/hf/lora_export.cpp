@@ -2,6 +2,7 @@
 #include "hf/lora_export.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <filesystem>
@@ -71,11 +72,92 @@ void lora_merged_params(const std::string& path, const CheckpointModel& cm,
   lora_merge(cm.cfg, cm.lora->config, adapters.data(), layout, params);
 }
 
+namespace {
+// PEFT's name of expert target `et` of layer l's adapter `which` (peft_adapter_tensors).
+std::string peft_expert_name(int l, int et, char which, bool both) {
+  return fmt::format("base_model.model.model.layers.{}.mlp.experts.{}lora_{}.weight", l,
+                     both && et == kLoraExpertsGateUp ? "base_layer." : "", which);
+}
+}  // namespace
+
+std::vector<PeftTensor> peft_adapter_tensors(const ModelConfig& cfg, const LoraConfig& lora,
+                                             const float* adapters) {
+  const ParamLayout layout = lora_layout(cfg, lora);
+  QT_CHECK(cfg.local_experts() == cfg.num_experts, "PEFT's tensors of an ep rank's experts");
+  const bool both = parse_lora_expert_targets(lora.targets, "lora.targets").size() == 2;
+  std::vector<PeftTensor> out;
+  for (const ParamInfo& p : layout.params()) {
+    const float* v = adapters + p.offset;
+    if (p.shape.size() == 2) {  // a dense adapter
+      out.push_back({p.name, p.shape, std::vector<float>(v, v + p.numel)});
+      continue;
+    }
+    int l = -1, et = -1;
+    char which = 0;
+    for (int i = 0; i < cfg.num_layers && et < 0; ++i)
+      for (int t = 0; t < kNumLoraExpertTargets; ++t)
+        for (char w : {'A', 'B'})
+          if (p.name == lora_expert_param_name(i, t, w)) l = i, et = t, which = w;
+    QT_CHECK(et >= 0, "adapter {} is neither dense nor an expert's", p.name);
+    const std::int64_t E = p.shape[0], d1 = p.shape[1], d2 = p.shape[2];
+    if (which == 'A') {  // [E, r, in] -> [E r, in]
+      out.push_back({peft_expert_name(l, et, 'A', both), {E * d1, d2},
+                     std::vector<float>(v, v + p.numel)});
+      continue;
+    }
+    // [E, out, r] -> [out, r E], element (o, j E + e) = B_e(o, j)
+    const std::int64_t outd = d1, r = d2;
+    std::vector<float> b(p.numel);
+    for (std::int64_t e = 0; e < E; ++e)
+      for (std::int64_t o = 0; o < outd; ++o)
+        for (std::int64_t j = 0; j < r; ++j) b[(o * r + j) * E + e] = v[(e * outd + o) * r + j];
+    out.push_back({peft_expert_name(l, et, 'B', both), {outd, r * E}, std::move(b)});
+  }
+  return out;
+}
+
+std::vector<float> read_peft_adapters(const std::string& dir, const ModelConfig& cfg,
+                                      const LoraConfig& lora) {
+  const std::string path = (fs::path(dir) / "adapter_model.safetensors").string();
+  const SafetensorsFile f(path);
+  const ParamLayout layout = lora_layout(cfg, lora);
+  std::vector<float> adapters(layout.numel(), 0.0f);
+  // The PEFT tensors of these adapters give the names and shapes, in layout order; each read
+  // back through the inverse of its layout change.
+  const std::vector<PeftTensor> want = peft_adapter_tensors(cfg, lora, adapters.data());
+  QT_CHECK(want.size() == layout.params().size(), "PEFT tensors {} of {} adapters", want.size(),
+           layout.params().size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const ParamInfo& p = layout.params()[i];
+    const StTensor* t = f.find(want[i].name);
+    if (!t) fail_user("{}: no tensor {} (adapters for lora.targets = {})", path, want[i].name,
+                      lora.targets);
+    if (t->shape != want[i].shape)
+      fail_user("{}: {} has shape [{}], expected [{}] (lora.r = {})", path, want[i].name,
+                fmt::join(t->shape, ", "), fmt::join(want[i].shape, ", "), lora.r);
+    std::vector<float> v(p.numel);
+    f.read_rows_f32(*t, 0, t->rows(), v.data());
+    float* dst = adapters.data() + p.offset;
+    if (p.shape.size() == 3 && want[i].name.ends_with("lora_B.weight")) {
+      const std::int64_t E = p.shape[0], outd = p.shape[1], r = p.shape[2];
+      for (std::int64_t e = 0; e < E; ++e)
+        for (std::int64_t o = 0; o < outd; ++o)
+          for (std::int64_t j = 0; j < r; ++j) dst[(e * outd + o) * r + j] = v[(o * r + j) * E + e];
+    } else {
+      std::copy(v.begin(), v.end(), dst);
+    }
+  }
+  return adapters;
+}
+
 nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora, const std::string& base_path) {
   const LoraConfig& c = lora.config;
   nlohmann::json j;  // keys sorted, as peft's save_pretrained writes them
   std::vector<std::string> targets;
   for (int t : parse_lora_targets(c.targets, "lora.targets")) targets.push_back(kLoraTargets[t]);
+  std::vector<std::string> parameters;  // peft's target_parameters: the experts' fused tensors
+  for (int et : parse_lora_expert_targets(c.targets, "lora.targets"))
+    parameters.push_back(std::string("mlp.") + kLoraExpertTargets[et]);
   j["alpha_pattern"] = nlohmann::json::object();
   j["auto_mapping"] = nullptr;
   j["base_model_name_or_path"] =
@@ -97,6 +179,7 @@ nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora, const std::st
   j["rank_pattern"] = nlohmann::json::object();
   j["revision"] = nullptr;
   j["target_modules"] = targets;
+  if (!parameters.empty()) j["target_parameters"] = parameters;
   j["task_type"] = "CAUSAL_LM";
   j["use_dora"] = false;
   j["use_rslora"] = false;
@@ -115,9 +198,11 @@ std::string export_lora_adapters(const ExportOptions& o, const CheckpointModel& 
       fs::remove_all(tmp, ec);  // a stale one from an interrupted export
       fs::create_directories(tmp, ec);
       if (ec) fail_user("cannot create {}: {}", tmp.string(), ec.message());
+      const std::vector<PeftTensor> peft = peft_adapter_tensors(cm.cfg, cm.lora->config,
+                                                                adapters.data());
       std::vector<StTensorOut> tensors;
-      for (const ParamInfo& p : layout.params())
-        tensors.push_back({p.name, StDType::kF32, p.shape, nullptr, adapters.data() + p.offset});
+      for (const PeftTensor& p : peft)
+        tensors.push_back({p.name, StDType::kF32, p.shape, nullptr, p.values.data()});
       write_safetensors((tmp / "adapter_model.safetensors").string(), tensors, {{"format", "pt"}});
       {
         std::ofstream f(tmp / "adapter_config.json", std::ios::binary | std::ios::trunc);

@@ -15,6 +15,8 @@
 
 #include "hf/export.h"
 #include "qtrain/comm.h"
+#include "qtrain/lora.h"
+#include "qtrain/model_config.h"
 #include "qtrain/params.h"
 
 namespace qt::hf {
@@ -41,6 +43,27 @@ std::string lora_base_path(const CheckpointModel& cm);
 // adapter_config.json as peft writes it for a LoraConfig with these settings, base_model_name_or_path
 // `base_path` (null when "").
 nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora, const std::string& base_path);
+
+// PEFT's adapter_model.safetensors tensors of adapters in lora_layout(cfg, lora) (a global model:
+// every expert): the dense adapters as they are; the experts' stacked A [E, r, in] and
+// B [E, out, r] as peft's lora.ParamWrapper keeps a 3-D parameter of E experts (peft
+// src/peft/tuners/lora/layer.py, update_layer and get_delta_weight): lora_A [E r, in] (row
+// e r + j: A_e's row j, the same bytes) and lora_B [out, r E] (column j E + e: B_e's column j),
+// under the name of the (nested) wrapper of mlp.experts: with both targets the gate_up_proj
+// wrapper is the inner one, "...mlp.experts.base_layer.lora_A.weight", and down_proj's
+// "...mlp.experts.lora_A.weight"; a lone target is "...mlp.experts.lora_A.weight".
+struct PeftTensor {
+  std::string name;
+  std::vector<std::int64_t> shape;
+  std::vector<float> values;
+};
+std::vector<PeftTensor> peft_adapter_tensors(const ModelConfig& cfg, const LoraConfig& lora,
+                                             const float* adapters);
+// The inverse: adapters in lora_layout(cfg, lora) from an adapter directory's
+// adapter_model.safetensors (what export_lora_adapters writes, or peft's save_pretrained of the
+// same LoraConfig). UserError naming the file on a missing tensor or a wrong shape.
+std::vector<float> read_peft_adapters(const std::string& dir, const ModelConfig& cfg,
+                                      const LoraConfig& lora);
 
 // The adapter directory (rank 0 writes it atomically, as export_checkpoint does). Returns the
 // summary line.

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/layer_program.h"
+#include "ops/moe_experts.h"
 #include "ops/moe_router.h"
 #include "qtrain/comm.h"
 #include "qtrain/model_config.h"
@@ -180,6 +181,8 @@ class CpuOps : public NoCollectives {
     int target, col;
   };
   std::vector<SiteTarget> site_targets(LoraSite site) const;
+  // Sparse layer l's expert adapters for the experts stored here (none: r = 0).
+  cpu::ExpertLora<float> expert_lora(int l, bool grads) const;
   int site_width(LoraSite site) const;  // columns of the site's fused output
   // The hooks' collectives. gather_rows (sequence parallelism): full [rows, cols] <- every tp
   // rank's local [rows / tp, cols] in rank order; returns full, or null without sequence

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "model/cpu_ops.h"
+#include "model/lora.h"
 #include "ops/moe_block.h"
 #include "parallel/expert_parallel.h"
 #include "qtrain/error.h"
@@ -48,6 +49,16 @@ void CpuOps::select_moe_slot(int slot) {
   moe_slot_ = slot;
 }
 
+cpu::ExpertLora<float> CpuOps::expert_lora(int l, bool grads) const {
+  if (!lora_ || !lora_->adapts_experts()) return {};
+  // The adapters hold every expert's rows (replicated over ep); this rank runs its own. Under
+  // tp they are this rank's share (tp_role): gate_up's B its gate and up rows, down's A its
+  // columns; so the block's output and input gradient stay partial over tp, as the base's.
+  const int first = ep_ ? ep_->rank() * cfg_.local_experts() : 0;
+  return cpu::expert_lora_rows(lora_->experts(l, grads), first, cfg_.hidden_size,
+                               cfg_.moe_intermediate_size);
+}
+
 void CpuOps::moe_begin() { balance_ = cpu::RouterBalance(cfg_.num_experts); }
 
 void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float* x,
@@ -58,14 +69,17 @@ void CpuOps::moe(int l, float* y, float* probs, int* idx, float* rw, const float
   const std::size_t sparse = static_cast<std::size_t>(cfg_.moe_layers_before(l));
   const float* bias = router_bias_ ? router_bias_ + sparse * s.E : nullptr;  // layer l's [E]
   long dropped = 0;  // by the capacity, of this rank's tokens (every tp rank alike)
+  // Adapters on every expert (null: none): under ep, this rank's experts' rows of them.
+  const cpu::ExpertLora<float> ad = expert_lora(l, false);
+  const cpu::ExpertLora<float>* lora = ad.on() ? &ad : nullptr;
   if (ep_) {  // gate_up, down: this rank's experts, rows [first, first + El) of the global ones
     const std::size_t i = static_cast<std::size_t>(moe_slot_) * cfg_.num_layers + l;
     ExpertDispatch& d = *dispatch_.at(i);
     slot_out_[i].resize(static_cast<std::size_t>(s.N) * s.k * s.H);
     dropped = moe_block_forward_ep(y, probs, idx, rw, slot_out_[i].data(), x, router, gate_up,
-                                   down, s, d, bias);
+                                   down, s, d, bias, lora);
   } else {
-    dropped = cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s, bias);
+    dropped = cpu::moe_block_forward(y, probs, idx, rw, x, router, gate_up, down, s, bias, lora);
   }
   if (stats) {
     QT_CHECK(static_cast<int>(balance_.count.size()) == s.E, "moe before moe_begin");
@@ -104,15 +118,17 @@ void CpuOps::moe_backward(int l, float* dx, float* g_router, float* g_gate_up, f
   // tp_block_input_backward). The load-balancing loss's gradient depends on the router alone
   // (every tp rank routes the same rows alike): tp rank 0 adds it, so the sums count it once.
   const bool aux = aux_scale_ != 0 && balance_.tokens > 0 && (!tp_ || tp_->rank() == 0);
+  const cpu::ExpertLora<float> ad = expert_lora(l, true);
+  const cpu::ExpertLora<float>* lora = ad.on() ? &ad : nullptr;
   if (ep_) {
     const std::size_t i = static_cast<std::size_t>(moe_slot_) * cfg_.num_layers + l;
     moe_block_backward_ep(dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw,
                           slot_out_[i].data(), router, gate_up, down, s, *dispatch_.at(i),
-                          aux ? &balance_ : nullptr, aux_scale_);
+                          aux ? &balance_ : nullptr, aux_scale_, lora);
     return;
   }
   cpu::moe_block_backward(dx, g_router, g_gate_up, g_down, dy, x, probs, idx, rw, router,
-                          gate_up, down, s, aux ? &balance_ : nullptr, aux_scale_);
+                          gate_up, down, s, aux ? &balance_ : nullptr, aux_scale_, lora);
 }
 
 double CpuOps::moe_aux_loss() const {

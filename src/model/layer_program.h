@@ -725,12 +725,14 @@ class Qwen3Program {
     // MLP block; dx holds d x_out and becomes d x_mid. gu is overwritten by its gradient.
     const A* dy = ops.tp_block_output_backward(sp_only(a_->dtmp), a_->dx, N, H);  // [N, H]
     if (w.router) {
-      // A sparse layer: no LoRA sites (LoRA on an MoE model adapts attention only), and with a
-      // frozen base (null g) its backward still gives d ln2 for the attention adapters below.
+      // A sparse layer: its adapters, if any, on every expert inside the block (the Ops' LoRA);
+      // with a frozen base (null g) its backward still gives d ln2 for the attention adapters
+      // below, and ends here in layer 0 when none are.
       if constexpr (requires { ops.moe_begin(); })
         ops.moe_backward(l, a_->dln, g.router, g.experts_gate_up, g.experts_down, dy, ln2,
                          a.moe_probs, a.moe_idx, a.moe_w, w.router, w.experts_gate_up,
                          w.experts_down, acc);
+      if (depth == kDown || depth == kGateUp) return;
     } else {
       ops.linear_backward(past(kDown, a_->dh), g.w_down, dy, a.h, w.w_down, N, I, H, acc);
       ops.lora_backward(l, LoraSite::kDown, a.h, dy, past(kDown, a_->dh));

@@ -32,13 +32,17 @@ std::string normal_dir(const std::string& d) {
 
 }  // namespace
 
-std::vector<int> parse_lora_targets(const std::string& list, const std::string& what) {
+namespace {
+// Both kinds of target of a comma list: {kLoraTargets indices, kLoraExpertTargets indices}.
+std::pair<std::vector<int>, std::vector<int>> parse_target_list(const std::string& list,
+                                                                const std::string& what) {
   std::string names;
   for (const char* n : kLoraTargets) names += (names.empty() ? "" : " | ") + std::string(n);
-  std::vector<int> out;
+  for (const char* n : kLoraExpertTargets) names += " | " + std::string(n);
+  std::vector<int> out, experts;
   if (trim(list) == "all-linear") {  // PEFT's shorthand: every projection (never lm_head)
     for (int t = 0; t < kNumLoraTargets; ++t) out.push_back(t);
-    return out;
+    return {out, experts};
   }
   for (std::size_t start = 0;;) {
     const std::size_t comma = list.find(',', start);
@@ -49,17 +53,31 @@ std::vector<int> parse_lora_targets(const std::string& list, const std::string& 
                 names);
     auto it = std::find_if(kLoraTargets.begin(), kLoraTargets.end(),
                            [&](const char* n) { return item == n; });
-    if (it == kLoraTargets.end())
+    auto ex = std::find_if(kLoraExpertTargets.begin(), kLoraExpertTargets.end(),
+                           [&](const char* n) { return item == n; });
+    if (it == kLoraTargets.end() && ex == kLoraExpertTargets.end())
       fail_user("{}: unknown target {}; targets are {} (or all-linear)", what, item, names);
-    const int idx = static_cast<int>(it - kLoraTargets.begin());
-    if (std::find(out.begin(), out.end(), idx) != out.end())
+    std::vector<int>& into = it != kLoraTargets.end() ? out : experts;
+    const int idx = it != kLoraTargets.end() ? static_cast<int>(it - kLoraTargets.begin())
+                                             : static_cast<int>(ex - kLoraExpertTargets.begin());
+    if (std::find(into.begin(), into.end(), idx) != into.end())
       fail_user("{}: {} is given twice", what, item);
-    out.push_back(idx);
+    into.push_back(idx);
     if (comma == std::string::npos) break;
     start = comma + 1;
   }
   std::sort(out.begin(), out.end());
-  return out;
+  std::sort(experts.begin(), experts.end());
+  return {out, experts};
+}
+}  // namespace
+
+std::vector<int> parse_lora_targets(const std::string& list, const std::string& what) {
+  return parse_target_list(list, what).first;
+}
+
+std::vector<int> parse_lora_expert_targets(const std::string& list, const std::string& what) {
+  return parse_target_list(list, what).second;
 }
 
 LoraBase LoraBase::of(const std::string& init, std::uint64_t seed) {
@@ -85,6 +103,22 @@ bool LoraBase::same_as(const LoraBase& o) const {
 std::string lora_param_name(int layer, int target, char which) {
   return fmt::format("base_model.model.model.layers.{}.{}.lora_{}.weight", layer,
                      kLoraModules[target], which);
+}
+
+std::string lora_expert_param_name(int layer, int et, char which) {
+  return fmt::format("base_model.model.model.layers.{}.mlp.{}.lora_{}.weight", layer,
+                     kLoraExpertTargets[et], which);
+}
+
+std::pair<int, int> lora_expert_dims(const ModelConfig& c, int et) {
+  const int H = c.hidden_size, Im = c.moe_intermediate_size;
+  QT_CHECK(et == kLoraExpertsGateUp || et == kLoraExpertsDown, "expert target {}", et);
+  return et == kLoraExpertsGateUp ? std::pair{H, 2 * Im} : std::pair{Im, H};
+}
+
+bool lora_target_in_layer(const ModelConfig& cfg, int layer, int target) {
+  const bool mlp = target == kLoraGate || target == kLoraUp || target == kLoraDown;
+  return !mlp || !cfg.is_moe_layer(layer);
 }
 
 std::pair<int, int> lora_target_dims(const ModelConfig& c, int target) {
@@ -119,12 +153,22 @@ ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora, int firs
   QT_CHECK(0 <= first_layer && first_layer < last_layer && last_layer <= cfg.num_layers,
            "LoRA layers [{}, {}) of a model of {}", first_layer, last_layer, cfg.num_layers);
   const std::vector<int> targets = parse_lora_targets(lora.targets, "lora.targets");
+  const std::vector<int> experts = parse_lora_expert_targets(lora.targets, "lora.targets");
+  QT_CHECK(experts.empty() || cfg.is_moe(), "expert adapters on a dense model");
   std::vector<std::pair<std::string, std::vector<std::int64_t>>> tensors;
   for (int l = first_layer; l < last_layer; ++l) {
     for (int t : targets) {
+      if (!lora_target_in_layer(cfg, l, t)) continue;
       const auto [in, out] = lora_target_dims(cfg, t);
       tensors.push_back({lora_param_name(l, t, 'A'), {lora.r, in}});
       tensors.push_back({lora_param_name(l, t, 'B'), {out, lora.r}});
+    }
+    if (!cfg.is_moe_layer(l)) continue;
+    const std::int64_t E = cfg.num_experts;  // every expert's, also on an ep rank (replicated)
+    for (int et : experts) {
+      const auto [in, out] = lora_expert_dims(cfg, et);
+      tensors.push_back({lora_expert_param_name(l, et, 'A'), {E, lora.r, in}});
+      tensors.push_back({lora_expert_param_name(l, et, 'B'), {E, out, lora.r}});
     }
   }
   return ParamLayout(tensors);
@@ -138,7 +182,7 @@ void lora_init(const ParamLayout& layout, std::uint64_t seed, float* adapters) {
       continue;
     }
     // kaiming_uniform_(a = sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in).
-    const double bound = 1.0 / std::sqrt(static_cast<double>(p.shape[1]));
+    const double bound = 1.0 / std::sqrt(static_cast<double>(p.shape.back()));
     const std::uint64_t stream = rng::hash_combine(seed, rng::hash_string(p.name));
     for (std::size_t i = 0; i < p.numel; ++i)
       w[i] = static_cast<float>(bound * (2.0 * rng::uniform(stream, i) - 1.0));
@@ -156,6 +200,7 @@ void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* ada
   const float scale = static_cast<float>(lora.scale());
   for (int l = 0; l < cfg.num_layers; ++l) {
     for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
+      if (!lora_target_in_layer(cfg, l, t)) continue;
       const auto [in, out] = lora_target_dims(cfg, t);
       const float* A = adapters + layout.find(lora_param_name(l, t, 'A')).offset;  // [r, in]
       const float* B = adapters + layout.find(lora_param_name(l, t, 'B')).offset;  // [out, r]
@@ -165,6 +210,20 @@ void lora_merge(const ModelConfig& cfg, const LoraConfig& lora, const float* ada
                      .offset;  // [out, in]
       // W[out, in] += scale * B[out, r] A[r, in]
       cpu::gemm<float>(false, false, out, in, lora.r, scale, B, lora.r, A, in, 1.0f, W, in);
+    }
+    if (!cfg.is_moe_layer(l)) continue;
+    for (int et : parse_lora_expert_targets(lora.targets, "lora.targets")) {
+      const auto [in, out] = lora_expert_dims(cfg, et);
+      const float* A = adapters + layout.find(lora_expert_param_name(l, et, 'A')).offset;
+      const float* B = adapters + layout.find(lora_expert_param_name(l, et, 'B')).offset;
+      float* W = base + base_layout.find(fmt::format("model.layers.{}.mlp.{}", l,
+                                                     kLoraExpertTargets[et]))
+                            .offset;  // [El, out, in]
+      const std::size_t r = lora.r;
+      QT_CHECK(cfg.expert_shards == 1, "lora_merge into an ep rank's experts");
+      for (int e = 0; e < cfg.num_experts; ++e)  // W_e[out, in] += scale * B_e A_e
+        cpu::gemm<float>(false, false, out, in, lora.r, scale, B + e * out * r, lora.r,
+                         A + e * r * in, in, 1.0f, W + std::size_t(e) * out * in, in);
     }
   }
 }
@@ -196,6 +255,7 @@ LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B
   int max_in = 0;
   for (int l = first_layer; l < last_layer; ++l) {
     for (int t : parse_lora_targets(lora.targets, "lora.targets")) {
+      if (!lora_target_in_layer(cfg, l, t)) continue;
       Slot& s = slots_[static_cast<std::size_t>(l) * kNumLoraTargets + t];
       s.on = true;
       std::tie(s.in, s.out) = lora_target_dims(cfg, t);
@@ -206,6 +266,18 @@ LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B
       max_in = std::max(max_in, s.in);
     }
   }
+  const std::vector<int> experts = parse_lora_expert_targets(lora.targets, "lora.targets");
+  expert_at_.assign(static_cast<std::size_t>(cfg.num_layers) * kNumLoraExpertTargets,
+                    {std::string::npos, std::string::npos});
+  for (int l = first_layer; l < last_layer; ++l) {
+    if (!cfg.is_moe_layer(l)) continue;
+    for (int et : experts) {
+      expert_at_[static_cast<std::size_t>(l) * kNumLoraExpertTargets + et] = {
+          layout_.find(lora_expert_param_name(l, et, 'A')).offset,
+          layout_.find(lora_expert_param_name(l, et, 'B')).offset};
+      experts_on_ = true;
+    }
+  }
   const std::size_t N = N_;
   if (lora.dropout > 0) {
     xd_.resize(N * max_in);
@@ -213,6 +285,28 @@ LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B
   }
   g_.resize(N * lora.r);
   dxd_.resize(N * max_in);
+}
+
+cpu::ExpertLora<float> LoraAdapters::experts(int layer, bool grads) const {
+  cpu::ExpertLora<float> e;
+  if (!experts_on_) return e;
+  QT_CHECK(params_ != nullptr && (!grads || grads_ != nullptr),
+           "expert adapters without their weights or gradients (bind() first)");
+  QT_CHECK(lora_.dropout == 0 || !dropout_on_, "lora.dropout on the experts' adapters");
+  e.r = lora_.r;
+  e.scale = static_cast<float>(scale_);
+  const std::size_t at = static_cast<std::size_t>(layer) * kNumLoraExpertTargets;
+  const auto [gua, gub] = expert_at_.at(at + kLoraExpertsGateUp);
+  const auto [dna, dnb] = expert_at_.at(at + kLoraExpertsDown);
+  if (gua != std::string::npos) {
+    e.gu_a = params_ + gua, e.gu_b = params_ + gub;
+    if (grads) e.g_gu_a = grads_ + gua, e.g_gu_b = grads_ + gub;
+  }
+  if (dna != std::string::npos) {
+    e.dn_a = params_ + dna, e.dn_b = params_ + dnb;
+    if (grads) e.g_dn_a = grads_ + dna, e.g_dn_b = grads_ + dnb;
+  }
+  return e;
 }
 
 void LoraAdapters::select_slot(int slot) {

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops/moe_experts.h"
 #include "qtrain/lora.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
@@ -22,9 +23,22 @@ enum LoraTarget : int { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLor
 
 // PEFT's name of A ('A') or B ('B') of one projection of one layer.
 std::string lora_param_name(int layer, int target, char which);
+// Whether layer l has projection `target`: every layer its attention's; the MLP targets
+// (gate_proj, up_proj, down_proj) only a dense layer (a Qwen3-MoE model's model.mlp_only_layers).
+bool lora_target_in_layer(const ModelConfig& cfg, int layer, int target);
 // [in, out] of projection `target` in `cfg` (W is [out, in]).
 std::pair<int, int> lora_target_dims(const ModelConfig& cfg, int target);
-// The adapter layout: per layer, per target in kLoraTargets order, A [r, in] then B [out, r].
+// The name of the stacked A ('A', [E, r, in]) or B ('B', [E, out, r]) of expert target `et`
+// (kLoraExpertTargets) of sparse layer `layer`: expert e's A_e and B_e at row e, all E experts
+// also on an ep rank (replicated over ep like the dense adapters: a rank uses and trains its own
+// experts' rows, the others' gradients are zero there and the dp sum adds the owners').
+// qtrain's own name; the export writes PEFT's (hf/lora_export.h).
+std::string lora_expert_param_name(int layer, int et, char which);
+// [in, out] of each expert's W_e of expert target `et`: gate_up_proj [H, 2 Im], down_proj [Im, H].
+std::pair<int, int> lora_expert_dims(const ModelConfig& cfg, int et);
+// The adapter layout: per layer, per target in kLoraTargets order that the layer has
+// (lora_target_in_layer), A [r, in] then B [out, r];
+// then, in a sparse layer, per expert target, the stacked A [E, r, in] then B [E, out, r].
 ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora);
 // The same for layers [first_layer, last_layer) only (a pipeline chunk's; names keep the
 // model's layer numbers).
@@ -34,7 +48,7 @@ ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora, int firs
 // ascending).
 ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora,
                         const std::vector<std::pair<int, int>>& layer_ranges);
-// PEFT's initialisation: A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform_ with a = sqrt(5)),
+// PEFT's initialisation (an expert's A as a plain one): A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform_ with a = sqrt(5)),
 // B = 0, so the adapted model starts as the base. Value i of A depends on (seed, name, i) only.
 void lora_init(const ParamLayout& layout, std::uint64_t seed, float* adapters);
 // The dropout stream of projection `target` of layer `layer` in a run with `seed`: element i of
@@ -102,6 +116,12 @@ class LoraAdapters {
   //   dx [N, in]  += scale * drop'((dy B) A)       (skipped when dx is null).
   void backward(int layer, int target, const float* x, const float* dy, float* dx, int lddy = 0);
 
+  // True when the experts have adapters (every sparse layer of the range alike).
+  bool adapts_experts() const { return experts_on_; }
+  // Sparse layer `layer`'s expert adapters over the bound weights, with the bound gradients
+  // when `grads` (ops/moe_experts.h); r = 0 (none) when the experts are not adapted.
+  cpu::ExpertLora<float> experts(int layer, bool grads) const;
+
  private:
   struct Slot {  // one adapted projection of one layer
     bool on = false;
@@ -123,6 +143,9 @@ class LoraAdapters {
   std::size_t xa_at_ = 0;         // the selected slot's offset in each Slot::xa
   double scale_;
   std::vector<Slot> slots_;  // [layer * kNumLoraTargets + target]
+  // [layer * kNumLoraExpertTargets + et]: offsets of the stacked A and B (npos: not adapted)
+  std::vector<std::pair<std::size_t, std::size_t>> expert_at_;
+  bool experts_on_ = false;
   const float* params_ = nullptr;
   float* grads_ = nullptr;
   std::uint64_t seed_ = 0;

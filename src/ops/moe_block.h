@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ops/moe_capacity.h"
+#include "ops/moe_experts.h"
 #include "ops/moe_router.h"
 
 namespace qt::cpu {
@@ -41,21 +42,23 @@ inline std::vector<std::uint8_t> moe_capacity_keep(const int* idx, const MoeShap
 // y [N, H] written; probs [N, E], idx [N, k], w [N, k] written (kept for the backward and the
 // load-balancing statistics). gate [E, H], gate_up [E, 2 Im, H], down [E, H, Im]. bias [E]:
 // the router's balancing bias (router_forward; null: none). Returns the pairs dropped by the
-// capacity (0 when dropless).
+// capacity (0 when dropless). lora: adapters on every expert (ops/moe_experts.h; null: none).
 template <typename T>
 long moe_block_forward(T* y, T* probs, int* idx, T* w, const T* x, const T* gate,
                        const T* gate_up, const T* down, const MoeShape& s,
-                       const T* bias = nullptr);
+                       const T* bias = nullptr, const ExpertLora<T>* lora = nullptr);
 
 // dx [N, H] written; dgate, dgate_up, ddown accumulated (+=). With balance (the step's
 // statistics, every MoE layer added) the gradient of aux_coef x the load-balancing loss joins
 // the router logits'. All three weight gradients null: a frozen block (LoRA on a Qwen3-MoE
 // model, PEFT's frozen router and experts); dx is the same, through the experts and, by the
-// routing weights and the load-balancing loss, through the frozen router's logits.
+// routing weights and the load-balancing loss, through the frozen router's logits; the expert
+// adapters of lora (the forward's) get their gradients.
 template <typename T>
 void moe_block_backward(T* dx, T* dgate, T* dgate_up, T* ddown, const T* dy, const T* x,
                         const T* probs, const int* idx, const T* w, const T* gate,
                         const T* gate_up, const T* down, const MoeShape& s,
-                        const RouterBalance* balance = nullptr, T aux_coef = 0);
+                        const RouterBalance* balance = nullptr, T aux_coef = 0,
+                        const ExpertLora<T>* lora = nullptr);
 
 }  // namespace qt::cpu

@@ -9,22 +9,52 @@
 // adds nothing to y, and gets d w = 0 and no expert gradient.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 namespace qt::cpu {
+
+// LoRA adapters on every expert (include/qtrain/lora.h kLoraExpertTargets; PEFT's ParamWrapper
+// on the fused tensors): expert e's gate|up rows get gu += scale * (x A_e^T) B_e^T with
+// gu_a [E, r, H], gu_b [E, 2 Im, r]; its output ye += scale * (h A_e^T) B_e^T with
+// dn_a [E, r, Im], dn_b [E, H, r]. A null pair: that projection not adapted. No dropout (PEFT
+// refuses it on a ParamWrapper). Gradients (backward only) accumulate (+=) into the g_ pointers
+// of the adapted pairs.
+template <typename T>
+struct ExpertLora {
+  int r = 0;
+  T scale = 0;
+  const T *gu_a = nullptr, *gu_b = nullptr, *dn_a = nullptr, *dn_b = nullptr;
+  T *g_gu_a = nullptr, *g_gu_b = nullptr, *g_dn_a = nullptr, *g_dn_b = nullptr;
+  bool on() const { return gu_a != nullptr || dn_a != nullptr; }
+};
+
+// The adapters of experts [first, first + n) of `l` as experts 0 .. n - 1 (an ep rank's own,
+// in adapters of all E experts); gradients likewise.
+template <typename T>
+ExpertLora<T> expert_lora_rows(ExpertLora<T> l, int first, int H, int Im) {
+  const std::size_t r = l.r, e = first;
+  auto at = [](auto* p, std::size_t off) { return p ? p + off : p; };
+  l.gu_a = at(l.gu_a, e * r * H), l.g_gu_a = at(l.g_gu_a, e * r * H);
+  l.gu_b = at(l.gu_b, e * 2 * Im * r), l.g_gu_b = at(l.g_gu_b, e * 2 * Im * r);
+  l.dn_a = at(l.dn_a, e * r * Im), l.g_dn_a = at(l.g_dn_a, e * r * Im);
+  l.dn_b = at(l.dn_b, e * H * r), l.g_dn_b = at(l.g_dn_b, e * H * r);
+  return l;
+}
 
 // y written.
 template <typename T>
 void moe_experts_forward(T* y, const T* x, const int* idx, const T* w, const T* gate_up,
                          const T* down, int N, int H, int Im, int E, int k,
-                         const std::uint8_t* keep = nullptr);
+                         const std::uint8_t* keep = nullptr, const ExpertLora<T>* lora = nullptr);
 
 // dx [N, H] and dw [N, k] written; dgate_up, ddown accumulated (+=), or both null: frozen
 // experts (LoRA on a Qwen3-MoE model), the input gradients only. Recomputes each expert's
-// forward from x.
+// forward from x. lora: the forward's adapters, their gradients accumulated.
 template <typename T>
 void moe_experts_backward(T* dx, T* dw, T* dgate_up, T* ddown, const T* dy, const T* x,
                           const int* idx, const T* w, const T* gate_up, const T* down, int N,
-                          int H, int Im, int E, int k, const std::uint8_t* keep = nullptr);
+                          int H, int Im, int E, int k, const std::uint8_t* keep = nullptr,
+                          const ExpertLora<T>* lora = nullptr);
 
 }  // namespace qt::cpu

@@ -120,7 +120,8 @@ void ExpertDispatch::exchange(const float* send, float* recv, bool forward_direc
 }
 
 void ExpertDispatch::forward(float* out, const float* x, const int* idx, int N, int k,
-                             const float* gate_up, const float* down, const std::uint8_t* keep) {
+                             const float* gate_up, const float* down, const std::uint8_t* keep,
+                             const cpu::ExpertLora<float>* lora) {
   const int P = ep_.size();
   const std::size_t H = h_;
   nk_ = N * k;
@@ -160,7 +161,7 @@ void ExpertDispatch::forward(float* out, const float* x, const int* idx, int N, 
   // This rank's experts over the rows it received (weight 1: the sender weighs them).
   std::vector<float> ones_w(R, 1.0f), y(R * H);
   cpu::moe_experts_forward(y.data(), recv_x_.data(), recv_ids_.data(), ones_w.data(), gate_up,
-                           down, static_cast<int>(R), h_, im_, el_, 1);
+                           down, static_cast<int>(R), h_, im_, el_, 1, nullptr, lora);
   std::vector<float> back(sent * H);
   exchange(y.data(), back.data(), false);
   to_slots(back.data(), out);
@@ -176,7 +177,8 @@ void ExpertDispatch::to_slots(const float* rows, float* slots) const {
 }
 
 void ExpertDispatch::backward(float* dx_slot, const float* dout, const float* gate_up,
-                              const float* down, float* g_gate_up, float* g_down) {
+                              const float* down, float* g_gate_up, float* g_down,
+                              const cpu::ExpertLora<float>* lora) {
   const std::size_t H = h_, R = recv_ids_.size();
   std::vector<float> send((send_at_.back() + send_rows_.back()) * H), dy(R * H);
   for (int i = 0; i < nk_; ++i)
@@ -186,7 +188,7 @@ void ExpertDispatch::backward(float* dx_slot, const float* dout, const float* ga
   std::vector<float> ones_w(R, 1.0f), dw(R), dx(R * H);
   cpu::moe_experts_backward(dx.data(), dw.data(), g_gate_up, g_down, dy.data(), recv_x_.data(),
                             recv_ids_.data(), ones_w.data(), gate_up, down, static_cast<int>(R),
-                            h_, im_, el_, 1);
+                            h_, im_, el_, 1, nullptr, lora);
   exchange(dx.data(), send.data(), false);
   to_slots(send.data(), dx_slot);
 }
@@ -204,7 +206,7 @@ std::vector<int> slots_by_expert(const int* idx, int t, int k) {
 long moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
                           const float* x, const float* gate, const float* gate_up,
                           const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
-                          const float* bias) {
+                          const float* bias, const cpu::ExpertLora<float>* lora) {
   const std::size_t H = s.H;
   std::vector<float> logits(static_cast<std::size_t>(s.N) * s.E);  // [N, E]
   cpu::linear_forward(logits.data(), x, gate, s.N, s.H, s.E);
@@ -214,7 +216,7 @@ long moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slo
   long dropped = 0;
   const std::vector<std::uint8_t> keep = cpu::moe_capacity_keep(idx, s, &dropped);
   dispatch.forward(slot_out, x, idx, s.N, s.k, gate_up, down,
-                   keep.empty() ? nullptr : keep.data());
+                   keep.empty() ? nullptr : keep.data(), lora);
   for (int t = 0; t < s.N; ++t) {  // y[t] = sum_j w[t, j] out[t, j]
     float* yt = y + t * H;
     std::fill(yt, yt + H, 0.0f);
@@ -231,7 +233,8 @@ void moe_block_backward_ep(float* dx, float* dgate, float* dgate_up, float* ddow
                            const float* x, const float* probs, const int* idx, const float* w,
                            const float* slot_out, const float* gate, const float* gate_up,
                            const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
-                           const cpu::RouterBalance* balance, float aux_coef) {
+                           const cpu::RouterBalance* balance, float aux_coef,
+                           const cpu::ExpertLora<float>* lora) {
   const std::size_t H = s.H, NK = static_cast<std::size_t>(s.N) * s.k;
   // d w[t, j] = dy[t] . out[t, j]; d out[t, j] = w[t, j] dy[t]
   std::vector<float> dw(NK), dout(NK * H), dx_slot(NK * H);
@@ -244,7 +247,7 @@ void moe_block_backward_ep(float* dx, float* dgate, float* dgate_up, float* ddow
     }
     dw[i] = static_cast<float>(dot);
   }
-  dispatch.backward(dx_slot.data(), dout.data(), gate_up, down, dgate_up, ddown);
+  dispatch.backward(dx_slot.data(), dout.data(), gate_up, down, dgate_up, ddown, lora);
   for (int t = 0; t < s.N; ++t) {
     float* dxt = dx + t * H;
     std::fill(dxt, dxt + H, 0.0f);

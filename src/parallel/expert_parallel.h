@@ -95,14 +95,16 @@ class ExpertDispatch {
   // out [N k, H] written: row t k + j is expert idx[t, j]'s output for token t (x [N, H]),
   // unweighted; zero for a pair that keep [N k] drops (null: all kept), which is not sent.
   // gate_up, down: this rank's experts.
+  // lora: this rank's experts' adapters (cpu::expert_lora_rows; null: none).
   void forward(float* out, const float* x, const int* idx, int N, int k, const float* gate_up,
-               const float* down, const std::uint8_t* keep = nullptr);
+               const float* down, const std::uint8_t* keep = nullptr,
+               const cpu::ExpertLora<float>* lora = nullptr);
   // dx_slot [N k, H] written: each slot row's input gradient from its expert, given dout [N k, H]
   // (the gradient of forward's out; a dropped row's is not read and its dx_slot is zero); this
   // rank's experts' gradients accumulated (+=), or both null: frozen experts (LoRA). Weights as
   // forward's.
   void backward(float* dx_slot, const float* dout, const float* gate_up, const float* down,
-                float* g_gate_up, float* g_down);
+                float* g_gate_up, float* g_down, const cpu::ExpertLora<float>* lora = nullptr);
 
  private:
   // slots [N k, H] written: slot row i is rows' row pos_[i] (send order), zeros if dropped.
@@ -126,15 +128,18 @@ class ExpertDispatch {
 // for dropped pairs), written by forward and read by backward. y and dx written; dgate and this
 // rank's expert gradients accumulated (+=), or all three null: a frozen block (LoRA), dx only.
 // bias [E]: the router's balancing bias (cpu::router_forward; null: none). The forward returns
-// the pairs of this rank's tokens that the capacity dropped.
+// the pairs of this rank's tokens that the capacity dropped. lora: this rank's experts'
+// adapters (ExpertDispatch's), their gradients accumulated by the backward.
 long moe_block_forward_ep(float* y, float* probs, int* idx, float* w, float* slot_out,
                           const float* x, const float* gate, const float* gate_up,
                           const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
-                          const float* bias = nullptr);
+                          const float* bias = nullptr,
+                          const cpu::ExpertLora<float>* lora = nullptr);
 void moe_block_backward_ep(float* dx, float* dgate, float* dgate_up, float* ddown, const float* dy,
                            const float* x, const float* probs, const int* idx, const float* w,
                            const float* slot_out, const float* gate, const float* gate_up,
                            const float* down, const cpu::MoeShape& s, ExpertDispatch& dispatch,
-                           const cpu::RouterBalance* balance = nullptr, float aux_coef = 0);
+                           const cpu::RouterBalance* balance = nullptr, float aux_coef = 0,
+                           const cpu::ExpertLora<float>* lora = nullptr);
 
 }  // namespace qt

@@ -104,7 +104,9 @@ ShardPlan plan_base(const ParamLayout& layout, const MeshShape& mesh, int zero_s
       switch (tp_role(p.name)) {
         case TpRole::kColumn:  // [out, in] by rows; an experts' [E, out, in] by each's rows
           s.sharded_by = MeshDim::kTp, s.axis = rank - 2, s.global_shape[rank - 2] *= mesh.tp;
-          if (ends_with(p.name, "experts.gate_up_proj")) s.tp_blocks = 2;  // gate; up
+          if (ends_with(p.name, "experts.gate_up_proj") ||
+              ends_with(p.name, "experts.gate_up_proj.lora_B.weight"))
+            s.tp_blocks = 2;  // gate; up (an expert adapter's B [E, 2 Im, r] alike)
           break;
         case TpRole::kRow:  // [out, in] by columns; an experts' [E, out, in] by each's columns
           s.sharded_by = MeshDim::kTp, s.axis = rank - 1, s.global_shape[rank - 1] *= mesh.tp;
@@ -150,6 +152,11 @@ TpRole tp_role(const std::string& name) {
   if (ends("mlp.experts.gate_up_proj")) return TpRole::kColumn;  // Qwen3-MoE
   if (ends("mlp.experts.down_proj")) return TpRole::kRow;
   if (ends("mlp.gate.weight")) return TpRole::kPartial;
+  // Adapters on every expert (stacked A [E, r, in], B [E, out, r]) as the dense ones below.
+  if (ends("mlp.experts.gate_up_proj.lora_A.weight")) return TpRole::kPartial;
+  if (ends("mlp.experts.gate_up_proj.lora_B.weight")) return TpRole::kColumn;
+  if (ends("mlp.experts.down_proj.lora_A.weight")) return TpRole::kRow;
+  if (ends("mlp.experts.down_proj.lora_B.weight")) return TpRole::kPartial;
   // LoRA adapters follow their base projection (A [r, in], B [out, r]): beside a
   // column-parallel one, B holds its rows and A is whole with a gradient partial over tp (each
   // rank's rows of B see part of it); beside a row-parallel one, A holds its columns and B is

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "model/lora.h"
 #include "model/qwen3.h"
 #include "plan/memory_plan.h"
 
@@ -17,9 +18,17 @@ double lora_params(const ModelConfig& c, const LoraConfig& l) {
   const double Q = static_cast<double>(c.num_heads) * c.head_dim;
   const double KV = static_cast<double>(c.num_kv_heads) * c.head_dim;
   const double in_out[kNumLoraTargets] = {H + Q, H + KV, H + KV, Q + H, H + I, H + I, I + H};
-  double per_layer = 0;
-  for (int t : parse_lora_targets(l.targets, "lora.targets")) per_layer += l.r * in_out[t];
-  return per_layer * c.num_layers;
+  double per_layer = 0, per_dense = 0;  // the MLP's only in dense layers
+  for (int t : parse_lora_targets(l.targets, "lora.targets"))
+    (t >= kLoraGate ? per_dense : per_layer) += l.r * in_out[t];
+  // Every expert's adapters in each sparse layer: E x r x (in + out).
+  const double Im = c.moe_intermediate_size, experts_in_out[kNumLoraExpertTargets] = {
+                                                  H + 2 * Im, Im + H};
+  double per_sparse = 0;
+  for (int et : parse_lora_expert_targets(l.targets, "lora.targets"))
+    per_sparse += static_cast<double>(c.num_experts) * l.r * experts_in_out[et];
+  return per_layer * c.num_layers + per_dense * (c.num_layers - c.num_moe_layers()) +
+         per_sparse * c.num_moe_layers();
 }
 
 // Parameters of the largest unit of the sharding plan: the embedding (or lm head) or one layer.

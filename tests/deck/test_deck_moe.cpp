@@ -124,8 +124,27 @@ TEST(DeckErrors, Moe) {
   EXPECT_EQ(parse(moe + cuda + "[lora]\nr = 4\n[mesh]\ntp = 2\n").mesh.tp, 2);
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n").lora.r, 4);
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\nep = 2\n").mesh.ep, 2);
-  expect_error(moe + "[lora]\nr = 4\ntargets = q_proj, gate_proj\n",
-               {"lora.targets", "gate_proj", "Qwen3-MoE", "experts' projections are not built"});
+  // The dense MLP of model.mlp_only_layers: cpu only.
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\ntargets = q_proj, gate_proj\n").lora.r, 4);
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\ntargets = all-linear\n").lora.r, 4);
+  expect_error(moe + cuda + "[lora]\nr = 4\ntargets = q_proj, gate_proj\n",
+               {"lora.targets", "gate_proj", "Qwen3-MoE", "dense MLP of model.mlp_only_layers",
+                "train.device = cuda"});
+  // Adapters on every expert (experts.gate_up_proj, experts.down_proj): cpu at any dp, with or
+  // without attention adapters, ep and tp; not on cuda, with dropout, or on a dense model.
+  const std::string ex = "[lora]\nr = 4\ntargets = q_proj, experts.gate_up_proj, experts.down_proj\n";
+  EXPECT_EQ(parse(moe + ex).lora.targets, "q_proj, experts.gate_up_proj, experts.down_proj");
+  EXPECT_EQ(parse(moe + "[lora]\nr = 4\ntargets = experts.down_proj\n").mesh.dp, 2);
+  expect_error(moe + cuda + ex, {"lora.targets", "experts.gate_up_proj", "train.device = cuda"});
+  expect_error(moe + ex + "dropout = 0.1\n", {"lora.dropout = 0.1", "ParamWrapper"});
+  EXPECT_EQ(parse(moe + ex + "[mesh]\nep = 2\n").mesh.ep, 2);
+  EXPECT_EQ(parse(moe + ex + "[mesh]\ntp = 2\n").mesh.tp, 2);
+  expect_error(ex, {"lora.targets", "experts.gate_up_proj", "dense model"});
+  expect_error("[lora]\ntargets = experts.down_proj\n", {"lora.targets", "dense model"});
+  expect_error(moe + "[lora]\nr = 4\ntargets = experts.down_proj, experts.down_proj\n",
+               {"lora.targets", "given twice"});
+  expect_error(moe + "[lora]\nr = 4\ntargets = experts.gate_proj\n",
+               {"lora.targets", "unknown target", "experts.gate_up_proj"});
   expect_error(moe + cuda + "[lora]\nr = 4\ntargets = all-linear\n",
                {"lora.targets", "gate_proj", "q_proj, k_proj, v_proj, o_proj"});
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\n[mesh]\ntp = 2\n").mesh.tp, 2);

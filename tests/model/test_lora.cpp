@@ -324,6 +324,50 @@ TEST(LoraModel, MergedWeightsGiveTheAdaptedLogits) {
   EXPECT_LT(rel_error(merged.logits(), adapted.logits(), n), 1e-5);
 }
 
+// Adapters on every expert of a Qwen3-MoE model (layer 0 sparse, layer 1 dense, its MLP
+// adapted too): B = 0 gives
+// the base model bit for bit, and lora_merge (export --merge, evaluation) gives the adapted logits.
+TEST(LoraModel, ExpertAdaptersZeroBAndMerge) {
+  ModelConfig c = small_config(false);
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 6;
+  c.mlp_only_layers = {1};
+  Problem pb(c, lora_with("q_proj, up_proj, experts.gate_up_proj, experts.down_proj"));
+  EXPECT_EQ(pb.alayout.find("base_model.model.model.layers.1.mlp.up_proj.lora_B.weight").shape,
+            (std::vector<std::int64_t>{20, 3}));  // the dense layer's MLP only
+  for (const ParamInfo& p : pb.alayout.params())
+    EXPECT_EQ(p.name.find("layers.0.mlp.up_proj"), std::string::npos) << p.name;
+  EXPECT_EQ(pb.alayout.find(lora_expert_param_name(0, kLoraExpertsDown, 'B')).shape,
+            (std::vector<std::int64_t>{4, 16, 3}));
+  const std::size_t n = static_cast<std::size_t>(pb.B) * pb.T * pb.cfg.vocab_size;
+  {
+    Qwen3Model adapted(pb.cfg, pb.B, pb.T, false), merged(pb.cfg, pb.B, pb.T, false);
+    LoraAdapters lora(pb.cfg, pb.lc, pb.B, pb.T);
+    adapted.set_lora(&lora);
+    lora.bind(pb.adapters.data(), nullptr);
+    std::vector<float> w = pb.params;
+    lora_merge(pb.cfg, pb.lc, pb.adapters.data(), pb.layout, w.data());
+    const ParamInfo& gu = pb.layout.find("model.layers.0.mlp.experts.gate_up_proj");
+    EXPECT_FALSE(std::equal(w.begin() + gu.offset, w.begin() + gu.offset + gu.numel,
+                            pb.params.begin() + gu.offset));
+    adapted.forward(pb.params.data(), pb.inputs.data(), pb.targets.data());
+    merged.forward(w.data(), pb.inputs.data(), pb.targets.data());
+    EXPECT_LT(rel_error(merged.logits(), adapted.logits(), n), 1e-5);
+    Qwen3Model base(pb.cfg, pb.B, pb.T, false);
+    base.forward(pb.params.data(), pb.inputs.data(), pb.targets.data());
+    EXPECT_GT(rel_error(base.logits(), adapted.logits(), n), 1e-4);
+  }
+  lora_init(pb.alayout, test::test_seed(), pb.adapters.data());  // B = 0
+  Qwen3Model base(pb.cfg, pb.B, pb.T, false), adapted(pb.cfg, pb.B, pb.T, false);
+  LoraAdapters lora(pb.cfg, pb.lc, pb.B, pb.T);
+  adapted.set_lora(&lora);
+  lora.bind(pb.adapters.data(), nullptr);
+  EXPECT_EQ(base.forward(pb.params.data(), pb.inputs.data(), pb.targets.data()),
+            adapted.forward(pb.params.data(), pb.inputs.data(), pb.targets.data()));
+  EXPECT_TRUE(std::equal(base.logits(), base.logits() + n, adapted.logits()));
+}
+
 TEST(LoraLayout, PeftNamesShapesAndCount) {
   for (const char* preset_cfg : {"small", "qwen3-0.6b"}) {
     ModelConfig c = small_config(true);

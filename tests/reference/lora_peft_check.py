@@ -2,7 +2,9 @@
 """GPU-machine check of qtrain's LoRA against peft (docs/finetune.md, LoRA).
 
 For tiny Qwen3 models (tied and untied embeddings, GQA, several target sets and alphas) and a tiny
-Qwen3-MoE (attention adapters; routers and experts frozen):
+Qwen3-MoE (adapters on attention, on the dense MLP of its mlp_only layer (all-linear), and on
+every expert: lora.targets experts.gate_up_proj, experts.down_proj, which peft loads as
+target_parameters through lora.ParamWrapper; routers and experts frozen):
   1. qtrain trains the whole model two steps from a wide initialisation and `qtrain export`s it:
      the base, a Hugging Face directory (bf16 values, exact in fp32);
   2. a qtrain LoRA run on that base (`[model] init`, `[lora]` r, alpha, dropout, targets) trains
@@ -18,7 +20,11 @@ Qwen3-MoE (attention adapters; routers and experts frozen):
      and loss match ours (relative Frobenius error; fp32 <= 1e-5 on the CPU, 1e-4 on the GPU);
   6. peft's merge_and_unload() of that model gives our logits within fp32 (1e-5 / 1e-4), and
      transformers loading our --merge directory (bf16 weights) gives them within bf16 (3e-2);
-     our merged weights equal peft's merged weights rounded to bf16 (all but a few rounding ties).
+     our merged weights equal peft's merged weights rounded to bf16 (all but a few rounding ties;
+     a Qwen3-MoE file's per-expert gate_proj / up_proj / down_proj against the rows of peft's
+     merged fused experts.gate_up_proj / experts.down_proj);
+  7. with expert adapters: peft's own get_peft_model with the same LoraConfig (target_parameters)
+     has exactly our file's tensor names and shapes (the nesting of its ParamWrappers included).
 Exits 1 if any check fails.
 
 Run on the GPU machine from the repository root, with the binaries built here and the runtime kit
@@ -50,18 +56,24 @@ MODELS = [  # name, [model] keys of the base
     ("untied_gqa4_hd64", dict(vocab_size=96, hidden_size=48, intermediate_size=80, num_layers=3,
                               tie_word_embeddings="false", num_heads=4, num_kv_heads=1, head_dim=64)),
     # Qwen3-MoE (issue 18): layer 1 dense (mlp_only_layers), layers 0 and 2 sparse; adapters on
-    # the attention projections only (the experts' are not built, docs/finetune.md).
+    # the attention projections, the dense layer's MLP and every expert (docs/finetune.md).
     ("moe_e4_k2", dict(vocab_size=112, hidden_size=32, intermediate_size=48, num_layers=3,
                        tie_word_embeddings="false", num_heads=4, num_kv_heads=2, head_dim=16,
                        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
                        norm_topk_prob="true", mlp_only_layers="1")),
 ]
-MOE_LORAS = ("qv_alpha_odd", "attn_default")  # the LORAS a Qwen3-MoE base takes
+MOE_LORAS = ("all_linear", "qv_alpha_odd", "attn_default", "experts", "experts_down")  # MoE's
+EXPERT_LORAS = ("experts", "experts_down")  # only a Qwen3-MoE base takes these
 LORAS = [  # name, [lora] keys
     ("all_linear", dict(r=4, alpha=8, dropout=0.1, targets="all-linear")),
     ("qv_alpha_odd", dict(r=3, alpha=5.5, dropout=0.0, targets="q_proj,v_proj")),
     ("attn_default", dict(r=8, alpha=16, dropout=0.05, targets="q_proj,k_proj,v_proj,o_proj")),
     ("mlp", dict(r=2, alpha=2, dropout=0.2, targets="gate_proj,up_proj,down_proj")),
+    # Every expert's gate_up_proj and down_proj (peft's target_parameters; no dropout there),
+    # with attention and the dense layer's down_proj (target_modules).
+    ("experts", dict(r=3, alpha=6, dropout=0.0,
+                     targets="q_proj,v_proj,down_proj,experts.gate_up_proj,experts.down_proj")),
+    ("experts_down", dict(r=2, alpha=3, dropout=0.0, targets="experts.down_proj")),
 ]
 FAILURES = []
 
@@ -184,14 +196,23 @@ def check_lora(a, name, base, lora, ids):
             peft_sd = {k: v.detach().cpu() for k, v in mm.state_dict().items()}
             diff = total = 0
             # A Qwen3-MoE file names each expert's projections (experts.{e}.gate_proj.weight),
-            # which transformers 5 holds fused (experts.gate_up_proj): those are the base's,
-            # untouched by attention adapters, and not compared here.
+            # which transformers 5 holds fused (experts.gate_up_proj [E, 2 Im, H], gate rows
+            # first; experts.down_proj [E, H, Im]): compared with the rows of peft's merge.
             per_expert = []
             for k, v in load_torch(os.path.join(merged, "model.safetensors")).items():  # bf16
-                if k not in peft_sd and ".mlp.experts." in k:
+                m = re.fullmatch(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight", k)
+                if k not in peft_sd and m:
                     per_expert.append(k)
-                    continue
-                want = peft_sd[k].to(torch.bfloat16)
+                    e, which = int(m.group(2)), m.group(3)
+                    if which == "down":
+                        want = peft_sd[m.group(1) + ".down_proj"][e]
+                    else:
+                        gu = peft_sd[m.group(1) + ".gate_up_proj"][e]
+                        im = gu.shape[0] // 2
+                        want = gu[:im] if which == "gate" else gu[im:]
+                    want = want.to(torch.bfloat16)
+                else:
+                    want = peft_sd[k].to(torch.bfloat16)
                 diff += int((v != want).sum())
                 total += v.numel()
             check(diff <= max(10, total // 10000),
@@ -209,12 +230,23 @@ def check_lora(a, name, base, lora, ids):
     trainable = PeftModel.from_pretrained(from_pretrained(base, "cpu"), adapter, is_trainable=True)
     n_loaded = trainable.get_nb_trainable_parameters()[0]
     targets = cfg["target_modules"]
+    params = cfg.get("target_parameters")
+    check(bool(params) == ("experts." in lora["targets"]),
+          f"{name}: adapter_config.json target_parameters {params}")
     fresh = get_peft_model(from_pretrained(base, "cpu"),
                            LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
-                                      target_modules=targets, task_type="CAUSAL_LM"))
+                                      target_modules=targets, target_parameters=params,
+                                      task_type="CAUSAL_LM"))
     n_fresh = fresh.get_nb_trainable_parameters()[0]
     check(ours_trainable == n_loaded == n_fresh,
           f"{name}: trainable parameters ours {ours_trainable}, peft loaded {n_loaded}, get_peft_model {n_fresh}")
+    if params:  # peft's own names and shapes for this LoraConfig are exactly the file's
+        from peft import get_peft_model_state_dict
+        theirs = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(fresh).items()}
+        ours = {k: tuple(v.shape) for k, v in stored.items()}
+        check(theirs == ours, f"{name}: peft's get_peft_model tensors = the file's: "
+                              f"{sorted(set(theirs) ^ set(ours)) or 'same names'}, "
+                              f"{[(k, ours[k], theirs[k]) for k in ours if k in theirs and ours[k] != theirs[k]]}")
 
 
 def main():
@@ -237,7 +269,8 @@ def main():
         print(f"{mname}:")
         base = train_base(a, mname, keys)
         for lname, lora in LORAS:
-            if "num_experts" in keys and lname not in MOE_LORAS:
+            moe = "num_experts" in keys
+            if (moe and lname not in MOE_LORAS) or (not moe and lname in EXPERT_LORAS):
                 continue
             ids = rng.integers(0, keys["vocab_size"], size=(2, 24), dtype=np.int64)
             check_lora(a, f"{mname}_{lname}", base, lora, ids)

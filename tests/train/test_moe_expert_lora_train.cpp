@@ -1,0 +1,231 @@
+// LoRA on every expert of a Qwen3-MoE model on the CPU reference (issue 18, item 5) under
+// mpiexec -n 2: the tiny MoE deck (inputs/tiny-moe.ini) with adapters on the attention
+// projections, the dense MLP of layer 1 and each expert's gate_up_proj and down_proj of layers 0
+// and 2 (lora.targets experts.*), the router and the experts frozen. Only the adapters train
+// (every base weight bit for bit, each adapter moves, the loss of a repeated batch falls); dp 2,
+// ep 2 and tp 2 reproduce the serial run, and their step-5 checkpoints resume on it (ep 2's at
+// ep 1, tp 2's at tp 1); adapters on the experts alone train too; `qtrain export` writes peft's
+// target_parameters layout (hf/lora_export.h), which reads back bit for bit.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "hf/export.h"
+#include "hf/lora_export.h"
+#include "hf/safetensors.h"
+#include "model/lora.h"
+#include "model/qwen3.h"
+#include "qtrain/data.h"
+#include "train/backend.h"
+#include "backend_steps.h"
+#include "moe_harness.h"
+
+namespace qt {
+namespace {
+
+using test::MoeStep;
+using test::MoeTraining;
+using test::expect_like_serial;
+using test::run_seed;
+using test::tail;
+
+// Attention, the dense MLP of layer 1 (model.mlp_only_layers) and every expert of layers 0, 2.
+std::string lora_text(const std::string& targets = "q_proj, v_proj, gate_proj, down_proj, "
+                                                   "experts.gate_up_proj, experts.down_proj") {
+  return test::deck_text() + "\n[lora]\nr = 4\nalpha = 8\ndropout = 0\ntargets = " + targets +
+         "\n";
+}
+const std::vector<std::string> kLr = {"--optim.lr=2e-2", "--optim.min_lr=2e-3"};
+
+std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+TEST_F(MoeTraining, ExpertLoraTrainsOnlyTheAdapters) {
+  auto world = std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
+  const std::uint64_t seed = run_seed();
+  const Deck deck = parse_deck_text(
+      lora_text(), "moe-expert-lora.ini",
+      with(kLr, {"--checkpoint.dir=" + tmp_ + "/c", "--train.seed=" + std::to_string(seed)}), 2);
+  Mesh mesh(deck.mesh, world);
+  auto be = make_cpu_backend(deck, mesh);
+  const ParamLayout& base_layout = be->layout();
+  const ParamLayout& ad_layout = be->trained_layout();
+  float* host_base = be->model_pieces()[0].data;
+  float* host_adapters = be->trained_pieces()[0].data;
+  init_params(deck.model, base_layout, seed, host_base);
+  lora_init(ad_layout, seed, host_adapters);
+  be->push_state();
+  const std::vector<float> base0(host_base, host_base + base_layout.numel());
+  const std::vector<float> ad0(host_adapters, host_adapters + ad_layout.numel());
+  // The stacked expert adapters of the sparse layers 0 and 2 (not 1, model.mlp_only_layers):
+  // A [E, r, in], B [E, out, r] with E = 8, r = 4, H = 64, Im = 32.
+  for (int l : {0, 2}) {
+    EXPECT_EQ(ad_layout.find(lora_expert_param_name(l, kLoraExpertsGateUp, 'A')).shape,
+              (std::vector<std::int64_t>{8, 4, 64}));
+    EXPECT_EQ(ad_layout.find(lora_expert_param_name(l, kLoraExpertsGateUp, 'B')).shape,
+              (std::vector<std::int64_t>{8, 64, 4}));
+    EXPECT_EQ(ad_layout.find(lora_expert_param_name(l, kLoraExpertsDown, 'A')).shape,
+              (std::vector<std::int64_t>{8, 4, 32}));
+    EXPECT_EQ(ad_layout.find(lora_expert_param_name(l, kLoraExpertsDown, 'B')).shape,
+              (std::vector<std::int64_t>{8, 64, 4}));
+  }
+  for (const ParamInfo& p : ad_layout.params()) {  // the MLP's adapters where the layer has it
+    const bool dense_mlp = p.name.find(".mlp.gate_proj.") != std::string::npos ||
+                           p.name.find(".mlp.down_proj.") != std::string::npos;
+    const bool experts = p.name.find(".mlp.experts.") != std::string::npos;
+    const bool layer1 = p.name.find(".layers.1.") != std::string::npos;
+    EXPECT_TRUE(!(dense_mlp || experts) || dense_mlp == layer1) << p.name;
+  }
+  EXPECT_EQ(ad_layout.find("base_model.model.model.layers.1.mlp.down_proj.lora_A.weight").shape,
+            (std::vector<std::int64_t>{4, 128}));
+
+  auto data = make_data_source(deck);
+  const int T = deck.train.seq_len, B = deck.train.micro_batch, local = 4;
+  std::vector<double> losses;
+  for (std::int64_t step = 0; step < 8; ++step) {
+    const auto [loss, counted] =
+        test::backend_step(*be, *data, *world, world->rank() * local, local, B, T);
+    be->optimizer_step(StepRequest::at(step));
+    losses.push_back(world->sum(loss) / counted);
+  }
+  be->pull_state();
+  for (const ParamInfo& p : base_layout.params())
+    for (std::size_t i = p.offset; i < p.offset + p.numel; ++i)
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(host_base[i]), std::bit_cast<std::uint32_t>(base0[i]))
+          << p.name << " element " << i - p.offset;
+  int expert_tensors = 0;
+  for (const ParamInfo& p : ad_layout.params()) {  // each moved (B from 0, A by B's gradient)
+    expert_tensors += p.name.find(".mlp.experts.") != std::string::npos;
+    double moved = 0;
+    for (std::size_t i = 0; i < p.numel; ++i)
+      moved += std::abs(host_adapters[p.offset + i] - ad0[p.offset + i]);
+    EXPECT_GT(moved, 0) << p.name;
+  }
+  EXPECT_EQ(expert_tensors, 8);
+  if (world->rank() == 0)
+    std::printf("LoRA on the tiny MoE's attention and experts, one batch repeated: loss %.5f -> "
+                "%.5f in 8 steps\n", losses.front(), losses.back());
+  EXPECT_LT(losses.back(), losses.front() - 0.05) << losses.front() << " -> " << losses.back();
+}
+
+// dp 2, ep 2 and tp 2 on the serial run, their step-5 checkpoints resumed (ep 2's at ep 1,
+// tp 2's at tp 1); the experts' adapters alone (the
+// backward of layer 0, sparse, ends in its block) train alike at dp 1 and 2.
+TEST_F(MoeTraining, ExpertLoraDp2AndResumeReproduceTheSerialRun) {
+  const std::vector<MoeStep> serial = train("serial", 1, with(kLr, {"--optim.zero_stage=0"}),
+                                            lora_text());
+  ASSERT_EQ(serial.size(), 10u);
+  for (const MoeStep& s : serial) EXPECT_GT(s.norm, 0) << "step " << s.step;
+  const std::vector<MoeStep> dp2 = train("dp2", 2, kLr, lora_text());
+  expect_like_serial(dp2, serial, "expert_lora_dp2");
+  // ep 2: each rank runs and trains its 4 experts' adapter rows (all 8 stored on both).
+  const std::vector<MoeStep> ep2 = train("ep2", 2, with(kLr, {"--mesh.ep=2"}), lora_text());
+  expect_like_serial(ep2, serial, "expert_lora_ep2");
+  expect_like_serial(resume("ep2_to_1", 1, "ep2", kLr, lora_text()), tail(serial, 5),
+                     "expert_lora_ep2_to_ep1");
+  // tp 2: each expert's width split, its adapters beside it (gate_up's B by rows, gate and up
+  // halves; down's A by columns), with and without sequence parallelism; resumed at tp 1.
+  const std::vector<MoeStep> tp2 = train("tp2", 2, with(kLr, {"--mesh.tp=2"}), lora_text());
+  expect_like_serial(tp2, serial, "expert_lora_tp2");
+  expect_like_serial(train("tp2_sp", 2, with(kLr, {"--mesh.tp=2", "--mesh.sequence_parallel=true"}),
+                           lora_text()),
+                     serial, "expert_lora_tp2_sp");
+  expect_like_serial(resume("tp2_to_1", 1, "tp2", kLr, lora_text()), tail(serial, 5),
+                     "expert_lora_tp2_to_tp1");
+  expect_like_serial(resume("dp2_resumed", 2, "dp2", kLr, lora_text()), tail(dp2, 5),
+                     "expert_lora_dp2_resumed");
+  const std::string only = lora_text("experts.down_proj");
+  const std::vector<MoeStep> s1 = train("only1", 1, kLr, only);
+  expect_like_serial(train("only2", 2, kLr, only), s1, "expert_lora_down_only_dp2");
+  expect_like_serial(train("only_ep2", 2, with(kLr, {"--mesh.ep=2"}), only), s1,
+                     "expert_lora_down_only_ep2");
+  for (const MoeStep& s : s1) EXPECT_GT(s.norm, 0) << "step " << s.step;
+  // Not the attention-only run: the MLP's and the experts' adapters change the losses.
+  const std::vector<MoeStep> attn = train("attn", 1, kLr, lora_text("q_proj, v_proj"));
+  double apart = 0;
+  for (std::size_t i = 0; i < attn.size() && i < serial.size(); ++i)
+    apart = std::max(apart, std::abs(attn[i].loss - serial[i].loss));
+  if (test::world_rank() == 0)
+    std::printf("attention adapters alone: losses up to %.3g from the run with the experts'\n",
+                apart);
+  EXPECT_GT(apart, 1e-4);
+}
+
+// `qtrain export`: peft's names and shapes for target_parameters (derived from peft's
+// lora.ParamWrapper, hf/lora_export.h), adapter_config.json's target_parameters, and the
+// directory read back (read_peft_adapters) gives the checkpoint's adapters bit for bit.
+TEST_F(MoeTraining, ExpertLoraExportIsPeftsLayoutAndReadsBack) {
+  train("ex", 2, kLr, lora_text());
+  auto world = std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
+  hf::ExportOptions o;
+  o.checkpoint = tmp_ + "/ex/step_00000010.h5";
+  o.out_dir = tmp_ + "/adapter";
+  hf::export_checkpoint(o, world);
+  const hf::CheckpointModel cm = hf::read_checkpoint_model(o.checkpoint);
+  ASSERT_TRUE(cm.lora.has_value());
+  const std::vector<float> ckpt = hf::read_lora_adapters(o.checkpoint, cm, world);
+  const std::vector<float> back = hf::read_peft_adapters(o.out_dir, cm.cfg, cm.lora->config);
+  ASSERT_EQ(back.size(), ckpt.size());
+  for (std::size_t i = 0; i < ckpt.size(); ++i)
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(back[i]), std::bit_cast<std::uint32_t>(ckpt[i])) << i;
+
+  hf::SafetensorsFile st(o.out_dir + "/adapter_model.safetensors");
+  std::vector<std::string> got, want;
+  for (const auto& t : st.tensors()) got.push_back(t.name);
+  const std::string p = "base_model.model.model.layers.";
+  for (int l = 0; l < 3; ++l) {
+    for (const char* m : {"q_proj", "v_proj"})
+      for (const char* ab : {"A", "B"})
+        want.push_back(p + std::to_string(l) + ".self_attn." + m + ".lora_" + ab + ".weight");
+    if (l == 1) {  // dense: its MLP's adapters, as peft's target_modules finds them
+      for (const char* m : {"gate_proj", "down_proj"})
+        for (const char* ab : {"A", "B"})
+          want.push_back(p + "1.mlp." + m + ".lora_" + ab + ".weight");
+      continue;
+    }
+    // peft nests one ParamWrapper a parameter: gate_up_proj's inside down_proj's.
+    for (const char* ab : {"A", "B"}) {
+      want.push_back(p + std::to_string(l) + ".mlp.experts.base_layer.lora_" + ab + ".weight");
+      want.push_back(p + std::to_string(l) + ".mlp.experts.lora_" + ab + ".weight");
+    }
+  }
+  std::sort(got.begin(), got.end());
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(got, want);
+  // lora_A [E r, in], lora_B [out, r E] (peft's nn.Linear(in, r E) and nn.Linear(r E, out)).
+  using S = std::vector<std::int64_t>;
+  EXPECT_EQ(st.find(p + "0.mlp.experts.base_layer.lora_A.weight")->shape, (S{32, 64}));
+  EXPECT_EQ(st.find(p + "0.mlp.experts.base_layer.lora_B.weight")->shape, (S{64, 32}));
+  EXPECT_EQ(st.find(p + "2.mlp.experts.lora_A.weight")->shape, (S{32, 32}));
+  EXPECT_EQ(st.find(p + "2.mlp.experts.lora_B.weight")->shape, (S{64, 32}));
+  // By hand, peft's get_delta_weight: B.reshape(out, r, E)[o, j, e] is B_e[o, j]: element
+  // (o, j E + e). Expert 5, row 7, rank column 3 of layer 2's down_proj.
+  const ParamLayout layout = lora_layout(cm.cfg, cm.lora->config);
+  const ParamInfo& b = layout.find(lora_expert_param_name(2, kLoraExpertsDown, 'B'));  // [8,64,4]
+  const int E = 8, r = 4, e = 5, row = 7, j = 3;
+  std::vector<float> peft_b(64 * 32);
+  st.read_rows_f32(*st.find(p + "2.mlp.experts.lora_B.weight"), 0, 64, peft_b.data());
+  EXPECT_EQ(peft_b[row * r * E + j * E + e], ckpt[b.offset + (e * 64 + row) * r + j]);
+  EXPECT_NE(ckpt[b.offset + (e * 64 + row) * r + j], 0.0f);
+
+  std::ifstream f(o.out_dir + "/adapter_config.json");
+  const nlohmann::json jc = nlohmann::json::parse(f);
+  EXPECT_EQ(jc["target_modules"],
+            (std::vector<std::string>{"q_proj", "v_proj", "gate_proj", "down_proj"}));
+  EXPECT_EQ(jc["target_parameters"],
+            (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
+  EXPECT_EQ(jc["lora_dropout"], 0.0);
+}
+
+}  // namespace
+}  // namespace qt
