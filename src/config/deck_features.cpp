@@ -143,8 +143,8 @@ void Builder::validate_moe() {
 // LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
 // projections, the router and the experts frozen; both back ends at any dp, ep, tp and pp.
 // Adapters on every expert as well (experts.gate_up_proj, experts.down_proj): cpu at any dp, ep
-// and tp, no dropout. Expert targets on a dense model are refused whether or not LoRA is on. The
-// dense MLP of model.mlp_only_layers (gate_proj, up_proj, down_proj): cpu, without pp.
+// and tp, no dropout, without pp. Expert targets on a dense model are refused whether or not LoRA
+// is on, MLP targets on a Qwen3-MoE model always (below).
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
   std::vector<int> targets, experts;
@@ -162,20 +162,23 @@ void Builder::validate_moe_lora() {
     return;
   }
   if (l.r == 0) return;
-  // gate_proj, up_proj, down_proj (and all-linear) adapt the dense MLP of model.mlp_only_layers
-  // on the CPU reference, as peft's target_modules do (the sparse layers have none).
+  // gate_proj, up_proj, down_proj (and all-linear) on a Qwen3-MoE model: peft 0.21 with
+  // transformers 5 applies these target_modules to the experts' fused parameters too (seen on
+  // the GPU machine, 2026-11-27: PeftModel.from_pretrained of such an adapter wraps
+  // mlp.experts), so an adapter of the dense MLP of model.mlp_only_layers alone would load as
+  // another model. The engine can train it (model/lora.h lora_target_in_layer); the deck
+  // refuses it until its export says the same to peft.
   for (const int t : targets)
-    need(deck_.train.device != "cuda" || std::string(kLoraModules[t]).starts_with("self_attn."),
-         "lora.targets", "names {} on a Qwen3-MoE model (model.num_experts > 0) with "
-         "train.device = cuda: adapters on the dense MLP of model.mlp_only_layers are not built "
-         "there; list attention projections (q_proj, k_proj, v_proj, o_proj; all-linear "
-         "includes the MLP's) or use train.device = cpu",
+    need(std::string(kLoraModules[t]).starts_with("self_attn."), "lora.targets",
+         "names {} on a Qwen3-MoE model (model.num_experts > 0): peft (0.21, transformers 5) "
+         "reads the MLP targets of a Qwen3-MoE adapter as the experts' too, so adapters on the "
+         "dense MLP of model.mlp_only_layers alone are refused; list attention projections "
+         "(q_proj, k_proj, v_proj, o_proj; all-linear includes the MLP's) and, for the experts, "
+         "experts.gate_up_proj and experts.down_proj",
          kLoraTargets[t]);
-  bool mlp = false;
-  for (const int t : targets) mlp = mlp || !std::string(kLoraModules[t]).starts_with("self_attn.");
-  need(deck_.mesh.pp == 1 || (experts.empty() && !mlp), "mesh.pp", "> 1 with adapters on the "
-       "experts or the dense MLP of a Qwen3-MoE model (lora.targets = {}) is not built yet; set "
-       "mesh.pp = 1 or list attention projections only", l.targets);
+  need(deck_.mesh.pp == 1 || experts.empty(), "mesh.pp", "> 1 with adapters on the experts "
+       "(lora.targets = {}) is not built yet; set mesh.pp = 1 or list attention projections "
+       "only", l.targets);
   if (experts.empty()) return;
   // Adapters on every expert (docs/finetune.md, "LoRA on Qwen3-MoE"): the CPU reference at any
   // dp, ep and tp; PEFT's ParamWrapper has no dropout.

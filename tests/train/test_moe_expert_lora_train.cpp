@@ -1,11 +1,10 @@
 // LoRA on every expert of a Qwen3-MoE model on the CPU reference (issue 18, item 5) under
 // mpiexec -n 2: the tiny MoE deck (inputs/tiny-moe.ini) with adapters on the attention
-// projections, the dense MLP of layer 1 and each expert's gate_up_proj and down_proj of layers 0
-// and 2 (lora.targets experts.*), the router and the experts frozen. Only the adapters train
-// (every base weight bit for bit, each adapter moves, the loss of a repeated batch falls); dp 2,
-// ep 2 and tp 2 reproduce the serial run, and their step-5 checkpoints resume on it (ep 2's at
-// ep 1, tp 2's at tp 1); adapters on the experts alone train too; `qtrain export` writes peft's
-// target_parameters layout (hf/lora_export.h), which reads back bit for bit.
+// projections and on each expert's gate_up_proj and down_proj (lora.targets experts.*), the
+// router and the experts frozen. Only the adapters train (every base weight bit for bit, each
+// adapter moves, the loss of a repeated batch falls); dp 2, ep 2 and tp 2 reproduce the serial
+// run, and their step-5 checkpoints resume on it (ep 2's at ep 1, tp 2's at tp 1); adapters on the experts alone train too; `qtrain export`
+// writes peft's target_parameters layout (lora lora_export.h), which reads back bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -37,9 +36,8 @@ using test::expect_like_serial;
 using test::run_seed;
 using test::tail;
 
-// Attention, the dense MLP of layer 1 (model.mlp_only_layers) and every expert of layers 0, 2.
-std::string lora_text(const std::string& targets = "q_proj, v_proj, gate_proj, down_proj, "
-                                                   "experts.gate_up_proj, experts.down_proj") {
+std::string lora_text(const std::string& targets =
+                          "q_proj, v_proj, experts.gate_up_proj, experts.down_proj") {
   return test::deck_text() + "\n[lora]\nr = 4\nalpha = 8\ndropout = 0\ntargets = " + targets +
          "\n";
 }
@@ -79,15 +77,8 @@ TEST_F(MoeTraining, ExpertLoraTrainsOnlyTheAdapters) {
     EXPECT_EQ(ad_layout.find(lora_expert_param_name(l, kLoraExpertsDown, 'B')).shape,
               (std::vector<std::int64_t>{8, 64, 4}));
   }
-  for (const ParamInfo& p : ad_layout.params()) {  // the MLP's adapters where the layer has it
-    const bool dense_mlp = p.name.find(".mlp.gate_proj.") != std::string::npos ||
-                           p.name.find(".mlp.down_proj.") != std::string::npos;
-    const bool experts = p.name.find(".mlp.experts.") != std::string::npos;
-    const bool layer1 = p.name.find(".layers.1.") != std::string::npos;
-    EXPECT_TRUE(!(dense_mlp || experts) || dense_mlp == layer1) << p.name;
-  }
-  EXPECT_EQ(ad_layout.find("base_model.model.model.layers.1.mlp.down_proj.lora_A.weight").shape,
-            (std::vector<std::int64_t>{4, 128}));
+  for (const ParamInfo& p : ad_layout.params())
+    EXPECT_EQ(p.name.find("layers.1.mlp"), std::string::npos) << p.name;
 
   auto data = make_data_source(deck);
   const int T = deck.train.seq_len, B = deck.train.micro_batch, local = 4;
@@ -187,12 +178,7 @@ TEST_F(MoeTraining, ExpertLoraExportIsPeftsLayoutAndReadsBack) {
     for (const char* m : {"q_proj", "v_proj"})
       for (const char* ab : {"A", "B"})
         want.push_back(p + std::to_string(l) + ".self_attn." + m + ".lora_" + ab + ".weight");
-    if (l == 1) {  // dense: its MLP's adapters, as peft's target_modules finds them
-      for (const char* m : {"gate_proj", "down_proj"})
-        for (const char* ab : {"A", "B"})
-          want.push_back(p + "1.mlp." + m + ".lora_" + ab + ".weight");
-      continue;
-    }
+    if (l == 1) continue;  // dense
     // peft nests one ParamWrapper a parameter: gate_up_proj's inside down_proj's.
     for (const char* ab : {"A", "B"}) {
       want.push_back(p + std::to_string(l) + ".mlp.experts.base_layer.lora_" + ab + ".weight");
@@ -220,8 +206,7 @@ TEST_F(MoeTraining, ExpertLoraExportIsPeftsLayoutAndReadsBack) {
 
   std::ifstream f(o.out_dir + "/adapter_config.json");
   const nlohmann::json jc = nlohmann::json::parse(f);
-  EXPECT_EQ(jc["target_modules"],
-            (std::vector<std::string>{"q_proj", "v_proj", "gate_proj", "down_proj"}));
+  EXPECT_EQ(jc["target_modules"], (std::vector<std::string>{"q_proj", "v_proj"}));
   EXPECT_EQ(jc["target_parameters"],
             (std::vector<std::string>{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}));
   EXPECT_EQ(jc["lora_dropout"], 0.0);
