@@ -24,10 +24,7 @@
 namespace qt {
 namespace {
 
-std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using test::with;
 
 double slots(const std::vector<double>& layer) {
   double n = 0;

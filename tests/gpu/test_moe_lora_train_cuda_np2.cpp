@@ -23,10 +23,7 @@
 namespace qt {
 namespace {
 
-std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using test::with;
 
 // test::train_ep's run of the MoE deck with attention adapters and an adapter's learning rate.
 test::EpRun train_lora(int ranks, const std::string& tmp, const std::string& tag,

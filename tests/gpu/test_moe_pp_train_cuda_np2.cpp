@@ -30,10 +30,7 @@
 namespace qt {
 namespace {
 
-std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using test::with;
 
 // Token-slots routed in each sparse layer of a step's load ([sparse layers][E]).
 std::vector<double> layer_slots(const test::MoeStep& s) {

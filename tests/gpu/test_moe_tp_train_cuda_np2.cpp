@@ -29,10 +29,7 @@
 namespace qt {
 namespace {
 
-std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using test::with;
 
 TEST(MoeTrainCudaTp2, ReproducesOneGpuAndResumesAtTp1) {
   QT_REQUIRE_GPUS(2);

@@ -43,10 +43,7 @@ std::string lora_text(const std::string& targets =
 }
 const std::vector<std::string> kLr = {"--optim.lr=2e-2", "--optim.min_lr=2e-3"};
 
-std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using test::with;
 
 TEST_F(MoeTraining, ExpertLoraTrainsOnlyTheAdapters) {
   auto world = std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);

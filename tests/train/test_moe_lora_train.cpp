@@ -45,10 +45,7 @@ std::string lora_text() {
 }
 const std::vector<std::string> kLr = {"--optim.lr=2e-2", "--optim.min_lr=2e-3"};
 
-std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using test::with;
 
 // The training loop by hand on the back end (as test_lora_train.cpp's), so that its state can be
 // inspected: the same batch every step, whose loss must fall.

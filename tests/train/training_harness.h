@@ -27,6 +27,12 @@
 
 namespace qt::test {
 
+// Deck overrides: a's, then b's (a later one wins).
+inline std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
 // A fresh training seed every run (printed; QT_TEST_SEED repeats one), the same on every rank.
 inline std::uint64_t run_seed() {
   static const std::uint64_t seed = [] {
