@@ -233,12 +233,11 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
   // A model too large for the GPU is the user's to change, not an internal failure. Every rank
   // of a uniform job throws alike; a rank that throws alone ends the job from main().
   try {
-    // NCCL's connections first: the arena then takes what they leave (nccl_comm.h). The
-    // pipeline's channels: two, four with interleaved chunks (backend_cuda_pipeline.cpp's
-    // Channel).
+    // NCCL's connections first: the arena then takes what they leave (nccl_comm.h).
     cuda::select_device(mesh.local_rank());
-    cuda::connect_before_arena(mesh, deck.model.is_moe(),
-                               mesh.shape().pp == 1 ? 0 : mesh.shape().pp_chunks > 1 ? 4 : 2);
+    cuda::connect_before_arena(
+        mesh, deck.model.is_moe(),
+        mesh.shape().pp == 1 ? 0 : cuda_pipeline_channels(mesh.shape().pp_chunks));
     // A pipeline (with [lora] too: backend_cuda_pipeline.cpp trains each stage's adapters).
     if (mesh.shape().pp > 1) return make_cuda_pipeline_backend(deck, mesh);
     if (deck.lora.enabled()) return make_cuda_lora_backend(deck, mesh);

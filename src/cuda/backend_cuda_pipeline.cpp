@@ -110,6 +110,12 @@ enum Channel { kActivations, kGradients, kActivationsWrap, kGradientsWrap, kChan
 Channel activation_into(int c, int P) { return c % P == 0 ? kActivationsWrap : kActivations; }
 Channel gradient_into(int c, int P) { return (c + 1) % P == 0 ? kGradientsWrap : kGradients; }
 
+}  // namespace
+
+int cuda_pipeline_channels(int pp_chunks) { return pp_chunks > 1 ? kChannels : kActivationsWrap; }
+
+namespace {
+
 // Every stage's sends on each channel in the order its receiver takes them: NCCL matches
 // point-to-point calls by order alone. Throws when a list breaks it (a schedule bug).
 void check_channel_order(const PipeSchedule& all, int P, int V) {
@@ -225,7 +231,7 @@ class CudaPipelineBackend final : public TrainBackend {
     QT_CHECK(!zb_ || !deck.train.recompute, "ZB-H1 without recompute (the deck checks it)");
     check_channel_order(actions_, P_, V_);
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
-    for (int ch = 0; ch < (V_ > 1 ? kChannels : kActivationsWrap); ++ch)
+    for (int ch = 0; ch < cuda_pipeline_channels(V_); ++ch)
       channel_[ch] = &cuda::nccl(mesh, MeshDim::kPp, ch);  // collective: every stage, in order
     // [lora]: the frozen base of the stage's units (parameters, not activations).
     if (lora_) frozen_ = std::make_unique<FrozenUnits>(plan_, held_units(), arena_);

@@ -259,7 +259,7 @@ class CudaOps : public NoCollectives {
     int *to_expert = nullptr, *from_expert = nullptr;  // [moe_ep_rows_] device: the two orders
     bf16* x = nullptr;                // [moe_ep_rows_, H] received rows in expert order (kept;
                                       // shared by the layers with moe_recompute_)
-    long forward = -1;                // the forward (moe_forwards_) that made these counts
+    bool counted = false;             // a forward of the slot's micro-batch made the counts
   };
   NcclComm* ep_ = nullptr;
   std::vector<std::vector<MoeEp>> moe_ep_;  // [L][slots] as moe_layers_ (none for dense layers)
@@ -269,7 +269,6 @@ class CudaOps : public NoCollectives {
   PinnedBuffer moe_ep_host_;          // [P, E] int32: their host copy
   int* moe_ep_segments_ = nullptr;    // [2 E] moe_ep_recv_order's scratch
   bf16 *moe_ep_a_ = nullptr, *moe_ep_b_ = nullptr;  // [moe_ep_rows_, H] scratch
-  long moe_forwards_ = 0;             // moe_begin() calls: a micro-batch's forward
   // Layer l's exchange state of the selected slot (checked).
   MoeEp& moe_ep_layer(int l);
   Event ep_ready_, ep_done_;

@@ -176,7 +176,6 @@ void CudaOps::moe_begin() {
     QT_CHECK_CUDA(cudaMemsetAsync(b.sums, 0, 2 * sizeof(double) * cfg_.num_experts, s_));
     b.tokens = 0;
   }
-  ++moe_forwards_;
 }
 
 void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* x,

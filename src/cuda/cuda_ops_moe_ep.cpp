@@ -107,7 +107,7 @@ void CudaOps::moe_ep_counts(int l) {
   // them only after the micro-batch's stream has passed this kernel (ep_ready_ of that layer).
   moe_ep_recv_order(e.offsets, e.to_expert, e.from_expert, moe_ep_counts_, P, E, r, e.received,
                     moe_ep_segments_, s_);
-  e.forward = moe_forwards_;
+  e.counted = true;
 }
 
 void CudaOps::moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool to_experts) {
@@ -129,7 +129,7 @@ void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down, bool 
   MoeLayer& m = moe_layer(l);
   MoeEp& e = moe_ep_layer(l);
   // A recomputed forward of the slot's micro-batch routes the same: its counts stand.
-  if (fresh || e.forward < 0) moe_ep_counts(l);
+  if (fresh || !e.counted) moe_ep_counts(l);
   const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
   const int R = e.received;
   moe_ep_exchange(moe_x_, moe_ep_a_, e, /*to_experts=*/true);  // received order
@@ -145,7 +145,7 @@ void CudaOps::moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16
                               const bf16* down, bool acc) {
   const MoeLayer& m = moe_layer(l);
   const MoeEp& e = moe_ep_layer(l);
-  QT_CHECK(e.forward >= 0, "moe_backward of layer {} without its forward's counts", l);
+  QT_CHECK(e.counted, "moe_backward of layer {} without its forward's counts", l);
   const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
   const int R = e.received;
   moe_ep_exchange(moe_dout_, moe_ep_a_, e, /*to_experts=*/true);
