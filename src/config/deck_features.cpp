@@ -142,8 +142,8 @@ void Builder::validate_moe() {
 
 // LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
 // projections, the router and the experts frozen; both back ends at any dp, ep, tp and pp.
-// Adapters on every expert as well (experts.gate_up_proj, experts.down_proj): cpu at any dp, ep
-// and tp, no dropout, without pp. Expert targets on a dense model are refused whether or not LoRA
+// Adapters on every expert as well (experts.gate_up_proj, experts.down_proj): both back ends at
+// any dp, ep and tp, no dropout, without pp. Expert targets on a dense model are refused whether or not LoRA
 // is on, MLP targets on a Qwen3-MoE model always (below).
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
@@ -180,12 +180,9 @@ void Builder::validate_moe_lora() {
        "(lora.targets = {}) is not built yet; set mesh.pp = 1 or list attention projections "
        "only", l.targets);
   if (experts.empty()) return;
-  // Adapters on every expert (docs/finetune.md, "LoRA on Qwen3-MoE"): the CPU reference at any
-  // dp, ep and tp; PEFT's ParamWrapper has no dropout.
+  // Adapters on every expert (docs/finetune.md, "LoRA on Qwen3-MoE"): both back ends at any dp,
+  // ep and tp; PEFT's ParamWrapper has no dropout.
   const std::string et = kLoraExpertTargets[experts[0]];
-  need(deck_.train.device != "cuda", "lora.targets",
-       "names {} (adapters on every expert) with train.device = cuda, which is not built yet; "
-       "use train.device = cpu or adapt attention only", et);
   need(l.dropout == 0, "lora.dropout", "> 0 with {} in lora.targets: adapters on the experts "
        "have no dropout (as PEFT's target_parameters, whose ParamWrapper refuses it); set "
        "lora.dropout = 0", et);

@@ -32,6 +32,7 @@
 #include "cuda/check.h"
 #include "cuda/cuda_ops.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/lora_cuda.h"
 #include "ops/cuda/gemm.cuh"
 #include "ops/cuda/moe.cuh"
 #include "ops/cuda/swiglu.cuh"
@@ -50,8 +51,8 @@ void CudaOps::moe_allocate(ArenaCarver& arena) {
   // The experts' rows: this rank's N k, or with an ep group the most it can receive.
   const double factor = forward_only_ ? 0.0 : cfg_.moe_capacity_factor;  // generation: dropless
   moe_capacity_ = factor > 0 ? expert_capacity(N_, k, E, factor) : kMoeDropless;
-  if (ep_) moe_ep_rows_ = static_cast<int>(ep_max_received_rows(N_, k, E, ep_->size(), factor));
-  const std::size_t ex_rows = ep_ ? static_cast<std::size_t>(moe_ep_rows_) : rows;
+  const std::size_t ex_rows = moe_expert_rows(N_, k, E, ep_ ? ep_->size() : 1, factor);
+  if (ep_) moe_ep_rows_ = static_cast<int>(ex_rows);
   QT_CHECK(moe_slots_.empty() || moe_slots_.size() == static_cast<std::size_t>(L),
            "MoE slots for {} layers of {}", moe_slots_.size(), L);
   moe_layers_.assign(static_cast<std::size_t>(L), {});
@@ -203,15 +204,11 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
   }
   // The experts: out = down(swiglu(gate_up(x_perm))), kept for the backward (with an ep group
   // on the experts' ranks, out returned in this rank's expert order).
-  const int Im = cfg_.moe_intermediate_size;
   moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
-  if (ep_) {
+  if (ep_)
     moe_ep_forward(l, gate_up, down, /*fresh=*/stats);  // stats: not a recomputed forward
-  } else {
-    grouped_linear(m.gu, moe_x_, gate_up, m.offsets, E, rows, H, 2 * Im, s_);
-    swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, rows, Im, s_);
-    grouped_linear(m.out, m.h, down, m.offsets, E, rows, Im, H, s_);
-  }
+  else
+    experts_forward(l, m.out, moe_x_, m.offsets, 0, E, rows, gate_up, down);
   moe_unpermute(y, m.out, rw, m.pos, N_, k, H, s_);
   moe_last_ = l;
 }
@@ -229,7 +226,7 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
            "an MoE block with some of its gradients (the router's and the experts': all or "
            "none)");
   const int E = cfg_.num_experts, k = cfg_.num_experts_per_tok, H = cfg_.hidden_size;
-  const int Im = cfg_.moe_intermediate_size, rows = N_ * k;
+  const int rows = N_ * k;
   const MoeLayer& m = moe_layer(l);
   wait_gathered(dy);  // sequence parallelism with overlap: every rank's rows of dy landed
   QT_CHECK(!moe_recompute_ || moe_last_ == l,
@@ -243,14 +240,12 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
     moe_ep_backward(l, g_gate_up, g_down, gate_up, down, acc);
     dx_perm = moe_x_;
   } else {
-    if (!frozen) moe_permute(moe_x_, x, m.pair, rows, k, H, s_);  // gate_up's weight gradient
-    grouped_linear_backward(moe_dh_, g_down, moe_dout_, m.h, down, m.offsets, E, rows, Im, H,
-                            s_, acc);
-    swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,
-                            s_);
+    // The input rows again for gate_up's weight gradient, or its adapter's.
+    if (!frozen || (lora_ && lora_->adapts_experts(kLoraExpertsGateUp)))
+      moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
     // d x_perm into moe_dout_ (dead once d h is made).
-    grouped_linear_backward(moe_dout_, g_gate_up, moe_dgu_, moe_x_, gate_up, m.offsets, E, rows,
-                            H, 2 * Im, s_, acc);
+    experts_backward(l, moe_dout_, g_gate_up, g_down, moe_dout_, moe_x_, m.offsets, 0, E, rows,
+                     gate_up, down, acc);
   }
   // The router: d logits from d w (and the load-balancing loss, with the micro-batch's counts;
   // under tp on rank 0 only, the rest being partial over tp).
@@ -263,6 +258,38 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
   cuda::linear_backward(moe_dx_gate_, g_router, moe_logits_, x, router, N_, H, E, s_, acc);
   moe_permute_backward(dx, dx_perm, moe_dx_gate_, m.pos, N_, k, H, s_);
   dx_pending_ = nullptr;  // dx is not a linear_backward's: its tp sum waits for the stream
+}
+
+void CudaOps::experts_forward(int l, bf16* out, const bf16* x, const int* offsets, int first,
+                              int groups, int rows, const bf16* gate_up, const bf16* down) {
+  const int H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
+  MoeLayer& m = moe_layer(l);
+  grouped_linear(m.gu, x, gate_up, offsets, groups, rows, H, 2 * Im, s_);
+  if (lora_) lora_->expert_forward(l, kLoraExpertsGateUp, x, m.gu, offsets, first, groups, rows, s_);
+  swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, rows, Im, s_);
+  grouped_linear(out, m.h, down, offsets, groups, rows, Im, H, s_);
+  if (lora_) lora_->expert_forward(l, kLoraExpertsDown, m.h, out, offsets, first, groups, rows, s_);
+}
+
+void CudaOps::experts_backward(int l, bf16* dx, float* g_gate_up, float* g_down,
+                               const bf16* dout, const bf16* x, const int* offsets, int first,
+                               int groups, int rows, const bf16* gate_up, const bf16* down,
+                               bool acc) {
+  const int H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
+  const MoeLayer& m = moe_layer(l);
+  grouped_linear_backward(moe_dh_, g_down, dout, m.h, down, offsets, groups, rows, Im, H, s_,
+                          acc);
+  if (lora_)
+    lora_->expert_backward(l, kLoraExpertsDown, m.h, dout, moe_dh_, offsets, first, groups, rows,
+                           s_);
+  swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,
+                          s_);
+  // dout is dead from here: dx may take its place.
+  grouped_linear_backward(dx, g_gate_up, moe_dgu_, x, gate_up, offsets, groups, rows, H, 2 * Im,
+                          s_, acc);
+  if (lora_)
+    lora_->expert_backward(l, kLoraExpertsGateUp, x, moe_dgu_, dx, offsets, first, groups, rows,
+                           s_);
 }
 
 double CudaOps::moe_aux_loss() {

@@ -30,10 +30,8 @@
 
 #include "cuda/check.h"
 #include "cuda/cuda_ops.h"
-#include "cuda/grouped_gemm.h"
 #include "ops/cuda/moe.cuh"
 #include "ops/cuda/moe_ep.cuh"
-#include "ops/cuda/swiglu.cuh"
 #include "parallel/expert_parallel.h"
 #include "qtrain/error.h"
 
@@ -130,32 +128,26 @@ void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down, bool 
   MoeEp& e = moe_ep_layer(l);
   // A recomputed forward of the slot's micro-batch routes the same: its counts stand.
   if (fresh || !e.counted) moe_ep_counts(l);
-  const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
+  const int El = cfg_.local_experts(), H = cfg_.hidden_size;
   const int R = e.received;
   moe_ep_exchange(moe_x_, moe_ep_a_, e, /*to_experts=*/true);  // received order
   moe_permute(e.x, moe_ep_a_, e.from_expert, R, 1, H, s_);      // expert order, kept
-  grouped_linear(m.gu, e.x, gate_up, e.offsets, El, R, H, 2 * Im, s_);
-  swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, R, Im, s_);
-  grouped_linear(moe_ep_b_, m.h, down, e.offsets, El, R, Im, H, s_);
+  experts_forward(l, moe_ep_b_, e.x, e.offsets, ep_->rank() * El, El, R, gate_up, down);
   moe_permute(moe_ep_a_, moe_ep_b_, e.to_expert, R, 1, H, s_);  // received order
   moe_ep_exchange(moe_ep_a_, m.out, e, /*to_experts=*/false);   // send order
 }
 
 void CudaOps::moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16* gate_up,
                               const bf16* down, bool acc) {
-  const MoeLayer& m = moe_layer(l);
   const MoeEp& e = moe_ep_layer(l);
   QT_CHECK(e.counted, "moe_backward of layer {} without its forward's counts", l);
-  const int El = cfg_.local_experts(), H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
+  const int El = cfg_.local_experts(), H = cfg_.hidden_size;
   const int R = e.received;
   moe_ep_exchange(moe_dout_, moe_ep_a_, e, /*to_experts=*/true);
   moe_permute(moe_ep_b_, moe_ep_a_, e.from_expert, R, 1, H, s_);  // d out in expert order
-  grouped_linear_backward(moe_dh_, g_down, moe_ep_b_, m.h, down, e.offsets, El, R, Im, H, s_,
-                          acc);
-  swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, R, Im, s_);
   // d x in expert order into moe_ep_b_ (dead once d h is made), then received order, then home.
-  grouped_linear_backward(moe_ep_b_, g_gate_up, moe_dgu_, e.x, gate_up, e.offsets, El, R, H,
-                          2 * Im, s_, acc);
+  experts_backward(l, moe_ep_b_, g_gate_up, g_down, moe_ep_b_, e.x, e.offsets, ep_->rank() * El,
+                   El, R, gate_up, down, acc);
   moe_permute(moe_ep_a_, moe_ep_b_, e.to_expert, R, 1, H, s_);
   moe_ep_exchange(moe_ep_a_, moe_x_, e, /*to_experts=*/false);
 }

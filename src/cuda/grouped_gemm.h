@@ -15,15 +15,18 @@ namespace qt::cuda {
 
 using bf16 = __nv_bfloat16;
 
-// y [rows, out] group g = x [rows, in] group g * w[g]^T, w [groups, out, in]. y written.
+// y [rows, out] group g = alpha x [rows, in] group g * w[g]^T, w [groups, out, in]; y written,
+// or with accumulate added to (LoRA's terms on the experts' outputs).
 void grouped_linear(bf16* y, const bf16* x, const bf16* w, const int* offsets, int groups,
-                    int rows, int in, int out, cudaStream_t stream);
+                    int rows, int in, int out, cudaStream_t stream, float alpha = 1.f,
+                    bool accumulate = false);
 
-// dx [rows, in] group g = dy group g * w[g] (written; skipped when dx is null);
-// dw[g] [out, in] += dy group g^T * x group g (fp32; skipped when dw is null; accumulate false:
-// written, a group without rows gets zeros).
+// dx [rows, in] group g = alpha dy group g * w[g] (written, or added to with accumulate_dx;
+// skipped when dx is null); dw[g] [out, in] += alpha dy group g^T * x group g (fp32; skipped
+// when dw is null; accumulate false: written, a group without rows gets zeros).
 void grouped_linear_backward(bf16* dx, float* dw, const bf16* dy, const bf16* x, const bf16* w,
                              const int* offsets, int groups, int rows, int in, int out,
-                             cudaStream_t stream, bool accumulate);
+                             cudaStream_t stream, bool accumulate, float alpha = 1.f,
+                             bool accumulate_dx = false);
 
 }  // namespace qt::cuda

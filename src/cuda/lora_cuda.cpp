@@ -1,13 +1,16 @@
 // LoRA adapters on the GPU; see lora_cuda.h. Every product is one cuBLASLt GEMM (bf16 in, fp32
 // accumulation) on the target's column block of the fused output (leading dimension = the
-// site's width); the weight gradients accumulate in fp32 straight into the gradient buffer.
+// site's width), or on the experts one grouped GEMM over all of them (cuda/grouped_gemm.h); the
+// weight gradients accumulate in fp32 straight into the gradient buffer.
 #include "cuda/lora_cuda.h"
 
 #include <algorithm>
 #include <tuple>
 
+#include "cuda/grouped_gemm.h"
 #include "model/lora.h"
 #include "ops/cuda/gemm.cuh"
+#include "ops/moe_capacity.h"
 #include "ops/cuda/lora_dropout.cuh"
 #include "qtrain/error.h"
 
@@ -63,13 +66,34 @@ LoraCuda::LoraCuda(const ModelConfig& cfg, const LoraConfig& lora, int B, int T,
       }
     }
   }
-  gy_ = arena.allocate<bf16>(N * lora.r);
+  // Adapters on every expert: the stacked tensors of each sparse layer, xa over the rows the
+  // experts' buffers hold (cuda_ops_moe.cpp sizes them by the same rule).
+  experts_.resize(static_cast<std::size_t>(cfg.num_layers) * kNumLoraExpertTargets);
+  const std::vector<int> expert_targets = parse_lora_expert_targets(lora.targets, "lora.targets");
+  if (!expert_targets.empty())
+    expert_rows_ = static_cast<std::size_t>(
+        moe_expert_rows(N_, cfg.num_experts_per_tok, cfg.num_experts, cfg.expert_shards,
+                        cfg.moe_capacity_factor));
+  for (const auto& [first, last] : layer_ranges)
+    for (int l = first; l < last; ++l) {
+      if (!cfg.is_moe_layer(l)) continue;
+      for (int et : expert_targets) {
+        ExpertSlot& e = experts_[static_cast<std::size_t>(l) * kNumLoraExpertTargets + et];
+        std::tie(e.in, e.out) = lora_expert_dims(cfg, et);
+        e.a = layout_.find(lora_expert_param_name(l, et, 'A')).offset;
+        e.b = layout_.find(lora_expert_param_name(l, et, 'B')).offset;
+        e.xa = arena.allocate<bf16>(static_cast<std::size_t>(slots) * expert_rows_ * lora.r);
+        experts_on_[static_cast<std::size_t>(et)] = true;
+      }
+    }
+  gy_ = arena.allocate<bf16>(std::max(N, expert_rows_) * lora.r);
   if (lora.dropout > 0) xd_ = arena.allocate<bf16>(N * max_in);
 }
 
 void LoraCuda::select_slot(int slot) {
   QT_CHECK(slot >= 0 && slot < slots_in_flight_, "LoRA slot {} of {}", slot, slots_in_flight_);
   xa_at_ = static_cast<std::size_t>(slot) * N_ * lora_.r;
+  expert_xa_at_ = static_cast<std::size_t>(slot) * expert_rows_ * lora_.r;
 }
 
 void LoraCuda::set_tensor_parallel(int tp, int rank) {
@@ -151,6 +175,48 @@ void LoraCuda::backward(int layer, LoraSite site, const bf16* x, const bf16* dy,
       lora_dropout_backward(dx, xd_, N, slot.in, dropout_key(layer, slot), s);
     }
   }
+}
+
+const LoraCuda::ExpertSlot& LoraCuda::expert_slot(int layer, int et, int first, int groups,
+                                                  int rows) const {
+  const ExpertSlot& e = experts_.at(static_cast<std::size_t>(layer) * kNumLoraExpertTargets + et);
+  QT_CHECK(e.xa == nullptr || (first >= 0 && groups >= 1 && first + groups <= cfg_.num_experts &&
+                               rows >= 0 && static_cast<std::size_t>(rows) <= expert_rows_),
+           "expert adapters of layer {}: experts [{}, {}) of {}, {} rows of at most {}", layer,
+           first, first + groups, cfg_.num_experts, rows, expert_rows_);
+  return e;
+}
+
+void LoraCuda::expert_forward(int layer, int et, const bf16* x, bf16* y, const int* offsets,
+                              int first, int groups, int rows, cudaStream_t s) {
+  const ExpertSlot& e = expert_slot(layer, et, first, groups, rows);
+  if (e.xa == nullptr) return;
+  QT_CHECK(w_ != nullptr, "LoRA forward without adapter weights (bind() first)");
+  const int r = lora_.r;
+  const std::size_t f = static_cast<std::size_t>(first) * r;  // expert `first`'s A and B
+  bf16* xa = e.xa + expert_xa_at_;
+  // xa [rows, r] = x A_e^T; y [rows, out] += scale xa B_e^T
+  grouped_linear(xa, x, w_ + e.a + f * e.in, offsets, groups, rows, e.in, r, s);
+  grouped_linear(y, xa, w_ + e.b + f * e.out, offsets, groups, rows, r, e.out, s, scale_,
+                 /*accumulate=*/true);
+}
+
+void LoraCuda::expert_backward(int layer, int et, const bf16* x, const bf16* dy, bf16* dx,
+                               const int* offsets, int first, int groups, int rows,
+                               cudaStream_t s) {
+  const ExpertSlot& e = expert_slot(layer, et, first, groups, rows);
+  if (e.xa == nullptr) return;
+  QT_CHECK(w_ != nullptr && g_ != nullptr,
+           "LoRA backward without adapter weights and gradients (bind() first)");
+  const int r = lora_.r;
+  const std::size_t a = e.a + static_cast<std::size_t>(first) * r * e.in;
+  const std::size_t b = e.b + static_cast<std::size_t>(first) * r * e.out;
+  // gy [rows, r] = scale dy B_e; dB_e [out, r] += scale dy^T xa
+  grouped_linear_backward(gy_, g_ + b, dy, e.xa + expert_xa_at_, w_ + b, offsets, groups, rows, r,
+                          e.out, s, /*accumulate=*/true, scale_);
+  // dA_e [r, in] += gy^T x; dx [rows, in] += gy A_e
+  grouped_linear_backward(dx, g_ + a, gy_, x, w_ + a, offsets, groups, rows, e.in, r, s,
+                          /*accumulate=*/true, 1.f, /*accumulate_dx=*/true);
 }
 
 }  // namespace qt::cuda

@@ -14,6 +14,14 @@
 //   kGateUp: x = rmsnorm 2 [N, H], y = [gate | up] [N, 2 I]
 //   kDown:   x = swiglu [N, I],    y = [N, H]
 //
+// Qwen3-MoE (expert targets experts.gate_up_proj, experts.down_proj; ops/moe_experts.h has the
+// math): every expert's adapters stacked per sparse layer, A [E, r, in] and B [E, out, r],
+// applied beside the experts' grouped GEMMs (cuda/grouped_gemm.h) on their rows in expert order:
+// xa = x A_e^T [rows, r] (kept per layer and slot), y += scale xa B_e^T; backward
+// gy = scale dy B_e, dB_e += scale dy^T xa, dA_e += gy^T x, dx += gy A_e. No dropout. With an ep
+// group the adapters hold all E experts (replicated over ep) and a rank runs its own; under tp
+// gate_up's B holds the rank's gate and up rows and down's A its columns, as the base.
+//
 // Tensor parallelism (cfg is then the tp rank's local model, tp_local_config): the adapters
 // follow their base projection's split (tp_role in include/qtrain/shard_plan.h). Beside q/k/v
 // and gate/up (column-parallel) B [out/tp, r] holds the rank's rows and A is whole: xa is the
@@ -88,6 +96,20 @@ class LoraCuda {
   void backward(int layer, LoraSite site, const bf16* x, const bf16* dy, bf16* dx,
                 cudaStream_t s);
 
+  // True when the experts' projection `et` (kLoraExpertsGateUp, kLoraExpertsDown) is adapted.
+  bool adapts_experts(int et) const { return experts_on_[static_cast<std::size_t>(et)]; }
+  // Beside the base's grouped GEMM of sparse layer `layer`'s expert projection `et`, over `rows`
+  // rows in expert order that offsets [groups + 1] (device) split among experts
+  // [first, first + groups) (an ep rank's own): gate_up x [rows, H] -> y = gate|up [rows, 2 Im],
+  // down x = SwiGLU [rows, Im] -> y = out [rows, H]. y += scale x A_e^T B_e^T; keeps xa for the
+  // backward (a recomputed forward rewrites it with the same bits). No-op when not adapted.
+  void expert_forward(int layer, int et, const bf16* x, bf16* y, const int* offsets, int first,
+                      int groups, int rows, cudaStream_t s);
+  // After expert_forward(layer, et, x, ...), with dy the gradient of its y: dA_e and dB_e
+  // accumulate; dx [rows, in] += scale dy B_e A_e (bf16), skipped when dx is null.
+  void expert_backward(int layer, int et, const bf16* x, const bf16* dy, bf16* dx,
+                       const int* offsets, int first, int groups, int rows, cudaStream_t s);
+
  private:
   struct Slot {  // one adapted projection of one layer
     int target = -1;
@@ -98,6 +120,12 @@ class LoraCuda {
     std::size_t a = 0, b = 0;  // offsets of A and B in the layout
     bf16* xa = nullptr;        // [slots, N, r] drop(x) A^T of each slot's last forward
   };
+  struct ExpertSlot {  // one adapted expert projection of one sparse layer, all E experts
+    int in = 0, out = 0;
+    std::size_t a = 0, b = 0;  // offsets of the stacked A [E, r, in] and B [E, out, r]
+    bf16* xa = nullptr;        // [slots, expert rows, r] x A_e^T, expert order; null: not adapted
+  };
+  const ExpertSlot& expert_slot(int layer, int et, int first, int groups, int rows) const;
   // The adapted slots of one site of one layer (at most 3).
   const std::vector<Slot>& slots(int layer, LoraSite site) const {
     return slots_[static_cast<std::size_t>(layer) * 4 + static_cast<int>(site)];
@@ -116,11 +144,15 @@ class LoraCuda {
   std::size_t xa_at_ = 0;     // the selected slot's offset in each Slot::xa
   float scale_;
   std::vector<std::vector<Slot>> slots_;  // [layer * 4 + site]
+  std::vector<ExpertSlot> experts_;       // [layer * kNumLoraExpertTargets + et]
+  std::array<bool, kNumLoraExpertTargets> experts_on_{};
+  std::size_t expert_rows_ = 0;     // rows of the experts' buffers (ops/moe_capacity.h)
+  std::size_t expert_xa_at_ = 0;    // the selected slot's offset in each ExpertSlot::xa
   const bf16* w_ = nullptr;
   float* g_ = nullptr;
   std::uint64_t seed_ = 0;
   std::int64_t first_sample_ = 0;
-  bf16* gy_ = nullptr;  // [N, r] dy B of one target
+  bf16* gy_ = nullptr;  // [max(N, expert rows), r] dy B of one target
   bf16* xd_ = nullptr;  // [N, max in]: drop(x), then scale * g A (dropout > 0 only)
 };
 

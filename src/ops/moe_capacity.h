@@ -38,6 +38,12 @@ inline long ep_max_received_rows(long tokens, int k, int experts, int P, double 
   return rows;
 }
 
+// The rows of a rank's experts' buffers (the GPU's activations, LoRA's products on the
+// experts): its own N k pairs, or in an ep group of P > 1 the most it can receive.
+inline long moe_expert_rows(long tokens, int k, int experts, int P, double factor) {
+  return P > 1 ? ep_max_received_rows(tokens, k, experts, P, factor) : tokens * k;
+}
+
 namespace cpu {
 
 // keep [N k] written: pair p = t k + j (token t's slot j, expert idx[p]) is kept (1) iff fewer

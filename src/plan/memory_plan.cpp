@@ -71,10 +71,8 @@ u128 moe_block_bytes(const ModelConfig& m, const StageParts& st, u128 N, bool re
   const u128 E = m.num_experts, k = m.num_experts_per_tok, H = m.hidden_size;
   const u128 Im = m.moe_intermediate_size, rows = N * k;
   const u128 P = static_cast<u128>(ep), El = E / P;
-  const u128 ex_rows = ep > 1 ? static_cast<u128>(ep_max_received_rows(
-                                     static_cast<long>(N), m.num_experts_per_tok, m.num_experts,
-                                     ep, m.moe_capacity_factor))
-                              : rows;
+  const u128 ex_rows = static_cast<u128>(moe_expert_rows(
+      static_cast<long>(N), m.num_experts_per_tok, m.num_experts, ep, m.moe_capacity_factor));
   u128 sets = 0;  // the stage's sparse layers' sets (a slot each)
   for (const StageParts::Chunk& c : st.chunks) {
     const u128 n = m.moe_layers_before(c.last) - m.moe_layers_before(c.first);

@@ -134,13 +134,15 @@ TEST(DeckErrors, Moe) {
                  {"lora.targets", "gate_proj", "q_proj, k_proj, v_proj, o_proj"});
   }
   expect_error(moe + ex_pp, {"mesh.pp = 2", "adapters on the experts"});
-  // Adapters on every expert (experts.gate_up_proj, experts.down_proj): cpu at any dp, with or
-  // without attention adapters, ep and tp; not on cuda, with dropout, or on a dense model.
+  // Adapters on every expert (experts.gate_up_proj, experts.down_proj): both back ends at any
+  // dp, with or without attention adapters, ep and tp; not with dropout or on a dense model.
   const std::string ex = "[lora]\nr = 4\ntargets = q_proj, experts.gate_up_proj, experts.down_proj\n";
   EXPECT_EQ(parse(moe + ex).lora.targets, "q_proj, experts.gate_up_proj, experts.down_proj");
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\ntargets = experts.down_proj\n").mesh.dp, 2);
-  expect_error(moe + cuda + ex, {"lora.targets", "experts.gate_up_proj", "train.device = cuda"});
+  EXPECT_EQ(parse(moe + cuda + ex).lora.targets, parse(moe + ex).lora.targets);
+  EXPECT_EQ(parse(moe + cuda + ex + "[mesh]\nep = 2\n").mesh.ep, 2);
   expect_error(moe + ex + "dropout = 0.1\n", {"lora.dropout = 0.1", "ParamWrapper"});
+  expect_error(moe + cuda + ex + "dropout = 0.1\n", {"lora.dropout = 0.1", "ParamWrapper"});
   EXPECT_EQ(parse(moe + ex + "[mesh]\nep = 2\n").mesh.ep, 2);
   EXPECT_EQ(parse(moe + ex + "[mesh]\ntp = 2\n").mesh.tp, 2);
   expect_error(ex, {"lora.targets", "experts.gate_up_proj", "dense model"});

@@ -1,6 +1,7 @@
 // The experts' grouped GEMMs on the GPU (ops/cuda/grouped_gemm.cuh, behind cuda/grouped_gemm.h)
 // against a double-precision host reference on the same bf16 inputs: forward, input gradient and
-// weight gradient (written and accumulated), with the groups' offsets only on the device. Uneven
+// weight gradient (written and accumulated; scaled and added to old outputs), with the groups'
+// offsets only on the device. Uneven
 // groups: empty ones, single rows, counts that are no multiple of any tile, more groups than a
 // warp scans at once, and in / out that are no multiple of 128 (or of 8) (the tiny models' H = 128,
 // Im = 64; the real H = 2048, Im = 768, 2 Im = 1536). Every output starts as NaN; each group's
@@ -102,6 +103,28 @@ TEST_P(CudaGroupedGemm, MatchesDoubleReference) {
   for (std::size_t i = 0; i < dw.size(); ++i)
     dw_acc[i] = static_cast<double>(dw0_f[i]) + dw[i];
   QT_EXPECT_GPU_CLOSE(d_dw, dw_acc, 1e-4);
+
+  // Scaled and accumulated (LoRA's terms on the experts, cuda_ops_moe.cpp): y0 + alpha x w^T,
+  // dx0 + alpha dy w and dw0 + alpha dy^T x, onto random bf16 outputs; rows outside every group
+  // keep their old value.
+  const double alpha = 0.37;
+  const Bf16Input y0 = random_bf16(R * O, rng), dx0 = random_bf16(R * I, rng);
+  d_y.upload(y0.bits);
+  d_dx.upload(dx0.bits);
+  d_dw.upload(dw0_f);
+  cuda::grouped_linear(d_y.get(), d_x.get(), d_w.get(), d_off.get(), G, rows, in, out, nullptr,
+                       static_cast<float>(alpha), true);
+  cuda::grouped_linear_backward(d_dx.get(), d_dw.get(), d_dy.get(), d_x.get(), d_w.get(),
+                                d_off.get(), G, rows, in, out, nullptr, true,
+                                static_cast<float>(alpha), true);
+  QT_CHECK_CUDA(cudaDeviceSynchronize());
+  Vec y_add(y.size()), dx_add(dx.size()), dw_add(dw.size());
+  for (std::size_t i = 0; i < y.size(); ++i) y_add[i] = y0.value[i] + alpha * y[i];
+  for (std::size_t i = 0; i < dx.size(); ++i) dx_add[i] = dx0.value[i] + alpha * dx[i];
+  for (std::size_t i = 0; i < dw.size(); ++i) dw_add[i] = double(dw0_f[i]) + alpha * dw[i];
+  QT_EXPECT_GPU_CLOSE(d_y, y_add, kTolBf16Once);
+  QT_EXPECT_GPU_CLOSE(d_dx, dx_add, kTolBf16Once);
+  QT_EXPECT_GPU_CLOSE(d_dw, dw_add, 1e-4);
 }
 
 // Counts for G groups: a deterministic uneven mix (0, 1, small, tile-crossing, large).

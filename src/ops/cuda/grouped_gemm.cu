@@ -113,7 +113,8 @@ template <Mode MODE, bool ALIGNED>
 __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(void* out_ptr, const bf16* a,
                                                                 const bf16* b,
                                                                 const int* offsets, int groups,
-                                                                int in, int out, bool accumulate) {
+                                                                int in, int out, float alpha,
+                                                                bool accumulate) {
   constexpr bool kAT = MODE == Mode::kBackwardWeight;  // A stored [k][m]
   constexpr bool kBT = MODE != Mode::kForward;         // B stored [k][n]
   extern __shared__ __align__(128) char smem[];
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(void* out_ptr
       for (int h = 0; h < 2; ++h) {
         const int row = m0 + warp_m * 64 + i * 16 + g + 8 * h;
         if (row >= m_end) continue;
-        const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
+        const float v0 = alpha * acc[i][j][2 * h], v1 = alpha * acc[i][j][2 * h + 1];
         if constexpr (MODE == Mode::kBackwardWeight) {
           float* p = static_cast<float*>(out_ptr) + static_cast<std::size_t>(group) * out * in +
                      static_cast<std::size_t>(row) * in + col;
@@ -241,12 +242,19 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(void* out_ptr
             if (pair) p[1] = accumulate ? p[1] + v1 : v1;
           }
         } else {
+          // Accumulating: the bf16 output read, the sum in fp32, rounded once.
           bf16* p = static_cast<bf16*>(out_ptr) + static_cast<std::size_t>(row) * N + col;
           if constexpr (ALIGNED) {
-            *reinterpret_cast<uint32_t*>(p) = pack_bf16(v0, v1);
+            float2 r{v0, v1};
+            if (accumulate) {
+              const float2 o = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+              r.x += o.x;
+              r.y += o.y;
+            }
+            *reinterpret_cast<uint32_t*>(p) = pack_bf16(r.x, r.y);
           } else {
-            p[0] = __float2bfloat16(v0);
-            if (pair) p[1] = __float2bfloat16(v1);
+            p[0] = __float2bfloat16(accumulate ? __bfloat162float(p[0]) + v0 : v0);
+            if (pair) p[1] = __float2bfloat16(accumulate ? __bfloat162float(p[1]) + v1 : v1);
           }
         }
       }
@@ -267,7 +275,7 @@ bool aligned(const void* p0, const void* p1, const void* p2, int in, int out) {
 
 template <Mode MODE, bool ALIGNED>
 void launch_as(dim3 grid, void* c, const bf16* a, const bf16* b, const int* offsets, int groups,
-               int in, int out, bool accumulate, cudaStream_t stream) {
+               int in, int out, float alpha, bool accumulate, cudaStream_t stream) {
   static bool configured = false;  // per instantiation; the attribute is per device function
   if (!configured) {
     QT_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_kernel<MODE, ALIGNED>,
@@ -275,17 +283,17 @@ void launch_as(dim3 grid, void* c, const bf16* a, const bf16* b, const int* offs
     configured = true;
   }
   grouped_gemm_kernel<MODE, ALIGNED><<<grid, kThreads, kSmemBytes, stream>>>(
-      c, a, b, offsets, groups, in, out, accumulate);
+      c, a, b, offsets, groups, in, out, alpha, accumulate);
   QT_CHECK_LAUNCH();
 }
 
 template <Mode MODE>
 void launch(dim3 grid, void* c, const bf16* a, const bf16* b, const int* offsets, int groups,
-            int in, int out, bool accumulate, cudaStream_t stream) {
+            int in, int out, float alpha, bool accumulate, cudaStream_t stream) {
   if (aligned(c, a, b, in, out))
-    launch_as<MODE, true>(grid, c, a, b, offsets, groups, in, out, accumulate, stream);
+    launch_as<MODE, true>(grid, c, a, b, offsets, groups, in, out, alpha, accumulate, stream);
   else
-    launch_as<MODE, false>(grid, c, a, b, offsets, groups, in, out, accumulate, stream);
+    launch_as<MODE, false>(grid, c, a, b, offsets, groups, in, out, alpha, accumulate, stream);
 }
 
 // Blocks of the row-grouped products: every (row tile, column tile) pair that can exist.
@@ -299,29 +307,31 @@ unsigned row_grouped_blocks(int rows, int groups, int cols) {
 }  // namespace
 
 void grouped_gemm_forward(bf16* y, const bf16* x, const bf16* w, const int* offsets, int groups,
-                          int rows, int in, int out, cudaStream_t stream) {
+                          int rows, int in, int out, cudaStream_t stream, float alpha,
+                          bool accumulate) {
   check_args("grouped_gemm_forward", offsets, groups, rows, in, out);
   if (rows == 0) return;
   launch<Mode::kForward>(dim3(row_grouped_blocks(rows, groups, out)), y, x, w, offsets, groups,
-                         in, out, false, stream);
+                         in, out, alpha, accumulate, stream);
 }
 
 void grouped_gemm_backward_data(bf16* dx, const bf16* dy, const bf16* w, const int* offsets,
-                                int groups, int rows, int in, int out, cudaStream_t stream) {
+                                int groups, int rows, int in, int out, cudaStream_t stream,
+                                float alpha, bool accumulate) {
   check_args("grouped_gemm_backward_data", offsets, groups, rows, in, out);
   if (rows == 0) return;
   launch<Mode::kBackwardData>(dim3(row_grouped_blocks(rows, groups, in)), dx, dy, w, offsets,
-                              groups, in, out, false, stream);
+                              groups, in, out, alpha, accumulate, stream);
 }
 
 void grouped_gemm_backward_weight(float* dw, const bf16* dy, const bf16* x, const int* offsets,
                                   int groups, int in, int out, bool accumulate,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, float alpha) {
   check_args("grouped_gemm_backward_weight", offsets, groups, 0, in, out);
   QT_CUDA_REQUIRE(groups <= 65535, "grouped_gemm_backward_weight: groups <= 65535");
   const unsigned tiles = static_cast<unsigned>(((out + kBM - 1) / kBM) * ((in + kBN - 1) / kBN));
   launch<Mode::kBackwardWeight>(dim3(tiles, static_cast<unsigned>(groups)), dw, dy, x, offsets,
-                                groups, in, out, accumulate, stream);
+                                groups, in, out, alpha, accumulate, stream);
 }
 
 }  // namespace qt::cuda

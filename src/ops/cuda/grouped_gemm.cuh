@@ -17,19 +17,23 @@ namespace qt::cuda {
 
 using bf16 = __nv_bfloat16;
 
-// y [rows, out]: group g's rows = x [rows, in] group g's rows * w[g]^T, w [groups, out, in].
-// Written.
+// Each product is scaled by alpha (fp32, before rounding); accumulate adds it to the output's
+// old value (a bf16 output read and summed in fp32, rounded once), else the output is written.
+
+// y [rows, out]: group g's rows = alpha x [rows, in] group g's rows * w[g]^T, w [groups, out, in].
 void grouped_gemm_forward(bf16* y, const bf16* x, const bf16* w, const int* offsets, int groups,
-                          int rows, int in, int out, cudaStream_t stream);
+                          int rows, int in, int out, cudaStream_t stream, float alpha = 1.f,
+                          bool accumulate = false);
 
-// dx [rows, in]: group g's rows = dy [rows, out] group g's rows * w[g]. Written.
+// dx [rows, in]: group g's rows = alpha dy [rows, out] group g's rows * w[g].
 void grouped_gemm_backward_data(bf16* dx, const bf16* dy, const bf16* w, const int* offsets,
-                                int groups, int rows, int in, int out, cudaStream_t stream);
+                                int groups, int rows, int in, int out, cudaStream_t stream,
+                                float alpha = 1.f, bool accumulate = false);
 
-// dw[g] [out, in] (fp32) += dy group g^T * x group g, the sum over the group's rows;
-// accumulate false: written (a group without rows gets zeros), dw not read.
+// dw[g] [out, in] (fp32) = alpha dy group g^T * x group g, the sum over the group's rows;
+// accumulate false: a group without rows gets zeros (true: keeps its old value).
 void grouped_gemm_backward_weight(float* dw, const bf16* dy, const bf16* x, const int* offsets,
                                   int groups, int in, int out, bool accumulate,
-                                  cudaStream_t stream);
+                                  cudaStream_t stream, float alpha = 1.f);
 
 }  // namespace qt::cuda
