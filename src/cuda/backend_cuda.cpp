@@ -39,7 +39,7 @@ namespace qt {
 
 namespace {
 
-class CudaBackend final : public TrainBackend {
+class CudaBackend final : public cuda::CudaTrainBackend {
  public:
   CudaBackend(const Deck& deck, Mesh& mesh)
       : device_(cuda::select_device(mesh.local_rank())),
@@ -136,15 +136,6 @@ class CudaBackend final : public TrainBackend {
     const double loss = model_->forward_backward(state_, batch_.inputs(), batch_.targets(),
                                                  loss_scale, stream_.get(), pos, write);
     if (deck_.model.is_moe()) aux_sum_ += model_->moe_aux_loss();
-    return loss;
-  }
-  // TrainBackend's default (a forward and backward with loss scale 0 between zero_grads), then
-  // every stream of the device drained: the last micro-batch's gradient reductions run on the
-  // communicators' streams, which the next step's first backward, overwriting the gradients,
-  // does not wait for.
-  double eval_loss(const MicroBatches& mb) override {
-    const double loss = TrainBackend::eval_loss(mb);
-    QT_CHECK_CUDA(cudaDeviceSynchronize());
     return loss;
   }
   OptimStepStats optimizer_step(const StepRequest& request) override {

@@ -28,8 +28,10 @@
 // Qwen3-MoE with mesh.ep > 1 (as the CPU back end): the base is the ep rank's local model too
 // (ep_local_config: E / ep experts of each sparse layer, frozen), the token rows cross the ep
 // group both ways in the forward and d out / d x in the backward (cuda_ops_moe_ep.cpp; no
-// expert weight gradients); the adapters (attention only) are replicated over ep and reduced
-// over dp like every dense weight. The base's map (make_model_map) places the rank's experts.
+// expert weight gradients); the adapters are replicated over ep and reduced over dp like every
+// dense weight, those on every expert included (lora.targets experts.*: all E experts' stacked
+// adapters on each rank, which runs and trains its own experts' rows, cuda/lora_cuda.h; the dp
+// sum adds the owners' gradients). The base's map (make_model_map) places the rank's experts.
 #include <fmt/format.h>
 #include <memory>
 #include <vector>
@@ -54,7 +56,7 @@ namespace qt {
 
 namespace {
 
-class CudaLoraBackend final : public TrainBackend {
+class CudaLoraBackend final : public cuda::CudaTrainBackend {
  public:
   CudaLoraBackend(const Deck& deck, Mesh& mesh)
       : device_(cuda::select_device(mesh.local_rank())),
@@ -101,7 +103,7 @@ class CudaLoraBackend final : public TrainBackend {
       base_map_ = make_model_map(deck.model, layout_, local_layout_, *base_plan_, mesh.shape(),
                                  mesh.tp().rank(), mesh.ep().rank());
     }
-    if (tp_ > 1) {  // the adapters (attention only on a Qwen3-MoE model: replicated over ep)
+    if (tp_ > 1) {  // the adapters (replicated over ep on a Qwen3-MoE model)
       lora_->set_tensor_parallel(tp_, mesh.tp().rank());
       lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), plan_,
                                           mesh.tp().rank());
@@ -178,15 +180,6 @@ class CudaLoraBackend final : public TrainBackend {
 
   // The adapters report no units to the state: it reduces their gradients here (over dp, then
   // the factors partial over tp summed over tp).
-  // TrainBackend's default (a forward and backward with loss scale 0 between zero_grads), then
-  // every stream of the device drained: the last micro-batch's gradient reductions run on the
-  // communicators' streams, which the next step's first backward, overwriting the gradients,
-  // does not wait for.
-  double eval_loss(const MicroBatches& mb) override {
-    const double loss = TrainBackend::eval_loss(mb);
-    QT_CHECK_CUDA(cudaDeviceSynchronize());
-    return loss;
-  }
   OptimStepStats optimizer_step(const StepRequest& request) override {
     return state_.step(request, deck_.train.steps, stream_.get());
   }

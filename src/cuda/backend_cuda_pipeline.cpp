@@ -184,7 +184,7 @@ class FrozenUnits final : public cuda::UnitSource {
   double bytes_ = 0;
 };
 
-class CudaPipelineBackend final : public TrainBackend {
+class CudaPipelineBackend final : public cuda::CudaTrainBackend {
  public:
   CudaPipelineBackend(const Deck& deck, Mesh& mesh)
       : device_(cuda::select_device(mesh.local_rank())),
@@ -541,15 +541,6 @@ class CudaPipelineBackend final : public TrainBackend {
     std::fclose(f);
   }
 
-  // TrainBackend's default (a forward and backward with loss scale 0 between zero_grads), then
-  // every stream of the device drained: the last micro-batch's gradient reductions run on the
-  // communicators' streams, which the next step's first backward, overwriting the gradients,
-  // does not wait for.
-  double eval_loss(const MicroBatches& mb) override {
-    const double loss = TrainBackend::eval_loss(mb);
-    QT_CHECK_CUDA(cudaDeviceSynchronize());
-    return loss;
-  }
   OptimStepStats optimizer_step(const StepRequest& request) override {
     if (local_cfg_.tie_word_embeddings && !lora_) sum_tied_copies();  // (a frozen base: none)
     return state_.step(request, deck_.train.steps, stream_.get());

@@ -13,7 +13,9 @@
 // order are gathered again in the backward (a copy) rather than kept. A pipeline stage keeps a
 // set of the routing and activations per micro-batch in flight (moe_slots, moe_select) and
 // gives each micro-batch its own statistics (MoeBalance, carried between stages by the
-// pipeline: backend_cuda_pipeline.cpp).
+// pipeline: backend_cuda_pipeline.cpp). The experts themselves (experts_forward and
+// experts_backward, for ep 1 and the ep path alike) run LoRA's adapters on every expert beside
+// their grouped GEMMs when bound (lora_cuda.h).
 //
 // Tensor parallelism (tp_; the CPU's rule, model/cpu_ops_moe.cpp): cfg_ is the tp rank's local
 // model, each expert's gate/up rows and down columns of its share of the width (Im here is

@@ -12,6 +12,12 @@
 
 namespace qt::cuda {
 
+double CudaTrainBackend::eval_loss(const MicroBatches& mb) {
+  const double loss = TrainBackend::eval_loss(mb);
+  QT_CHECK_CUDA(cudaDeviceSynchronize());
+  return loss;
+}
+
 unsigned offload_threads(const Mesh& mesh) {
   const unsigned all = std::max(1u, std::thread::hardware_concurrency());
   unsigned cpus = all;

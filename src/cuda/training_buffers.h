@@ -1,5 +1,5 @@
 // What every CUDA training back end shares besides its optimizer state (cuda/sharded_state_cuda.h):
-// the device buffers of a micro-batch and the arena's sizing and report.
+// a base class, the device buffers of a micro-batch and the arena's sizing and report.
 #pragma once
 
 #include <cstdint>
@@ -7,8 +7,19 @@
 
 #include "cuda/device.h"
 #include "qtrain/mesh.h"
+#include "train/backend.h"
 
 namespace qt::cuda {
+
+// The CUDA training back ends' base (backend_cuda*.cpp).
+class CudaTrainBackend : public TrainBackend {
+ public:
+  // TrainBackend's default (a forward and backward with loss scale 0 between zero_grads), then
+  // every stream of the device drained: the last micro-batch's gradient reductions run on the
+  // communicators' streams, which the next step's first backward, overwriting the gradients,
+  // does not wait for.
+  double eval_loss(const MicroBatches& mb) override;
+};
 
 // Device copies of one micro-batch's inputs, targets and positions ([B, T] int32 each).
 class BatchBuffers {
