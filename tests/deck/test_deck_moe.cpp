@@ -133,9 +133,16 @@ TEST(DeckErrors, Moe) {
     expect_error(moe + dev + "[lora]\nr = 4\ntargets = all-linear\n",
                  {"lora.targets", "gate_proj", "q_proj, k_proj, v_proj, o_proj"});
   }
-  expect_error(moe + ex_pp, {"mesh.pp = 2", "adapters on the experts"});
+  // Expert adapters with pp: the CPU reference at every schedule (train/backend_cpu_pipeline.cpp),
+  // with ep on four ranks; not on cuda.
+  EXPECT_EQ(parse(moe + ex_pp).mesh.pp, 2);
+  EXPECT_EQ(parse(moe + ex_pp + "pp_schedule = zb-h1\n").mesh.pp_schedule, "zb-h1");
+  EXPECT_EQ(parse(moe + ex_pp + "ep = 2\n[train]\nglobal_batch = 16\n", {}, 4).mesh.ep, 2);
+  expect_error(moe + cuda + ex_pp,
+               {"mesh.pp = 2", "adapters on the experts", "train.device = cuda"});
   // Adapters on every expert (experts.gate_up_proj, experts.down_proj): cpu at any dp, with or
-  // without attention adapters, ep and tp; not on cuda, with dropout, or on a dense model.
+  // without attention adapters, ep, tp and pp (above); not on cuda, with dropout, or on a dense
+  // model.
   const std::string ex = "[lora]\nr = 4\ntargets = q_proj, experts.gate_up_proj, experts.down_proj\n";
   EXPECT_EQ(parse(moe + ex).lora.targets, "q_proj, experts.gate_up_proj, experts.down_proj");
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\ntargets = experts.down_proj\n").mesh.dp, 2);
