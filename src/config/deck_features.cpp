@@ -143,8 +143,8 @@ void Builder::validate_moe() {
 // LoRA on a Qwen3-MoE model (docs/finetune.md, "LoRA on Qwen3-MoE"): adapters on the attention
 // projections, the router and the experts frozen; both back ends at any dp, ep, tp and pp.
 // Adapters on every expert as well (experts.gate_up_proj, experts.down_proj): both back ends at
-// any dp, ep and tp, no dropout, without pp. Expert targets on a dense model are refused whether or not LoRA
-// is on, MLP targets on a Qwen3-MoE model always (below).
+// any dp, ep, tp and pp, no dropout. Expert targets on a dense model are refused whether or not
+// LoRA is on, MLP targets on a Qwen3-MoE model always (below).
 void Builder::validate_moe_lora() {
   const LoraConfig& l = deck_.lora;
   std::vector<int> targets, experts;
@@ -176,12 +176,9 @@ void Builder::validate_moe_lora() {
          "(q_proj, k_proj, v_proj, o_proj; all-linear includes the MLP's) and, for the experts, "
          "experts.gate_up_proj and experts.down_proj",
          kLoraTargets[t]);
-  need(deck_.mesh.pp == 1 || experts.empty(), "mesh.pp", "> 1 with adapters on the experts "
-       "(lora.targets = {}) is not built yet; set mesh.pp = 1 or list attention projections "
-       "only", l.targets);
   if (experts.empty()) return;
   // Adapters on every expert (docs/finetune.md, "LoRA on Qwen3-MoE"): both back ends at any dp,
-  // ep and tp; PEFT's ParamWrapper has no dropout.
+  // ep, tp and pp; PEFT's ParamWrapper has no dropout.
   const std::string et = kLoraExpertTargets[experts[0]];
   need(l.dropout == 0, "lora.dropout", "> 0 with {} in lora.targets: adapters on the experts "
        "have no dropout (as PEFT's target_parameters, whose ParamWrapper refuses it); set "

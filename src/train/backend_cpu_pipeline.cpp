@@ -48,10 +48,12 @@
 // norm summed over pp). Each action keys the dropout masks with its micro-batch's first sequence
 // and each activation slot keeps its own adapter activations, so the masks and the gradients
 // are the serial run's. ZB-H1 runs too: with no base gradients its weight halves have nothing
-// to do (the adapters' gradients come with the input halves). On a Qwen3-MoE model the adapters
-// sit on attention alone: the routers and experts are frozen base units like the rest (with
-// mesh.ep > 1 each stage's its ep rank's experts), the load statistics and the expert exchanges
-// run as in full training, and the aux loss's gradient reaches the adapters through d x.
+// to do (the adapters' gradients come with the input halves). On a Qwen3-MoE model the routers
+// and experts are frozen base units like the rest (with mesh.ep > 1 each stage's its ep rank's
+// experts), the load statistics and the expert exchanges run as in full training, and the aux
+// loss's gradient reaches the adapters through d x. Adapters on every expert (lora.targets
+// experts.*) are the stage's sparse layers' stacked tensors in its chunks' LoraAdapters; the MoE
+// block's backward, which ZB-H1 does not split, adds their gradients in the input half, once.
 #include <mpi.h>
 
 #include <fmt/format.h>

@@ -133,9 +133,18 @@ TEST(DeckErrors, Moe) {
     expect_error(moe + dev + "[lora]\nr = 4\ntargets = all-linear\n",
                  {"lora.targets", "gate_proj", "q_proj, k_proj, v_proj, o_proj"});
   }
-  expect_error(moe + ex_pp, {"mesh.pp = 2", "adapters on the experts"});
+  // Expert adapters with pp: both back ends at every schedule, with ep on four ranks.
+  EXPECT_EQ(parse(moe + ex_pp).mesh.pp, 2);
+  EXPECT_EQ(parse(moe + ex_pp + "pp_schedule = zb-h1
+").mesh.pp_schedule, "zb-h1");
+  EXPECT_EQ(parse(moe + ex_pp + "ep = 2
+[train]
+global_batch = 16
+", {}, 4).mesh.ep, 2);
+  EXPECT_EQ(parse(moe + cuda + ex_pp).mesh.pp, 2);
   // Adapters on every expert (experts.gate_up_proj, experts.down_proj): both back ends at any
-  // dp, with or without attention adapters, ep and tp; not with dropout or on a dense model.
+  // dp, with or without attention adapters, ep, tp and pp (above); not with dropout or on a
+  // dense model.
   const std::string ex = "[lora]\nr = 4\ntargets = q_proj, experts.gate_up_proj, experts.down_proj\n";
   EXPECT_EQ(parse(moe + ex).lora.targets, "q_proj, experts.gate_up_proj, experts.down_proj");
   EXPECT_EQ(parse(moe + "[lora]\nr = 4\ntargets = experts.down_proj\n").mesh.dp, 2);

@@ -8,8 +8,8 @@
 // near-tied routes, as under tp). Both stages' sparse layers' load is counted once. The 1F1B
 // ZeRO-1 run's step-5 checkpoint (each stage's ep rank's experts at their global places)
 // resumes on one GPU and continues that run. Interleaved (two chunks a stage, four layers)
-// follows one GPU's four-layer run. LoRA (attention adapters, the experts frozen) at
-// pp 2 x dp 2 with ep 2 follows one GPU's LoRA run. Skips unless four GPUs are visible.
+// follows one GPU's four-layer run. LoRA (attention adapters, the experts frozen; and with
+// adapters on every expert) at pp 2 x dp 2 with ep 2 follows one GPU's LoRA run. Skips unless four GPUs are visible.
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -80,6 +80,14 @@ TEST(MoeTrainCudaEpPp4, ExpertParallelStagesReproduceOneGpuAndResumeOnOne) {
   const test::EpRun one_lora = test::train_ep(1, tmp, "one_lora", lora);
   test::expect_close(test::train_ep(4, tmp, "lora_pp2_dp2_ep2", with(mesh, lora)), one_lora, 0,
                      "LoRA pp2_dp2_ep2", test::kNormTol, test::kTpSteps);
+  // And with adapters on every expert (each ep rank runs its experts' rows of them).
+  const std::vector<std::string> experts = {
+      "--lora.r=8", "--lora.alpha=16",
+      "--lora.targets=q_proj,v_proj,experts.gate_up_proj,experts.down_proj", "--optim.lr=1e-2",
+      "--optim.min_lr=1e-3"};
+  const test::EpRun one_experts = test::train_ep(1, tmp, "one_expert_lora", experts);
+  test::expect_close(test::train_ep(4, tmp, "expert_lora_pp2_dp2_ep2", with(mesh, experts)),
+                     one_experts, 0, "expert LoRA pp2_dp2_ep2", test::kNormTol, test::kTpSteps);
   MPI_Barrier(MPI_COMM_WORLD);
   if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
 }

@@ -9,8 +9,9 @@
 //   - Two GPUs against one GPU (moe_cases.h expect_close): dp 2 at ZeRO 0, dp 2 x ep 2 at ZeRO 1
 //     (each rank runs its 4 experts' adapters, the others' gradients zero until the dp sum) with
 //     and without recompute, tp 2 (each rank's share of every expert's width: gate_up's B and
-//     down's A split). The ep 2 checkpoint (global stacked adapters) resumes on one GPU and
-//     continues the ep run.
+//     down's A split), pp 2 (1F1B at ZeRO 1, ZB-H1, recompute at ZeRO 0: each stage its sparse
+//     layers' adapters, xa kept per micro-batch in flight). The ep 2 checkpoint (global stacked
+//     adapters) resumes on one GPU and continues the ep run.
 // Skips unless two GPUs are visible.
 #include <gtest/gtest.h>
 
@@ -87,6 +88,9 @@ TEST(MoeExpertLoraCuda, TwoGpusReproduceOneGpu) {
       {"dp2_ep2_z1", {"--mesh.ep=2", "--optim.zero_stage=1"}},
       {"dp2_ep2_z0_recompute", {"--mesh.ep=2", "--optim.zero_stage=0", "--train.recompute=true"}},
       {"tp2", {"--mesh.tp=2", "--optim.zero_stage=1"}},
+      {"pp2_z1", {"--mesh.pp=2", "--optim.zero_stage=1"}},
+      {"pp2_zb", {"--mesh.pp=2", "--optim.zero_stage=1", "--mesh.pp_schedule=zb-h1"}},
+      {"pp2_z0_recompute", {"--mesh.pp=2", "--optim.zero_stage=0", "--train.recompute=true"}},
   };
   test::EpRun ep2;
   for (const auto& [tag, ov] : cases) {

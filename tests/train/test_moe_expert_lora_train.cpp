@@ -3,8 +3,10 @@
 // projections and on each expert's gate_up_proj and down_proj (lora.targets experts.*), the
 // router and the experts frozen. Only the adapters train (every base weight bit for bit, each
 // adapter moves, the loss of a repeated batch falls); dp 2, ep 2 and tp 2 reproduce the serial
-// run, and their step-5 checkpoints resume on it (ep 2's at ep 1, tp 2's at tp 1); adapters on the experts alone train too; `qtrain export`
-// writes peft's target_parameters layout (lora lora_export.h), which reads back bit for bit.
+// run, and their step-5 checkpoints resume on it (ep 2's at ep 1, tp 2's at tp 1); adapters on
+// the experts alone train too; pp 2 (every schedule; interleaved on four layers) reproduces it
+// and its checkpoint resumes at pp 1; on four ranks pp 2 with dp 2, ep 2 and tp 2; `qtrain export`
+// writes peft's target_parameters layout (hf/lora_export.h), which reads back bit for bit.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -147,6 +149,58 @@ TEST_F(MoeTraining, ExpertLoraDp2AndResumeReproduceTheSerialRun) {
     std::printf("attention adapters alone: losses up to %.3g from the run with the experts'\n",
                 apart);
   EXPECT_GT(apart, 1e-4);
+}
+
+// pp 2 (train/backend_cpu_pipeline.cpp): layers 0 (sparse) and 1 (dense) on stage 0, layer 2
+// (sparse) and the head on stage 1, so each stage trains its own sparse layer's expert adapters
+// (its LoraAdapters over its layer range, one slot a micro-batch in flight); 1F1B, ZB-H1 (the
+// MoE block's backward is not split: the expert adapters' gradients come with the input half,
+// once) and recompute (the block's forward again, its adapters with it); four layers
+// interleaved, a chunk a layer. The pp 2 step-5 checkpoint (each stage's stacked [E, r, in] and
+// [E, out, r] tensors under the model's names) resumes serially on the serial run.
+TEST_F(MoeTraining, ExpertLoraPipelineReproducesTheSerialRun) {
+  // One dp rank: each stage adds its micro-batches' gradients in the serial run's order, so the
+  // losses are its bits and the gradient norms (summed over pp in double) within rounding.
+  constexpr double kNormTight = 1e-12;
+  const std::vector<std::string> serial_ov = with(kLr, {"--optim.zero_stage=0"});
+  const std::vector<MoeStep> serial = train("serial", 1, serial_ov, lora_text());
+  const std::vector<MoeStep> pp2 = train("pp2", 2, with(kLr, {"--mesh.pp=2"}), lora_text());
+  expect_like_serial(pp2, serial, "expert_lora_pp2", kNormTight);
+  expect_like_serial(train("pp2_zb", 2, with(kLr, {"--mesh.pp=2", "--mesh.pp_schedule=zb-h1"}),
+                           lora_text()),
+                     serial, "expert_lora_pp2_zb", kNormTight);
+  expect_like_serial(train("pp2_recompute", 2, with(kLr, {"--mesh.pp=2", "--train.recompute=true"}),
+                           lora_text()),
+                     serial, "expert_lora_pp2_recompute", kNormTight);
+  expect_like_serial(resume("pp2_to_1", 1, "pp2", kLr, lora_text()), tail(pp2, 5),
+                     "expert_lora_pp2_to_serial", kNormTight);
+  const std::vector<std::string> four = {"--model.num_layers=4"};
+  const std::vector<MoeStep> serial4 = train("serial4", 1, with(serial_ov, four), lora_text());
+  const std::vector<std::string> v2 = {"--mesh.pp=2", "--mesh.pp_chunks=2"};
+  expect_like_serial(train("pp2_v2", 2, with(with(kLr, four), v2), lora_text()), serial4,
+                     "expert_lora_pp2_v2", kNormTight);
+}
+
+// On four ranks: pp 2 x dp 2, pp 2 x ep 2 (each stage's experts, and their adapters' rows, run
+// over its ep group, an expert exchange a slot; the adapters' gradients summed over dp), the
+// latter with ZB-H1 too and its checkpoint resumed serially, and pp 2 x tp 2 (each expert's
+// adapters split beside its width on every stage).
+TEST_F(MoeTraining, ExpertLoraPipelineOnFourRanks) {
+  if (test::world_size() < 4) GTEST_SKIP() << "needs mpiexec -n 4 (ctest runs it)";
+  const std::vector<MoeStep> serial = train("serial", 1, with(kLr, {"--optim.zero_stage=0"}),
+                                            lora_text());
+  expect_like_serial(train("pp2_dp2", 4, with(kLr, {"--mesh.pp=2"}), lora_text()), serial,
+                     "expert_lora_pp2_dp2");
+  expect_like_serial(train("pp2_ep2", 4, with(kLr, {"--mesh.pp=2", "--mesh.ep=2"}), lora_text()),
+                     serial, "expert_lora_pp2_ep2");
+  expect_like_serial(train("pp2_ep2_zb", 4,
+                           with(kLr, {"--mesh.pp=2", "--mesh.ep=2", "--mesh.pp_schedule=zb-h1"}),
+                           lora_text()),
+                     serial, "expert_lora_pp2_ep2_zb");
+  expect_like_serial(train("pp2_tp2", 4, with(kLr, {"--mesh.pp=2", "--mesh.tp=2"}), lora_text()),
+                     serial, "expert_lora_pp2_tp2");
+  expect_like_serial(resume("pp2_ep2_to_1", 1, "pp2_ep2", kLr, lora_text()), tail(serial, 5),
+                     "expert_lora_pp2_ep2_to_serial");
 }
 
 // `qtrain export`: peft's names and shapes for target_parameters (derived from peft's
