@@ -135,12 +135,8 @@ TEST(DeckErrors, Moe) {
   }
   // Expert adapters with pp: both back ends at every schedule, with ep on four ranks.
   EXPECT_EQ(parse(moe + ex_pp).mesh.pp, 2);
-  EXPECT_EQ(parse(moe + ex_pp + "pp_schedule = zb-h1
-").mesh.pp_schedule, "zb-h1");
-  EXPECT_EQ(parse(moe + ex_pp + "ep = 2
-[train]
-global_batch = 16
-", {}, 4).mesh.ep, 2);
+  EXPECT_EQ(parse(moe + ex_pp + "pp_schedule = zb-h1\n").mesh.pp_schedule, "zb-h1");
+  EXPECT_EQ(parse(moe + ex_pp + "ep = 2\n[train]\nglobal_batch = 16\n", {}, 4).mesh.ep, 2);
   EXPECT_EQ(parse(moe + cuda + ex_pp).mesh.pp, 2);
   // Adapters on every expert (experts.gate_up_proj, experts.down_proj): both back ends at any
   // dp, with or without attention adapters, ep, tp and pp (above); not with dropout or on a
