@@ -245,9 +245,11 @@ class CudaPipelineBackend final : public cuda::CudaTrainBackend {
       for (int l = plan_.stage_layers[c]; l < plan_.stage_layers[c + 1]; ++l)
         moe_slots[static_cast<std::size_t>(l)] = activation_slots(mine, c);
     }
+    // The lm head's buffers on the last stage only (it holds the last chunk, P V - 1).
     ops_ = std::make_unique<cuda::CudaOps>(local_cfg_, deck.train.micro_batch, deck.train.seq_len,
                                            arena_, nccl_tp_, sp_, mesh.shape().tp_overlap,
-                                           deck.train.recompute, nccl_ep_, moe_slots);
+                                           deck.train.recompute, nccl_ep_, moe_slots,
+                                           /*lm_head=*/s_ == P_ - 1);
     std::vector<int> asked;
     for (int v = 0; v < V_; ++v) {
       const int c = v * P_ + s_, slots = activation_slots(mine, c);

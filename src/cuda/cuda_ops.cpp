@@ -65,7 +65,7 @@ void CudaOps::set_rows(int B, int T, int first_position) {
 
 CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp,
                  int seq_parallel, bool tp_overlap, bool moe_recompute, NcclComm* ep,
-                 const std::vector<int>& moe_slots)
+                 const std::vector<int>& moe_slots, bool lm_head)
     : moe_slots_(moe_slots),
       ep_(ep && ep->size() > 1 ? ep : nullptr),
       cfg_(cfg), B_(B), T_(T), N_(B * T), rope_len_(T), tp_(tp && tp->size() > 1 ? tp : nullptr),
@@ -84,18 +84,20 @@ CudaOps::CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclC
   sin_ = arena.allocate<float>(sin.size());
   upload(cos_, cos.data(), cos.size() * 4);
   upload(sin_, sin.data(), sin.size() * 4);
-  chunk_ = static_cast<int>(
-      std::clamp<std::size_t>(kLogitsChunkBytes / (V * 2), 1, static_cast<std::size_t>(N_)));
-  logits_ = arena.allocate<bf16>(static_cast<std::size_t>(chunk_) * V);
-  losses_ = arena.allocate<float>(chunk_);
-  chunk_lse_ = arena.allocate<float>(chunk_);
-  loss_sum_ = arena.allocate<double>(1);
+  if (lm_head) {  // the lm head's logits a chunk of rows at a time, and the loss
+    chunk_ = static_cast<int>(
+        std::clamp<std::size_t>(kLogitsChunkBytes / (V * 2), 1, static_cast<std::size_t>(N_)));
+    logits_ = arena.allocate<bf16>(static_cast<std::size_t>(chunk_) * V);
+    losses_ = arena.allocate<float>(chunk_);
+    chunk_lse_ = arena.allocate<float>(chunk_);
+    loss_sum_ = arena.allocate<double>(1);
+  }
   ws_bytes_ = std::max({rmsnorm_backward_workspace_bytes(N_, cfg.hidden_size),
                         qk_norm_rope_backward_workspace_bytes(B, T, nh, hd),
                         qk_norm_rope_backward_workspace_bytes(B, T, nkv, hd),
                         embedding_backward_workspace_bytes(N_)});
   ws_ = arena.allocate(ws_bytes_);
-  if (tp_) {
+  if (tp_ && lm_head) {
     vocab_begin_ = tp_->rank() * cfg.vocab_size;
     vp_part_ = arena.allocate<float>(2 * static_cast<std::size_t>(chunk_));
     vp_parts_ = arena.allocate<float>(2 * static_cast<std::size_t>(chunk_) * tp_->size());
@@ -150,8 +152,9 @@ void CudaOps::begin(cudaStream_t s, const std::int32_t* pos) {
 }
 
 double CudaOps::take_loss() {
-  double loss = 0;
-  QT_CHECK_CUDA(cudaMemcpyAsync(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, s_));
+  double loss = 0;  // a pipeline stage without the head has none, but waits all the same
+  if (loss_sum_)
+    QT_CHECK_CUDA(cudaMemcpyAsync(&loss, loss_sum_, sizeof(double), cudaMemcpyDeviceToHost, s_));
   QT_CHECK_CUDA(cudaStreamSynchronize(s_));
   return loss;
 }
@@ -312,6 +315,7 @@ void CudaOps::lora_backward(int l, LoraSite site, const bf16* x, const bf16* dy,
 void CudaOps::lm_head_loss(const bf16* xf_in, const bf16* lm_head, float* g_lm_head,
                            const std::int32_t* targets, float scale, bf16* dxf_out, bool acc) {
   const int H = cfg_.hidden_size, V = cfg_.vocab_size;
+  QT_CHECK(logits_ != nullptr, "the lm head's loss on ops made without the head's buffers");
   if (sp_) gather_rows(xf_full_, xf_in, N_, H);
   const bf16* xf = sp_ ? xf_full_ : xf_in;
   bf16* dxf = sp_ ? rows_full_ : dxf_out;

@@ -65,10 +65,12 @@ class CudaOps : public NoCollectives {
   // moe_slots: a pipeline stage's (backend_cuda_pipeline.cpp) [L] micro-batches in flight of
   // each layer, 0 for the layers of other stages: a sparse layer keeps that many sets of its
   // routing and (without moe_recompute) expert activations, selected by moe_select; empty: one
-  // set for every sparse layer.
+  // set for every sparse layer. lm_head false: a pipeline stage without the model's head, so
+  // without the lm head's logits and loss buffers (about 1 GiB of logits; lm_head_loss refused,
+  // take_loss 0).
   CudaOps(const ModelConfig& cfg, int B, int T, DeviceArena& arena, NcclComm* tp = nullptr,
           int seq_parallel = 1, bool tp_overlap = false, bool moe_recompute = false,
-          NcclComm* ep = nullptr, const std::vector<int>& moe_slots = {});
+          NcclComm* ep = nullptr, const std::vector<int>& moe_slots = {}, bool lm_head = true);
   // Forward only, for the KV-cache decoder (generate/kv_decoder_cuda.cpp): the layer ops over
   // any number of rows (set_rows), RoPE tables for positions [0, rope_len), and none of the
   // buffers of the backward, the lm head or the loss (the decoder runs its own head).
