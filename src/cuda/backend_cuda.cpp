@@ -226,9 +226,13 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
   try {
     // NCCL's connections first: the arena then takes what they leave (nccl_comm.h).
     cuda::select_device(mesh.local_rank());
-    cuda::connect_before_arena(
+    const double nccl_bytes = mesh.world().max(static_cast<double>(cuda::connect_before_arena(
         mesh, deck.model.is_moe(),
-        mesh.shape().pp == 1 ? 0 : cuda_pipeline_channels(mesh.shape().pp_chunks));
+        mesh.shape().pp == 1 ? 0 : cuda_pipeline_channels(mesh.shape().pp_chunks))));
+    if (nccl_bytes > 0 && mesh.world().rank() == 0)
+      std::printf("cuda: NCCL's communicators took %s of GPU memory before the arena (the most of "
+                  "any rank)\n",
+                  cuda::format_bytes(static_cast<std::size_t>(nccl_bytes)).c_str());
     // A pipeline (with [lora] too: backend_cuda_pipeline.cpp trains each stage's adapters).
     if (mesh.shape().pp > 1) return make_cuda_pipeline_backend(deck, mesh);
     if (deck.lora.enabled()) return make_cuda_lora_backend(deck, mesh);

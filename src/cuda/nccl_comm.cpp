@@ -591,7 +591,8 @@ void NcclComm::connect(const std::vector<int>& peers) {
   wait_idle(what);
 }
 
-void connect_before_arena(Mesh& mesh, bool moe_ep, int pp_channels) {
+std::size_t connect_before_arena(Mesh& mesh, bool moe_ep, int pp_channels) {
+  const std::size_t free_before = device_memory().free_bytes;
   const MeshShape& m = mesh.shape();
   if (m.tp > 1) nccl(mesh, MeshDim::kTp).connect({});
   if (mesh.dp().size() > 1) nccl(mesh, MeshDim::kDp).connect({});
@@ -609,6 +610,9 @@ void connect_before_arena(Mesh& mesh, bool moe_ep, int pp_channels) {
     if ((s + P - 1) % P != peers[0]) peers.push_back((s + P - 1) % P);
     for (int ch = 0; ch < pp_channels; ++ch) nccl(mesh, MeshDim::kPp, ch).connect(peers);
   }
+  QT_CHECK_CUDA(cudaDeviceSynchronize());
+  const std::size_t free_after = device_memory().free_bytes;
+  return free_before > free_after ? free_before - free_after : 0;
 }
 
 NcclComm& nccl(Mesh& mesh, MeshDim d, int channel) {

@@ -170,7 +170,9 @@ NcclComm& nccl(Mesh& mesh, MeshDim d, int channel = 0);
 // Makes the device communicators that a CUDA training back end of this mesh uses (tp, dp, and ep
 // and expert-dp with `moe_ep`; `pp_channels` pipeline channels to the neighbouring stages) and
 // connects them (NcclComm::connect) before the back end sizes its arena from the free memory.
-// Collective over the world, every rank in the same order.
-void connect_before_arena(Mesh& mesh, bool moe_ep, int pp_channels);
+// Collective over the world, every rank in the same order. Returns the device memory they took
+// (the free memory before less after, in bytes): outside the arena, which `qtrain plan` counts
+// only as part of its margin.
+std::size_t connect_before_arena(Mesh& mesh, bool moe_ep, int pp_channels);
 
 }  // namespace qt::cuda
