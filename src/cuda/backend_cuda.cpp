@@ -29,6 +29,7 @@
 #include "cuda/training_buffers.h"
 #include "ops/cuda/gemm.cuh"
 #include "parallel/expert_parallel.h"
+#include "parallel/pipeline_schedule.h"
 #include "parallel/tensor_parallel.h"
 #include "plan/memory_plan.h"
 #include "qtrain/error.h"

@@ -109,12 +109,9 @@ enum Channel { kActivations, kGradients, kActivationsWrap, kGradientsWrap, kChan
 // The channel of the activation into chunk c (from chunk c - 1) and of the gradient out of it.
 Channel activation_into(int c, int P) { return c % P == 0 ? kActivationsWrap : kActivations; }
 Channel gradient_into(int c, int P) { return (c + 1) % P == 0 ? kGradientsWrap : kGradients; }
-
-}  // namespace
-
-int cuda_pipeline_channels(int pp_chunks) { return pp_chunks > 1 ? kChannels : kActivationsWrap; }
-
-namespace {
+static_assert(cuda_pipeline_channels(2) == kChannels &&
+                  cuda_pipeline_channels(1) == kActivationsWrap,
+              "parallel/pipeline_schedule.h counts the channels this pipeline opens");
 
 // Every stage's sends on each channel in the order its receiver takes them: NCCL matches
 // point-to-point calls by order alone. Throws when a list breaks it (a schedule bug).

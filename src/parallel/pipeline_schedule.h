@@ -99,4 +99,10 @@ int activation_slots(const std::vector<PipeAction>& actions, int chunk);
 // "F0.3 B1.2 ..." (chunk.micro_batch) of one stage, for messages and tests.
 std::string describe(const std::vector<PipeAction>& stage);
 
+// The point-to-point channels (Mesh::device(MeshDim::kPp, k), one NCCL communicator each) that
+// the CUDA pipeline (src/cuda/backend_cuda_pipeline.cpp) uses between neighbouring stages:
+// activations and gradients, and with interleaved chunks (pp_chunks > 1) two more for the wrap
+// from the last stage to the first. `qtrain plan` counts their memory (plan/memory_plan.h).
+constexpr int cuda_pipeline_channels(int pp_chunks) { return pp_chunks > 1 ? 4 : 2; }
+
 }  // namespace qt

@@ -130,7 +130,7 @@ Layouts enumerate_layouts(const LayoutSearch& s) {
               r.in.grad_reduce_bf16 = s.grad_reduce_bf16 && zero <= 1;
               r.memory = memory_plan(r.in);
               r.time = step_time(r.in, s.topology);
-              r.fits = r.memory.gpu() <= s.usable;
+              r.fits = r.memory.device() <= s.usable;
               out.rows.push_back(std::move(r));
             }
       }

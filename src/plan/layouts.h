@@ -32,7 +32,7 @@ struct LayoutSearch {
   // must divide dp and model.num_experts, as the deck requires). Dense models: ep 1 only.
   std::vector<int> ep;
   TopologyConfig topology;           // gpus_per_host bounds tp; the links time the collectives
-  std::uint64_t usable = 0;          // GPU bytes a rank may use (memory_plan's gpu())
+  std::uint64_t usable = 0;          // GPU bytes a rank may use (memory_plan's device())
 };
 
 // A (dp, tp, pp) mesh left out, and why (naming the deck keys).

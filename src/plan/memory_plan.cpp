@@ -477,11 +477,20 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
   p.workspace = checked(workspace, "workspace");
   p.host = checked(host, "host state");
   p.host_pinned = checked(pinned, "pinned host staging");
-  checked(u128{p.params} + p.grads + p.optimizer + p.activations + p.workspace, "GPU total");
+  p.nccl = nccl_bytes(in.mesh, in.model.is_moe());
+  checked(u128{p.params} + p.grads + p.optimizer + p.activations + p.workspace + p.nccl,
+          "GPU total");
   return p;
 }
 
 }  // namespace
+
+int device_communicators(const MeshShape& mesh, bool moe) {
+  int n = (mesh.tp > 1 ? 1 : 0) + (mesh.dp > 1 ? 1 : 0);
+  if (moe && mesh.ep > 1) n += 1 + (mesh.dp / mesh.ep > 1 ? 1 : 0);  // ep, expert-dp
+  if (mesh.pp > 1) n += cuda_pipeline_channels(mesh.pp_chunks);
+  return n;
+}
 
 MemoryPlan memory_plan_stage(const MemoryPlanInput& in, int s) {
   return stage_plan(in, stage_parts(in, s), s);

@@ -75,7 +75,11 @@ struct MemoryPlan {
   int stage = 0;                  // the pipeline stage described
   int slots = 1;                  // micro-batches whose activations it holds at once (the most
                                   // of its chunks')
+  std::uint64_t nccl = 0;         // NCCL's communicators, outside the arena (nccl_bytes)
+  // The arena (what the back end allocates), and with NCCL's communicators the rank's GPU memory
+  // besides the margin (kGpuMarginBytes).
   std::uint64_t gpu() const { return params + grads + optimizer + activations + workspace; }
+  std::uint64_t device() const { return gpu() + nccl; }
 };
 
 // Throws UserError, naming the deck key, for what cannot be planned: ep > 1 on a dense model, a
@@ -117,7 +121,8 @@ struct Setting {
 // ZeRO-2 and 3 reduce gradients in fp32 (in.grad_reduce_bf16 applies to stages 0 and 1 only).
 std::vector<Setting> settings_by_preference(const MemoryPlanInput& in);
 
-// The first setting of settings_by_preference whose GPU bytes are at most `usable`, or none.
+// The first setting of settings_by_preference whose arena (gpu()) is at most `usable` (a back
+// end's arena, NCCL's memory already outside it), or none.
 std::optional<Setting> cheapest_fitting(const MemoryPlanInput& in, std::uint64_t usable);
 
 // The units of plan_qwen3 (ZeRO-2/3 shards, reduces and gathers them one at a time), in
@@ -145,7 +150,19 @@ ParamUnits param_units(const ModelConfig& m);
 // GPU memory outside the arena: the back end leaves 3 GiB of the free memory to NCCL, cuBLASLt
 // and the CUDA runtime (training_arena_bytes), and the CUDA context and the driver hold about
 // 1.5 GiB of a card before the run starts (an "80 GB" H100 shows 78.7 GiB free: a 75.7 GiB arena,
-// docs/performance.md). A setting fits when gpu() <= card - kGpuMarginBytes.
+// docs/performance.md). A setting fits when device() (the arena and NCCL's communicators) <=
+// card - kGpuMarginBytes.
 inline constexpr std::uint64_t kGpuMarginBytes = (std::uint64_t{9} << 30) / 2;  // 4.5 GiB
+
+// NCCL's device memory: the communicators a CUDA training rank connects before sizing its arena
+// (cuda::connect_before_arena): tp, dp, a Qwen3-MoE model's ep and expert-dp, the pipeline's
+// channels (cuda_pipeline_channels); those of more than one rank, about 1 GiB each (measured on
+// 2 x H200, NCCL 2.28, 2026-11-27: one of 2 ranks 864 MiB; two 2.13 GiB; four 3.83 GiB; the
+// back end logs its own).
+inline constexpr std::uint64_t kNcclCommunicatorBytes = std::uint64_t{1} << 30;
+int device_communicators(const MeshShape& mesh, bool moe);
+inline std::uint64_t nccl_bytes(const MeshShape& mesh, bool moe) {
+  return kNcclCommunicatorBytes * static_cast<std::uint64_t>(device_communicators(mesh, moe));
+}
 
 }  // namespace qt::plan

@@ -41,8 +41,8 @@ constexpr const char* kUsage =
     "\n"
     "  --gpus N            GPUs of the whole job (one rank each): dp x tp x pp = N\n"
     "  --gpu-mem GB        memory of one GPU in GiB (2^30 bytes), as the card is sold: 80 for\n"
-    "                      an H100 80GB; a margin of 4.5 GiB is kept for the CUDA context,\n"
-    "                      NCCL and cuBLASLt\n"
+    "                      an H100 80GB; a margin of 4.5 GiB is kept for the CUDA context\n"
+    "                      and cuBLASLt, and NCCL's communicators are counted (column nccl)\n"
     "  --gpus-per-host G   GPUs of one host (topology.gpus_per_host, default 8); tp stays inside\n"
     "                      a host\n"
     "  --tp LIST, --pp LIST  only these tensor / pipeline sizes, e.g. --tp 4,8 (default: all)\n"
@@ -333,7 +333,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
   const int hosts = (o.gpus + topo.gpus_per_host - 1) / topo.gpus_per_host;
   out += fmt::format(
       "GPUs     {} ({} host{} of {}) of {:.2f} GiB: {:.2f} GiB usable each (a {:.1f} GiB margin "
-      "for the CUDA context, NCCL and cuBLASLt)\n",
+      "for the CUDA context and cuBLASLt; NCCL's communicators are column nccl)\n",
       o.gpus, hosts, hosts == 1 ? "" : "s", topo.gpus_per_host, o.gpu_mem_gib, gib(usable),
       gib(plan::kGpuMarginBytes));
   out += fmt::format(
@@ -383,7 +383,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
   // GiB, or MiB when every layout needs less than 1 GiB (small test models).
   std::uint64_t largest = 0;
   for (const plan::Layout& r : all.rows)
-    largest = std::max({largest, r.memory.gpu(), r.memory.host + r.memory.host_pinned});
+    largest = std::max({largest, r.memory.device(), r.memory.host + r.memory.host_pinned});
   const bool mib = largest < (std::uint64_t{1} << 30);
   const char* unit = mib ? "MiB" : "GiB";
   auto in_unit = [mib](std::uint64_t b) {
@@ -397,17 +397,18 @@ std::string report(const Options& o, const PlanDeck& pd) {
       o.all ? " (those that fit first)" : " that fit", unit);
   out += std::string(m.is_moe() ? "  dp  tp  pp  ep" : "  dp  tp  pp") +
          " zero offload recompute   params    grads optimizer activations workspace"
-         "    total fits   step s tokens/s/GPU   MFU bubble  host built\n";
+         "     nccl    total fits   step s tokens/s/GPU   MFU bubble  host built\n";
   int listed = 0;
   for (const plan::Layout& r : all.rows) {
     if (!r.fits && !o.all) continue;
     ++listed;
     const plan::MemoryPlan& p = r.memory;
     out += mesh_cells(r) + fmt::format(
-        " {:>8.2f} {:>8.2f} {:>9.2f} {:>11.2f} {:>9.2f} {:>8.2f} {:<4} {:>8.3f} {:>12.0f} "
-        "{:>4.1f}% {:>5.1f}% {:>5.1f} {}\n",
+        " {:>8.2f} {:>8.2f} {:>9.2f} {:>11.2f} {:>9.2f} {:>8.2f} {:>8.2f} {:<4} {:>8.3f} "
+        "{:>12.0f} {:>4.1f}% {:>5.1f}% {:>5.1f} {}\n",
         in_unit(p.params), in_unit(p.grads), in_unit(p.optimizer), in_unit(p.activations),
-        in_unit(p.workspace), in_unit(p.gpu()), r.fits ? "yes" : "no", r.time.total,
+        in_unit(p.workspace), in_unit(p.nccl), in_unit(p.device()), r.fits ? "yes" : "no",
+        r.time.total,
         r.time.tokens_per_s_per_gpu, 100 * r.time.mfu, 100 * r.time.bubble_fraction,
         in_unit(p.host + p.host_pinned), p.built ? "yes" : "no");
   }
@@ -415,10 +416,10 @@ std::string report(const Options& o, const PlanDeck& pd) {
   if (!o.all && fitting < static_cast<int>(all.rows.size())) {
     const plan::Layout* least = nullptr;
     for (const plan::Layout& r : all.rows)
-      if (!r.fits && (!least || r.memory.gpu() < least->memory.gpu())) least = &r;
+      if (!r.fits && (!least || r.memory.device() < least->memory.device())) least = &r;
     out += fmt::format("  ... and {} that do not fit (the least needs {:.2f} {}: dp {} x tp {} x "
                        "pp {}{}, ZeRO-{}, offload {}); --all lists them\n",
-                       all.rows.size() - fitting, in_unit(least->memory.gpu()), unit,
+                       all.rows.size() - fitting, in_unit(least->memory.device()), unit,
                        least->in.mesh.dp, least->in.mesh.tp, least->in.mesh.pp,
                        m.is_moe() ? fmt::format(" x ep {}", least->in.mesh.ep) : std::string(),
                        least->in.zero_stage, plan::offload_name(least->in.offload));
@@ -447,7 +448,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
                    : std::to_string(best->in.mesh.pp),
         best->in.zero_stage,
         plan::offload_name(best->in.offload), best->in.recompute ? "on" : "off",
-        in_unit(best->memory.gpu()), in_unit(usable), unit, t.total, t.tokens_per_s_per_gpu,
+        in_unit(best->memory.device()), in_unit(usable), unit, t.total, t.tokens_per_s_per_gpu,
         100 * t.mfu);
     out += fmt::format(
         "  step: compute {:.3f} s, tp {:.3f}, pipeline sends {:.3f}, bubble {:.3f}, dp exposed "
@@ -481,7 +482,7 @@ std::string report(const Options& o, const PlanDeck& pd) {
                        : std::to_string(now->in.mesh.pp),
             now->in.zero_stage,
             plan::offload_name(now->in.offload), now->in.recompute ? "on" : "off",
-            in_unit(now->memory.gpu()), unit, now->time.total, 100 * now->time.mfu, now_keys);
+            in_unit(now->memory.device()), unit, now->time.total, 100 * now->time.mfu, now_keys);
       }
     }
   } else {

@@ -133,9 +133,6 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh);
 std::unique_ptr<TrainBackend> make_cuda_lora_backend(const Deck& deck, Mesh& mesh);
 // mesh.pp > 1 on CUDA (src/cuda/backend_cuda_pipeline.cpp); make_cuda_backend picks it.
 std::unique_ptr<TrainBackend> make_cuda_pipeline_backend(const Deck& deck, Mesh& mesh);
-// The point-to-point channels (Mesh::device(MeshDim::kPp, k)) that pipeline uses: two, four with
-// interleaved chunks (pp_chunks > 1).
-int cuda_pipeline_channels(int pp_chunks);
 
 inline std::unique_ptr<TrainBackend> make_backend(const Deck& deck, Mesh& mesh) {
   if (deck.train.device != "cuda") return make_cpu_backend(deck, mesh);

@@ -36,7 +36,7 @@ awk -v want="$want" '
     if (key in seen) { print "FAIL: row " key " printed twice"; bad = 1 }
     seen[key] = 1; rows++
     if ($1 * $2 * $3 != gpus) { print "FAIL: row " key ": not " gpus " GPUs"; bad = 1 }
-    total = $12; ok = $13; t = $14
+    total = $13; ok = $14; t = $15
     limit = mib ? usable * 1024 : usable
     if ((total <= limit) != (ok == "yes")) {
       print "FAIL: row " key ": total " total " against " limit " usable, but fits = " ok; bad = 1

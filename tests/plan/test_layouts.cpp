@@ -270,7 +270,7 @@ TEST(PlanLayouts, EnumerationDividesAndExplains) {
     EXPECT_TRUE(2 % m.tp == 0 || m.tp % 2 == 0);
     EXPECT_LE(m.pp, 2);
     EXPECT_EQ(row.in.micro_batches * m.dp, 8);
-    EXPECT_EQ(row.fits, row.memory.gpu() <= s.usable);
+    EXPECT_EQ(row.fits, row.memory.device() <= s.usable);
     EXPECT_GT(row.time.total, 0);
   }
   auto reason = [&](int dp, int tp, int pp) {

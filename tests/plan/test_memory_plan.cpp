@@ -127,6 +127,33 @@ TEST(MemoryPlan, TinyZero0OneGpuByHand) {
   EXPECT_EQ(p.host, 12 * kTinyParams);
   EXPECT_EQ(p.host_pinned, 0u);
   EXPECT_EQ(p.gpu(), p.params + p.grads + p.optimizer + p.activations + p.workspace);
+  EXPECT_EQ(p.nccl, 0u);  // one GPU: no communicator
+  EXPECT_EQ(p.device(), p.gpu());
+}
+
+// NCCL's communicators outside the arena, 1 GiB each of more than one rank, as
+// cuda::connect_before_arena makes them: tp, dp, a Qwen3-MoE model's ep and expert-dp, the
+// pipeline's 2 channels (4 interleaved).
+TEST(MemoryPlan, NcclCommunicatorsOfEachMesh) {
+  const auto mesh = [](int dp, int tp, int pp, int ep = 1, int chunks = 1) {
+    qt::MeshShape m;
+    m.dp = dp, m.tp = tp, m.pp = pp, m.ep = ep, m.pp_chunks = chunks;
+    return m;
+  };
+  EXPECT_EQ(qt::plan::device_communicators(mesh(1, 1, 1), false), 0);
+  EXPECT_EQ(qt::plan::device_communicators(mesh(2, 1, 1), false), 1);
+  EXPECT_EQ(qt::plan::device_communicators(mesh(1, 2, 1), false), 1);
+  EXPECT_EQ(qt::plan::device_communicators(mesh(2, 2, 1), false), 2);
+  EXPECT_EQ(qt::plan::device_communicators(mesh(1, 1, 2), false), 2);
+  EXPECT_EQ(qt::plan::device_communicators(mesh(1, 1, 2, 1, 2), false), 4);
+  EXPECT_EQ(qt::plan::device_communicators(mesh(2, 1, 1, 2), true), 2);   // dp, ep (expert-dp of 1 rank)
+  EXPECT_EQ(qt::plan::device_communicators(mesh(4, 1, 1, 2), true), 3);   // dp, ep, expert-dp
+  EXPECT_EQ(qt::plan::device_communicators(mesh(2, 1, 2, 2), true), 4);   // dp, ep, 2 channels
+  EXPECT_EQ(qt::plan::device_communicators(mesh(4, 1, 1, 2), false), 1);  // a dense model: no ep group
+  MemoryPlanInput in = input(tiny(), 2, 8, 2, 1);
+  const MemoryPlan p = memory_plan(in);
+  EXPECT_EQ(p.nccl, qt::plan::kNcclCommunicatorBytes);
+  EXPECT_EQ(p.device(), p.gpu() + qt::plan::kNcclCommunicatorBytes);
 }
 
 // Two GPUs: ZeRO-0 keeps everything whole; ZeRO-1 whole weights and gradients, and per unit the

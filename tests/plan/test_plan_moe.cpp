@@ -375,7 +375,7 @@ TEST(PlanMoe, Qwen3_30bA3bOnEightGpus) {
   const qt::plan::Layouts all = qt::plan::enumerate_layouts(s);
   bool built_under_40 = false;
   for (const qt::plan::Layout& row : all.rows)
-    if (row.memory.built && row.fits && row.memory.gpu() < (u64{40} << 30)) built_under_40 = true;
+    if (row.memory.built && row.fits && row.memory.device() < (u64{40} << 30)) built_under_40 = true;
   EXPECT_TRUE(built_under_40);
   EXPECT_NE(qt::plan::recommended(all), nullptr);
   EXPECT_NE(qt::plan::recommended(all, /*built_only=*/true), nullptr);
