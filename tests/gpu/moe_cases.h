@@ -11,6 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "train/training_harness.h"
@@ -77,13 +78,25 @@ struct EpRun {
   std::vector<test::StepRecord> steps;  // step, loss, grad norm
 };
 
+// extra: deck text after the MoE deck (e.g. a [lora] section).
 inline EpRun train_ep(int ranks, const std::string& tmp, const std::string& tag,
-          std::vector<std::string> ov) {
+                      std::vector<std::string> ov, const std::string& extra = "") {
   ov.push_back("--checkpoint.every=5");
   const std::string metrics = tmp + "/" + tag + ".jsonl";
-  auto r = test::run(ranks, test::moe_deck(tmp + "/" + tag, kEpSteps), ov, metrics);
+  auto r = test::run(ranks, test::moe_deck(tmp + "/" + tag, kEpSteps) + extra, ov, metrics);
   EXPECT_EQ(r.exit_code, 0) << tag << ": " << r.error;
   return {test::read_moe_metrics(metrics), r.steps};
+}
+
+// train_ep's run with the deck's [lora] section `lora` (its keys, one a line) and an adapter's
+// learning rate; every step's gradient norm must be > 0 (the adapters train).
+inline EpRun train_lora(int ranks, const std::string& tmp, const std::string& tag,
+                        const std::string& lora, std::vector<std::string> ov) {
+  ov.insert(ov.end(), {"--optim.lr=1e-2", "--optim.min_lr=1e-3"});
+  EpRun run = train_ep(ranks, tmp, tag, std::move(ov), "[lora]\n" + lora);
+  for (const test::StepRecord& s : run.steps)
+    EXPECT_GT(s.grad_norm, 0) << tag << " step " << s.step;
+  return run;
 }
 
 // The worst relative differences of `got` from `ref`'s steps [first, first + got's steps).

@@ -35,18 +35,11 @@ using test::with;
 constexpr const char* kWithAttention = "q_proj, v_proj, experts.gate_up_proj, experts.down_proj";
 constexpr const char* kExpertsOnly = "experts.gate_up_proj, experts.down_proj";
 
-// The MoE deck with adapters on `targets`, an adapter's learning rate and checkpoints every 5.
+// The MoE deck with rank-8 adapters on `targets` (moe_cases.h train_lora).
 test::EpRun train_lora(int ranks, const std::string& tmp, const std::string& tag,
                        const std::string& targets, std::vector<std::string> ov) {
-  ov.insert(ov.end(), {"--checkpoint.every=5", "--optim.lr=1e-2", "--optim.min_lr=1e-3"});
-  const std::string metrics = tmp + "/" + tag + ".jsonl";
-  const std::string deck = test::moe_deck(tmp + "/" + tag, test::kEpSteps) +
-                           "[lora]\nr = 8\nalpha = 16\ntargets = " + targets + "\n";
-  auto r = test::run(ranks, deck, ov, metrics);
-  EXPECT_EQ(r.exit_code, 0) << tag << ": " << r.error;
-  for (const test::StepRecord& s : r.steps)
-    EXPECT_GT(s.grad_norm, 0) << tag << " step " << s.step;  // the adapters train
-  return {test::read_moe_metrics(metrics), r.steps};
+  return test::train_lora(ranks, tmp, tag, "r = 8\nalpha = 16\ntargets = " + targets + "\n",
+                          std::move(ov));
 }
 
 TEST(MoeExpertLoraCuda, OneGpuFollowsTheCpuReference) {

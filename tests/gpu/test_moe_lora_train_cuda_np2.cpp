@@ -25,19 +25,13 @@ namespace {
 
 using test::with;
 
-// test::train_ep's run of the MoE deck with attention adapters and an adapter's learning rate.
+// The MoE deck with attention adapters (moe_cases.h train_lora).
 test::EpRun train_lora(int ranks, const std::string& tmp, const std::string& tag,
                        std::vector<std::string> ov) {
-  ov.insert(ov.end(), {"--checkpoint.every=5", "--optim.lr=1e-2", "--optim.min_lr=1e-3"});
-  const std::string metrics = tmp + "/" + tag + ".jsonl";
-  const std::string deck =
-      test::moe_deck(tmp + "/" + tag, test::kEpSteps) +
-      "[lora]\nr = 8\nalpha = 16\ndropout = 0.1\ntargets = q_proj, k_proj, v_proj, o_proj\n";
-  auto r = test::run(ranks, deck, ov, metrics);
-  EXPECT_EQ(r.exit_code, 0) << tag << ": " << r.error;
-  for (const test::StepRecord& s : r.steps)
-    EXPECT_GT(s.grad_norm, 0) << tag << " step " << s.step;  // the adapters train
-  return {test::read_moe_metrics(metrics), r.steps};
+  return test::train_lora(ranks, tmp, tag,
+                          "r = 8\nalpha = 16\ndropout = 0.1\ntargets = q_proj, k_proj, v_proj, "
+                          "o_proj\n",
+                          std::move(ov));
 }
 
 TEST(MoeLoraTrainCuda2, PipelineAndExpertParallelReproduceOneGpu) {
