@@ -140,4 +140,11 @@ std::vector<int> pipeline_layer_bounds(const ModelConfig& cfg, const MeshShape& 
 ShardPlan plan_one_unit(const ParamLayout& layout, const std::string& name, const MeshShape& mesh,
                         int zero_stage, int kv_replicas = 1);
 
+// LoRA adapters (model/lora.h lora_layout of a rank's local model): one unit over dp, as
+// plan_one_unit, unless adapters on every expert meet mesh.ep > 1: then each run of dense
+// adapters is a unit over dp and each run of the experts' stacked adapters (the ep rank's
+// E / ep rows) a unit over the expert-data-parallel group, sharded over ep like the experts.
+ShardPlan plan_adapters(const ParamLayout& layout, const MeshShape& mesh, int zero_stage,
+                        int kv_replicas = 1);
+
 }  // namespace qt

@@ -72,13 +72,14 @@ class CudaLoraBackend final : public cuda::CudaTrainBackend {
         base_(arena_.allocate<cuda::bf16>(local_layout_.numel())),
         lora_(std::make_unique<cuda::LoraCuda>(local_cfg_, deck.lora, deck.train.micro_batch,
                                                deck.train.seq_len, arena_)),
-        plan_(plan_one_unit(lora_->layout(), "adapters", mesh.shape(), deck.optim.zero_stage,
+        plan_(plan_adapters(lora_->layout(), mesh.shape(), deck.optim.zero_stage,
                             tp_kv_replicas(deck.model, tp_))),
         nccl_dp_(mesh.dp().size() > 1 ? &cuda::nccl(mesh, MeshDim::kDp) : nullptr),
         nccl_tp_(tp_ > 1 ? &cuda::nccl(mesh, MeshDim::kTp) : nullptr),
         nccl_ep_(ep_ > 1 ? &cuda::nccl(mesh, MeshDim::kEp) : nullptr),
+        nccl_edp_(ep_ > 1 ? &cuda::nccl(mesh, MeshDim::kEdp) : nullptr),
         state_(plan_, lora_->layout(), deck.optim, mesh.dp(), nccl_dp_, arena_, 1, {},
-               {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_}),
+               {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_}, {}, nccl_edp_),
         batch_(deck.train.micro_batch, deck.train.seq_len, arena_) {
     const int B = deck.train.micro_batch, T = deck.train.seq_len;
     cuda::gemm_init(gemm_ws_, cuda::kGemmWorkspaceBytes);
@@ -96,18 +97,20 @@ class CudaLoraBackend final : public cuda::CudaTrainBackend {
     if (deck.model.is_moe())
       model_->set_moe_aux_scale(static_cast<float>(
           deck.model.router_aux_loss_coef * deck.train.micro_batch / deck.train.global_batch));
-    lora_->bind(state_.unit_weights(0), state_.unit_grads(0));  // whole at ZeRO-0 and 1
+    lora_->bind(AdapterBuffers<cuda::bf16>::of_units(  // the units, whole at ZeRO-0 and 1
+        plan_.units, [&](int u) { return state_.unit_weights(u); },
+        [&](int u) { return state_.unit_grads(u); }));
     if (tp_ > 1 || ep_ > 1) {  // the frozen base through its own plan's split (tp, ep's experts)
       base_plan_ = std::make_unique<ShardPlan>(plan_qwen3(
           local_cfg_, local_layout_, mesh.shape(), 0, tp_kv_replicas(deck.model, tp_)));
       base_map_ = make_model_map(deck.model, layout_, local_layout_, *base_plan_, mesh.shape(),
                                  mesh.tp().rank(), mesh.ep().rank());
     }
-    if (tp_ > 1) {  // the adapters (replicated over ep on a Qwen3-MoE model)
-      lora_->set_tensor_parallel(tp_, mesh.tp().rank());
-      lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), plan_,
-                                          mesh.tp().rank());
-    }
+    // The adapters split as their base by tp and, on the experts, by ep (lora_map).
+    if (tp_ > 1) lora_->set_tensor_parallel(tp_, mesh.tp().rank());
+    lora_map_ = lora_map(deck.model, deck.lora, {{0, deck.model.num_layers}}, global_lora_layout_,
+                         lora_->layout(), plan_, mesh.shape(), mesh.tp().rank(),
+                         mesh.ep().rank());
     host_params_.assign(local_layout_.numel(), 0.0f);
     QT_CHECK_CUDA(cudaDeviceSynchronize());
   }
@@ -211,16 +214,17 @@ class CudaLoraBackend final : public cuda::CudaTrainBackend {
   void* gemm_ws_;
   cuda::bf16* base_;  // [local numel] frozen base weights, bf16
   std::unique_ptr<cuda::LoraCuda> lora_;  // the local model's adapters (lora_->layout())
-  ShardPlan plan_;            // one unit: every adapter of the local layout, over the mesh
+  ShardPlan plan_;            // the adapters of the local layout over the mesh (plan_adapters)
   cuda::NcclComm* nccl_dp_;  // the mesh's dp communicator; null at dp 1
   cuda::NcclComm* nccl_tp_;  // the mesh's tp communicator; null at tp 1
   cuda::NcclComm* nccl_ep_;  // the mesh's ep communicator; null at ep 1
+  cuda::NcclComm* nccl_edp_;  // the mesh's expert-dp communicator; null at ep 1
   cuda::ShardedCudaState state_;  // the adapters: master weights, gradients, bf16 copy, moments
   cuda::BatchBuffers batch_;
   std::unique_ptr<cuda::Qwen3Cuda> model_;
   std::unique_ptr<ShardPlan> base_plan_;  // tp or ep > 1: the frozen base's split
   std::unique_ptr<LayoutMap> base_map_;   // tp or ep > 1: the base's local -> global pieces
-  std::unique_ptr<TpMap> lora_map_;       // tp > 1: the adapters' local -> global pieces
+  std::unique_ptr<LayoutMap> lora_map_;   // the adapters' local -> global pieces (lora_map)
   std::int64_t first_sample_ = 0;
   std::vector<float> host_params_;  // [local numel] the fp32 base as loaded (host only)
   double activations_ = 0;          // bytes of Qwen3Cuda's buffers and the micro-batch's

@@ -209,15 +209,15 @@ class CudaPipelineBackend final : public cuda::CudaTrainBackend {
         nccl_ep_(ep_ > 1 ? &cuda::nccl(mesh, MeshDim::kEp) : nullptr),
         nccl_edp_(ep_ > 1 ? &cuda::nccl(mesh, MeshDim::kEdp) : nullptr),
         lora_(deck.lora.enabled() ? make_lora(deck) : nullptr),
-        lora_plan_(lora_ ? plan_one_unit(lora_->layout(), "adapters", mesh.shape(),
-                                         deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_))
+        lora_plan_(lora_ ? plan_adapters(lora_->layout(), mesh.shape(), deck.optim.zero_stage,
+                                         tp_kv_replicas(deck.model, tp_))
                          : ShardPlan{}),
         state_(lora_ ? lora_plan_ : plan_, lora_ ? lora_->layout() : local_layout_, deck.optim,
                mesh.dp(), nccl_dp_, arena_, cuda::offload_threads(mesh), {},
                {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_},
-               lora_ ? cuda::PipelineHold{{0}, -1, &mesh.pp()}
+               lora_ ? cuda::PipelineHold{all_units(lora_plan_), -1, &mesh.pp()}
                      : cuda::PipelineHold{held_units(), tied_copy() ? 0 : -1, &mesh.pp()},
-               lora_ ? nullptr : nccl_edp_),
+               nccl_edp_),
         batch_(M_ * deck.train.micro_batch, deck.train.seq_len, arena_),
         pp_(mesh.pp()),
         zb_(mesh.shape().pp_schedule == "zb-h1"),
@@ -275,13 +275,16 @@ class CudaPipelineBackend final : public cuda::CudaTrainBackend {
     std::sort(asked.begin(), asked.end());
     asked.erase(std::unique(asked.begin(), asked.end()), asked.end());
     QT_CHECK(asked == held_units(), "the plan's units of stage {} are not its programs'", s_);
-    if (lora_) {  // the adapters: whole at ZeRO-0 and 1
-      lora_->bind(state_.unit_weights(0), state_.unit_grads(0));
+    if (lora_) {  // the adapters' units: whole at ZeRO-0 and 1
+      lora_->bind(AdapterBuffers<bf16>::of_units(
+          lora_plan_.units, [&](int u) { return state_.unit_weights(u); },
+          [&](int u) { return state_.unit_grads(u); }));
       if (tp_ > 1) lora_->set_tensor_parallel(tp_, mesh.tp().rank());
       ops_->set_lora(lora_.get());
       global_lora_layout_ = std::make_unique<ParamLayout>(lora_layout(deck.model, deck.lora));
-      lora_map_ = std::make_unique<TpMap>(*global_lora_layout_, lora_->layout(), lora_plan_,
-                                          mesh.tp().rank());
+      lora_map_ = lora_map(deck.model, deck.lora, lora_ranges(), *global_lora_layout_,
+                           lora_->layout(), lora_plan_, mesh.shape(), mesh.tp().rank(),
+                           mesh.ep().rank());
     } else if (tied_copy() || (s_ == 0 && local_cfg_.tie_word_embeddings)) {
       const std::size_t n = plan_.units[0].range.size();
       tied_other_ = arena_.allocate<float>(std::min(n, kTiedPiece));
@@ -594,17 +597,24 @@ class CudaPipelineBackend final : public cuda::CudaTrainBackend {
 
   // [lora]: one LoraCuda over the stage's chunks' layers, with an xa a layer for each activation
   // slot of the chunk holding it (the chunks' layers differ: slot k of each is LoRA's slot k).
+  // The layers of the stage's chunks, [first, last) each.
+  std::vector<std::pair<int, int>> lora_ranges() const {
+    std::vector<std::pair<int, int>> ranges;
+    for (int v = 0; v < V_; ++v)
+      ranges.push_back({plan_.stage_layers[v * P_ + s_], plan_.stage_layers[v * P_ + s_ + 1]});
+    return ranges;
+  }
   std::unique_ptr<cuda::LoraCuda> make_lora(const Deck& deck) {
     const std::vector<PipeAction>& mine = actions_[static_cast<std::size_t>(s_)];
-    std::vector<std::pair<int, int>> ranges;
     int slots = 1;
-    for (int v = 0; v < V_; ++v) {
-      const int c = v * P_ + s_;
-      ranges.push_back({plan_.stage_layers[c], plan_.stage_layers[c + 1]});
-      slots = std::max(slots, activation_slots(mine, c));
-    }
+    for (int v = 0; v < V_; ++v) slots = std::max(slots, activation_slots(mine, v * P_ + s_));
     return std::make_unique<cuda::LoraCuda>(local_cfg_, deck.lora, deck.train.micro_batch,
-                                            deck.train.seq_len, arena_, ranges, slots);
+                                            deck.train.seq_len, arena_, lora_ranges(), slots);
+  }
+  static std::vector<int> all_units(const ShardPlan& plan) {
+    std::vector<int> u(plan.units.size());
+    for (std::size_t i = 0; i < u.size(); ++i) u[i] = static_cast<int>(i);
+    return u;
   }
 
   bool tied_copy() const { return local_cfg_.tie_word_embeddings && s_ == P_ - 1; }
@@ -704,7 +714,7 @@ class CudaPipelineBackend final : public cuda::CudaTrainBackend {
   cuda::NcclComm* nccl_ep_;   // the stage's ep and expert-dp groups; null at ep 1
   cuda::NcclComm* nccl_edp_;
   std::unique_ptr<cuda::LoraCuda> lora_;  // [lora]: the stage's adapters, else null
-  ShardPlan lora_plan_;                   // [lora]: lora_->layout() as one unit
+  ShardPlan lora_plan_;                   // [lora]: lora_->layout()'s units (plan_adapters)
   cuda::ShardedCudaState state_;  // the trained parameters: the stage's units, or its adapters
   cuda::BatchBuffers batch_;  // the step's micro-batches, [M x B, T] each
   MpiComm& pp_;
@@ -714,7 +724,7 @@ class CudaPipelineBackend final : public cuda::CudaTrainBackend {
   std::unique_ptr<LayoutMap> model_map_;  // local -> global pieces with tp or ep > 1, else null
   std::unique_ptr<FrozenUnits> frozen_;  // [lora]: the stage's frozen base, else null
   std::unique_ptr<ParamLayout> global_lora_layout_;  // [lora]: the model's adapters
-  std::unique_ptr<TpMap> lora_map_;      // [lora]: the stage's adapters -> the global ones
+  std::unique_ptr<LayoutMap> lora_map_;  // [lora]: the stage's adapters -> the global ones
   cuda::Event ready_, landed_;
   float* tied_other_ = nullptr;  // [min(embedding, kTiedPiece)] the peer's piece
   double activations_ = 0;

@@ -227,16 +227,16 @@ class CudaOps : public NoCollectives {
   std::vector<int> moe_slots_;            // [L] the constructor's moe_slots (empty: 1 each)
   // Layer l's buffers of the selected slot (checked).
   MoeLayer& moe_layer(int l);
-  // The experts [first, first + groups) of layer l over `rows` input rows x [rows, H] in expert
-  // order (offsets [groups + 1] device): gu, h (layer l's, kept) and out [rows, H] =
-  // down(swiglu(gate_up(x))), with LoRA's adapters on the experts when bound (lora_cuda.h).
-  // gate_up, down: those experts' weights. At ep 1 all E experts; at ep > 1 this rank's.
-  void experts_forward(int l, bf16* out, const bf16* x, const int* offsets, int first,
-                       int groups, int rows, const bf16* gate_up, const bf16* down);
+  // The experts stored here (groups of them: all E at ep 1, this rank's at ep > 1) of layer l
+  // over `rows` input rows x [rows, H] in expert order (offsets [groups + 1] device): gu, h
+  // (layer l's, kept) and out [rows, H] = down(swiglu(gate_up(x))), with LoRA's adapters on the
+  // experts when bound (lora_cuda.h). gate_up, down: those experts' weights.
+  void experts_forward(int l, bf16* out, const bf16* x, const int* offsets, int groups, int rows,
+                       const bf16* gate_up, const bf16* down);
   // Their backward from dout [rows, H]: dx [rows, H] (may alias dout: written once d h is made),
   // the weight gradients (+= when acc; null: frozen) and the adapters'. x as in the forward.
   void experts_backward(int l, bf16* dx, float* g_gate_up, float* g_down, const bf16* dout,
-                        const bf16* x, const int* offsets, int first, int groups, int rows,
+                        const bf16* x, const int* offsets, int groups, int rows,
                         const bf16* gate_up, const bf16* down, bool acc);
   int* moe_counts_ = nullptr;             // [E] device: the layer being routed, pairs routed
   int* moe_kept_ = nullptr;               // [E] device: of those, kept by the capacity

@@ -210,7 +210,7 @@ void CudaOps::moe(int l, bf16* y, float* probs, int* idx, bf16* rw, const bf16* 
   if (ep_)
     moe_ep_forward(l, gate_up, down, /*fresh=*/stats);  // stats: not a recomputed forward
   else
-    experts_forward(l, m.out, moe_x_, m.offsets, 0, E, rows, gate_up, down);
+    experts_forward(l, m.out, moe_x_, m.offsets, E, rows, gate_up, down);
   moe_unpermute(y, m.out, rw, m.pos, N_, k, H, s_);
   moe_last_ = l;
 }
@@ -246,7 +246,7 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
     if (!frozen || (lora_ && lora_->adapts_experts(kLoraExpertsGateUp)))
       moe_permute(moe_x_, x, m.pair, rows, k, H, s_);
     // d x_perm into moe_dout_ (dead once d h is made).
-    experts_backward(l, moe_dout_, g_gate_up, g_down, moe_dout_, moe_x_, m.offsets, 0, E, rows,
+    experts_backward(l, moe_dout_, g_gate_up, g_down, moe_dout_, moe_x_, m.offsets, E, rows,
                      gate_up, down, acc);
   }
   // The router: d logits from d w (and the load-balancing loss, with the micro-batch's counts;
@@ -262,36 +262,33 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
   dx_pending_ = nullptr;  // dx is not a linear_backward's: its tp sum waits for the stream
 }
 
-void CudaOps::experts_forward(int l, bf16* out, const bf16* x, const int* offsets, int first,
-                              int groups, int rows, const bf16* gate_up, const bf16* down) {
+void CudaOps::experts_forward(int l, bf16* out, const bf16* x, const int* offsets, int groups,
+                              int rows, const bf16* gate_up, const bf16* down) {
   const int H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
   MoeLayer& m = moe_layer(l);
   grouped_linear(m.gu, x, gate_up, offsets, groups, rows, H, 2 * Im, s_);
-  if (lora_) lora_->expert_forward(l, kLoraExpertsGateUp, x, m.gu, offsets, first, groups, rows, s_);
+  if (lora_) lora_->expert_forward(l, kLoraExpertsGateUp, x, m.gu, offsets, groups, rows, s_);
   swiglu_forward_strided(m.h, m.gu, m.gu + Im, 2 * Im, rows, Im, s_);
   grouped_linear(out, m.h, down, offsets, groups, rows, Im, H, s_);
-  if (lora_) lora_->expert_forward(l, kLoraExpertsDown, m.h, out, offsets, first, groups, rows, s_);
+  if (lora_) lora_->expert_forward(l, kLoraExpertsDown, m.h, out, offsets, groups, rows, s_);
 }
 
 void CudaOps::experts_backward(int l, bf16* dx, float* g_gate_up, float* g_down,
-                               const bf16* dout, const bf16* x, const int* offsets, int first,
-                               int groups, int rows, const bf16* gate_up, const bf16* down,
-                               bool acc) {
+                               const bf16* dout, const bf16* x, const int* offsets, int groups,
+                               int rows, const bf16* gate_up, const bf16* down, bool acc) {
   const int H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
   const MoeLayer& m = moe_layer(l);
   grouped_linear_backward(moe_dh_, g_down, dout, m.h, down, offsets, groups, rows, Im, H, s_,
                           acc);
   if (lora_)
-    lora_->expert_backward(l, kLoraExpertsDown, m.h, dout, moe_dh_, offsets, first, groups, rows,
-                           s_);
+    lora_->expert_backward(l, kLoraExpertsDown, m.h, dout, moe_dh_, offsets, groups, rows, s_);
   swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,
                           s_);
   // dout is dead from here: dx may take its place.
   grouped_linear_backward(dx, g_gate_up, moe_dgu_, x, gate_up, offsets, groups, rows, H, 2 * Im,
                           s_, acc);
   if (lora_)
-    lora_->expert_backward(l, kLoraExpertsGateUp, x, moe_dgu_, dx, offsets, first, groups, rows,
-                           s_);
+    lora_->expert_backward(l, kLoraExpertsGateUp, x, moe_dgu_, dx, offsets, groups, rows, s_);
 }
 
 double CudaOps::moe_aux_loss() {

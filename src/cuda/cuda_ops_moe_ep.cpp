@@ -132,7 +132,7 @@ void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down, bool 
   const int R = e.received;
   moe_ep_exchange(moe_x_, moe_ep_a_, e, /*to_experts=*/true);  // received order
   moe_permute(e.x, moe_ep_a_, e.from_expert, R, 1, H, s_);      // expert order, kept
-  experts_forward(l, moe_ep_b_, e.x, e.offsets, ep_->rank() * El, El, R, gate_up, down);
+  experts_forward(l, moe_ep_b_, e.x, e.offsets, El, R, gate_up, down);
   moe_permute(moe_ep_a_, moe_ep_b_, e.to_expert, R, 1, H, s_);  // received order
   moe_ep_exchange(moe_ep_a_, m.out, e, /*to_experts=*/false);   // send order
 }
@@ -146,8 +146,8 @@ void CudaOps::moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16
   moe_ep_exchange(moe_dout_, moe_ep_a_, e, /*to_experts=*/true);
   moe_permute(moe_ep_b_, moe_ep_a_, e.from_expert, R, 1, H, s_);  // d out in expert order
   // d x in expert order into moe_ep_b_ (dead once d h is made), then received order, then home.
-  experts_backward(l, moe_ep_b_, g_gate_up, g_down, moe_ep_b_, e.x, e.offsets, ep_->rank() * El,
-                   El, R, gate_up, down, acc);
+  experts_backward(l, moe_ep_b_, g_gate_up, g_down, moe_ep_b_, e.x, e.offsets, El, R, gate_up,
+                   down, acc);
   moe_permute(moe_ep_a_, moe_ep_b_, e.to_expert, R, 1, H, s_);
   moe_ep_exchange(moe_ep_a_, moe_x_, e, /*to_experts=*/false);
 }

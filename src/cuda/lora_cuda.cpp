@@ -137,35 +137,37 @@ const bf16* LoraCuda::dropped(int layer, const Slot& slot, const bf16* x, cudaSt
 }
 
 void LoraCuda::forward(int layer, LoraSite site, const bf16* x, bf16* y, cudaStream_t s) {
-  QT_CHECK(w_ != nullptr, "LoRA forward without adapter weights (bind() first)");
+  QT_CHECK(buf_.bound(), "LoRA forward without adapter weights (bind() first)");
   const int r = lora_.r, ld = width(site);
   for (const Slot& slot : slots(layer, site)) {
     const bf16* xd = dropped(layer, slot, x, s);
     // xa[N, r] = xd[N, in] A[r, in]^T
     bf16* xa = slot.xa + xa_at_;
-    gemm(false, true, N_, r, slot.in, 1.f, xd, slot.in, w_ + slot.a, slot.in, 0.f, xa, r, s);
+    gemm(false, true, N_, r, slot.in, 1.f, xd, slot.in, buf_.weights(slot.a), slot.in, 0.f, xa, r,
+         s);
     // y[N, col:col+out] += scale * xa[N, r] B[out, r]^T
-    gemm(false, true, N_, slot.out, r, scale_, xa, r, w_ + slot.b, r, 1.f, y + slot.col, ld, s);
+    gemm(false, true, N_, slot.out, r, scale_, xa, r, buf_.weights(slot.b), r, 1.f, y + slot.col,
+         ld, s);
   }
 }
 
 void LoraCuda::backward(int layer, LoraSite site, const bf16* x, const bf16* dy, bf16* dx,
                         cudaStream_t s) {
-  QT_CHECK(w_ != nullptr && g_ != nullptr,
-           "LoRA backward without adapter weights and gradients (bind() first)");
+  QT_CHECK(buf_.has_grads(), "LoRA backward without adapter weights and gradients (bind() first)");
   const int r = lora_.r, ld = width(site), N = N_;
   for (const Slot& slot : slots(layer, site)) {
     const bf16* dyt = dy + slot.col;  // [N, out], rows ld apart
     // dB[out, r] += scale * dy[N, out]^T xa[N, r]
-    gemm(true, false, slot.out, r, N, scale_, dyt, ld, slot.xa + xa_at_, r, 1.f, g_ + slot.b, r,
-         s);
+    gemm(true, false, slot.out, r, N, scale_, dyt, ld, slot.xa + xa_at_, r, 1.f,
+         buf_.grads(slot.b), r, s);
     // g[N, r] = dy[N, out] B[out, r]
-    gemm(false, false, N, r, slot.out, 1.f, dyt, ld, w_ + slot.b, r, 0.f, gy_, r, s);
+    gemm(false, false, N, r, slot.out, 1.f, dyt, ld, buf_.weights(slot.b), r, 0.f, gy_, r, s);
     // dA[r, in] += scale * g[N, r]^T xd[N, in]   (the forward's mask, regenerated)
     const bf16* xd = dropped(layer, slot, x, s);
-    gemm(true, false, r, slot.in, N, scale_, gy_, r, xd, slot.in, 1.f, g_ + slot.a, slot.in, s);
+    gemm(true, false, r, slot.in, N, scale_, gy_, r, xd, slot.in, 1.f, buf_.grads(slot.a), slot.in,
+         s);
     if (dx == nullptr) continue;
-    const bf16* A = w_ + slot.a;
+    const bf16* A = buf_.weights(slot.a);
     if (lora_.dropout <= 0) {
       // dx[N, in] += scale * g[N, r] A[r, in]
       gemm(false, false, N, slot.in, r, scale_, gy_, r, A, slot.in, 1.f, dx, slot.in, s);
@@ -177,46 +179,41 @@ void LoraCuda::backward(int layer, LoraSite site, const bf16* x, const bf16* dy,
   }
 }
 
-const LoraCuda::ExpertSlot& LoraCuda::expert_slot(int layer, int et, int first, int groups,
+const LoraCuda::ExpertSlot& LoraCuda::expert_slot(int layer, int et, int groups,
                                                   int rows) const {
   const ExpertSlot& e = experts_.at(static_cast<std::size_t>(layer) * kNumLoraExpertTargets + et);
-  QT_CHECK(e.xa == nullptr || (first >= 0 && groups >= 1 && first + groups <= cfg_.num_experts &&
-                               rows >= 0 && static_cast<std::size_t>(rows) <= expert_rows_),
-           "expert adapters of layer {}: experts [{}, {}) of {}, {} rows of at most {}", layer,
-           first, first + groups, cfg_.num_experts, rows, expert_rows_);
+  QT_CHECK(e.xa == nullptr || (groups == cfg_.local_experts() && rows >= 0 &&
+                               static_cast<std::size_t>(rows) <= expert_rows_),
+           "expert adapters of layer {}: {} experts of {} here, {} rows of at most {}", layer,
+           groups, cfg_.local_experts(), rows, expert_rows_);
   return e;
 }
 
 void LoraCuda::expert_forward(int layer, int et, const bf16* x, bf16* y, const int* offsets,
-                              int first, int groups, int rows, cudaStream_t s) {
-  const ExpertSlot& e = expert_slot(layer, et, first, groups, rows);
+                              int groups, int rows, cudaStream_t s) {
+  const ExpertSlot& e = expert_slot(layer, et, groups, rows);
   if (e.xa == nullptr) return;
-  QT_CHECK(w_ != nullptr, "LoRA forward without adapter weights (bind() first)");
+  QT_CHECK(buf_.bound(), "LoRA forward without adapter weights (bind() first)");
   const int r = lora_.r;
-  const std::size_t f = static_cast<std::size_t>(first) * r;  // expert `first`'s A and B
   bf16* xa = e.xa + expert_xa_at_;
   // xa [rows, r] = x A_e^T; y [rows, out] += scale xa B_e^T
-  grouped_linear(xa, x, w_ + e.a + f * e.in, offsets, groups, rows, e.in, r, s);
-  grouped_linear(y, xa, w_ + e.b + f * e.out, offsets, groups, rows, r, e.out, s, scale_,
+  grouped_linear(xa, x, buf_.weights(e.a), offsets, groups, rows, e.in, r, s);
+  grouped_linear(y, xa, buf_.weights(e.b), offsets, groups, rows, r, e.out, s, scale_,
                  /*accumulate=*/true);
 }
 
 void LoraCuda::expert_backward(int layer, int et, const bf16* x, const bf16* dy, bf16* dx,
-                               const int* offsets, int first, int groups, int rows,
-                               cudaStream_t s) {
-  const ExpertSlot& e = expert_slot(layer, et, first, groups, rows);
+                               const int* offsets, int groups, int rows, cudaStream_t s) {
+  const ExpertSlot& e = expert_slot(layer, et, groups, rows);
   if (e.xa == nullptr) return;
-  QT_CHECK(w_ != nullptr && g_ != nullptr,
-           "LoRA backward without adapter weights and gradients (bind() first)");
+  QT_CHECK(buf_.has_grads(), "LoRA backward without adapter weights and gradients (bind() first)");
   const int r = lora_.r;
-  const std::size_t a = e.a + static_cast<std::size_t>(first) * r * e.in;
-  const std::size_t b = e.b + static_cast<std::size_t>(first) * r * e.out;
   // gy [rows, r] = scale dy B_e; dB_e [out, r] += scale dy^T xa
-  grouped_linear_backward(gy_, g_ + b, dy, e.xa + expert_xa_at_, w_ + b, offsets, groups, rows, r,
-                          e.out, s, /*accumulate=*/true, scale_);
+  grouped_linear_backward(gy_, buf_.grads(e.b), dy, e.xa + expert_xa_at_, buf_.weights(e.b),
+                          offsets, groups, rows, r, e.out, s, /*accumulate=*/true, scale_);
   // dA_e [r, in] += gy^T x; dx [rows, in] += gy A_e
-  grouped_linear_backward(dx, g_ + a, gy_, x, w_ + a, offsets, groups, rows, e.in, r, s,
-                          /*accumulate=*/true, 1.f, /*accumulate_dx=*/true);
+  grouped_linear_backward(dx, buf_.grads(e.a), gy_, x, buf_.weights(e.a), offsets, groups, rows,
+                          e.in, r, s, /*accumulate=*/true, 1.f, /*accumulate_dx=*/true);
 }
 
 }  // namespace qt::cuda

@@ -19,8 +19,9 @@
 // applied beside the experts' grouped GEMMs (cuda/grouped_gemm.h) on their rows in expert order:
 // xa = x A_e^T [rows, r] (kept per layer and slot), y += scale xa B_e^T; backward
 // gy = scale dy B_e, dB_e += scale dy^T xa, dA_e += gy^T x, dx += gy A_e. No dropout. With an ep
-// group the adapters hold all E experts (replicated over ep) and a rank runs its own; under tp
-// gate_up's B holds the rank's gate and up rows and down's A its columns, as the base.
+// group a rank holds its own experts' adapters (the local model's E / ep: plan_adapters shards
+// them over ep like the experts); under tp gate_up's B holds the rank's gate and up rows and
+// down's A its columns, as the base.
 //
 // Tensor parallelism (cfg is then the tp rank's local model, tp_local_config): the adapters
 // follow their base projection's split (tp_role in include/qtrain/shard_plan.h). Beside q/k/v
@@ -43,6 +44,7 @@
 #include <vector>
 
 #include "cuda/device.h"
+#include "model/adapter_buffers.h"
 #include "model/layer_program.h"
 #include "ops/cuda/lora_dropout.cuh"
 #include "qtrain/lora.h"
@@ -70,7 +72,11 @@ class LoraCuda {
 
   // The adapters' bf16 weights and fp32 gradients (layout().numel() each, device) of the next
   // forward and backward.
-  void bind(const bf16* weights, float* grads) { w_ = weights, g_ = grads; }
+  void bind(const bf16* weights, float* grads) {
+    bind(AdapterBuffers<bf16>::whole(layout_.numel(), weights, grads));
+  }
+  // The same, unit by unit (plan_adapters' units of layout()).
+  void bind(AdapterBuffers<bf16> buffers) { buf_ = std::move(buffers); }
   // Keys the dropout masks (LoraAdapters::set_dropout_key): the run's seed and the index in the
   // data order of the micro-batch's first sequence.
   void set_dropout_key(std::uint64_t seed, std::int64_t first_sample) {
@@ -99,16 +105,16 @@ class LoraCuda {
   // True when the experts' projection `et` (kLoraExpertsGateUp, kLoraExpertsDown) is adapted.
   bool adapts_experts(int et) const { return experts_on_[static_cast<std::size_t>(et)]; }
   // Beside the base's grouped GEMM of sparse layer `layer`'s expert projection `et`, over `rows`
-  // rows in expert order that offsets [groups + 1] (device) split among experts
-  // [first, first + groups) (an ep rank's own): gate_up x [rows, H] -> y = gate|up [rows, 2 Im],
+  // rows in expert order that offsets [groups + 1] (device) split among the experts stored here
+  // (groups of them: all E, or an ep rank's own): gate_up x [rows, H] -> y = gate|up [rows, 2 Im],
   // down x = SwiGLU [rows, Im] -> y = out [rows, H]. y += scale x A_e^T B_e^T; keeps xa for the
   // backward (a recomputed forward rewrites it with the same bits). No-op when not adapted.
-  void expert_forward(int layer, int et, const bf16* x, bf16* y, const int* offsets, int first,
-                      int groups, int rows, cudaStream_t s);
+  void expert_forward(int layer, int et, const bf16* x, bf16* y, const int* offsets, int groups,
+                      int rows, cudaStream_t s);
   // After expert_forward(layer, et, x, ...), with dy the gradient of its y: dA_e and dB_e
   // accumulate; dx [rows, in] += scale dy B_e A_e (bf16), skipped when dx is null.
   void expert_backward(int layer, int et, const bf16* x, const bf16* dy, bf16* dx,
-                       const int* offsets, int first, int groups, int rows, cudaStream_t s);
+                       const int* offsets, int groups, int rows, cudaStream_t s);
 
  private:
   struct Slot {  // one adapted projection of one layer
@@ -120,12 +126,12 @@ class LoraCuda {
     std::size_t a = 0, b = 0;  // offsets of A and B in the layout
     bf16* xa = nullptr;        // [slots, N, r] drop(x) A^T of each slot's last forward
   };
-  struct ExpertSlot {  // one adapted expert projection of one sparse layer, all E experts
+  struct ExpertSlot {  // one adapted expert projection of one sparse layer, its El experts here
     int in = 0, out = 0;
-    std::size_t a = 0, b = 0;  // offsets of the stacked A [E, r, in] and B [E, out, r]
+    std::size_t a = 0, b = 0;  // offsets of the stacked A [El, r, in] and B [El, out, r]
     bf16* xa = nullptr;        // [slots, expert rows, r] x A_e^T, expert order; null: not adapted
   };
-  const ExpertSlot& expert_slot(int layer, int et, int first, int groups, int rows) const;
+  const ExpertSlot& expert_slot(int layer, int et, int groups, int rows) const;
   // The adapted slots of one site of one layer (at most 3).
   const std::vector<Slot>& slots(int layer, LoraSite site) const {
     return slots_[static_cast<std::size_t>(layer) * 4 + static_cast<int>(site)];
@@ -148,8 +154,7 @@ class LoraCuda {
   std::array<bool, kNumLoraExpertTargets> experts_on_{};
   std::size_t expert_rows_ = 0;     // rows of the experts' buffers (ops/moe_capacity.h)
   std::size_t expert_xa_at_ = 0;    // the selected slot's offset in each ExpertSlot::xa
-  const bf16* w_ = nullptr;
-  float* g_ = nullptr;
+  AdapterBuffers<bf16> buf_;  // bind()'s
   std::uint64_t seed_ = 0;
   std::int64_t first_sample_ = 0;
   bf16* gy_ = nullptr;  // [max(N, expert rows), r] dy B of one target

@@ -51,12 +51,10 @@ void CpuOps::select_moe_slot(int slot) {
 
 cpu::ExpertLora<float> CpuOps::expert_lora(int l, bool grads) const {
   if (!lora_ || !lora_->adapts_experts()) return {};
-  // The adapters hold every expert's rows (replicated over ep); this rank runs its own. Under
-  // tp they are this rank's share (tp_role): gate_up's B its gate and up rows, down's A its
-  // columns; so the block's output and input gradient stay partial over tp, as the base's.
-  const int first = ep_ ? ep_->rank() * cfg_.local_experts() : 0;
-  return cpu::expert_lora_rows(lora_->experts(l, grads), first, cfg_.hidden_size,
-                               cfg_.moe_intermediate_size);
+  // The adapters of the experts stored here (an ep rank's own: plan_adapters). Under tp they
+  // are this rank's share (tp_role): gate_up's B its gate and up rows, down's A its columns; so
+  // the block's output and input gradient stay partial over tp, as the base's.
+  return lora_->experts(l, grads);
 }
 
 void CpuOps::moe_begin() { balance_ = cpu::RouterBalance(cfg_.num_experts); }

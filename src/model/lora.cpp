@@ -10,6 +10,8 @@
 #include <tuple>
 
 #include "ops/gemm.h"
+#include "parallel/expert_parallel.h"
+#include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 #include "runtime/rng.h"
 
@@ -164,7 +166,7 @@ ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora, int firs
       tensors.push_back({lora_param_name(l, t, 'B'), {out, lora.r}});
     }
     if (!cfg.is_moe_layer(l)) continue;
-    const std::int64_t E = cfg.num_experts;  // every expert's, also on an ep rank (replicated)
+    const std::int64_t E = cfg.local_experts();  // an ep rank's own (plan_adapters)
     for (int et : experts) {
       const auto [in, out] = lora_expert_dims(cfg, et);
       tensors.push_back({lora_expert_param_name(l, et, 'A'), {E, lora.r, in}});
@@ -238,6 +240,29 @@ ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora,
   return ParamLayout(tensors);
 }
 
+std::unique_ptr<LayoutMap> lora_map(const ModelConfig& cfg, const LoraConfig& lora,
+                                    const std::vector<std::pair<int, int>>& layer_ranges,
+                                    const ParamLayout& global, const ParamLayout& local,
+                                    const ShardPlan& local_plan, const MeshShape& mesh,
+                                    int tp_rank, int ep_rank) {
+  const bool sharded = cfg.is_moe() && mesh.ep > 1 &&
+                       !parse_lora_expert_targets(lora.targets, "lora.targets").empty();
+  if (!sharded) {  // null when the local layout is the global one
+    const bool whole = layer_ranges.size() == 1 && layer_ranges[0].first == 0 &&
+                       layer_ranges[0].second == cfg.num_layers;
+    if (mesh.tp == 1 && whole) return nullptr;
+    return std::make_unique<TpMap>(global, local, local_plan, tp_rank);
+  }
+  // Through the same layers' adapters of the tp rank's model at ep 1 (whole over ep).
+  ParamLayout tp_layout = lora_layout(tp_local_config(cfg, mesh.tp), lora, layer_ranges);
+  MeshShape tp_only;
+  tp_only.tp = mesh.tp;
+  tp_only.sequence_parallel = mesh.sequence_parallel;
+  ShardPlan tp_plan = plan_adapters(tp_layout, tp_only, 0, tp_kv_replicas(cfg, mesh.tp));
+  return std::make_unique<TpEpMap>(global, local, std::move(tp_layout), std::move(tp_plan),
+                                   tp_rank, ep_rank);
+}
+
 LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B, int T,
                            int first_layer, int last_layer, int slots)
     : cfg_(cfg),
@@ -290,7 +315,7 @@ LoraAdapters::LoraAdapters(const ModelConfig& cfg, const LoraConfig& lora, int B
 cpu::ExpertLora<float> LoraAdapters::experts(int layer, bool grads) const {
   cpu::ExpertLora<float> e;
   if (!experts_on_) return e;
-  QT_CHECK(params_ != nullptr && (!grads || grads_ != nullptr),
+  QT_CHECK(buf_.bound() && (!grads || buf_.has_grads()),
            "expert adapters without their weights or gradients (bind() first)");
   QT_CHECK(lora_.dropout == 0 || !dropout_on_, "lora.dropout on the experts' adapters");
   e.r = lora_.r;
@@ -299,12 +324,12 @@ cpu::ExpertLora<float> LoraAdapters::experts(int layer, bool grads) const {
   const auto [gua, gub] = expert_at_.at(at + kLoraExpertsGateUp);
   const auto [dna, dnb] = expert_at_.at(at + kLoraExpertsDown);
   if (gua != std::string::npos) {
-    e.gu_a = params_ + gua, e.gu_b = params_ + gub;
-    if (grads) e.g_gu_a = grads_ + gua, e.g_gu_b = grads_ + gub;
+    e.gu_a = buf_.weights(gua), e.gu_b = buf_.weights(gub);
+    if (grads) e.g_gu_a = buf_.grads(gua), e.g_gu_b = buf_.grads(gub);
   }
   if (dna != std::string::npos) {
-    e.dn_a = params_ + dna, e.dn_b = params_ + dnb;
-    if (grads) e.g_dn_a = grads_ + dna, e.g_dn_b = grads_ + dnb;
+    e.dn_a = buf_.weights(dna), e.dn_b = buf_.weights(dnb);
+    if (grads) e.g_dn_a = buf_.grads(dna), e.g_dn_b = buf_.grads(dnb);
   }
   return e;
 }
@@ -348,36 +373,37 @@ const float* LoraAdapters::dropped(int layer, int target, const Slot& s, const f
 void LoraAdapters::forward(int layer, int target, const float* x, float* y, int ldy) {
   Slot& s = slots_[static_cast<std::size_t>(layer) * kNumLoraTargets + target];
   if (!s.on) return;
-  QT_CHECK(params_ != nullptr, "LoRA forward without adapter weights (bind() first)");
+  QT_CHECK(buf_.bound(), "LoRA forward without adapter weights (bind() first)");
   const int r = lora_.r;
   const float* xd = dropped(layer, target, s, x);
   // xa[N, r] = xd[N, in] A[r, in]^T
   float* xa = s.xa.data() + xa_at_;
-  cpu::gemm<float>(false, true, N_, r, s.in, 1.0f, xd, s.in, params_ + s.a, s.in, 0.0f, xa, r);
+  cpu::gemm<float>(false, true, N_, r, s.in, 1.0f, xd, s.in, buf_.weights(s.a), s.in, 0.0f, xa,
+                   r);
   // y[N, out] += scale * xa[N, r] B[out, r]^T
   cpu::gemm<float>(false, true, N_, s.out, r, static_cast<float>(scale_), xa, r,
-                   params_ + s.b, r, 1.0f, y, ldy > 0 ? ldy : s.out);
+                   buf_.weights(s.b), r, 1.0f, y, ldy > 0 ? ldy : s.out);
 }
 
 void LoraAdapters::backward(int layer, int target, const float* x, const float* dy, float* dx,
                             int lddy) {
   Slot& s = slots_[static_cast<std::size_t>(layer) * kNumLoraTargets + target];
   if (!s.on) return;
-  QT_CHECK(params_ != nullptr && grads_ != nullptr,
+  QT_CHECK(buf_.has_grads(),
            "LoRA backward without adapter weights and gradients (bind() first)");
   const int r = lora_.r, N = N_;
   const float scale = static_cast<float>(scale_);
   const float* xd = dropped(layer, target, s, x);  // the forward's mask again
-  const float* A = params_ + s.a;                     // [r, in]
-  const float* B = params_ + s.b;                     // [out, r]
+  const float* A = buf_.weights(s.a);  // [r, in]
+  const float* B = buf_.weights(s.b);  // [out, r]
   const int ld = lddy > 0 ? lddy : s.out;
   // dB[out, r] += scale * dy[N, out]^T xa[N, r]
   cpu::gemm<float>(true, false, s.out, r, N, scale, dy, ld, s.xa.data() + xa_at_, r, 1.0f,
-                   grads_ + s.b, r);
+                   buf_.grads(s.b), r);
   // g[N, r] = dy[N, out] B[out, r]
   cpu::gemm<float>(false, false, N, r, s.out, 1.0f, dy, ld, B, r, 0.0f, g_.data(), r);
   // dA[r, in] += scale * g[N, r]^T xd[N, in]
-  cpu::gemm<float>(true, false, r, s.in, N, scale, g_.data(), r, xd, s.in, 1.0f, grads_ + s.a,
+  cpu::gemm<float>(true, false, r, s.in, N, scale, g_.data(), r, xd, s.in, 1.0f, buf_.grads(s.a),
                    s.in);
   if (dx == nullptr) return;
   // d xd[N, in] = scale * g[N, r] A[r, in]; through the dropout mask into dx.

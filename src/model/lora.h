@@ -7,14 +7,19 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "model/adapter_buffers.h"
 #include "ops/moe_experts.h"
+#include "parallel/layout_map.h"
 #include "qtrain/lora.h"
+#include "qtrain/mesh.h"
 #include "qtrain/model_config.h"
 #include "qtrain/params.h"
+#include "qtrain/shard_plan.h"
 
 namespace qt {
 
@@ -29,16 +34,17 @@ bool lora_target_in_layer(const ModelConfig& cfg, int layer, int target);
 // [in, out] of projection `target` in `cfg` (W is [out, in]).
 std::pair<int, int> lora_target_dims(const ModelConfig& cfg, int target);
 // The name of the stacked A ('A', [E, r, in]) or B ('B', [E, out, r]) of expert target `et`
-// (kLoraExpertTargets) of sparse layer `layer`: expert e's A_e and B_e at row e, all E experts
-// also on an ep rank (replicated over ep like the dense adapters: a rank uses and trains its own
-// experts' rows, the others' gradients are zero there and the dp sum adds the owners').
+// (kLoraExpertTargets) of sparse layer `layer`: expert e's A_e and B_e at row e. An ep rank's
+// local model (ep_local_config) holds its own experts' rows only, [E / ep, ...], sharded over ep
+// like the experts (plan_adapters; EpMap places them in the global tensors).
 // qtrain's own name; the export writes PEFT's (hf/lora_export.h).
 std::string lora_expert_param_name(int layer, int et, char which);
 // [in, out] of each expert's W_e of expert target `et`: gate_up_proj [H, 2 Im], down_proj [Im, H].
 std::pair<int, int> lora_expert_dims(const ModelConfig& cfg, int et);
 // The adapter layout: per layer, per target in kLoraTargets order that the layer has
 // (lora_target_in_layer), A [r, in] then B [out, r];
-// then, in a sparse layer, per expert target, the stacked A [E, r, in] then B [E, out, r].
+// then, in a sparse layer, per expert target, the stacked A [El, r, in] then B [El, out, r]
+// (El = cfg.local_experts(): E, or an ep rank's E / ep).
 ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora);
 // The same for layers [first_layer, last_layer) only (a pipeline chunk's; names keep the
 // model's layer numbers).
@@ -48,6 +54,17 @@ ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora, int firs
 // ascending).
 ParamLayout lora_layout(const ModelConfig& cfg, const LoraConfig& lora,
                         const std::vector<std::pair<int, int>>& layer_ranges);
+// Where a rank's adapters (local: lora_layout of its tp and ep rank's model over layer_ranges,
+// planned as local_plan) live in the model's (global: lora_layout(cfg, lora)), for checkpoints,
+// initialisation and export: a TpMap, or with adapters on the experts at mesh.ep > 1 a TpEpMap
+// (the rank's E / ep experts' rows of each stacked tensor); null when local is global (tp 1,
+// every layer, no such experts). cfg: the global model. The layouts and local_plan must outlive
+// the map.
+std::unique_ptr<LayoutMap> lora_map(const ModelConfig& cfg, const LoraConfig& lora,
+                                    const std::vector<std::pair<int, int>>& layer_ranges,
+                                    const ParamLayout& global, const ParamLayout& local,
+                                    const ShardPlan& local_plan, const MeshShape& mesh,
+                                    int tp_rank, int ep_rank);
 // PEFT's initialisation (an expert's A as a plain one): A ~ U(-1/sqrt(in), 1/sqrt(in)) (kaiming_uniform_ with a = sqrt(5)),
 // B = 0, so the adapted model starts as the base. Value i of A depends on (seed, name, i) only.
 void lora_init(const ParamLayout& layout, std::uint64_t seed, float* adapters);
@@ -78,7 +95,11 @@ class LoraAdapters {
 
   // The adapter weights and gradient buffer (layout().numel(); gradients accumulate, +=) of the
   // next forward and backward. grads may be null when no backward follows.
-  void bind(const float* params, float* grads) { params_ = params, grads_ = grads; }
+  void bind(const float* params, float* grads) {
+    bind(AdapterBuffers<float>::whole(layout_.numel(), params, grads));
+  }
+  // The same, unit by unit (plan_adapters' units of layout()).
+  void bind(AdapterBuffers<float> buffers) { buf_ = std::move(buffers); }
   // Keys the dropout masks of the next forward and backward: the run's seed and the index in
   // the data order of the micro-batch's first sequence. The mask of element i of token t of
   // sequence g is a pure function of (seed, layer, target, g, t, i): independent of the mesh and
@@ -146,8 +167,7 @@ class LoraAdapters {
   // [layer * kNumLoraExpertTargets + et]: offsets of the stacked A and B (npos: not adapted)
   std::vector<std::pair<std::size_t, std::size_t>> expert_at_;
   bool experts_on_ = false;
-  const float* params_ = nullptr;
-  float* grads_ = nullptr;
+  AdapterBuffers<float> buf_;  // bind()'s
   std::uint64_t seed_ = 0;
   std::int64_t first_sample_ = 0;
   bool dropout_on_ = true;  // set_dropout_enabled

@@ -29,19 +29,6 @@ struct ExpertLora {
   bool on() const { return gu_a != nullptr || dn_a != nullptr; }
 };
 
-// The adapters of experts [first, first + n) of `l` as experts 0 .. n - 1 (an ep rank's own,
-// in adapters of all E experts); gradients likewise.
-template <typename T>
-ExpertLora<T> expert_lora_rows(ExpertLora<T> l, int first, int H, int Im) {
-  const std::size_t r = l.r, e = first;
-  auto at = [](auto* p, std::size_t off) { return p ? p + off : p; };
-  l.gu_a = at(l.gu_a, e * r * H), l.g_gu_a = at(l.g_gu_a, e * r * H);
-  l.gu_b = at(l.gu_b, e * 2 * Im * r), l.g_gu_b = at(l.g_gu_b, e * 2 * Im * r);
-  l.dn_a = at(l.dn_a, e * r * Im), l.g_dn_a = at(l.g_dn_a, e * r * Im);
-  l.dn_b = at(l.dn_b, e * H * r), l.g_dn_b = at(l.g_dn_b, e * H * r);
-  return l;
-}
-
 // y written.
 template <typename T>
 void moe_experts_forward(T* y, const T* x, const int* idx, const T* w, const T* gate_up,

@@ -5,6 +5,7 @@
 #include <numeric>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "ops/linear.h"
 #include "ops/moe_experts.h"
@@ -78,8 +79,13 @@ ShardPlan tp_plan(const ModelConfig& cfg, const ParamLayout& tp_layout, const Me
 
 TpEpMap::TpEpMap(const ModelConfig& cfg, const ParamLayout& global, const ParamLayout& local,
                  const MeshShape& mesh, int tp_rank, int ep_rank)
-    : tp_layout_(tp_local_config(cfg, mesh.tp)),
-      tp_plan_(tp_plan(cfg, tp_layout_, mesh)),
+    : TpEpMap(global, local, ParamLayout(tp_local_config(cfg, mesh.tp)),
+              tp_plan(cfg, ParamLayout(tp_local_config(cfg, mesh.tp)), mesh), tp_rank, ep_rank) {}
+
+TpEpMap::TpEpMap(const ParamLayout& global, const ParamLayout& local, ParamLayout tp_layout,
+                 ShardPlan tp_plan, int tp_rank, int ep_rank)
+    : tp_layout_(std::move(tp_layout)),
+      tp_plan_(std::move(tp_plan)),
       ep_(tp_layout_, local, ep_rank),
       tp_(global, tp_layout_, tp_plan_, tp_rank) {}
 

@@ -58,6 +58,10 @@ class TpEpMap final : public LayoutMap {
   // cfg: the global model; local: ParamLayout(ep_local_config(tp_local_config(cfg, tp), ep)).
   TpEpMap(const ModelConfig& cfg, const ParamLayout& global, const ParamLayout& local,
           const MeshShape& mesh, int tp_rank, int ep_rank);
+  // Any layout so split (LoRA adapters: model/lora.h lora_map): tp_layout holds local's tensors
+  // as the tp rank's model at ep 1 has them, tp_plan its plan over tp (TpMap reads the specs).
+  TpEpMap(const ParamLayout& global, const ParamLayout& local, ParamLayout tp_layout,
+          ShardPlan tp_plan, int tp_rank, int ep_rank);
   TpEpMap(const TpEpMap&) = delete;  // tp_ refers to the members before it
   TpEpMap& operator=(const TpEpMap&) = delete;
   std::vector<Segment> segments(Range r, bool writing) const override;
@@ -95,7 +99,7 @@ class ExpertDispatch {
   // out [N k, H] written: row t k + j is expert idx[t, j]'s output for token t (x [N, H]),
   // unweighted; zero for a pair that keep [N k] drops (null: all kept), which is not sent.
   // gate_up, down: this rank's experts.
-  // lora: this rank's experts' adapters (cpu::expert_lora_rows; null: none).
+  // lora: this rank's experts' adapters (its local model's, model/lora.h; null: none).
   void forward(float* out, const float* x, const int* idx, int N, int k, const float* gate_up,
                const float* down, const std::uint8_t* keep = nullptr,
                const cpu::ExpertLora<float>* lora = nullptr);

@@ -262,4 +262,43 @@ ShardPlan plan_one_unit(const ParamLayout& layout, const std::string& name, cons
   return plan;
 }
 
+ShardPlan plan_adapters(const ParamLayout& layout, const MeshShape& mesh, int zero_stage,
+                        int kv_replicas) {
+  const auto& ps = layout.params();
+  const auto on_experts = [&](std::size_t i) {
+    return ps[i].name.find(".mlp.experts.") != std::string::npos;
+  };
+  bool any_experts = false;
+  for (std::size_t i = 0; i < ps.size(); ++i) any_experts = any_experts || on_experts(i);
+  if (mesh.ep == 1 || !any_experts)
+    return plan_one_unit(layout, "adapters", mesh, zero_stage, kv_replicas);
+  // Each run of consecutive tensors of one kind a unit: the dense adapters over dp; the experts'
+  // (this ep rank's E / ep rows of the stacked [E, ...] tensors) over expert-dp, as plan_qwen3's
+  // expert units (a tp split, if any, kept in global_shape for TpEpMap).
+  ShardPlan plan = plan_base(layout, mesh, zero_stage, kv_replicas);
+  const int edp = mesh.dp / mesh.ep;
+  for (std::size_t first = 0; first < ps.size();) {
+    std::size_t last = first + 1;
+    while (last < ps.size() && on_experts(last) == on_experts(first)) ++last;
+    if (!on_experts(first)) {
+      plan.units.push_back(
+          make_unit(layout, fmt::format("adapters.{}", plan.units.size()), first, last, mesh.dp));
+    } else {
+      ParamUnit u = make_unit(layout, fmt::format("expert_adapters.{}", plan.units.size()), first,
+                              last, edp);
+      u.group = MeshDim::kEdp;
+      for (std::size_t t : u.params) {
+        ShardSpec& spec = plan.specs[t];
+        spec.sharded_by = MeshDim::kEp;
+        spec.axis = 0;
+        spec.global_shape[0] *= mesh.ep;
+        spec.replicated_over = {MeshDim::kEdp};
+      }
+      plan.units.push_back(std::move(u));
+    }
+    first = last;
+  }
+  return plan;
+}
+
 }  // namespace qt

@@ -40,8 +40,8 @@ class CpuBackend final : public TrainBackend {
         global_lora_layout_(lora_ ? lora_layout(deck.model, deck.lora)
                                   : ParamLayout(std::vector<std::pair<std::string,
                                                                       std::vector<std::int64_t>>>{})),
-        state_(lora_ ? plan_one_unit(lora_->layout(), "adapters", mesh.shape(),
-                                     deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_))
+        state_(lora_ ? plan_adapters(lora_->layout(), mesh.shape(), deck.optim.zero_stage,
+                                     tp_kv_replicas(deck.model, tp_))
                      : plan_qwen3(model_.config(), model_.layout(), mesh.shape(),
                                   deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_)),
                lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps,
@@ -63,19 +63,21 @@ class CpuBackend final : public TrainBackend {
     if (!lora_) {
       model_map_ = make_model_map(deck.model, global_layout_, model_.layout(), state_.plan(),
                                   mesh.shape(), mesh.tp().rank(), mesh.ep().rank());
-    } else if (tp_ > 1 || model_.config().expert_shards > 1) {
-      // The frozen base through its own plan's split (tp, and with mesh.ep > 1 the ep rank's
-      // experts); the adapters (attention only on a Qwen3-MoE model) split by tp alone,
-      // replicated over ep like every dense weight.
-      base_plan_ = std::make_unique<ShardPlan>(
-          plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0,
-                     tp_kv_replicas(deck.model, tp_)));
-      model_map_ = make_model_map(deck.model, global_layout_, model_.layout(), *base_plan_,
-                                  mesh.shape(), mesh.tp().rank(), mesh.ep().rank());
-      if (tp_ > 1) {
-        lora_->set_tensor_parallel(tp_, mesh.tp().rank());
-        lora_map_ = std::make_unique<TpMap>(global_lora_layout_, lora_->layout(), state_.plan(),
-                                            mesh.tp().rank());
+    } else {
+      // The adapters split as their base by tp and, on the experts, by ep (plan_adapters;
+      // lora_map); the dense ones replicated over ep like every dense weight.
+      if (tp_ > 1) lora_->set_tensor_parallel(tp_, mesh.tp().rank());
+      lora_map_ = lora_map(deck.model, deck.lora, {{0, deck.model.num_layers}},
+                           global_lora_layout_, lora_->layout(), state_.plan(), mesh.shape(),
+                           mesh.tp().rank(), mesh.ep().rank());
+      if (tp_ > 1 || model_.config().expert_shards > 1) {
+        // The frozen base through its own plan's split (tp, and with mesh.ep > 1 the ep
+        // rank's experts).
+        base_plan_ = std::make_unique<ShardPlan>(
+            plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0,
+                       tp_kv_replicas(deck.model, tp_)));
+        model_map_ = make_model_map(deck.model, global_layout_, model_.layout(), *base_plan_,
+                                    mesh.shape(), mesh.tp().rank(), mesh.ep().rank());
       }
     }
   }
@@ -130,8 +132,8 @@ class CpuBackend final : public TrainBackend {
   double moe_aux_loss_sum() const override { return model_.config().is_moe() ? aux_sum_ : -1; }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
-    if (lora_) {  // one unit, whole at ZeRO 0 and 1: bound for the whole micro-batch
-      lora_->bind(state_.params(0), state_.grads(0));
+    if (lora_) {  // the units whole at ZeRO 0 and 1: bound for the whole micro-batch
+      lora_->bind(adapter_buffers(/*grads=*/true));
       lora_->set_dropout_key(seed_, first_sample_);
       const double loss = model_.forward(base_.data(), inputs, targets, positions);
       aux_sum_ += model_.moe_aux_loss();
@@ -148,7 +150,7 @@ class CpuBackend final : public TrainBackend {
     double loss = 0;
     const std::size_t per = static_cast<std::size_t>(mb.B) * mb.T;
     if (lora_) {
-      lora_->bind(state_.params(0), nullptr);
+      lora_->bind(adapter_buffers(/*grads=*/false));
       lora_->set_dropout_enabled(false);
     }
     FlatParams base(model_.units(), base_.data(), nullptr);
@@ -175,6 +177,13 @@ class CpuBackend final : public TrainBackend {
   }
 
  private:
+  // [lora]: the adapters' units in the state (whole at ZeRO 0 and 1), with their gradients or
+  // without.
+  AdapterBuffers<float> adapter_buffers(bool grads) {
+    return AdapterBuffers<float>::of_units(
+        state_.plan().units, [&](int u) { return state_.params(u); },
+        [&](int u) { return grads ? state_.grads(u) : nullptr; });
+  }
   const LayoutMap* trained_map() const {
     return lora_ ? static_cast<const LayoutMap*>(lora_map_.get()) : model_map_.get();
   }
@@ -190,8 +199,8 @@ class CpuBackend final : public TrainBackend {
   std::unique_ptr<LayoutMap> model_map_;  // the model's local -> global pieces: TpMap with
                                           // tp > 1, EpMap with ep > 1, TpEpMap with both, else
                                           // null (make_model_map)
-  std::unique_ptr<ShardPlan> base_plan_;  // [lora] with tp > 1: the frozen base's split
-  std::unique_ptr<TpMap> lora_map_;     // [lora] with tp > 1: the adapters' local -> global
+  std::unique_ptr<ShardPlan> base_plan_;  // [lora] with tp or ep > 1: the frozen base's split
+  std::unique_ptr<LayoutMap> lora_map_;   // [lora]: the adapters' local -> global (lora_map)
   ShardedState state_;                  // the trained parameters: the model, or the adapters
   std::vector<float> base_;             // with [lora]: the frozen model [numel], else empty
   bool offload_;

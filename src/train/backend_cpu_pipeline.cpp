@@ -163,17 +163,17 @@ class CpuPipelineBackend final : public TrainBackend {
   }
   std::vector<FlatPiece> trained_pieces() override {
     if (!lora_) return model_pieces();
-    return lora_->map().to_global(state_.param_pieces(), /*writing=*/false);
+    return global_pieces(lora_->map(), state_.param_pieces(), /*writing=*/false);
   }
   const ParamLayout& trained_layout() const override {
     return lora_ ? lora_->global_layout() : global_layout_;
   }
   std::vector<StatePiece> checkpoint_pieces() override {
-    if (lora_) return lora_->map().to_global(state_.checkpoint_pieces(), /*writing=*/true);
+    if (lora_) return global_pieces(lora_->map(), state_.checkpoint_pieces(), /*writing=*/true);
     return global_pieces(model_map_.get(), state_.checkpoint_pieces(), /*writing=*/true);
   }
   StateTargets checkpoint_targets() override {
-    if (lora_) return lora_->map().to_global(state_.checkpoint_targets());
+    if (lora_) return global_targets(lora_->map(), state_.checkpoint_targets());
     return global_targets(model_map_.get(), state_.checkpoint_targets());
   }
   void push_state() override {}  // the host buffers are the live state
@@ -226,7 +226,10 @@ class CpuPipelineBackend final : public TrainBackend {
     }
     // The stage's parameters: the model's, or the frozen base beside the bound adapters.
     ModelParams& mp = lora_ ? static_cast<ModelParams&>(*lora_) : state_;
-    if (lora_) lora_->bind(state_.params(0), state_.grads(0));  // one unit, whole at ZeRO 0/1
+    if (lora_)  // the adapters' units, whole at ZeRO 0/1
+      lora_->bind(AdapterBuffers<float>::of_units(
+          state_.plan().units, [&](int u) { return state_.params(u); },
+          [&](int u) { return state_.grads(u); }));
     double loss = 0, aux = 0;
     for (const PipeAction& a : actions_) {
       const int m = a.micro_batch, c = a.chunk;
@@ -362,7 +365,7 @@ class CpuPipelineBackend final : public TrainBackend {
       layers.push_back({c.stage->stage().first_layer, c.stage->stage().last_layer,
                         c.stage->slots()});
     return std::make_unique<StageLora>(deck, local_, plan_, share_.held, layers, mesh.shape(),
-                                       &mesh.pp(), mesh.tp().rank());
+                                       &mesh.pp(), mesh.tp().rank(), mesh.ep().rank());
   }
   // The last stage of a tied model holds a copy of the embedding.
   bool tied_copy() const { return local_.tie_word_embeddings && s_ == P_ - 1; }

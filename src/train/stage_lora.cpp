@@ -5,23 +5,36 @@
 
 namespace qt {
 
+namespace {
+std::vector<std::pair<int, int>> layer_ranges(const std::vector<StageLora::ChunkLayers>& chunks) {
+  std::vector<std::pair<int, int>> ranges;
+  for (const StageLora::ChunkLayers& c : chunks) ranges.push_back({c.first_layer, c.last_layer});
+  return ranges;
+}
+
+std::vector<int> all_units(const ShardPlan& plan) {
+  std::vector<int> u(plan.units.size());
+  for (std::size_t i = 0; i < u.size(); ++i) u[i] = static_cast<int>(i);
+  return u;
+}
+}  // namespace
+
 ParamLayout StageLora::stage_layout(const ModelConfig& local, const LoraConfig& lora,
                                     const std::vector<ChunkLayers>& chunks) {
-  std::vector<std::pair<int, int>> ranges;
-  for (const ChunkLayers& c : chunks) ranges.push_back({c.first_layer, c.last_layer});
-  return lora_layout(local, lora, ranges);
+  return lora_layout(local, lora, layer_ranges(chunks));
 }
 
 StageLora::StageLora(const Deck& deck, const ModelConfig& local, const ShardPlan& model_plan,
                      const std::vector<int>& held, const std::vector<ChunkLayers>& chunks,
-                     const MeshShape& mesh, Comm* pp, int tp_rank)
+                     const MeshShape& mesh, Comm* pp, int tp_rank, int ep_rank)
     : base_at_(model_plan.units.size(), -1),
       layout_(stage_layout(local, deck.lora, chunks)),
       global_layout_(lora_layout(deck.model, deck.lora)),
-      plan_(plan_one_unit(layout_, "adapters", mesh, deck.optim.zero_stage,
+      plan_(plan_adapters(layout_, mesh, deck.optim.zero_stage,
                           tp_kv_replicas(deck.model, mesh.tp))),
-      map_(global_layout_, layout_, plan_, tp_rank),
-      share_{{0}, pp, -1} {
+      map_(lora_map(deck.model, deck.lora, layer_ranges(chunks), global_layout_, layout_, plan_,
+                    mesh, tp_rank, ep_rank)),
+      share_{all_units(plan_), pp, -1} {
   std::size_t n = 0;
   for (const int u : held) {
     base_at_.at(static_cast<std::size_t>(u)) = static_cast<std::int64_t>(n);
@@ -59,9 +72,10 @@ std::vector<FlatPiece> StageLora::base_pieces() {
   return out;
 }
 
-void StageLora::bind(const float* params, float* grads) {
+void StageLora::bind(const AdapterBuffers<float>& buffers) {
   for (std::size_t v = 0; v < adapters_.size(); ++v)
-    adapters_[v]->bind(params + offset_[v], grads ? grads + offset_[v] : nullptr);
+    adapters_[v]->bind(
+        buffers.part(Range{offset_[v], offset_[v] + adapters_[v]->layout().numel()}));
 }
 
 void StageLora::set_dropout_key(std::uint64_t seed, std::int64_t first_sample) {

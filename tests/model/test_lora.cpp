@@ -14,6 +14,7 @@
 #include "model/qwen3.h"
 #include "model/reference_model.h"
 #include "optim/sharded_state.h"
+#include "parallel/expert_parallel.h"
 #include "qtrain/comm.h"
 #include "qtrain/error.h"
 #include "runtime/rng.h"
@@ -418,6 +419,47 @@ TEST(LoraLayout, OptimizerStateIsTwiceTheAdapters) {
   EXPECT_EQ(opt.bytes().optimizer, 8.0 * static_cast<double>(lay.numel()));  // exp_avg, exp_avg_sq
   EXPECT_EQ(opt.bytes().params, 4.0 * static_cast<double>(lay.numel()));
   EXPECT_LT(lay.numel(), ParamLayout(c).numel());
+}
+
+// plan_adapters: one unit over dp without expert adapters or at ep 1; at ep 2 the local layout
+// holds E / 2 experts' rows, and each run of the experts' stacked adapters is a unit over
+// expert-dp, sharded over ep along the experts (global_shape E), the dense runs over dp.
+TEST(LoraLayout, ExpertAdaptersShardedOverEp) {
+  ModelConfig c = small_config(false);
+  c.num_experts = 4;
+  c.num_experts_per_tok = 2;
+  c.moe_intermediate_size = 6;
+  c.mlp_only_layers = {1};
+  const LoraConfig l = lora_with("q_proj, experts.gate_up_proj, experts.down_proj");
+  MeshShape dp4;
+  dp4.dp = 4;
+  EXPECT_EQ(plan_adapters(lora_layout(c, l), dp4, 1).units.size(), 1u);  // ep 1
+  MeshShape ep2 = dp4;
+  ep2.ep = 2;
+  EXPECT_EQ(plan_adapters(lora_layout(c, lora_with("q_proj")), ep2, 1).units.size(), 1u);
+  const ParamLayout local = lora_layout(ep_local_config(c, 2), l);
+  EXPECT_EQ(local.find(lora_expert_param_name(0, kLoraExpertsDown, 'B')).shape,
+            (std::vector<std::int64_t>{2, 16, 3}));
+  const ShardPlan plan = plan_adapters(local, ep2, 1);
+  std::size_t covered = 0, expert_units = 0;
+  for (const ParamUnit& u : plan.units) {
+    EXPECT_EQ(u.range.begin, covered) << u.name;  // in flat order, together the whole layout
+    covered = u.range.end;
+    const bool experts = u.name.starts_with("expert_adapters");
+    EXPECT_EQ(u.group, experts ? MeshDim::kEdp : MeshDim::kDp) << u.name;
+    EXPECT_EQ(u.dp, experts ? 2 : 4) << u.name;
+    expert_units += experts;
+    for (std::size_t t : u.params) {
+      const ParamInfo& p = local.params()[t];
+      EXPECT_EQ(p.name.find(".mlp.experts.") != std::string::npos, experts) << p.name;
+      if (!experts) continue;
+      EXPECT_EQ(plan.specs[t].sharded_by, MeshDim::kEp) << p.name;
+      EXPECT_EQ(plan.specs[t].global_shape[0], 4) << p.name;
+    }
+  }
+  EXPECT_EQ(covered, local.numel());
+  EXPECT_EQ(expert_units, static_cast<std::size_t>(c.num_moe_layers()));  // one a sparse layer
+  EXPECT_GE(expert_units, 1u);
 }
 
 TEST(LoraInit, AsPeftDeterministicAndBounded) {

@@ -108,6 +108,37 @@ TEST_F(MoeTraining, ExpertLoraTrainsOnlyTheAdapters) {
   EXPECT_LT(losses.back(), losses.front() - 0.05) << losses.front() << " -> " << losses.back();
 }
 
+// At ep 2 each rank holds the dense adapters whole and its 4 of the 8 experts' rows of each
+// stacked expert adapter (plan_adapters, lora_map): in global coordinates its pieces cover those
+// rows only, rank r the rows [4 r, 4 r + 4).
+TEST_F(MoeTraining, ExpertAdaptersShardedOverEp) {
+  auto world = std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
+  const Deck deck = parse_deck_text(
+      lora_text(), "moe-expert-lora.ini",
+      with(kLr, {"--checkpoint.dir=" + tmp_ + "/sharded", "--mesh.ep=2"}), 2);
+  Mesh mesh(deck.mesh, world);
+  auto be = make_cpu_backend(deck, mesh);
+  const ParamLayout& global = be->trained_layout();
+  std::size_t held = 0, expert_numel = 0, expert_held = 0;
+  for (const FlatPiece& piece : be->trained_pieces()) {
+    held += piece.range.size();
+    for (const ParamInfo& p : global.params()) {
+      const std::size_t lo = std::max(piece.range.begin, p.offset);
+      const std::size_t hi = std::min(piece.range.end, p.offset + p.numel);
+      if (lo >= hi || p.name.find(".mlp.experts.") == std::string::npos) continue;
+      expert_held += hi - lo;
+      const std::size_t half = p.numel / 2, r = static_cast<std::size_t>(world->rank());
+      EXPECT_GE(lo, p.offset + r * half) << p.name;  // this rank's rows only
+      EXPECT_LE(hi, p.offset + (r + 1) * half) << p.name;
+    }
+  }
+  for (const ParamInfo& p : global.params())
+    if (p.name.find(".mlp.experts.") != std::string::npos) expert_numel += p.numel;
+  ASSERT_GT(expert_numel, 0u);
+  EXPECT_EQ(expert_held, expert_numel / 2);
+  EXPECT_EQ(held, global.numel() - expert_numel / 2);
+}
+
 // dp 2, ep 2 and tp 2 on the serial run, their step-5 checkpoints resumed (ep 2's at ep 1,
 // tp 2's at tp 1); the experts' adapters alone (the
 // backward of layer 0, sparse, ends in its block) train alike at dp 1 and 2.
@@ -118,7 +149,7 @@ TEST_F(MoeTraining, ExpertLoraDp2AndResumeReproduceTheSerialRun) {
   for (const MoeStep& s : serial) EXPECT_GT(s.norm, 0) << "step " << s.step;
   const std::vector<MoeStep> dp2 = train("dp2", 2, kLr, lora_text());
   expect_like_serial(dp2, serial, "expert_lora_dp2");
-  // ep 2: each rank runs and trains its 4 experts' adapter rows (all 8 stored on both).
+  // ep 2: each rank stores, runs and trains its 4 experts' adapter rows (ExpertAdaptersShardedOverEp).
   const std::vector<MoeStep> ep2 = train("ep2", 2, with(kLr, {"--mesh.ep=2"}), lora_text());
   expect_like_serial(ep2, serial, "expert_lora_ep2");
   expect_like_serial(resume("ep2_to_1", 1, "ep2", kLr, lora_text()), tail(serial, 5),
