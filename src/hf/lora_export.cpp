@@ -2,7 +2,6 @@
 #include "hf/lora_export.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <cmath>
 #include <filesystem>
@@ -73,10 +72,20 @@ void lora_merged_params(const std::string& path, const CheckpointModel& cm,
 }
 
 namespace {
-// PEFT's name of expert target `et` of layer l's adapter `which` (peft_adapter_tensors).
-std::string peft_expert_name(int l, int et, char which, bool both) {
-  return fmt::format("base_model.model.model.layers.{}.mlp.experts.{}lora_{}.weight", l,
-                     both && et == kLoraExpertsGateUp ? "base_layer." : "", which);
+// PEFT's name of expert adapter `name` of lora_layout ("...layers.{l}.mlp.experts.{gate_up_proj,
+// down_proj}.lora_{A,B}.weight", lora_expert_param_name): the target's part becomes its
+// wrapper's, "experts.base_layer." for gate_up_proj beside down_proj, else "experts.".
+std::string peft_expert_name(std::string name, bool both) {
+  for (int et = 0; et < kNumLoraExpertTargets; ++et) {
+    const std::string ours = fmt::format(".mlp.{}.", kLoraExpertTargets[et]);
+    const std::size_t at = name.find(ours);
+    if (at == std::string::npos) continue;
+    return name.replace(
+        at, ours.size(),
+        both && et == kLoraExpertsGateUp ? ".mlp.experts.base_layer." : ".mlp.experts.");
+  }
+  QT_CHECK(false, "adapter {} is neither dense nor an expert's", name);
+  return name;
 }
 }  // namespace
 
@@ -92,17 +101,10 @@ std::vector<PeftTensor> peft_adapter_tensors(const ModelConfig& cfg, const LoraC
       out.push_back({p.name, p.shape, std::vector<float>(v, v + p.numel)});
       continue;
     }
-    int l = -1, et = -1;
-    char which = 0;
-    for (int i = 0; i < cfg.num_layers && et < 0; ++i)
-      for (int t = 0; t < kNumLoraExpertTargets; ++t)
-        for (char w : {'A', 'B'})
-          if (p.name == lora_expert_param_name(i, t, w)) l = i, et = t, which = w;
-    QT_CHECK(et >= 0, "adapter {} is neither dense nor an expert's", p.name);
+    const std::string name = peft_expert_name(p.name, both);
     const std::int64_t E = p.shape[0], d1 = p.shape[1], d2 = p.shape[2];
-    if (which == 'A') {  // [E, r, in] -> [E r, in]
-      out.push_back({peft_expert_name(l, et, 'A', both), {E * d1, d2},
-                     std::vector<float>(v, v + p.numel)});
+    if (p.name.ends_with(".lora_A.weight")) {  // [E, r, in] -> [E r, in]
+      out.push_back({name, {E * d1, d2}, std::vector<float>(v, v + p.numel)});
       continue;
     }
     // [E, out, r] -> [out, r E], element (o, j E + e) = B_e(o, j)
@@ -111,43 +113,9 @@ std::vector<PeftTensor> peft_adapter_tensors(const ModelConfig& cfg, const LoraC
     for (std::int64_t e = 0; e < E; ++e)
       for (std::int64_t o = 0; o < outd; ++o)
         for (std::int64_t j = 0; j < r; ++j) b[(o * r + j) * E + e] = v[(e * outd + o) * r + j];
-    out.push_back({peft_expert_name(l, et, 'B', both), {outd, r * E}, std::move(b)});
+    out.push_back({name, {outd, r * E}, std::move(b)});
   }
   return out;
-}
-
-std::vector<float> read_peft_adapters(const std::string& dir, const ModelConfig& cfg,
-                                      const LoraConfig& lora) {
-  const std::string path = (fs::path(dir) / "adapter_model.safetensors").string();
-  const SafetensorsFile f(path);
-  const ParamLayout layout = lora_layout(cfg, lora);
-  std::vector<float> adapters(layout.numel(), 0.0f);
-  // The PEFT tensors of these adapters give the names and shapes, in layout order; each read
-  // back through the inverse of its layout change.
-  const std::vector<PeftTensor> want = peft_adapter_tensors(cfg, lora, adapters.data());
-  QT_CHECK(want.size() == layout.params().size(), "PEFT tensors {} of {} adapters", want.size(),
-           layout.params().size());
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    const ParamInfo& p = layout.params()[i];
-    const StTensor* t = f.find(want[i].name);
-    if (!t) fail_user("{}: no tensor {} (adapters for lora.targets = {})", path, want[i].name,
-                      lora.targets);
-    if (t->shape != want[i].shape)
-      fail_user("{}: {} has shape [{}], expected [{}] (lora.r = {})", path, want[i].name,
-                fmt::join(t->shape, ", "), fmt::join(want[i].shape, ", "), lora.r);
-    std::vector<float> v(p.numel);
-    f.read_rows_f32(*t, 0, t->rows(), v.data());
-    float* dst = adapters.data() + p.offset;
-    if (p.shape.size() == 3 && want[i].name.ends_with("lora_B.weight")) {
-      const std::int64_t E = p.shape[0], outd = p.shape[1], r = p.shape[2];
-      for (std::int64_t e = 0; e < E; ++e)
-        for (std::int64_t o = 0; o < outd; ++o)
-          for (std::int64_t j = 0; j < r; ++j) dst[(e * outd + o) * r + j] = v[(o * r + j) * E + e];
-    } else {
-      std::copy(v.begin(), v.end(), dst);
-    }
-  }
-  return adapters;
 }
 
 nlohmann::json adapter_config_json(const LoraCheckpointInfo& lora, const std::string& base_path) {

@@ -59,11 +59,6 @@ struct PeftTensor {
 };
 std::vector<PeftTensor> peft_adapter_tensors(const ModelConfig& cfg, const LoraConfig& lora,
                                              const float* adapters);
-// The inverse: adapters in lora_layout(cfg, lora) from an adapter directory's
-// adapter_model.safetensors (what export_lora_adapters writes, or peft's save_pretrained of the
-// same LoraConfig). UserError naming the file on a missing tensor or a wrong shape.
-std::vector<float> read_peft_adapters(const std::string& dir, const ModelConfig& cfg,
-                                      const LoraConfig& lora);
 
 // The adapter directory (rank 0 writes it atomically, as export_checkpoint does). Returns the
 // summary line.

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_hdf5.h"
 #include "fuzz_util.h"
 #include "io/hdf5_util.h"
 #include "qtrain/checkpoint.h"
@@ -127,44 +128,20 @@ const char* const kGroups[] = {"params", "optim/exp_avg", "optim/exp_avg_sq"};
 
 // Writes attribute `name` of `loc` (replacing it) with a type and value chosen by the input.
 void write_attr(hid_t loc, const char* name, Bytes& in) {
-  if (H5Aexists(loc, name) > 0) H5Adelete(loc, name);
+  using T = qt::fuzz::AttrType;
+  constexpr T kTypes[] = {T::kI64, T::kU64, T::kF64, T::kFixedString, T::kI8, T::kI64, T::kF32};
   const std::uint8_t kind = in.u8() % 7;
-  const std::uint64_t raw = in.flag() ? in.u64() : in.u8();
-  hsize_t two = 2;
-  const qt::h5::Handle space(kind == 5 ? H5Screate_simple(1, &two, nullptr) : H5Screate(H5S_SCALAR),
-                         H5Sclose);
-  const qt::h5::Handle type(kind == 0   ? H5Tcopy(H5T_STD_I64LE)
-                        : kind == 1 ? H5Tcopy(H5T_STD_U64LE)
-                        : kind == 2 ? H5Tcopy(H5T_IEEE_F64LE)
-                        : kind == 3 ? H5Tcopy(H5T_C_S1)
-                        : kind == 4 ? H5Tcopy(H5T_STD_I8LE)
-                        : kind == 5 ? H5Tcopy(H5T_STD_I64LE)
-                                    : H5Tcopy(H5T_IEEE_F32LE),
-                        H5Tclose);
-  const std::string text(in.take(in.u8() % 24));
-  if (kind == 3) {
-    if (in.flag())
-      H5Tset_size(type, H5T_VARIABLE);
-    else
-      H5Tset_size(type, text.size() + 1);
-  }
-  const qt::h5::Handle attr(H5Acreate2(loc, name, type, space, H5P_DEFAULT, H5P_DEFAULT), H5Aclose);
-  if (attr.valid()) {
-    const std::uint64_t two_vals[2] = {raw, raw};
-    const double d = static_cast<double>(static_cast<std::int64_t>(raw)) / 4;
-    const float f = static_cast<float>(d);
-    const char* s = text.c_str();
-    if (kind == 2)
-      H5Awrite(attr, H5T_NATIVE_DOUBLE, &d);
-    else if (kind == 3 && H5Tis_variable_str(type) > 0)
-      H5Awrite(attr, type, &s);
-    else if (kind == 3)
-      H5Awrite(attr, type, s);
-    else if (kind == 6)
-      H5Awrite(attr, H5T_NATIVE_FLOAT, &f);
-    else
-      H5Awrite(attr, kind == 1 ? H5T_NATIVE_UINT64 : H5T_NATIVE_INT64, two_vals);
-  }
+  qt::fuzz::Attr a;
+  a.type = kTypes[kind];
+  a.pair = kind == 5;
+  a.bits = in.flag() ? in.u64() : in.u8();
+  a.real = static_cast<double>(static_cast<std::int64_t>(a.bits)) / 4;
+  a.text = in.take(in.u8() % 24);
+  if (kind == 3 && in.flag())
+    a.type = T::kVarString;
+  else if (kind == 3)
+    a.text.push_back('\0');  // a fixed string of the text and its NUL
+  qt::fuzz::write_attr(loc, name, a);
 }
 
 // Replaces dataset `where` by another dataset (other type, rank or shape, compact or not) or a

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "data/token_file.h"
+#include "fuzz_hdf5.h"
 #include "fuzz_util.h"
 #include "io/hdf5_util.h"
 #include "qtrain/data.h"
@@ -100,30 +101,21 @@ void write_column(hid_t file, const char* name, const std::vector<std::int64_t>&
   }
 }
 
+// The vocab_size attribute: none, or a type and value chosen by the input.
 void write_vocab_attr(hid_t file, Bytes& in) {
+  using T = qt::fuzz::AttrType;
+  constexpr T kTypes[] = {T::kI64,         T::kI64, T::kU64, T::kF64,
+                          T::kFixedString, T::kU8,  T::kI64, T::kI64};
   const std::uint8_t kind = in.u8() % 8;
   if (kind == 0) return;
+  qt::fuzz::Attr a;
+  a.type = kTypes[kind];
+  a.pair = kind == 6;
   const std::int64_t v = in.flag() ? static_cast<std::int64_t>(in.u64()) : in.range(0, 400);
-  hsize_t two = 2;
-  const qt::h5::Handle space(kind == 6 ? H5Screate_simple(1, &two, nullptr) : H5Screate(H5S_SCALAR),
-                         H5Sclose);
-  const qt::h5::Handle type(kind == 2   ? H5Tcopy(H5T_STD_U64LE)
-                        : kind == 3 ? H5Tcopy(H5T_IEEE_F64LE)
-                        : kind == 4 ? H5Tcopy(H5T_C_S1)
-                        : kind == 5 ? H5Tcopy(H5T_STD_U8LE)
-                                    : H5Tcopy(H5T_STD_I64LE),
-                        H5Tclose);
-  if (kind == 4) H5Tset_size(type, 8);
-  const qt::h5::Handle attr(H5Acreate2(file, "vocab_size", type, space, H5P_DEFAULT, H5P_DEFAULT),
-                        H5Aclose);
-  const std::int64_t vals[2] = {v, v};
-  const double d = static_cast<double>(v) + 0.5;
-  if (kind == 3)
-    H5Awrite(attr, H5T_NATIVE_DOUBLE, &d);
-  else if (kind == 4)
-    H5Awrite(attr, type, "12345678");
-  else
-    H5Awrite(attr, kind == 2 ? H5T_NATIVE_UINT64 : H5T_NATIVE_INT64, vals);
+  a.bits = static_cast<std::uint64_t>(v);
+  a.real = static_cast<double>(v) + 0.5;
+  a.text = "12345678";  // no NUL
+  qt::fuzz::write_attr(file, "vocab_size", a);
 }
 
 }  // namespace

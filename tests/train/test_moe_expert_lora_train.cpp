@@ -47,6 +47,35 @@ const std::vector<std::string> kLr = {"--optim.lr=2e-2", "--optim.min_lr=2e-3"};
 
 using test::with;
 
+// The export read back, as peft reads the file (get_delta_weight): each adapter of
+// lora_layout(cfg, lora) from the tensor of the name and shape peft_adapter_tensors gives it, the
+// experts' B [out, r E] (column j E + e: B_e's column j) put back to [E, out, r].
+void read_peft_adapters(const std::string& dir, const ModelConfig& cfg, const LoraConfig& lora,
+                        std::vector<float>& adapters) {
+  const hf::SafetensorsFile f(dir + "/adapter_model.safetensors");
+  const ParamLayout layout = lora_layout(cfg, lora);
+  adapters.assign(layout.numel(), 0.0f);
+  const std::vector<hf::PeftTensor> want = hf::peft_adapter_tensors(cfg, lora, adapters.data());
+  ASSERT_EQ(want.size(), layout.params().size());
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const ParamInfo& p = layout.params()[i];
+    const hf::StTensor* t = f.find(want[i].name);
+    ASSERT_NE(t, nullptr) << want[i].name;
+    ASSERT_EQ(t->shape, want[i].shape) << want[i].name;
+    std::vector<float> v(p.numel);
+    f.read_rows_f32(*t, 0, t->rows(), v.data());
+    float* dst = adapters.data() + p.offset;
+    if (p.shape.size() == 3 && want[i].name.ends_with("lora_B.weight")) {
+      const std::int64_t E = p.shape[0], outd = p.shape[1], r = p.shape[2];
+      for (std::int64_t e = 0; e < E; ++e)
+        for (std::int64_t o = 0; o < outd; ++o)
+          for (std::int64_t j = 0; j < r; ++j) dst[(e * outd + o) * r + j] = v[(o * r + j) * E + e];
+    } else {
+      std::copy(v.begin(), v.end(), dst);
+    }
+  }
+}
+
 TEST_F(MoeTraining, ExpertLoraTrainsOnlyTheAdapters) {
   auto world = std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
   const std::uint64_t seed = run_seed();
@@ -247,7 +276,8 @@ TEST_F(MoeTraining, ExpertLoraExportIsPeftsLayoutAndReadsBack) {
   const hf::CheckpointModel cm = hf::read_checkpoint_model(o.checkpoint);
   ASSERT_TRUE(cm.lora.has_value());
   const std::vector<float> ckpt = hf::read_lora_adapters(o.checkpoint, cm, world);
-  const std::vector<float> back = hf::read_peft_adapters(o.out_dir, cm.cfg, cm.lora->config);
+  std::vector<float> back;
+  ASSERT_NO_FATAL_FAILURE(read_peft_adapters(o.out_dir, cm.cfg, cm.lora->config, back));
   ASSERT_EQ(back.size(), ckpt.size());
   for (std::size_t i = 0; i < ckpt.size(); ++i)
     ASSERT_EQ(std::bit_cast<std::uint32_t>(back[i]), std::bit_cast<std::uint32_t>(ckpt[i])) << i;
