@@ -328,12 +328,18 @@ TEST(LoraModel, MergedWeightsGiveTheAdaptedLogits) {
 // Adapters on every expert of a Qwen3-MoE model (layer 0 sparse, layer 1 dense, its MLP
 // adapted too): B = 0 gives
 // the base model bit for bit, and lora_merge (export --merge, evaluation) gives the adapted logits.
-TEST(LoraModel, ExpertAdaptersZeroBAndMerge) {
+// small_config as a Qwen3-MoE model: 4 experts, 2 a token, layer 1 dense.
+ModelConfig small_moe_config() {
   ModelConfig c = small_config(false);
   c.num_experts = 4;
   c.num_experts_per_tok = 2;
   c.moe_intermediate_size = 6;
   c.mlp_only_layers = {1};
+  return c;
+}
+
+TEST(LoraModel, ExpertAdaptersZeroBAndMerge) {
+  const ModelConfig c = small_moe_config();
   Problem pb(c, lora_with("q_proj, up_proj, experts.gate_up_proj, experts.down_proj"));
   EXPECT_EQ(pb.alayout.find("base_model.model.model.layers.1.mlp.up_proj.lora_B.weight").shape,
             (std::vector<std::int64_t>{20, 3}));  // the dense layer's MLP only
@@ -425,11 +431,7 @@ TEST(LoraLayout, OptimizerStateIsTwiceTheAdapters) {
 // holds E / 2 experts' rows, and each run of the experts' stacked adapters is a unit over
 // expert-dp, sharded over ep along the experts (global_shape E), the dense runs over dp.
 TEST(LoraLayout, ExpertAdaptersShardedOverEp) {
-  ModelConfig c = small_config(false);
-  c.num_experts = 4;
-  c.num_experts_per_tok = 2;
-  c.moe_intermediate_size = 6;
-  c.mlp_only_layers = {1};
+  const ModelConfig c = small_moe_config();
   const LoraConfig l = lora_with("q_proj, experts.gate_up_proj, experts.down_proj");
   MeshShape dp4;
   dp4.dp = 4;
