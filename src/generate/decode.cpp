@@ -3,10 +3,8 @@
 
 #include <chrono>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
-#include "qtrain/error.h"
+#include "io/json_file.h"
 
 namespace qt::gen {
 
@@ -52,15 +50,7 @@ std::vector<std::int32_t> generation_config_eos(const std::string& dir) {
   const fs::path p = fs::path(dir) / "generation_config.json";
   std::error_code ec;
   if (dir.empty() || !fs::is_regular_file(p, ec)) return {};
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(ss.str());
-  } catch (const nlohmann::json::exception& e) {
-    fail_user("{}: not valid JSON ({})", p.string(), e.what());
-  }
+  const nlohmann::json j = io::read_json_file(p.string());
   return j.is_object() && j.contains("eos_token_id") ? json_ids(j["eos_token_id"])
                                                      : std::vector<std::int32_t>{};
 }
