@@ -180,7 +180,7 @@ Evaluation::Evaluation(const Deck& deck, Mesh& mesh) : deck_(deck), mesh_(mesh) 
       const std::string key = e.tokenizer.empty() ? "model.init" : "eval.tokenizer";
       try {
         tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_dir(tokenizer_dir_));
-        stop_ = gen::stop_tokens(*tokenizer_, {deck.model_init, tokenizer_dir_});
+        stop_ = gen::stop_tokens(*tokenizer_, deck.model_init, tokenizer_dir_);
       } catch (const UserError& x) {
         fail_user("eval.samples' tokenizer ({} = {}): {}", key, tokenizer_dir_, x.what());
       }
