@@ -168,6 +168,8 @@ Evaluation::Evaluation(const Deck& deck, Mesh& mesh) : deck_(deck), mesh_(mesh) 
         fail_user("eval.paths: {}", x.what());
       }
     }
+    // data.path's held-out part opens the file again on purpose: each source owns its handle,
+    // order and lock (none shared with the trainer's), for a second validating scan at start-up.
     if (e.split > 0)
       sources_.push_back(open_token_file(deck.data.path, V, T, kEvalOrderSeed, packing,
                                          {TokenSplit::Part::kHeldOut, e.split}));
