@@ -3,10 +3,8 @@
 
 #include <chrono>
 #include <filesystem>
-#include <fstream>
-#include <sstream>
 
-#include "qtrain/error.h"
+#include "io/json_file.h"
 
 namespace qt::gen {
 
@@ -47,32 +45,29 @@ std::vector<std::int32_t> json_ids(const nlohmann::json& e) {
   return ids;
 }
 
-std::vector<std::int32_t> generation_config_eos(const std::string& dir) {
-  namespace fs = std::filesystem;
-  const fs::path p = fs::path(dir) / "generation_config.json";
+std::vector<std::int32_t> eos_ids_of(const std::string& path) {
   std::error_code ec;
-  if (dir.empty() || !fs::is_regular_file(p, ec)) return {};
-  std::ifstream in(p, std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(ss.str());
-  } catch (const nlohmann::json::exception& e) {
-    fail_user("{}: not valid JSON ({})", p.string(), e.what());
-  }
+  if (!std::filesystem::is_regular_file(path, ec)) return {};
+  const nlohmann::json j = io::read_json_file(path);
   return j.is_object() && j.contains("eos_token_id") ? json_ids(j["eos_token_id"])
                                                      : std::vector<std::int32_t>{};
 }
 
-std::set<std::int32_t> stop_tokens(const Tokenizer& tok, const std::vector<std::string>& dirs) {
+std::set<std::int32_t> stop_tokens(const Tokenizer& tok, const std::string& model_dir,
+                                   const std::string& tok_dir) {
+  namespace fs = std::filesystem;
   std::set<std::int32_t> stop;
   for (const char* t : {"<|im_end|>", "<|endoftext|>"})
     if (auto id = tok.token_id(t)) stop.insert(*id);
   if (!tok.eos_token().empty())
     if (auto id = tok.token_id(tok.eos_token())) stop.insert(*id);
-  for (const std::string& dir : dirs)
-    for (std::int32_t id : generation_config_eos(dir)) stop.insert(id);
+  std::vector<std::string> files;
+  if (!model_dir.empty())
+    for (const char* f : {"config.json", "generation_config.json"})
+      files.push_back((fs::path(model_dir) / f).string());
+  if (!tok_dir.empty()) files.push_back((fs::path(tok_dir) / "generation_config.json").string());
+  for (const std::string& f : files)
+    for (std::int32_t id : eos_ids_of(f)) stop.insert(id);
   return stop;
 }
 

@@ -36,12 +36,15 @@ DecodeResult decode(Decoder& dec, Sampler& sampler, std::span<const std::int32_t
 // The ids of a token-id field of a JSON file: an integer or a list of them (null or absent: none).
 std::vector<std::int32_t> json_ids(const nlohmann::json& e);
 
-// The eos ids of generation_config.json in `dir` (none when dir is "" or has no such file);
-// UserError when it is not JSON.
-std::vector<std::int32_t> generation_config_eos(const std::string& dir);
+// The eos_token_id ids of the JSON file `path` (none when it does not exist); UserError when it
+// is not JSON.
+std::vector<std::int32_t> eos_ids_of(const std::string& path);
 
-// Where generation stops: the tokenizer's <|im_end|>, <|endoftext|> and eos token, and the eos ids
-// of generation_config.json in each of `dirs` ("" skipped).
-std::set<std::int32_t> stop_tokens(const Tokenizer& tok, const std::vector<std::string>& dirs);
+// Where generation stops, for `qtrain generate` and the trainer's samples alike (one rule): the
+// tokenizer's <|im_end|>, <|endoftext|> and eos token, the eos_token_id of config.json in
+// `model_dir` (a Hugging Face model directory, or a checkpoint's model.init), and the eos ids of
+// generation_config.json in `model_dir` and `tok_dir` (a "" directory is skipped).
+std::set<std::int32_t> stop_tokens(const Tokenizer& tok, const std::string& model_dir,
+                                   const std::string& tok_dir);
 
 }  // namespace qt::gen

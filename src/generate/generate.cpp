@@ -135,7 +135,6 @@ struct ModelSource {
   bool hf = false;   // a Hugging Face directory, else a qtrain checkpoint
   std::string path;  // the directory or the checkpoint file
   ModelConfig cfg;
-  hf::ConfigExtras extras;   // config.json's token ids (HF only)
   hf::CheckpointModel ckpt;  // a checkpoint's model (checkpoint only); ckpt.lora: a LoRA run's
   std::string side_dir;      // default tokenizer and generation_config.json ("" = none)
   std::string describe;
@@ -157,7 +156,7 @@ ModelSource resolve_model(const std::string& model, const std::string& base, Com
                 base, model);
     s.hf = true;
     s.path = model;
-    s.cfg = hf::read_config(model, &s.extras);
+    s.cfg = hf::read_config(model);
     s.side_dir = model;
     s.describe = fmt::format("Hugging Face directory {}", model);
     return s;
@@ -279,8 +278,7 @@ int run(const Options& o, std::shared_ptr<MpiComm> world) {
   if (static_cast<std::int64_t>(prompt.size()) >= cfg.max_position_embeddings)
     fail_user("the prompt has {} tokens; the model allows {} positions (max_position_embeddings)",
               prompt.size(), cfg.max_position_embeddings);
-  std::set<std::int32_t> stop = gen::stop_tokens(tok, {src.side_dir, tok_dir});
-  for (std::int32_t id : gen::json_ids(src.extras.eos_token_id)) stop.insert(id);
+  const std::set<std::int32_t> stop = gen::stop_tokens(tok, src.side_dir, tok_dir);
   std::string stop_text;
   for (std::int32_t id : stop)
     if (id >= 0 && id < tok.vocab_size())

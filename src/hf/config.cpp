@@ -4,10 +4,9 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <limits>
-#include <sstream>
 
+#include "io/json_file.h"
 #include "qtrain/error.h"
 
 namespace qt::hf {
@@ -182,12 +181,7 @@ const std::vector<ConfigKey>& config_keys() {
 }
 
 ModelConfig parse_config(const std::string& text, const std::string& where, ConfigExtras* extras) {
-  json j;
-  try {
-    j = json::parse(text);
-  } catch (const json::exception& e) {
-    fail_user("{}: not valid JSON: {}", where, e.what());
-  }
+  const json j = io::parse_json(text, where);
   if (!j.is_object()) fail_user("{}: not a JSON object", where);
 
   // Which model: model_type "qwen3" or "qwen3_moe" and, when listed, its architecture.
@@ -325,12 +319,7 @@ void validate_model(const ModelConfig& c, const std::string& where) {
 
 ModelConfig read_config(const std::string& dir, ConfigExtras* extras) {
   const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail_user("{}: cannot open it (a Hugging Face model directory has config.json)", path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) fail_user("{}: read error", path);
-  return parse_config(ss.str(), path, extras);
+  return parse_config(io::read_text_file(path), path, extras);
 }
 
 ConfigExtras default_extras(const ModelConfig& cfg) {

@@ -13,7 +13,6 @@
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <sstream>
 
 #include "config/field_text.h"
 #include "config/ini_lines.h"
@@ -23,6 +22,7 @@
 #include "hf/safetensors.h"
 #include "hf/weights.h"
 #include "io/hdf5_util.h"
+#include "io/json_file.h"
 #include "model/lora.h"
 #include "qtrain/checkpoint.h"
 #include "qtrain/error.h"
@@ -51,14 +51,6 @@ constexpr const char* kUsage =
     "                         the working or home directory)\n"
     "  A LoRA run's checkpoint exports as PEFT's adapter_model.safetensors + adapter_config.json;\n"
     "  --merge                instead, the base model with the adapters merged (W + scale * B A)\n";
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  if (!in) fail_user("cannot read {}", p.string());
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 void write_text(const fs::path& p, const std::string& text) {
   std::ofstream out(p, std::ios::binary | std::ios::trunc);
@@ -434,7 +426,7 @@ std::string export_checkpoint(const ExportOptions& o, std::shared_ptr<MpiComm> w
       std::string gen;
       for (const fs::path& src : {init, fs::path(o.tokenizer_dir)}) {
         if (gen.empty() && !src.empty() && fs::is_regular_file(src / "generation_config.json", ec))
-          gen = read_text(src / "generation_config.json");
+          gen = io::read_text_file((src / "generation_config.json").string());
       }
       if (gen.empty()) {
         nlohmann::ordered_json g;

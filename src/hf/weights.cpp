@@ -6,12 +6,11 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <sstream>
 
 #include "hf/moe_weights.h"
+#include "io/json_file.h"
 #include "qtrain/error.h"
 
 namespace qt::hf {
@@ -44,15 +43,7 @@ HfWeights::HfWeights(const std::string& dir) : dir_(dir) {
     files.push_back("model.safetensors");
     describe_ = "model.safetensors";
   } else if (fs::is_regular_file(index, ec)) {
-    std::ifstream in(index, std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(ss.str());
-    } catch (const nlohmann::json::exception& e) {
-      fail_user("{}: not valid JSON: {}", index.string(), e.what());
-    }
+    nlohmann::json j = io::read_json_file(index.string());
     if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object() ||
         j["weight_map"].empty())
       fail_user("{}: no \"weight_map\" object naming the shard of every tensor", index.string());

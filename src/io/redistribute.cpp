@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <iterator>
+#include <map>
 #include <vector>
 
 #include "qtrain/error.h"
@@ -213,6 +214,51 @@ void redistribute_pieces(Comm& comm, std::size_t n, const std::vector<ConstFlatP
       });
     }
   }
+}
+
+void gather_pieces(Comm& comm, std::size_t n, const std::vector<ConstFlatPiece>& have, float* out,
+                   const char* what, std::size_t stage) {
+  std::vector<Range> mine;
+  for (const ConstFlatPiece& h : have) mine.push_back(h.range);
+  const auto all = all_gather_ranges(comm, mine);
+  // A partition: each piece less what the pieces before it hold (`held`: disjoint, by begin),
+  // alike on every rank; this rank's parts keep their data.
+  std::map<std::size_t, std::size_t> held;  // begin -> end
+  std::vector<std::vector<Range>> once(all.size());
+  std::vector<ConstFlatPiece> first;
+  for (std::size_t s = 0; s < all.size(); ++s)
+    for (std::size_t i = 0; i < all[s].size(); ++i) {
+      const Range r = all[s][i];
+      std::size_t at = r.begin;  // the parts of r below `at` are placed
+      auto it = held.upper_bound(at);
+      if (it != held.begin() && std::prev(it)->second > at) --it;
+      for (; at < r.end; ++it) {
+        const std::size_t gap_end = it == held.end() ? r.end : std::min(r.end, it->first);
+        if (at < gap_end) {
+          once[s].push_back({at, gap_end});
+          if (static_cast<int>(s) == comm.rank())
+            first.push_back({{at, gap_end}, have[i].data + (at - r.begin)});
+        }
+        if (it == held.end()) break;
+        at = std::max(at, it->second);
+      }
+      if (r.begin >= r.end) continue;
+      // held gains r: merged with the ranges it touches.
+      std::size_t lo = r.begin, hi = r.end;
+      auto m = held.upper_bound(lo);
+      if (m != held.begin() && std::prev(m)->second >= lo) --m;
+      while (m != held.end() && m->first <= hi) {
+        lo = std::min(lo, m->first);
+        hi = std::max(hi, m->second);
+        m = held.erase(m);
+      }
+      held.emplace(lo, hi);
+    }
+  const std::string err = partition_error(once, n);
+  QT_CHECK(err.empty(), "gathering {}: {}", what, err);
+  std::vector<FlatPiece> want;
+  if (comm.rank() == 0) want.push_back({Range{0, n}, out});
+  redistribute_pieces(comm, n, first, want, stage);
 }
 
 void redistribute_flat(Comm& comm, std::size_t n, const float* mine, Range want, float* out,

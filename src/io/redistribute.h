@@ -40,4 +40,12 @@ std::string partition_error(const std::vector<std::vector<Range>>& ranges, std::
 void redistribute_pieces(Comm& comm, std::size_t n, const std::vector<ConstFlatPiece>& have,
                          const std::vector<FlatPiece>& want, std::size_t stage = kRedistributeStage);
 
+// Collective. redistribute_pieces with one want, the whole [0, n) into `out` [n] on rank 0
+// (untouched elsewhere), from `have` pieces that may overlap where they hold the same values
+// (e.g. weights replicated over ranks): each element comes from the first piece that holds it,
+// in rank order, then the pieces' order. An element no rank holds is a QT_CHECK failure naming
+// `what` on every rank.
+void gather_pieces(Comm& comm, std::size_t n, const std::vector<ConstFlatPiece>& have, float* out,
+                   const char* what, std::size_t stage = kRedistributeStage);
+
 }  // namespace qt

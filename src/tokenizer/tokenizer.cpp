@@ -6,13 +6,12 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <unordered_map>
 
+#include "io/json_file.h"
 #include "qtrain/error.h"
 #include "tokenizer/bpe.h"
 #include "tokenizer/text.h"
@@ -73,25 +72,6 @@ std::optional<std::int32_t> token_id_of(const json& v) {
     if (i >= 0 && i < kMaxTokenId) return static_cast<std::int32_t>(i);
   }
   return std::nullopt;
-}
-
-std::string read_file(const std::string& path, const char* what) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) fail_user("{} {}: no such file", what, path);
-  if (fs::is_directory(path, ec)) fail_user("{} {}: is a directory", what, path);
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail_user("{} {}: cannot open it for reading", what, path);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-json parse_json(const std::string& text, const std::string& path, const char* what) {
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {  // parse_error, or out_of_range for a number like 1e999
-    fail_user("{} {}: not valid JSON ({})", what, path, e.what());
-  }
 }
 
 // chat_template and eos_token of a tokenizer_config.json (null or absent: left empty).
@@ -377,7 +357,7 @@ void Tokenizer::Impl::encode_segment(std::string_view seg, std::size_t base,
 Tokenizer Tokenizer::from_file(const std::string& path) {
   auto impl = std::make_shared<Impl>();
   impl->source = path;
-  const json j = parse_json(read_file(path, "tokenizer file"), path, "tokenizer file");
+  const json j = io::read_json_file(path, "tokenizer file");
   try {
     impl->load(j, path);
   } catch (const json::exception& e) {  // a value of the wrong JSON type somewhere
@@ -399,12 +379,12 @@ Tokenizer Tokenizer::from_dir(const std::string& path) {
   Tokenizer t = from_file(tj);
   const std::string cj = (fs::path(path) / "tokenizer_config.json").string();
   if (fs::exists(cj, ec)) {
-    const json c = parse_json(read_file(cj, "tokenizer config"), cj, "tokenizer config");
+    const json c = io::read_json_file(cj, "tokenizer config");
     read_config(c, cj, t.impl_->chat_template, t.impl_->eos_token);
   }
   const std::string jinja = (fs::path(path) / "chat_template.jinja").string();
   if (t.impl_->chat_template.empty() && fs::exists(jinja, ec))
-    t.impl_->chat_template = read_file(jinja, "chat template");
+    t.impl_->chat_template = io::read_text_file(jinja, "chat template");
   return t;
 }
 

@@ -14,6 +14,7 @@
 #include "generate/decode.h"
 #include "generate/kv_decoder.h"
 #include "generate/sampler.h"
+#include "io/redistribute.h"
 #include "model/lora.h"
 #include "qtrain/error.h"
 
@@ -29,84 +30,14 @@ double seconds_since(Clock::time_point t0) {
 // The order of a held-out file's sequences (DataSource::sample's seed): fixed, so that runs of any
 // train.seed evaluate the same sequences, also under eval.max_sequences.
 constexpr std::uint64_t kEvalOrderSeed = 0;
-constexpr int kGatherTag = 0x4556;                    // gather_pieces' messages
-constexpr std::size_t kChunk = std::size_t{1} << 24;  // floats a message (64 MiB)
 
-// Rank 0 of `world`: out[numel] from every rank's pieces (flat ranges; where two ranks hold an
-// element they hold the same value); the other ranks send theirs, the data as one stream in
-// messages of up to kChunk floats. `what` names the buffer in the coverage check.
-void gather_pieces(std::vector<ConstFlatPiece> mine, std::vector<float>& out, std::size_t numel,
-                   Comm& world, const char* what) {
-  std::erase_if(mine, [](const ConstFlatPiece& p) { return p.range.size() == 0; });
-  if (world.rank() != 0) {
-    std::int64_t n = static_cast<std::int64_t>(mine.size());
-    std::vector<std::int64_t> ranges;
-    for (const ConstFlatPiece& p : mine)
-      ranges.insert(ranges.end(), {static_cast<std::int64_t>(p.range.begin),
-                                   static_cast<std::int64_t>(p.range.end)});
-    world.send(&n, 1, DType::kI64, 0, kGatherTag);
-    if (n > 0) world.send(ranges.data(), ranges.size(), DType::kI64, 0, kGatherTag);
-    std::vector<float> buf;
-    auto flush = [&] {
-      if (!buf.empty()) world.send(buf.data(), buf.size(), DType::kF32, 0, kGatherTag);
-      buf.clear();
-    };
-    for (const ConstFlatPiece& p : mine) {
-      const float* d = p.data;
-      for (std::size_t left = p.range.size(); left > 0;) {
-        const std::size_t take = std::min(left, kChunk - buf.size());
-        buf.insert(buf.end(), d, d + take);
-        d += take;
-        left -= take;
-        if (buf.size() == kChunk) flush();
-      }
-    }
-    flush();
-    return;
-  }
-  out.assign(numel, 0.0f);
-  std::vector<Range> placed;  // every range written, for the coverage check at the end
-  auto place = [&](const Range& r, const float* data) {
-    QT_CHECK(r.end <= numel, "{} piece [{}, {}) beyond its {} elements", what, r.begin, r.end,
-             numel);
-    std::copy(data, data + r.size(), out.begin() + static_cast<std::ptrdiff_t>(r.begin));
-    placed.push_back(r);
-  };
-  for (const ConstFlatPiece& p : mine) place(p.range, p.data);
-  std::vector<float> buf;
-  for (int src = 1; src < world.size(); ++src) {
-    std::int64_t n = 0;
-    world.recv(&n, 1, DType::kI64, src, kGatherTag);
-    std::vector<std::int64_t> ranges(static_cast<std::size_t>(2 * n));
-    if (n > 0) world.recv(ranges.data(), ranges.size(), DType::kI64, src, kGatherTag);
-    std::size_t total = 0;
-    for (std::int64_t i = 0; i < n; ++i) total += static_cast<std::size_t>(ranges[2 * i + 1] - ranges[2 * i]);
-    std::size_t piece = 0, within = 0;  // where the stream's next float goes
-    for (std::size_t left = total; left > 0;) {
-      const std::size_t m = std::min(kChunk, left);
-      buf.resize(m);
-      world.recv(buf.data(), m, DType::kF32, src, kGatherTag);
-      left -= m;
-      for (std::size_t k = 0; k < m;) {
-        const Range r{static_cast<std::size_t>(ranges[2 * piece]),
-                      static_cast<std::size_t>(ranges[2 * piece + 1])};
-        const std::size_t take = std::min(m - k, r.size() - within);
-        place(Range{r.begin + within, r.begin + within + take}, buf.data() + k);
-        k += take;
-        within += take;
-        if (within == r.size()) ++piece, within = 0;
-      }
-    }
-  }
-  // The union of the ranges is [0, numel): no element was left at its 0.
-  std::sort(placed.begin(), placed.end(),
-            [](const Range& a, const Range& b) { return a.begin < b.begin; });
-  std::size_t covered = 0;
-  for (const Range& r : placed) {
-    QT_CHECK(r.begin <= covered, "{} elements [{}, {}) held by no rank", what, covered, r.begin);
-    covered = std::max(covered, r.end);
-  }
-  QT_CHECK(covered == numel, "{} elements [{}, {}) held by no rank", what, covered, numel);
+// Rank 0 of `world`: the buffer of `numel` elements from every rank's pieces (flat ranges; where
+// two ranks hold an element they hold the same value); empty elsewhere.
+std::vector<float> gathered(const std::vector<ConstFlatPiece>& mine, std::size_t numel,
+                            Comm& world, const char* what) {
+  std::vector<float> out(world.rank() == 0 ? numel : 0);
+  gather_pieces(world, numel, mine, out.data(), what);
+  return out;
 }
 
 // A line of eval.samples as its prompt: `\n` a newline (a chat template's turns), `\\` a
@@ -136,19 +67,15 @@ std::vector<float> gather_model(TrainBackend& backend, Mesh& mesh, const Deck& d
     for (const StatePiece& p : backend.checkpoint_pieces()) out.push_back({p.range, p.params});
     return out;
   };
-  std::vector<float> model;
-  if (!deck.lora.enabled()) {
-    gather_pieces(trained(), model, backend.layout().numel(), world, "the model");
-    return model;
-  }
+  if (!deck.lora.enabled()) return gathered(trained(), backend.layout().numel(), world, "the model");
   // LoRA: the frozen base, whole on each expert-data-parallel group's first rank (the dense
   // weights also on every ep rank, the same values); then the adapters, merged on rank 0.
   std::vector<ConstFlatPiece> base;
   if (mesh.edp().rank() == 0)
     for (const FlatPiece& p : backend.model_pieces()) base.push_back({p.range, p.data});
-  gather_pieces(base, model, backend.layout().numel(), world, "the LoRA base");
-  std::vector<float> adapters;
-  gather_pieces(trained(), adapters, backend.trained_layout().numel(), world, "the adapters");
+  std::vector<float> model = gathered(base, backend.layout().numel(), world, "the LoRA base");
+  const std::vector<float> adapters =
+      gathered(trained(), backend.trained_layout().numel(), world, "the adapters");
   if (world.rank() == 0)
     lora_merge(deck.model, deck.lora, adapters.data(), backend.layout(), model.data());
   return model;
@@ -168,6 +95,8 @@ Evaluation::Evaluation(const Deck& deck, Mesh& mesh) : deck_(deck), mesh_(mesh) 
         fail_user("eval.paths: {}", x.what());
       }
     }
+    // data.path's held-out part opens the file again on purpose: each source owns its handle,
+    // order and lock (none shared with the trainer's), for a second validating scan at start-up.
     if (e.split > 0)
       sources_.push_back(open_token_file(deck.data.path, V, T, kEvalOrderSeed, packing,
                                          {TokenSplit::Part::kHeldOut, e.split}));
@@ -180,7 +109,7 @@ Evaluation::Evaluation(const Deck& deck, Mesh& mesh) : deck_(deck), mesh_(mesh) 
       const std::string key = e.tokenizer.empty() ? "model.init" : "eval.tokenizer";
       try {
         tokenizer_ = std::make_unique<Tokenizer>(Tokenizer::from_dir(tokenizer_dir_));
-        stop_ = gen::stop_tokens(*tokenizer_, {deck.model_init, tokenizer_dir_});
+        stop_ = gen::stop_tokens(*tokenizer_, deck.model_init, tokenizer_dir_);
       } catch (const UserError& x) {
         fail_user("eval.samples' tokenizer ({} = {}): {}", key, tokenizer_dir_, x.what());
       }

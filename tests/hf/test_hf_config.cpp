@@ -447,7 +447,7 @@ TEST_F(HfDeck, MissingDirectoryOrAnotherModel) {
   expect_user_error([&] { parse("[model]\ninit = " + dir_ + "/nothing\n"); },
                     {"deck.ini:2:", "model.init = " + dir_ + "/nothing", "no such directory"});
   expect_user_error([&] { parse("[model]\ninit = " + dir_ + "\n"); },
-                    {"model.init", dir_ + "/config.json", "cannot open"});
+                    {"model.init", dir_ + "/config.json", "no such file"});
   std::ofstream(model_ + "/config.json") << R"({"model_type": "llama", "vocab_size": 10})";
   expect_user_error([&] { parse("[model]\ninit = " + model_ + "\n"); },
                     {"deck.ini:2:", "model.init", "model_type is \"llama\""});

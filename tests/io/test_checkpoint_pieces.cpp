@@ -119,6 +119,40 @@ TEST(RedistributePieces, RandomLayoutsInManySmallRounds) {
   }
 }
 
+// gather_pieces: random pieces that cover [0, n), overlapping within and across ranks (the same
+// values where they overlap, as replicated weights), gathered whole on rank 0 in small rounds.
+TEST(RedistributePieces, GatherPiecesTakesOverlapsOnce) {
+  MpiComm world(MPI_COMM_WORLD, "world", false);
+  const int P = world.size(), me = world.rank();
+  const std::uint64_t base = shared_seed();
+  for (std::uint64_t trial = 0; trial < 24; ++trial) {
+    const std::uint64_t seed = base + trial;
+    SCOPED_TRACE(testing::Message() << "trial seed " << seed << " (QT_TEST_SEED=" << base << ")");
+    std::mt19937_64 rng(seed);  // every rank draws every rank's pieces alike
+    const std::size_t n = trial == 0 ? 0 : rng() % 300;
+    std::vector<float> all(n);
+    for (auto& x : all)
+      x = static_cast<float>(static_cast<std::int64_t>(rng() % 2000001) - 1000000);
+    // A partition dealt to random ranks, then random extra ranges (overlaps) to random ranks.
+    std::vector<ConstFlatPiece> have;
+    for (const Range& r : random_partition(n, rng() % (3 * P + 1), rng))
+      if (static_cast<int>(rng() % P) == me) have.push_back({r, all.data() + r.begin});
+    for (std::size_t k = rng() % (2 * P + 1); k > 0; --k) {
+      const Range r = random_range(n, rng);
+      if (static_cast<int>(rng() % P) == me) have.push_back({r, all.data() + r.begin});
+    }
+    const std::size_t stage = 1 + rng() % 12;
+    std::mt19937_64 local(seed + 1000 * me);  // this rank's piece order (draws differ by rank)
+    std::shuffle(have.begin(), have.end(), local);
+    Guarded out(me == 0 ? n : 0);
+    gather_pieces(world, n, have, out.data(), "the test buffer", stage);
+    if (me == 0) {
+      EXPECT_TRUE(same_bits(out.data(), all.data(), n)) << "n = " << n;
+      EXPECT_TRUE(out.guards_intact());
+    }
+  }
+}
+
 TEST(RedistributePieces, GathersEveryRanksRanges) {
   MpiComm world(MPI_COMM_WORLD, "world", false);
   const int P = world.size(), me = world.rank();

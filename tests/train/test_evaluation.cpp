@@ -20,6 +20,8 @@
 
 #include "generate/generate.h"
 #include "generate/sampler.h"
+#include "hf/config.h"
+#include "hf/export.h"
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "qtrain/checkpoint.h"
@@ -417,6 +419,82 @@ TEST_F(Samples, EqualWhatGenerateWritesForACheckpointOfTheSameStep) {
     }
     MPI_Barrier(MPI_COMM_WORLD);
   }
+}
+
+// A model.init directory whose config.json names an eos_token_id that is none of the tokenizer's
+// stop tokens: the samples stop at it, as `qtrain generate` does for that directory (one rule,
+// gen::stop_tokens). The eos id is one the first run's greedy samples produce; the second run
+// (the same weights at every step: eos ids do not change training) must cut them there.
+TEST_F(Samples, StopAtTheEosIdOfTheModelDirectorysConfigJson) {
+  ModelConfig cfg;
+  cfg.preset = "";
+  cfg.vocab_size = 272;
+  const std::string init = path("init");
+  auto write_init = [&](const nlohmann::json& eos) {
+    if (test::world_rank() == 0) {
+      const ParamLayout layout(cfg);
+      std::mt19937_64 rng(seed_ + 7);
+      const std::vector<float> params = test::random_vector<float>(layout.numel(), rng, 0.5);
+      fs::create_directories(init);
+      hf::ConfigExtras extras;
+      extras.eos_token_id = eos;
+      hf::write_model_dir(init, cfg, layout, params.data(), 5'000'000'000, extras, "");
+    }
+    MPI_Barrier(MPI_COMM_WORLD);
+  };
+  // tiny.ini without its [model] keys: model.init defines the model.
+  const std::size_t m = deck_.find("[model]"), mesh = deck_.find("[mesh]");
+  ASSERT_TRUE(m != std::string::npos && mesh != std::string::npos);
+  const std::string deck =
+      deck_.substr(0, m) + "[model]\ninit = " + init + "\n" + deck_.substr(mesh);
+  auto samples_of = [&](const std::string& name) {
+    std::vector<std::string> ov = common(name);
+    ov.insert(ov.end(), {"--eval.samples=" + path("prompts.txt"), "--eval.tokenizer=" + path("tok"),
+                         "--eval.max_new_tokens=12"});
+    const test::RunResult r = test::run(std::min(2, test::world_size()), deck, ov,
+                                        path(name + ".jsonl"));
+    EXPECT_EQ(r.exit_code, 0) << name << ": " << r.error;
+    std::vector<std::vector<std::int32_t>> ids;
+    if (test::world_rank() == 0) {
+      const std::vector<nlohmann::json> lines = lines_of(path(name + ".jsonl"), "samples");
+      EXPECT_EQ(lines.size(), 1u) << name << ": samples at the end only";
+      if (!lines.empty())
+        for (const nlohmann::json& s : lines.back()["samples"])
+          ids.push_back(s["ids"].get<std::vector<std::int32_t>>());
+    }
+    return ids;
+  };
+  write_init(nullptr);
+  const std::vector<std::vector<std::int32_t>> before = samples_of("eos_none");
+  // The eos: an id that a sample produces after others, not among them (so that sample is cut).
+  std::int32_t eos = -1;
+  if (test::world_rank() == 0)
+    for (const std::vector<std::int32_t>& ids : before)
+      for (std::size_t k = 1; k < ids.size() && eos < 0; ++k)
+        if (std::find(ids.begin(), ids.begin() + k, ids[k]) == ids.begin() + k) eos = ids[k];
+  MPI_Bcast(&eos, 1, MPI_INT32_T, 0, MPI_COMM_WORLD);
+  ASSERT_GE(eos, 0) << "no sample with a new id after its first to pick an eos from";
+  write_init(nlohmann::json::array({eos}));
+  const std::vector<std::vector<std::int32_t>> after = samples_of("eos_set");
+  if (test::world_rank() == 0) {
+    ASSERT_EQ(after.size(), before.size());
+    const Tokenizer t = Tokenizer::from_dir(path("tok"));
+    const nlohmann::json samples = lines_of(path("eos_set.jsonl"), "samples").back()["samples"];
+    for (std::size_t i = 0; i < before.size(); ++i) {
+      const auto cut = std::find(before[i].begin(), before[i].end(), eos);
+      EXPECT_EQ(after[i], std::vector<std::int32_t>(before[i].begin(), cut))
+          << "sample " << i << " must stop at config.json's eos_token_id " << eos;
+      // qtrain generate on the run's checkpoint (its model.init: the same directory) agrees.
+      const std::string bytes = t.decode(after[i]);
+      const std::size_t whole = gen::utf8_complete_prefix(bytes);
+      const std::string want =
+          bytes.substr(0, whole) + (whole < bytes.size() ? "\xEF\xBF\xBD" : "");
+      EXPECT_EQ(generate_text(path("eos_set/step_00000003.h5"), path("tok"),
+                              samples[i]["prompt"], 12),
+                want + "\n");
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // Problems that the run finds when it starts (after the deck): one message, on every rank.

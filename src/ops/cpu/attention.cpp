@@ -11,27 +11,12 @@
 #include <limits>
 #include <vector>
 
+#include "ops/cpu/attention_head.h"
 #include "ops/gemm.h"
 #include "qtrain/error.h"
 
 namespace qt::cpu {
 namespace {
-
-// Strided views of one head: row t of head h lives at base + t * ld + h * hd.
-struct HeadView {
-  std::size_t q_off, kv_off;  // offsets of (b, t=0, head) in the q/out and k/v tensors
-  int ldq, ldkv;              // row strides: nh * hd and nkv * hd
-};
-
-HeadView head_view(int b, int h, int Tn, int nh, int nkv, int hd) {
-  const int g = h / (nh / nkv);  // kv head shared by this query head
-  HeadView v;
-  v.ldq = nh * hd;
-  v.ldkv = nkv * hd;
-  v.q_off = static_cast<std::size_t>(b) * Tn * v.ldq + static_cast<std::size_t>(h) * hd;
-  v.kv_off = static_cast<std::size_t>(b) * Tn * v.ldkv + static_cast<std::size_t>(g) * hd;
-  return v;
-}
 
 // First key of each query row of batch row b: lo[i] = i - pos[b, i] (0 without pos). [T]
 std::vector<int> doc_starts(const std::int32_t* pos, int b, int Tn) {
@@ -67,7 +52,7 @@ void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v, int B
   for (int b = 0; b < B; ++b) {
     const std::vector<int> lo = doc_starts(pos, b, Tn);  // [T] first key of each query row
     for (int h = 0; h < nh; ++h) {
-      const HeadView hv = head_view(b, h, Tn, nh, nkv, hd);
+      const HeadView hv = head_view(b, h, Tn, Tn, nh, nkv, hd);
       T* lse_bh = lse + (static_cast<std::size_t>(b) * nh + h) * Tn;  // [T]
       // S = scale * Q K^T; only the band lo[i] <= j <= i is used.
       gemm<T>(false, true, Tn, Tn, hd, scale, q + hv.q_off, hv.ldq, k + hv.kv_off, hv.ldkv, T(0),
@@ -103,7 +88,7 @@ void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T*
   for (int b = 0; b < B; ++b) {
     const std::vector<int> lo = doc_starts(pos, b, Tn);  // [T] first key of each query row
     for (int h = 0; h < nh; ++h) {
-      const HeadView hv = head_view(b, h, Tn, nh, nkv, hd);
+      const HeadView hv = head_view(b, h, Tn, Tn, nh, nkv, hd);
       const T* lse_bh = lse + (static_cast<std::size_t>(b) * nh + h) * Tn;
       const T* Q = q + hv.q_off;
       const T* K = k + hv.kv_off;

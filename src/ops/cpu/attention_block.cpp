@@ -9,6 +9,7 @@
 #include <limits>
 #include <vector>
 
+#include "ops/cpu/attention_head.h"
 #include "ops/gemm.h"
 #include "qtrain/error.h"
 
@@ -16,22 +17,6 @@ namespace qt::cpu {
 namespace {
 
 constexpr double kMinusInf = -std::numeric_limits<double>::infinity();
-
-// The block of one (batch row, query head): offsets of its rows and their strides.
-struct BlockView {
-  std::size_t q_off, kv_off;  // (b, row 0, head) in the q/out and k/v tensors
-  int ldq, ldkv;              // nh * hd and nkv * hd
-};
-
-BlockView block_view(int b, int h, int Tq, int Tk, int nh, int nkv, int hd) {
-  const int g = h / (nh / nkv);  // the kv head of query head h
-  BlockView v;
-  v.ldq = nh * hd;
-  v.ldkv = nkv * hd;
-  v.q_off = static_cast<std::size_t>(b) * Tq * v.ldq + static_cast<std::size_t>(h) * hd;
-  v.kv_off = static_cast<std::size_t>(b) * Tk * v.ldkv + static_cast<std::size_t>(g) * hd;
-  return v;
-}
 
 // visible[i * Tk + j]: query row i of batch row b sees key row j. [Tq, Tk]
 std::vector<char> visibility(const AttentionBlockRows& rows, int b, int Tq, int Tk) {
@@ -73,7 +58,7 @@ void attention_block_forward(T* out, T* lse, const T* q, const T* k, const T* v,
   for (int b = 0; b < B; ++b) {
     const std::vector<char> vis = visibility(rows, b, Tq, Tk);
     for (int h = 0; h < nh; ++h) {
-      const BlockView bv = block_view(b, h, Tq, Tk, nh, nkv, hd);
+      const HeadView bv = head_view(b, h, Tq, Tk, nh, nkv, hd);
       T* lse_bh = lse + (static_cast<std::size_t>(b) * nh + h) * Tq;  // [Tq]
       gemm<T>(false, true, Tq, Tk, hd, scale, q + bv.q_off, bv.ldq, k + bv.kv_off, bv.ldkv, T(0),
               S.data(), Tk);
@@ -126,7 +111,7 @@ void attention_block_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, co
   for (int b = 0; b < B; ++b) {
     const std::vector<char> vis = visibility(rows, b, Tq, Tk);
     for (int h = 0; h < nh; ++h) {
-      const BlockView bv = block_view(b, h, Tq, Tk, nh, nkv, hd);
+      const HeadView bv = head_view(b, h, Tq, Tk, nh, nkv, hd);
       const T* lse_bh = lse + (static_cast<std::size_t>(b) * nh + h) * Tq;
       const T* Q = q + bv.q_off;
       const T* K = k + bv.kv_off;
