@@ -4,8 +4,9 @@
 //            master copy; filled from the host's fp32 parameters through a bounded staging buffer
 //   adapters fp32 master, gradients and AdamW moments (master and moments sharded over dp with
 //            ZeRO-1) and their bf16 compute copy, in the adapter layout (PEFT's names): the
-//            optimizer driver of full training (cuda/sharded_state_cuda.h) over one unit
-//            holding every adapter, as the CPU's (plan_one_unit)
+//            optimizer driver of full training (cuda/sharded_state_cuda.h) over the units of
+//            plan_adapters, as the CPU's (one unit holding every adapter, or with adapters on
+//            the experts at ep > 1 the experts' over expert-dp)
 //   Qwen3Cuda's activations (train.recompute as for full training) and LoraCuda's xa buffers
 // The forward and backward are Qwen3Cuda's with G = null (no weight gradient of the base, no
 // embedding backward). With dp > 1 the adapter gradients (small) are reduced over NCCL in the
@@ -28,10 +29,10 @@
 // Qwen3-MoE with mesh.ep > 1 (as the CPU back end): the base is the ep rank's local model too
 // (ep_local_config: E / ep experts of each sparse layer, frozen), the token rows cross the ep
 // group both ways in the forward and d out / d x in the backward (cuda_ops_moe_ep.cpp; no
-// expert weight gradients); the adapters are replicated over ep and reduced over dp like every
-// dense weight, those on every expert included (lora.targets experts.*: all E experts' stacked
-// adapters on each rank, which runs and trains its own experts' rows, cuda/lora_cuda.h; the dp
-// sum adds the owners' gradients). The base's map (make_model_map) places the rank's experts.
+// expert weight gradients); the dense adapters are replicated over ep and reduced over dp like
+// every dense weight, those on every expert (lora.targets experts.*) sharded like the experts:
+// the rank's E / ep experts' rows, reduced over expert-dp (plan_adapters; lora_map places them).
+// The base's map (make_model_map) places the rank's experts.
 #include <fmt/format.h>
 #include <memory>
 #include <vector>

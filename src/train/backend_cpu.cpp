@@ -1,7 +1,8 @@
 // The CPU reference back end: Qwen3Model (fp32, BLAS) over the optimizer driver ShardedState
 // (ZeRO 0-3 over MPI; optim/sharded_state.h). With [lora] the fp32 base is a frozen flat buffer
-// (no gradients, no moments) and the driver trains the adapters, one unit (a Qwen3-MoE model's
-// router and experts frozen too: their block's backward gives the input gradient only). With
+// (no gradients, no moments) and the driver trains the adapters over plan_adapters' units (a
+// Qwen3-MoE model's router and experts frozen too: their block's backward gives the input
+// gradient only; its expert adapters at ep > 1 sharded like the experts). With
 // mesh.tp > 1 the model and the driver hold the tp rank's local part (parallel/tensor_parallel.h)
 // and every piece of state leaves and enters in global coordinates (TpMap);
 // mesh.sequence_parallel splits the model's residual stream over tp too (model/layer_program.h).
