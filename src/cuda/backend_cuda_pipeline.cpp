@@ -65,12 +65,13 @@
 // only (FrozenUnits: no gradients, no master copy; the tied embedding on both ends, read from
 // the same weights) and trains the adapters of its chunks' layers: one LoraCuda over those
 // layer ranges (an xa a slot), bound to ShardedCudaState's units of plan_adapters (ZeRO-0 or 1;
-// reduced over dp, or the experts' over expert-dp, in the step, the norm summed over pp). Each action keys the dropout masks with its
-// micro-batch's first sequence and selects its slot's xa; ZB-H1's weight halves are empty (no
-// base weight gradients). lora_map takes the stage's adapters to the global PEFT tensors. On a
-// Qwen3-MoE model the adapters are attention's alone: the routers and experts are frozen units
-// (their blocks' backward d x only, the rows still exchanged over ep), the load statistics ride
-// as in full training.
+// reduced over dp, or the experts' over expert-dp, in the step; the norm summed over pp). Each
+// action keys the dropout masks with its micro-batch's first sequence and selects its slot's xa;
+// ZB-H1's weight halves are empty (no base weight gradients). lora_map takes the stage's
+// adapters to the global PEFT tensors. On a Qwen3-MoE model the routers and experts are frozen
+// units (their blocks' backward d x only, the rows still exchanged over ep), adapters on every
+// expert run beside them (each slot its xa; their gradients in the input half), and the load
+// statistics ride as in full training.
 #include <fmt/format.h>
 
 #include <algorithm>

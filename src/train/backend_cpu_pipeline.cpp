@@ -47,8 +47,9 @@
 // of its chunks' layers as plan_adapters' units of the driver (over dp; the experts' adapters at
 // ep > 1 over expert-dp; ZeRO 0 or 1; the gradient norm summed over pp). Each action keys the
 // dropout masks with its micro-batch's first sequence and each activation slot keeps its own
-// adapter activations, so the masks and the gradients are the serial run's. ZB-H1 runs too: with no base gradients its weight halves have nothing
-// to do (the adapters' gradients come with the input halves). On a Qwen3-MoE model the routers
+// adapter activations, so the masks and the gradients are the serial run's. ZB-H1 runs too:
+// with no base gradients its weight halves have nothing to do (the adapters' gradients come with
+// the input halves). On a Qwen3-MoE model the routers
 // and experts are frozen base units like the rest (with mesh.ep > 1 each stage's its ep rank's
 // experts), the load statistics and the expert exchanges run as in full training, and the aux
 // loss's gradient reaches the adapters through d x. Adapters on every expert (lora.targets
