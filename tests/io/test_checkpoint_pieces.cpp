@@ -69,6 +69,13 @@ std::vector<Range> random_partition(std::size_t n, std::size_t cuts, std::mt1993
   return out;
 }
 
+// n integer-valued floats in [-1e6, 1e6] (exact in fp32: compared bit for bit).
+std::vector<float> random_values(std::size_t n, std::mt19937_64& rng) {
+  std::vector<float> v(n);
+  for (auto& x : v) x = static_cast<float>(static_cast<std::int64_t>(rng() % 2000001) - 1000000);
+  return v;
+}
+
 Range random_range(std::size_t n, std::mt19937_64& rng) {
   std::size_t a = rng() % (n + 1), b = rng() % (n + 1);
   return Range{std::min(a, b), std::max(a, b)};
@@ -82,10 +89,8 @@ TEST(RedistributePieces, RandomLayoutsInManySmallRounds) {
     const std::uint64_t seed = base + trial;
     SCOPED_TRACE(testing::Message() << "trial seed " << seed << " (QT_TEST_SEED=" << base << ")");
     std::mt19937_64 rng(seed);  // every rank draws every rank's pieces alike
-    const std::size_t n = trial == 0 ? 0 : rng() % 300;
-    std::vector<float> all(n);
-    for (auto& x : all)
-      x = static_cast<float>(static_cast<std::int64_t>(rng() % 2000001) - 1000000);
+    const std::vector<float> all = random_values(trial == 0 ? 0 : rng() % 300, rng);
+    const std::size_t n = all.size();
     // The have partition: pieces dealt to random ranks; every third trial the last rank has none.
     const int dealt = (P > 1 && trial % 3 == 0) ? P - 1 : P;
     std::vector<ConstFlatPiece> have;
@@ -129,10 +134,8 @@ TEST(RedistributePieces, GatherPiecesTakesOverlapsOnce) {
     const std::uint64_t seed = base + trial;
     SCOPED_TRACE(testing::Message() << "trial seed " << seed << " (QT_TEST_SEED=" << base << ")");
     std::mt19937_64 rng(seed);  // every rank draws every rank's pieces alike
-    const std::size_t n = trial == 0 ? 0 : rng() % 300;
-    std::vector<float> all(n);
-    for (auto& x : all)
-      x = static_cast<float>(static_cast<std::int64_t>(rng() % 2000001) - 1000000);
+    const std::vector<float> all = random_values(trial == 0 ? 0 : rng() % 300, rng);
+    const std::size_t n = all.size();
     // A partition dealt to random ranks, then random extra ranges (overlaps) to random ranks.
     std::vector<ConstFlatPiece> have;
     for (const Range& r : random_partition(n, rng() % (3 * P + 1), rng))
