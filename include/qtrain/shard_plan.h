@@ -95,6 +95,8 @@ struct ShardPlan {
 
   // One line per unit kind, for the start-up banner.
   std::string describe() const;
+  // 0, 1, ..., units.size() - 1 (a pipeline stage holding every unit of its plan: LoRA's).
+  std::vector<int> unit_indices() const;
 };
 
 // The units of a Qwen3 model's plan, by role: unit 0 the embedding, 1 + l decoder layer l,

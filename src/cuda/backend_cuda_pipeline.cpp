@@ -216,7 +216,7 @@ class CudaPipelineBackend final : public cuda::CudaTrainBackend {
         state_(lora_ ? lora_plan_ : plan_, lora_ ? lora_->layout() : local_layout_, deck.optim,
                mesh.dp(), nccl_dp_, arena_, cuda::offload_threads(mesh), {},
                {tp_ > 1 ? &mesh.tp() : nullptr, nccl_tp_},
-               lora_ ? cuda::PipelineHold{all_units(lora_plan_), -1, &mesh.pp()}
+               lora_ ? cuda::PipelineHold{lora_plan_.unit_indices(), -1, &mesh.pp()}
                      : cuda::PipelineHold{held_units(), tied_copy() ? 0 : -1, &mesh.pp()},
                nccl_edp_),
         batch_(M_ * deck.train.micro_batch, deck.train.seq_len, arena_),
@@ -611,11 +611,6 @@ class CudaPipelineBackend final : public cuda::CudaTrainBackend {
     for (int v = 0; v < V_; ++v) slots = std::max(slots, activation_slots(mine, v * P_ + s_));
     return std::make_unique<cuda::LoraCuda>(local_cfg_, deck.lora, deck.train.micro_batch,
                                             deck.train.seq_len, arena_, lora_ranges(), slots);
-  }
-  static std::vector<int> all_units(const ShardPlan& plan) {
-    std::vector<int> u(plan.units.size());
-    for (std::size_t i = 0; i < u.size(); ++i) u[i] = static_cast<int>(i);
-    return u;
   }
 
   bool tied_copy() const { return local_cfg_.tie_word_embeddings && s_ == P_ - 1; }

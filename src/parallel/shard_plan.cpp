@@ -25,6 +25,12 @@ std::vector<Range> ShardPlan::owned(int rank) const {
   return out;
 }
 
+std::vector<int> ShardPlan::unit_indices() const {
+  std::vector<int> u(units.size());
+  for (std::size_t i = 0; i < u.size(); ++i) u[i] = static_cast<int>(i);
+  return u;
+}
+
 std::string ShardPlan::describe() const {
   const char* what[4] = {"everything replicated", "AdamW state sharded",
                          "AdamW state and gradients sharded",

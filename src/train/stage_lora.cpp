@@ -12,11 +12,6 @@ std::vector<std::pair<int, int>> layer_ranges(const std::vector<StageLora::Chunk
   return ranges;
 }
 
-std::vector<int> all_units(const ShardPlan& plan) {
-  std::vector<int> u(plan.units.size());
-  for (std::size_t i = 0; i < u.size(); ++i) u[i] = static_cast<int>(i);
-  return u;
-}
 }  // namespace
 
 ParamLayout StageLora::stage_layout(const ModelConfig& local, const LoraConfig& lora,
@@ -34,7 +29,7 @@ StageLora::StageLora(const Deck& deck, const ModelConfig& local, const ShardPlan
                           tp_kv_replicas(deck.model, mesh.tp))),
       map_(lora_map(deck.model, deck.lora, layer_ranges(chunks), global_layout_, layout_, plan_,
                     mesh, tp_rank, ep_rank)),
-      share_{all_units(plan_), pp, -1} {
+      share_{plan_.unit_indices(), pp, -1} {
   std::size_t n = 0;
   for (const int u : held) {
     base_at_.at(static_cast<std::size_t>(u)) = static_cast<std::int64_t>(n);
