@@ -3,8 +3,9 @@
 // counts on the host), at Qwen3-30B-A3B's shapes: 128 experts, H = 2048, Im = 768, 65,536 rows
 // (8,192 tokens x 8) spread log-normally over the experts (sigma 1.2: a few experts get
 // thousands of rows, many a few dozen, some none). Prints TFLOP/s of both for the forward, the
-// input gradient and the weight gradient of gate_up (H -> 2 Im) and down (Im -> H), after
-// checking that the two agree (relative error of the whole output).
+// input gradient and the weight gradient of gate_up (H -> 2 Im) and down (Im -> H), for the
+// mma.sync kernel and (on sm_90a) the wgmma kernel, after checking each against the loop
+// (relative error of the whole output).
 //   usage: qtrain_bench_grouped_gemm_cuda [rows, default 65536] [sigma, default 1.2] [seed]
 // A plain program (CUDA events, warm-up, median of the timed repetitions).
 #include <cuda_bf16.h>
@@ -22,7 +23,9 @@
 
 #include "cuda/check.h"
 #include "cuda/grouped_gemm.h"
+#include "ops/cuda/attention.cuh"
 #include "ops/cuda/gemm.cuh"
+#include "ops/cuda/grouped_gemm.cuh"
 
 namespace {
 
@@ -66,6 +69,15 @@ double rel_diff(const T* a, const T* b, std::size_t n) {
     den += y * y;
   }
   return std::sqrt(num / std::max(den, 1e-300));
+}
+
+template <typename T>
+double ref_norm(const T* a, std::size_t n) {
+  std::vector<T> h(n);
+  QT_CHECK_CUDA(cudaMemcpy(h.data(), a, n * sizeof(T), cudaMemcpyDeviceToHost));
+  double s = 0;
+  for (const T& v : h) s += static_cast<double>(static_cast<float>(v)) * static_cast<float>(v);
+  return std::sqrt(s);
 }
 
 // Median milliseconds of f over `reps` runs after 3 warm-ups.
@@ -157,27 +169,42 @@ int main(int argc, char** argv) {
     auto grp_wgt = [&] {
       grouped_linear_backward(nullptr, dw1, dy, x, w, d_off, E, rows, p.in, p.out, nullptr, false);
     };
-    grp_fwd();
-    grp_data();
-    grp_wgt();
     loop_fwd();
     loop_bwd(true);
     loop_bwd(false);
-    QT_CHECK_CUDA(cudaDeviceSynchronize());
-    const double e_fwd = rel_diff(y1, y2, R * O), e_data = rel_diff(dx1, dx2, R * I),
-                 e_wgt = rel_diff(dw1, dw2, E * O * I);
     const double flop = 2.0 * R * I * O;
-    const double t[6] = {time_ms(grp_fwd),  time_ms(loop_fwd),  time_ms(grp_data),
-                         time_ms([&] { loop_bwd(true); }),      time_ms(grp_wgt),
-                         time_ms([&] { loop_bwd(false); })};
+    const double t_loop[3] = {time_ms(loop_fwd), time_ms([&] { loop_bwd(true); }),
+                              time_ms([&] { loop_bwd(false); })};
+    // Each grouped kernel: checked against the loop, then timed.
+    double t_grp[2][3] = {}, err[2][3] = {};
+    const bool wgmma = attention_wgmma_available();
+    for (int kern = 0; kern < (wgmma ? 2 : 1); ++kern) {
+      set_grouped_gemm_kernel(kern == 0 ? GroupedGemmKernel::kMma : GroupedGemmKernel::kWgmma);
+      grp_fwd();
+      grp_data();
+      grp_wgt();
+      QT_CHECK_CUDA(cudaDeviceSynchronize());
+      err[kern][0] = rel_diff(y1, y2, R * O);
+      err[kern][1] = rel_diff(dx1, dx2, R * I);
+      err[kern][2] = rel_diff(dw1, dw2, E * O * I);
+      t_grp[kern][0] = time_ms(grp_fwd);
+      t_grp[kern][1] = time_ms(grp_data);
+      t_grp[kern][2] = time_ms(grp_wgt);
+    }
+    set_grouped_gemm_kernel(GroupedGemmKernel::kAuto);
     const char* what[3] = {"forward", "input grad", "weight grad"};
-    const double err[3] = {e_fwd, e_data, e_wgt};
-    for (int k = 0; k < 3; ++k)
-      std::printf("%-8s %-11s grouped %7.3f ms %6.1f TFLOP/s | cuBLAS loop %7.3f ms %6.1f TFLOP/s"
-                  " | x%.2f | rel diff %.2e%s\n",
-                  p.name, what[k], t[2 * k], flop / t[2 * k] * 1e-9, t[2 * k + 1],
-                  flop / t[2 * k + 1] * 1e-9, t[2 * k + 1] / t[2 * k], err[k],
-                  err[k] < 1e-2 ? "" : "  MISMATCH");
+    for (int k = 0; k < 3; ++k) {
+      std::printf("%-8s %-11s mma.sync %7.3f ms %6.1f TFLOP/s", p.name, what[k], t_grp[0][k],
+                  flop / t_grp[0][k] * 1e-9);
+      if (wgmma)
+        std::printf(" | wgmma %7.3f ms %6.1f TFLOP/s", t_grp[1][k], flop / t_grp[1][k] * 1e-9);
+      std::printf(" | cuBLAS loop %7.3f ms %6.1f TFLOP/s | rel diff %.2e", t_loop[k],
+                  flop / t_loop[k] * 1e-9, err[0][k]);
+      if (k == 0) std::printf(" (|ref| %.3e)", ref_norm(y2, R * O));
+      if (wgmma) std::printf(" %.2e", err[1][k]);
+      const bool bad = err[0][k] >= 1e-2 || (wgmma && err[1][k] >= 1e-2);
+      std::printf("%s\n", bad ? "  MISMATCH" : "");
+    }
     for (void* q : {static_cast<void*>(x), static_cast<void*>(w), static_cast<void*>(dy),
                     static_cast<void*>(y1), static_cast<void*>(y2), static_cast<void*>(dx1),
                     static_cast<void*>(dx2), static_cast<void*>(dw1), static_cast<void*>(dw2)})

@@ -13,6 +13,8 @@
 #include <vector>
 
 #include "cuda/grouped_gemm.h"
+#include "ops/cuda/attention.cuh"
+#include "ops/cuda/grouped_gemm.cuh"
 #include "cuda_op_check.h"
 
 namespace qt::test {
@@ -35,11 +37,7 @@ double rows_err(const Vec& got, const Vec& want, std::size_t r0, std::size_t r1,
                  Vec(want.begin() + r0 * n, want.begin() + r1 * n));
 }
 
-class CudaGroupedGemm : public ::testing::TestWithParam<GroupedCase> {};
-
-TEST_P(CudaGroupedGemm, MatchesDoubleReference) {
-  QT_REQUIRE_GPU();
-  const GroupedCase& c = GetParam();
+void check_case(const GroupedCase& c) {
   const int G = static_cast<int>(c.counts.size()), in = c.in, out = c.out;
   const std::vector<int> off = offsets_of(c.counts);
   const int rows = off.back();
@@ -127,6 +125,32 @@ TEST_P(CudaGroupedGemm, MatchesDoubleReference) {
   QT_EXPECT_GPU_CLOSE(d_dw, dw_add, 1e-4);
 }
 
+class CudaGroupedGemm : public ::testing::TestWithParam<GroupedCase> {};
+
+// Each case on the mma.sync kernel and, where the GPU, the build and the shapes allow it (in, out
+// multiples of 8), on the sm_90a wgmma kernel.
+TEST_P(CudaGroupedGemm, MatchesDoubleReference) {
+  QT_REQUIRE_GPU();
+  const GroupedCase& c = GetParam();
+  struct Restore {
+    ~Restore() { cuda::set_grouped_gemm_kernel(cuda::GroupedGemmKernel::kAuto); }
+  } restore;
+  cuda::set_grouped_gemm_kernel(cuda::GroupedGemmKernel::kMma);
+  {
+    SCOPED_TRACE("mma.sync kernel");
+    check_case(c);
+  }
+  if (cuda::attention_wgmma_available() && c.in % 8 == 0 && c.out % 8 == 0) {
+    cuda::set_grouped_gemm_kernel(cuda::GroupedGemmKernel::kWgmma);
+    SCOPED_TRACE("wgmma kernel");
+    check_case(c);
+  } else {
+    std::printf("[ note ] wgmma kernel not run: %s\n",
+                cuda::attention_wgmma_available() ? "in or out no multiple of 8"
+                                                  : "no sm_90a kernel for this GPU");
+  }
+}
+
 // Counts for G groups: a deterministic uneven mix (0, 1, small, tile-crossing, large).
 std::vector<int> uneven(int G, int scale) {
   static const int pattern[] = {0, 1, 37, 128, 129, 0, 255, 5, 64, 300, 0, 17, 1, 131, 2, 90};
@@ -147,7 +171,10 @@ INSTANTIATE_TEST_SUITE_P(
         GroupedCase{128, 64, uneven(70, 4)},                     // > 32 groups, some empty
         GroupedCase{128, 64, {0, 0, 0, 0}},                      // no rows at all
         GroupedCase{2048, 1536, uneven(6, 8)},                   // 30B-A3B gate_up
-        GroupedCase{768, 2048, uneven(6, 8)}),                   // 30B-A3B down
+        GroupedCase{768, 2048, uneven(6, 8)},                    // 30B-A3B down
+        GroupedCase{2048, 16, uneven(5, 8)},                     // a rank-16 adapter's A
+        GroupedCase{16, 1536, uneven(5, 8)},                     // and its B
+        GroupedCase{264, 392, uneven(9, 12)}),                   // wide tiles, partly filled
     [](const ::testing::TestParamInfo<GroupedCase>& info) {
       return "in" + std::to_string(info.param.in) + "_out" + std::to_string(info.param.out) +
              "_g" + std::to_string(info.param.counts.size()) + "_" + std::to_string(info.index);

@@ -1,25 +1,20 @@
-// The experts' grouped GEMMs (grouped_gemm.cuh): one kernel template over three operand layouts,
+// The experts' grouped GEMMs (grouped_gemm.cuh) on any sm_80+ GPU, and the dispatch to the sm_90a
+// kernel (grouped_gemm_sm90.cu) where the build, the GPU and the shapes allow it. One kernel
+// template over the three products (grouped_gemm_tiles.cuh: operand layouts and scheduling),
 // 128 x 128 output tiles of 8 warps (each 64 x 32), k-steps of 64 through a 3-stage cp.async
 // pipeline into XOR-swizzled shared memory, ldmatrix (.trans where the operand is stored k-major)
-// and mma.sync m16n8k16 (attention_mma.cuh's helpers).
-//
-//   forward       C [n_g, out] = x_g [n_g, in] * w_g^T   A [m][k] = x,      B [n][k] = w_g
-//   backward data C [n_g, in]  = dy_g [n_g, out] * w_g   A [m][k] = dy,     B [k][n] = w_g
-//   backward wgt  C [out, in]  = dy_g^T * x_g            A [k][m] = dy_g,   B [k][n] = x_g
-//
-// Scheduling without host counts: the two row-grouped products launch one block per possible
-// (row tile, column tile) pair, at most ceil(rows / 128) + groups row tiles; each warp finds its
-// block's group by a warp prefix sum of the groups' row-tile counts read from the offsets, and
-// blocks past the last tile leave at once. The weight gradient launches (tiles of w) x groups and
-// runs each group's rows as the reduction; a group without rows writes zeros (or nothing when
-// accumulating). Rows past a group's end, columns past out / in and k past the reduction's end
-// are zero-filled in shared memory and masked on store.
+// and mma.sync m16n8k16 (attention_mma.cuh's helpers). A group without rows writes zeros to its
+// weight gradient (or nothing when accumulating). Rows past a group's end, columns past out / in
+// and k past the reduction's end are zero-filled in shared memory and masked on store.
+#include <atomic>
 #include <cstddef>
 #include <string>
 
+#include "ops/cuda/attention.cuh"
 #include "ops/cuda/attention_mma.cuh"
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/grouped_gemm.cuh"
+#include "ops/cuda/grouped_gemm_tiles.cuh"
 
 namespace qt::cuda {
 namespace {
@@ -42,7 +37,7 @@ constexpr int kStageBytes = 2 * kTileBytes;
 constexpr int kSmemBytes = kStages * kStageBytes;
 static_assert(kBM == kBN, "A and B tiles share one size");
 
-enum class Mode { kForward, kBackwardData, kBackwardWeight };
+using Mode = GroupedMode;
 
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -79,36 +74,6 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const bf16* g, long lon
   }
 }
 
-// The group of row tile `tile` (of kBM rows) among the groups' row tiles in group order, and the
-// tile's index within its group; -1 when past the last tile. Warp-uniform (every lane returns
-// the same), computed by each warp on its own.
-struct GroupTile {
-  int group, tile;
-};
-__device__ __forceinline__ GroupTile find_group_tile(const int* offsets, int groups, int tile,
-                                                     int lane) {
-  int base = 0;
-  for (int g0 = 0; g0 < groups; g0 += 32) {
-    const int g = g0 + lane;
-    const int n = g < groups ? offsets[g + 1] - offsets[g] : 0;
-    const int t = (n + kBM - 1) / kBM;
-    int inc = t;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, inc, o);
-      if (lane >= o) inc += v;
-    }
-    const int excl = inc - t;
-    const unsigned hit = __ballot_sync(0xffffffffu, t > 0 && tile >= base + excl && tile < base + inc);
-    if (hit) {
-      const int src = __ffs(hit) - 1;
-      return {g0 + src, tile - base - __shfl_sync(0xffffffffu, excl, src)};
-    }
-    base += __shfl_sync(0xffffffffu, inc, 31);
-  }
-  return {-1, 0};
-}
-
 template <Mode MODE, bool ALIGNED>
 __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(void* out_ptr, const bf16* a,
                                                                 const bf16* b,
@@ -141,7 +106,7 @@ __global__ void __launch_bounds__(kThreads, 2) grouped_gemm_kernel(void* out_ptr
     ldb = in;   // x [rows, in]
   } else {
     const int tile = blockIdx.x;
-    const GroupTile gt = find_group_tile(offsets, groups, tile / n_tiles, lane);
+    const GroupTile gt = find_group_tile<kBM>(offsets, groups, tile / n_tiles, lane);
     if (gt.group < 0) return;  // every warp alike: no barrier has been passed yet
     group = gt.group;
     m0 = offsets[group] + gt.tile * kBM;
@@ -296,12 +261,17 @@ void launch(dim3 grid, void* c, const bf16* a, const bf16* b, const int* offsets
     launch_as<MODE, false>(grid, c, a, b, offsets, groups, in, out, alpha, accumulate, stream);
 }
 
-// Blocks of the row-grouped products: every (row tile, column tile) pair that can exist.
-unsigned row_grouped_blocks(int rows, int groups, int cols) {
-  const long long m_tiles = (static_cast<long long>(rows) + kBM - 1) / kBM + groups;
-  const long long blocks = m_tiles * ((cols + kBN - 1) / kBN);
-  QT_CUDA_REQUIRE(blocks < (1LL << 31), "grouped GEMM: too many tiles");
-  return static_cast<unsigned>(blocks);
+std::atomic<GroupedGemmKernel> g_kernel{GroupedGemmKernel::kAuto};
+
+// Whether a product runs on the sm_90a kernel: the choice, the build and GPU, the shapes.
+bool use_sm90(const void* c, const void* a, const void* b, int in, int out) {
+  const GroupedGemmKernel k = g_kernel.load(std::memory_order_relaxed);
+  if (k == GroupedGemmKernel::kMma) return false;
+  const bool possible = attention_wgmma_available() && aligned(c, a, b, in, out);
+  QT_CUDA_REQUIRE(k != GroupedGemmKernel::kWgmma || possible,
+                  "grouped GEMM: GroupedGemmKernel::kWgmma needs an sm_90a build and GPU, in and "
+                  "out multiples of 8 and 16-byte aligned pointers");
+  return possible;
 }
 
 }  // namespace
@@ -311,7 +281,10 @@ void grouped_gemm_forward(bf16* y, const bf16* x, const bf16* w, const int* offs
                           bool accumulate) {
   check_args("grouped_gemm_forward", offsets, groups, rows, in, out);
   if (rows == 0) return;
-  launch<Mode::kForward>(dim3(row_grouped_blocks(rows, groups, out)), y, x, w, offsets, groups,
+  if (use_sm90(y, x, w, in, out))
+    return grouped_gemm_sm90(Mode::kForward, y, x, w, offsets, groups, rows, in, out, alpha,
+                             accumulate, stream);
+  launch<Mode::kForward>(dim3(grouped_row_blocks(rows, groups, out, kBM, kBN)), y, x, w, offsets, groups,
                          in, out, alpha, accumulate, stream);
 }
 
@@ -320,7 +293,10 @@ void grouped_gemm_backward_data(bf16* dx, const bf16* dy, const bf16* w, const i
                                 float alpha, bool accumulate) {
   check_args("grouped_gemm_backward_data", offsets, groups, rows, in, out);
   if (rows == 0) return;
-  launch<Mode::kBackwardData>(dim3(row_grouped_blocks(rows, groups, in)), dx, dy, w, offsets,
+  if (use_sm90(dx, dy, w, in, out))
+    return grouped_gemm_sm90(Mode::kBackwardData, dx, dy, w, offsets, groups, rows, in, out,
+                             alpha, accumulate, stream);
+  launch<Mode::kBackwardData>(dim3(grouped_row_blocks(rows, groups, in, kBM, kBN)), dx, dy, w, offsets,
                               groups, in, out, alpha, accumulate, stream);
 }
 
@@ -329,9 +305,16 @@ void grouped_gemm_backward_weight(float* dw, const bf16* dy, const bf16* x, cons
                                   cudaStream_t stream, float alpha) {
   check_args("grouped_gemm_backward_weight", offsets, groups, 0, in, out);
   QT_CUDA_REQUIRE(groups <= 65535, "grouped_gemm_backward_weight: groups <= 65535");
+  if (use_sm90(dw, dy, x, in, out))
+    return grouped_gemm_sm90(Mode::kBackwardWeight, dw, dy, x, offsets, groups, 0, in, out,
+                             alpha, accumulate, stream);
   const unsigned tiles = static_cast<unsigned>(((out + kBM - 1) / kBM) * ((in + kBN - 1) / kBN));
   launch<Mode::kBackwardWeight>(dim3(tiles, static_cast<unsigned>(groups)), dw, dy, x, offsets,
                                 groups, in, out, alpha, accumulate, stream);
+}
+
+void set_grouped_gemm_kernel(GroupedGemmKernel kernel) {
+  g_kernel.store(kernel, std::memory_order_relaxed);
 }
 
 }  // namespace qt::cuda

@@ -36,4 +36,11 @@ void grouped_gemm_backward_weight(float* dw, const bf16* dy, const bf16* x, cons
                                   int groups, int in, int out, bool accumulate,
                                   cudaStream_t stream, float alpha = 1.f);
 
+// Which kernel runs the products, for the whole process (tests and benchmarks compare them):
+// kAuto (the default) the sm_90a wgmma kernel where the build and the GPU have it and the shapes
+// allow it (in, out multiples of 8, 16-byte aligned pointers), else the mma.sync kernel; kMma
+// always the latter; kWgmma always the former (throws where it cannot run).
+enum class GroupedGemmKernel { kAuto, kMma, kWgmma };
+void set_grouped_gemm_kernel(GroupedGemmKernel kernel);
+
 }  // namespace qt::cuda
