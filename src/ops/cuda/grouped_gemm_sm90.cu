@@ -62,8 +62,8 @@ __device__ __forceinline__ void load_tile(uint32_t tile, const bf16* g, long lon
   }
 }
 
-template <GroupedMode MODE, int BN, int STAGES, int MINB>
-__global__ void __launch_bounds__(kThreads, MINB)
+template <GroupedMode MODE, int BN, int STAGES>
+__global__ void __launch_bounds__(kThreads, 1)
     grouped_gemm_sm90_kernel(void* out_ptr, const bf16* __restrict__ a,
                              const bf16* __restrict__ b, const int* __restrict__ offsets,
                              int groups, int in, int out, float alpha, bool accumulate) {
@@ -195,24 +195,25 @@ __global__ void __launch_bounds__(kThreads, MINB)
 #endif
 }
 
-template <GroupedMode MODE, int BN, int STAGES, int MINB>
+template <GroupedMode MODE, int BN, int STAGES>
 void launch(dim3 grid, void* c, const bf16* a, const bf16* b, const int* offsets, int groups,
             int in, int out, float alpha, bool accumulate, cudaStream_t stream) {
   constexpr int kSmem = TileConfig<BN, STAGES>::kSmemBytes;
   static bool configured = false;  // per instantiation; the attribute is per device function
   if (!configured) {
-    QT_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<MODE, BN, STAGES, MINB>,
+    QT_CHECK_CUDA(cudaFuncSetAttribute(grouped_gemm_sm90_kernel<MODE, BN, STAGES>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem));
     configured = true;
   }
-  grouped_gemm_sm90_kernel<MODE, BN, STAGES, MINB><<<grid, kThreads, kSmem, stream>>>(
+  grouped_gemm_sm90_kernel<MODE, BN, STAGES><<<grid, kThreads, kSmem, stream>>>(
       c, a, b, offsets, groups, in, out, alpha, accumulate);
   QT_CHECK_LAUNCH();
 }
 
-template <GroupedMode MODE, int BN, int STAGES, int MINB>
-void launch_v(void* c, const bf16* a, const bf16* b, const int* offsets, int groups, int rows,
-              int in, int out, float alpha, bool accumulate, cudaStream_t stream) {
+// One block a tile of C: (tiles of w) x groups, or every possible (row tile, column tile).
+template <GroupedMode MODE, int BN, int STAGES>
+void launch_tiles(void* c, const bf16* a, const bf16* b, const int* offsets, int groups, int rows,
+                  int in, int out, float alpha, bool accumulate, cudaStream_t stream) {
   const int cols = MODE == GroupedMode::kForward ? out : in;
   dim3 grid;
   if constexpr (MODE == GroupedMode::kBackwardWeight)
@@ -220,8 +221,7 @@ void launch_v(void* c, const bf16* a, const bf16* b, const int* offsets, int gro
                 static_cast<unsigned>(groups));
   else
     grid = dim3(grouped_row_blocks(rows, groups, cols, kBM, BN));
-  launch<MODE, BN, STAGES, MINB>(grid, c, a, b, offsets, groups, in, out, alpha, accumulate,
-                                 stream);
+  launch<MODE, BN, STAGES>(grid, c, a, b, offsets, groups, in, out, alpha, accumulate, stream);
 }
 
 template <GroupedMode MODE>
@@ -232,11 +232,15 @@ void launch_mode(void* c, const bf16* a, const bf16* b, const int* offsets, int 
     QT_CUDA_REQUIRE(groups <= 65535, "grouped_gemm_backward_weight: groups <= 65535");
   // Measured on an H100 (qtrain_bench_grouped_gemm_cuda, docs/moe.md): 128 x 256 tiles with 4
   // stages beat 128 x 128 with 6, 4 or (2 blocks an SM) 3, and 128 x 256 with 3, in every product
-  // of the 30B-A3B shapes; narrow outputs (a LoRA adapter's rank) take the narrow tile.
+  // of the 30B-A3B shapes, and persistent blocks (one an SM walking the tiles, the next tile's
+  // loads beside a tile's stores: 1 to 18% slower); narrow outputs (a LoRA adapter's rank) take
+  // the narrow tile.
   if (cols > 128)
-    launch_v<MODE, 256, 4, 1>(c, a, b, offsets, groups, rows, in, out, alpha, accumulate, stream);
+    launch_tiles<MODE, 256, 4>(c, a, b, offsets, groups, rows, in, out, alpha, accumulate,
+                               stream);
   else
-    launch_v<MODE, 128, 6, 1>(c, a, b, offsets, groups, rows, in, out, alpha, accumulate, stream);
+    launch_tiles<MODE, 128, 6>(c, a, b, offsets, groups, rows, in, out, alpha, accumulate,
+                               stream);
 }
 
 }  // namespace
