@@ -6,7 +6,8 @@
 # sync a sparse layer's forward). Prints each run's logged tokens/s (the second half's mean;
 # the whole job's tokens); weak-scaling efficiency = ep 2's / (2 x one GPU's).
 #   usage: bench/moe_ep_slice.sh BUILD_DIR OUT_DIR      STEPS=30: the steps of each run;
-#   EXTRA="--model.moe_capacity_factor=1.25 ...": more qtrain options for every run
+#   EXTRA="--model.moe_capacity_factor=1.25 ...": more qtrain options for every run;
+#   RUNS="ep2": only those of the runs one, dp2 and ep2 (A/Bs of the exchange)
 # Run it on a machine with two GPUs from the repository root, the runtime kit in .kit when
 # there is one (docs/cuda.md). Results: docs/moe.md "Expert parallelism on the GPU".
 set -uo pipefail
@@ -28,9 +29,10 @@ run() {  # name ranks extra...
   echo "$name rc=$?"
   grep -E "^step|error|peak memory|back end" $out/$name.log | tail -3 | cut -c1-300
 }
-run one 1 --train.global_batch=2
-run dp2 2 --train.global_batch=4 --mesh.dp=2
-run ep2 2 --train.global_batch=4 --mesh.dp=2 --mesh.ep=2
+runs=" ${RUNS:-one dp2 ep2} "
+[[ $runs == *" one "* ]] && run one 1 --train.global_batch=2
+[[ $runs == *" dp2 "* ]] && run dp2 2 --train.global_batch=4 --mesh.dp=2
+[[ $runs == *" ep2 "* ]] && run ep2 2 --train.global_batch=4 --mesh.dp=2 --mesh.ep=2
 python3 - $out <<'PY'
 import json, os, sys
 out = sys.argv[1]

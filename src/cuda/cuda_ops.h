@@ -238,6 +238,14 @@ class CudaOps : public NoCollectives {
   void experts_backward(int l, bf16* dx, float* g_gate_up, float* g_down, const bf16* dout,
                         const bf16* x, const int* offsets, int groups, int rows,
                         const bf16* gate_up, const bf16* down, bool acc);
+  // experts_backward in two parts: all but gate_up's weight gradient, then that gradient (from
+  // the first part's d gate_up, kept until the next experts_backward_inputs), which the ep path
+  // runs while d x travels home.
+  void experts_backward_inputs(int l, bf16* dx, float* g_down, const bf16* dout, const bf16* x,
+                               const int* offsets, int groups, int rows, const bf16* gate_up,
+                               const bf16* down, bool acc);
+  void experts_gate_up_weight_grad(float* g_gate_up, const bf16* x, const int* offsets,
+                                   int groups, int rows, bool acc);
   int* moe_counts_ = nullptr;             // [E] device: the layer being routed, pairs routed
   int* moe_kept_ = nullptr;               // [E] device: of those, kept by the capacity
   int moe_capacity_ = 0;                  // pairs an expert keeps (kMoeDropless: all)
@@ -290,8 +298,10 @@ class CudaOps : public NoCollectives {
   // send and receive counts and the device maps of moe_ep_[l].
   void moe_ep_counts(int l);
   // send -> recv over the ep group, [rows, H] bf16: to the experts (send order -> received
-  // order) or back (received -> send order), ordered with the micro-batch's stream by events.
+  // order) or back (received -> send order), on the ep stream after the micro-batch's stream's
+  // work so far; the micro-batch's stream does not wait for it until moe_ep_join.
   void moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool to_experts);
+  void moe_ep_join();  // the micro-batch's stream waits for the last exchange
   // The experts of moe_x_'s rows (send order) on their ranks: layer l's out (send order).
   // fresh: a micro-batch's forward, which makes the slot's counts; else its recomputed forward
   // (train.recompute), which reuses them: the slot holds that micro-batch from its forward to

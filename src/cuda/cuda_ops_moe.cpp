@@ -258,6 +258,7 @@ void CudaOps::moe_backward(int l, bf16* dx, float* g_router, float* g_gate_up, f
                       aux_scale,
                       N_, E, k, cfg_.norm_topk_prob, s_);
   cuda::linear_backward(moe_dx_gate_, g_router, moe_logits_, x, router, N_, H, E, s_, acc);
+  if (ep_) moe_ep_join();  // d x_perm home (the router's backward ran beside its exchange)
   moe_permute_backward(dx, dx_perm, moe_dx_gate_, m.pos, N_, k, H, s_);
   dx_pending_ = nullptr;  // dx is not a linear_backward's: its tp sum waits for the stream
 }
@@ -276,6 +277,13 @@ void CudaOps::experts_forward(int l, bf16* out, const bf16* x, const int* offset
 void CudaOps::experts_backward(int l, bf16* dx, float* g_gate_up, float* g_down,
                                const bf16* dout, const bf16* x, const int* offsets, int groups,
                                int rows, const bf16* gate_up, const bf16* down, bool acc) {
+  experts_backward_inputs(l, dx, g_down, dout, x, offsets, groups, rows, gate_up, down, acc);
+  experts_gate_up_weight_grad(g_gate_up, x, offsets, groups, rows, acc);
+}
+
+void CudaOps::experts_backward_inputs(int l, bf16* dx, float* g_down, const bf16* dout,
+                                      const bf16* x, const int* offsets, int groups, int rows,
+                                      const bf16* gate_up, const bf16* down, bool acc) {
   const int H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
   const MoeLayer& m = moe_layer(l);
   grouped_linear_backward(moe_dh_, g_down, dout, m.h, down, offsets, groups, rows, Im, H, s_,
@@ -285,10 +293,17 @@ void CudaOps::experts_backward(int l, bf16* dx, float* g_gate_up, float* g_down,
   swiglu_backward_strided(moe_dgu_, moe_dgu_ + Im, moe_dh_, m.gu, m.gu + Im, 2 * Im, rows, Im,
                           s_);
   // dout is dead from here: dx may take its place.
-  grouped_linear_backward(dx, g_gate_up, moe_dgu_, x, gate_up, offsets, groups, rows, H, 2 * Im,
+  grouped_linear_backward(dx, nullptr, moe_dgu_, x, gate_up, offsets, groups, rows, H, 2 * Im,
                           s_, acc);
   if (lora_)
     lora_->expert_backward(l, kLoraExpertsGateUp, x, moe_dgu_, dx, offsets, groups, rows, s_);
+}
+
+void CudaOps::experts_gate_up_weight_grad(float* g_gate_up, const bf16* x, const int* offsets,
+                                          int groups, int rows, bool acc) {
+  const int H = cfg_.hidden_size, Im = cfg_.moe_intermediate_size;
+  grouped_linear_backward(nullptr, g_gate_up, moe_dgu_, x, nullptr, offsets, groups, rows, H,
+                          2 * Im, s_, acc);
 }
 
 double CudaOps::moe_aux_loss() {

@@ -7,7 +7,10 @@
 // the local experts' grouped GEMMs, go back in received order by the inverse map and a second
 // all-to-all, and are weighed and summed by the sender as at ep 1. The backward sends d out the
 // same way and d x back; each rank accumulates its own experts' weight gradients (reduced over
-// the expert-data-parallel group by the state, not here).
+// the expert-data-parallel group by the state, not here). While d x travels home, the micro-batch's
+// stream runs gate_up's weight gradient and the router's backward (moe_backward joins the
+// exchange before it reads d x); the forward's exchanges have nothing beside them (Qwen3's sparse
+// blocks have no shared expert).
 //
 // One host synchronisation per sparse layer's forward: NCCL's all-to-all takes its counts from
 // the host, so after routing the group all-gathers its [P, E] routing counts (E int32 a rank) and
@@ -120,8 +123,9 @@ void CudaOps::moe_ep_exchange(const bf16* send, bf16* recv, const MoeEp& e, bool
   ep_->all_to_all_v_async(send, scaled_counts(out, H), scaled_counts(out_at, H), recv,
                           scaled_counts(in, H), scaled_counts(in_at, H), DType::kBF16);
   ep_done_.record(ep_->stream());
-  QT_CHECK_CUDA(cudaStreamWaitEvent(s_, ep_done_.get(), 0));
 }
+
+void CudaOps::moe_ep_join() { QT_CHECK_CUDA(cudaStreamWaitEvent(s_, ep_done_.get(), 0)); }
 
 void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down, bool fresh) {
   MoeLayer& m = moe_layer(l);
@@ -131,10 +135,12 @@ void CudaOps::moe_ep_forward(int l, const bf16* gate_up, const bf16* down, bool 
   const int El = cfg_.local_experts(), H = cfg_.hidden_size;
   const int R = e.received;
   moe_ep_exchange(moe_x_, moe_ep_a_, e, /*to_experts=*/true);  // received order
+  moe_ep_join();
   moe_permute(e.x, moe_ep_a_, e.from_expert, R, 1, H, s_);      // expert order, kept
   experts_forward(l, moe_ep_b_, e.x, e.offsets, El, R, gate_up, down);
   moe_permute(moe_ep_a_, moe_ep_b_, e.to_expert, R, 1, H, s_);  // received order
   moe_ep_exchange(moe_ep_a_, m.out, e, /*to_experts=*/false);   // send order
+  moe_ep_join();
 }
 
 void CudaOps::moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16* gate_up,
@@ -144,12 +150,15 @@ void CudaOps::moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16
   const int El = cfg_.local_experts(), H = cfg_.hidden_size;
   const int R = e.received;
   moe_ep_exchange(moe_dout_, moe_ep_a_, e, /*to_experts=*/true);
+  moe_ep_join();
   moe_permute(moe_ep_b_, moe_ep_a_, e.from_expert, R, 1, H, s_);  // d out in expert order
-  // d x in expert order into moe_ep_b_ (dead once d h is made), then received order, then home.
-  experts_backward(l, moe_ep_b_, g_gate_up, g_down, moe_ep_b_, e.x, e.offsets, El, R, gate_up,
-                   down, acc);
+  // d x in expert order into moe_ep_b_ (dead once d h is made), then received order, then home;
+  // gate_up's weight gradient runs while it travels (the caller joins before reading moe_x_).
+  experts_backward_inputs(l, moe_ep_b_, g_down, moe_ep_b_, e.x, e.offsets, El, R, gate_up, down,
+                          acc);
   moe_permute(moe_ep_a_, moe_ep_b_, e.to_expert, R, 1, H, s_);
   moe_ep_exchange(moe_ep_a_, moe_x_, e, /*to_experts=*/false);
+  experts_gate_up_weight_grad(g_gate_up, e.x, e.offsets, El, R, acc);
 }
 
 }  // namespace qt::cuda
