@@ -29,7 +29,6 @@
 #include "cuda/training_buffers.h"
 #include "ops/cuda/gemm.cuh"
 #include "parallel/expert_parallel.h"
-#include "parallel/pipeline_schedule.h"
 #include "parallel/tensor_parallel.h"
 #include "plan/memory_plan.h"
 #include "qtrain/error.h"
@@ -227,9 +226,8 @@ std::unique_ptr<TrainBackend> make_cuda_backend(const Deck& deck, Mesh& mesh) {
   try {
     // NCCL's connections first: the arena then takes what they leave (nccl_comm.h).
     cuda::select_device(mesh.local_rank());
-    const double nccl_bytes = mesh.world().max(static_cast<double>(cuda::connect_before_arena(
-        mesh, deck.model.is_moe(),
-        mesh.shape().pp == 1 ? 0 : cuda_pipeline_channels(mesh.shape().pp_chunks))));
+    const double nccl_bytes = mesh.world().max(
+        static_cast<double>(cuda::connect_before_arena(mesh, deck.model.is_moe())));
     if (nccl_bytes > 0 && mesh.world().rank() == 0)
       std::printf("cuda: NCCL's communicators took %s of GPU memory before the arena (the most of "
                   "any rank)\n",

@@ -14,6 +14,7 @@
 #include "cuda/check.h"
 #include "cuda/collective_timer.h"
 #include "cuda/device.h"
+#include "dist/device_communicators.h"
 #include "runtime/process.h"
 #include "cuda/nccl_check.h"
 #include "qtrain/error.h"
@@ -591,24 +592,23 @@ void NcclComm::connect(const std::vector<int>& peers) {
   wait_idle(what);
 }
 
-std::size_t connect_before_arena(Mesh& mesh, bool moe_ep, int pp_channels) {
+std::size_t connect_before_arena(Mesh& mesh, bool moe) {
   const std::size_t free_before = device_memory().free_bytes;
-  const MeshShape& m = mesh.shape();
-  if (m.tp > 1) nccl(mesh, MeshDim::kTp).connect({});
-  if (mesh.dp().size() > 1) nccl(mesh, MeshDim::kDp).connect({});
-  if (moe_ep && m.ep > 1) {
-    NcclComm& ep = nccl(mesh, MeshDim::kEp);
-    std::vector<int> all;  // the all-to-all's peers: every other rank of the group
-    for (int r = 0; r < ep.size(); ++r)
-      if (r != ep.rank()) all.push_back(r);
-    ep.connect(all);
-    nccl(mesh, MeshDim::kEdp).connect({});
-  }
-  if (m.pp > 1) {  // each channel's neighbouring stages, both ways (the wrap joins P - 1 and 0)
-    const int s = mesh.coord().pp, P = m.pp;
-    std::vector<int> peers = {(s + 1) % P};
-    if ((s + P - 1) % P != peers[0]) peers.push_back((s + P - 1) % P);
-    for (int ch = 0; ch < pp_channels; ++ch) nccl(mesh, MeshDim::kPp, ch).connect(peers);
+  for (const DeviceCommunicator& d : device_communicators(mesh.shape(), moe)) {
+    NcclComm& c = nccl(mesh, d.dim, d.channel);
+    // The point-to-point peers beside the all-reduce: the all-to-all's (every other rank of
+    // the ep group) and each pipeline channel's neighbouring stages, both ways (the wrap joins
+    // P - 1 and 0).
+    std::vector<int> peers;
+    if (d.dim == MeshDim::kEp) {
+      for (int r = 0; r < c.size(); ++r)
+        if (r != c.rank()) peers.push_back(r);
+    } else if (d.dim == MeshDim::kPp) {
+      const int s = mesh.coord().pp, P = mesh.shape().pp;
+      peers.push_back((s + 1) % P);
+      if ((s + P - 1) % P != peers[0]) peers.push_back((s + P - 1) % P);
+    }
+    c.connect(peers);
   }
   QT_CHECK_CUDA(cudaDeviceSynchronize());
   const std::size_t free_after = device_memory().free_bytes;

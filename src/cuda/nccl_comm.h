@@ -167,12 +167,11 @@ class NcclComm final : public Comm {
 // is.
 NcclComm& nccl(Mesh& mesh, MeshDim d, int channel = 0);
 
-// Makes the device communicators that a CUDA training back end of this mesh uses (tp, dp, and ep
-// and expert-dp with `moe_ep`; `pp_channels` pipeline channels to the neighbouring stages) and
-// connects them (NcclComm::connect) before the back end sizes its arena from the free memory.
-// Collective over the world, every rank in the same order. Returns the device memory they took
-// (the free memory before less after, in bytes): outside the arena, which `qtrain plan` counts
-// only as part of its margin.
-std::size_t connect_before_arena(Mesh& mesh, bool moe_ep, int pp_channels);
+// Makes the device communicators that a CUDA training back end of this mesh uses
+// (dist/device_communicators.h; moe: a Qwen3-MoE model) and connects them (NcclComm::connect)
+// before the back end sizes its arena from the free memory. Collective over the world, every
+// rank in the same order. Returns the device memory they took (the free memory before less
+// after, in bytes): outside the arena, which `qtrain plan` counts beside it (plan::nccl_bytes).
+std::size_t connect_before_arena(Mesh& mesh, bool moe);
 
 }  // namespace qt::cuda

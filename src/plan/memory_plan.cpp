@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <utility>
 
+#include "dist/device_communicators.h"
 #include "ops/moe_capacity.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/pipeline_schedule.h"
@@ -485,11 +486,8 @@ MemoryPlan stage_plan(const MemoryPlanInput& in, const StageParts& st, int s) {
 
 }  // namespace
 
-int device_communicators(const MeshShape& mesh, bool moe) {
-  int n = (mesh.tp > 1 ? 1 : 0) + (mesh.dp > 1 ? 1 : 0);
-  if (moe && mesh.ep > 1) n += 1 + (mesh.dp / mesh.ep > 1 ? 1 : 0);  // ep, expert-dp
-  if (mesh.pp > 1) n += cuda_pipeline_channels(mesh.pp_chunks);
-  return n;
+int device_communicator_count(const MeshShape& mesh, bool moe) {
+  return static_cast<int>(qt::device_communicators(mesh, moe).size());
 }
 
 MemoryPlan memory_plan_stage(const MemoryPlanInput& in, int s) {

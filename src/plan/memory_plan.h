@@ -155,14 +155,14 @@ ParamUnits param_units(const ModelConfig& m);
 inline constexpr std::uint64_t kGpuMarginBytes = (std::uint64_t{9} << 30) / 2;  // 4.5 GiB
 
 // NCCL's device memory: the communicators a CUDA training rank connects before sizing its arena
-// (cuda::connect_before_arena): tp, dp, a Qwen3-MoE model's ep and expert-dp, the pipeline's
-// channels (cuda_pipeline_channels); those of more than one rank, about 1 GiB each (measured on
+// (dist/device_communicators.h, cuda::connect_before_arena), about 1 GiB each (measured on
 // 2 x H200, NCCL 2.28, 2026-11-27: one of 2 ranks 864 MiB; two 2.13 GiB; four 3.83 GiB; the
 // back end logs its own).
 inline constexpr std::uint64_t kNcclCommunicatorBytes = std::uint64_t{1} << 30;
-int device_communicators(const MeshShape& mesh, bool moe);
+int device_communicator_count(const MeshShape& mesh, bool moe);
 inline std::uint64_t nccl_bytes(const MeshShape& mesh, bool moe) {
-  return kNcclCommunicatorBytes * static_cast<std::uint64_t>(device_communicators(mesh, moe));
+  return kNcclCommunicatorBytes *
+         static_cast<std::uint64_t>(device_communicator_count(mesh, moe));
 }
 
 }  // namespace qt::plan

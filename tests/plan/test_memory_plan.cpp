@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/device_communicators.h"
 #include "plan/memory_plan.h"
 #include "qtrain/error.h"
 #include "qtrain/model_config.h"
@@ -131,25 +132,32 @@ TEST(MemoryPlan, TinyZero0OneGpuByHand) {
   EXPECT_EQ(p.device(), p.gpu());
 }
 
-// NCCL's communicators outside the arena, 1 GiB each of more than one rank, as
-// cuda::connect_before_arena makes them: tp, dp, a Qwen3-MoE model's ep and expert-dp, the
-// pipeline's 2 channels (4 interleaved).
+// NCCL's communicators outside the arena, 1 GiB each of more than one rank, the list
+// cuda::connect_before_arena connects (dist/device_communicators.h): tp, dp, a Qwen3-MoE model's
+// ep and expert-dp, the pipeline's 2 channels (4 interleaved).
 TEST(MemoryPlan, NcclCommunicatorsOfEachMesh) {
   const auto mesh = [](int dp, int tp, int pp, int ep = 1, int chunks = 1) {
     qt::MeshShape m;
     m.dp = dp, m.tp = tp, m.pp = pp, m.ep = ep, m.pp_chunks = chunks;
     return m;
   };
-  EXPECT_EQ(qt::plan::device_communicators(mesh(1, 1, 1), false), 0);
-  EXPECT_EQ(qt::plan::device_communicators(mesh(2, 1, 1), false), 1);
-  EXPECT_EQ(qt::plan::device_communicators(mesh(1, 2, 1), false), 1);
-  EXPECT_EQ(qt::plan::device_communicators(mesh(2, 2, 1), false), 2);
-  EXPECT_EQ(qt::plan::device_communicators(mesh(1, 1, 2), false), 2);
-  EXPECT_EQ(qt::plan::device_communicators(mesh(1, 1, 2, 1, 2), false), 4);
-  EXPECT_EQ(qt::plan::device_communicators(mesh(2, 1, 1, 2), true), 2);   // dp, ep (expert-dp of 1 rank)
-  EXPECT_EQ(qt::plan::device_communicators(mesh(4, 1, 1, 2), true), 3);   // dp, ep, expert-dp
-  EXPECT_EQ(qt::plan::device_communicators(mesh(2, 1, 2, 2), true), 4);   // dp, ep, 2 channels
-  EXPECT_EQ(qt::plan::device_communicators(mesh(4, 1, 1, 2), false), 1);  // a dense model: no ep group
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(1, 1, 1), false), 0);
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(2, 1, 1), false), 1);
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(1, 2, 1), false), 1);
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(2, 2, 1), false), 2);
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(1, 1, 2), false), 2);
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(1, 1, 2, 1, 2), false), 4);
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(2, 1, 1, 2), true), 2);   // dp, ep (expert-dp of 1 rank)
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(4, 1, 1, 2), true), 3);   // dp, ep, expert-dp
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(2, 1, 2, 2), true), 4);   // dp, ep, 2 channels
+  EXPECT_EQ(qt::plan::device_communicator_count(mesh(4, 1, 1, 2), false), 1);  // a dense model: no ep group
+  const std::vector<qt::DeviceCommunicator> all = qt::device_communicators(mesh(4, 2, 2, 2), true);
+  std::vector<qt::MeshDim> dims;
+  for (const auto& c : all) dims.push_back(c.dim);
+  using D = qt::MeshDim;
+  EXPECT_EQ(dims, (std::vector<D>{D::kTp, D::kDp, D::kEp, D::kEdp, D::kPp, D::kPp}));
+  EXPECT_EQ(all[4].channel, 0);
+  EXPECT_EQ(all[5].channel, 1);
   MemoryPlanInput in = input(tiny(), 2, 8, 2, 1);
   const MemoryPlan p = memory_plan(in);
   EXPECT_EQ(p.nccl, qt::plan::kNcclCommunicatorBytes);
