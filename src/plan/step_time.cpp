@@ -80,11 +80,16 @@ StepTime step_time(const MemoryPlanInput& in, const TopologyConfig& topo, const 
   const double E = m.num_experts, K = m.num_experts_per_tok, Im = m.moe_intermediate_size;
   const double attn_proj_flops = 2 * H * (Q + 2 * KV) + 2 * Q * H;
   const double sparse_layers = m.is_moe() ? m.num_moe_layers() : 0;
-  const double moe_mlp_flops = 2 * H * E + 6 * H * Im * K;
+  // A layer's GEMM time a token, forward: its projections at the GEMM rate and, averaged over
+  // the layers, the sparse layers' experts at the grouped GEMM's rate.
+  const double expert_flops = 6 * H * Im * K;
   const double layer_flops =
       m.is_moe() ? attn_proj_flops + ((m.num_layers - sparse_layers) * 6 * H * I +
-                                      sparse_layers * moe_mlp_flops) / m.num_layers
+                                      sparse_layers * (2 * H * E + expert_flops)) / m.num_layers
                  : 2 * H * (Q + 2 * KV) + 2 * Q * H + 6 * H * I;
+  const double layer_expert_flops = sparse_layers * expert_flops / m.num_layers;
+  const double layer_gemm_s = (layer_flops - layer_expert_flops) / r.gemm_flops +
+                              layer_expert_flops / r.expert_gemm_flops;
   // Expert parallelism (ep > 1): each sparse layer sends its (token, slot) rows [N k, H] bf16 to
   // the experts' ranks and back (dispatch and combine), in the forward and again in the
   // backward: 4 all-to-alls a layer, each (ep - 1) / ep of its 2 N k H bytes over the link of
@@ -113,11 +118,10 @@ StepTime step_time(const MemoryPlanInput& in, const TopologyConfig& topo, const 
     const double layers = st.layers();
     StageCost c;
     c.k = r.dp_interference;
-    const double gemm = N * (layers * layer_flops + (st.head ? head_flops : 0)) / r.gemm_flops;
+    const double gemm = N * (layers * layer_gemm_s + (st.head ? head_flops / r.gemm_flops : 0));
     const double attn = N * layers * attn_flops / r.attention_flops;
     const double recompute =
-        in.recompute ? N * layers * (layer_flops / r.gemm_flops + attn_flops / r.attention_flops)
-                     : 0;
+        in.recompute ? N * layers * (layer_gemm_s + attn_flops / r.attention_flops) : 0;
     c.fwd = gemm + attn;
     c.bwd_input = gemm + 2.5 * attn + recompute;  // input gradients (and the recomputation)
     c.bwd_weight = gemm;                          // weight gradients

@@ -23,6 +23,11 @@ struct Rates {
   // (37.64k tokens/s, 550 model TFLOP/s, 55.6% MFU) leaves after attention at its rate below
   // and AdamW at its bandwidth: 595 TFLOP/s (the GEMMs alone run at 620-720 under Nsight).
   double gemm_flops = 595e12;
+  // The experts' grouped GEMMs of a Qwen3-MoE sparse layer (forward, input and weight
+  // gradients of gate_up and down; the wgmma kernel, qtrain_bench_grouped_gemm_cuda on an H100 at
+  // Qwen3-30B-A3B's shapes, 65,536 rows spread log-normally over 128 experts: 4.85 ms a layer
+  // for 1.855 TFLOP): 382 TFLOP/s.
+  double expert_gemm_flops = 382e12;
   // Causal flash attention forward + backward (forward 2 T Q a token, backward 2.5x that):
   // qtrain_bench_attention_cuda, nh 16, T 4096, warp-specialised kernels: 450 TFLOP/s.
   double attention_flops = 450e12;
