@@ -362,6 +362,33 @@ TEST(PlanMoe, AllToAllTime) {
   EXPECT_EQ(qt::plan::step_time(in, topo).ep_comm, 0.0);
 }
 
+// The experts' GEMMs at their own rate: the compute of a micro-batch at ZeRO-0 without recompute
+// is 3 passes (forward, input and weight gradients) of the experts' 6 H Im k FLOPs a token over
+// expert_gemm_flops plus the rest at the dense rates; halving the expert rate adds exactly the
+// experts' time again, and a dense model's compute ignores the rate.
+TEST(PlanMoe, ExpertGemmsAtTheirOwnRate) {
+  qt::TopologyConfig topo;
+  MemoryPlanInput in = input(1, 1, 0);
+  in.micro_batches = 1;
+  qt::plan::Rates slow = qt::plan::kRates;
+  slow.expert_gemm_flops /= 2;
+  const double base = qt::plan::step_time(in, topo).compute;
+  const double halved = qt::plan::step_time(in, topo, slow).compute;
+  const qt::ModelConfig& m = in.model;
+  const double tokens = double(in.micro_batch) * in.seq_len;
+  const double experts = 3.0 * tokens * m.num_moe_layers() * 6.0 * m.hidden_size *
+                         m.moe_intermediate_size * m.num_experts_per_tok /
+                         qt::plan::kRates.expert_gemm_flops;
+  EXPECT_GT(experts, 0.0);
+  EXPECT_NEAR(halved - base, experts, 1e-9 * base);
+  MemoryPlanInput dense = in;
+  dense.model.num_experts = 0;
+  dense.model.mlp_only_layers.clear();
+  dense.mesh.ep = 1;
+  EXPECT_EQ(qt::plan::step_time(dense, topo, slow).compute,
+            qt::plan::step_time(dense, topo).compute);
+}
+
 // Qwen3-30B-A3B at seq 4096 on 8 GPUs of 80 GB: every ep of 8 is planned and something fits;
 // ZeRO-3 with offload at ep 1 (built today) fits under 40 GiB with recompute.
 TEST(PlanMoe, Qwen3_30bA3bOnEightGpus) {
