@@ -9,6 +9,11 @@
 // With mesh.ep > 1 they hold the ep rank's experts only (parallel/expert_parallel.h:
 // ep_local_config, EpMap), each sparse layer's a unit sharded and reduced over the
 // expert-data-parallel group; with both, each of those experts' tp columns (TpEpMap).
+// With mesh.cp > 1 (dense model, no tp, pp or LoRA yet: the deck says so) each micro-batch's
+// sequences are split over the cp ranks (parallel/context_parallel.h): the model holds this
+// rank's tokens of each sequence and runs ring attention over Mesh::cp(); the state is
+// planned and reduced over dp x cp (plan_shape, Mesh::dp_cp()); the losses it returns are
+// summed over cp, so the trainer sees the whole sequences' sums as at cp = 1.
 #include <fmt/format.h>
 
 #include <memory>
@@ -17,6 +22,7 @@
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "optim/sharded_state.h"
+#include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
@@ -32,8 +38,11 @@ class CpuBackend final : public TrainBackend {
       : tp_(mesh.shape().tp),
         seq_parallel_(mesh.shape().seq_parallel()),
         global_layout_(deck.model),
+        split_(deck.train.seq_len, mesh.shape().cp),
+        cp_(mesh.shape().cp > 1 ? &mesh.cp() : nullptr),
+        local_len_(split_.local_len(mesh.coord().cp)),
         model_(ep_local_config(tp_local_config(deck.model, tp_), mesh.shape().ep),
-               deck.train.micro_batch, deck.train.seq_len, deck.train.recompute, seq_parallel_),
+               deck.train.micro_batch, local_len_, deck.train.recompute, seq_parallel_),
         lora_(deck.lora.enabled() ? std::make_unique<LoraAdapters>(model_.config(), deck.lora,
                                                                    deck.train.micro_batch,
                                                                    deck.train.seq_len)
@@ -43,16 +52,24 @@ class CpuBackend final : public TrainBackend {
                                                                       std::vector<std::int64_t>>>{})),
         state_(lora_ ? plan_adapters(lora_->layout(), mesh.shape(), deck.optim.zero_stage,
                                      tp_kv_replicas(deck.model, tp_))
-                     : plan_qwen3(model_.config(), model_.layout(), mesh.shape(),
+                     : plan_qwen3(model_.config(), model_.layout(), plan_shape(mesh.shape()),
                                   deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_)),
-               lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps,
-               &mesh.tp(), nullptr, &mesh.edp()),
+               lora_ ? lora_->layout() : model_.layout(), deck.optim,
+               cp_ ? mesh.dp_cp() : mesh.dp(), deck.train.steps, &mesh.tp(), nullptr,
+               &mesh.edp()),
         base_(lora_ ? model_.layout().numel() : 0, 0.0f),
         offload_(deck.optim.offload == "cpu"),
         activations_(Qwen3Model::buffer_bytes(model_.config(), deck.train.micro_batch,
-                                              deck.train.seq_len, deck.train.recompute,
-                                              seq_parallel_)),
+                                              local_len_, deck.train.recompute, seq_parallel_)),
         seed_(deck.train.seed) {
+    // The deck rejects the rest (config/deck.cpp); these are the engine's own guards.
+    QT_CHECK(!cp_ || (!lora_ && tp_ == 1 && !deck.model.is_moe()),
+             "mesh.cp > 1 with tp, LoRA or a Qwen3-MoE model");
+    if (cp_) {
+      model_.set_context_parallel(cp_, &split_);
+      const std::size_t local = static_cast<std::size_t>(deck.train.micro_batch) * local_len_;
+      for (auto* b : {&cp_inputs_, &cp_targets_, &cp_positions_}) b->resize(local);
+    }
     if (lora_) model_.set_lora(lora_.get());
     if (deck.model.is_moe() && mesh.shape().ep > 1) model_.set_expert_parallel(&mesh.ep());
     // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
@@ -133,6 +150,12 @@ class CpuBackend final : public TrainBackend {
   double moe_aux_loss_sum() const override { return model_.config().is_moe() ? aux_sum_ : -1; }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
+    if (cp_) {
+      const double loss = model_.forward(state_, local(inputs, targets, positions),
+                                         cp_targets_.data(), cp_positions_.data());
+      model_.backward(state_, loss_scale);
+      return cp_->sum(loss);  // the whole sequences' sum, as at cp = 1
+    }
     if (lora_) {  // the units whole at ZeRO 0 and 1: bound for the whole micro-batch
       lora_->bind(adapter_buffers(/*grads=*/true));
       lora_->set_dropout_key(seed_, first_sample_);
@@ -158,11 +181,13 @@ class CpuBackend final : public TrainBackend {
     ModelParams& mp = lora_ ? static_cast<ModelParams&>(base) : state_;
     for (int m = 0; m < mb.count; ++m) {
       const std::size_t off = per * m;
-      loss += model_.forward_only(mp, mb.inputs + off, mb.targets + off,
-                                  mb.positions ? mb.positions + off : nullptr);
+      const std::int32_t* pos = mb.positions ? mb.positions + off : nullptr;
+      loss += cp_ ? model_.forward_only(mp, local(mb.inputs + off, mb.targets + off, pos),
+                                        cp_targets_.data(), cp_positions_.data())
+                  : model_.forward_only(mp, mb.inputs + off, mb.targets + off, pos);
     }
     if (lora_) lora_->set_dropout_enabled(true);
-    return loss;
+    return cp_ ? cp_->sum(loss) : loss;
   }
   OptimStepStats optimizer_step(const StepRequest& request) override {
     return state_.step(request);
@@ -185,6 +210,19 @@ class CpuBackend final : public TrainBackend {
         state_.plan().units, [&](int u) { return state_.params(u); },
         [&](int u) { return grads ? state_.grads(u) : nullptr; });
   }
+  // Context parallelism: this cp rank's tokens of a micro-batch [B, T] (checked whole first,
+  // as the model checks a whole micro-batch) into cp_inputs_, cp_targets_ and cp_positions_
+  // (the global RoPE positions) [B, local_len_]; returns cp_inputs_.
+  const std::int32_t* local(const std::int32_t* inputs, const std::int32_t* targets,
+                            const std::int32_t* positions) {
+    const int B = model_.batch(), r = cp_->rank();
+    check_micro_batch(inputs, targets, positions, B, split_.seq_len(),
+                      model_.config().vocab_size);
+    split_.take(cp_inputs_.data(), inputs, B, r);
+    split_.take(cp_targets_.data(), targets, B, r);
+    split_.take_positions(cp_positions_.data(), positions, B, r);
+    return cp_inputs_.data();
+  }
   const LayoutMap* trained_map() const {
     return lora_ ? static_cast<const LayoutMap*>(lora_map_.get()) : model_map_.get();
   }
@@ -194,6 +232,10 @@ class CpuBackend final : public TrainBackend {
   std::vector<float> router_bias_;      // set_router_bias: [sparse layers, E], or empty
   int seq_parallel_;                    // mesh.tp with sequence parallelism, else 1
   ParamLayout global_layout_;           // the model's (the local one is model_.layout())
+  ContextSplit split_;                  // mesh.cp's split of train.seq_len (one chunk pair at 1)
+  Comm* cp_;                            // Mesh::cp() with mesh.cp > 1, else null
+  int local_len_;                       // tokens of a sequence on this rank (seq_len at cp 1)
+  std::vector<std::int32_t> cp_inputs_, cp_targets_, cp_positions_;  // cp > 1: [B, local_len_]
   Qwen3Model model_;                    // with tp > 1 the tp rank's local part
   std::unique_ptr<LoraAdapters> lora_;  // null without [lora]
   ParamLayout global_lora_layout_;      // with [lora]: the adapters' of the global model
