@@ -103,6 +103,23 @@ TEST_F(ContextParallel, ReproducesTheSerialRun) {
   }
 }
 
+// [eval]: the held-out loss of a cp 2 run (each rank's tokens, summed over cp) is the serial
+// run's at every evaluation.
+TEST_F(ContextParallel, HeldOutLossIsTheSerialOne) {
+  const std::vector<std::string> eval = {"--eval.split=0.2", "--eval.every=5"};
+  const RunResult serial = train("serial_eval", 1, eval);
+  const RunResult cp = train("cp_eval", 4, test::with(eval, {"--mesh.cp=2"}));
+  const auto want = test::metrics_lines_of_kind(path("serial_eval.jsonl"), "eval");
+  const auto got = test::metrics_lines_of_kind(path("cp_eval.jsonl"), "eval");
+  ASSERT_EQ(want.size(), 2u);  // steps 5 and 10
+  ASSERT_EQ(got.size(), want.size());
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double a = got[i]["eval_loss"].get<double>(), b = want[i]["eval_loss"].get<double>();
+    EXPECT_LT(std::abs(a - b) / b, test::kTol) << "evaluation " << i << ": " << a << " vs " << b;
+    EXPECT_EQ(got[i]["eval_tokens"], want[i]["eval_tokens"]);
+  }
+}
+
 // Checkpoints hold global tensors: a cp 2 (dp 2, ZeRO-3) checkpoint resumes at cp 1 and a
 // serial one at cp 2, both on the uninterrupted serial run's losses.
 TEST_F(ContextParallel, CheckpointsMoveBetweenContextParallelAndSerial) {
