@@ -111,8 +111,9 @@ class Mesh {
 
   // The time of each communicator's calls since the last take (Comm::take_times), in slots that
   // are the same on every rank whatever it has made: the device communicators by dimension
-  // ("dp", "tp", "pp", "ep", "edp", "cp", "dpcp"; a dimension's channels summed), then the MPI ones ("mpi.world",
-  // "mpi.dp", ...). Not collective; waits for the device communicators' timed calls.
+  // ("dp", "tp", "pp", "ep", "edp", "cp", "dpcp"; a dimension's channels summed), then the MPI
+  // ones ("mpi.world", "mpi.dp", ...). Not collective; waits for the device communicators' timed
+  // calls.
   struct CommTimes {
     std::string name;
     CollectiveTimes times;

@@ -254,7 +254,8 @@ TEST(Mesh, ContextParallelGroups) {
   EXPECT_EQ(&mesh.mpi(MeshDim::kDpCp), &mesh.dp_cp());
   EXPECT_STREQ(mesh_dim_name(MeshDim::kDpCp), "dpcp");
   const std::string text = mesh.describe();
-  if (r == 0) EXPECT_NE(text.find("world 4 = pp 1 x dp 2 x cp 2 x tp 1"), std::string::npos) << text;
+  if (r == 0)
+    EXPECT_NE(text.find("world 4 = pp 1 x dp 2 x cp 2 x tp 1"), std::string::npos) << text;
 }
 
 // The probe's timing on two fake hosts of two ranks: "within a host" pairs {0,1}, {2,3}, "across
