@@ -105,6 +105,11 @@ class CpuBackend final : public TrainBackend {
   std::string describe() const override {
     std::string d = "cpu: fp32 reference (OpenBLAS); " + state_.plan().describe();
     if (tp_ > 1) d += "; " + describe_tp(model_.config(), tp_, seq_parallel_ > 1);
+    if (cp_)
+      d += fmt::format("; cp {}: each sequence of {} tokens split in {} chunks, {} tokens on this "
+                       "rank, ring attention; the state over dp x cp = {} ranks",
+                       cp_->size(), split_.seq_len(), 2 * cp_->size(), local_len_,
+                       state_.plan().dp);
     if (offload_) d += "; optim.offload = cpu: the state is in host memory already";
     if (lora_)
       d += fmt::format("; LoRA: fp32 base frozen (no gradients or moments), {} adapter "
