@@ -28,6 +28,7 @@
 #include "config/key_table.h"
 #include "config/suggest.h"
 #include "hf/config.h"
+#include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 
@@ -200,16 +201,16 @@ void Builder::validate_mesh() {
 }
 
 // Context parallelism (parallel/context_parallel.h) runs so far on the CPU with a dense model,
-// alone and with dp at any ZeRO stage; every other combination is refused by name.
+// alone and with dp (any ZeRO stage) and tp (with or without sequence parallelism); every other
+// combination is refused by name.
 void Builder::validate_context_parallel() {
   const MeshShape& m = deck_.mesh;
   if (m.cp <= 1) return;
   const auto not_yet = [&](bool ok, const char* what) {
     need(ok, "mesh.cp", ": context parallelism with {} is not supported yet (it runs on "
-         "train.device = cpu with a dense model, alone or with mesh.dp)", what);
+         "train.device = cpu with a dense model, alone or with mesh.dp and mesh.tp)", what);
   };
   not_yet(deck_.train.device != "cuda", "train.device = cuda");
-  not_yet(m.tp == 1, "mesh.tp > 1");
   not_yet(m.pp == 1, "mesh.pp > 1");
   not_yet(m.ep == 1, "mesh.ep > 1");
   not_yet(!deck_.model.is_moe(), "a Qwen3-MoE model (model.num_experts > 0)");
@@ -252,6 +253,19 @@ void Builder::validate_train_optim() {
          "splits the train.micro_batch x train.seq_len = {} x {} = {} rows of a micro-batch over "
          "mesh.tp = {} ranks, which does not divide them", t.micro_batch, t.seq_len, tokens,
          deck_.mesh.tp);
+  // With mesh.cp too, the rows of each cp rank's share of the sequences (ContextSplit).
+  if (deck_.mesh.sequence_parallel && deck_.mesh.tp > 1 && deck_.mesh.cp > 1 &&
+      t.seq_len >= 2 * deck_.mesh.cp) {
+    const ContextSplit split(t.seq_len, deck_.mesh.cp);
+    for (int r = 0; r < deck_.mesh.cp; ++r)
+      need(std::int64_t{t.micro_batch} * split.local_len(r) % deck_.mesh.tp == 0,
+           "mesh.sequence_parallel",
+           "splits each cp rank's rows over mesh.tp = {} ranks, but cp rank {} of mesh.cp = {} "
+           "holds train.micro_batch x {} = {} rows ({} of the train.seq_len = {} tokens of each "
+           "sequence), which {} does not divide", deck_.mesh.tp, r, deck_.mesh.cp,
+           split.local_len(r), std::int64_t{t.micro_batch} * split.local_len(r),
+           split.local_len(r), t.seq_len, deck_.mesh.tp);
+  }
   // The CUDA kernels are compiled for these head widths (src/ops/cuda/attention_mma.cuh).
   need(t.device != "cuda" || deck_.model.head_dim == 64 || deck_.model.head_dim == 128,
        "model.head_dim", "is not supported by train.device = cuda, whose attention kernels "

@@ -9,11 +9,12 @@
 // With mesh.ep > 1 they hold the ep rank's experts only (parallel/expert_parallel.h:
 // ep_local_config, EpMap), each sparse layer's a unit sharded and reduced over the
 // expert-data-parallel group; with both, each of those experts' tp columns (TpEpMap).
-// With mesh.cp > 1 (dense model, no tp, pp or LoRA yet: the deck says so) each micro-batch's
-// sequences are split over the cp ranks (parallel/context_parallel.h): the model holds this
-// rank's tokens of each sequence and runs ring attention over Mesh::cp(); the state is
-// planned and reduced over dp x cp (plan_shape, Mesh::dp_cp()); the losses it returns are
-// summed over cp, so the trainer sees the whole sequences' sums as at cp = 1.
+// With mesh.cp > 1 (dense model, alone or with dp and tp: the deck refuses the rest) each
+// micro-batch's sequences are split over the cp ranks (parallel/context_parallel.h): the model
+// holds this rank's tokens of each sequence and runs ring attention over Mesh::cp() (under tp
+// over its local heads); the state is planned and reduced over dp x cp (plan_shape,
+// Mesh::dp_cp()); the losses it returns are summed over cp, so the trainer sees the whole
+// sequences' sums as at cp = 1.
 #include <fmt/format.h>
 
 #include <memory>
@@ -41,6 +42,7 @@ class CpuBackend final : public TrainBackend {
         split_(deck.train.seq_len, mesh.shape().cp),
         cp_(mesh.shape().cp > 1 ? &mesh.cp() : nullptr),
         local_len_(split_.local_len(mesh.coord().cp)),
+        vocab_size_(deck.model.vocab_size),
         model_(ep_local_config(tp_local_config(deck.model, tp_), mesh.shape().ep),
                deck.train.micro_batch, local_len_, deck.train.recompute, seq_parallel_),
         lora_(deck.lora.enabled() ? std::make_unique<LoraAdapters>(model_.config(), deck.lora,
@@ -63,8 +65,8 @@ class CpuBackend final : public TrainBackend {
                                               local_len_, deck.train.recompute, seq_parallel_)),
         seed_(deck.train.seed) {
     // The deck rejects the rest (config/deck.cpp); these are the engine's own guards.
-    QT_CHECK(!cp_ || (!lora_ && tp_ == 1 && !deck.model.is_moe()),
-             "mesh.cp > 1 with tp, LoRA or a Qwen3-MoE model");
+    QT_CHECK(!cp_ || (!lora_ && !deck.model.is_moe()),
+             "mesh.cp > 1 with LoRA or a Qwen3-MoE model");
     if (cp_) {
       model_.set_context_parallel(cp_, &split_);
       const std::size_t local = static_cast<std::size_t>(deck.train.micro_batch) * local_len_;
@@ -221,8 +223,7 @@ class CpuBackend final : public TrainBackend {
   const std::int32_t* local(const std::int32_t* inputs, const std::int32_t* targets,
                             const std::int32_t* positions) {
     const int B = model_.batch(), r = cp_->rank();
-    check_micro_batch(inputs, targets, positions, B, split_.seq_len(),
-                      model_.config().vocab_size);
+    check_micro_batch(inputs, targets, positions, B, split_.seq_len(), vocab_size_);
     split_.take(cp_inputs_.data(), inputs, B, r);
     split_.take(cp_targets_.data(), targets, B, r);
     split_.take_positions(cp_positions_.data(), positions, B, r);
@@ -240,6 +241,7 @@ class CpuBackend final : public TrainBackend {
   ContextSplit split_;                  // mesh.cp's split of train.seq_len (one chunk pair at 1)
   Comm* cp_;                            // Mesh::cp() with mesh.cp > 1, else null
   int local_len_;                       // tokens of a sequence on this rank (seq_len at cp 1)
+  int vocab_size_;                      // the global model's (tp: the local one x tp)
   std::vector<std::int32_t> cp_inputs_, cp_targets_, cp_positions_;  // cp > 1: [B, local_len_]
   Qwen3Model model_;                    // with tp > 1 the tp rank's local part
   std::unique_ptr<LoraAdapters> lora_;  // null without [lora]
