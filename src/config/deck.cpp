@@ -201,17 +201,17 @@ void Builder::validate_mesh() {
 }
 
 // Context parallelism (parallel/context_parallel.h) runs so far on the CPU with a dense model,
-// alone and with dp (any ZeRO stage) and tp (with or without sequence parallelism); every other
-// combination is refused by name.
+// alone and with dp (any ZeRO stage), tp (with or without sequence parallelism) and pp (every
+// schedule); every other combination is refused by name.
 void Builder::validate_context_parallel() {
   const MeshShape& m = deck_.mesh;
   if (m.cp <= 1) return;
   const auto not_yet = [&](bool ok, const char* what) {
     need(ok, "mesh.cp", ": context parallelism with {} is not supported yet (it runs on "
-         "train.device = cpu with a dense model, alone or with mesh.dp and mesh.tp)", what);
+         "train.device = cpu with a dense model, alone or with mesh.dp, mesh.tp and mesh.pp)",
+         what);
   };
   not_yet(deck_.train.device != "cuda", "train.device = cuda");
-  not_yet(m.pp == 1, "mesh.pp > 1");
   not_yet(m.ep == 1, "mesh.ep > 1");
   not_yet(!deck_.model.is_moe(), "a Qwen3-MoE model (model.num_experts > 0)");
   not_yet(deck_.lora.r == 0, "[lora]");

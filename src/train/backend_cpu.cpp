@@ -9,7 +9,7 @@
 // With mesh.ep > 1 they hold the ep rank's experts only (parallel/expert_parallel.h:
 // ep_local_config, EpMap), each sparse layer's a unit sharded and reduced over the
 // expert-data-parallel group; with both, each of those experts' tp columns (TpEpMap).
-// With mesh.cp > 1 (dense model, alone or with dp and tp: the deck refuses the rest) each
+// With mesh.cp > 1 (dense model, alone or with dp and tp; pp: backend_cpu_pipeline.cpp) each
 // micro-batch's sequences are split over the cp ranks (parallel/context_parallel.h): the model
 // holds this rank's tokens of each sequence and runs ring attention over Mesh::cp() (under tp
 // over its local heads); the state is planned and reduced over dp x cp (plan_shape,

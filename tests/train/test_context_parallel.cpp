@@ -1,9 +1,9 @@
-// Context parallelism (mesh.cp, issue 24) on the CPU reference, whole trainings under
-// mpiexec -n 4: each sequence split over the cp ranks in load-balanced chunks, attention by
-// ring. cp 2 and 4, alone, with dp 2 at ZeRO-1 and ZeRO-3 and with tp 2 (with and without
-// sequence parallelism), reproduce the serial run's losses, gradient norms and final parameters
-// with packed documents (crossing the chunk boundaries) and a sequence length that the chunk
-// count does not divide, and the held-out loss; cp 2 checkpoints (with dp 2, with tp 2) resume at
+// Context parallelism (mesh.cp, issue 24) on the CPU reference, whole trainings under mpiexec -n 4:
+// each sequence split over the cp ranks in load-balanced chunks, attention by ring. cp 2 and 4,
+// alone, with dp 2 at ZeRO-1 and ZeRO-3, with tp 2 (with and without sequence parallelism) and with
+// pp 2 (1F1B, ZB-H1), reproduce the serial run's losses, gradient norms and final parameters with
+// packed documents (crossing the chunk boundaries) and a sequence length that the chunk count does
+// not divide, and the held-out loss; cp 2 checkpoints (with dp 2, with tp 2, with pp 2) resume at
 // cp 1 and a cp 1 one at cp 2 on the serial run's losses.
 #include <gtest/gtest.h>
 
@@ -87,6 +87,10 @@ TEST_F(ContextParallel, ReproducesTheSerialRun) {
       {"cp2_tp2", 4, {"--mesh.cp=2", "--mesh.tp=2"}},
       {"cp2_tp2_sp_z2", 4,
        {"--mesh.cp=2", "--mesh.tp=2", "--mesh.sequence_parallel=true", "--optim.zero_stage=2"}},
+      // pipeline stages over each cp rank's tokens (the tied embedding's copies on both stages)
+      {"cp2_pp2", 4, {"--mesh.cp=2", "--mesh.pp=2"}},
+      {"cp2_pp2_zb_z3", 4,
+       {"--mesh.cp=2", "--mesh.pp=2", "--mesh.pp_schedule=zb-h1", "--optim.zero_stage=3"}},
       // one sequence a micro-batch, plain causal attention across the documents
       {"cp2_concat", 2, {"--mesh.cp=2", "--train.micro_batch=1", "--data.packing=concat"}},
   };
@@ -130,8 +134,8 @@ TEST_F(ContextParallel, HeldOutLossIsTheSerialOne) {
   }
 }
 
-// Checkpoints hold global tensors: cp 2 checkpoints (dp 2 at ZeRO-3; tp 2) resume at cp 1 and a
-// serial one at cp 2, all on the uninterrupted serial run's losses.
+// Checkpoints hold global tensors: cp 2 checkpoints (dp 2 at ZeRO-3; tp 2; pp 2) resume at cp 1
+// and a serial one at cp 2, all on the uninterrupted serial run's losses.
 TEST_F(ContextParallel, CheckpointsMoveBetweenContextParallelAndSerial) {
   const RunResult serial = train("serial", 1, {});
   const RunResult first =
@@ -146,7 +150,11 @@ TEST_F(ContextParallel, CheckpointsMoveBetweenContextParallelAndSerial) {
   ASSERT_EQ(first_tp.steps.size(), 5u);
   const RunResult tp_to_serial =
       train("tp_to_serial", 1, {"--checkpoint.resume=" + path("cp_tp/step_00000005.h5")});
-  for (const RunResult* r : {&to_serial, &to_cp, &tp_to_serial}) {
+  const RunResult first_pp = train("cp_pp", 4, {"--mesh.cp=2", "--mesh.pp=2", "--train.stop_at=5"});
+  ASSERT_EQ(first_pp.steps.size(), 5u);
+  const RunResult pp_to_serial =
+      train("pp_to_serial", 1, {"--checkpoint.resume=" + path("cp_pp/step_00000005.h5")});
+  for (const RunResult* r : {&to_serial, &to_cp, &tp_to_serial, &pp_to_serial}) {
     ASSERT_EQ(r->steps.size(), 5u);
     EXPECT_EQ(r->steps.front().step, 6);
     expect_serial(r->steps, serial.steps, 6);
