@@ -201,20 +201,21 @@ void Builder::validate_mesh() {
 }
 
 // Context parallelism (parallel/context_parallel.h) runs so far on the CPU with a dense model,
-// alone and with dp (any ZeRO stage), tp (with or without sequence parallelism) and pp (every
-// schedule); every other combination is refused by name.
+// alone and with dp (any ZeRO stage), tp (with or without sequence parallelism), pp (every
+// schedule) and [lora] (not in a pipeline); every other combination is refused by name.
 void Builder::validate_context_parallel() {
   const MeshShape& m = deck_.mesh;
   if (m.cp <= 1) return;
   const auto not_yet = [&](bool ok, const char* what) {
     need(ok, "mesh.cp", ": context parallelism with {} is not supported yet (it runs on "
-         "train.device = cpu with a dense model, alone or with mesh.dp, mesh.tp and mesh.pp)",
+         "train.device = cpu with a dense model, alone or with mesh.dp, mesh.tp, mesh.pp and "
+         "[lora])",
          what);
   };
   not_yet(deck_.train.device != "cuda", "train.device = cuda");
   not_yet(m.ep == 1, "mesh.ep > 1");
   not_yet(!deck_.model.is_moe(), "a Qwen3-MoE model (model.num_experts > 0)");
-  not_yet(deck_.lora.r == 0, "[lora]");
+  not_yet(deck_.lora.r == 0 || m.pp == 1, "[lora] and mesh.pp > 1");
   // 2 cp chunks of every sequence, none empty.
   need(deck_.train.seq_len >= 2 * m.cp, "mesh.cp",
        "cuts each sequence into 2 x mesh.cp = {} chunks, more than train.seq_len = {} tokens",

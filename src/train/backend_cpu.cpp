@@ -9,10 +9,11 @@
 // With mesh.ep > 1 they hold the ep rank's experts only (parallel/expert_parallel.h:
 // ep_local_config, EpMap), each sparse layer's a unit sharded and reduced over the
 // expert-data-parallel group; with both, each of those experts' tp columns (TpEpMap).
-// With mesh.cp > 1 (dense model, alone or with dp and tp; pp: backend_cpu_pipeline.cpp) each
-// micro-batch's sequences are split over the cp ranks (parallel/context_parallel.h): the model
-// holds this rank's tokens of each sequence and runs ring attention over Mesh::cp() (under tp
-// over its local heads); the state is planned and reduced over dp x cp (plan_shape,
+// With mesh.cp > 1 (dense model, alone or with dp, tp and [lora]; with pp:
+// backend_cpu_pipeline.cpp) each micro-batch's sequences are split over the cp ranks
+// (parallel/context_parallel.h): the model holds this rank's tokens of each sequence and runs
+// ring attention over Mesh::cp() (under tp over its local heads; LoRA's dropout masks keyed by
+// the tokens' global indices); the state is planned and reduced over dp x cp (plan_shape,
 // Mesh::dp_cp()); the losses it returns are summed over cp, so the trainer sees the whole
 // sequences' sums as at cp = 1.
 #include <fmt/format.h>
@@ -47,13 +48,13 @@ class CpuBackend final : public TrainBackend {
                deck.train.micro_batch, local_len_, deck.train.recompute, seq_parallel_),
         lora_(deck.lora.enabled() ? std::make_unique<LoraAdapters>(model_.config(), deck.lora,
                                                                    deck.train.micro_batch,
-                                                                   deck.train.seq_len)
+                                                                   local_len_)
                                   : nullptr),
         global_lora_layout_(lora_ ? lora_layout(deck.model, deck.lora)
                                   : ParamLayout(std::vector<std::pair<std::string,
                                                                       std::vector<std::int64_t>>>{})),
-        state_(lora_ ? plan_adapters(lora_->layout(), mesh.shape(), deck.optim.zero_stage,
-                                     tp_kv_replicas(deck.model, tp_))
+        state_(lora_ ? plan_adapters(lora_->layout(), plan_shape(mesh.shape()),
+                                     deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_))
                      : plan_qwen3(model_.config(), model_.layout(), plan_shape(mesh.shape()),
                                   deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_)),
                lora_ ? lora_->layout() : model_.layout(), deck.optim,
@@ -65,10 +66,10 @@ class CpuBackend final : public TrainBackend {
                                               local_len_, deck.train.recompute, seq_parallel_)),
         seed_(deck.train.seed) {
     // The deck rejects the rest (config/deck.cpp); these are the engine's own guards.
-    QT_CHECK(!cp_ || (!lora_ && !deck.model.is_moe()),
-             "mesh.cp > 1 with LoRA or a Qwen3-MoE model");
+    QT_CHECK(!cp_ || !deck.model.is_moe(), "mesh.cp > 1 with a Qwen3-MoE model");
     if (cp_) {
       model_.set_context_parallel(cp_, &split_);
+      if (lora_) lora_->set_context_parallel(split_.seq_len(), split_.indices(mesh.cp().rank()));
       const std::size_t local = static_cast<std::size_t>(deck.train.micro_batch) * local_len_;
       for (auto* b : {&cp_inputs_, &cp_targets_, &cp_positions_}) b->resize(local);
     }
@@ -94,7 +95,7 @@ class CpuBackend final : public TrainBackend {
         // The frozen base through its own plan's split (tp, and with mesh.ep > 1 the ep
         // rank's experts).
         base_plan_ = std::make_unique<ShardPlan>(
-            plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0,
+            plan_qwen3(model_.config(), model_.layout(), plan_shape(mesh.shape()), 0,
                        tp_kv_replicas(deck.model, tp_)));
         model_map_ = make_model_map(deck.model, global_layout_, model_.layout(), *base_plan_,
                                     mesh.shape(), mesh.tp().rank(), mesh.ep().rank());
@@ -157,24 +158,24 @@ class CpuBackend final : public TrainBackend {
   double moe_aux_loss_sum() const override { return model_.config().is_moe() ? aux_sum_ : -1; }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
-    if (cp_) {
-      const double loss = model_.forward(state_, local(inputs, targets, positions),
-                                         cp_targets_.data(), cp_positions_.data());
-      model_.backward(state_, loss_scale);
-      return cp_->sum(loss);  // the whole sequences' sum, as at cp = 1
+    if (cp_) {  // this cp rank's tokens; the loss summed over cp: the whole sequences' sum
+      inputs = local(inputs, targets, positions);
+      targets = cp_targets_.data();
+      positions = cp_positions_.data();
     }
+    double loss = 0;
     if (lora_) {  // the units whole at ZeRO 0 and 1: bound for the whole micro-batch
       lora_->bind(adapter_buffers(/*grads=*/true));
       lora_->set_dropout_key(seed_, first_sample_);
-      const double loss = model_.forward(base_.data(), inputs, targets, positions);
+      loss = model_.forward(base_.data(), inputs, targets, positions);
       aux_sum_ += model_.moe_aux_loss();
       model_.backward(base_.data(), nullptr, loss_scale);
-      return loss;
+    } else {
+      loss = model_.forward(state_, inputs, targets, positions);
+      aux_sum_ += model_.moe_aux_loss();
+      model_.backward(state_, loss_scale);
     }
-    const double loss = model_.forward(state_, inputs, targets, positions);
-    aux_sum_ += model_.moe_aux_loss();
-    model_.backward(state_, loss_scale);
-    return loss;
+    return cp_ ? cp_->sum(loss) : loss;
   }
   // A forward alone, dropout off: no gradient is touched.
   double eval_loss(const MicroBatches& mb) override {

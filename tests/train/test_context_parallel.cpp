@@ -1,15 +1,16 @@
 // Context parallelism (mesh.cp, issue 24) on the CPU reference, whole trainings under mpiexec -n 4:
 // each sequence split over the cp ranks in load-balanced chunks, attention by ring. cp 2 and 4,
 // alone, with dp 2 at ZeRO-1 and ZeRO-3, with tp 2 (with and without sequence parallelism) and with
-// pp 2 (1F1B, ZB-H1), reproduce the serial run's losses, gradient norms and final parameters with
-// packed documents (crossing the chunk boundaries) and a sequence length that the chunk count does
-// not divide, and the held-out loss; cp 2 checkpoints (with dp 2, with tp 2, with pp 2) resume at
-// cp 1 and a cp 1 one at cp 2 on the serial run's losses.
+// pp 2 (1F1B, ZB-H1), and [lora] with dropout, reproduce the serial run's losses, gradient norms
+// and final parameters with packed documents (crossing the chunk boundaries) and a sequence length
+// that the chunk count does not divide, and the held-out loss; cp 2 checkpoints (with dp 2, with tp
+// 2, with pp 2) resume at cp 1 and a cp 1 one at cp 2 on the serial run's losses.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "serial_compare.h"
@@ -114,6 +115,29 @@ TEST_F(ContextParallel, ReproducesTheSerialRun) {
     // losses (seen: 1e-7), closer than expect_serial's bound for meshes that reorder more.
     EXPECT_LT(max_rel(r.steps, base.steps, 1, true), test::kTol) << "gradient norms";
     EXPECT_LT(params, test::kParamTol);
+  }
+}
+
+// [lora] with dropout: each token's mask is keyed by its place in the whole sequence, so cp 2
+// (alone, with dp 2 at ZeRO-1, with tp 2) trains the serial run's adapters.
+TEST_F(ContextParallel, LoraReproducesTheSerialRun) {
+  const std::vector<std::string> lora = {"--lora.r=4", "--lora.dropout=0.1",
+                                         "--lora.targets=q_proj, v_proj, o_proj, down_proj"};
+  const RunResult serial = train("serial_lora", 1, lora);
+  ASSERT_EQ(serial.steps.size(), 10u);
+  for (const auto& [name, ranks, mesh] :
+       std::vector<std::tuple<const char*, int, std::vector<std::string>>>{
+           {"cp2_lora", 2, {"--mesh.cp=2"}},
+           {"dp2_cp2_lora_z1", 4, {"--mesh.cp=2", "--optim.zero_stage=1"}},
+           {"cp2_tp2_lora", 4, {"--mesh.cp=2", "--mesh.tp=2"}}}) {
+    SCOPED_TRACE(name);
+    const RunResult r = train(name, ranks, test::with(lora, mesh));
+    ASSERT_EQ(r.steps.size(), 10u);
+    if (test::world_rank() == 0)
+      std::printf("%s: losses within %.3g, gradient norms %.3g of the serial run\n", name,
+                  max_rel(r.steps, serial.steps), max_rel(r.steps, serial.steps, 1, true));
+    expect_serial(r.steps, serial.steps);
+    EXPECT_LT(max_rel(r.steps, serial.steps, 1, true), test::kTol) << "gradient norms";
   }
 }
 
