@@ -1,10 +1,13 @@
-// The 4-D device mesh: world = pp x dp x tp, tp innermost, pp outermost; ep divides dp.
+// The device mesh: world = pp x dp x cp x tp, tp innermost, then cp (context parallelism), dp,
+// pp outermost (Megatron's order); ep divides dp.
 //
-//   world rank = (pp_idx * dp + dp_idx) * tp + tp_idx
+//   world rank = ((pp_idx * dp + dp_idx) * cp + cp_idx) * tp + tp_idx
 //   dp_idx     = edp_idx * ep + ep_idx          (expert-parallel groups are contiguous in dp)
 //
-// Each dimension gets its own communicator: dp, tp, pp, ep (within dp) and edp (expert data
-// parallel, dp / ep ranks that hold the same experts).
+// Each dimension gets its own communicator: dp, tp, pp, cp, ep (within dp) and edp (expert data
+// parallel, dp / ep ranks that hold the same experts), and dpcp: the dp x cp ranks of one (pp,
+// tp) index, which hold the same parameters and reduce their gradients together (rank
+// dp_idx * cp + cp_idx). With cp = 1, dpcp has dp's ranks in dp's order.
 #pragma once
 
 #include <memory>
@@ -17,9 +20,10 @@ namespace qt {
 
 // The dimensions of the mesh, for the parts of the code that pick one (the sharding plan, the
 // device communicators). kEdp is the expert-data-parallel group (dp / ep ranks holding the same
-// experts), the group that reduces expert gradients.
-enum class MeshDim { kDp, kTp, kPp, kEp, kEdp };
-inline constexpr int kNumMeshDims = 5;
+// experts), the group that reduces expert gradients. kCp splits each sequence (context
+// parallelism); kDpCp is dp x cp, the group that reduces the dense gradients when cp > 1.
+enum class MeshDim { kDp, kTp, kPp, kEp, kEdp, kCp, kDpCp };
+inline constexpr int kNumMeshDims = 7;
 const char* mesh_dim_name(MeshDim d);
 
 struct MeshShape {
@@ -43,14 +47,19 @@ struct MeshShape {
   // (cuda/cuda_ops.h); false (default: faster on two H200s, docs/performance.md): each after
   // its GEMM, whole.
   bool tp_overlap = false;
-  int world() const { return dp * tp * pp; }
+  // Context parallelism: each sequence of a micro-batch split over cp ranks in 2 cp
+  // load-balanced chunks (parallel/context_parallel.h), attention by ring (model/ring_attention.h).
+  int cp = 1;
+  int world() const { return dp * cp * tp * pp; }
+  // The ranks that hold the same parameters and sum their gradients: dp x cp.
+  int dp_cp() const { return dp * cp; }
   // The tp ranks sequence parallelism splits a micro-batch's rows over: tp, or 1 (off).
   int seq_parallel() const { return sequence_parallel && tp > 1 ? tp : 1; }
 };
 
 // Coordinates of one rank in the mesh.
 struct MeshCoord {
-  int pp = 0, dp = 0, tp = 0, ep = 0, edp = 0;
+  int pp = 0, dp = 0, tp = 0, ep = 0, edp = 0, cp = 0;
 };
 
 // Pure functions of the mesh arithmetic (testable without MPI).
@@ -86,6 +95,8 @@ class Mesh {
   MpiComm& pp() { return *pp_; }
   MpiComm& ep() { return *ep_; }
   MpiComm& edp() { return *edp_; }
+  MpiComm& cp() { return *cp_; }
+  MpiComm& dp_cp() { return *dp_cp_; }  // dp x cp: the gradient reduction's group
   // Raw MPI handle of the world communicator (for parallel HDF5).
   MPI_Comm world_mpi() const { return world_->mpi(); }
   MpiComm& mpi(MeshDim d);
@@ -100,8 +111,9 @@ class Mesh {
 
   // The time of each communicator's calls since the last take (Comm::take_times), in slots that
   // are the same on every rank whatever it has made: the device communicators by dimension
-  // ("dp", "tp", "pp", "ep", "edp"; a dimension's channels summed), then the MPI ones ("mpi.world",
-  // "mpi.dp", ...). Not collective; waits for the device communicators' timed calls.
+  // ("dp", "tp", "pp", "ep", "edp", "cp", "dpcp"; a dimension's channels summed), then the MPI
+  // ones ("mpi.world", "mpi.dp", ...). Not collective; waits for the device communicators' timed
+  // calls.
   struct CommTimes {
     std::string name;
     CollectiveTimes times;
@@ -117,7 +129,7 @@ class Mesh {
   MeshShape shape_;
   MeshCoord coord_;
   std::shared_ptr<MpiComm> world_;
-  std::unique_ptr<MpiComm> dp_, tp_, pp_, ep_, edp_;
+  std::unique_ptr<MpiComm> dp_, tp_, pp_, ep_, edp_, cp_, dp_cp_;
   std::vector<std::unique_ptr<Comm>> device_[kNumMeshDims];  // by MeshDim and channel, made on
                                                             // first use
   int local_rank_ = 0, local_size_ = 1;

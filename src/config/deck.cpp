@@ -28,6 +28,7 @@
 #include "config/key_table.h"
 #include "config/suggest.h"
 #include "hf/config.h"
+#include "parallel/context_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
 
@@ -136,7 +137,8 @@ void Builder::validate_model() {
 void Builder::validate_mesh() {
   MeshShape& m = deck_.mesh;
   need(m.dp >= 0, "mesh.dp", "must be >= 1, or 0 for auto");
-  for (const char* k : {"mesh.tp", "mesh.pp", "mesh.ep"}) need(ival(k) >= 1, k, "must be >= 1");
+  for (const char* k : {"mesh.tp", "mesh.pp", "mesh.ep", "mesh.cp"})
+    need(ival(k) >= 1, k, "must be >= 1");
   if (m.tp > 1) {  // tensor parallelism (parallel/tensor_parallel.h): heads and MLP columns split
     for (const char* k : {"model.num_heads", "model.intermediate_size", "model.vocab_size"})
       need(ival(k) % m.tp == 0, "mesh.tp", "does not divide {} = {} (each tp rank takes an equal "
@@ -173,17 +175,19 @@ void Builder::validate_mesh() {
          "keeps each layer's activations until its weight gradients: not with "
          "train.recompute = true");
   }
+  validate_context_parallel();
+  const int others = m.tp * m.pp * m.cp;  // the ranks of one dp index
   if (m.dp == 0) {
-    need(world_ % (m.tp * m.pp) == 0, "mesh.dp",
-         "means auto, which needs the world size {} to be a multiple of mesh.tp x mesh.pp = {}", world_,
-         m.tp * m.pp);
-    m.dp = world_ / (m.tp * m.pp);
+    need(world_ % others == 0, "mesh.dp",
+         "means auto, which needs the world size {} to be a multiple of mesh.tp x mesh.pp x "
+         "mesh.cp = {}", world_, others);
+    m.dp = world_ / others;
     dp_auto_ = true;
   }
   need(m.world() == world_, "mesh.dp",
-       "does not fit the world: mesh.dp x mesh.tp x mesh.pp = {} x {} x {} = {}, but {} MPI "
-       "ranks run",
-       m.dp, m.tp, m.pp, m.world(), world_);
+       "does not fit the world: mesh.dp x mesh.cp x mesh.tp x mesh.pp = {} x {} x {} x {} = {}, "
+       "but {} MPI ranks run",
+       m.dp, m.cp, m.tp, m.pp, m.world(), world_);
   need(m.dp % m.ep == 0, "mesh.ep", "does not divide mesh.dp = {}", m.dp);
   if (m.pp > 1 && deck_.train.device == "cuda") {  // cuda/backend_cuda_pipeline.cpp
     need(m.dp == 1 || deck_.optim.zero_stage <= 1, "mesh.pp",
@@ -194,6 +198,28 @@ void Builder::validate_mesh() {
   need(m.ep == 1 || deck_.model.is_moe(), "mesh.ep",
        "> 1 splits a Qwen3-MoE model's experts (model.num_experts > 0); this model is dense: set "
        "mesh.ep = 1");
+}
+
+// Context parallelism (parallel/context_parallel.h) runs so far on the CPU with a dense model,
+// alone and with dp (any ZeRO stage), tp (with or without sequence parallelism), pp (every
+// schedule) and [lora] (not in a pipeline); every other combination is refused by name.
+void Builder::validate_context_parallel() {
+  const MeshShape& m = deck_.mesh;
+  if (m.cp <= 1) return;
+  const auto not_yet = [&](bool ok, const char* what) {
+    need(ok, "mesh.cp", ": context parallelism with {} is not supported yet (it runs on "
+         "train.device = cpu with a dense model, alone or with mesh.dp, mesh.tp, mesh.pp and "
+         "[lora])",
+         what);
+  };
+  not_yet(deck_.train.device != "cuda", "train.device = cuda");
+  not_yet(m.ep == 1, "mesh.ep > 1");
+  not_yet(!deck_.model.is_moe(), "a Qwen3-MoE model (model.num_experts > 0)");
+  not_yet(deck_.lora.r == 0 || m.pp == 1, "[lora] and mesh.pp > 1");
+  // 2 cp chunks of every sequence, none empty.
+  need(deck_.train.seq_len >= 2 * m.cp, "mesh.cp",
+       "cuts each sequence into 2 x mesh.cp = {} chunks, more than train.seq_len = {} tokens",
+       2 * m.cp, deck_.train.seq_len);
 }
 
 void Builder::validate_train_optim() {
@@ -228,6 +254,19 @@ void Builder::validate_train_optim() {
          "splits the train.micro_batch x train.seq_len = {} x {} = {} rows of a micro-batch over "
          "mesh.tp = {} ranks, which does not divide them", t.micro_batch, t.seq_len, tokens,
          deck_.mesh.tp);
+  // With mesh.cp too, the rows of each cp rank's share of the sequences (ContextSplit).
+  if (deck_.mesh.sequence_parallel && deck_.mesh.tp > 1 && deck_.mesh.cp > 1 &&
+      t.seq_len >= 2 * deck_.mesh.cp) {
+    const ContextSplit split(t.seq_len, deck_.mesh.cp);
+    for (int r = 0; r < deck_.mesh.cp; ++r)
+      need(std::int64_t{t.micro_batch} * split.local_len(r) % deck_.mesh.tp == 0,
+           "mesh.sequence_parallel",
+           "splits each cp rank's rows over mesh.tp = {} ranks, but cp rank {} of mesh.cp = {} "
+           "holds train.micro_batch x {} = {} rows ({} of the train.seq_len = {} tokens of each "
+           "sequence), which {} does not divide", deck_.mesh.tp, r, deck_.mesh.cp,
+           split.local_len(r), std::int64_t{t.micro_batch} * split.local_len(r),
+           split.local_len(r), t.seq_len, deck_.mesh.tp);
+  }
   // The CUDA kernels are compiled for these head widths (src/ops/cuda/attention_mma.cuh).
   need(t.device != "cuda" || deck_.model.head_dim == 64 || deck_.model.head_dim == 128,
        "model.head_dim", "is not supported by train.device = cuda, whose attention kernels "

@@ -95,6 +95,7 @@ class Builder {
  private:
   void validate_model();
   void validate_mesh();
+  void validate_context_parallel();  // mesh.cp (from validate_mesh)
   void validate_train_optim();
   void validate_lora();
   void validate_moe_lora();

@@ -104,7 +104,11 @@ const std::vector<KeySpec>& key_table() {
              "dropped (its slot adds nothing) and counted; 0 = dropless"),
 
         spec("mesh", "dp", &D::mesh, &S::dp, "ranks",
-             "Data-parallel ranks; 0 = auto (world size / (tp x pp))"),
+             "Data-parallel ranks; 0 = auto (world size / (tp x pp x cp))"),
+        spec("mesh", "cp", &D::mesh, &S::cp, "ranks",
+             "Context-parallel ranks: each sequence split over them in 2 cp load-balanced "
+             "chunks, ring attention (cpu, dense model, with mesh.dp, tp, pp and [lora]; "
+             "seq_len >= 2 cp)"),
         spec("mesh", "tp", &D::mesh, &S::tp, "ranks",
              "Tensor-parallel ranks: heads, MLP columns and vocabulary split over them (must "
              "divide model.num_heads, intermediate_size and vocab_size, and divide num_kv_heads "

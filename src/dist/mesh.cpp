@@ -1,4 +1,5 @@
-// The 4-D mesh: coordinates and one communicator per dimension (see include/qtrain/mesh.h).
+// The mesh (pp x dp x cp x tp): coordinates and one communicator per dimension
+// (include/qtrain/mesh.h).
 #include "qtrain/mesh.h"
 
 #include <fmt/format.h>
@@ -21,6 +22,8 @@ const char* mesh_dim_name(MeshDim d) {
     case MeshDim::kPp: return "pp";
     case MeshDim::kEp: return "ep";
     case MeshDim::kEdp: return "edp";
+    case MeshDim::kCp: return "cp";
+    case MeshDim::kDpCp: return "dpcp";
   }
   return "?";
 }
@@ -28,15 +31,16 @@ const char* mesh_dim_name(MeshDim d) {
 MeshCoord mesh_coord_of(const MeshShape& s, int r) {
   MeshCoord c;
   c.tp = r % s.tp;
-  c.dp = (r / s.tp) % s.dp;
-  c.pp = r / (s.tp * s.dp);
+  c.cp = (r / s.tp) % s.cp;
+  c.dp = (r / (s.tp * s.cp)) % s.dp;
+  c.pp = r / (s.tp * s.cp * s.dp);
   c.ep = c.dp % s.ep;
   c.edp = c.dp / s.ep;
   return c;
 }
 
 int mesh_rank_of(const MeshShape& s, const MeshCoord& c) {
-  return (c.pp * s.dp + c.dp) * s.tp + c.tp;
+  return ((c.pp * s.dp + c.dp) * s.cp + c.cp) * s.tp + c.tp;
 }
 
 std::vector<std::string> tp_groups_across_hosts(const MeshShape& s,
@@ -69,8 +73,8 @@ std::unique_ptr<MpiComm> split(MpiComm& parent, int color, int key, const char* 
 
 Mesh::Mesh(const MeshShape& shape, std::shared_ptr<MpiComm> world)
     : shape_(shape), world_(std::move(world)) {
-  QT_CHECK(shape_.world() == world_->size(), "mesh {}x{}x{} does not match {} ranks", shape_.pp,
-           shape_.dp, shape_.tp, world_->size());
+  QT_CHECK(shape_.world() == world_->size(), "mesh {}x{}x{}x{} does not match {} ranks",
+           shape_.pp, shape_.dp, shape_.cp, shape_.tp, world_->size());
   QT_CHECK(shape_.ep >= 1 && shape_.dp % shape_.ep == 0, "ep {} must divide dp {}", shape_.ep,
            shape_.dp);
   const int r = world_->rank();
@@ -78,11 +82,14 @@ Mesh::Mesh(const MeshShape& shape, std::shared_ptr<MpiComm> world)
   const MeshCoord& c = coord_;
   const MeshShape& s = shape_;
   // Colour = the coordinates that stay fixed within a group; key = position within it.
-  dp_ = split(*world_, c.pp * s.tp + c.tp, c.dp, "dp");
-  tp_ = split(*world_, c.pp * s.dp + c.dp, c.tp, "tp");
-  pp_ = split(*world_, c.dp * s.tp + c.tp, c.pp, "pp");
-  ep_ = split(*world_, (c.pp * s.tp + c.tp) * (s.dp / s.ep) + c.edp, c.ep, "ep");
-  edp_ = split(*world_, (c.pp * s.tp + c.tp) * s.ep + c.ep, c.edp, "edp");
+  const int pp_cp_tp = (c.pp * s.cp + c.cp) * s.tp + c.tp;  // fixed within dp, ep and edp
+  dp_ = split(*world_, pp_cp_tp, c.dp, "dp");
+  tp_ = split(*world_, (c.pp * s.dp + c.dp) * s.cp + c.cp, c.tp, "tp");
+  pp_ = split(*world_, (c.dp * s.cp + c.cp) * s.tp + c.tp, c.pp, "pp");
+  ep_ = split(*world_, pp_cp_tp * (s.dp / s.ep) + c.edp, c.ep, "ep");
+  edp_ = split(*world_, pp_cp_tp * s.ep + c.ep, c.edp, "edp");
+  cp_ = split(*world_, (c.pp * s.dp + c.dp) * s.tp + c.tp, c.cp, "cp");
+  dp_cp_ = split(*world_, c.pp * s.tp + c.tp, c.dp * s.cp + c.cp, "dpcp");
 
   MPI_Comm node;
   QT_CHECK_MPI(MPI_Comm_split_type(world_->mpi(), MPI_COMM_TYPE_SHARED, r, MPI_INFO_NULL, &node));
@@ -99,6 +106,8 @@ MpiComm& Mesh::mpi(MeshDim d) {
     case MeshDim::kPp: return *pp_;
     case MeshDim::kEp: return *ep_;
     case MeshDim::kEdp: return *edp_;
+    case MeshDim::kCp: return *cp_;
+    case MeshDim::kDpCp: return *dp_cp_;
   }
   QT_CHECK(false, "no mesh dimension {}", static_cast<int>(d));
   return *dp_;  // not reached
@@ -179,8 +188,12 @@ std::string Mesh::describe(bool gpus) {
   const std::vector<std::string> host_of = gather_strings(host_, *world_);  // by world rank
   const std::string topology = topology_report(*world_, local_rank_, gpus);
   if (world_->rank() != 0) return {};
-  std::string out = fmt::format("mesh: world {} = pp {} x dp {} x tp {} (ep {} within dp)\n",
-                                shape_.world(), shape_.pp, shape_.dp, shape_.tp, shape_.ep);
+  std::string out =
+      shape_.cp > 1
+          ? fmt::format("mesh: world {} = pp {} x dp {} x cp {} x tp {} (ep {} within dp)\n",
+                        shape_.world(), shape_.pp, shape_.dp, shape_.cp, shape_.tp, shape_.ep)
+          : fmt::format("mesh: world {} = pp {} x dp {} x tp {} (ep {} within dp)\n",
+                        shape_.world(), shape_.pp, shape_.dp, shape_.tp, shape_.ep);
   out += topology;
   const std::string warning = tp_across_hosts_warning(shape_, host_of);
   if (!warning.empty()) out += warning + "\n";

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "model/lora.h"
+#include "model/ring_attention.h"
 #include "model/vocab_parallel.h"
 #include "ops/attention.h"
 #include "ops/cross_entropy.h"
@@ -69,6 +70,24 @@ void CpuOps::set_tp(Comm* tp) {
   tp_ = tp;
   sp_ = seq_parallel_ > 1;
   vocab_begin_ = tp ? tp->rank() * cfg_.vocab_size : 0;
+}
+
+void CpuOps::set_context_parallel(Comm* cp, const ContextSplit* split) {
+  if (cp == nullptr || cp->size() == 1) {
+    ring_.reset();
+    return;
+  }
+  QT_CHECK(split != nullptr && split->local_len(cp->rank()) == T_,
+           "ops of {} rows a sequence for a context split giving this rank {}", T_,
+           split ? split->local_len(cp->rank()) : 0);
+  ring_ = std::make_shared<RingAttention>(*cp, *split, B_, cfg_.num_heads, cfg_.num_kv_heads,
+                                          cfg_.head_dim);
+  const std::size_t table = static_cast<std::size_t>(split->seq_len()) * cfg_.head_dim / 2;
+  cp_cos_.assign(table, 0.0f);
+  cp_sin_.assign(table, 0.0f);
+  cpu::rope_table(cp_cos_.data(), cp_sin_.data(), split->seq_len(), cfg_);
+  cos_ = cp_cos_.data();
+  sin_ = cp_sin_.data();
 }
 
 float* CpuOps::gather_rows(float* full, const float* local, int rows, int cols) {
@@ -166,6 +185,7 @@ void CpuOps::qk_norm_rope_backward(float* dx, int dx_ld, float* dw, const float*
 
 void CpuOps::attention(int, float* out, float* lse, const float* q, const float* k,
                        const float* v) {
+  if (ring_) return ring_->forward(out, lse, q, k, v, pos_);
   cpu::attention_forward(out, lse, q, k, v, B_, T_, cfg_.num_heads, cfg_.num_kv_heads,
                          cfg_.head_dim, pos_);
 }
@@ -173,6 +193,7 @@ void CpuOps::attention(int, float* out, float* lse, const float* q, const float*
 void CpuOps::attention_backward(int, float* dq, float* dk, float* dv, const float* dout,
                                 const float* q, const float* k, const float* v, const float* out,
                                 const float* lse) {
+  if (ring_) return ring_->backward(dq, dk, dv, dout, q, k, v, out, lse, pos_);
   cpu::attention_backward(dq, dk, dv, dout, q, k, v, out, lse, B_, T_, cfg_.num_heads,
                           cfg_.num_kv_heads, cfg_.head_dim, pos_);
 }

@@ -17,6 +17,8 @@ namespace qt {
 
 class LoraAdapters;
 class ExpertDispatch;
+class ContextSplit;
+class RingAttention;
 
 // Zero-filled host buffers with stable addresses (the program's activations on the CPU); with
 // counting_only, counts the bytes and hands out nothing (for the memory check before allocating).
@@ -70,6 +72,11 @@ class CpuOps : public NoCollectives {
   // so), the embedding reduce-scatters its rows, the lm head gathers its input and
   // reduce-scatters its input gradient.
   void set_tp(Comm* tp);
+  // Context parallelism over `cp` (null: none): the ops' B x T rows are this cp rank's tokens
+  // of sequences of split.seq_len() tokens (parallel/context_parallel.h); attention runs as
+  // ring attention (model/ring_attention.h) and RoPE over the global positions, so
+  // set_positions must give every row's (never null). `split` must outlive the ops.
+  void set_context_parallel(Comm* cp, const ContextSplit* split);
 
   // The collective hooks (layer_program.h's NoCollectives has the contract): with tp, a
   // row-parallel GEMM's partial output and a column-parallel pair's partial input gradient
@@ -201,7 +208,11 @@ class CpuOps : public NoCollectives {
   bool sp_ = false;       // sequence parallelism over tp_ (set_tp)
   std::vector<DeferredGrad>* defer_ = nullptr;  // defer_weight_grads
   int vocab_begin_ = 0;  // the first global token id of the local vocabulary
-  float *cos_, *sin_;      // [T (or rope_len), hd/2]
+  float *cos_, *sin_;      // [T (or rope_len, or cp's global T), hd/2]
+  // Context parallelism (set_context_parallel), else null / empty: the ring and the RoPE table
+  // of the global sequence [T, hd/2] each.
+  std::shared_ptr<RingAttention> ring_;
+  std::vector<float> cp_cos_, cp_sin_;
   float *xs_, *ys_;        // [N, max(Q, KV)] contiguous copies of strided q/k columns
   // Training only (null when ForwardOnly):
   float* norm_dx_ = nullptr;                   // [N, H] a norm's input gradient before it is added

@@ -349,6 +349,13 @@ void LoraAdapters::set_tensor_parallel(int tp, int rank) {
   }
 }
 
+void LoraAdapters::set_context_parallel(int seq_len, const std::vector<std::int32_t>& index) {
+  QT_CHECK(static_cast<int>(index.size()) == T_ && seq_len >= T_,
+           "LoRA adapters of {} tokens a sequence for {} of {}", T_, index.size(), seq_len);
+  seq_len_ = seq_len;
+  token_index_ = index;
+}
+
 const float* LoraAdapters::dropped(int layer, int target, const Slot& s, const float* x) {
   const int in = s.in;
   const double p = dropout_on_ ? lora_.dropout : 0.0;
@@ -358,8 +365,11 @@ const float* LoraAdapters::dropped(int layer, int target, const Slot& s, const f
   for (int n = 0; n < N_; ++n) {
     // Token t of the sequence with index g in the data order.
     const std::uint64_t g = static_cast<std::uint64_t>(first_sample_ + n / T_);
-    const std::uint64_t first =
-        (g * T_ + n % T_) * static_cast<std::uint64_t>(s.in_global) + static_cast<std::uint64_t>(s.col0);
+    const std::uint64_t t = static_cast<std::uint64_t>(
+        token_index_.empty() ? n % T_ : token_index_[static_cast<std::size_t>(n % T_)]);
+    const std::uint64_t first = (g * static_cast<std::uint64_t>(seq_len_) + t) *
+                                    static_cast<std::uint64_t>(s.in_global) +
+                                static_cast<std::uint64_t>(s.col0);
     const std::size_t row = static_cast<std::size_t>(n) * in;
     for (int i = 0; i < in; ++i) {
       const float m = rng::uniform(stream, first + i) >= p ? keep_scale : 0.0f;

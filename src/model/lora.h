@@ -108,6 +108,11 @@ class LoraAdapters {
     seed_ = seed, first_sample_ = first_sample;
   }
 
+  // Context parallelism: the adapters' T rows a sequence are the tokens `index` [T] (global
+  // indices, ascending) of sequences of seq_len tokens (parallel/context_parallel.h), so that
+  // a token's dropout mask is keyed by its place in the whole sequence, as at cp = 1.
+  void set_context_parallel(int seq_len, const std::vector<std::int32_t>& index);
+
   // Evaluation switches dropout off (the adapters' input as is, as PyTorch's eval mode does) and
   // back on for training.
   void set_dropout_enabled(bool on) { dropout_on_ = on; }
@@ -170,6 +175,8 @@ class LoraAdapters {
   AdapterBuffers<float> buf_;  // bind()'s
   std::uint64_t seed_ = 0;
   std::int64_t first_sample_ = 0;
+  int seq_len_ = T_;                       // tokens of a whole sequence (set_context_parallel)
+  std::vector<std::int32_t> token_index_;  // [T] each row's token in it, or empty: the row
   bool dropout_on_ = true;  // set_dropout_enabled
   std::vector<float> xd_, mask_, g_, dxd_;  // scratch: [N, max in] x 2, [N, r], [N, max in]
 };

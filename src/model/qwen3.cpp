@@ -67,7 +67,10 @@ void check_micro_batch(const std::int32_t* inputs, const std::int32_t* targets,
 double Qwen3Model::forward(ModelParams& mp, const std::int32_t* inputs,
                            const std::int32_t* targets, const std::int32_t* positions) {
   const int N = B_ * T_;
-  check_micro_batch(inputs, targets, positions, B_, T_, vocab_global_);
+  QT_CHECK(!context_parallel_ || positions != nullptr,
+           "a context-parallel forward needs each token's global position");
+  check_micro_batch(inputs, targets, context_parallel_ ? nullptr : positions, B_, T_,
+                    vocab_global_);
   std::copy(inputs, inputs + N, inputs_.begin());
   std::copy(targets, targets + N, targets_.begin());
   if (positions) std::copy(positions, positions + N, pos_.begin());

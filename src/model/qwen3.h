@@ -90,6 +90,15 @@ class Qwen3Model {
     vocab_global_ = cfg_.vocab_size * (tp ? tp->size() : 1);
   }
 
+  // Context parallelism (CpuOps::set_context_parallel): the model's B x T rows are this cp
+  // rank's tokens of each sequence (T = split->local_len(cp rank)), and forward's positions
+  // (then required) are their global RoPE positions, checked by the caller on the whole
+  // sequence (a rank's tokens jump where its two chunks meet).
+  void set_context_parallel(Comm* cp, const ContextSplit* split) {
+    ops_.set_context_parallel(cp, split);
+    context_parallel_ = cp != nullptr && cp->size() > 1;
+  }
+
   // Qwen3-MoE: the weight of each micro-batch's load-balancing loss in the objective (CpuOps::
   // set_moe_aux_scale), and the last forward's loss (k when balanced; 0 for a dense model).
   void set_moe_aux_scale(float scale) { ops_.set_moe_aux_scale(scale); }
@@ -115,6 +124,7 @@ class Qwen3Model {
   Qwen3Program<CpuOps> program_;    // the layer program (model/layer_program.h)
   std::vector<std::int32_t> inputs_, targets_, pos_;  // [B, T] copies of the last forward's
   int vocab_global_ = cfg_.vocab_size;  // token ids are < this (tp: the local vocabulary x tp)
+  bool context_parallel_ = false;       // set_context_parallel over more than one rank
 };
 
 }  // namespace qt

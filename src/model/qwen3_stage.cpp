@@ -56,8 +56,10 @@ double Qwen3Stage::forward(ModelParams& mp, int k, const StageBatch& b, const fl
   QT_CHECK(st.has_embedding ? b.inputs != nullptr : x_in != nullptr,
            "a stage forward without its input");
   QT_CHECK(!st.has_head || b.targets != nullptr, "the last stage's forward without targets");
+  QT_CHECK(!context_parallel_ || b.positions != nullptr,
+           "a context-parallel forward needs each token's global position");
   check_micro_batch(st.has_embedding ? b.inputs : nullptr, st.has_head ? b.targets : nullptr,
-                    b.positions, B_, T_, vocab_global_);
+                    context_parallel_ ? nullptr : b.positions, B_, T_, vocab_global_);
   Slot& s = slot_[k];
   const std::size_t N = static_cast<std::size_t>(B_) * T_;
   if (st.has_embedding) s.inputs.assign(b.inputs, b.inputs + N);

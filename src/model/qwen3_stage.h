@@ -86,6 +86,13 @@ class Qwen3Stage {
     ops_.set_tp(tp);
     vocab_global_ = cfg_.vocab_size * (tp ? tp->size() : 1);
   }
+  // Context parallelism (Qwen3Model::set_context_parallel): the stage's B x T rows are this cp
+  // rank's tokens of each sequence, and every forward's positions (then required) their global
+  // RoPE positions, checked by the caller on the whole sequences.
+  void set_context_parallel(Comm* cp, const ContextSplit* split) {
+    ops_.set_context_parallel(cp, split);
+    context_parallel_ = cp != nullptr && cp->size() > 1;
+  }
 
   // Qwen3-MoE. The load-balancing loss pools its statistics over every sparse layer of a
   // micro-batch before the product (qwen3-spec.md 3.3), so a stage's backward needs those of
@@ -133,6 +140,7 @@ class Qwen3Stage {
   std::vector<Slot> slot_;
   std::vector<int> owed_;  // [units] weight halves each unit's grads_done still waits for
   int vocab_global_ = cfg_.vocab_size;
+  bool context_parallel_ = false;  // set_context_parallel over more than one rank
   LoraAdapters* lora_ = nullptr;
 };
 

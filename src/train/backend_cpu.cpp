@@ -9,6 +9,13 @@
 // With mesh.ep > 1 they hold the ep rank's experts only (parallel/expert_parallel.h:
 // ep_local_config, EpMap), each sparse layer's a unit sharded and reduced over the
 // expert-data-parallel group; with both, each of those experts' tp columns (TpEpMap).
+// With mesh.cp > 1 (dense model, alone or with dp, tp and [lora]; with pp:
+// backend_cpu_pipeline.cpp) each micro-batch's sequences are split over the cp ranks
+// (parallel/context_parallel.h): the model holds this rank's tokens of each sequence and runs
+// ring attention over Mesh::cp() (under tp over its local heads; LoRA's dropout masks keyed by
+// the tokens' global indices); the state is planned and reduced over dp x cp (plan_shape,
+// Mesh::dp_cp()); the losses it returns are summed over cp, so the trainer sees the whole
+// sequences' sums as at cp = 1.
 #include <fmt/format.h>
 
 #include <memory>
@@ -17,6 +24,7 @@
 #include "model/lora.h"
 #include "model/qwen3.h"
 #include "optim/sharded_state.h"
+#include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/tensor_parallel.h"
 #include "qtrain/error.h"
@@ -32,27 +40,39 @@ class CpuBackend final : public TrainBackend {
       : tp_(mesh.shape().tp),
         seq_parallel_(mesh.shape().seq_parallel()),
         global_layout_(deck.model),
+        split_(deck.train.seq_len, mesh.shape().cp),
+        cp_(mesh.shape().cp > 1 ? &mesh.cp() : nullptr),
+        local_len_(split_.local_len(mesh.coord().cp)),
+        vocab_size_(deck.model.vocab_size),
         model_(ep_local_config(tp_local_config(deck.model, tp_), mesh.shape().ep),
-               deck.train.micro_batch, deck.train.seq_len, deck.train.recompute, seq_parallel_),
+               deck.train.micro_batch, local_len_, deck.train.recompute, seq_parallel_),
         lora_(deck.lora.enabled() ? std::make_unique<LoraAdapters>(model_.config(), deck.lora,
                                                                    deck.train.micro_batch,
-                                                                   deck.train.seq_len)
+                                                                   local_len_)
                                   : nullptr),
         global_lora_layout_(lora_ ? lora_layout(deck.model, deck.lora)
                                   : ParamLayout(std::vector<std::pair<std::string,
                                                                       std::vector<std::int64_t>>>{})),
-        state_(lora_ ? plan_adapters(lora_->layout(), mesh.shape(), deck.optim.zero_stage,
-                                     tp_kv_replicas(deck.model, tp_))
-                     : plan_qwen3(model_.config(), model_.layout(), mesh.shape(),
+        state_(lora_ ? plan_adapters(lora_->layout(), plan_shape(mesh.shape()),
+                                     deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_))
+                     : plan_qwen3(model_.config(), model_.layout(), plan_shape(mesh.shape()),
                                   deck.optim.zero_stage, tp_kv_replicas(deck.model, tp_)),
-               lora_ ? lora_->layout() : model_.layout(), deck.optim, mesh.dp(), deck.train.steps,
-               &mesh.tp(), nullptr, &mesh.edp()),
+               lora_ ? lora_->layout() : model_.layout(), deck.optim,
+               cp_ ? mesh.dp_cp() : mesh.dp(), deck.train.steps, &mesh.tp(), nullptr,
+               &mesh.edp()),
         base_(lora_ ? model_.layout().numel() : 0, 0.0f),
         offload_(deck.optim.offload == "cpu"),
         activations_(Qwen3Model::buffer_bytes(model_.config(), deck.train.micro_batch,
-                                              deck.train.seq_len, deck.train.recompute,
-                                              seq_parallel_)),
+                                              local_len_, deck.train.recompute, seq_parallel_)),
         seed_(deck.train.seed) {
+    // The deck rejects the rest (config/deck.cpp); these are the engine's own guards.
+    QT_CHECK(!cp_ || !deck.model.is_moe(), "mesh.cp > 1 with a Qwen3-MoE model");
+    if (cp_) {
+      model_.set_context_parallel(cp_, &split_);
+      if (lora_) lora_->set_context_parallel(split_.seq_len(), split_.indices(mesh.cp().rank()));
+      const std::size_t local = static_cast<std::size_t>(deck.train.micro_batch) * local_len_;
+      for (auto* b : {&cp_inputs_, &cp_targets_, &cp_positions_}) b->resize(local);
+    }
     if (lora_) model_.set_lora(lora_.get());
     if (deck.model.is_moe() && mesh.shape().ep > 1) model_.set_expert_parallel(&mesh.ep());
     // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
@@ -75,7 +95,7 @@ class CpuBackend final : public TrainBackend {
         // The frozen base through its own plan's split (tp, and with mesh.ep > 1 the ep
         // rank's experts).
         base_plan_ = std::make_unique<ShardPlan>(
-            plan_qwen3(model_.config(), model_.layout(), mesh.shape(), 0,
+            plan_qwen3(model_.config(), model_.layout(), plan_shape(mesh.shape()), 0,
                        tp_kv_replicas(deck.model, tp_)));
         model_map_ = make_model_map(deck.model, global_layout_, model_.layout(), *base_plan_,
                                     mesh.shape(), mesh.tp().rank(), mesh.ep().rank());
@@ -88,6 +108,11 @@ class CpuBackend final : public TrainBackend {
   std::string describe() const override {
     std::string d = "cpu: fp32 reference (OpenBLAS); " + state_.plan().describe();
     if (tp_ > 1) d += "; " + describe_tp(model_.config(), tp_, seq_parallel_ > 1);
+    if (cp_)
+      d += fmt::format("; cp {}: each sequence of {} tokens split in {} chunks, {} tokens on this "
+                       "rank, ring attention; the state over dp x cp = {} ranks",
+                       cp_->size(), split_.seq_len(), 2 * cp_->size(), local_len_,
+                       state_.plan().dp);
     if (offload_) d += "; optim.offload = cpu: the state is in host memory already";
     if (lora_)
       d += fmt::format("; LoRA: fp32 base frozen (no gradients or moments), {} adapter "
@@ -133,18 +158,24 @@ class CpuBackend final : public TrainBackend {
   double moe_aux_loss_sum() const override { return model_.config().is_moe() ? aux_sum_ : -1; }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
                     const std::int32_t* positions, float loss_scale) override {
+    if (cp_) {  // this cp rank's tokens; the loss summed over cp: the whole sequences' sum
+      inputs = local(inputs, targets, positions);
+      targets = cp_targets_.data();
+      positions = cp_positions_.data();
+    }
+    double loss = 0;
     if (lora_) {  // the units whole at ZeRO 0 and 1: bound for the whole micro-batch
       lora_->bind(adapter_buffers(/*grads=*/true));
       lora_->set_dropout_key(seed_, first_sample_);
-      const double loss = model_.forward(base_.data(), inputs, targets, positions);
+      loss = model_.forward(base_.data(), inputs, targets, positions);
       aux_sum_ += model_.moe_aux_loss();
       model_.backward(base_.data(), nullptr, loss_scale);
-      return loss;
+    } else {
+      loss = model_.forward(state_, inputs, targets, positions);
+      aux_sum_ += model_.moe_aux_loss();
+      model_.backward(state_, loss_scale);
     }
-    const double loss = model_.forward(state_, inputs, targets, positions);
-    aux_sum_ += model_.moe_aux_loss();
-    model_.backward(state_, loss_scale);
-    return loss;
+    return cp_ ? cp_->sum(loss) : loss;
   }
   // A forward alone, dropout off: no gradient is touched.
   double eval_loss(const MicroBatches& mb) override {
@@ -158,11 +189,13 @@ class CpuBackend final : public TrainBackend {
     ModelParams& mp = lora_ ? static_cast<ModelParams&>(base) : state_;
     for (int m = 0; m < mb.count; ++m) {
       const std::size_t off = per * m;
-      loss += model_.forward_only(mp, mb.inputs + off, mb.targets + off,
-                                  mb.positions ? mb.positions + off : nullptr);
+      const std::int32_t* pos = mb.positions ? mb.positions + off : nullptr;
+      loss += cp_ ? model_.forward_only(mp, local(mb.inputs + off, mb.targets + off, pos),
+                                        cp_targets_.data(), cp_positions_.data())
+                  : model_.forward_only(mp, mb.inputs + off, mb.targets + off, pos);
     }
     if (lora_) lora_->set_dropout_enabled(true);
-    return loss;
+    return cp_ ? cp_->sum(loss) : loss;
   }
   OptimStepStats optimizer_step(const StepRequest& request) override {
     return state_.step(request);
@@ -185,6 +218,18 @@ class CpuBackend final : public TrainBackend {
         state_.plan().units, [&](int u) { return state_.params(u); },
         [&](int u) { return grads ? state_.grads(u) : nullptr; });
   }
+  // Context parallelism: this cp rank's tokens of a micro-batch [B, T] (checked whole first,
+  // as the model checks a whole micro-batch) into cp_inputs_, cp_targets_ and cp_positions_
+  // (the global RoPE positions) [B, local_len_]; returns cp_inputs_.
+  const std::int32_t* local(const std::int32_t* inputs, const std::int32_t* targets,
+                            const std::int32_t* positions) {
+    const int B = model_.batch(), r = cp_->rank();
+    check_micro_batch(inputs, targets, positions, B, split_.seq_len(), vocab_size_);
+    split_.take(cp_inputs_.data(), inputs, B, r);
+    split_.take(cp_targets_.data(), targets, B, r);
+    split_.take_positions(cp_positions_.data(), positions, B, r);
+    return cp_inputs_.data();
+  }
   const LayoutMap* trained_map() const {
     return lora_ ? static_cast<const LayoutMap*>(lora_map_.get()) : model_map_.get();
   }
@@ -194,6 +239,11 @@ class CpuBackend final : public TrainBackend {
   std::vector<float> router_bias_;      // set_router_bias: [sparse layers, E], or empty
   int seq_parallel_;                    // mesh.tp with sequence parallelism, else 1
   ParamLayout global_layout_;           // the model's (the local one is model_.layout())
+  ContextSplit split_;                  // mesh.cp's split of train.seq_len (one chunk pair at 1)
+  Comm* cp_;                            // Mesh::cp() with mesh.cp > 1, else null
+  int local_len_;                       // tokens of a sequence on this rank (seq_len at cp 1)
+  int vocab_size_;                      // the global model's (tp: the local one x tp)
+  std::vector<std::int32_t> cp_inputs_, cp_targets_, cp_positions_;  // cp > 1: [B, local_len_]
   Qwen3Model model_;                    // with tp > 1 the tp rank's local part
   std::unique_ptr<LoraAdapters> lora_;  // null without [lora]
   ParamLayout global_lora_layout_;      // with [lora]: the adapters' of the global model

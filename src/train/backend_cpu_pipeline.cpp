@@ -55,6 +55,13 @@
 // loss's gradient reaches the adapters through d x. Adapters on every expert (lora.targets
 // experts.*) are the stage's sparse layers' stacked tensors in its chunks' LoraAdapters; the MoE
 // block's backward, which ZB-H1 does not split, adds their gradients in the input half, once.
+//
+// With mesh.cp > 1 (a dense model without [lora]) every stage holds its cp rank's tokens of each
+// sequence (parallel/context_parallel.h), as the plain CPU back end does: micro_batches takes
+// them from the step's micro-batches (with their global positions) before running the
+// schedule, each stage's attention runs the ring over Mesh::cp() (the pp communicator joins
+// ranks of one cp index, so the activations between stages are the same tokens' rows), the
+// state is planned and reduced over dp x cp, and the loss is summed over cp too.
 #include <mpi.h>
 
 #include <fmt/format.h>
@@ -64,8 +71,10 @@
 #include <memory>
 #include <vector>
 
+#include "model/qwen3.h"
 #include "model/qwen3_stage.h"
 #include "optim/sharded_state.h"
+#include "parallel/context_parallel.h"
 #include "parallel/expert_parallel.h"
 #include "parallel/pipeline_schedule.h"
 #include "parallel/tensor_parallel.h"
@@ -87,10 +96,14 @@ std::vector<PipeAction> stage_actions(const MeshShape& mesh, int M, int s) {
 class CpuPipelineBackend final : public TrainBackend {
  public:
   CpuPipelineBackend(const Deck& deck, Mesh& mesh)
-      : P_(mesh.shape().pp),
+      : split_(deck.train.seq_len, mesh.shape().cp),
+        cp_(mesh.shape().cp > 1 ? &mesh.cp() : nullptr),
+        local_len_(split_.local_len(mesh.coord().cp)),
+        vocab_size_(deck.model.vocab_size),
+        P_(mesh.shape().pp),
         V_(mesh.shape().pp_chunks),
         s_(mesh.coord().pp),
-        N_(static_cast<std::size_t>(deck.train.micro_batch) * deck.train.seq_len),
+        N_(static_cast<std::size_t>(deck.train.micro_batch) * local_len_),
         n_(N_ / static_cast<std::size_t>(mesh.shape().seq_parallel())),
         H_(deck.model.hidden_size),
         M_(deck.train.global_batch / (deck.train.micro_batch * mesh.shape().dp)),
@@ -100,15 +113,15 @@ class CpuPipelineBackend final : public TrainBackend {
         global_layout_(deck.model),
         local_(ep_local_config(tp_local_config(deck.model, tp_), ep_)),
         layout_(local_),
-        plan_(plan_qwen3(local_, layout_, mesh.shape(), deck.optim.zero_stage,
+        plan_(plan_qwen3(local_, layout_, plan_shape(mesh.shape()), deck.optim.zero_stage,
                          tp_kv_replicas(deck.model, tp_))),
         actions_(stage_actions(mesh.shape(), M_, s_)),
         chunks_(make_chunks(deck)),
         share_{held_units(), &mesh.pp(), tied_copy() ? Qwen3Units{}.embed() : -1},
         lora_(deck.lora.enabled() ? make_lora(deck, mesh) : nullptr),
         state_(lora_ ? lora_->plan() : plan_, lora_ ? lora_->layout() : layout_, deck.optim,
-               mesh.dp(), deck.train.steps, &mesh.tp(), lora_ ? &lora_->share() : &share_,
-               &mesh.edp()),
+               cp_ ? mesh.dp_cp() : mesh.dp(), deck.train.steps, &mesh.tp(),
+               lora_ ? &lora_->share() : &share_, &mesh.edp()),
         pp_(mesh.pp()),
         dx_(n_ * H_),
         schedule_name_(schedule_name(mesh.shape())),
@@ -125,6 +138,10 @@ class CpuPipelineBackend final : public TrainBackend {
     }
     model_map_ = make_model_map(deck.model, global_layout_, layout_, plan_, mesh.shape(),
                                 mesh.tp().rank(), mesh.ep().rank());
+    if (cp_) {  // the deck refuses the rest; the engine's own guard
+      QT_CHECK(!lora_ && !local_.is_moe(), "mesh.cp > 1 with LoRA or a Qwen3-MoE model");
+      for (Chunk& c : chunks_) c.stage->set_context_parallel(cp_, &split_);
+    }
     if (local_.is_moe()) {
       // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches on all
       // dp ranks), as in the plain CPU back end.
@@ -213,6 +230,37 @@ class CpuPipelineBackend final : public TrainBackend {
   }
 
   double micro_batches(const MicroBatches& mb, float loss_scale) override {
+    if (!cp_) return run_schedule(mb, loss_scale);
+    return cp_->sum(run_schedule(local_batches(mb), loss_scale));  // the whole sequences' sum
+  }
+
+ private:
+  // Context parallelism: this cp rank's tokens of every micro-batch of `mb` (each [B, T],
+  // checked whole first) into cp_inputs_, cp_targets_, cp_positions_ (the global RoPE
+  // positions), [M, B, local_len_]; the micro-batches as those arrays.
+  MicroBatches local_batches(const MicroBatches& mb) {
+    const std::size_t whole = static_cast<std::size_t>(mb.B) * mb.T;
+    for (auto* v : {&cp_inputs_, &cp_targets_, &cp_positions_})
+      v->resize(N_ * static_cast<std::size_t>(mb.count));
+    const int r = cp_->rank();
+    for (int m = 0; m < mb.count; ++m) {
+      const std::size_t at = whole * m, to = N_ * m;
+      const std::int32_t* pos = mb.positions ? mb.positions + at : nullptr;
+      check_micro_batch(mb.inputs + at, mb.targets + at, pos, mb.B, mb.T, vocab_size_);
+      split_.take(cp_inputs_.data() + to, mb.inputs + at, mb.B, r);
+      split_.take(cp_targets_.data() + to, mb.targets + at, mb.B, r);
+      split_.take_positions(cp_positions_.data() + to, pos, mb.B, r);
+    }
+    MicroBatches local = mb;
+    local.inputs = cp_inputs_.data();
+    local.targets = cp_targets_.data();
+    local.positions = cp_positions_.data();
+    local.T = local_len_;
+    return local;
+  }
+
+  // The stage's list of actions over the step's micro-batches (each B x N_ / B rows).
+  double run_schedule(const MicroBatches& mb, float loss_scale) {
     QT_CHECK(mb.count == M_, "{} micro-batches, the schedule has {}", mb.count, M_);
     const int C = P_ * V_;  // chunks of the model; chunk c runs on stage c % P
     const int prev = (s_ + P_ - 1) % P_, next = (s_ + 1) % P_;  // the wrap: chunk v P + P - 1 -> (v + 1) P
@@ -313,6 +361,7 @@ class CpuPipelineBackend final : public TrainBackend {
     return pp_.sum(loss);  // the last stage's, on every stage
   }
 
+ public:
   OptimStepStats optimizer_step(const StepRequest& request) override {
     if (local_.tie_word_embeddings && !lora_) sum_tied_copies();  // (a frozen base: no gradients)
     return state_.step(request);
@@ -349,7 +398,7 @@ class CpuPipelineBackend final : public TrainBackend {
       const int slots = activation_slots(actions_, c);
       Chunk ch;
       ch.stage = std::make_unique<Qwen3Stage>(
-          local_, deck.train.micro_batch, deck.train.seq_len, deck.train.recompute,
+          local_, deck.train.micro_batch, local_len_, deck.train.recompute,
           StageRange::layers(local_.num_layers, plan_.stage_layers[c], plan_.stage_layers[c + 1]),
           slots, static_cast<int>(N_ / n_));
       ch.busy.assign(slots, 0);
@@ -445,8 +494,13 @@ class CpuPipelineBackend final : public TrainBackend {
     for (std::size_t i = 0; i < g.size(); ++i) g[i] += other[i];
   }
 
+  ContextSplit split_;  // mesh.cp's split of train.seq_len (one chunk pair at cp 1)
+  Comm* cp_;            // Mesh::cp() with mesh.cp > 1, else null
+  int local_len_;       // tokens of a sequence on this rank (train.seq_len at cp 1)
+  int vocab_size_;      // the global model's
+  std::vector<std::int32_t> cp_inputs_, cp_targets_, cp_positions_;  // cp > 1: [M, B, local_len_]
   int P_, V_, s_;  // stages, chunks a stage, this stage
-  std::size_t N_;  // rows of a micro-batch, B x T
+  std::size_t N_;  // rows of a micro-batch, B x T (T: this cp rank's tokens of a sequence)
   std::size_t n_;  // rows of the activations between stages: N, or N / tp (sequence parallel)
   std::size_t H_;
   int M_;                       // micro-batches a step

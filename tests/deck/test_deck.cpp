@@ -346,6 +346,28 @@ TEST(Deck, TpOverlap) {
   expect_error("[mesh]\ntp_overlap = sometimes\n", {"deck.ini:2:", "mesh.tp_overlap"});
 }
 
+// mesh.cp: the world is pp x dp x cp x tp (dp auto divides by cp too); with tp and sequence
+// parallelism each cp rank's rows (micro_batch x its tokens of a sequence) must split over tp.
+TEST(Deck, ContextParallel) {
+  const Deck cp = parse("[mesh]\ncp = 2\n", {}, 4);
+  EXPECT_EQ(cp.mesh.cp, 2);
+  EXPECT_EQ(cp.mesh.dp, 2);  // auto: 4 / cp
+  EXPECT_EQ(parse("[mesh]\ncp = 2\ntp = 2\n", {}, 4).mesh.dp, 1);
+  // 18 tokens over cp 2: chunks 5, 5, 4, 4, so 9 a rank; one sequence a micro-batch gives each
+  // cp rank 9 rows, which tp 2 does not divide (the whole micro-batch's 18 it does).
+  const std::string sp =
+      "[mesh]\ncp = 2\ntp = 2\nsequence_parallel = true\n[train]\nseq_len = 18\n";
+  EXPECT_EQ(parse(sp, {}, 4).mesh.seq_parallel(), 2);  // micro_batch 2: 18 rows a rank
+  expect_error(sp + "micro_batch = 1\nglobal_batch = 1\n", {}, 4,
+               {"deck.ini:4: mesh.sequence_parallel = true splits each cp rank's rows over "
+                "mesh.tp = 2 ranks, but cp rank 0 of mesh.cp = 2 holds train.micro_batch x 9 = 9 "
+                "rows (9 of the train.seq_len = 18 tokens of each sequence), which 2 does not "
+                "divide"});
+  expect_error("[mesh]\ncp = 3\n", {}, 4, {"mesh.dp = 0 (default) means auto, which needs the "
+                                            "world size 4 to be a multiple of mesh.tp x mesh.pp "
+                                            "x mesh.cp = 3"});
+}
+
 // mesh.sequence_parallel splits each micro-batch's rows over tp; with tp 1 it changes nothing.
 TEST(Deck, SequenceParallel) {
   const Deck off = parse("[mesh]\nsequence_parallel = true\n");

@@ -18,6 +18,24 @@ std::shared_ptr<MpiComm> world() {
   return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
 }
 
+// world = pp x dp x cp x tp: cp sits between tp (inside it) and dp.
+TEST(MeshArithmetic, ContextParallelIsBetweenTpAndDp) {
+  MeshShape s{2, 2, 2, 1};
+  s.cp = 3;
+  EXPECT_EQ(s.world(), 24);
+  EXPECT_EQ(s.dp_cp(), 6);
+  std::set<std::tuple<int, int, int, int>> seen;
+  for (int r = 0; r < s.world(); ++r) {
+    const MeshCoord c = mesh_coord_of(s, r);
+    EXPECT_EQ(mesh_rank_of(s, c), r);
+    EXPECT_EQ(c.tp, r % 2);
+    EXPECT_EQ(c.cp, (r / 2) % 3);
+    EXPECT_EQ(c.dp, (r / 6) % 2);
+    EXPECT_EQ(c.pp, r / 12);
+    EXPECT_TRUE(seen.insert({c.pp, c.dp, c.cp, c.tp}).second);
+  }
+}
+
 TEST(MeshArithmetic, CoordinatesRoundTripAndTpIsInnermost) {
   for (MeshShape s : {MeshShape{2, 2, 2, 1}, MeshShape{4, 1, 1, 2}, MeshShape{3, 2, 1, 3},
                       MeshShape{1, 1, 1, 1}, MeshShape{8, 1, 2, 4}}) {
@@ -198,6 +216,10 @@ TEST(Mesh, CommunicatorsGroupTheRightRanks) {
   EXPECT_EQ(&mesh.mpi(MeshDim::kEp), &mesh.ep());
   EXPECT_EQ(&mesh.mpi(MeshDim::kEdp), &mesh.edp());
   EXPECT_STREQ(mesh_dim_name(MeshDim::kEdp), "edp");
+  // Without context parallelism the cp groups are single ranks and dp x cp is dp.
+  EXPECT_EQ(mesh.cp().size(), 1);
+  EXPECT_EQ(mesh.dp_cp().size(), 2);
+  EXPECT_EQ(mesh.dp_cp().sum(static_cast<double>(r)), r % 2 == 0 ? 2.0 : 4.0);
 #ifndef QTRAIN_HAVE_CUDA
   // Device communicators need the CUDA build: a clear error, not a crash.
   try {
@@ -207,6 +229,33 @@ TEST(Mesh, CommunicatorsGroupTheRightRanks) {
     EXPECT_NE(std::string(e.what()).find("needs the CUDA back end"), std::string::npos) << e.what();
   }
 #endif
+}
+
+// pp 1 x dp 2 x cp 2 x tp 1: cp pairs {0,1},{2,3} (inside dp); dp pairs {0,2},{1,3}; all four
+// ranks reduce the gradients together (dp x cp, in the order dp_idx x cp + cp_idx).
+TEST(Mesh, ContextParallelGroups) {
+  auto w = world();
+  if (w->size() != 4) GTEST_SKIP() << "needs 4 ranks";
+  MeshShape s;
+  s.dp = 2;
+  s.cp = 2;
+  Mesh mesh(s, w);
+  const int r = w->rank();
+  EXPECT_EQ(mesh.coord().cp, r % 2);
+  EXPECT_EQ(mesh.coord().dp, r / 2);
+  EXPECT_EQ(mesh.cp().rank(), r % 2);
+  EXPECT_EQ(mesh.cp().sum(static_cast<double>(r)), r < 2 ? 1.0 : 5.0);
+  EXPECT_EQ(mesh.dp().sum(static_cast<double>(r)), r % 2 == 0 ? 2.0 : 4.0);
+  EXPECT_EQ(mesh.dp_cp().size(), 4);
+  EXPECT_EQ(mesh.dp_cp().rank(), r);
+  EXPECT_EQ(mesh.tp().size(), 1);
+  EXPECT_EQ(mesh.edp().size(), 2);  // ep 1: the dp group
+  EXPECT_EQ(&mesh.mpi(MeshDim::kCp), &mesh.cp());
+  EXPECT_EQ(&mesh.mpi(MeshDim::kDpCp), &mesh.dp_cp());
+  EXPECT_STREQ(mesh_dim_name(MeshDim::kDpCp), "dpcp");
+  const std::string text = mesh.describe();
+  if (r == 0)
+    EXPECT_NE(text.find("world 4 = pp 1 x dp 2 x cp 2 x tp 1"), std::string::npos) << text;
 }
 
 // The probe's timing on two fake hosts of two ranks: "within a host" pairs {0,1}, {2,3}, "across
