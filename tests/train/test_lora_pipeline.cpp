@@ -16,6 +16,7 @@
 #include "hf/lora_export.h"
 #include "hf/safetensors.h"
 #include "model/lora.h"
+#include "serial_compare.h"
 #include "training_harness.h"
 
 namespace qt {
@@ -50,30 +51,8 @@ std::shared_ptr<MpiComm> world_comm() {
   return std::make_shared<MpiComm>(MPI_COMM_WORLD, "world", false);
 }
 
-// Largest relative loss difference at the steps both runs logged; infinity when one is not
-// finite or none is shared.
-double max_rel(const std::vector<StepRecord>& a, const std::vector<StepRecord>& b) {
-  double worst = -1;
-  for (const StepRecord& x : a)
-    for (const StepRecord& y : b) {
-      if (x.step != y.step) continue;
-      if (!std::isfinite(x.loss)) return INFINITY;
-      worst = std::max(worst, std::abs(x.loss - y.loss) / std::abs(y.loss));
-    }
-  return worst < 0 ? INFINITY : worst;
-}
-
-// ||a - b|| / ||b||; infinity for a size mismatch or a value of a that is not finite.
-double rel_norm_diff(const std::vector<float>& a, const std::vector<float>& b) {
-  if (a.size() != b.size() || b.empty()) return INFINITY;
-  double d = 0, n = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    d += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
-    n += static_cast<double>(b[i]) * b[i];
-  }
-  return std::sqrt(d / n);
-}
+using test::max_rel;        // serial_compare.h: losses at the steps both runs logged
+using test::rel_norm_diff;  // ||a - b|| / ||b||
 
 // The global adapters of a LoRA checkpoint, on every world rank.
 std::vector<float> read_adapters(const std::string& ckpt) {
