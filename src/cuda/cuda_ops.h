@@ -307,8 +307,9 @@ class CudaOps : public NoCollectives {
   // (train.recompute), which reuses them: the slot holds that micro-batch from its forward to
   // its backward, whatever other slots run between.
   void moe_ep_forward(int l, const bf16* gate_up, const bf16* down, bool fresh);
-  // Their backward from moe_dout_ (d out, send order): d x_perm into moe_x_ (send order), this
-  // rank's experts' weight gradients (+= when acc).
+  // Their backward from moe_dout_ (d out, send order): d x_perm into moe_x_ (send order; still
+  // arriving on the ep stream on return: the micro-batch's stream reads it after moe_ep_join),
+  // this rank's experts' weight gradients (+= when acc).
   void moe_ep_backward(int l, float* g_gate_up, float* g_down, const bf16* gate_up,
                        const bf16* down, bool acc);
 
