@@ -101,9 +101,10 @@ double failure_grace_s() {
 
 // A rank that stops with an error checks that every rank stops with it: they meet in a barrier
 // on `meet`, a communicator of its own, so that it cannot match a collective the others wait in.
-// When they all arrive (errors are agreed on, so they do), rank 0 prints `error`. When they do
-// not within the grace time, a rank failed alone and the others wait for it for ever: this rank
-// prints its error with its rank and host, and MPI_Abort ends the job with code `rc`.
+// When they all arrive (errors are agreed on, so they do), rank 0 prints `error` before any rank
+// returns. When they do not within the grace time, a rank failed alone and the others wait for it
+// for ever: this rank prints its error with its rank and host, and MPI_Abort ends the job with
+// code `rc`.
 void end_together(MPI_Comm meet, int rc, const std::string& error) {
   int size = 1, rank = 0;
   MPI_Comm_size(meet, &size);
@@ -118,7 +119,14 @@ void end_together(MPI_Comm meet, int rc, const std::string& error) {
     if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   if (done) {
-    if (rank == 0 && !error.empty()) std::fprintf(stderr, "qtrain: error: %s\n", error.c_str());
+    if (rank == 0 && !error.empty()) {
+      std::fprintf(stderr, "qtrain: error: %s\n", error.c_str());
+      std::fflush(stderr);
+    }
+    // No rank exits before rank 0 has printed: mpirun kills the job when the first rank ends
+    // with a nonzero code, which can take rank 0 before it prints. Every rank is here, so this
+    // barrier cannot hang.
+    MPI_Barrier(meet);
     return;
   }
   std::fprintf(stderr,
