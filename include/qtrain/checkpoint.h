@@ -7,7 +7,8 @@
 //   each dataset has attribute "checksum" (uint64, see below)
 //   root attributes: format ("qtrain-checkpoint"), format_version, step, samples_consumed,
 //   tokens_consumed, seed, rng_counter, skipped_steps, deck (resolved INI text), model config
-//   fields.
+//   fields; an fp16 run's loss_scale (f64), loss_scale_hysteresis, loss_scale_clean_steps and
+//   overflow_steps.
 //   /router_bias/model.layers.<l>.mlp.gate.expert_bias  fp32 [E], each sparse layer l: only
 //   with a router bias (TrainState::router_bias; compact datasets, no checksum)
 // A LoRA run's checkpoint holds the adapters instead of the model (/params/<PEFT name>, their
@@ -44,6 +45,13 @@ struct TrainState {
   // AdamW's bias correction counts the applied ones, step - skipped_steps. A checkpoint without
   // it (written before it existed) reads as 0.
   std::int64_t skipped_steps = 0;
+  // train.precision = fp16: the loss scaler's state for the next step (optim/loss_scaler.h's
+  // LossScalerState) and how many of the skipped steps were overflows. loss_scale 0: none (a run
+  // of another precision, or a checkpoint without it: the scaler starts afresh).
+  double loss_scale = 0;
+  std::int64_t loss_scale_hysteresis = 0;
+  std::int64_t loss_scale_clean_steps = 0;
+  std::int64_t overflow_steps = 0;
   // Qwen3-MoE auxiliary-loss-free balancing: the routers' bias [sparse layers, E] (fp32, the
   // same on every rank), or empty (none; a checkpoint without one reads as empty). Stored as
   // /router_bias/model.layers.<l>.mlp.gate.expert_bias [E], one a sparse layer.

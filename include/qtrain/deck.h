@@ -27,6 +27,20 @@ struct TrainConfig {
   // A step whose loss exceeds this factor times the recent mean (an exponential mean over about
   // 20 steps, from the 10th step of the process) is logged as a spike; 0 = not watched.
   double loss_spike_factor = 2.0;
+  // Arithmetic (docs/decks.md): "auto" (cpu: fp32; cuda: bf16) | "fp32" (cpu) | "bf16" (cuda) |
+  // "fp16": gradients scaled by a loss scale (optim/loss_scaler.h) and unscaled before the
+  // update; on the cpu the arithmetic stays fp32, the scaling runs as on a GPU.
+  std::string precision = "auto";
+  // train.precision = fp16, DeepSpeed's fp16 keys: loss_scale > 0 a static scale, 0 dynamic,
+  // from 2^initial_scale_power, doubled after loss_scale_window clean steps, halved on an
+  // overflow once `hysteresis` overflows are spent, never below min_loss_scale.
+  double loss_scale = 0;
+  int initial_scale_power = 16;
+  int loss_scale_window = 1000;
+  int hysteresis = 2;
+  bool consecutive_hysteresis = false;
+  double min_loss_scale = 1;
+  bool fp16() const { return precision == "fp16"; }
 };
 
 enum class Schedule { kCosine, kLinear, kConstant };

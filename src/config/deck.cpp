@@ -370,6 +370,7 @@ void Builder::validate() {
   validate_data_checkpoint_log();
   validate_topology();
   validate_eval();
+  validate_precision();
   validate_moe();
 }
 

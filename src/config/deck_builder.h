@@ -102,6 +102,7 @@ class Builder {
   void validate_data_checkpoint_log();
   void validate_topology();
   void validate_eval();
+  void validate_precision();
   void validate_moe();
 
   std::string path_;

@@ -1,5 +1,6 @@
-// The deck's feature sections (config/deck_builder.h): [lora], [eval] and a Qwen3-MoE model's
-// keys, each refusal naming its key (docs/decks.md).
+// The deck's feature sections (config/deck_builder.h): [lora], [eval], train.precision with fp16's
+// loss scaling and a Qwen3-MoE model's keys, each refusal naming its key (docs/decks.md).
+#include <cmath>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -84,6 +85,47 @@ void Builder::validate_eval() {
        e.tokenizer.empty() ? " (model.init's; set eval.tokenizer)" : "");
   need(e.max_new_tokens < deck_.model.max_position_embeddings, "eval.max_new_tokens",
        "must be below model.max_position_embeddings = {}", deck_.model.max_position_embeddings);
+}
+
+// train.precision and fp16's loss-scaling keys (optim/loss_scaler.h), which act only with fp16:
+// another value there is refused, as a typo would otherwise leave it off unseen.
+void Builder::validate_precision() {
+  const TrainConfig& t = deck_.train;
+  const bool cuda = t.device == "cuda";
+  need(t.precision == "auto" || t.precision == "fp32" || t.precision == "bf16" ||
+           t.precision == "fp16",
+       "train.precision", "must be auto, fp32, bf16 or fp16");
+  need(t.precision != "fp32" || !cuda, "train.precision",
+       "is the cpu's arithmetic; train.device = cuda computes in bf16 or fp16");
+  need(t.precision != "bf16" || cuda, "train.precision",
+       "is train.device = cuda's arithmetic; the cpu computes in fp32 (auto)");
+  need(!t.fp16() || !cuda, "train.precision",
+       "on train.device = cuda is not built yet (the GPU kernels compute in bf16); use "
+       "bf16, or train.device = cpu to run fp16's loss scaling over fp32 arithmetic");
+  const TrainConfig off;
+  if (!t.fp16()) {
+    for (const auto& [k, set] :
+         {std::pair{"train.loss_scale", t.loss_scale != off.loss_scale},
+          std::pair{"train.initial_scale_power", t.initial_scale_power != off.initial_scale_power},
+          std::pair{"train.loss_scale_window", t.loss_scale_window != off.loss_scale_window},
+          std::pair{"train.hysteresis", t.hysteresis != off.hysteresis},
+          std::pair{"train.consecutive_hysteresis",
+                    t.consecutive_hysteresis != off.consecutive_hysteresis},
+          std::pair{"train.min_loss_scale", t.min_loss_scale != off.min_loss_scale}})
+      need(!set, k, "applies to train.precision = fp16 only (train.precision = {})", t.precision);
+    return;
+  }
+  need(t.loss_scale >= 0 && std::isfinite(t.loss_scale), "train.loss_scale",
+       "must be a finite number > 0 (a static scale) or 0 (dynamic)");
+  need(t.initial_scale_power >= 0 && t.initial_scale_power <= 64, "train.initial_scale_power",
+       "must be in [0, 64] (the first loss scale is 2^this)");
+  need(t.loss_scale_window >= 1, "train.loss_scale_window", "must be >= 1");
+  need(t.hysteresis >= 1, "train.hysteresis", "must be >= 1 (1: the first overflow halves)");
+  need(t.min_loss_scale > 0 && std::isfinite(t.min_loss_scale), "train.min_loss_scale",
+       "must be a finite number > 0");
+  need(t.loss_scale > 0 || t.min_loss_scale <= std::ldexp(1.0, t.initial_scale_power),
+       "train.min_loss_scale", "is above the first loss scale 2^train.initial_scale_power = {}",
+       std::ldexp(1.0, t.initial_scale_power));
 }
 
 // Qwen3-MoE (model.num_experts > 0): the block's sizes, then what is not built yet.

@@ -152,6 +152,25 @@ const std::vector<KeySpec>& key_table() {
         spec("train", "loss_spike_factor", &D::train, &T::loss_spike_factor, "",
              "Log a warning when a step's loss exceeds this factor times the recent mean; "
              "> 1, or 0 = off"),
+        spec("train", "precision", &D::train, &T::precision, "",
+             "Arithmetic: auto (cpu fp32, cuda bf16) | fp32 (cpu) | bf16 (cuda) | fp16 (loss "
+             "scaling; on the cpu the arithmetic stays fp32 and only the scaling runs)"),
+        spec("train", "loss_scale", &D::train, &T::loss_scale, "",
+             "train.precision = fp16: a static loss scale (> 0), or 0 = dynamic"),
+        spec("train", "initial_scale_power", &D::train, &T::initial_scale_power, "",
+             "train.precision = fp16, dynamic: the first loss scale is 2^this (0 to 64)"),
+        spec("train", "loss_scale_window", &D::train, &T::loss_scale_window, "steps",
+             "train.precision = fp16, dynamic: steps without an overflow before the scale "
+             "doubles; >= 1"),
+        spec("train", "hysteresis", &D::train, &T::hysteresis, "",
+             "train.precision = fp16, dynamic: overflows tolerated before the scale halves "
+             "(refilled when it grows); >= 1"),
+        spec("train", "consecutive_hysteresis", &D::train, &T::consecutive_hysteresis, "",
+             "train.precision = fp16, dynamic: refill the hysteresis after every step without an "
+             "overflow (true | false)"),
+        spec("train", "min_loss_scale", &D::train, &T::min_loss_scale, "",
+             "train.precision = fp16, dynamic: the scale's floor; an overflow there stops the "
+             "run (exit 3); > 0"),
 
         spec("optim", "lr", &D::optim, &O::lr, "", "Peak learning rate (AdamW)"),
         spec("optim", "min_lr", &D::optim, &O::min_lr, "",

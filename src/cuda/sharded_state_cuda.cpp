@@ -586,17 +586,12 @@ OptimStepStats ShardedCudaState::step(const StepRequest& request, std::int64_t t
   sumsq = dp_.sum(sumsq);
   if (tp_.host) sumsq = tp_.host->sum(sumsq);
   if (pp_) sumsq = pp_->sum(sumsq);
-  st.grad_norm = std::sqrt(sumsq);
   begin_step();  // the next step's gradients start afresh
   // A non-finite loss or norm (summed over the mesh: the same on every rank) skips the update:
   // the master weights, moments and bf16 copies stay as they were (at ZeRO-3 the next forward
   // gathers its first units itself, as after the run's start).
-  if (!request.loss_finite || !std::isfinite(st.grad_norm)) {
-    st.skipped = true;
-    return st;
-  }
-  if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
-    st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
+  judge_gradients(st, sumsq, request, cfg_.grad_clip);
+  if (st.skipped) return st;
   if (!offload_) {
     AdamWStepArgs args;
     args.lr = st.lr;

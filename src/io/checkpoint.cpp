@@ -236,6 +236,12 @@ std::uint64_t write_metadata(hid_t file, const ParamLayout& layout, const TrainS
   write_attr_u64(file, "seed", state.seed);
   write_attr_u64(file, "rng_counter", state.rng_counter);
   write_attr_i64(file, "skipped_steps", state.skipped_steps);
+  if (state.loss_scale > 0) {  // train.precision = fp16
+    write_attr_f64(file, "loss_scale", state.loss_scale);
+    write_attr_i64(file, "loss_scale_hysteresis", state.loss_scale_hysteresis);
+    write_attr_i64(file, "loss_scale_clean_steps", state.loss_scale_clean_steps);
+    write_attr_i64(file, "overflow_steps", state.overflow_steps);
+  }
   write_attr_string(file, "deck", deck_text);
   write_attr_string(file, "preset", model.preset);
   for (const ModelField& f : model_fields(model)) {
@@ -586,6 +592,28 @@ std::string read_root(hid_t file, const std::string& path, const ModelConfig& mo
   if (st.skipped_steps < 0 || st.skipped_steps > st.step)
     return fmt::format("checkpoint {}: root attribute skipped_steps = {} is outside [0, step = {}]",
                        path, st.skipped_steps, st.step);
+  // An fp16 run's loss scaler: all four attributes or none.
+  const auto scale = h5::try_read_attr_f64(file, "loss_scale");
+  if (!scale) return {};
+  st.loss_scale = *scale;
+  if (!(st.loss_scale > 0) || !std::isfinite(st.loss_scale))
+    return fmt::format("checkpoint {}: root attribute loss_scale = {} is not a finite number > 0",
+                       path, st.loss_scale);
+  for (const auto& [name, out] : {std::pair{"loss_scale_hysteresis", &st.loss_scale_hysteresis},
+                                  std::pair{"loss_scale_clean_steps", &st.loss_scale_clean_steps},
+                                  std::pair{"overflow_steps", &st.overflow_steps}})
+    if (!i64(name, *out))
+      return fmt::format("checkpoint {}: root attribute {} is missing (loss_scale is there)",
+                         path, name);
+  if (st.loss_scale_hysteresis < 1 || st.loss_scale_hysteresis > (1 << 30))
+    return fmt::format("checkpoint {}: root attribute loss_scale_hysteresis = {} is outside "
+                       "[1, 2^30]", path, st.loss_scale_hysteresis);
+  if (st.loss_scale_clean_steps < 0 || st.loss_scale_clean_steps > st.step)
+    return fmt::format("checkpoint {}: root attribute loss_scale_clean_steps = {} is outside "
+                       "[0, step = {}]", path, st.loss_scale_clean_steps, st.step);
+  if (st.overflow_steps < 0 || st.overflow_steps > st.skipped_steps)
+    return fmt::format("checkpoint {}: root attribute overflow_steps = {} is outside "
+                       "[0, skipped_steps = {}]", path, st.overflow_steps, st.skipped_steps);
   return {};
 }
 

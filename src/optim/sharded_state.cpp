@@ -165,15 +165,10 @@ OptimStepStats ShardedState::step(const StepRequest& request) {
   sumsq = dp_.sum(sumsq);
   if (tp_) sumsq = tp_->sum(sumsq);
   if (pp_) sumsq = pp_->sum(sumsq);
-  st.grad_norm = std::sqrt(sumsq);
   // A non-finite loss or norm (summed over the mesh: the same on every rank) skips the update;
   // the parameters, their whole copies and the moments stay as they were.
-  if (!request.loss_finite || !std::isfinite(st.grad_norm)) {
-    st.skipped = true;
-    return st;
-  }
-  if (cfg_.grad_clip > 0 && st.grad_norm > cfg_.grad_clip)
-    st.clip_scale = cfg_.grad_clip / (st.grad_norm + 1e-6);
+  judge_gradients(st, sumsq, request, cfg_.grad_clip);
+  if (st.skipped) return st;
   // 3. Update the owned elements, then share them where the parameters are whole.
   const AdamWStep s = adamw_step(cfg_, st.lr, st.clip_scale, request.update);
   for (std::size_t u = 0; u < units_.size(); ++u) {

@@ -56,6 +56,12 @@ class TrainBackend {
   // dropout masks, so that they do not depend on the mesh).
   virtual void set_first_sample(std::int64_t /*first*/) {}
 
+  // train.precision = fp16: every gradient of the following micro-batches carries the loss scale
+  // S. micro_step's loss_scale brings it to the cross-entropy's; this brings it to the rest (a
+  // Qwen3-MoE model's load-balancing loss). Back ends without fp16 refuse S != 1.
+  virtual void set_loss_scaling(double S) {
+    QT_CHECK(S == 1, "this back end has no loss scaling (train.precision = fp16)");
+  }
   // Gradients to zero before the first micro-batch of a step.
   virtual void zero_grads() = 0;
   // Forward and backward of one micro-batch: inputs, targets [micro_batch, seq_len] on the host;

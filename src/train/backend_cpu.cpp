@@ -77,9 +77,10 @@ class CpuBackend final : public TrainBackend {
     if (deck.model.is_moe() && mesh.shape().ep > 1) model_.set_expert_parallel(&mesh.ep());
     // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches, all dp
     // ranks): the objective averages it over the step as the cross-entropy over its tokens.
-    if (deck.model.is_moe())
-      model_.set_moe_aux_scale(static_cast<float>(deck.model.router_aux_loss_coef *
-                                                  deck.train.micro_batch / deck.train.global_batch));
+    if (deck.model.is_moe()) {
+      aux_weight_ = deck.model.router_aux_loss_coef * deck.train.micro_batch / deck.train.global_batch;
+      model_.set_moe_aux_scale(static_cast<float>(aux_weight_));
+    }
     if (tp_ > 1) model_.set_tensor_parallel(&mesh.tp());
     if (!lora_) {
       model_map_ = make_model_map(deck.model, global_layout_, model_.layout(), state_.plan(),
@@ -154,6 +155,9 @@ class CpuBackend final : public TrainBackend {
   void set_router_bias(const std::vector<float>& bias) override {
     router_bias_ = bias;
     model_.set_router_bias(router_bias_.empty() ? nullptr : router_bias_.data());
+  }
+  void set_loss_scaling(double S) override {
+    if (model_.config().is_moe()) model_.set_moe_aux_scale(static_cast<float>(aux_weight_ * S));
   }
   double moe_aux_loss_sum() const override { return model_.config().is_moe() ? aux_sum_ : -1; }
   double micro_step(const std::int32_t* inputs, const std::int32_t* targets,
@@ -236,6 +240,7 @@ class CpuBackend final : public TrainBackend {
 
   int tp_;                              // mesh.tp
   double aux_sum_ = 0;                  // moe_aux_loss_sum()
+  double aux_weight_ = 0;               // a micro-batch's load-balancing loss in the objective
   std::vector<float> router_bias_;      // set_router_bias: [sparse layers, E], or empty
   int seq_parallel_;                    // mesh.tp with sequence parallelism, else 1
   ParamLayout global_layout_;           // the model's (the local one is model_.layout())

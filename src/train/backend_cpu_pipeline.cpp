@@ -145,14 +145,18 @@ class CpuPipelineBackend final : public TrainBackend {
     if (local_.is_moe()) {
       // Each micro-batch's load-balancing loss weighs coef / (the step's micro-batches on all
       // dp ranks), as in the plain CPU back end.
-      const float aux_scale = static_cast<float>(deck.model.router_aux_loss_coef *
-                                                 deck.train.micro_batch / deck.train.global_batch);
+      aux_weight_ = deck.model.router_aux_loss_coef * deck.train.micro_batch / deck.train.global_batch;
       for (Chunk& c : chunks_) {
-        c.stage->set_moe_aux_scale(aux_scale);
+        c.stage->set_moe_aux_scale(static_cast<float>(aux_weight_));
         if (ep_ > 1) c.stage->set_expert_parallel(&mesh.ep());
       }
       stats_msg_.resize(2 * static_cast<std::size_t>(local_.num_experts) + 1);
     }
+  }
+
+  void set_loss_scaling(double S) override {
+    if (!local_.is_moe()) return;
+    for (Chunk& c : chunks_) c.stage->set_moe_aux_scale(static_cast<float>(aux_weight_ * S));
   }
 
   // The global layout (checkpoints, initialisation and imports see global tensors).
@@ -522,6 +526,7 @@ class CpuPipelineBackend final : public TrainBackend {
   std::deque<Pending> grad_sends_;   // stable addresses while in flight
   std::vector<double> stats_msg_;    // [2 E + 1] Qwen3-MoE: a load statistics message
   double aux_sum_ = 0;               // moe_aux_loss_sum()
+  double aux_weight_ = 0;            // a micro-batch's load-balancing loss in the objective
   std::vector<double> load_;         // moe_load(), summed over the stages
   std::vector<double> dropped_;      // moe_dropped(), summed over the stages
   std::vector<float> router_bias_;   // set_router_bias: [sparse layers, E], or empty

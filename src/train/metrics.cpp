@@ -111,12 +111,15 @@ void MetricsLog::write(const StepMetrics& m) {
                           load.mean_cv, load.worst_cv, load.worst_max_over_mean);
     if (!m.expert_dropped.empty()) experts += fmt::format(", dropped {:.2f}%", 100 * dropped);
   }
-  std::string safety;
-  if (m.skipped)
-    safety = fmt::format(" | SKIPPED: not finite, nothing updated ({} of the run)",
-                         m.skipped_steps);
+  std::string safety = m.loss_scale > 0 ? fmt::format(" | loss scale {:g}", m.loss_scale) : "";
+  if (m.overflow)
+    safety += fmt::format(" | SKIPPED: fp16 overflow, nothing updated ({} of the run)",
+                          m.overflow_steps);
+  else if (m.skipped)
+    safety += fmt::format(" | SKIPPED: not finite, nothing updated ({} of the run)",
+                          m.skipped_steps);
   else if (m.loss_spike_mean > 0)
-    safety = fmt::format(" | loss spike: {:.2f}x the recent mean {:.5f}",
+    safety += fmt::format(" | loss spike: {:.2f}x the recent mean {:.5f}",
                          m.loss / m.loss_spike_mean, m.loss_spike_mean);
   const std::string idle =
       safety + (m.aux_loss >= 0 ? fmt::format(" | aux {:.4f}", m.aux_loss) : "") + experts +
@@ -139,6 +142,11 @@ void MetricsLog::write(const StepMetrics& m) {
                       {"eta_s", m.eta_s},         {"tokens", m.tokens},
                       {"skipped", m.skipped},     {"skipped_steps", m.skipped_steps}};
   if (m.loss_spike_mean > 0) j["loss_spike_mean"] = m.loss_spike_mean;
+  if (m.loss_scale > 0) {
+    j["loss_scale"] = m.loss_scale;
+    j["overflow"] = m.overflow;
+    j["overflow_steps"] = m.overflow_steps;
+  }
   if (!m.memory.empty()) j["memory"] = m.memory;
   if (m.pipeline_idle >= 0) j["pipeline_idle"] = m.pipeline_idle;
   if (m.aux_loss >= 0) j["aux_loss"] = m.aux_loss;

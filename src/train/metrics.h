@@ -22,6 +22,9 @@ struct StepMetrics {
   bool skipped = false;        // this step updated nothing: its loss or gradient norm was not
                                // finite (train.max_consecutive_skips)
   std::int64_t skipped_steps = 0;  // such steps of the run so far (checkpoints carry it)
+  double loss_scale = 0;       // train.precision = fp16: the step's loss scale; 0: none
+  bool overflow = false;       // fp16: skipped because its gradients overflowed (the loss was finite)
+  std::int64_t overflow_steps = 0;  // fp16: such steps of the run so far
   double loss_spike_mean = 0;  // > 0: the loss spiked against this recent mean
                                // (train.loss_spike_factor)
   double tokens_per_s = 0;     // counted tokens per second over the last log interval
@@ -106,7 +109,8 @@ class MetricsLog {
   // file's expert_dropped per sparse layer and dropped_fraction (dropped / routed token-slots,
   // all layers), and the step line's "dropped X.XX%". Numerical safety: skipped (bool) and
   // skipped_steps (the run's so far), loss_spike_mean with a spike; a non-finite loss or norm is
-  // written as null.
+  // written as null. fp16: loss_scale, overflow (bool) and overflow_steps; the step line's
+  // "loss scale S" and, on an overflow, "SKIPPED: fp16 overflow".
   void write(const StepMetrics& m);
   // The evaluation line on stdout ("eval step S: loss L ppl P over N tokens in K sequences
   // (X s)") and a JSON line {"step", "kind": "eval", "eval_loss", "eval_ppl", "eval_tokens",

@@ -22,6 +22,9 @@ std::vector<EventFileWriter::Scalar> tensorboard_scalars(const StepMetrics& m) {
       {"train/skipped_steps", static_cast<double>(m.skipped_steps)},
       {"perf/tokens_per_s", m.tokens_per_s},
   };
+  if (m.loss_scale > 0)
+    s.insert(s.end(), {{"train/loss_scale", m.loss_scale},
+                       {"train/overflow_steps", static_cast<double>(m.overflow_steps)}});
   if (m.pipeline_idle >= 0) s.push_back({"perf/pipeline_idle", m.pipeline_idle});
   s.insert(s.end(), {{"time/data_s", m.time.data},
                      {"time/compute_s", m.time.compute},

@@ -14,7 +14,8 @@
 namespace qt {
 
 // The scalars of one logged step, TensorBoard tag and value: train/loss, train/lr,
-// train/grad_norm, train/tokens, train/skipped_steps, perf/tokens_per_s, perf/pipeline_idle (when measured),
+// train/grad_norm, train/tokens, train/skipped_steps, train/loss_scale and train/overflow_steps
+// (train.precision = fp16), perf/tokens_per_s, perf/pipeline_idle (when measured),
 // time/{data,compute,optimizer}_s, memory/{params,grads,optimizer,activations,workspace,total}_gib
 // (the largest rank's peak, GiB), comm/<communicator.kind>_ms for each kind of call made, and for
 // Qwen3-MoE moe/aux_loss, moe/expert_cv (the mean over sparse layers), moe/expert_cv_max and

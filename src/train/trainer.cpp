@@ -27,6 +27,7 @@
 #include "qtrain/data.h"
 #include "qtrain/error.h"
 #include "train/host_memory.h"
+#include "train/loss_scaling.h"
 #include "train/loss_spike.h"
 #include "train/metrics.h"
 #include "train/run_checkpoints.h"
@@ -249,7 +250,11 @@ int run_training(const Deck& deck, Mesh& mesh) {
   std::int64_t steps_since_log = 0;
   const std::int64_t first_step = state.step;
 
-  int consecutive_skips = 0;  // steps skipped in a row (train.max_consecutive_skips)
+  // train.precision = fp16: the gradients' loss scale, from the checkpoint's state or afresh.
+  LossScaling scaling(tc, state);
+  if (root && scaling.on()) std::printf("%s\n", scaling.describe().c_str());
+  int consecutive_skips = 0;  // steps skipped in a row (train.max_consecutive_skips; a dynamic
+                              // loss scale's overflows are the scaler's to count)
   LossSpikeWatch spikes(tc.loss_spike_factor);
   const std::vector<std::int64_t> poisoned = poisoned_steps_for_test(mesh.world_rank());
   mesh.take_collective_times();  // the step log counts the steps' calls, not the start-up's
@@ -272,10 +277,12 @@ int run_training(const Deck& deck, Mesh& mesh) {
     for (auto t : targets) counted += t != -100;
     counted = dp.sum(counted);
     end_phase(data_s);
-    // 3. Forward and backward, gradients of sum(loss) / counted.
+    // 3. Forward and backward, gradients of S x sum(loss) / counted (S: fp16's loss scale, or 1).
     backend->zero_grads();
     double loss_sum = 0;
-    float scale = counted > 0 ? 1.0f / static_cast<float>(counted) : 0.0f;
+    const double S = scaling.scale();
+    if (scaling.on()) backend->set_loss_scaling(S);
+    float scale = counted > 0 ? static_cast<float>(S / static_cast<double>(counted)) : 0.0f;
     if (std::find(poisoned.begin(), poisoned.end(), step + 1) != poisoned.end())
       scale = std::nanf("");
     loss_sum = backend->micro_batches({inputs.data(), targets.data(),
@@ -288,7 +295,8 @@ int run_training(const Deck& deck, Mesh& mesh) {
     // the updates applied.
     const double loss = counted > 0 ? dp.sum(loss_sum) / static_cast<double>(counted) : 0.0;
     const OptimStepStats os = backend->optimizer_step(
-        {step, step + 1 - state.skipped_steps, std::isfinite(loss)});
+        {step, step + 1 - state.skipped_steps, std::isfinite(loss), S});
+    const LossScaling::Outcome scaled = scaling.after_step(os.skipped, std::isfinite(loss));
     end_phase(optimizer_s);
     ++steps_since_log;
     // The batch counts as consumed either way: a resumed run does not see it again.
@@ -296,7 +304,13 @@ int run_training(const Deck& deck, Mesh& mesh) {
     state.samples_consumed += tc.global_batch;
     state.tokens_consumed += counted;
     tokens_since_log += counted;
-    if (os.skipped) {
+    if (os.skipped && scaled.overflow) {
+      ++state.skipped_steps;
+      if (!scaling.dynamic()) ++consecutive_skips;  // a static scale cannot mend it
+      if (root)
+        std::fprintf(stderr, "qtrain: warning: %s\n",
+                     LossScaling::overflow_text(state.step, scaled).c_str());
+    } else if (os.skipped) {
       ++state.skipped_steps;
       ++consecutive_skips;
       if (root)
@@ -343,6 +357,9 @@ int run_training(const Deck& deck, Mesh& mesh) {
       sm.grad_norm = os.grad_norm;
       sm.skipped = os.skipped;
       sm.skipped_steps = state.skipped_steps;
+      sm.loss_scale = scaling.on() ? S : 0;
+      sm.overflow = scaled.overflow;
+      sm.overflow_steps = state.overflow_steps;
       if (spike) sm.loss_spike_mean = spikes.mean_before();
       sm.elapsed_s = seconds_since(t_start);
       sm.tokens_per_s = tokens_since_log / std::max(1e-9, seconds_since(t_log));
@@ -377,6 +394,15 @@ int run_training(const Deck& deck, Mesh& mesh) {
       data_s = compute_s = optimizer_s = 0;
       steps_since_log = 0;
     }
+    if (scaled.change == LossScaler::Change::kStuck) {
+      if (root)
+        std::fprintf(stderr,
+                     "qtrain: error: the fp16 gradients overflow at the minimum loss scale "
+                     "train.min_loss_scale = %g; stopping at step %lld without a new checkpoint "
+                     "(%s): lower optim.lr, check the data, or train in bf16\n",
+                     tc.min_loss_scale, static_cast<long long>(state.step), newest_kept().c_str());
+      return 3;
+    }
     if (consecutive_skips >= tc.max_consecutive_skips) {
       if (root)
         std::fprintf(stderr,
@@ -404,8 +430,11 @@ int run_training(const Deck& deck, Mesh& mesh) {
     }
   }
   if (root && state.skipped_steps > 0)
-    std::printf("%lld of the run's %lld steps were skipped (non-finite loss or gradient norm)\n",
-                static_cast<long long>(state.skipped_steps), static_cast<long long>(state.step));
+    std::printf("%lld of the run's %lld steps were skipped (non-finite loss or gradient norm%s)\n",
+                static_cast<long long>(state.skipped_steps), static_cast<long long>(state.step),
+                state.overflow_steps > 0
+                    ? fmt::format("; {} of them fp16 overflows", state.overflow_steps).c_str()
+                    : "");
   if (root && !std::isnan(data->loss_floor()))
     std::printf("loss floor of the synthetic data: %.5f nats\n", data->loss_floor());
   return 0;
