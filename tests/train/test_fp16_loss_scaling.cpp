@@ -55,6 +55,12 @@ std::vector<long> skipped_steps_of(const std::string& metrics) {
   return out;
 }
 
+// Every rank has read the runs' files: then rank 0 removes them.
+void remove_when_read(const std::string& tmp) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+}
+
 TEST(Fp16LossScaling, MatchesFp32WhereNothingOverflows) {
   ASSERT_EQ(test::world_size(), 2);
   const std::string tmp = test::shared_temp_dir("fp16-match");
@@ -95,7 +101,7 @@ TEST(Fp16LossScaling, MatchesFp32WhereNothingOverflows) {
   EXPECT_LE(test::max_rel_loss_diff(fixed.steps, fp32.steps), 1e-5);
   EXPECT_LE(max_rel_norm_diff(fixed.steps, fp32.steps), 1e-5);
   EXPECT_EQ(loss_scales(tmp + "/static-fp16.jsonl"), std::vector<double>(10, 1000.0));
-  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+  remove_when_read(tmp);
 }
 
 // Overflows at steps 3, 4, 5 and 8 with hysteresis 2 from 2^12: step 3 spends the hysteresis,
@@ -121,13 +127,13 @@ TEST(Fp16LossScaling, OverflowsAreSkippedAndHalveTheScale) {
     const auto last = test::metrics_lines_of_kind(tmp + "/fp16.jsonl", "").back();
     EXPECT_EQ(last["overflow_steps"].get<long>(), 4);
     EXPECT_EQ(last["skipped_steps"].get<long>(), 4);
+    MPI_Barrier(MPI_COMM_WORLD);  // every rank has read them
     if (test::world_rank() == 0) {
       std::filesystem::remove(tmp + "/fp16.jsonl");
       std::filesystem::remove(tmp + "/fp32.jsonl");
     }
-    MPI_Barrier(MPI_COMM_WORLD);
   }
-  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+  remove_when_read(tmp);
 }
 
 // Window 3 from 2^4: the scale doubles after steps 3, 6 and 9; an overflow at step 5 (hysteresis
@@ -143,7 +149,7 @@ TEST(Fp16LossScaling, GrowsAfterEachCleanWindow) {
   // steps:   1   2   3   4   5   6   7   8   9   10
   EXPECT_EQ(loss_scales(tmp + "/m.jsonl"),
             (std::vector<double>{16, 16, 16, 32, 32, 16, 16, 16, 32, 32}));
-  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+  remove_when_read(tmp);
 }
 
 // From 2^2 with a floor of 2 and no hysteresis: step 1's overflow halves to 2, step 2's cannot
@@ -164,8 +170,8 @@ TEST(Fp16LossScaling, AnOverflowAtTheMinimumScaleStopsTheRun) {
       for (const auto& e : std::filesystem::directory_iterator(tmp + "/ckpt"))
         files += e.path().extension() == ".h5";
     EXPECT_EQ(files, 0) << "a stopped run wrote a checkpoint";
-    std::filesystem::remove_all(tmp);
   }
+  remove_when_read(tmp);
 }
 
 // A static scale cannot mend an overflow: they count toward train.max_consecutive_skips.
@@ -178,7 +184,7 @@ TEST(Fp16LossScaling, StaticScaleOverflowsCountTowardTheStop) {
                            tmp + "/m.jsonl");
   EXPECT_EQ(r.exit_code, 3);
   EXPECT_EQ(skipped_steps_of(tmp + "/m.jsonl"), (std::vector<long>{2, 3}));
-  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+  remove_when_read(tmp);
 }
 
 // Stopped after step 5 and resumed (with another train.initial_scale_power, which a resumed
@@ -215,7 +221,7 @@ TEST(Fp16LossScaling, ResumedRunContinuesTheScaler) {
   EXPECT_EQ(loss_scales(tmp + "/parts.jsonl"), want);
   const auto last = test::metrics_lines_of_kind(tmp + "/parts.jsonl", "").back();
   EXPECT_EQ(last["overflow_steps"].get<long>(), 3);
-  if (test::world_rank() == 0) std::filesystem::remove_all(tmp);
+  remove_when_read(tmp);
 }
 
 }  // namespace
