@@ -11,18 +11,16 @@ namespace qt {
 namespace {
 
 // Appends the positions of one visual item (grid t x gh x gw of merged tokens) starting at cur;
-// returns the next cur.
+// returns the next cur: cur + max(gh, gw), as transformers 5.17 (whatever t is).
 std::int64_t place_grid(MRopePositions& p, std::int64_t cur, int t, int gh, int gw) {
-  std::int64_t top = cur;
   for (int ti = 0; ti < t; ++ti)
     for (int hi = 0; hi < gh; ++hi)
       for (int wi = 0; wi < gw; ++wi) {
         p.t.push_back(cur + ti);
         p.h.push_back(cur + hi);
         p.w.push_back(cur + wi);
-        top = std::max({top, cur + ti, cur + hi, cur + wi});
       }
-  return top + 1;
+  return cur + std::max(gh, gw);
 }
 
 }  // namespace

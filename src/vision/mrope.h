@@ -23,7 +23,8 @@ struct MRopePositions {
 //   text run of n tokens: all three rows cur, cur + 1, .., cur + n - 1; cur += n
 //   image run: the next image of `images` (grid t, h, w; its run has t h w / merge^2 tokens),
 //     tokens in raster order over (ti, hi, wi) of the merged grid (t, h / merge, w / merge):
-//     T = cur + ti, H = cur + hi, W = cur + wi;  then cur = max(T, H, W over the run) + 1
+//     T = cur + ti, H = cur + hi, W = cur + wi;  then cur += max(h, w) / merge (t = 1 for
+//     images, so this is max(T, H, W) + 1)
 //   video run: the next frame of `videos` (each video's t frames in order, each its own run,
 //     separated by text such as timestamps), the image rule with t = 1.
 // Aborts if a run's length does not match its grid or the grids run out.

@@ -81,8 +81,10 @@ def randomize(visual, g):
 
 
 def unpack_vision_output(out):
-    """(merged, [deepstack...]). ASSUMPTION: 4.57 returns a tuple (hidden, deepstack list); 5.x
-    may return a ModelOutput. Both are tried; the first run must confirm which one holds."""
+    """(merged, [deepstack...]). ASSUMPTION: 4.57 returns a tuple (merged, deepstack list); 5.x
+    returns BaseModelOutputWithDeepstackFeatures(last_hidden_state = the blocks' output,
+    pooler_output = merged, deepstack_features) as far as code adapted from it shows. Both are
+    tried; the first run must confirm which one holds."""
     if isinstance(out, (tuple, list)):
         return out[0], list(out[1])
     for merged_key in ("pooler_output", "last_hidden_state"):
@@ -97,8 +99,9 @@ def unpack_vision_output(out):
 
 
 def rope_index(model, ids, types, grids):
-    """get_rope_index with whatever of its arguments this version takes. ASSUMPTION: 5.17 takes
-    mm_token_type_ids (spec 4.1/4.4); 4.57 did not."""
+    """get_rope_index with whatever of its arguments this version takes. ASSUMPTION: 5.17's is
+    get_rope_index(input_ids, mm_token_type_ids, image_grid_thw, video_grid_thw, attention_mask)
+    (spec 4.1/4.4); 4.57's had no mm_token_type_ids and found images after <|vision_start|>."""
     fn = model.model.get_rope_index
     params = inspect.signature(fn).parameters
     kw = dict(input_ids=ids[None], image_grid_thw=grids, video_grid_thw=None,
