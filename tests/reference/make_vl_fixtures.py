@@ -29,6 +29,8 @@ with R drawn from the same seed. Writes one HDF5 file (h5py), like make_fixtures
 
 Run on the GPU machine (transformers 5.17, torch 2.11):
   python3 tests/reference/make_vl_fixtures.py --out tests/reference/fixtures_vl
+then commit fixtures_vl/vision_tiny.h5 and re-run cmake: tests/vision/test_vl_fixtures.cpp
+(qtrain_test_vl_fixtures) checks the CPU program against it.
 """
 import argparse
 import inspect
