@@ -161,5 +161,42 @@ TEST(VisionProgram, BackwardMatchesFiniteDifferences) {
               k.layout.params().size());
 }
 
+
+// The backward adds (+=) into the gradient buffer, a null deepstack gradient contributes nothing,
+// and the gradients are linear in the output gradients: from prefilled G0,
+// backward(R0, {R1}) - G0 == backward(R0, {null}) + backward(0, {R1}); backward keeps the forward's
+// activations (it may run again).
+TEST(VisionProgram, BackwardAccumulatesAndIsLinear) {
+  std::mt19937_64 rng(test::test_seed() + 2);
+  const VisionConfig c = tiny_config();
+  Case k(c, {{1, 2, 4}, {1, 4, 2}}, rng);
+  VisionCpuOps ops;
+  VisionProgram<VisionCpuOps> prog(c, ops);
+  const VisionBatch batch = make_vision_batch(c, k.grids);
+  prog.forward(k.pixels.data(), batch, k.params.data());
+  const std::size_t out_n = static_cast<std::size_t>(prog.merged_rows()) * c.out_hidden_size;
+  const auto r0 = test::random_vector<float>(out_n, rng), r1 = test::random_vector<float>(out_n, rng);
+  const std::vector<float> zero(out_n, 0.0f);
+  const auto g0 = test::random_vector<float>(k.layout.numel(), rng);
+  std::vector<float> both = g0, only_merged(k.layout.numel(), 0.0f), only_ds(k.layout.numel(), 0.0f);
+  prog.backward(r0.data(), {r1.data()}, both.data());
+  prog.backward(r0.data(), {nullptr}, only_merged.data());
+  prog.backward(zero.data(), {r1.data()}, only_ds.data());
+  std::vector<double> got(both.size()), want(both.size());
+  for (std::size_t i = 0; i < both.size(); ++i) {
+    got[i] = double(both[i]) - g0[i];
+    want[i] = double(only_merged[i]) + only_ds[i];
+  }
+  EXPECT_LT(test::rel_error(got, want), 1e-5);
+  // the deepstack merger of block 0 gets nothing from the merged output alone
+  const auto& ds_fc2 = k.layout.find("model.visual.deepstack_merger_list.0.linear_fc2.weight");
+  double s = 0;
+  for (std::size_t i = 0; i < ds_fc2.numel; ++i) s += std::abs(only_merged[ds_fc2.offset + i]);
+  EXPECT_EQ(s, 0.0);
+  double t = 0;
+  for (std::size_t i = 0; i < ds_fc2.numel; ++i) t += std::abs(only_ds[ds_fc2.offset + i]);
+  EXPECT_GT(t, 0.0);
+}
+
 }  // namespace
 }  // namespace qt
