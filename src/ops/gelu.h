@@ -7,9 +7,9 @@
 
 namespace qt::cpu {
 
+// Forward: y [n] written (may alias x). Backward: dx = dy gelu'(x), written (may alias dy).
 template <typename T>
-void gelu_tanh_forward(T* y, const T* x, std::size_t n);  // y written
-// dx = dy * gelu'(x), written; dx may alias dy.
+void gelu_tanh_forward(T* y, const T* x, std::size_t n);
 template <typename T>
 void gelu_tanh_backward(T* dx, const T* dy, const T* x, std::size_t n);
 

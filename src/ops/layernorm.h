@@ -9,7 +9,7 @@ template <typename T>
 void layernorm_forward(T* y, T* mean, T* rstd, const T* x, const T* w, const T* b, int N,
                        int C, double eps);
 
-// dx [N, C] written; dw, db [C] accumulated (+=).
+// dx [N, C] written (may alias dy); dw, db [C] accumulated (+=).
 template <typename T>
 void layernorm_backward(T* dx, T* dw, T* db, const T* dy, const T* x, const T* w,
                         const T* mean, const T* rstd, int N, int C);

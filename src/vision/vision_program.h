@@ -20,8 +20,8 @@
 //   linear(y, x, w, b, N, in, out)                    y[N, out] = x w^T + b
 //   linear_backward(dx, dw, db, dy, x, w, N, in, out) dx written (skipped when null); dw, db +=
 //   layernorm(y, mean, rstd, x, w, b, N, C, eps)      mean, rstd [N]
-//   layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, C)   dx written; dw, db +=
-//   gelu_tanh / gelu_erf(y, x, n); *_backward(dx, dy, x, n)      dx written
+//   layernorm_backward(dx, dw, db, dy, x, w, mean, rstd, N, C)   dx written (may alias dy); dw, db +=
+//   gelu_tanh / gelu_erf(y, x, n); *_backward(dx, dy, x, n)      dx written (may alias dy)
 //   add_position_embedding(x, table, hv)              x[N, hv] += the taps' weighted rows
 //   position_embedding_backward(dtable, dx, hv)       dtable [side^2, hv] +=
 //   split_qkv_rope(q, k, v, qkv, heads, hd)           qkv [N, 3 hv] -> q, k (rotated), v [N, hv]
