@@ -282,7 +282,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
     double loss_sum = 0;
     const double S = scaling.scale();
     if (scaling.on()) backend->set_loss_scaling(S);
-    float scale = counted > 0 ? static_cast<float>(S / static_cast<double>(counted)) : 0.0f;
+    float scale = counted > 0 ? static_cast<float>(S) * (1.0f / static_cast<float>(counted)) : 0.0f;
     if (std::find(poisoned.begin(), poisoned.end(), step + 1) != poisoned.end())
       scale = std::nanf("");
     loss_sum = backend->micro_batches({inputs.data(), targets.data(),
@@ -304,7 +304,7 @@ int run_training(const Deck& deck, Mesh& mesh) {
     state.samples_consumed += tc.global_batch;
     state.tokens_consumed += counted;
     tokens_since_log += counted;
-    if (os.skipped && scaled.overflow) {
+    if (scaled.overflow) {
       ++state.skipped_steps;
       if (!scaling.dynamic()) ++consecutive_skips;  // a static scale cannot mend it
       if (root)
