@@ -2,6 +2,7 @@
 #include "hf/config.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <limits>
@@ -62,7 +63,7 @@ double get_double(const json& v, const std::string& what, const std::string& whe
 // max_position_embeddings and factor to their ratio, as transformers); anything else is refused.
 // Returns its rope_theta if it has one.
 std::optional<double> read_rope(const json& r, const char* key, const std::string& where,
-                                ModelConfig& c) {
+                                ModelConfig& c, std::array<int, 3>* mrope) {
   if (r.is_null()) return std::nullopt;
   if (!r.is_object()) fail_user("{}: \"{}\" is {}, expected an object or null", where, key, r.dump());
   std::string type = "default";
@@ -80,6 +81,17 @@ std::optional<double> read_rope(const json& r, const char* key, const std::strin
   for (auto it = r.begin(); it != r.end(); ++it) {
     const std::string& k = it.key();
     if (k == "rope_type" || k == "type") continue;
+    if (mrope && k == "mrope_interleaved") continue;  // transformers 5.17 always interleaves
+    if (mrope && k == "mrope_section") {
+      const json& v = it.value();
+      bool ok = v.is_array() && v.size() == 3;
+      for (const json& x : v) ok = ok && x.is_number_integer() && x.get<std::int64_t>() >= 1;
+      if (!ok)
+        fail_user("{}: \"{}.mrope_section\" is {}, expected 3 positive integers (time, height, "
+                  "width)", where, key, v.dump());
+      for (int i = 0; i < 3; ++i) (*mrope)[i] = v[i].get<int>();
+      continue;
+    }
     if (k == "rope_theta") {
       theta = number(it.value(), k);
     } else if (yarn && k == "factor") {
@@ -200,6 +212,19 @@ ModelConfig parse_config(const std::string& text, const std::string& where, Conf
     if (!ok) fail_user("{}: architectures is {}; {}", where, a.dump(), kWant);
   }
 
+  ModelConfig c = parse_text_config(j, where, {moe, false, nullptr});
+  if (extras) {
+    extras->bos_token_id = j.value("bos_token_id", json());
+    extras->eos_token_id = j.value("eos_token_id", json());
+    extras->pad_token_id = j.value("pad_token_id", json());
+  }
+  return c;
+}
+
+ModelConfig parse_text_config(const json& j, const std::string& where, const TextConfigRules& rules) {
+  const bool moe = rules.moe;
+  // A key the rules require, else transformers' default.
+  auto dflt = [&](int v) { return rules.require_sizes ? std::optional<int>() : std::optional<int>(v); };
   // Features qtrain does not have: refuse them rather than train a different model.
   auto refuse_unless = [&](const char* key, const json& ok_value, const char* why) {
     if (present(j, key) && j[key] != ok_value)
@@ -226,12 +251,13 @@ ModelConfig parse_config(const std::string& text, const std::string& where, Conf
   c.intermediate_size = get_int(j, "intermediate_size", where, std::nullopt);
   c.num_layers = get_int(j, "num_hidden_layers", where, std::nullopt);
   c.num_heads = get_int(j, "num_attention_heads", where, std::nullopt);
-  c.num_kv_heads = get_int(j, "num_key_value_heads", where, c.num_heads);
+  c.num_kv_heads = get_int(j, "num_key_value_heads", where, dflt(c.num_heads));
   // Qwen3MoeConfig has no head_dim: transformers' MoE model takes config.json's, else
   // hidden_size // num_attention_heads (qwen3-spec.md 1.1 notes), and so does qtrain.
   c.head_dim = get_int(j, "head_dim", where,
-                       moe ? c.hidden_size / c.num_heads : kDefaultHeadDim);
-  c.max_position_embeddings = get_int(j, "max_position_embeddings", where, kDefaultMaxPositions);
+                       dflt(moe ? c.hidden_size / c.num_heads : kDefaultHeadDim));
+  c.max_position_embeddings =
+      get_int(j, "max_position_embeddings", where, dflt(kDefaultMaxPositions));
   c.rms_norm_eps = present(j, "rms_norm_eps") ? get_double(j["rms_norm_eps"], "rms_norm_eps", where)
                                               : kDefaultRmsNormEps;
   c.initializer_range = present(j, "initializer_range")
@@ -242,22 +268,29 @@ ModelConfig parse_config(const std::string& text, const std::string& where, Conf
   // rope_parameters (transformers 5.x); rope_scaling, when set, must be plain RoPE too.
   std::optional<double> theta;
   if (present(j, "rope_theta")) theta = get_double(j["rope_theta"], "rope_theta", where);
+  bool mrope_seen = false;
   for (const char* key : {"rope_parameters", "rope_scaling"}) {
     if (!j.contains(key)) continue;
-    auto t = read_rope(j[key], key, where, c);
+    const std::array<int, 3> before = rules.mrope ? *rules.mrope : std::array<int, 3>{};
+    auto t = read_rope(j[key], key, where, c, rules.mrope);
+    if (rules.mrope && present(j[key], "mrope_section")) {
+      if (mrope_seen && *rules.mrope != before)
+        fail_user("{}: rope_parameters and rope_scaling give different mrope_section", where);
+      mrope_seen = true;
+    }
     if (t && theta && *t != *theta)
       fail_user("{}: rope_theta {} and {}.rope_theta {} disagree", where, *theta, key, *t);
     if (t) theta = t;
   }
+  if (rules.mrope && !mrope_seen)
+    fail_user("{}: no mrope_section in rope_parameters or rope_scaling (the language model's "
+              "M-RoPE sections, e.g. [24, 20, 20])", where);
+  if (!theta && rules.require_sizes)
+    fail_user("{}: no rope_theta (at the top or in rope_parameters)", where);
   c.rope_theta = theta.value_or(kDefaultRopeTheta);
   if (moe) read_moe(j, where, c);
 
   validate_model(c, where);
-  if (extras) {
-    extras->bos_token_id = j.value("bos_token_id", json());
-    extras->eos_token_id = j.value("eos_token_id", json());
-    extras->pad_token_id = j.value("pad_token_id", json());
-  }
   return c;
 }
 

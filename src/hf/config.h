@@ -3,6 +3,7 @@
 // keys read, their defaults and what is refused.
 #pragma once
 
+#include <array>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -45,6 +46,21 @@ ModelConfig read_config(const std::string& dir, ConfigExtras* extras = nullptr);
 // Parses config.json text; `where` names the file in errors.
 ModelConfig parse_config(const std::string& text, const std::string& where,
                          ConfigExtras* extras = nullptr);
+
+// The language model's fields of a config object: a Qwen3 config.json's top level, or a
+// Qwen3-VL config's text_config (hf/vl_config.h). moe: Qwen3-MoE's keys too. require_sizes:
+// num_key_value_heads, head_dim, max_position_embeddings and rope_theta must be given (the
+// Qwen3-VL configs' defaults differ from Qwen3's and the official files spell them out).
+// mrope: M-RoPE's sections [time, height, width] are read into it from rope_parameters or
+// rope_scaling and must be there (mrope_interleaved is accepted: transformers 5.17 always
+// interleaves). Checks as parse_config, validate_model included; no model_type check.
+struct TextConfigRules {
+  bool moe = false;
+  bool require_sizes = false;
+  std::array<int, 3>* mrope = nullptr;
+};
+ModelConfig parse_text_config(const nlohmann::json& j, const std::string& where,
+                              const TextConfigRules& rules);
 
 // Refuses, as UserError "<where>: ...", sizes the engine cannot hold: a size below 1, an odd
 // head_dim, query heads not a multiple of the kv heads, num_heads x head_dim beyond an int, a
