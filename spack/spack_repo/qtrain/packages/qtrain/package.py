@@ -59,6 +59,8 @@ class Qtrain(CMakePackage, CudaPackage):
     depends_on("pcre2")  # tokenizer: pre-tokenizer regex (libpcre2-8.pc)
     depends_on("utf8proc")  # tokenizer: NFC normalisation (libutf8proc.pc)
     depends_on("protobuf")  # TensorBoard event files: protoc at build time, the library at run time
+    depends_on("libjpeg-turbo")  # Qwen3-VL images: JPEG decoding
+    depends_on("libpng")  # Qwen3-VL images: PNG decoding
     depends_on("googletest+gmock", type="test")
     depends_on("benchmark", when="+bench")
 
