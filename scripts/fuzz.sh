@@ -6,7 +6,7 @@
 # timeout or the memory limit, and prints where the input that did it was kept.
 #
 #   bash scripts/fuzz.sh [SECONDS] [TARGET...]      targets: deck safetensors token_file tokenizer
-#                                                   records checkpoint (default: all)
+#                                                   records checkpoint image (default: all)
 #   QTRAIN_FUZZ_JOBS=N        targets fuzzed at once (default 2)
 #   QTRAIN_FUZZ_BUILD=DIR     the build directory (default build-fuzz)
 #   QTRAIN_FUZZ_KEEP=1        keep the grown corpora (printed) instead of removing them
@@ -25,7 +25,7 @@ seconds=${1:-60}
 case "$seconds" in
   '' | *[!0-9]* | 0) qt_die "SECONDS must be a whole number >= 1, got '$seconds' (libFuzzer reads 0 as no limit)" ;;
 esac
-all_targets=(deck safetensors token_file tokenizer records checkpoint)
+all_targets=(deck safetensors token_file tokenizer records checkpoint image)
 targets=("$@")
 [ "${#targets[@]}" -gt 0 ] || targets=("${all_targets[@]}")
 for t in "${targets[@]}"; do

@@ -61,9 +61,10 @@ summary=$(grep -E 'tests passed, [0-9]+ tests failed out of [0-9]+' "$log" | tai
 
 # AddressSanitizer + UBSan (the `asan` preset, build-asan/, gcc, Debug) over the tests of the
 # parsers of user files and the paths that refuse bad input: the deck (unit tests and the qtrain
-# runs of bad decks), safetensors and config.json, token files, the tokenizer, prep (records and
-# the runs it refuses; not prep_mpi_np*, 2.4 min under ASan), checkpoints at 1 and 2 ranks, the
-# synthetic source and the fuzz corpora's replays. The whole suite under ASan takes about 10 min
+# runs of bad decks), safetensors and config.json (Qwen3-VL's too), image files and the image
+# processor's arithmetic, token files, the tokenizer, prep (records and the runs it refuses; not
+# prep_mpi_np*, 2.4 min under ASan), checkpoints at 1 and 2 ranks, the synthetic source and the
+# fuzz corpora's replays. The whole suite under ASan takes about 10 min
 # to build and more than 14 min to run on CI's 2 cores (docs/fuzzing.md), past CI's budget:
 # QTRAIN_ASAN=all runs it, QTRAIN_ASAN=0 skips this step. generate_out_of_memory_aborts cannot
 # run under ASan (its `ulimit -v` leaves no room for the shadow memory). The tokenizer is the one
@@ -72,9 +73,11 @@ asan_targets=(qtrain qtrain_prep_driver test_deck qtrain_test_safetensors qtrain
   qtrain_test_token_file qtrain_test_tokenizer_internals qtrain_test_tokenizer
   qtrain_test_prep_records qtrain_test_io qtrain_test_synthetic
   qtrain_fuzz_deck_replay qtrain_fuzz_safetensors_replay qtrain_fuzz_token_file_replay
-  qtrain_fuzz_tokenizer_replay qtrain_fuzz_records_replay qtrain_fuzz_checkpoint_replay)
-asan_tests='^(test_deck|qtrain_test_(safetensors|hf_config|token_file|tokenizer_internals'
+  qtrain_fuzz_tokenizer_replay qtrain_fuzz_records_replay qtrain_fuzz_checkpoint_replay
+  qtrain_fuzz_image_replay qtrain_test_vl_config qtrain_test_vision)
+asan_tests='^(test_deck|qtrain_test_(safetensors|hf_config|vl_config|token_file|tokenizer_internals'
 asan_tests+='|tokenizer|prep_records|synthetic))[.]|^(deck_|prep_|fuzz_replay_)'
+asan_tests+='|^qtrain_test_vision[.](ImageFile|ImageResize|SmartResize|ImagePatches)[.]'
 asan_tests+='|^(tokenizer_fetch_qwen3|io_checkpoint_np[12])$'
 asan_tokenizer=${QTRAIN_TOKENIZER_DIR:-$QT_ROOT/build/tokenizers/qwen3}
 asan_rc=0
