@@ -122,10 +122,13 @@ void end_together(MPI_Comm meet, int rc, const std::string& error) {
     if (rank == 0 && !error.empty()) {
       std::fprintf(stderr, "qtrain: error: %s\n", error.c_str());
       std::fflush(stderr);
+      // mpirun (Open MPI 4.1) forwards a rank's stderr asynchronously and, when a rank ends with
+      // a nonzero code, ends the job, dropping what it has not forwarded yet: CI lost this line
+      // twice. Give it time before any rank exits.
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
     }
-    // No rank exits before rank 0 has printed: mpirun kills the job when the first rank ends
-    // with a nonzero code, which can take rank 0 before it prints. Every rank is here, so this
-    // barrier cannot hang.
+    // No rank exits before rank 0 has printed (and waited). Every rank is here, so this barrier
+    // cannot hang.
     MPI_Barrier(meet);
     return;
   }
