@@ -12,25 +12,7 @@
 
 namespace qt::hf {
 
-namespace {
-
 using json = nlohmann::json;
-
-// transformers' Qwen3Config defaults (5.x; the same in 4.51+) for keys a config.json may omit;
-// Qwen3MoeConfig's are the same but for head_dim (below).
-constexpr int kDefaultHeadDim = 128;
-constexpr double kDefaultRopeTheta = 10000.0;
-constexpr double kDefaultRmsNormEps = 1e-6;
-constexpr int kDefaultMaxPositions = 32768;
-constexpr double kDefaultInitializerRange = 0.02;
-
-// Qwen3MoeConfig's defaults (transformers 5.17) for the Qwen3-MoE keys a config.json may omit.
-constexpr int kMoeDefaultExperts = 128;
-constexpr int kMoeDefaultPerTok = 8;
-constexpr int kMoeDefaultIntermediate = 768;
-constexpr int kMoeDefaultSparseStep = 1;
-constexpr bool kMoeDefaultNormTopk = false;
-constexpr double kMoeDefaultAuxCoef = 0.001;
 
 bool present(const json& j, const char* key) { return j.contains(key) && !j[key].is_null(); }
 
@@ -51,6 +33,24 @@ int get_int(const json& j, const char* key, const std::string& where, std::optio
     fail_user("{}: \"{}\" is {}, expected a positive integer", where, key, v.dump());
   return v.get<int>();
 }
+
+namespace {
+
+// transformers' Qwen3Config defaults (5.x; the same in 4.51+) for keys a config.json may omit;
+// Qwen3MoeConfig's are the same but for head_dim (below).
+constexpr int kDefaultHeadDim = 128;
+constexpr double kDefaultRopeTheta = 10000.0;
+constexpr double kDefaultRmsNormEps = 1e-6;
+constexpr int kDefaultMaxPositions = 32768;
+constexpr double kDefaultInitializerRange = 0.02;
+
+// Qwen3MoeConfig's defaults (transformers 5.17) for the Qwen3-MoE keys a config.json may omit.
+constexpr int kMoeDefaultExperts = 128;
+constexpr int kMoeDefaultPerTok = 8;
+constexpr int kMoeDefaultIntermediate = 768;
+constexpr int kMoeDefaultSparseStep = 1;
+constexpr bool kMoeDefaultNormTopk = false;
+constexpr double kMoeDefaultAuxCoef = 0.001;
 
 double get_double(const json& v, const std::string& what, const std::string& where) {
   if (!v.is_number() || !(v.get<double>() > 0))

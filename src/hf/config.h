@@ -5,12 +5,22 @@
 
 #include <array>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "qtrain/model_config.h"
 
 namespace qt::hf {
+
+// A config.json key's value (config.cpp's and vl_config.cpp's readers): present = there and not
+// null; get_bool / get_int: the value, `dflt` when absent (get_int: none given, absent is an
+// error), else UserError "<where>: ..." for another type or, for get_int, a value outside
+// [1, 2^31).
+bool present(const nlohmann::json& j, const char* key);
+bool get_bool(const nlohmann::json& j, const char* key, const std::string& where, bool dflt);
+int get_int(const nlohmann::json& j, const char* key, const std::string& where,
+            std::optional<int> dflt);
 
 // A deck [model] key and the config.json key holding the same value.
 struct ConfigKey {

@@ -15,20 +15,6 @@ namespace {
 
 using json = nlohmann::json;
 
-bool present(const json& j, const char* key) { return j.contains(key) && !j[key].is_null(); }
-
-// A positive integer at j[key]; `dflt` when absent (else absent is an error).
-int positive(const json& j, const char* key, const std::string& where, std::optional<int> dflt) {
-  if (!present(j, key)) {
-    if (dflt) return *dflt;
-    fail_user("{}: key \"{}\" is missing", where, key);
-  }
-  const json& v = j[key];
-  if (!v.is_number_integer() || v.get<std::int64_t>() < 1 || v.get<std::int64_t>() > (1ll << 31) - 1)
-    fail_user("{}: \"{}\" is {}, expected a positive integer", where, key, v.dump());
-  return v.get<int>();
-}
-
 const json& object_at(const json& j, const char* key, const std::string& where) {
   if (!present(j, key)) fail_user("{}: key \"{}\" is missing", where, key);
   if (!j[key].is_object()) fail_user("{}: \"{}\" is {}, expected an object", where, key, j[key].dump());
@@ -40,16 +26,16 @@ VisionConfig parse_vision(const json& v, const std::string& where, int text_hidd
   if (present(v, "hidden_act") && v["hidden_act"] != "gelu_pytorch_tanh")
     fail_user("{}: \"hidden_act\" is {}; the Qwen3-VL vision blocks use gelu_pytorch_tanh", where,
               v["hidden_act"].dump());
-  c.depth = positive(v, "depth", where, std::nullopt);
-  c.hidden_size = positive(v, "hidden_size", where, std::nullopt);
-  c.intermediate_size = positive(v, "intermediate_size", where, std::nullopt);
-  c.num_heads = positive(v, "num_heads", where, std::nullopt);
-  c.out_hidden_size = positive(v, "out_hidden_size", where, std::nullopt);
-  c.patch_size = positive(v, "patch_size", where, 16);
-  c.temporal_patch_size = positive(v, "temporal_patch_size", where, 2);
-  c.spatial_merge_size = positive(v, "spatial_merge_size", where, 2);
-  c.in_channels = positive(v, "in_channels", where, 3);
-  c.num_position_embeddings = positive(v, "num_position_embeddings", where, 2304);
+  c.depth = get_int(v, "depth", where, std::nullopt);
+  c.hidden_size = get_int(v, "hidden_size", where, std::nullopt);
+  c.intermediate_size = get_int(v, "intermediate_size", where, std::nullopt);
+  c.num_heads = get_int(v, "num_heads", where, std::nullopt);
+  c.out_hidden_size = get_int(v, "out_hidden_size", where, std::nullopt);
+  c.patch_size = get_int(v, "patch_size", where, 16);
+  c.temporal_patch_size = get_int(v, "temporal_patch_size", where, 2);
+  c.spatial_merge_size = get_int(v, "spatial_merge_size", where, 2);
+  c.in_channels = get_int(v, "in_channels", where, 3);
+  c.num_position_embeddings = get_int(v, "num_position_embeddings", where, 2304);
   if (!present(v, "deepstack_visual_indexes"))
     fail_user("{}: key \"deepstack_visual_indexes\" is missing", where);
   const json& ds = v["deepstack_visual_indexes"];
@@ -106,17 +92,12 @@ VlConfig parse_vl_config(const std::string& text, const std::string& where) {
   c.text = parse_text_config(tj, where + " text_config", {moe, true, &c.mrope_section});
   if (moe) c.text.norm_topk_prob = true;  // Qwen3VLMoeTextTopKRouter always renormalises
   // tie_word_embeddings: at the top (transformers reads it there) and perhaps in text_config.
-  for (const json* o : {&j, &tj})
-    if (present(*o, "tie_word_embeddings") && !(*o)["tie_word_embeddings"].is_boolean())
-      fail_user("{}: \"tie_word_embeddings\" is {}, expected true or false", where,
-                (*o)["tie_word_embeddings"].dump());
-  if (present(j, "tie_word_embeddings") && present(tj, "tie_word_embeddings") &&
-      j["tie_word_embeddings"] != tj["tie_word_embeddings"])
-    fail_user("{}: tie_word_embeddings is {} at the top but {} in text_config", where,
-              j["tie_word_embeddings"].dump(), tj["tie_word_embeddings"].dump());
-  c.text.tie_word_embeddings = present(j, "tie_word_embeddings")
-                                   ? j["tie_word_embeddings"].get<bool>()
-                                   : tj.value("tie_word_embeddings", false);
+  const bool tie_top = get_bool(j, "tie_word_embeddings", where, false);
+  const bool tie_text = get_bool(tj, "tie_word_embeddings", where, false);
+  if (present(j, "tie_word_embeddings") && present(tj, "tie_word_embeddings") && tie_top != tie_text)
+    fail_user("{}: tie_word_embeddings is {} at the top but {} in text_config", where, tie_top,
+              tie_text);
+  c.text.tie_word_embeddings = present(j, "tie_word_embeddings") ? tie_top : tie_text;
   const int half = c.text.head_dim / 2;
   if (c.mrope_section[0] + c.mrope_section[1] + c.mrope_section[2] != half)
     fail_user("{}: text_config's mrope_section [{}, {}, {}] does not add up to head_dim / 2 = {} "
@@ -127,10 +108,10 @@ VlConfig parse_vl_config(const std::string& text, const std::string& where) {
   if (static_cast<int>(c.vision.deepstack_visual_indexes.size()) > c.text.num_layers)
     fail_user("{}: {} deepstack features are added to the first language layers, but there are "
               "only {}", where, c.vision.deepstack_visual_indexes.size(), c.text.num_layers);
-  c.image_token_id = positive(j, "image_token_id", where, c.image_token_id);
-  c.video_token_id = positive(j, "video_token_id", where, c.video_token_id);
-  c.vision_start_token_id = positive(j, "vision_start_token_id", where, c.vision_start_token_id);
-  c.vision_end_token_id = positive(j, "vision_end_token_id", where, c.vision_end_token_id);
+  c.image_token_id = get_int(j, "image_token_id", where, c.image_token_id);
+  c.video_token_id = get_int(j, "video_token_id", where, c.video_token_id);
+  c.vision_start_token_id = get_int(j, "vision_start_token_id", where, c.vision_start_token_id);
+  c.vision_end_token_id = get_int(j, "vision_end_token_id", where, c.vision_end_token_id);
   for (const auto& [name, id] : {std::pair{"image_token_id", c.image_token_id},
                                  std::pair{"video_token_id", c.video_token_id},
                                  std::pair{"vision_start_token_id", c.vision_start_token_id},

@@ -30,6 +30,10 @@ LossScaling::LossScaling(const TrainConfig& tc, TrainState& state)
   if (resumed_)
     scaler_.restore({state_.loss_scale, static_cast<int>(state_.loss_scale_hysteresis),
                      state_.loss_scale_clean_steps});
+  save();
+}
+
+void LossScaling::save() {
   const LossScalerState& s = scaler_.state();
   state_.loss_scale = s.scale;
   state_.loss_scale_hysteresis = s.hysteresis_left;
@@ -56,10 +60,7 @@ LossScaling::Outcome LossScaling::after_step(bool skipped, bool loss_finite) {
   o.scale_after = scaler_.scale();
   o.hysteresis_left = scaler_.state().hysteresis_left;
   if (o.overflow) ++state_.overflow_steps;
-  const LossScalerState& s = scaler_.state();
-  state_.loss_scale = s.scale;
-  state_.loss_scale_hysteresis = s.hysteresis_left;
-  state_.loss_scale_clean_steps = s.clean_steps;
+  save();
   return o;
 }
 

@@ -38,6 +38,8 @@ class LossScaling {
   static std::string overflow_text(long long step, const Outcome& o);
 
  private:
+  void save();  // the scaler's state into state_ (what a checkpoint writes)
+
   TrainState& state_;
   bool on_ = false;
   LossScaler scaler_;
